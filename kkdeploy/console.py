@@ -1,0 +1,41 @@
+"""Terminal output shared by the commands: a rich console, progress bars and tables."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+@contextmanager
+def progress_bar(description: str, total: int | None):
+    """A progress bar on stderr; ``advance()`` moves it, ``describe(text)`` relabels it."""
+    progress = Progress(
+        SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=err_console, transient=False,
+    )
+    with progress:
+        task = progress.add_task(description, total=total)
+
+        class Handle:
+            def advance(self, n: int = 1):
+                progress.advance(task, n)
+
+            def describe(self, text: str):
+                progress.update(task, description=text)
+
+        yield Handle()
+
+
+def table(title: str, columns: list[str], rows: list[list]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c)
+    for row in rows:
+        t.add_row(*[str(v) for v in row])
+    return t

@@ -1,0 +1,81 @@
+"""The shipping PyTorch fallback: packed QKV + SDPA in the last ``sdpa_layers`` layers.
+
+Fused attention perturbs FP16 rounding; in early layers the residual stream amplifies that past
+the strict rule (design.md §6), so SDPA is confined to the last layers and only used where it
+is provably equivalent in semantics: all-valid masks, no autograd.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from .config import TransformerConfig
+from .errors import KKError
+from .reference import ReferenceTransformer
+
+
+class OptimizedTransformer(ReferenceTransformer):
+    def __init__(self, config: TransformerConfig, sdpa_layers: int = 1):
+        super().__init__(config)
+        if not 0 <= int(sdpa_layers) <= config.num_layers:
+            raise KKError(f"sdpa_layers must be between 0 and num_layers={config.num_layers}, got {sdpa_layers}")
+        self.sdpa_layers = int(sdpa_layers)
+        self._packed: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
+        self._mask_cache: tuple | None = None  # (weakref to mask, version, all_valid)
+
+    # -- all-valid detection -------------------------------------------------------------
+    def mask_is_all_valid(self, mask: torch.Tensor | None) -> bool:
+        """``mask.all()`` syncs the device, so the answer is cached per tensor and version."""
+        if mask is None:
+            return True
+        if mask.is_inference():  # no version counter: an in-place change would go unseen
+            return bool(mask.all())
+        cached = self._mask_cache
+        if cached is not None and cached[0]() is mask and cached[1] == mask._version:
+            return cached[2]
+        result = bool(mask.all())
+        self._mask_cache = (weakref.ref(mask), mask._version, result)
+        return result
+
+    # -- packed projections --------------------------------------------------------------
+    def packed_qkv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Wq; Wk; Wv] and [bq; bk; bv], rebuilt whenever a source parameter changed."""
+        attn = self.layers[index].attention
+        sources = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                   attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
+        signature = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in sources)
+        cached = self._packed.get(index)
+        if cached is not None and cached[0] == signature:
+            return cached[1], cached[2]
+        with torch.no_grad():
+            weight = torch.cat(sources[:3], dim=0)
+            bias = torch.cat(sources[3:], dim=0)
+        self._packed[index] = (signature, weight, bias)
+        return weight, bias
+
+    def fused_attention(self, index: int, h: torch.Tensor) -> torch.Tensor:
+        attn = self.layers[index].attention
+        b, s, d = h.shape
+        weight, bias = self.packed_qkv(index)
+        qkv = F.linear(h, weight, bias).view(b, s, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+        context = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=attn.causal, scale=attn.scale)
+        return attn.out_proj(context.transpose(1, 2).reshape(b, s, d))
+
+    def fast_forward(self, x: torch.Tensor) -> torch.Tensor:
+        first_fused = len(self.layers) - self.sdpa_layers
+        for index, layer in enumerate(self.layers):
+            if index >= first_fused:
+                x = x + self.fused_attention(index, layer.norm1(x))
+            else:
+                x = x + layer.attention(layer.norm1(x), None)
+            x = x + layer.feed_forward(x)
+        return self.final_norm(x)
+
+    def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.check_call(x, valid_token_mask)
+        if torch.is_grad_enabled() or not self.mask_is_all_valid(valid_token_mask):
+            return self.reference_forward(x, valid_token_mask)
+        return self.fast_forward(x)
