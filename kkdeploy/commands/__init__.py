@@ -1,5 +1,16 @@
-"""Subcommands; each module has ``register(subparsers)`` and sets ``func``."""
+"""Subcommands: every module here with ``register(subparsers)`` becomes ``kkdeploy <name>``."""
 
-from . import check, shapes
+import importlib
+import pkgutil
 
-MODULES = [shapes, check]
+_ORDER = ["shapes", "check", "export", "build", "run", "inspect", "bench"]
+
+
+def _discover():
+    names = [m.name for m in pkgutil.iter_modules(__path__) if m.name != "common"]
+    names.sort(key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n))
+    modules = [importlib.import_module(f"{__name__}.{n}") for n in names]
+    return [m for m in modules if hasattr(m, "register")]
+
+
+MODULES = _discover()

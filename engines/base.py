@@ -1,0 +1,114 @@
+"""The contract every backend meets: a lazy builder and a runner with the model's call signature.
+
+A backend module exposes one ``Backend`` subclass. ``unavailable_reason`` answers, without
+raising, why the backend cannot run here (a missing optional import gives its exact error).
+``build`` writes the backend's files into the (staging) artifact directory and returns a
+``CandidateResult``; ``load`` turns those files back into a ``Runner``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kkdeploy.config import TransformerConfig
+from kkdeploy.inputs import check_inputs
+
+# Candidate status values recorded in manifests.
+BUILT, UNAVAILABLE, BUILD_FAILED, SKIPPED = "built", "unavailable", "build-failed", "skipped"
+UNVALIDATED, PASSED, FAILED = "unvalidated", "passed", "failed"
+PASSED_ALL_VALID_ONLY = "passed-all-valid-only"
+
+
+@dataclass
+class BuildContext:
+    """Everything a builder may need; ``out_dir`` is the staging directory being written."""
+
+    config: TransformerConfig
+    dtype: torch.dtype
+    device: torch.device
+    model: torch.nn.Module  # the reference model, weights loaded, on ``device`` in ``dtype``
+    out_dir: Path
+    onnx_path: Path | None = None  # the exported graph inside out_dir, when the exporter ran
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CandidateResult:
+    name: str  # unique candidate name, e.g. "ort-cpu", "ort-cuda-graph", "trt", "torch-graph"
+    backend: str  # module that can load it, e.g. "ort", "trt", "torch_graph", "inductor"
+    status: str
+    reason: str = ""
+    files: list[str] = field(default_factory=list)  # relative to the artifact directory
+    options: dict[str, Any] = field(default_factory=dict)  # everything needed to load it again
+    build_seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Runner:
+    """``runner(x, valid_token_mask=None) -> y``: torch in, torch out, on the runner's device.
+
+    The caller owns every output: a later call never overwrites an earlier result.
+    Subclasses implement ``infer(x, mask)`` with a bool mask always given.
+    """
+
+    backend = "unknown"
+    reason = ""
+
+    def __init__(self, config: TransformerConfig, dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._all_valid: torch.Tensor | None = None
+
+    def full_mask(self) -> torch.Tensor:
+        if self._all_valid is None:
+            self._all_valid = torch.ones(self.config.batch_size, self.config.seq_len, dtype=torch.bool,
+                                         device=self.device)
+        return self._all_valid
+
+    def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        check_inputs(x, valid_token_mask, self.config.d_model, self.dtype, self.device,
+                     shape=(self.config.batch_size, self.config.seq_len))
+        mask = self.full_mask() if valid_token_mask is None else valid_token_mask
+        return self.infer(x, mask)
+
+    def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class Backend:
+    """One backend: name, availability, builder, loader."""
+
+    name = "base"
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        return None
+
+    def candidates(self, ctx: BuildContext) -> list[str]:
+        """Candidate names this backend would build for this context (variants of one backend)."""
+        return [self.name]
+
+    def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
+             device: torch.device) -> Runner:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def timed_build(fn, result: CandidateResult) -> CandidateResult:
+    start = time.perf_counter()
+    fn()
+    result.build_seconds = round(time.perf_counter() - start, 3)
+    return result
+
+
+def import_error_reason(module: str, exc: BaseException) -> str:
+    return f"unavailable: cannot import {module}: {type(exc).__name__}: {exc}"
