@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .config import TransformerConfig
@@ -68,3 +70,30 @@ def check_inputs(x, valid_token_mask, d_model: int, dtype: torch.dtype, device: 
         raise KKError(f"valid_token_mask must have dtype torch.bool, got {valid_token_mask.dtype}; pass mask.bool()")
     if valid_token_mask.device != x.device:
         raise KKError(f"valid_token_mask is on {valid_token_mask.device} but x is on {x.device}; put both on one device")
+
+
+class AllValidMaskCache:
+    """Answers "is this mask all True?" without a device sync per call.
+
+    ``mask.all()`` synchronizes the device, so the answer is cached per tensor (by identity)
+    and version counter; inference tensors have no version counter, so they are never cached.
+    """
+
+    def __init__(self):
+        self._entry: tuple | None = None  # (weakref to mask, version, all_valid)
+
+    def is_all_valid(self, mask: torch.Tensor | None) -> bool:
+        if mask is None:
+            return True
+        if mask.is_inference():
+            return bool(mask.all())
+        entry = self._entry
+        if entry is not None and entry[0]() is mask and entry[1] == mask._version:
+            return entry[2]
+        result = bool(mask.all())
+        self._entry = (weakref.ref(mask), mask._version, result)
+        return result
+
+    @property
+    def cached(self) -> bool:
+        return self._entry is not None

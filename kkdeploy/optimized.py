@@ -7,13 +7,12 @@ is provably equivalent in semantics: all-valid masks, no autograd.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
 from .config import TransformerConfig
 from .errors import KKError
+from .inputs import AllValidMaskCache
 from .reference import ReferenceTransformer
 
 
@@ -24,21 +23,10 @@ class OptimizedTransformer(ReferenceTransformer):
             raise KKError(f"sdpa_layers must be between 0 and num_layers={config.num_layers}, got {sdpa_layers}")
         self.sdpa_layers = int(sdpa_layers)
         self._packed: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
-        self._mask_cache: tuple | None = None  # (weakref to mask, version, all_valid)
+        self._mask_cache = AllValidMaskCache()
 
-    # -- all-valid detection -------------------------------------------------------------
     def mask_is_all_valid(self, mask: torch.Tensor | None) -> bool:
-        """``mask.all()`` syncs the device, so the answer is cached per tensor and version."""
-        if mask is None:
-            return True
-        if mask.is_inference():  # no version counter: an in-place change would go unseen
-            return bool(mask.all())
-        cached = self._mask_cache
-        if cached is not None and cached[0]() is mask and cached[1] == mask._version:
-            return cached[2]
-        result = bool(mask.all())
-        self._mask_cache = (weakref.ref(mask), mask._version, result)
-        return result
+        return self._mask_cache.is_all_valid(mask)
 
     # -- packed projections --------------------------------------------------------------
     def packed_qkv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

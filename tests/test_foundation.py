@@ -185,7 +185,7 @@ def test_mask_cache_never_caches_inference_tensors():
         assert opt.mask_is_all_valid(mask)
         mask[0, 3:] = False
         assert not opt.mask_is_all_valid(mask)
-    assert opt._mask_cache is None
+    assert not opt._mask_cache.cached
 
 
 def test_optimized_padded_results_after_mask_mutation():

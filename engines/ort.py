@@ -1,0 +1,163 @@
+"""ONNX Runtime candidates: CPU EP everywhere, CUDA EP (optionally with CUDA graphs) on a GPU.
+
+The builder optimizes the exported graph once at the requested level and saves the optimized
+model, so loading does not re-optimize (and cannot silently optimize differently than what
+was validated). Levels and disabled optimizers are recorded with the candidate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kkdeploy.config import TransformerConfig
+from kkdeploy.errors import KKError
+
+from .base import BUILT, Backend, BuildContext, CandidateResult, Runner, import_error_reason, timed_build
+
+OPT_LEVELS = ("disabled", "basic", "extended", "all")
+# Level "all" adds layout transforms tied to this machine's CPU features; "extended" stays portable.
+DEFAULT_LEVEL = {"cpu": "extended", "cuda": "basic"}
+CANDIDATES = {
+    "ort-cpu": {"provider": "CPUExecutionProvider", "cuda_graph": False},
+    "ort-cuda": {"provider": "CUDAExecutionProvider", "cuda_graph": False},
+    "ort-cuda-graph": {"provider": "CUDAExecutionProvider", "cuda_graph": True},
+}
+_NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_}
+_cuda_dlls_loaded = False
+
+
+def import_ort():
+    """Import onnxruntime, loading the pip-packaged CUDA libraries once where they exist."""
+    global _cuda_dlls_loaded
+    import onnxruntime as ort
+
+    if not _cuda_dlls_loaded and "CUDAExecutionProvider" in ort.get_available_providers():
+        preload = getattr(ort, "preload_dlls", None)
+        if preload is not None:
+            preload()
+        _cuda_dlls_loaded = True
+    return ort
+
+
+def session_options(ort, level: str, optimized_path: Path | None = None):
+    if level not in OPT_LEVELS:
+        raise KKError(f"unknown ONNX Runtime optimization level {level!r}; use one of {', '.join(OPT_LEVELS)}")
+    levels = {
+        "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    options = ort.SessionOptions()
+    options.graph_optimization_level = levels[level]
+    options.log_severity_level = 3
+    if optimized_path is not None:
+        options.optimized_model_filepath = str(optimized_path)
+    return options
+
+
+def providers_for(name: str, device: torch.device) -> list:
+    spec = CANDIDATES[name]
+    if spec["provider"] == "CPUExecutionProvider":
+        return ["CPUExecutionProvider"]
+    cuda_options = {"device_id": device.index or 0}
+    if spec["cuda_graph"]:
+        cuda_options["enable_cuda_graph"] = "1"
+    return [("CUDAExecutionProvider", cuda_options)]
+
+
+class OrtRunner(Runner):
+    """CPU: numpy in/out (ORT returns a fresh array each call). CUDA: IO binding on torch buffers."""
+
+    backend = "ort"
+
+    def __init__(self, session, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+                 cuda_graph: bool = False):
+        super().__init__(config, dtype, device)
+        self.session = session
+        self.cuda_graph = cuda_graph
+        self._binding = None
+        if self.device.type == "cuda":
+            self._bind_static_buffers()
+
+    def _bind_static_buffers(self):
+        b, s, d = self.config.batch_size, self.config.seq_len, self.config.d_model
+        self._x = torch.empty(b, s, d, dtype=self.dtype, device=self.device)
+        self._mask = torch.empty(b, s, dtype=torch.bool, device=self.device)
+        self._y = torch.empty(b, s, d, dtype=self.dtype, device=self.device)
+        binding = self.session.io_binding()
+        dev_id = self.device.index or 0
+        for name, t in (("x", self._x), ("valid_token_mask", self._mask)):
+            binding.bind_input(name, "cuda", dev_id, _NP_DTYPES[t.dtype], list(t.shape), t.data_ptr())
+        binding.bind_output("y", "cuda", dev_id, _NP_DTYPES[self._y.dtype], list(self._y.shape), self._y.data_ptr())
+        self._binding = binding
+
+    def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self._binding is None:
+            (y,) = self.session.run(["y"], {"x": x.detach().numpy(), "valid_token_mask": mask.numpy()})
+            return torch.from_numpy(y)
+        self._x.copy_(x)
+        self._mask.copy_(mask)
+        torch.cuda.current_stream(self.device).synchronize()  # ORT runs on its own stream
+        self.session.run_with_iobinding(self._binding)
+        return self._y.clone()
+
+
+class OrtBackend(Backend):
+    name = "ort"
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        try:
+            ort = import_ort()
+        except Exception as exc:  # ImportError or a broken install
+            return import_error_reason("onnxruntime", exc)
+        if device.type == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+            return ("unavailable: onnxruntime has no CUDAExecutionProvider "
+                    f"(providers: {', '.join(ort.get_available_providers())}); pip install onnxruntime-gpu")
+        return None
+
+    def candidates(self, ctx: BuildContext) -> list[str]:
+        wanted = ctx.options.get("ort_candidates")
+        names = ["ort-cpu"] if ctx.device.type == "cpu" else ["ort-cuda", "ort-cuda-graph"]
+        return [n for n in names if wanted is None or n in wanted]
+
+    def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
+        ort = import_ort()
+        if ctx.onnx_path is None:
+            raise KKError(f"{candidate} needs the exported model.onnx")
+        device_type = "cpu" if CANDIDATES[candidate]["provider"] == "CPUExecutionProvider" else "cuda"
+        level = ctx.options.get(f"ort_level_{device_type}", DEFAULT_LEVEL[device_type])
+        disabled = list(ctx.options.get("ort_disabled_optimizers", []))
+        optimized = ctx.out_dir / f"{candidate}.optimized.onnx"
+        result = CandidateResult(
+            name=candidate, backend=self.name, status=BUILT,
+            files=[optimized.name],
+            options={"provider": CANDIDATES[candidate]["provider"], "cuda_graph": CANDIDATES[candidate]["cuda_graph"],
+                     "graph_optimization_level": level, "disabled_optimizers": disabled,
+                     "model": optimized.name, "onnxruntime": ort.__version__},
+        )
+
+        def optimize():
+            options = session_options(ort, level, optimized)
+            ort.InferenceSession(str(ctx.onnx_path), sess_options=options,
+                                 providers=providers_for(candidate, ctx.device), disabled_optimizers=disabled)
+
+        return timed_build(optimize, result)
+
+    def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
+             device: torch.device) -> OrtRunner:
+        ort = import_ort()
+        options = session_options(ort, "disabled")  # already optimized at build time
+        session = ort.InferenceSession(str(Path(artifact_dir) / entry["options"]["model"]), sess_options=options,
+                                       providers=providers_for(entry["name"], device))
+        if device.type == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
+            raise KKError(f"{entry['name']}: the CUDA EP did not load (providers {session.get_providers()})")
+        runner = OrtRunner(session, config, dtype, device, cuda_graph=entry["options"]["cuda_graph"])
+        runner.backend = entry["name"]
+        return runner
+
+
+BACKEND = OrtBackend()

@@ -1,0 +1,108 @@
+"""PyTorch CUDA-graph candidates: the reference order, and the optimized model's fast path.
+
+Replaying a captured graph runs the same kernels on the same addresses as eager, so the
+reference-order capture is bitwise identical to eager while removing launch overhead
+(design.md §6). The optimized capture (packed QKV + SDPA in the last k layers) has no mask
+branch inside the graph, so it serves all-valid calls only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kkdeploy.artifacts import WEIGHTS_FILE
+from kkdeploy.config import TransformerConfig
+from kkdeploy.errors import KKError
+from kkdeploy.inputs import AllValidMaskCache
+
+from .base import BUILT, Backend, BuildContext, CandidateResult, Runner
+
+VARIANTS = {
+    "torch-graph": {"model": "reference", "sdpa_layers": 0, "all_valid_only": False},
+    "torch-graph-sdpa1": {"model": "optimized", "sdpa_layers": 1, "all_valid_only": True},
+}
+WARMUP_CALLS = 3
+
+
+class CudaGraphRunner(Runner):
+    """Static input buffers filled by copy; the output is cloned so the caller owns it."""
+
+    backend = "torch-graph"
+
+    def __init__(self, model, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+                 all_valid_only: bool):
+        super().__init__(config, dtype, device)
+        if self.device.type != "cuda":
+            raise KKError("CUDA-graph runners need a CUDA device")
+        self.all_valid_only = all_valid_only
+        self._mask_cache = AllValidMaskCache()
+        b, s, d = config.batch_size, config.seq_len, config.d_model
+        self.static_x = torch.zeros(b, s, d, dtype=dtype, device=self.device)
+        self.static_mask = torch.ones(b, s, dtype=torch.bool, device=self.device)
+        if all_valid_only:
+            forward = lambda: model.fast_forward(self.static_x)  # noqa: E731
+        else:
+            forward = lambda: model.reference_forward(self.static_x, self.static_mask)  # noqa: E731
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(WARMUP_CALLS):
+                forward()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph):
+            self.static_y = forward()
+
+    def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.all_valid_only and not self._mask_cache.is_all_valid(mask):
+            raise KKError(f"{self.backend} serves all-valid calls only; route padded calls to the fallback")
+        self.static_x.copy_(x)
+        self.static_mask.copy_(mask)
+        self.graph.replay()
+        return self.static_y.clone()
+
+
+def model_for_variant(variant: dict, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+                      state_dict: dict):
+    from kkdeploy.optimized import OptimizedTransformer
+    from kkdeploy.reference import ReferenceTransformer
+
+    if variant["model"] == "reference":
+        model = ReferenceTransformer(config)
+    else:
+        model = OptimizedTransformer(config, sdpa_layers=variant["sdpa_layers"])
+    model.load_state_dict(state_dict, strict=True)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+class TorchGraphBackend(Backend):
+    name = "torch_graph"
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != "cuda":
+            return "unavailable: CUDA graphs need a CUDA device"
+        return None
+
+    def candidates(self, ctx: BuildContext) -> list[str]:
+        wanted = ctx.options.get("torch_graph_candidates")
+        return [n for n in VARIANTS if wanted is None or n in wanted]
+
+    def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
+        # Nothing to compile ahead of time: capture happens at load, on the serving GPU.
+        return CandidateResult(name=candidate, backend=self.name, status=BUILT, files=[WEIGHTS_FILE],
+                               options=dict(VARIANTS[candidate]))
+
+    def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
+             device: torch.device) -> CudaGraphRunner:
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(artifact_dir) / WEIGHTS_FILE))
+        model = model_for_variant(entry["options"], config, dtype, device, state)
+        runner = CudaGraphRunner(model, config, dtype, device, entry["options"]["all_valid_only"])
+        runner.backend = entry["name"]
+        return runner
+
+
+BACKEND = TorchGraphBackend()
