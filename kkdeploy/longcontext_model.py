@@ -1,0 +1,188 @@
+"""The long-context path of the PyTorch fallback: attention without a dense score tensor.
+
+* all-valid masks, no autograd: ``F.scaled_dot_product_attention`` restricted to the fused
+  backends that never build [S,S] (flash; on CUDA also memory-efficient) -- never MATH. A
+  refusal is a one-line ``KKError``, not a silent dense fallback.
+* padded masks or gradient-enabled calls: query-tiled attention with the reference's rounding
+  points (model-dtype scores, FP32 softmax, cast back). Under autograd each tile is
+  checkpointed, so backward recomputes one ``[b,H,tile,S]`` tile at a time instead of keeping
+  every tile's probabilities alive.
+* batch micro-batching: ``micro_batch`` sequences run through the whole model at a time, so
+  activations are bounded by the micro-batch, not by B.
+
+Parameter names are those of ``ReferenceTransformer``; state dicts load strictly both ways.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
+
+from .config import TransformerConfig
+from .errors import KKError
+from .reference import ReferenceTransformer, zero_invalid_rows
+
+DEFAULT_QUERY_TILE = 128
+DEFAULT_ACTIVATION_BUDGET = 1 << 30  # bytes of per-micro-batch activations when micro_batch is automatic
+
+
+def fused_backends(device: torch.device) -> list[SDPBackend]:
+    """SDPA kernels that never materialize scores: the CPU build has flash only (efficient is CUDA-only)."""
+    if torch.device(device).type == "cuda":
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    return [SDPBackend.FLASH_ATTENTION]
+
+
+def backend_names(backends) -> str:
+    return "+".join(b.name.lower() for b in backends)
+
+
+def fused_attention(q, k, v, scale: float, causal: bool, backends) -> torch.Tensor:
+    """SDPA on [b,H,S,Dh] with only ``backends`` allowed; a refusal becomes a one-line KKError."""
+    try:
+        with sdpa_kernel(list(backends)):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    except RuntimeError as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KKError(
+            f"scaled_dot_product_attention refused the {backend_names(backends)} backend(s) for "
+            f"{q.dtype} {list(q.shape)} on {q.device} ({reason}); the math backend is never used for long "
+            f"contexts: use a dtype/device these kernels support (float16 on CUDA, float32/float16 on the CPU)"
+        ) from None
+
+
+def attend_tile(q_tile, k_head, v_head, scale: float, query_start: int, causal: bool,
+                key_valid, query_valid) -> torch.Tensor:
+    """One query tile against its keys with the reference's rounding points.
+
+    Invalid query rows keep their (causal) keys so no row is empty (no NaN, also in backward);
+    their outputs are zeroed after out_proj as in the reference.
+    """
+    tile, keys = q_tile.shape[-2], k_head.shape[-2]
+    scores = torch.matmul(q_tile, k_head.transpose(-2, -1)) * scale
+    blocked = None
+    if causal:
+        query_index = torch.arange(query_start, query_start + tile, device=q_tile.device)
+        blocked = torch.arange(keys, device=q_tile.device)[None, :] > query_index[:, None]
+    if key_valid is not None:
+        padded = ~key_valid[:, None, :] & query_valid[:, :, None]  # [b, tile, keys]
+        blocked = padded if blocked is None else (blocked | padded)
+        blocked = blocked[:, None]
+    if blocked is not None:
+        scores = scores.masked_fill(blocked, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q_tile.dtype)
+    return torch.matmul(probs, v_head)
+
+
+def tiled_attention(q, k, v, scale: float, causal: bool, valid_token_mask, query_tile: int) -> torch.Tensor:
+    """Query-tiled attention on [b,H,S,Dh]: the largest temporary is [b,H,query_tile,S].
+
+    Positions after the last valid token of the micro-batch are invalid for every sequence:
+    those keys are skipped and those query rows left at 0 (they are zeroed after out_proj anyway).
+    """
+    b, h, s, dh = q.shape
+    limit = s
+    if valid_token_mask is not None:
+        valid_positions = torch.nonzero(valid_token_mask.any(dim=0)).reshape(-1)
+        limit = int(valid_positions.max()) + 1 if valid_positions.numel() else 0
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    pieces, context = [], None if grad else q.new_zeros(b, h, s, dh)
+    for t0 in range(0, limit, query_tile):
+        t1 = min(limit, t0 + query_tile)
+        k_end = t1 if causal else limit
+        key_valid = query_valid = None
+        if valid_token_mask is not None:
+            key_valid, query_valid = valid_token_mask[:, :k_end], valid_token_mask[:, t0:t1]
+        args = (q[:, :, t0:t1], k[:, :, :k_end], v[:, :, :k_end], scale, t0, causal, key_valid, query_valid)
+        if grad:
+            pieces.append(checkpoint(attend_tile, *args, use_reentrant=False))
+        else:
+            context[:, :, t0:t1] = attend_tile(*args)
+    if not grad:
+        return context
+    if limit < s:
+        pieces.append(q.new_zeros(b, h, s - limit, dh))
+    return torch.cat(pieces, dim=2)
+
+
+def activation_bytes_per_sequence(config: TransformerConfig, seq_len: int, dtype: torch.dtype) -> int:
+    """Live activations of one sequence in one block: x, h, q, k, v, context, out, FFN hidden (~2x)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return seq_len * (8 * config.d_model + 2 * config.ffn_dim) * itemsize
+
+
+class LongContextTransformer(ReferenceTransformer):
+    """Bounded-memory forward of the reference model; same parameters, same call signature."""
+
+    def __init__(self, config: TransformerConfig, micro_batch: int | None = None,
+                 query_tile: int = DEFAULT_QUERY_TILE, activation_budget: int = DEFAULT_ACTIVATION_BUDGET,
+                 backends: list[SDPBackend] | None = None):
+        super().__init__(config)
+        for name, value in (("micro_batch", micro_batch), ("query_tile", query_tile),
+                            ("activation_budget", activation_budget)):
+            if value is None and name == "micro_batch":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise KKError(f"{name} must be a positive integer, got {value!r}")
+        self.micro_batch = micro_batch
+        self.query_tile = query_tile
+        self.activation_budget = activation_budget
+        self.backends = backends  # None: chosen from the device at call time
+        self.last_attention_path: str | None = None
+
+    def sequences_per_micro_batch(self, batch: int, seq_len: int) -> int:
+        if self.micro_batch is not None:
+            return min(self.micro_batch, batch)
+        per_sequence = activation_bytes_per_sequence(self.config, seq_len, self.dtype)
+        return max(1, min(batch, self.activation_budget // max(per_sequence, 1)))
+
+    def attention_path(self, valid_token_mask) -> str:
+        """'sdpa-<backends>' for all-valid inference calls, else 'tiled'."""
+        all_valid = valid_token_mask is None or bool(valid_token_mask.all())
+        if all_valid and not torch.is_grad_enabled():
+            return "sdpa-" + backend_names(self.backends or fused_backends(self.device))
+        return "tiled"
+
+    def attention_block(self, layer, h, valid_token_mask, fused: bool) -> torch.Tensor:
+        attn = layer.attention
+        q = attn.split_heads(attn.q_proj(h))
+        k = attn.split_heads(attn.k_proj(h))
+        v = attn.split_heads(attn.v_proj(h))
+        if fused:
+            context = fused_attention(q, k, v, attn.scale, attn.causal, self.backends or fused_backends(q.device))
+        else:
+            context = tiled_attention(q, k, v, attn.scale, attn.causal, valid_token_mask, self.query_tile)
+        del q, k, v
+        b, s, d = h.shape
+        return zero_invalid_rows(attn.out_proj(context.transpose(1, 2).reshape(b, s, d)), valid_token_mask)
+
+    def micro_batch_forward(self, x, valid_token_mask, fused: bool) -> torch.Tensor:
+        mask = None if fused else valid_token_mask  # fused means all valid: zeroing is a no-op
+        for layer in self.layers:
+            x = x + self.attention_block(layer, layer.norm1(x), mask, fused)
+            x = x + layer.feed_forward(x)
+            x = zero_invalid_rows(x, mask)
+        return zero_invalid_rows(self.final_norm(x), mask)
+
+    def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.check_call(x, valid_token_mask)
+        path = self.attention_path(valid_token_mask)
+        self.last_attention_path = path
+        fused = path != "tiled"
+        batch, seq = x.shape[:2]
+        step = self.sequences_per_micro_batch(batch, seq)
+        grad = torch.is_grad_enabled()
+        out = None if grad else torch.empty_like(x)
+        pieces = []
+        for start in range(0, batch, step):
+            chunk = slice(start, start + step)
+            mask = None if valid_token_mask is None else valid_token_mask[chunk]
+            y = self.micro_batch_forward(x[chunk], mask, fused)
+            if grad:
+                pieces.append(y)
+            else:
+                out[chunk] = y
+                del y
+        return torch.cat(pieces, dim=0) if grad else out
