@@ -1,0 +1,296 @@
+"""`kkdeploy build`: export -> build candidates -> validate every element -> time -> choose -> write.
+
+Everything is written into a staging directory and renamed into place only once the manifest
+is complete (``artifacts.staged_directory``), so an interrupted build leaves nothing that
+claims a pass. Every candidate's fate, including "unavailable" with the exact reason, is recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engines import BuildContext, CandidateResult, get_backend
+from engines.base import BUILD_FAILED, BUILT, FAILED, PASSED, PASSED_ALL_VALID_ONLY, SKIPPED, UNAVAILABLE
+
+from . import artifacts
+from .chooser import FALLBACK, choose
+from .config import TransformerConfig, dtype_name
+from .console import console, progress_bar, table
+from .inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
+from .weights import build_models, weights_sha256
+
+# User-facing backend names -> (backend module key, candidate filter option)
+BACKEND_CHOICES = {
+    "trt": ("trt", None),
+    "ort-cuda": ("ort", ["ort-cuda", "ort-cuda-graph"]),
+    "ort-cpu": ("ort", ["ort-cpu"]),
+    "torch-graph": ("torch_graph", None),
+    "inductor": ("inductor", None),
+}
+DEFAULT_BACKENDS = {"cpu": ["ort-cpu"], "cuda": ["trt", "ort-cuda", "torch-graph", "inductor"]}
+ONNX_BACKENDS = {"trt", "ort"}
+FALLBACK_SDPA_LAYERS = (1, 0)  # calibrated: the most fused attention that still passes
+
+
+@dataclass
+class BuildRequest:
+    config: TransformerConfig
+    dtype: torch.dtype
+    device: torch.device
+    out: Path
+    shape_id: int | None = None
+    backends: list[str] | None = None
+    weights: str | None = None
+    force: bool = False
+    seed: int = DEFAULT_SEED
+    trials: int = DEFAULT_TRIALS
+    padding_ratio: float = 0.25
+    contract: str = "strict"
+    warmups: int = 20
+    repeats: int = 100
+    rounds: int = 3
+    options: dict = field(default_factory=dict)  # backend/exporter options, recorded in the manifest
+
+
+def default_out_dir(shape_id: int | None, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> Path:
+    name = f"shape-{shape_id:02d}" if shape_id is not None else (
+        f"custom-b{config.batch_size}-s{config.seq_len}-d{config.d_model}-h{config.num_heads}"
+        f"-f{config.ffn_dim}-l{config.num_layers}{'' if config.causal else '-nc'}")
+    return Path("artifacts") / f"{name}-{dtype_name(dtype)}-{device.type}"
+
+
+def parse_backends(text: str | None, device: torch.device) -> list[str]:
+    from .errors import KKError
+
+    if not text:
+        return list(DEFAULT_BACKENDS[device.type])
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BACKEND_CHOICES]
+    if unknown:
+        raise KKError(f"unknown backend {unknown[0]!r}; choose from {', '.join(BACKEND_CHOICES)}")
+    return names
+
+
+def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[CandidateResult]:
+    """Build every requested candidate; failures and absences become recorded statuses."""
+    results: list[CandidateResult] = []
+    for user_name in request.backends:
+        key, only = BACKEND_CHOICES[user_name]
+        bar.describe(f"build {user_name}")
+        try:
+            backend = get_backend(key)
+        except ImportError as exc:
+            results.append(CandidateResult(user_name, key, UNAVAILABLE, f"unavailable: {exc}"))
+            continue
+        reason = backend.unavailable_reason(request.device, request.dtype)
+        if reason is None and key in ONNX_BACKENDS and ctx.onnx_path is None:
+            reason = "skipped: the ONNX export did not run"
+        if reason is not None:
+            results.append(CandidateResult(user_name, key, UNAVAILABLE if reason.startswith("unavailable") else SKIPPED,
+                                           reason))
+            continue
+        if only is not None:
+            ctx.options[f"{key}_candidates"] = only
+        for name in backend.candidates(ctx):
+            try:
+                results.append(backend.build(ctx, name))
+            except Exception as exc:  # a failed build is a recorded fact, not a crash
+                results.append(CandidateResult(name, key, BUILD_FAILED, f"build failed: {type(exc).__name__}: {exc}"))
+        bar.advance()
+    return results
+
+
+def load_runners(request: BuildRequest, stage: Path, results: list[CandidateResult]) -> dict:
+    runners = {}
+    for result in results:
+        if result.status != BUILT:
+            continue
+        try:
+            runners[result.name] = get_backend(result.backend).load(stage, result.to_dict(), request.config,
+                                                                    request.dtype, request.device)
+        except Exception as exc:
+            result.status, result.reason = BUILD_FAILED, f"load failed: {type(exc).__name__}: {exc}"
+    return runners
+
+
+def time_contenders(request: BuildRequest, contenders: dict) -> dict:
+    """The organizer's timing protocol on the timed input (seed + 100000, all-valid)."""
+    from .timing import measure_latency
+
+    x, mask = generate_case(request.config, request.device, request.dtype, request.seed + TIMED_SEED_OFFSET)
+    with torch.inference_mode():
+        calls = {name: (lambda r=runner: r(x, mask)) for name, runner in contenders.items()}
+        stats = measure_latency(calls, request.device, warmups=request.warmups, repeats=request.repeats,
+                                rounds=request.rounds)
+    return {name: s.to_dict() for name, s in stats.items()}
+
+
+def run_build(request: BuildRequest) -> dict:
+    """The whole pipeline; returns the manifest written to ``request.out``."""
+    from validation import contract as contract_tolerances
+    from validation.validator import validate_candidates
+
+    atol, rtol = contract_tolerances(request.contract)
+    request.backends = request.backends or list(DEFAULT_BACKENDS[request.device.type])
+    started = time.perf_counter()
+    with artifacts.staged_directory(request.out, force=request.force) as stage:
+        steps = 4 + len(request.backends)
+        with progress_bar("build", steps) as bar:
+            bar.describe("load weights")
+            fallbacks = {}
+            reference, _ = build_models(request.config, request.dtype, request.device, weights=request.weights,
+                                        sdpa_layers=0)
+            for k in FALLBACK_SDPA_LAYERS:
+                fallbacks[k] = build_models(request.config, request.dtype, request.device, weights=request.weights,
+                                            sdpa_layers=k)[1]
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().contiguous() for k, v in reference.state_dict().items()},
+                      str(stage / artifacts.WEIGHTS_FILE))
+            bar.advance()
+
+            bar.describe("export ONNX")
+            ctx = BuildContext(request.config, request.dtype, request.device, reference, stage,
+                               options=dict(request.options))
+            export_info = export_if_needed(request, reference, stage, ctx)
+            bar.advance()
+
+            results = build_candidates(request, ctx, bar)
+            runners = load_runners(request, stage, results)
+
+            bar.describe("validate")
+            all_valid_only = {r.name for r in results if r.options.get("all_valid_only")}
+            fallback_names = {f"{FALLBACK}-sdpa{k}": model for k, model in fallbacks.items()}
+            with torch.inference_mode():
+                report = validate_candidates(
+                    reference, {**runners, **fallback_names}, request.config, request.dtype, request.device,
+                    seed=request.seed, trials=request.trials, padding_ratio=request.padding_ratio,
+                    contract=request.contract, all_valid_only=all_valid_only)
+            report.write_json(stage / "validation.json")
+            for result in results:
+                if result.name in runners:
+                    result.status = report.status(result.name)
+                    if result.status == FAILED:
+                        result.reason = f"failed the {request.contract} rule: {report.failure_summary(result.name)}"
+            sdpa_layers = next(k for k in FALLBACK_SDPA_LAYERS
+                               if report.status(f"{FALLBACK}-sdpa{k}") == PASSED or k == 0)
+            bar.advance()
+
+            bar.describe("time")
+            passing = {r.name: runners[r.name] for r in results if r.status in (PASSED, PASSED_ALL_VALID_ONLY)}
+            latencies = time_contenders(request, {**passing, FALLBACK: fallbacks[sdpa_layers]})
+            medians = {n: s["median_ms"] for n, s in latencies.items()}
+            choice = choose([r.to_dict() for r in results], medians, medians.get(FALLBACK))
+            bar.advance()
+
+            bar.describe("write")
+            del runners
+            artifacts.write_json(stage / "bench.json", {"protocol": {"warmups": request.warmups,
+                                                                    "repeats": request.repeats,
+                                                                    "rounds": request.rounds,
+                                                                    "timed_seed": request.seed + TIMED_SEED_OFFSET},
+                                                       "latency": latencies})
+            plot_latency(stage / "latency.png", latencies, choice["candidate"])
+            manifest = make_manifest(request, reference, results, report, latencies, choice, sdpa_layers,
+                                     export_info, stage, atol, rtol, time.perf_counter() - started)
+            artifacts.write_json(stage / artifacts.MANIFEST, manifest)
+            bar.advance()
+    return manifest
+
+
+def export_if_needed(request: BuildRequest, reference, stage: Path, ctx: BuildContext) -> dict | None:
+    if not any(BACKEND_CHOICES[b][0] in ONNX_BACKENDS for b in request.backends):
+        return None
+    from exporters import ExportOptions, export_onnx
+
+    options = ExportOptions.from_dict(request.options.get("export", {}))
+    info = export_onnx(reference, request.config, request.dtype, stage / "model.onnx", options)
+    artifacts.write_json(stage / "export.json", info)
+    ctx.onnx_path = stage / "model.onnx"
+    return info
+
+
+def make_manifest(request, reference, results, report, latencies, choice, sdpa_layers, export_info, stage,
+                  atol, rtol, seconds) -> dict:
+    candidates = []
+    for r in results:
+        entry = r.to_dict()
+        if r.name in report.candidates:
+            entry["validation"] = report.candidate_summary(r.name)
+        if r.name in latencies:
+            entry["latency"] = latencies[r.name]
+        candidates.append(entry)
+    fallback_name = f"{FALLBACK}-sdpa{sdpa_layers}"
+    return {
+        "schema": artifacts.MANIFEST_SCHEMA,
+        "created": artifacts.utc_now(),
+        "build_seconds": round(seconds, 2),
+        "shape_id": request.shape_id,
+        "config": request.config.to_dict(),
+        "dtype": dtype_name(request.dtype),
+        "environment": artifacts.environment(request.device),
+        "weights": {"file": artifacts.WEIGHTS_FILE, "sha256": weights_sha256(reference),
+                    "source": request.weights or "seeded"},
+        "validation": {"contract": request.contract, "atol": atol, "rtol": rtol, "seed": request.seed,
+                       "trials": request.trials, "padding_ratio": request.padding_ratio,
+                       "mask_modes": ["all-valid", "padded"], "report": "validation.json"},
+        "export": export_info,
+        "candidates": candidates,
+        "fallback": {"model": "OptimizedTransformer", "sdpa_layers": sdpa_layers,
+                     "validation": report.candidate_summary(fallback_name),
+                     "latency": latencies.get(FALLBACK)},
+        "choice": choice,
+        "files": artifacts.hash_tree(stage),
+        "options": request.options,
+    }
+
+
+def plot_latency(path: Path, latencies: dict, chosen: str) -> None:
+    """Median latency per validated option, the shipped one highlighted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted(latencies, key=lambda n: latencies[n]["median_ms"])
+    values = [latencies[n]["median_ms"] for n in names]
+    fig, ax = plt.subplots(figsize=(6, 0.5 + 0.45 * len(names)))
+    ax.barh(names, values, color=["tab:green" if n == chosen else "tab:gray" for n in names])
+    ax.set_xlabel("median latency (ms)")
+    ax.set_title("validated options (green: shipped)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summary_table(manifest: dict):
+    rows = []
+    chosen = manifest["choice"]["candidate"]
+    for c in manifest["candidates"] + [{"name": FALLBACK, "status": "fallback", **manifest["fallback"]}]:
+        v = c.get("validation") or {}
+        lat = c.get("latency") or {}
+        rows.append([
+            c["name"], c["status"],
+            v.get("failed_elements", "-"), _fmt(v.get("max_abs")),
+            f"{lat['median_ms']:.3f}" if lat else "-",
+            "yes" if c["name"] == chosen else "",
+            (c.get("reason") or "")[:70] if c["status"] not in (PASSED, "fallback") else "",
+        ])
+    return table("Candidates", ["candidate", "status", "failed elements", "max abs", "median ms", "chosen", "reason"],
+                 rows)
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
+
+
+def print_summary(manifest: dict, out: Path) -> None:
+    console.print(summary_table(manifest))
+    choice = manifest["choice"]
+    console.print(f"shipped: [bold]{choice['candidate']}[/] — {choice['reason']}", soft_wrap=True)
+    console.print(f"artifacts: {out}  (manifest.json, validation.json, bench.json, latency.png)")

@@ -1,0 +1,71 @@
+"""`kkdeploy build`: verified artifacts for one shape (or all official shapes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..build import BACKEND_CHOICES, BuildRequest, default_out_dir, parse_backends, print_summary, run_build
+from ..config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES
+from ..console import console
+from ..errors import KKError
+from .common import add_runtime_args, add_shape_args, resolve_config, resolve_runtime
+
+
+def register(sub):
+    p = sub.add_parser("build", help="export, build candidates, validate every element, choose and write artifacts")
+    add_shape_args(p)
+    p.add_argument("--all", action="store_true", help="every official shape (1-13; 14 takes the long-context path)")
+    add_runtime_args(p)
+    p.add_argument("--backends", help=f"comma list from {','.join(BACKEND_CHOICES)} (default: all available here)")
+    p.add_argument("--out", help="artifact directory (default artifacts/shape-NN-<dtype>-<device>)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--contract", default="strict", choices=["strict", "judge"])
+    p.add_argument("--padding-ratio", type=float, default=0.25, help="padding ratio of the padded trials (default 0.25)")
+    p.add_argument("--warmups", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ort-level", choices=["disabled", "basic", "extended", "all"],
+                   help="ONNX Runtime graph optimization level (default: extended on CPU, basic on CUDA)")
+    p.add_argument("--linear", choices=["gemm", "matmul_add", "fp32", "bias_in_k"],
+                   help="how the exporter writes each Linear (default gemm)")
+    p.set_defaults(func=run)
+
+
+def request_options(args) -> dict:
+    options: dict = {}
+    if args.ort_level:
+        options["ort_level_cpu"] = options["ort_level_cuda"] = args.ort_level
+    if args.linear:
+        options["export"] = {"linear": args.linear}
+    return options
+
+
+def run(args) -> int:
+    device, dtype = resolve_runtime(args)
+    if not 0 < args.padding_ratio < 1:
+        raise KKError(f"--padding-ratio must be in (0, 1), got {args.padding_ratio}")
+    if args.all:
+        if args.shape is not None or args.out:
+            raise KKError("--all builds every official shape into its default directory; drop --shape/--out")
+        targets = [(sid, cfg) for sid, cfg in OFFICIAL_SHAPES.items()]
+    else:
+        targets = [resolve_config(args)]
+    backends = parse_backends(args.backends, device)
+    status = 0
+    for shape_id, config in targets:
+        out = Path(args.out) if args.out else default_out_dir(shape_id, config, dtype, device)
+        if shape_id in LONG_CONTEXT_SHAPES:
+            from ..longcontext_build import build_long_context_artifacts
+
+            build_long_context_artifacts(args, shape_id, config, dtype, device, out)
+            continue
+        console.print(f"[bold]build[/] shape {shape_id if shape_id is not None else 'custom'}: {config.describe()} "
+                      f"{str(dtype).replace('torch.', '')} on {device} -> {out}")
+        request = BuildRequest(config=config, dtype=dtype, device=device, out=out, shape_id=shape_id,
+                               backends=backends, weights=args.weights, force=args.force, seed=args.seed,
+                               trials=args.trials, padding_ratio=args.padding_ratio, contract=args.contract,
+                               warmups=args.warmups, repeats=args.repeats, rounds=args.rounds,
+                               options=request_options(args))
+        manifest = run_build(request)
+        print_summary(manifest, out)
+    return status

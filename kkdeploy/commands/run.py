@@ -1,0 +1,59 @@
+"""`kkdeploy run --artifacts DIR`: load, run a generated input, compare strictly, time."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from validation import compare_outputs, contract
+
+from ..console import console
+from ..errors import KKError
+from ..inputs import DEFAULT_SEED, generate_case
+
+
+def register(sub):
+    p = sub.add_parser("run", help="serve artifacts on a generated input; strict comparison and latency")
+    p.add_argument("--artifacts", required=True, help="artifact directory written by `kkdeploy build`")
+    p.add_argument("--device", default=None, help="default: the device the artifacts were built for")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--padding-ratio", type=float, default=0.0)
+    p.add_argument("--contract", default="strict", choices=["strict", "judge"])
+    p.add_argument("--repeats", type=int, default=20, help="timed calls (default 20)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import kkdeploy
+    from ..reference import ReferenceTransformer
+
+    if not 0 <= args.padding_ratio < 1:
+        raise KKError(f"--padding-ratio must be in [0, 1), got {args.padding_ratio}")
+    runner = kkdeploy.load(args.artifacts, device=args.device)
+    config, model = runner.config, runner.fallback
+    device, dtype = model.device, model.dtype
+    reference = ReferenceTransformer(config)
+    reference.load_state_dict(model.state_dict(), strict=True)
+    reference = reference.to(device=device, dtype=dtype).eval()
+    x, mask = generate_case(config, device, dtype, args.seed, padding_ratio=args.padding_ratio)
+    with torch.inference_mode():
+        expected = reference(x, mask)
+        y = runner(x, mask)
+        report = compare_outputs(expected, y, *contract(args.contract))
+        times = []
+        for _ in range(max(1, args.repeats)):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            runner(x, mask)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    console.print(f"served by [bold]{runner.backend}[/]: {runner.reason}", soft_wrap=True)
+    console.print(f"{config.describe()} {str(dtype).replace('torch.', '')} on {device}, seed {args.seed}, "
+                  f"padding {args.padding_ratio}")
+    console.print(f"{args.contract}: {report.summary()}")
+    console.print(f"latency: median {times[len(times) // 2]:.3f} ms over {len(times)} calls (wall clock)")
+    return 0 if report.passed else 1

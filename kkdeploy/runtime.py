@@ -1,0 +1,151 @@
+"""`kkdeploy.load`: serve verified artifacts, or the PyTorch fallback with the reason why.
+
+Loading checks, before any engine runs: every file's sha256, the weights hash, the manifest's
+dtype and shape, the device's name and capability, and the library versions the chosen engine
+was built and validated with. Any mismatch, a missing library or a failed validation serves the
+fallback (OptimizedTransformer with the validated ``sdpa_layers``) and logs one line saying why.
+Tampered or foreign weights cannot be served at all: that is an error, not a fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from . import artifacts
+from .chooser import FALLBACK
+from .config import TransformerConfig, parse_dtype, resolve_device
+from .errors import KKError
+from .inputs import AllValidMaskCache
+
+log = logging.getLogger("kkdeploy")
+
+# Library versions an engine depends on: a different version may round differently.
+BACKEND_LIBRARIES = {"ort": ("onnxruntime",), "trt": ("tensorrt",), "torch_graph": ("torch",),
+                     "inductor": ("torch",)}
+
+
+class ServedRunner:
+    """``runner(x, valid_token_mask=None)``; ``backend`` and ``reason`` say what was loaded and why."""
+
+    def __init__(self, fallback: torch.nn.Module, engine=None, backend: str = FALLBACK, reason: str = "",
+                 all_valid_only: bool = False, manifest: dict | None = None):
+        self.fallback = fallback
+        self.engine = engine
+        self.backend = backend
+        self.reason = reason
+        self.all_valid_only = all_valid_only
+        self.manifest = manifest or {}
+        self._mask_cache = AllValidMaskCache()
+
+    @property
+    def config(self) -> TransformerConfig:
+        return self.fallback.config
+
+    def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.engine is not None and not (self.all_valid_only and not self._mask_cache.is_all_valid(valid_token_mask)):
+            return self.engine(x, valid_token_mask)
+        with torch.no_grad():
+            return self.fallback(x, valid_token_mask)
+
+    def __repr__(self) -> str:
+        return f"ServedRunner(backend={self.backend!r}, reason={self.reason!r})"
+
+
+def verify_files(root: Path, manifest: dict) -> str | None:
+    """The first file whose bytes differ from the manifest, as a reason; None when all match."""
+    for rel, expected in manifest.get("files", {}).items():
+        path = root / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        if artifacts.file_sha256(path) != expected:
+            return f"{rel} was modified (sha256 differs from the manifest)"
+    return None
+
+
+def environment_mismatch(manifest: dict, entry: dict, device: torch.device) -> str | None:
+    recorded = manifest["environment"]
+    here = artifacts.device_info(device)
+    for key in ("type", "name", "capability"):
+        if recorded["device"].get(key) != here.get(key):
+            return (f"built for device {key} {recorded['device'].get(key)!r}, this is {here.get(key)!r}; "
+                    f"rebuild on this machine")
+    now = artifacts.library_versions()
+    for lib in BACKEND_LIBRARIES.get(entry["backend"], ()):
+        if recorded["versions"].get(lib) != now.get(lib):
+            return f"built with {lib} {recorded['versions'].get(lib)}, this environment has {now.get(lib)}; rebuild"
+    return None
+
+
+def load_fallback(root: Path, manifest: dict, config: TransformerConfig, dtype: torch.dtype,
+                  device: torch.device) -> torch.nn.Module:
+    from safetensors.torch import load_file
+
+    from .optimized import OptimizedTransformer
+    from .weights import weights_sha256
+
+    weights = root / manifest["weights"]["file"]
+    if not weights.is_file():
+        raise KKError(f"{weights} is missing; the artifacts cannot be served, rebuild them")
+    try:
+        state = load_file(str(weights))
+    except Exception as exc:
+        raise KKError(f"{weights} cannot be read ({type(exc).__name__}); rebuild the artifacts") from None
+    if weights_sha256(state) != manifest["weights"]["sha256"]:
+        raise KKError(f"{weights} does not match the manifest's weights hash (tampered or foreign); rebuild")
+    model = OptimizedTransformer(config, sdpa_layers=int(manifest["fallback"]["sdpa_layers"]))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise KKError(f"{weights} does not fit the manifest's config: {str(exc).splitlines()[0]}") from None
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def read_manifest(root: Path) -> dict:
+    if not root.is_dir():
+        raise KKError(f"{root} is not a directory; pass the artifact directory written by `kkdeploy build`")
+    manifest = artifacts.read_json(root / artifacts.MANIFEST)
+    if manifest.get("schema") != artifacts.MANIFEST_SCHEMA:
+        raise KKError(f"{root} is not a kkdeploy artifact directory (schema {manifest.get('schema')!r}); "
+                      f"rebuild it with `kkdeploy build`")
+    return manifest
+
+
+def load(path, device=None) -> ServedRunner:
+    root = Path(path)
+    manifest = read_manifest(root)
+    config = TransformerConfig.from_dict(manifest["config"])
+    dtype = parse_dtype(manifest["dtype"])
+    recorded_type = manifest["environment"]["device"]["type"]
+    if device is None:
+        device = recorded_type if recorded_type == "cpu" or torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
+    fallback = load_fallback(root, manifest, config, dtype, device)
+    choice = manifest["choice"]
+
+    def serve_fallback(reason: str) -> ServedRunner:
+        if choice["candidate"] != FALLBACK:
+            log.warning("kkdeploy: serving the PyTorch fallback for %s: %s", root, reason)
+        return ServedRunner(fallback, backend=FALLBACK, reason=reason, manifest=manifest)
+
+    if choice["candidate"] == FALLBACK:
+        return serve_fallback(choice["reason"])
+    problem = verify_files(root, manifest)
+    if problem:
+        return serve_fallback(problem)
+    entry = next((c for c in manifest["candidates"] if c["name"] == choice["candidate"]), None)
+    if entry is None:
+        return serve_fallback(f"the chosen candidate {choice['candidate']!r} is not in the manifest")
+    problem = environment_mismatch(manifest, entry, device)
+    if problem:
+        return serve_fallback(problem)
+    try:
+        from engines import get_backend
+
+        engine = get_backend(entry["backend"]).load(root, entry, config, dtype, device)
+    except Exception as exc:  # a missing library, a plan the runtime rejects, ...
+        return serve_fallback(f"{entry['name']} could not be loaded: {type(exc).__name__}: {exc}")
+    return ServedRunner(fallback, engine=engine, backend=entry["name"], reason=choice["reason"],
+                        all_valid_only=bool(choice.get("all_valid_only")), manifest=manifest)
