@@ -1,0 +1,74 @@
+"""Export options: every numerically relevant choice of the ONNX graph, named so validation can compare them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kkdeploy.errors import KKError
+
+# Opset 17 is the lowest with LayerNormalization (stash_type=1 keeps FP32 statistics); every
+# TensorRT since 8.6 and ONNX Runtime since 1.14 reads it. Gelu as one op needs opset 20.
+DEFAULT_OPSET = 17
+MIN_OPSET = 17
+GELU_OP_MIN_OPSET = 20
+
+LINEAR_MODES = {
+    "gemm": "bias folded into one Gemm on token-major [B*S, D], in the model dtype",
+    "matmul_add": "MatMul then Add, both in the model dtype (the bias is added after the GEMM rounds)",
+    "fp32": "Cast -> MatMul(FP32) -> Add(FP32 bias) -> Cast: one rounding, like cuBLASLt's FP32 bias epilogue",
+    "bias_in_k": "[x, 1] @ [W^T; b] in the model dtype: the bias is summed inside the GEMM's accumulator",
+}
+QKV_MODES = {
+    "separate": "three projections, as the reference computes them",
+    "packed": "one projection with [Wq; Wk; Wv], split after",
+}
+GELU_MODES = {
+    "exact": "x*0.5*(1+erf(x*M_SQRT1_2)) written out with Erf, PyTorch's own formula and order",
+    "exact_op": "one Gelu(approximate='none') node (opset >= 20)",
+    "tanh": "tanh approximation: UNFAITHFUL, exists only so tests can prove the graph check rejects it",
+}
+
+
+def _choice(name: str, value: str, modes: dict) -> None:
+    if value not in modes:
+        raise KKError(f"unknown {name} {value!r}; use one of {', '.join(modes)}")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """How the exporter writes the graph; the defaults are the faithful ones checked on the CPU EP."""
+
+    linear: str = "gemm"
+    fp32_pointwise: bool = True  # LayerNorm and GELU evaluated in FP32, cast to the model dtype once
+    qkv: str = "separate"
+    scale_in_fp32: bool = True  # scores * (D/H)^-0.5 in FP32, as PyTorch multiplies by a Python float
+    gelu: str = "exact"
+    opset: int = DEFAULT_OPSET
+
+    def __post_init__(self) -> None:
+        _choice("linear mode", self.linear, LINEAR_MODES)
+        _choice("qkv mode", self.qkv, QKV_MODES)
+        _choice("gelu mode", self.gelu, GELU_MODES)
+        if isinstance(self.opset, bool) or not isinstance(self.opset, int) or self.opset < MIN_OPSET:
+            raise KKError(f"opset must be an integer >= {MIN_OPSET} (LayerNormalization), got {self.opset!r}")
+        if self.gelu == "exact_op" and self.opset < GELU_OP_MIN_OPSET:
+            raise KKError(f"gelu='exact_op' needs opset >= {GELU_OP_MIN_OPSET} (the Gelu op), got {self.opset}; "
+                          f"raise the opset or use gelu='exact'")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ExportOptions":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+    def label(self) -> str:
+        """Short stable name for tables: e.g. ``gemm-separate-fp32pw``."""
+        parts = [self.linear, self.qkv, "fp32pw" if self.fp32_pointwise else "nativepw"]
+        if not self.scale_in_fp32:
+            parts.append("scale-native")
+        if self.gelu != "exact":
+            parts.append(f"gelu-{self.gelu}")
+        if self.opset != DEFAULT_OPSET:
+            parts.append(f"op{self.opset}")
+        return "-".join(parts)
