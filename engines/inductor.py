@@ -1,0 +1,383 @@
+"""AOTInductor packages: a compiled engine that is bitwise faithful to the reference.
+
+Builder: ``torch.export`` of the reference model for one fixed shape (x [B,S,D] and the bool
+mask, always passed), LayerNorm / exact GELU / FP32 softmax swapped for opaque wrappers around
+the very same ATen calls (``engines.inductor_ops``), then ``aoti_compile_and_package`` with
+``emulate_precision_casts=True`` into ``<candidate>.pt2``.
+
+Why that is faithful: every value the reference computes comes either from the same ATen kernel
+(the opaque ops, and the GEMMs, which Inductor calls as extern ``addmm``/``bmm`` kernels) or from
+an Inductor-generated pointwise kernel (residual adds, the scale multiply, masked fills, casts).
+Pointwise FP16 arithmetic in PyTorch is "load, compute in FP32, round once per op"; precision-cast
+emulation makes Inductor round after every op exactly where eager does instead of carrying FP32
+through a fused chain. What Inductor would otherwise reimplement differently (reduction order in
+LayerNorm and softmax, its own ``erf``) never reaches it.
+
+Variants (candidate names):
+  ``inductor``          fully faithful (LayerNorm, GELU, softmax opaque).
+  ``inductor-fused``    LayerNorm opaque; GELU and softmax fused by Inductor: faster, usually
+                        a few strict failures (the validator decides).
+  ``inductor-sdpa<k>``  faithful, plus packed QKV + SDPA in the last k layers. It is the export of
+                        ``OptimizedTransformer.fast_forward``, which is valid for all-valid masks
+                        only (a mask-dependent branch cannot be exported), so its result says
+                        ``all_valid_only`` and its runner refuses a padded mask.
+
+Runner: ``aoti_load_package`` (no recompilation); on CUDA the call is captured in a CUDA graph
+(static inputs filled by copy, output cloned so the caller owns it); on the CPU it runs plainly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import shutil
+import time
+import weakref
+from pathlib import Path
+
+import torch
+
+from kkdeploy.config import TransformerConfig, dtype_name
+from kkdeploy.errors import KKError
+
+from .base import BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason
+
+FAITHFUL, FUSED, SDPA_PREFIX = "inductor", "inductor-fused", "inductor-sdpa"
+_SDPA_RE = re.compile(r"^inductor-sdpa(\d+)$")
+METADATA_PREFIX = "kkdeploy."
+
+
+# -- variants --------------------------------------------------------------------------------
+def parse_variant(name: str, config: TransformerConfig) -> tuple[tuple[str, ...], int]:
+    """Variant name -> (ops kept opaque, packed-SDPA layers); a bad name is a one-line KKError."""
+    if name == FAITHFUL:
+        return ("layer_norm", "gelu", "softmax"), 0
+    if name == FUSED:
+        return ("layer_norm",), 0
+    match = _SDPA_RE.match(name)
+    if match:
+        k = int(match.group(1))
+        if not 1 <= k <= config.num_layers:
+            raise KKError(f"{name}: k must be between 1 and num_layers={config.num_layers}")
+        return ("layer_norm", "gelu", "softmax"), k
+    raise KKError(f"unknown inductor variant {name!r}; use {FAITHFUL}, {FUSED} or {SDPA_PREFIX}<k>")
+
+
+def default_variants(device: torch.device) -> list[str]:
+    """CPU: the faithful package only (compiles are slow there); CUDA: fused and sdpa1 too."""
+    return [FAITHFUL] if device.type == "cpu" else [FAITHFUL, FUSED, f"{SDPA_PREFIX}1"]
+
+
+# -- export -----------------------------------------------------------------------------------
+class ReferenceForward(torch.nn.Module):
+    """The reference's forward with the mask always given (the exported call signature)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
+        return self.model.reference_forward(x, valid_token_mask)
+
+
+class AllValidSdpaForward(torch.nn.Module):
+    """``OptimizedTransformer.fast_forward`` (all-valid semantics); the mask input is unused.
+
+    The packed QKV weights are built once here and held as buffers: the optimized model's own
+    cache keys on ``data_ptr()``, which export's fake tensors cannot answer.
+    """
+
+    def __init__(self, reference: torch.nn.Module, sdpa_layers: int):
+        super().__init__()
+        from kkdeploy.optimized import OptimizedTransformer
+
+        optimized = OptimizedTransformer(reference.config, sdpa_layers=sdpa_layers)
+        optimized.load_state_dict(reference.state_dict(), strict=True)
+        self.optimized = optimized.to(device=reference.device, dtype=reference.dtype).eval()
+        first = reference.config.num_layers - sdpa_layers
+        for index in range(first, reference.config.num_layers):
+            weight, bias = self.optimized.packed_qkv(index)
+            self.register_buffer(f"packed_weight_{index}", weight.clone())
+            self.register_buffer(f"packed_bias_{index}", bias.clone())
+        self.optimized.packed_qkv = self._packed  # instance attribute shadows the cached method
+
+    def _packed(self, index: int):
+        return getattr(self, f"packed_weight_{index}"), getattr(self, f"packed_bias_{index}")
+
+    def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
+        return self.optimized.fast_forward(x)
+
+
+def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: torch.dtype,
+                   device: torch.device, variant: str):
+    """ExportedProgram for one fixed shape, sensitive ops made opaque as the variant says."""
+    from .inductor_ops import make_sensitive_ops_opaque
+
+    opaque, sdpa_layers = parse_variant(variant, config)
+    module = AllValidSdpaForward(model, sdpa_layers) if sdpa_layers else ReferenceForward(model)
+    x = torch.zeros(config.batch_size, config.seq_len, config.d_model, dtype=dtype, device=device)
+    mask = torch.ones(config.batch_size, config.seq_len, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        exported = torch.export.export(module.eval(), (x, mask), strict=False)
+    if opaque:
+        counts = make_sensitive_ops_opaque(exported, keep=opaque)
+        expected = {"layer_norm": 2 * config.num_layers + 1, "gelu": config.num_layers,
+                    "softmax": config.num_layers - sdpa_layers}
+        wrong = {op: (counts[op], expected[op]) for op in opaque if counts[op] != expected[op]}
+        if wrong:
+            detail = ", ".join(f"{op}: {got} found, {want} expected" for op, (got, want) in wrong.items())
+            raise KKError(f"{variant}: the exported graph does not hold the reference's sensitive ops ({detail})")
+    return exported
+
+
+# -- runner -------------------------------------------------------------------------------------
+class InductorRunner(Runner):
+    """A loaded AOTInductor package; CUDA-graph replay on a GPU, a plain call on the CPU."""
+
+    backend = "inductor"
+
+    def __init__(self, package: Path, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+                 name: str = FAITHFUL, all_valid_only: bool = False, cuda_graph: bool = True):
+        super().__init__(config, dtype, device)
+        from . import inductor_ops  # noqa: F401  registers the opaque ops the package calls
+
+        self.name = name
+        self.all_valid_only = all_valid_only
+        on_cuda = self.device.type == "cuda"
+        index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) if on_cuda else -1
+        # Single-threaded mode skips the container's locking, which would get in CUDA-graph capture's way.
+        self.model = torch._inductor.aoti_load_package(str(package), run_single_threaded=on_cuda,
+                                                       device_index=index)
+        self.metadata = dict(self.model.get_metadata())
+        self._mask_seen: tuple | None = None
+        self.graph = None
+        if on_cuda and cuda_graph:
+            self._capture()
+
+    def _run(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(x, mask)
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+    def _capture(self) -> None:
+        cfg = self.config
+        self._x = torch.zeros(cfg.batch_size, cfg.seq_len, cfg.d_model, dtype=self.dtype, device=self.device)
+        self._mask = torch.ones(cfg.batch_size, cfg.seq_len, dtype=torch.bool, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm up (lazy init, allocator) off the capture
+            for _ in range(3):
+                self._run(self._x, self._mask)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._out = self._run(self._x, self._mask)
+        torch.cuda.synchronize(self.device)
+        self.graph = graph
+
+    def _mask_all_valid(self, mask: torch.Tensor) -> bool:
+        """``mask.all()`` syncs the device: cache the answer per tensor and version."""
+        if mask.is_inference():
+            return bool(mask.all())
+        seen = self._mask_seen
+        if seen is not None and seen[0]() is mask and seen[1] == mask._version:
+            return seen[2]
+        result = bool(mask.all())
+        self._mask_seen = (weakref.ref(mask), mask._version, result)
+        return result
+
+    def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.all_valid_only and not self._mask_all_valid(mask):
+            raise KKError(f"{self.name} is valid for all-valid masks only; send padded calls to the PyTorch model")
+        if self.graph is not None:
+            self._x.copy_(x)
+            self._mask.copy_(mask)
+            self.graph.replay()
+            return self._out.clone()  # the static output is overwritten by the next replay
+        # The package was compiled for contiguous inputs; it allocates a fresh output per call.
+        return self._run(x.contiguous(), mask.contiguous())
+
+
+# -- backend -------------------------------------------------------------------------------------
+def _cpu_half_kernels_missing(dtype: torch.dtype) -> str | None:
+    try:
+        x = torch.ones(2, 4, 8, dtype=dtype)
+        w = torch.ones(8, 8, dtype=dtype)
+        h = torch.nn.functional.layer_norm(x, (8,), w[0], w[0])
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(h, w, w[0]))
+        torch.softmax(torch.matmul(h, h.transpose(-2, -1)).float(), dim=-1).to(dtype)
+    except Exception as exc:  # noqa: BLE001 - the message is the reason
+        return f"unavailable: {dtype_name(dtype)} CPU kernels missing in torch {torch.__version__}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
+
+
+class InductorBackend(Backend):
+    name = "inductor"
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        device = torch.device(device)
+        try:
+            importlib.import_module("torch._inductor")
+            importlib.import_module("torch.export")
+        except Exception as exc:  # noqa: BLE001
+            return import_error_reason("torch._inductor", exc)
+        if device.type not in ("cpu", "cuda"):
+            return f"unavailable: AOTInductor packages are built here for cpu or cuda, not {device.type}"
+        from .inductor_cache import compiler_version
+
+        if not compiler_version():
+            from torch._inductor import cpp_builder
+
+            try:
+                cxx = cpp_builder.get_cpp_compiler()
+            except Exception:  # noqa: BLE001
+                cxx = "g++"
+            return (f"unavailable: no working C++ compiler for AOTInductor ({cxx} --version failed); "
+                    f"install g++ or set CXX")
+        if device.type == "cuda":
+            try:
+                import triton  # noqa: F401
+            except Exception as exc:  # noqa: BLE001
+                return import_error_reason("triton", exc)
+        elif dtype != torch.float32:
+            return _cpu_half_kernels_missing(dtype)
+        return None
+
+    def candidates(self, ctx: BuildContext) -> list[str]:
+        wanted = ctx.options.get("inductor_variants")
+        if wanted is None:
+            return default_variants(torch.device(ctx.device))
+        names = [n.strip() for n in wanted.split(",")] if isinstance(wanted, str) else list(wanted)
+        for name in names:
+            parse_variant(name, ctx.config)
+        return [n for n in names if n]
+
+    def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
+        result = CandidateResult(name=candidate, backend=self.name, status=BUILT)
+        device = torch.device(ctx.device)
+        reason = self.unavailable_reason(device, ctx.dtype)
+        if reason:
+            result.status, result.reason = UNAVAILABLE, reason
+            return result
+        start = time.perf_counter()
+        try:
+            result.options = build_package(ctx, candidate)
+            result.files = [result.options["package"]]
+        except KKError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a compiler failure is a candidate outcome, not a crash
+            result.status, result.reason = BUILD_FAILED, f"build-failed: {_first_line(exc)}"
+        result.build_seconds = round(time.perf_counter() - start, 3)
+        return result
+
+    def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
+             device: torch.device) -> Runner:
+        from .inductor_cache import environment_keys, file_sha256
+
+        device = torch.device(device)
+        options = entry.get("options") or {}
+        name = entry.get("name", FAITHFUL)
+        recorded = options.get("keys") or {}
+        mismatch = keys_mismatch(recorded, environment_keys(device))
+        if mismatch:
+            raise KKError(f"inductor package {name}: {mismatch}; rebuild it here")
+        if options.get("dtype") != dtype_name(dtype):
+            raise KKError(f"inductor package {name} was built for {options.get('dtype')}, not {dtype_name(dtype)}")
+        if options.get("config") != config.to_dict():
+            raise KKError(f"inductor package {name} was built for another shape ({options.get('config')})")
+        package = Path(artifact_dir) / options.get("package", f"{name}.pt2")
+        if not package.is_file():
+            raise KKError(f"inductor package {package} is missing; rebuild the artifacts")
+        if options.get("sha256") and file_sha256(package) != options["sha256"]:
+            raise KKError(f"inductor package {package.name} does not match its recorded sha256; rebuild the artifacts")
+        try:
+            runner = InductorRunner(package, config, dtype, device, name=name,
+                                    all_valid_only=bool(options.get("all_valid_only")),
+                                    cuda_graph=bool(options.get("cuda_graph", True)))
+        except KKError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise KKError(f"inductor package {name} failed to load: {_first_line(exc)}") from None
+        embedded = {k[len(METADATA_PREFIX):]: v for k, v in runner.metadata.items() if k.startswith(METADATA_PREFIX)}
+        if embedded.get("variant") != name or embedded.get("weights_sha256") != options.get("weights_sha256"):
+            raise KKError(f"inductor package {package.name} holds {embedded.get('variant')} with other weights "
+                          f"than its manifest entry records; rebuild the artifacts")
+        return runner
+
+
+def keys_mismatch(recorded: dict, current: dict) -> str | None:
+    """The first environment key that makes a package unusable here, in words (None if fine)."""
+    if recorded.get("device_type") != current["device_type"]:
+        return f"compiled for device {recorded.get('device_type')}, this process runs on {current['device_type']}"
+    if recorded.get("torch") != current["torch"]:
+        return f"compiled with torch {recorded.get('torch')}, this process has torch {current['torch']}"
+    if current["device_type"] == "cuda" and recorded.get("capability") != current["capability"]:
+        return (f"compiled for compute capability {recorded.get('capability')} ({recorded.get('device_name')}), "
+                f"this GPU is {current['capability']} ({current['device_name']})")
+    return None
+
+
+def build_package(ctx: BuildContext, variant: str) -> dict:
+    """Write ``<variant>.pt2`` into ctx.out_dir (from the cache when possible); return its options."""
+    from kkdeploy.weights import weights_sha256
+
+    from . import inductor_cache as cache
+    from .inductor_ops import OPS_VERSION
+
+    device = torch.device(ctx.device)
+    opaque, sdpa_layers = parse_variant(variant, ctx.config)
+    weights_hash = weights_sha256(ctx.model)
+    env = cache.environment_keys(device)
+    key = cache.cache_key(ctx.config.to_dict(), dtype_name(ctx.dtype), variant, weights_hash, env, OPS_VERSION)
+    root = cache.cache_dir(ctx.options)
+    package_name = f"{variant}.pt2"
+    dest = Path(ctx.out_dir) / package_name
+    Path(ctx.out_dir).mkdir(parents=True, exist_ok=True)
+    use_cache = ctx.options.get("inductor_cache", True)
+    hit = cache.lookup(root, key) if use_cache else None
+    if hit is not None:
+        shutil.copyfile(hit[0], dest)  # a copy: the artifact directory must stand on its own
+        info = hit[1]
+    else:
+        start = time.perf_counter()
+        exported = export_variant(ctx.model, ctx.config, ctx.dtype, device, variant)
+        export_seconds = time.perf_counter() - start
+        metadata = {f"{METADATA_PREFIX}{k}": str(v) for k, v in {
+            "variant": variant, "weights_sha256": weights_hash, "dtype": dtype_name(ctx.dtype),
+            "config": json.dumps(ctx.config.to_dict(), sort_keys=True), "ops_version": OPS_VERSION,
+            **{f"env.{k}": v for k, v in env.items()}}.items()}
+        inductor_configs = {"emulate_precision_casts": True, "aot_inductor.metadata": metadata}
+        start = time.perf_counter()
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(dest),
+                                                 inductor_configs=inductor_configs)
+        info = {"export_seconds": round(export_seconds, 3),
+                "compile_seconds": round(time.perf_counter() - start, 3), "cache_key": key}
+        if use_cache:
+            cache.store(root, key, dest, info)
+    return {
+        "variant": variant,
+        "package": package_name,
+        "sha256": cache.file_sha256(dest),
+        "dtype": dtype_name(ctx.dtype),
+        "config": ctx.config.to_dict(),
+        "weights_sha256": weights_hash,
+        "keys": env,
+        "emulate_precision_casts": True,
+        "opaque_ops": list(opaque),
+        "sdpa_layers": sdpa_layers,
+        "all_valid_only": bool(sdpa_layers),
+        "mask_modes": ["all-valid"] if sdpa_layers else ["all-valid", "padded"],
+        "cuda_graph": device.type == "cuda" and ctx.options.get("cuda_graph", True),
+        "cache": "hit" if hit is not None else ("miss" if use_cache else "off"),
+        "cache_key": key,
+        "export_seconds": info.get("export_seconds"),
+        "compile_seconds": info.get("compile_seconds"),
+    }
+
+
+BACKEND = InductorBackend()
