@@ -1,0 +1,442 @@
+"""`kkdeploy bench`: the organizer's protocol, shape by shape (design.md §4, issue 6).
+
+For each shape, in ``processes`` fresh processes one after another: accuracy first (every
+candidate through ``validate_candidates`` on all trials; a candidate that fails is not timed),
+then the timing protocol (``measure_latency``) on the timed input for the reference ("eager")
+and every candidate that passed. The parent pools the samples of all processes per backend and
+writes ``bench.json``, ``bench.md`` and ``bench.png``. A backend counts as passed only if it
+passed in every process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engines.base import PASSED, PASSED_ALL_VALID_ONLY
+
+from .config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES, TransformerConfig, dtype_name
+from .errors import KKError
+from .inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
+from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS, LatencyStats, measure_latency
+
+BENCH_FORMAT = "kkdeploy-bench/1"
+EAGER = "eager"
+REFERENCE_STATUS = "reference"
+SKIPPED = "skipped"
+FAILED = "failed"
+BENCH_SHAPES = [i for i in sorted(OFFICIAL_SHAPES) if i not in LONG_CONTEXT_SHAPES]
+LONG_CONTEXT_POINTER = (
+    "shape {sid} is long-context: a dense reference or engine cannot hold its scores; benchmark and check "
+    "it on the bounded-memory path instead (`kkdeploy check --shape {sid}`, kkdeploy/longcontext.py)"
+)
+
+
+@dataclass
+class BenchOptions:
+    """Everything a worker needs; passed to it as JSON."""
+
+    device: str
+    dtype: str
+    contract: str = "strict"
+    processes: int = 3
+    warmups: int = DEFAULT_WARMUPS
+    repeats: int = DEFAULT_REPEATS
+    rounds: int = DEFAULT_ROUNDS
+    seed: int = DEFAULT_SEED
+    trials: int = DEFAULT_TRIALS
+    padding_ratio: float = 0.25
+    weights: str | None = None
+    artifacts: str | None = None
+
+    def check(self) -> "BenchOptions":
+        for name, low in (("processes", 1), ("repeats", 1), ("rounds", 1), ("trials", 1), ("warmups", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise KKError(f"--{name} must be an integer >= {low}, got {value!r}")
+        if not 0 < self.padding_ratio < 1:
+            raise KKError(f"--padding-ratio must be in (0, 1), got {self.padding_ratio}")
+        if self.artifacts is not None and not Path(self.artifacts).is_dir():
+            raise KKError(f"--artifacts {self.artifacts} is not a directory; pass the output of `kkdeploy build`")
+        return self
+
+
+@dataclass
+class ShapeJob:
+    label: str  # "shape-03" or "custom"
+    shape_id: int | None
+    config: TransformerConfig
+
+
+def shape_label(shape_id: int | None) -> str:
+    return f"shape-{shape_id:02d}" if shape_id is not None else "custom"
+
+
+def jobs_for(shape_ids: list[int] | None, config: TransformerConfig | None) -> list[ShapeJob]:
+    if shape_ids is None:
+        return [ShapeJob("custom", None, config)]
+    jobs = []
+    for sid in shape_ids:
+        if sid in LONG_CONTEXT_SHAPES:
+            raise KKError(LONG_CONTEXT_POINTER.format(sid=sid))
+        jobs.append(ShapeJob(shape_label(sid), sid, OFFICIAL_SHAPES[sid]))
+    return jobs
+
+
+# -- the worker: one shape, one process ---------------------------------------------------------------
+def _artifacts_dir(root: Path, job: ShapeJob) -> Path | None:
+    """``root`` itself when it is one artifact directory, else ``root/shape-NN``."""
+    if (root / "manifest.json").is_file():
+        return root
+    candidate = root / job.label
+    return candidate if (candidate / "manifest.json").is_file() else None
+
+
+def bench_candidates(job: ShapeJob, options: BenchOptions, reference, device: torch.device, dtype: torch.dtype):
+    """Candidates to validate and time: ``(runners, all_valid_only, skipped)``; skipped maps name -> reason."""
+    from .weights import build_models
+
+    config = job.config
+    runners: dict[str, object] = {}
+    all_valid_only: set[str] = set()
+    skipped: dict[str, str] = {}
+    for k in (0, 1):
+        runners[f"optimized-sdpa{k}"] = build_models(config, dtype, device, weights=options.weights,
+                                                      sdpa_layers=min(k, config.num_layers))[1]
+    if device.type != "cuda":
+        skipped["torch-graph"] = "skipped: CUDA graphs need a CUDA device"
+    else:
+        try:
+            from engines.torch_graph import CudaGraphRunner
+        except Exception as exc:  # the engine module is optional here; say exactly why it is missing
+            skipped["torch-graph"] = f"unavailable: cannot import engines.torch_graph: {type(exc).__name__}: {exc}"
+        else:
+            try:
+                runners["torch-graph"] = CudaGraphRunner(reference, config, dtype, device, all_valid_only=False)
+                runners["torch-graph-sdpa1"] = CudaGraphRunner(runners["optimized-sdpa1"], config, dtype, device,
+                                                               all_valid_only=True)
+                all_valid_only.add("torch-graph-sdpa1")
+            except Exception as exc:
+                skipped["torch-graph"] = f"capture failed: {type(exc).__name__}: {exc}"
+    if options.artifacts is not None:
+        directory = _artifacts_dir(Path(options.artifacts), job)
+        if directory is None:
+            skipped["shipped"] = f"skipped: no artifact directory for {job.label} under {options.artifacts}"
+        else:
+            try:
+                from . import load
+
+                served = load(directory, device=str(device))
+            except Exception as exc:
+                skipped["shipped"] = f"unavailable: kkdeploy.load({directory}) failed: {type(exc).__name__}: {exc}"
+            else:
+                served_config = getattr(served, "config", config)
+                if served_config != config:
+                    skipped["shipped"] = f"skipped: {directory} holds {served_config.describe()}, not {config.describe()}"
+                else:
+                    runners[f"shipped:{getattr(served, 'backend', 'unknown')}"] = served
+    return runners, all_valid_only, skipped
+
+
+def run_worker(job: ShapeJob, options: BenchOptions, process_index: int, log_dir: Path | None = None) -> dict:
+    """Accuracy, then timing, for one shape in this process. Returns a JSON-ready dict."""
+    from validation import validate_candidates
+
+    from .config import parse_dtype, resolve_device
+    from .weights import build_models
+
+    device = resolve_device(options.device)
+    dtype = parse_dtype(options.dtype)
+    started = time.perf_counter()
+    reference, _ = build_models(job.config, dtype, device, weights=options.weights, sdpa_layers=0)
+    runners, all_valid_only, skipped = bench_candidates(job, options, reference, device, dtype)
+    report = validate_candidates(reference, runners, job.config, dtype, device, seed=options.seed,
+                                 trials=options.trials, padding_ratio=options.padding_ratio,
+                                 contract=options.contract, all_valid_only=all_valid_only)
+    if log_dir is not None:
+        report.write_json(log_dir / f"validation-{job.label}-p{process_index}.json")
+    backends: dict[str, dict] = {EAGER: {"status": REFERENCE_STATUS, "reason": "the PyTorch reference (eager)"}}
+    for name in runners:
+        cand = report.candidates[name]
+        backends[name] = {
+            "status": cand.status, "reason": cand.reason, "all_valid_only": name in all_valid_only,
+            "failed_elements": {m: cand.failed_elements(m) for m in cand.modes if cand.mode_records(m)},
+            "max_abs": cand.max_abs,
+        }
+    for name, reason in skipped.items():
+        backends[name] = {"status": SKIPPED, "reason": reason}
+    timed = {EAGER: reference, **{n: r for n, r in runners.items() if n in report.passed()}}
+    x, mask = generate_case(job.config, device, dtype, options.seed + TIMED_SEED_OFFSET)
+    with torch.inference_mode():
+        calls = {}
+        for name, runner in timed.items():
+            try:
+                runner(x, mask)  # a runner that cannot run the timed input is reported, not timed
+            except Exception as exc:
+                backends[name].update(status=FAILED, reason=f"raised on the timed input: {type(exc).__name__}: {exc}")
+                continue
+            calls[name] = (lambda r=runner: r(x, mask))
+        stats = measure_latency(calls, device, warmups=options.warmups, repeats=options.repeats,
+                                rounds=options.rounds) if calls else {}
+    for name, s in stats.items():
+        backends[name]["latency"] = s.to_dict(include_times=True)
+    return {"label": job.label, "shape_id": job.shape_id, "config": job.config.to_dict(), "process": process_index,
+            "pid": os.getpid(), "device": str(device), "dtype": dtype_name(dtype),
+            "validation_seconds": round(report.seconds, 3), "seconds": round(time.perf_counter() - started, 3),
+            "backends": backends}
+
+
+# -- the parent: processes, aggregation, reports ------------------------------------------------------
+def worker_command(job: ShapeJob, options: BenchOptions, process_index: int, result_path: Path,
+                   log_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "kkdeploy", "bench", "--_worker",
+            "--_job", json.dumps({"label": job.label, "shape_id": job.shape_id, "config": job.config.to_dict()}),
+            "--_options", json.dumps(asdict(options)), "--_process", str(process_index),
+            "--_result", str(result_path), "--_log-dir", str(log_dir)]
+
+
+def run_processes(job: ShapeJob, options: BenchOptions, out_dir: Path, progress=None) -> tuple[list[dict], list[str]]:
+    """Run the worker ``options.processes`` times, one after another (never two at once)."""
+    results, errors = [], []
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for p in range(options.processes):
+        if progress is not None:
+            progress.describe(f"bench {job.label} process {p + 1}/{options.processes}")
+        result_path = log_dir / f"result-{job.label}-p{p}.json"
+        log_path = log_dir / f"{job.label}-p{p}.log"
+        cmd = worker_command(job, options, p, result_path, log_dir)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                          env.get("PYTHONPATH")]))
+        with open(log_path, "w") as log:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if proc.returncode != 0 or not result_path.is_file():
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            errors.append(f"process {p} exited with {proc.returncode}: {' | '.join(tail)} (log: {log_path})")
+        else:
+            results.append(json.loads(result_path.read_text()))
+        if progress is not None:
+            progress.advance()
+    return results, errors
+
+
+def _combine_status(statuses: list[str]) -> str:
+    if any(s == FAILED for s in statuses):
+        return FAILED
+    if all(s == REFERENCE_STATUS for s in statuses):
+        return REFERENCE_STATUS
+    if all(s == SKIPPED for s in statuses):
+        return SKIPPED
+    if all(s == PASSED for s in statuses):
+        return PASSED
+    if all(s in (PASSED, PASSED_ALL_VALID_ONLY) for s in statuses):
+        return PASSED_ALL_VALID_ONLY
+    return FAILED
+
+
+def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str]) -> dict:
+    """Pool every process's samples per backend; a backend passes only if it passed in every process."""
+    config = job.config
+    tokens = config.batch_size * config.seq_len
+    names: list[str] = []
+    for r in results:
+        names += [n for n in r["backends"] if n not in names]
+    backends = {}
+    for name in names:
+        entries = [r["backends"].get(name, {"status": SKIPPED, "reason": "not run in this process"}) for r in results]
+        status = _combine_status([e["status"] for e in entries])
+        worst = next((e for e in entries if e["status"] == status), entries[0])
+        entry = {"status": status, "reason": worst.get("reason", ""),
+                 "all_valid_only": any(e.get("all_valid_only") for e in entries)}
+        if any("failed_elements" in e for e in entries):
+            modes: dict[str, int] = {}
+            for e in entries:
+                for m, n in e.get("failed_elements", {}).items():
+                    modes[m] = modes.get(m, 0) + n
+            entry["failed_elements"] = modes
+            entry["max_abs"] = max((_as_float(e.get("max_abs")) for e in entries), default=float("nan"))
+        latencies = [e["latency"] for e in entries if e.get("latency")]
+        if latencies and status != FAILED and len(latencies) == len(entries):
+            times = [t for lat in latencies for t in lat["times_ms"]]
+            peaks = [lat["peak_memory_bytes"] for lat in latencies if lat.get("peak_memory_bytes") is not None]
+            stats = LatencyStats.from_times(times, [m for lat in latencies for m in lat["round_medians_ms"]],
+                                            max(peaks) if peaks else None)
+            entry.update(stats.to_dict())
+            entry["process_medians_ms"] = [lat["median_ms"] for lat in latencies]
+            entry["tokens_per_s"] = tokens / (stats.median_ms / 1000.0) if stats.median_ms > 0 else None
+        backends[name] = entry
+    eager = backends.get(EAGER, {}).get("median_ms")
+    for entry in backends.values():
+        if eager and entry.get("median_ms"):
+            entry["speedup"] = eager / entry["median_ms"]
+    return {"label": job.label, "shape_id": job.shape_id, "config": config.to_dict(), "tokens": tokens,
+            "processes": len(results), "errors": errors, "backends": backends}
+
+
+def _as_float(value) -> float:
+    if isinstance(value, str):
+        return float(value)  # "inf"/"nan" from json_safe
+    return float("nan") if value is None else float(value)
+
+
+def environment(device: torch.device) -> dict:
+    from importlib import metadata
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for lib in ("polygraphy", "onnxruntime", "onnxruntime-gpu", "onnx", "tensorrt"):
+        try:
+            versions[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            continue
+    info = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device": str(device), "versions": versions}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        info["cuda"] = torch.version.cuda
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def _fmt(value, spec: str, dash: str = "-") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return dash
+    return format(value, spec)
+
+
+def markdown_table(data: dict) -> str:
+    p = data["protocol"]
+    env = data["environment"]
+    lines = [
+        "# kkdeploy bench", "",
+        f"- created: {data['created']}",
+        f"- command: `{data['command']}`",
+        f"- device: {env.get('gpu', env.get('cpu', ''))} ({env['device']}), dtype {p['dtype']}, "
+        f"contract {p['contract']} (atol {p['atol']}, rtol {p['rtol']})",
+        f"- protocol: {p['trials']} accuracy trials per mask mode (seed {p['seed']}+t; padded ratio "
+        f"{p['padding_ratio']}), timed input seed {p['seed'] + TIMED_SEED_OFFSET}, {p['warmups']} warmups, "
+        f"{p['repeats']} repeats, {p['rounds']} alternating rounds, {p['processes']} process(es) per shape; "
+        f"timing by {p['timer']}",
+        f"- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), "",
+        "| shape | backend | status | failed elements | median ms | p90 ms | peak MiB | tokens/s | speedup |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for shape in data["shapes"]:
+        for name, b in shape["backends"].items():
+            failed = ", ".join(f"{m} {n}" for m, n in b.get("failed_elements", {}).items()) or "-"
+            peak = b.get("peak_memory_bytes")
+            status = b["status"] if b["status"] != FAILED else "**FAILED**"
+            lines.append(
+                f"| {shape['label']} | {name} | {status} | {failed} | {_fmt(b.get('median_ms'), '.4g')} | "
+                f"{_fmt(b.get('p90_ms'), '.4g')} | {_fmt(peak / 2**20 if peak else None, '.1f')} | "
+                f"{_fmt(b.get('tokens_per_s'), ',.0f')} | {_fmt(b.get('speedup'), '.2f')}x |".replace("-x |", "- |"))
+        for err in shape["errors"]:
+            lines.append(f"| {shape['label']} | (process) | **error** | {err.replace('|', '/')} | | | | | |")
+    notes = [f"- {shape['label']} {n}: {b['reason']}" for shape in data["shapes"] for n, b in shape["backends"].items()
+             if b["status"] in (FAILED, SKIPPED)]
+    if notes:
+        lines += ["", "Not timed:", ""] + notes
+    return "\n".join(lines) + "\n"
+
+
+def plot_speedups(data: dict, path: Path) -> None:
+    """Speedup over eager per shape per backend; failed backends get a red x at 0, skipped ones nothing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = data["shapes"]
+    names = []  # backends with something to draw: a speedup, or a failure
+    for s in shapes:
+        names += [n for n, b in s["backends"].items() if n not in names and n != EAGER
+                  and (b.get("speedup") is not None or b["status"] == FAILED)]
+    skipped = sorted({n for s in shapes for n, b in s["backends"].items() if b["status"] == SKIPPED})
+    width = 0.8 / max(1, len(names))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shapes) * max(1, len(names)) * 0.6), 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    failed_label_used = False
+    for i, name in enumerate(names):
+        xs, ys, fails = [], [], []
+        for j, s in enumerate(shapes):
+            b = s["backends"].get(name)
+            x = j - 0.4 + width * (i + 0.5)
+            if b is None:
+                continue
+            if b["status"] == FAILED:
+                fails.append(x)
+            elif b.get("speedup") is not None:
+                xs.append(x)
+                ys.append(b["speedup"])
+        ax.bar(xs, ys, width, label=name, color=colors[i % len(colors)])
+        for x, y in zip(xs, ys):
+            ax.annotate(f"{y:.2f}x", (x, y), ha="center", va="bottom", fontsize="x-small")
+        if fails:
+            ax.scatter(fails, [0] * len(fails), marker="x", color="red", s=60, zorder=3,
+                       label=None if failed_label_used else "failed (not timed)")
+            for x in fails:
+                ax.annotate(f"{name}\nFAIL", (x, 0), ha="center", va="bottom", fontsize="x-small", color="red",
+                            xytext=(0, 6), textcoords="offset points")
+            failed_label_used = True
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(shapes)))
+    ax.set_xticklabels([s["label"] for s in shapes])
+    ax.set_ylabel("speedup over eager (median)")
+    p = data["protocol"]
+    ax.set_title(f"kkdeploy bench: {p['dtype']} on {data['environment'].get('gpu', p['device'])}, "
+                 f"contract {p['contract']}")
+    if names:
+        ax.legend(fontsize="small")
+    if skipped:
+        fig.text(0.01, 0.01, "not run here: " + ", ".join(skipped), fontsize="x-small", color="gray")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench(jobs: list[ShapeJob], options: BenchOptions, out_dir: Path, command: str | None = None,
+              progress=None) -> dict:
+    """Every shape in its own processes; writes bench.json, bench.md and bench.png into ``out_dir``."""
+    from validation import contract as contract_tolerances, write_json_atomic
+
+    options.check()
+    atol, rtol = contract_tolerances(options.contract)
+    device = torch.device(options.device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shapes = []
+    for job in jobs:
+        results, errors = run_processes(job, options, out_dir, progress)
+        shapes.append(aggregate_shape(job, results, errors))
+    data = {
+        "format": BENCH_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": command or " ".join(shlex.quote(a) for a in sys.argv),
+        "protocol": {**asdict(options), "atol": atol, "rtol": rtol, "timed_seed": options.seed + TIMED_SEED_OFFSET,
+                     "timer": "CUDA events" if device.type == "cuda" else "time.perf_counter",
+                     "pooling": "samples of every process pooled per backend; passed only if passed in every process"},
+        "environment": environment(device),
+        "shapes": shapes,
+    }
+    write_json_atomic(out_dir / "bench.json", data)
+    tmp = out_dir / ".bench.md.tmp"
+    tmp.write_text(markdown_table(data))
+    os.replace(tmp, out_dir / "bench.md")
+    plot_speedups(data, out_dir / "bench.png")
+    return data
+
+
+def geometric_mean(values: list[float]) -> float | None:
+    values = [v for v in values if v and v > 0]
+    return math.exp(statistics.fmean(math.log(v) for v in values)) if values else None

@@ -1,0 +1,149 @@
+"""The timing protocol, the tie rule, and `kkdeploy bench` end to end on a tiny shape (CPU)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kkdeploy import KKError, TransformerConfig
+from kkdeploy import timing as timing_module
+from kkdeploy.bench import FAILED, ShapeJob, aggregate_shape, jobs_for, markdown_table, plot_speedups
+from kkdeploy.cli import main
+from kkdeploy.timing import LatencyStats, choose_fastest, measure_latency
+
+TINY = ["--batch-size", "2", "--seq-len", "8", "--d-model", "16", "--heads", "2", "--ffn-dim", "24", "--layers", "2"]
+
+
+class FakeClock:
+    """perf_counter that only moves when a timed function says how long it took."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_measure_latency_alternates_rounds_and_counts_samples(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(timing_module.time, "perf_counter", clock)
+    calls = []
+    durations = {"a": iter(range(1, 1000)), "b": iter(range(1000, 2000))}
+
+    def make(name):
+        def fn():
+            calls.append(name)
+            clock.now += next(durations[name]) / 1000.0  # ms -> s
+        return fn
+
+    stats = measure_latency({"a": make("a"), "b": make("b")}, "cpu", warmups=2, repeats=3, rounds=2)
+    # round by round, every function in turn: its warmups, then its repeats
+    assert calls == ["a"] * 5 + ["b"] * 5 + ["a"] * 5 + ["b"] * 5
+    a, b = stats["a"], stats["b"]
+    assert a.samples == b.samples == 6
+    # a's timed calls took 3,4,5 ms (round 1, after 2 warmups) and 8,9,10 ms (round 2)
+    assert a.times_ms == pytest.approx([3, 4, 5, 8, 9, 10])
+    assert a.median_ms == pytest.approx(6.5) and a.min_ms == pytest.approx(3) and a.mean_ms == pytest.approx(6.5)
+    assert a.p90_ms == pytest.approx(np.percentile([3, 4, 5, 8, 9, 10], 90))
+    assert a.round_medians_ms == pytest.approx([4, 9])
+    assert a.peak_memory_bytes is None  # CPU
+    assert set(a.to_dict()) == {"median_ms", "p90_ms", "mean_ms", "min_ms", "samples", "peak_memory_bytes",
+                                "round_medians_ms"}
+    assert "times_ms" in a.to_dict(include_times=True)
+
+
+def test_measure_latency_rejects_bad_counts():
+    with pytest.raises(KKError, match="repeats"):
+        measure_latency({"a": lambda: None}, "cpu", warmups=0, repeats=0, rounds=1)
+    with pytest.raises(KKError, match="rounds"):
+        measure_latency({"a": lambda: None}, "cpu", rounds=0)
+    with pytest.raises(KKError, match="nothing to time"):
+        measure_latency({}, "cpu")
+
+
+def _stats(median):
+    return LatencyStats.from_times([median])
+
+
+def test_choose_fastest_ties_go_to_the_simpler_backend():
+    order = ["torch-graph", "ort-cuda", "trt"]
+    assert choose_fastest({"trt": _stats(1.00), "torch-graph": _stats(1.015)}, order) == "torch-graph"
+    assert choose_fastest({"trt": _stats(1.00), "torch-graph": _stats(1.05)}, order) == "trt"
+    assert choose_fastest({"trt": _stats(1.00), "torch-graph": _stats(1.015)}, order, tie_tolerance=0) == "trt"
+    # names missing from the order rank after it; among themselves the faster wins
+    assert choose_fastest({"x": _stats(1.0), "y": _stats(1.01), "trt": _stats(1.019)}, order) == "trt"
+    assert choose_fastest({"x": _stats(1.01), "y": _stats(1.0)}, order) == "y"
+    with pytest.raises(KKError):
+        choose_fastest({}, order)
+
+
+def test_bench_refuses_long_context_and_conflicting_flags(capsys):
+    with pytest.raises(KKError, match="long-context.*kkdeploy check --shape 14"):
+        jobs_for([14], None)
+    assert main(["bench", "--shape", "14", "--device", "cpu"]) == 2
+    assert "long-context" in capsys.readouterr().err
+    assert main(["bench", "--all", "--shape", "3", "--device", "cpu"]) == 2
+    assert main(["bench", "--device", "cpu"]) == 2
+    assert main(["bench", "--shape", "3", "--device", "cpu", "--repeats", "0"]) == 2
+
+
+def test_bench_command_writes_json_markdown_and_png(tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main(["bench", *TINY, "--device", "cpu", "--processes", "1", "--warmups", "1", "--repeats", "3",
+                 "--rounds", "1", "--trials", "1", "--out", str(out)])
+    assert code == 0, capsys.readouterr()
+    data = json.loads((out / "bench.json").read_text())
+    assert data["format"] == "kkdeploy-bench/1"
+    assert data["protocol"]["timer"] == "time.perf_counter" and data["protocol"]["repeats"] == 3
+    (shape,) = data["shapes"]
+    assert shape["label"] == "custom" and shape["processes"] == 1 and shape["errors"] == []
+    assert shape["config"]["d_model"] == 16 and shape["tokens"] == 16
+    backends = shape["backends"]
+    assert backends["eager"]["status"] == "reference" and backends["eager"]["speedup"] == pytest.approx(1.0)
+    for name in ("eager", "optimized-sdpa0", "optimized-sdpa1"):
+        b = backends[name]
+        assert b["samples"] == 3 and b["min_ms"] <= b["median_ms"] <= b["p90_ms"]
+        assert b["tokens_per_s"] == pytest.approx(16 / (b["median_ms"] / 1000.0))
+        assert b["speedup"] == pytest.approx(backends["eager"]["median_ms"] / b["median_ms"])
+    for name in ("optimized-sdpa0", "optimized-sdpa1"):
+        assert backends[name]["status"] == "passed"
+        assert backends[name]["failed_elements"] == {"all-valid": 0, "padded": 0}
+    assert backends["torch-graph"]["status"] == "skipped" and "CUDA" in backends["torch-graph"]["reason"]
+    md = (out / "bench.md").read_text()
+    assert "| shape | backend | status |" in md and "| custom | optimized-sdpa1 | passed |" in md
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    validation = json.loads((out / "logs" / "validation-custom-p0.json").read_text())
+    assert validation["statuses"] == {"optimized-sdpa0": "passed", "optimized-sdpa1": "passed"}
+
+
+def _worker_result(process, status, times):
+    entry = {"status": status, "reason": f"{status} in process {process}", "all_valid_only": False,
+             "failed_elements": {"all-valid": 0 if status == "passed" else 7, "padded": 0}, "max_abs": 0.0}
+    if status == "passed":
+        entry["latency"] = LatencyStats.from_times(times, [sorted(times)[len(times) // 2]]).to_dict(include_times=True)
+    eager = LatencyStats.from_times([4.0, 4.0, 4.0], [4.0]).to_dict(include_times=True)
+    return {"backends": {"eager": {"status": "reference", "reason": "", "latency": eager}, "engine": entry}}
+
+
+def test_aggregation_pools_processes_and_a_failure_anywhere_fails(tmp_path):
+    job = ShapeJob("custom", None, TransformerConfig(2, 8, 16, 2, 24, 2))
+    passing = aggregate_shape(job, [_worker_result(0, "passed", [1.0, 2.0, 3.0]),
+                                    _worker_result(1, "passed", [2.0, 2.0, 2.0])], [])
+    engine = passing["backends"]["engine"]
+    assert engine["status"] == "passed" and engine["samples"] == 6
+    assert engine["median_ms"] == pytest.approx(2.0) and engine["speedup"] == pytest.approx(2.0)
+    assert engine["process_medians_ms"] == pytest.approx([2.0, 2.0])
+    failing = aggregate_shape(job, [_worker_result(0, "passed", [1.0, 2.0, 3.0]),
+                                    _worker_result(1, FAILED, [])], ["process 2 exited with 1"])
+    engine = failing["backends"]["engine"]
+    assert engine["status"] == FAILED and "median_ms" not in engine and "speedup" not in engine
+    assert engine["failed_elements"] == {"all-valid": 7, "padded": 0}
+    data = {"created": "now", "command": "kkdeploy bench", "shapes": [passing, dict(failing, label="other")],
+            "protocol": {"dtype": "float32", "device": "cpu", "contract": "strict", "atol": 0.001, "rtol": 0.01,
+                         "trials": 5, "seed": 1234, "padding_ratio": 0.25, "warmups": 20, "repeats": 100,
+                         "rounds": 3, "processes": 2, "timer": "time.perf_counter"},
+            "environment": {"device": "cpu", "cpu": "x86_64", "versions": {"torch": "x"}}}
+    md = markdown_table(data)
+    assert "| other | engine | **FAILED** |" in md and "process 2 exited with 1" in md
+    plot_speedups(data, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 0
