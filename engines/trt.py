@@ -104,13 +104,13 @@ class TrtBackend(Backend):
     name = "trt"
 
     def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        if device.type != "cuda":
-            return "unavailable: TensorRT engines need a CUDA GPU"
         try:
             import_tensorrt()
             import polygraphy.backend.trt  # noqa: F401
         except Exception as exc:
             return import_error_reason("tensorrt", exc)
+        if device.type != "cuda":
+            return "unavailable: TensorRT engines need a CUDA GPU"
         return None
 
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:

@@ -75,6 +75,21 @@ def parse_backends(text: str | None, device: torch.device) -> list[str]:
     return names
 
 
+class TrialProgress:
+    """Shows validation trials inside the build's single progress bar."""
+
+    def __init__(self, bar, total: int):
+        self.bar, self.total, self.done, self.text = bar, total, 0, "validate"
+
+    def describe(self, text: str) -> None:
+        self.text = text
+        self.bar.describe(f"{text} [{self.done}/{self.total}]")
+
+    def advance(self) -> None:
+        self.done += 1
+        self.bar.describe(f"{self.text} [{self.done}/{self.total}]")
+
+
 def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[CandidateResult]:
     """Build every requested candidate; failures and absences become recorded statuses."""
     results: list[CandidateResult] = []
@@ -169,13 +184,14 @@ def run_build(request: BuildRequest) -> dict:
                 report = validate_candidates(
                     reference, {**runners, **fallback_names}, request.config, request.dtype, request.device,
                     seed=request.seed, trials=request.trials, padding_ratio=request.padding_ratio,
-                    contract=request.contract, all_valid_only=all_valid_only)
+                    contract=request.contract, all_valid_only=all_valid_only,
+                    progress=TrialProgress(bar, 2 * request.trials))
             report.write_json(stage / "validation.json")
             for result in results:
                 if result.name in runners:
                     result.status = report.status(result.name)
                     if result.status == FAILED:
-                        result.reason = f"failed the {request.contract} rule: {report.failure_summary(result.name)}"
+                        result.reason = report.reason(result.name)
             sdpa_layers = next(k for k in FALLBACK_SDPA_LAYERS
                                if report.status(f"{FALLBACK}-sdpa{k}") == PASSED or k == 0)
             bar.advance()
@@ -220,7 +236,7 @@ def make_manifest(request, reference, results, report, latencies, choice, sdpa_l
     for r in results:
         entry = r.to_dict()
         if r.name in report.candidates:
-            entry["validation"] = report.candidate_summary(r.name)
+            entry["validation"] = validation_summary(report, r.name)
         if r.name in latencies:
             entry["latency"] = latencies[r.name]
         candidates.append(entry)
@@ -241,12 +257,20 @@ def make_manifest(request, reference, results, report, latencies, choice, sdpa_l
         "export": export_info,
         "candidates": candidates,
         "fallback": {"model": "OptimizedTransformer", "sdpa_layers": sdpa_layers,
-                     "validation": report.candidate_summary(fallback_name),
+                     "validation": validation_summary(report, fallback_name),
                      "latency": latencies.get(FALLBACK)},
         "choice": choice,
         "files": artifacts.hash_tree(stage),
         "options": request.options,
     }
+
+
+def validation_summary(report, name: str) -> dict:
+    """The manifest's per-candidate digest of validation.json."""
+    c = report.candidates[name]
+    return {"status": c.status, "failed_elements": sum(c.failed_elements(m) for m in c.modes),
+            "failed_by_mode": {m: c.failed_elements(m) for m in c.modes if c.mode_records(m)},
+            "max_abs": c.max_abs, "max_rel": c.max_rel}
 
 
 def plot_latency(path: Path, latencies: dict, chosen: str) -> None:
