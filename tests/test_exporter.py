@@ -59,7 +59,9 @@ def strict_reports(session, model, config, dtype):
         with torch.inference_mode():
             expected = model(x, mask)
         (y,) = session.run(["y"], {"x": x.numpy(), "valid_token_mask": mask.numpy()})
-        reports[padding] = compare_outputs(expected, torch.from_numpy(y), *STRICT)
+        y = torch.from_numpy(y)
+        assert torch.equal(y[~mask], torch.zeros_like(y[~mask])), "invalid rows must be exactly 0"
+        reports[padding] = compare_outputs(expected, y, *STRICT)
     return reports
 
 
