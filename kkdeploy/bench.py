@@ -271,8 +271,9 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str]) -> di
         if latencies and status != FAILED and len(latencies) == len(entries):
             times = [t for lat in latencies for t in lat["times_ms"]]
             peaks = [lat["peak_memory_bytes"] for lat in latencies if lat.get("peak_memory_bytes") is not None]
+            extras = [lat["peak_extra_bytes"] for lat in latencies if lat.get("peak_extra_bytes") is not None]
             stats = LatencyStats.from_times(times, [m for lat in latencies for m in lat["round_medians_ms"]],
-                                            max(peaks) if peaks else None)
+                                            max(peaks) if peaks else None, max(extras) if extras else None)
             entry.update(stats.to_dict())
             entry["process_medians_ms"] = [lat["median_ms"] for lat in latencies]
             entry["tokens_per_s"] = tokens / (stats.median_ms / 1000.0) if stats.median_ms > 0 else None
@@ -298,8 +299,12 @@ def environment(device: torch.device) -> dict:
     for lib in ("polygraphy", "onnxruntime", "onnxruntime-gpu", "onnx", "tensorrt"):
         try:
             versions[lib] = metadata.version(lib)
-        except metadata.PackageNotFoundError:
-            continue
+        except metadata.PackageNotFoundError:  # importable without install metadata (a carried copy)?
+            try:
+                module = __import__(lib.replace("-gpu", "").replace("-", "_"))
+                versions.setdefault(lib.replace("-gpu", ""), getattr(module, "__version__", "unknown"))
+            except Exception:
+                continue
     info = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": str(device), "versions": versions}
     if device.type == "cuda":
@@ -331,17 +336,18 @@ def markdown_table(data: dict) -> str:
         f"{p['repeats']} repeats, {p['rounds']} alternating rounds, {p['processes']} process(es) per shape; "
         f"timing by {p['timer']}",
         f"- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), "",
-        "| shape | backend | status | failed elements | median ms | p90 ms | peak MiB | tokens/s | speedup |",
+        "| shape | backend | status | failed elements | median ms | p90 ms | peak MiB (extra) | tokens/s | speedup |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for shape in data["shapes"]:
         for name, b in shape["backends"].items():
             failed = ", ".join(f"{m} {n}" for m, n in b.get("failed_elements", {}).items()) or "-"
-            peak = b.get("peak_memory_bytes")
+            peak, extra = b.get("peak_memory_bytes"), b.get("peak_extra_bytes")
+            memory = "-" if not peak else f"{peak / 2**20:.1f} ({(extra or 0) / 2**20:.1f})"
             status = b["status"] if b["status"] != FAILED else "**FAILED**"
             lines.append(
                 f"| {shape['label']} | {name} | {status} | {failed} | {_fmt(b.get('median_ms'), '.4g')} | "
-                f"{_fmt(b.get('p90_ms'), '.4g')} | {_fmt(peak / 2**20 if peak else None, '.1f')} | "
+                f"{_fmt(b.get('p90_ms'), '.4g')} | {memory} | "
                 f"{_fmt(b.get('tokens_per_s'), ',.0f')} | {_fmt(b.get('speedup'), '.2f')}x |".replace("-x |", "- |"))
         for err in shape["errors"]:
             lines.append(f"| {shape['label']} | (process) | **error** | {err.replace('|', '/')} | | | | | |")
@@ -429,11 +435,15 @@ def run_bench(jobs: list[ShapeJob], options: BenchOptions, out_dir: Path, comman
         "environment": environment(device),
         "shapes": shapes,
     }
+    try:
+        plot_speedups(data, out_dir / "bench.png")
+        data["chart"] = "bench.png"
+    except ImportError as exc:  # the numbers matter more than the picture
+        data["chart"] = f"not drawn: matplotlib is not importable here ({exc}); pip install matplotlib"
     write_json_atomic(out_dir / "bench.json", data)
     tmp = out_dir / ".bench.md.tmp"
     tmp.write_text(markdown_table(data))
     os.replace(tmp, out_dir / "bench.md")
-    plot_speedups(data, out_dir / "bench.png")
     return data
 
 

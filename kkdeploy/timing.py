@@ -34,18 +34,20 @@ class LatencyStats:
     min_ms: float
     samples: int
     peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated during the calls (CUDA only)
+    peak_extra_bytes: int | None = None  # that peak minus what was allocated before the calls: working memory
     round_medians_ms: list[float] = field(default_factory=list)
     times_ms: list[float] = field(default_factory=list, repr=False)
 
     @classmethod
     def from_times(cls, times_ms: Sequence[float], round_medians_ms: Sequence[float] = (),
-                   peak_memory_bytes: int | None = None) -> "LatencyStats":
+                   peak_memory_bytes: int | None = None, peak_extra_bytes: int | None = None) -> "LatencyStats":
         if not times_ms:
             raise KKError("no latency samples to summarize; repeats must be at least 1")
         times = sorted(float(t) for t in times_ms)
         return cls(median_ms=statistics.median(times), p90_ms=percentile(times, 90),
                    mean_ms=statistics.fmean(times), min_ms=times[0], samples=len(times),
-                   peak_memory_bytes=peak_memory_bytes, round_medians_ms=[float(m) for m in round_medians_ms],
+                   peak_memory_bytes=peak_memory_bytes, peak_extra_bytes=peak_extra_bytes,
+                   round_medians_ms=[float(m) for m in round_medians_ms],
                    times_ms=list(times_ms))
 
     def to_dict(self, include_times: bool = False) -> dict:
@@ -101,7 +103,8 @@ def measure_latency(
     """Time every zero-argument ``fn`` (a full runner call) in alternating rounds.
 
     Returns one ``LatencyStats`` per name over ``repeats * rounds`` samples. ``peak_memory_bytes``
-    (CUDA) is the allocator's peak while that function ran, resident weights and inputs included.
+    (CUDA) is the allocator's peak while that function ran, everything resident included (weights,
+    inputs, other backends' buffers); ``peak_extra_bytes`` is the part the calls themselves added.
     """
     _check_counts(warmups, repeats, rounds)
     if not fns:
@@ -111,20 +114,25 @@ def measure_latency(
     times: dict[str, list[float]] = {name: [] for name in fns}
     round_medians: dict[str, list[float]] = {name: [] for name in fns}
     peaks: dict[str, int] = {name: 0 for name in fns}
+    extras: dict[str, int] = {name: 0 for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             if cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
+                resident = torch.cuda.memory_allocated(device)
             for _ in range(warmups):
                 fn()
             samples = _time_cuda(fn, repeats, device) if cuda else _time_cpu(fn, repeats)
             if cuda:
-                peaks[name] = max(peaks[name], int(torch.cuda.max_memory_allocated(device)))
+                peak = int(torch.cuda.max_memory_allocated(device))
+                peaks[name] = max(peaks[name], peak)
+                extras[name] = max(extras[name], peak - resident)
             times[name].extend(samples)
             round_medians[name].append(statistics.median(samples))
     return {
-        name: LatencyStats.from_times(times[name], round_medians[name], peaks[name] if cuda else None)
+        name: LatencyStats.from_times(times[name], round_medians[name], peaks[name] if cuda else None,
+                                      extras[name] if cuda else None)
         for name in fns
     }
 

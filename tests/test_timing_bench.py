@@ -48,7 +48,7 @@ def test_measure_latency_alternates_rounds_and_counts_samples(monkeypatch):
     assert a.round_medians_ms == pytest.approx([4, 9])
     assert a.peak_memory_bytes is None  # CPU
     assert set(a.to_dict()) == {"median_ms", "p90_ms", "mean_ms", "min_ms", "samples", "peak_memory_bytes",
-                                "round_medians_ms"}
+                                "peak_extra_bytes", "round_medians_ms"}
     assert "times_ms" in a.to_dict(include_times=True)
 
 

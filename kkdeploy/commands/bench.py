@@ -65,7 +65,8 @@ def run(args) -> int:
     with progress_bar("bench", len(jobs) * options.processes) as bar:
         data = run_bench(jobs, options, out, command="kkdeploy " + shlex.join(sys.argv[1:]), progress=bar)
     print_summary(data)
-    console.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
+    chart = out / "bench.png" if data["chart"] == "bench.png" else data["chart"]
+    console.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}; chart: {chart}")
     return 1 if any(s["errors"] for s in data["shapes"]) else 0
 
 
