@@ -100,6 +100,7 @@ def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[Cand
             backend = get_backend(key)
         except ImportError as exc:
             results.append(CandidateResult(user_name, key, UNAVAILABLE, f"unavailable: {exc}"))
+            bar.advance()
             continue
         reason = backend.unavailable_reason(request.device, request.dtype)
         if reason is None and key in ONNX_BACKENDS and ctx.onnx_path is None:
@@ -107,6 +108,7 @@ def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[Cand
         if reason is not None:
             results.append(CandidateResult(user_name, key, UNAVAILABLE if reason.startswith("unavailable") else SKIPPED,
                                            reason))
+            bar.advance()
             continue
         if only is not None:
             ctx.options[f"{key}_candidates"] = only
@@ -153,7 +155,7 @@ def run_build(request: BuildRequest) -> dict:
     request.backends = request.backends or list(DEFAULT_BACKENDS[request.device.type])
     started = time.perf_counter()
     with artifacts.staged_directory(request.out, force=request.force) as stage:
-        steps = 4 + len(request.backends)
+        steps = 5 + len(request.backends)
         with progress_bar("build", steps) as bar:
             bar.describe("load weights")
             fallbacks = {}

@@ -34,8 +34,8 @@ def progress_bar(description: str, total: int | None):
 
 def table(title: str, columns: list[str], rows: list[list]) -> Table:
     t = Table(title=title, title_justify="left")
-    for c in columns:
-        t.add_column(c)
+    for i, c in enumerate(columns):
+        t.add_column(c, no_wrap=(i == 0), overflow="fold")
     for row in rows:
         t.add_row(*[str(v) for v in row])
     return t
