@@ -29,9 +29,10 @@ def session_options(level: str = "disabled", threads: int | None = None, optimiz
     so = ort.SessionOptions()
     so.graph_optimization_level = levels[level]
     so.log_severity_level = 3
-    if threads:
+    if threads:  # a shared machine: a fixed thread count and no busy-waiting between ops
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if optimized_path:
         so.optimized_model_filepath = optimized_path
     return so
