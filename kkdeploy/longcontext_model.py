@@ -57,21 +57,21 @@ def attend_tile(q_tile, k_head, v_head, scale: float, query_start: int, causal: 
                 key_valid, query_valid) -> torch.Tensor:
     """One query tile against its keys with the reference's rounding points.
 
-    Invalid query rows keep their (causal) keys so no row is empty (no NaN, also in backward);
-    their outputs are zeroed after out_proj as in the reference.
+    ``key_valid`` [b,K] masks padded keys; ``query_valid`` [b,T] is given only for tiles holding
+    invalid queries, which keep their keys so no row is empty (no NaN, also in backward) -- their
+    outputs are zeroed after out_proj as in the reference.
     """
     tile, keys = q_tile.shape[-2], k_head.shape[-2]
     scores = torch.matmul(q_tile, k_head.transpose(-2, -1)) * scale
-    blocked = None
     if causal:
         query_index = torch.arange(query_start, query_start + tile, device=q_tile.device)
-        blocked = torch.arange(keys, device=q_tile.device)[None, :] > query_index[:, None]
+        future = torch.arange(keys, device=q_tile.device)[None, :] > query_index[:, None]
+        scores.masked_fill_(future, float("-inf"))
     if key_valid is not None:
-        padded = ~key_valid[:, None, :] & query_valid[:, :, None]  # [b, tile, keys]
-        blocked = padded if blocked is None else (blocked | padded)
-        blocked = blocked[:, None]
-    if blocked is not None:
-        scores = scores.masked_fill(blocked, float("-inf"))
+        padded = ~key_valid[:, None, None, :]  # [b,1,1,K]
+        if query_valid is not None:
+            padded = padded & query_valid[:, None, :, None]  # [b,1,T,K]
+        scores.masked_fill_(padded, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q_tile.dtype)
     return torch.matmul(probs, v_head)
 
@@ -83,10 +83,11 @@ def tiled_attention(q, k, v, scale: float, causal: bool, valid_token_mask, query
     those keys are skipped and those query rows left at 0 (they are zeroed after out_proj anyway).
     """
     b, h, s, dh = q.shape
-    limit = s
+    limit, all_valid_rows = s, None
     if valid_token_mask is not None:
         valid_positions = torch.nonzero(valid_token_mask.any(dim=0)).reshape(-1)
         limit = int(valid_positions.max()) + 1 if valid_positions.numel() else 0
+        all_valid_rows = valid_token_mask.all(dim=0).cpu()  # one sync: which tiles hold invalid queries
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     pieces, context = [], None if grad else q.new_zeros(b, h, s, dh)
     for t0 in range(0, limit, query_tile):
@@ -94,7 +95,9 @@ def tiled_attention(q, k, v, scale: float, causal: bool, valid_token_mask, query
         k_end = t1 if causal else limit
         key_valid = query_valid = None
         if valid_token_mask is not None:
-            key_valid, query_valid = valid_token_mask[:, :k_end], valid_token_mask[:, t0:t1]
+            key_valid = valid_token_mask[:, :k_end]
+            if not bool(all_valid_rows[t0:t1].all()):
+                query_valid = valid_token_mask[:, t0:t1]
         args = (q[:, :, t0:t1], k[:, :, :k_end], v[:, :, :k_end], scale, t0, causal, key_valid, query_valid)
         if grad:
             pieces.append(checkpoint(attend_tile, *args, use_reentrant=False))

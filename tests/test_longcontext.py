@@ -1,0 +1,242 @@
+"""Shape 14's bounded-memory path: the tiled reference, the long-context model, check and build."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+
+from kkdeploy import KKError, ReferenceTransformer, TransformerConfig, generate_case
+from kkdeploy.cli import main
+from kkdeploy.longcontext import DENSE_CANDIDATES, build_long_context, validate_long_context
+from kkdeploy.longcontext_model import LongContextTransformer, fused_backends
+from kkdeploy.tiled_reference import TiledReferenceTransformer
+from kkdeploy.weights import init_weights
+from validation import CONTRACTS, compare_outputs
+
+REPO = Path(__file__).resolve().parents[1]
+STRICT = CONTRACTS["strict"]
+LONG = TransformerConfig(batch_size=2, seq_len=4096, d_model=64, num_heads=4, ffn_dim=64, num_layers=2)
+
+
+def models(config, dtype, reference_tile=48, micro_batch=None, query_tile=32, seed=0):
+    reference = init_weights(ReferenceTransformer(config), seed)
+    tiled = TiledReferenceTransformer(config, query_tile=reference_tile)
+    tiled.load_state_dict(reference.state_dict(), strict=True)
+    path = LongContextTransformer(config, micro_batch=micro_batch, query_tile=query_tile)
+    path.load_state_dict(tiled.state_dict(), strict=True)
+    return tuple(m.to(dtype).eval() for m in (reference, tiled, path))
+
+
+def cpu_kernels_for(dtype) -> bool:
+    try:
+        torch.matmul(torch.ones(2, 2, dtype=dtype), torch.ones(2, 2, dtype=dtype))
+        torch.nn.functional.layer_norm(torch.ones(2, 4, dtype=dtype), (4,))
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("padding_ratio", [0.0, 0.5])
+def test_tiled_reference_is_bitwise_equal_to_reference(dtype, causal, padding_ratio):
+    if not cpu_kernels_for(dtype):
+        pytest.skip(f"this CPU build has no {dtype} matmul/layer_norm kernels")
+    config = TransformerConfig(3, 200, 32, 4, 48, 2, causal=causal)  # 200 = 4 full tiles of 48 + a partial one
+    reference, tiled, _ = models(config, dtype)
+    for seed in (11, 12):
+        x, mask = generate_case(config, "cpu", dtype, seed, padding_ratio=padding_ratio)
+        with torch.inference_mode():
+            expected, got = reference(x, mask), tiled(x, mask)
+        assert compare_outputs(expected, got, *STRICT).passed
+        assert torch.equal(expected, got), "each query row sees its whole key row, so it must be bitwise equal"
+
+
+def test_tiled_reference_visible_keys_and_sequence_tiles_stay_strict():
+    """The cheaper variants change summation lengths/layouts: strict, not necessarily bitwise."""
+    config = TransformerConfig(2, 300, 32, 4, 32, 2)
+    reference, _, _ = models(config, torch.float32)
+    x, mask = generate_case(config, "cpu", torch.float32, 5, padding_ratio=0.3)
+    for kwargs in ({"key_extent": "visible"}, {"sequence_tile": 1}):
+        tiled = TiledReferenceTransformer(config, query_tile=64, **kwargs)
+        tiled.load_state_dict(reference.state_dict(), strict=True)
+        with torch.inference_mode():
+            report = compare_outputs(reference(x, mask), tiled(x, mask), *STRICT)
+        assert report.passed and report.max_abs < 1e-5, (kwargs, report.summary())
+
+
+def test_long_context_path_matches_tiled_reference_at_4096():
+    _, tiled, path = models(LONG, torch.float32, reference_tile=512, query_tile=256)
+    for padding_ratio, expected_path in ((0.0, "sdpa-flash_attention"), (0.5, "tiled")):
+        x, mask = generate_case(LONG, "cpu", torch.float32, 1234, padding_ratio=padding_ratio)
+        with torch.inference_mode():
+            out = path(x, mask)
+            ref = tiled(x, mask)
+        assert path.last_attention_path == expected_path
+        report = compare_outputs(ref, out, *STRICT)
+        assert report.passed, report.summary()
+        if padding_ratio:
+            assert not out[~mask].any(), "padded rows must be exactly zero"
+
+
+def test_micro_batching_does_not_change_results_beyond_strict():
+    config = TransformerConfig(5, 64, 32, 4, 32, 2)
+    _, tiled, path = models(config, torch.float32, micro_batch=2)
+    x, mask = generate_case(config, "cpu", torch.float32, 3, padding_ratio=0.4)
+    with torch.inference_mode():
+        ref = tiled(x, mask)
+        assert compare_outputs(ref, path(x, mask), *STRICT).passed
+        assert path.sequences_per_micro_batch(5, 64) == 2
+        path.micro_batch = None  # automatic: bounded by the activation budget
+        path.activation_budget = 1
+        assert path.sequences_per_micro_batch(5, 64) == 1
+        assert compare_outputs(ref, path(x, mask), *STRICT).passed
+
+
+def test_gradient_enabled_call_uses_tiles_and_matches_reference_gradients():
+    config = TransformerConfig(2, 96, 32, 4, 32, 2)
+    reference, _, path = models(config, torch.float32, query_tile=16)
+    x, mask = generate_case(config, "cpu", torch.float32, 9, padding_ratio=0.0)
+    grads = []
+    for model in (reference, path):
+        xg = x.clone().requires_grad_(True)
+        out = model(xg, mask)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append((out.detach(), xg.grad, model.layers[0].attention.q_proj.weight.grad))
+    assert path.last_attention_path == "tiled"  # grad-enabled calls never take the fused path
+    for expected, got in zip(grads[0], grads[1]):
+        assert compare_outputs(expected, got, *STRICT).passed
+
+
+def test_sdpa_refusal_is_a_one_line_error_not_a_math_fallback():
+    config = TransformerConfig(1, 32, 32, 4, 32, 1)
+    _, _, path = models(config, torch.float32)
+    path.backends = [SDPBackend.EFFICIENT_ATTENTION]  # CUDA-only: the CPU must refuse it
+    x, _ = generate_case(config, "cpu", torch.float32, 0)
+    with torch.inference_mode(), pytest.raises(KKError) as info:
+        path(x)
+    message = str(info.value)
+    assert "refused" in message and "efficient_attention" in message and "\n" not in message
+    assert fused_backends(torch.device("cpu")) == [SDPBackend.FLASH_ATTENTION]
+    assert SDPBackend.MATH not in fused_backends(torch.device("cuda"))
+
+
+def test_bad_arguments_are_one_line_errors():
+    config = TransformerConfig(1, 16, 32, 4, 32, 1)
+    for bad in ({"micro_batch": 0}, {"query_tile": -1}, {"query_tile": True}):
+        with pytest.raises(KKError, match="positive integer"):
+            LongContextTransformer(config, **bad)
+    with pytest.raises(KKError, match="key_extent"):
+        TiledReferenceTransformer(config, key_extent="half")
+    path = LongContextTransformer(config).eval()
+    with pytest.raises(KKError, match="dtype"):
+        path(torch.zeros(1, 16, 32, dtype=torch.float64))
+    with pytest.raises(KKError, match="valid_token_mask"):
+        path(torch.zeros(1, 16, 32), torch.ones(1, 16))
+    with pytest.raises(KKError, match="seq_len"):
+        build_long_context(config, "float32", "cpu", seq_len=0)
+    with pytest.raises(KKError, match="contract"):
+        validate_long_context(config, "float32", "cpu", trials=1, contract="loose")
+
+
+MEMORY_PROBE = textwrap.dedent("""
+    import json, sys, torch
+    from kkdeploy import ReferenceTransformer, TransformerConfig, generate_case
+    from kkdeploy.longcontext_model import LongContextTransformer
+    torch.set_num_threads(2)
+
+    def status_bytes(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    config = TransformerConfig(**json.loads(sys.argv[2]))
+    model = (LongContextTransformer(config) if sys.argv[1] == "long" else ReferenceTransformer(config)).eval()
+    x, mask = generate_case(config, "cpu", torch.float32, 1234, padding_ratio=float(sys.argv[3]))
+    with torch.inference_mode():
+        model(x, mask)  # first call pages in library code and kernel workspaces: not the model's memory
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: reset the peak RSS (VmHWM) to the current RSS
+        rss_before = status_bytes("VmRSS")
+        out = model(x, mask)
+        peak = status_bytes("VmHWM")
+    print(json.dumps({"peak_increase": peak - rss_before}))
+""")
+
+
+def peak_increase(kind: str, config: TransformerConfig, padding_ratio: float) -> int:
+    """Peak RSS during one (warm) forward in a fresh process, above its RSS just before it.
+
+    The kernel's peak-RSS counter is reset right before the measured call, and glibc's mmap
+    threshold is pinned at 64 KiB so every tensor buffer is mapped on allocation and unmapped on
+    free: RSS follows live tensor memory instead of a heap that only grows.
+    """
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    result = subprocess.run([sys.executable, "-c", MEMORY_PROBE, kind, json.dumps(config.to_dict()),
+                             str(padding_ratio)], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    if result.returncode and "clear_refs" in result.stderr:
+        pytest.skip("this kernel does not allow resetting the peak RSS (/proc/self/clear_refs)")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])["peak_increase"]
+
+
+def test_peak_memory_stays_far_below_the_dense_score_size():
+    dense = LONG.dense_score_bytes(torch.float32)  # 2*4*4096*4096*4 = 512 MiB
+    long_all_valid = peak_increase("long", LONG, 0.0)
+    long_padded = peak_increase("long", LONG, 0.5)
+    print(f"dense scores {dense / 2**20:.0f} MiB; long-context peak increase all-valid "
+          f"{long_all_valid / 2**20:.1f} MiB, padded {long_padded / 2**20:.1f} MiB")
+    # padded: a few [b,H,tile,S] tile temporaries (16 MiB each here); all-valid: no S x S term at all
+    assert long_all_valid < dense / 16 and long_padded < dense / 4
+    # The instrument sees score tensors: the dense reference rises by more than one [B,H,S,S] tensor.
+    control = TransformerConfig(1, 2048, 64, 4, 64, 1)
+    dense_peak = peak_increase("dense", control, 0.0)
+    print(f"dense reference (B1) peak increase {dense_peak / 2**20:.0f} MiB")
+    assert dense_peak > control.dense_score_bytes(torch.float32)
+
+
+def test_check_reduced_through_the_cli(capsys):
+    argv = ["check", "--shape", "14", "--reduced", "--seq-len", "256", "--d-model", "64", "--heads", "4",
+            "--ffn-dim", "64", "--trials", "2", "--device", "cpu"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("trial ")]
+    assert len(lines) == 4 and sum("all-valid" in l for l in lines) == 2 and sum("padded" in l for l in lines) == 2
+    assert all("PASS failed 0/32768" in l for l in lines)
+    assert out.strip().splitlines()[-1].startswith("PASS")
+
+
+def test_check_refusals_are_one_line(capsys):
+    assert main(["check", "--shape", "14", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "not run on the CPU" in err and "TiB" in err and "--reduced" in err and "Traceback" not in err
+    assert main(["check", "--shape", "14", "--seq-len", "128", "--device", "cpu"]) == 2
+    assert "only to the reduced validation" in capsys.readouterr().err
+    assert main(["check", "--shape", "3", "--reduced", "--device", "cpu"]) == 2
+    assert "drop it for shape 3" in capsys.readouterr().err
+    assert main(["check", "--shape", "14", "--reduced", "--heads", "5", "--device", "cpu"]) == 2
+    assert "not divisible" in capsys.readouterr().err
+
+
+def test_build_long_context_refuses_dense_and_reports_validation(tmp_path):
+    logical = TransformerConfig(32, 100000, 64, 4, 64, 2)
+    result = build_long_context(logical, "float32", "cpu", tmp_path, trials=1, seq_len=192)
+    names = [c["name"] for c in result["candidates"]]
+    assert names == list(DENSE_CANDIDATES) + ["torch-long-context"]
+    for dense in result["candidates"][:-1]:
+        assert dense["status"] == "skipped" and dense["estimated_bytes"] == logical.dense_score_bytes(torch.float32)
+        assert str(dense["estimated_bytes"]) in dense["reason"]
+    chosen = result["candidates"][-1]
+    assert chosen["status"] == "passed" and chosen["failed_elements"] == 0 and chosen["trial_count"] == 2
+    assert result["choice"]["backend"] == "torch-long-context" and result["choice"]["validated"]
+    assert result["validated_shape"]["seq_len"] == 192 and result["validated_shape"]["batch_size"] == 2
+    modes = [(r["mask_mode"], r["attention_path"]) for r in result["validation"]["reports"]]
+    assert modes == [("all-valid", "sdpa-flash_attention"), ("padded", "tiled")]
+    written = json.loads(Path(result["validation_file"]).read_text())
+    assert written["passed"] and written["weights_sha256"] == result["validation"]["weights_sha256"]
