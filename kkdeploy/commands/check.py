@@ -6,7 +6,7 @@ import torch
 
 from validation import compare_outputs, contract
 
-from ..config import LONG_CONTEXT_SHAPES, dtype_name
+from ..config import LONG_CONTEXT_SHAPES, dtype_name, official_config
 from ..console import console, progress_bar
 from ..errors import KKError
 from ..inputs import generate_case
@@ -21,13 +21,21 @@ def register(sub):
     p.add_argument("--contract", default="strict", choices=["strict", "judge"])
     p.add_argument("--sdpa-layers", type=int, default=1, help="layers (from the last) using packed SDPA (default 1)")
     p.add_argument("--padding-ratio", type=float, default=0.0, help="padding ratio of the trials (default 0)")
-    p.add_argument("--reduced", action="store_true", help="shape 14: validate on the reduced long-context shape")
+    p.add_argument("--reduced", action="store_true", help="shape 14: validate on the reduced long-context shape "
+                   "(B2/S4096; the custom-shape flags, e.g. --seq-len, override its fields)")
+    p.add_argument("--full-shape", action="store_true", help="shape 14 on a GPU: run the full logical shape")
+    p.add_argument("--micro-batch", type=int, help="long-context path: sequences per micro-batch (default: automatic)")
+    p.add_argument("--query-tile", type=int, help="long-context path: queries per tile of the padded path")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.shape in LONG_CONTEXT_SHAPES:  # its custom-shape flags override the reduced shape
+        from ..longcontext import run_check as long_check
+
+        return long_check(args, args.shape, official_config(args.shape))
     shape_id, config = resolve_config(args)
-    if shape_id in LONG_CONTEXT_SHAPES or args.reduced:
+    if args.reduced:
         from ..longcontext import run_check as long_check  # the bounded-memory path owns shape 14
 
         return long_check(args, shape_id, config)
