@@ -322,6 +322,21 @@ def keys_mismatch(recorded: dict, current: dict) -> str | None:
     return None
 
 
+def faithful_inductor_configs() -> dict:
+    """Inductor settings for every variant, applied only for the compile (``config.patch``).
+
+    Precision-cast emulation rounds where eager rounds; GEMMs stay ATen extern calls (no Triton
+    or C++ GEMM templates from max-autotune, whatever the environment says); an FP16/BF16
+    ``addmm`` keeps its bias inside the GEMM (cuBLASLt's FP32 epilogue) instead of being split
+    into ``mm`` + a pointwise add.
+    """
+    from torch._inductor import config as inductor_config
+
+    wanted = {"emulate_precision_casts": True, "max_autotune": False, "max_autotune_gemm": False,
+              "keep_addmm_fused_for_half_dtypes": True}
+    return {k: v for k, v in wanted.items() if hasattr(inductor_config, k)}
+
+
 def build_package(ctx: BuildContext, variant: str) -> dict:
     """Write ``<variant>.pt2`` into ctx.out_dir (from the cache when possible); return its options."""
     from kkdeploy.weights import weights_sha256
@@ -333,7 +348,8 @@ def build_package(ctx: BuildContext, variant: str) -> dict:
     opaque, sdpa_layers = parse_variant(variant, ctx.config)
     weights_hash = weights_sha256(ctx.model)
     env = cache.environment_keys(device)
-    key = cache.cache_key(ctx.config.to_dict(), dtype_name(ctx.dtype), variant, weights_hash, env, OPS_VERSION)
+    key = cache.cache_key(ctx.config.to_dict(), dtype_name(ctx.dtype), variant, weights_hash,
+                          {**env, "inductor_configs": faithful_inductor_configs()}, OPS_VERSION)
     root = cache.cache_dir(ctx.options)
     package_name = f"{variant}.pt2"
     dest = Path(ctx.out_dir) / package_name
@@ -351,7 +367,7 @@ def build_package(ctx: BuildContext, variant: str) -> dict:
             "variant": variant, "weights_sha256": weights_hash, "dtype": dtype_name(ctx.dtype),
             "config": json.dumps(ctx.config.to_dict(), sort_keys=True), "ops_version": OPS_VERSION,
             **{f"env.{k}": v for k, v in env.items()}}.items()}
-        inductor_configs = {"emulate_precision_casts": True, "aot_inductor.metadata": metadata}
+        inductor_configs = {**faithful_inductor_configs(), "aot_inductor.metadata": metadata}
         start = time.perf_counter()
         torch._inductor.aoti_compile_and_package(exported, package_path=str(dest),
                                                  inductor_configs=inductor_configs)
@@ -368,6 +384,7 @@ def build_package(ctx: BuildContext, variant: str) -> dict:
         "weights_sha256": weights_hash,
         "keys": env,
         "emulate_precision_casts": True,
+        "inductor_configs": faithful_inductor_configs(),
         "opaque_ops": list(opaque),
         "sdpa_layers": sdpa_layers,
         "all_valid_only": bool(sdpa_layers),

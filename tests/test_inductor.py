@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._inductor.config
 
 from engines.base import BUILT, BuildContext
-from engines.inductor import BACKEND, InductorRunner
+from engines.inductor import BACKEND, InductorRunner, faithful_inductor_configs
 from kkdeploy import KKError, TransformerConfig, generate_case
 from kkdeploy.weights import build_models
 
@@ -39,7 +40,10 @@ def build(tmp_path_factory, cache_root, dtype, variant, name):
     reference, _ = build_models(TINY, dtype, CPU)
     out = tmp_path_factory.mktemp(name)
     ctx = BuildContext(TINY, dtype, CPU, reference, out, options={"cache_dir": str(cache_root)})
+    before = {k: getattr(torch._inductor.config, k) for k in faithful_inductor_configs()}
     result = BACKEND.build(ctx, variant)
+    # The compile-time settings are scoped to the build: nothing leaks into the process.
+    assert {k: getattr(torch._inductor.config, k) for k in before} == before
     assert result.status == BUILT, result.reason
     return out, result
 
