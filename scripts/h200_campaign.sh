@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The H200 runs behind the issue notes, as steps: bash scripts/h200_campaign.sh STEP[=SECONDS]...
+#
+# Run on the lent GPU machine from the repository root (see ../shared/gpu/README.md for bringing
+# onnxruntime-gpu and polygraphy to /tmp/site first). Everything lands under $OUT (at most 8 files):
+#   campaign.log     every step's output, in order
+#   builds.tgz       manifest/validation/bench/latency.png of each `kkdeploy build` (no engines)
+#   fidelity.json    scripts/onnx_fidelity.py (ORT CUDA EP variants x levels x CUDA graphs)
+#   inductor.json    scripts/inductor_h200.py (AOTInductor variants)
+#   shape14.json     scripts/shape14_h200.py (full logical shape 14)
+#   bench.tgz        kkdeploy bench output (json, md, png)
+# Steps: env, build, fidelity, inductor, shape14, bench. A step's =SECONDS caps its wall time.
+set -u
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export KKDEPLOY_CACHE_DIR=${KKDEPLOY_CACHE_DIR:-/tmp/kk-cache}
+WORK=/tmp/kk-work
+mkdir -p "$WORK"
+log="$OUT/campaign.log"
+BUILD_SHAPES=${BUILD_SHAPES:-2 3 12}
+export OUT WORK BUILD_SHAPES
+
+step_env() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 - <<'PY'
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+for m in ("onnx", "onnxruntime", "polygraphy", "rich", "safetensors", "matplotlib", "tensorrt"):
+    try:
+        mod = importlib.import_module(m)
+        extra = mod.get_available_providers() if m == "onnxruntime" else ""
+        print(m, getattr(mod, "__version__", "?"), extra)
+    except Exception as exc:
+        print(m, "MISSING:", type(exc).__name__, exc)
+PY
+}
+
+step_build() {
+  for s in $BUILD_SHAPES; do
+    python3 -m kkdeploy build --shape "$s" --device cuda --dtype float16 --force \
+      --backends "${BUILD_BACKENDS:-trt,ort-cuda,torch-graph}" --out "$WORK/shape-$s" || echo "build shape $s: exit $?"
+  done
+  (cd "$WORK" && tar czf "$OUT/builds.tgz" --exclude='*.onnx' --exclude='*.plan' --exclude='*.pt2' \
+     --exclude='*.safetensors' shape-*)
+  for s in $BUILD_SHAPES; do python3 -m kkdeploy run --artifacts "$WORK/shape-$s" --padding-ratio 0.25 || true; done
+}
+
+step_fidelity() { python3 scripts/onnx_fidelity.py --out "$OUT/fidelity.json" ${FIDELITY_ARGS:-}; }
+step_inductor() { python3 scripts/inductor_h200.py --out "$OUT/inductor.json" ${INDUCTOR_ARGS:-}; }
+step_shape14() { python3 scripts/shape14_h200.py --out "$OUT/shape14.json" ${SHAPE14_ARGS:-}; }
+step_bench() {
+  python3 -m kkdeploy bench ${BENCH_ARGS:---all --dtype float16 --processes 1} --out "$WORK/bench" || true
+  (cd "$WORK" && tar czf "$OUT/bench.tgz" bench)
+}
+
+for arg in "$@"; do
+  name=${arg%%=*}; limit=${arg#*=}; [ "$limit" = "$arg" ] && limit=540
+  echo "=== step $name (limit ${limit}s) $(date -u +%T)" | tee -a "$log"
+  start=$(date +%s)
+  ( export -f "step_$name"; timeout --signal=INT --kill-after=15 "$limit" bash -c "step_$name" ) 2>&1 | tee -a "$log"
+  echo "=== step $name done: exit ${PIPESTATUS[0]} in $(( $(date +%s) - start ))s" | tee -a "$log"
+done
