@@ -196,3 +196,48 @@ def test_variant_names_are_checked():
         ctx.options["inductor_variants"] = [bad]
         with pytest.raises(KKError, match=bad):
             BACKEND.candidates(ctx)
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory, cache_root, fp32_build):
+    """``kkdeploy build`` with the inductor backend only (a cache hit: no second compile)."""
+    from kkdeploy.build import BuildRequest, run_build
+
+    out = tmp_path_factory.mktemp("shipped") / "artifacts"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KKDEPLOY_CACHE_DIR", str(cache_root))
+        run_build(BuildRequest(TINY, torch.float32, CPU, out, backends=["inductor"], trials=2,
+                               warmups=1, repeats=3, rounds=1))
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    entry = next(c for c in manifest["candidates"] if c["name"] == "inductor")
+    assert entry["status"] == "passed" and entry["options"]["cache"] == "hit"
+    # Pin the choice: which of engine and fallback timed faster on a shared CPU is not the subject here.
+    manifest["choice"] = {**manifest["choice"], "candidate": "inductor", "backend": "inductor", "all_valid_only": False}
+    manifest_path.write_text(json.dumps(manifest))
+    return out, manifest
+
+
+def test_kkdeploy_load_serves_the_package_bitwise(shipped):
+    import kkdeploy
+
+    out, _ = shipped
+    runner = kkdeploy.load(out, device="cpu")
+    assert runner.backend == "inductor", runner.reason
+    reference, _ = build_models(TINY, torch.float32, CPU)
+    for x, mask in (generate_case(TINY, CPU, torch.float32, 7), padded_case(torch.float32, 8)):
+        with torch.no_grad():
+            assert torch.equal(runner(x, mask), reference(x, mask))
+
+
+def test_kkdeploy_load_refuses_package_keys_of_another_torch(shipped):
+    import kkdeploy
+
+    out, manifest = shipped
+    for entry in manifest["candidates"]:
+        if entry["name"] == "inductor":
+            entry["options"]["keys"]["torch"] = "0.0.0+other"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    runner = kkdeploy.load(out, device="cpu")
+    assert runner.backend != "inductor"
+    assert "compiled with torch 0.0.0+other" in runner.reason
