@@ -268,8 +268,8 @@ class InductorBackend(Backend):
         try:
             result.options = build_package(ctx, candidate)
             result.files = [result.options["package"]]
-        except KKError:
-            raise
+        except KKError as exc:  # e.g. the exported graph lacks the ops it must keep opaque
+            result.status, result.reason = BUILD_FAILED, f"build-failed: {exc}"
         except Exception as exc:  # noqa: BLE001 - a compiler failure is a candidate outcome, not a crash
             result.status, result.reason = BUILD_FAILED, f"build-failed: {_first_line(exc)}"
         result.build_seconds = round(time.perf_counter() - start, 3)
