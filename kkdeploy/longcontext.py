@@ -87,14 +87,15 @@ def full_shape_estimate(config: TransformerConfig, dtype: torch.dtype, device: t
 def build_validation_models(config: TransformerConfig, dtype: torch.dtype, device: torch.device, *,
                             weights=None, weight_seed: int = DEFAULT_WEIGHT_SEED, micro_batch: int | None = None,
                             query_tile: int = DEFAULT_QUERY_TILE,
-                            reference_query_tile: int = DEFAULT_REFERENCE_QUERY_TILE):
+                            reference_query_tile: int = DEFAULT_REFERENCE_QUERY_TILE, sdpa_layers: int | None = None):
     """Tiled reference and long-context path on identical weights, in eval mode."""
     reference = TiledReferenceTransformer(config, query_tile=reference_query_tile)
     if weights is None:
         init_weights(reference, weight_seed)
     else:
         load_weights(reference, weights)
-    candidate = LongContextTransformer(config, micro_batch=micro_batch, query_tile=query_tile)
+    candidate = LongContextTransformer(config, micro_batch=micro_batch, query_tile=query_tile,
+                                       sdpa_layers=sdpa_layers)
     candidate.load_state_dict(reference.state_dict(), strict=True)
     return reference.to(device=device, dtype=dtype).eval(), candidate.to(device=device, dtype=dtype).eval()
 
@@ -122,7 +123,8 @@ def validate_long_context(config: TransformerConfig, dtype: torch.dtype, device,
                           trials: int = DEFAULT_TRIALS, contract: str = "strict",
                           padding_ratio: float = DEFAULT_PADDING_RATIO, micro_batch: int | None = None,
                           query_tile: int = DEFAULT_QUERY_TILE,
-                          reference_query_tile: int = DEFAULT_REFERENCE_QUERY_TILE, on_trial=None) -> dict:
+                          reference_query_tile: int = DEFAULT_REFERENCE_QUERY_TILE, on_trial=None,
+                          sdpa_layers: int | None = None) -> dict:
     """Compare every output element of the long-context path with the tiled reference."""
     device = resolve_device(device)
     dtype = parse_dtype(dtype)
@@ -133,7 +135,7 @@ def validate_long_context(config: TransformerConfig, dtype: torch.dtype, device,
         raise KKError(f"padding ratio for the padded trials must be in (0, 1), got {padding_ratio}")
     reference, candidate = build_validation_models(
         config, dtype, device, weights=weights, weight_seed=weight_seed, micro_batch=micro_batch,
-        query_tile=query_tile, reference_query_tile=reference_query_tile)
+        query_tile=query_tile, reference_query_tile=reference_query_tile, sdpa_layers=sdpa_layers)
     reports = []
     for t, mode, ratio in trial_plan(trials, padding_ratio):
         x, mask = generate_case(config, device, dtype, seed + t, padding_ratio=ratio)
@@ -204,10 +206,18 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise KKError(f"seq_len must be a positive integer, got {seq_len!r}")
     validated = reduced_config(config, seq_len=seq_len)
-    validation = validate_long_context(
-        validated, dtype, device, weights=weights, weight_seed=weight_seed, seed=seed, trials=trials,
-        contract=contract, padding_ratio=padding_ratio, micro_batch=micro_batch, query_tile=query_tile,
-        on_trial=on_trial)
+    calibration = []
+    # The most fused attention that still passes: every layer, then one fewer, ... down to none
+    # (reference-order tiled attention everywhere).
+    for sdpa_layers in range(config.num_layers, -1, -1):
+        validation = validate_long_context(
+            validated, dtype, device, weights=weights, weight_seed=weight_seed, seed=seed, trials=trials,
+            contract=contract, padding_ratio=padding_ratio, micro_batch=micro_batch, query_tile=query_tile,
+            on_trial=on_trial, sdpa_layers=sdpa_layers)
+        calibration.append({"sdpa_layers": sdpa_layers, "passed": validation["passed"],
+                            "failed_elements": validation["failed_elements"]})
+        if validation["passed"]:
+            break
     passed = validation["passed"]
     modes = sorted({r["attention_path"] for r in validation["reports"]})
     long_context = {
@@ -216,6 +226,7 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
         "failed_trials": sum(not r["passed"] for r in validation["reports"]),
         "trial_count": len(validation["reports"]), "max_abs": validation["max_abs"], "max_rel": validation["max_rel"],
         "attention_paths": modes, "validated_shape": validated.to_dict(),
+        "sdpa_layers": sdpa_layers, "calibration": calibration,
     }
     score_bytes = config.dense_score_bytes(dtype)
     summary = (f"{validation['failed_elements']} of {validation['total_elements']} elements failed {contract} "

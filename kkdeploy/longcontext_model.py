@@ -121,8 +121,16 @@ class LongContextTransformer(ReferenceTransformer):
 
     def __init__(self, config: TransformerConfig, micro_batch: int | None = None,
                  query_tile: int = DEFAULT_QUERY_TILE, activation_budget: int = DEFAULT_ACTIVATION_BUDGET,
-                 backends: list[SDPBackend] | None = None):
+                 backends: list[SDPBackend] | None = None, sdpa_layers: int | None = None):
         super().__init__(config)
+        if sdpa_layers is None:
+            sdpa_layers = config.num_layers
+        if isinstance(sdpa_layers, bool) or not isinstance(sdpa_layers, int) or not 0 <= sdpa_layers <= config.num_layers:
+            raise KKError(f"sdpa_layers must be between 0 and num_layers={config.num_layers}, got {sdpa_layers!r}")
+        # Fused kernels round differently from the reference (online softmax, late normalization):
+        # in FP16 that can break the strict rule, so only the last ``sdpa_layers`` layers use them and
+        # earlier layers run the tiled reference-order attention (calibrated per shape by validation).
+        self.sdpa_layers = sdpa_layers
         for name, value in (("micro_batch", micro_batch), ("query_tile", query_tile),
                             ("activation_budget", activation_budget)):
             if value is None and name == "micro_batch":
@@ -144,8 +152,11 @@ class LongContextTransformer(ReferenceTransformer):
     def attention_path(self, valid_token_mask) -> str:
         """'sdpa-<backends>' for all-valid inference calls, else 'tiled'."""
         all_valid = valid_token_mask is None or bool(valid_token_mask.all())
-        if all_valid and not torch.is_grad_enabled():
-            return "sdpa-" + backend_names(self.backends or fused_backends(self.device))
+        if all_valid and not torch.is_grad_enabled() and self.sdpa_layers:
+            fused = "sdpa-" + backend_names(self.backends or fused_backends(self.device))
+            if self.sdpa_layers < self.config.num_layers:
+                fused += f" in the last {self.sdpa_layers} layer(s), tiled before"
+            return fused
         return "tiled"
 
     def attention_block(self, layer, h, valid_token_mask, fused: bool) -> torch.Tensor:
@@ -163,8 +174,9 @@ class LongContextTransformer(ReferenceTransformer):
 
     def micro_batch_forward(self, x, valid_token_mask, fused: bool) -> torch.Tensor:
         mask = None if fused else valid_token_mask  # fused means all valid: zeroing is a no-op
-        for layer in self.layers:
-            x = x + self.attention_block(layer, layer.norm1(x), mask, fused)
+        first_fused = len(self.layers) - self.sdpa_layers
+        for index, layer in enumerate(self.layers):
+            x = x + self.attention_block(layer, layer.norm1(x), mask, fused and index >= first_fused)
             x = x + layer.feed_forward(x)
             x = zero_invalid_rows(x, mask)
         return zero_invalid_rows(self.final_norm(x), mask)

@@ -95,7 +95,12 @@ def load_fallback(root: Path, manifest: dict, config: TransformerConfig, dtype: 
         raise KKError(f"{weights} cannot be read ({type(exc).__name__}); rebuild the artifacts") from None
     if weights_sha256(state) != manifest["weights"]["sha256"]:
         raise KKError(f"{weights} does not match the manifest's weights hash (tampered or foreign); rebuild")
-    model = OptimizedTransformer(config, sdpa_layers=int(manifest["fallback"]["sdpa_layers"]))
+    if manifest["fallback"].get("model") == "LongContextTransformer":
+        from .longcontext_model import LongContextTransformer
+
+        model = LongContextTransformer(config, sdpa_layers=int(manifest["fallback"]["sdpa_layers"]))
+    else:
+        model = OptimizedTransformer(config, sdpa_layers=int(manifest["fallback"]["sdpa_layers"]))
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
@@ -130,8 +135,10 @@ def load(path, device=None) -> ServedRunner:
             log.warning("kkdeploy: serving the PyTorch fallback for %s: %s", root, reason)
         return ServedRunner(fallback, backend=FALLBACK, reason=reason, manifest=manifest)
 
-    if choice["candidate"] == FALLBACK:
-        return serve_fallback(choice["reason"])
+    if choice["candidate"] == FALLBACK or choice.get("backend") == "long_context":
+        served = serve_fallback(choice["reason"])
+        served.backend = choice["candidate"]
+        return served
     problem = verify_files(root, manifest)
     if problem:
         return serve_fallback(problem)

@@ -9,7 +9,7 @@
 #   inductor.json    scripts/inductor_h200.py (AOTInductor variants)
 #   shape14.json     scripts/shape14_h200.py (full logical shape 14)
 #   bench.tgz        kkdeploy bench output (json, md, png)
-# Steps: env, build, fidelity, inductor, shape14, bench. A step's =SECONDS caps its wall time.
+# Steps: env, selfcheck, build, fidelity, inductor, shape14, bench. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -46,6 +46,7 @@ step_build() {
   for s in $BUILD_SHAPES; do python3 -m kkdeploy run --artifacts "$WORK/shape-$s" --padding-ratio 0.25 || true; done
 }
 
+step_selfcheck() { python3 scripts/gpu_selfcheck.py --shape "${SELFCHECK_SHAPE:-3}"; }
 step_fidelity() { python3 scripts/onnx_fidelity.py --out "$OUT/fidelity.json" ${FIDELITY_ARGS:-}; }
 step_inductor() { python3 scripts/inductor_h200.py --out "$OUT/inductor.json" ${INDUCTOR_ARGS:-}; }
 step_shape14() { python3 scripts/shape14_h200.py --out "$OUT/shape14.json" ${SHAPE14_ARGS:-}; }

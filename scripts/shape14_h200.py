@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=full.num_layers)
     p.add_argument("--sequences", type=int, default=2, help="sequences compared with the tiled reference (default 2)")
     p.add_argument("--micro-batch", type=int, help="sequences per micro-batch of the long-context path (default auto)")
+    p.add_argument("--sdpa-layers", type=int, help="layers (from the last) using fused SDPA; earlier layers run "
+                   "tiled reference-order attention (default: every layer)")
     p.add_argument("--query-tile", type=int, default=DEFAULT_QUERY_TILE)
     p.add_argument("--reference-tile", type=int, default=DEFAULT_REFERENCE_QUERY_TILE)
     p.add_argument("--key-extent", default="full", choices=["full", "visible"],
@@ -104,7 +106,8 @@ def pick_sequences(batch: int, count: int) -> list[int]:
 def run_full_shape(args, config, device, dtype) -> dict:
     reference = TiledReferenceTransformer(config, query_tile=args.reference_tile, key_extent=args.key_extent)
     init_weights(reference)
-    path = LongContextTransformer(config, micro_batch=args.micro_batch, query_tile=args.query_tile)
+    path = LongContextTransformer(config, micro_batch=args.micro_batch, query_tile=args.query_tile,
+                                  sdpa_layers=args.sdpa_layers)
     path.load_state_dict(reference.state_dict(), strict=True)
     reference = reference.to(device=device, dtype=dtype).eval()
     path = path.to(device=device, dtype=dtype).eval()
@@ -171,6 +174,7 @@ def main(argv=None) -> int:
         reduced = validate_long_context(
             reduced_shape, dtype, device, seed=args.seed, trials=args.reduced_trials, contract=args.contract,
             micro_batch=args.micro_batch, query_tile=args.query_tile, reference_query_tile=args.reference_tile,
+            sdpa_layers=args.sdpa_layers,
             on_trial=lambda e: console.print(f"reduced trial {e['trial']} {e['mask_mode']}: failed "
                                              f"{e['failed']}/{e['total']} max_abs {e['max_abs']:.3g}"))
     total = time.perf_counter() - started

@@ -24,6 +24,8 @@ def register(sub):
     p.add_argument("--warmups", type=int, default=20)
     p.add_argument("--repeats", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seq-len-validate", dest="seq_len", type=int,
+                   help="shape 14: sequence length of the reduced validation shape (default 4096)")
     p.add_argument("--ort-level", choices=["disabled", "basic", "extended", "all"],
                    help="ONNX Runtime graph optimization level (default: extended on CPU, basic on CUDA)")
     p.add_argument("--linear", choices=["gemm", "matmul_add", "fp32", "bias_in_k"],
@@ -57,7 +59,7 @@ def run(args) -> int:
         if shape_id in LONG_CONTEXT_SHAPES:
             from ..longcontext_build import build_long_context_artifacts
 
-            build_long_context_artifacts(args, shape_id, config, dtype, device, out)
+            status = max(status, build_long_context_artifacts(args, shape_id, config, dtype, device, out))
             continue
         console.print(f"[bold]build[/] shape {shape_id if shape_id is not None else 'custom'}: {config.describe()} "
                       f"{str(dtype).replace('torch.', '')} on {device} -> {out}")
