@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import shutil
 import time
@@ -147,12 +148,16 @@ class InductorRunner(Runner):
         on_cuda = self.device.type == "cuda"
         index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) if on_cuda else -1
         # Single-threaded mode skips the container's locking, which would get in CUDA-graph capture's way.
-        self.model = torch._inductor.aoti_load_package(str(package), run_single_threaded=on_cuda,
-                                                       device_index=index)
+        # KKDEPLOY_AOTI_SINGLE_THREADED=0 turns it off (scripts/inductor_probe.py tells which mode loads).
+        single = on_cuda and os.environ.get("KKDEPLOY_AOTI_SINGLE_THREADED", "1") != "0"
+        kwargs = {"run_single_threaded": single}
+        if os.environ.get("KKDEPLOY_AOTI_DEVICE_INDEX", "1") != "0":
+            kwargs["device_index"] = index
+        self.model = torch._inductor.aoti_load_package(str(package), **kwargs)
         self.metadata = dict(self.model.get_metadata())
         self._mask_seen: tuple | None = None
         self.graph = None
-        if on_cuda and cuda_graph:
+        if on_cuda and cuda_graph and os.environ.get("KKDEPLOY_AOTI_GRAPH", "1") != "0":
             self._capture()
 
     def _run(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

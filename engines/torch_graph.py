@@ -37,6 +37,7 @@ class CudaGraphRunner(Runner):
         if self.device.type != "cuda":
             raise KKError("CUDA-graph runners need a CUDA device")
         self.all_valid_only = all_valid_only
+        self.model = model  # the graph reads these parameters' memory: they must outlive it
         self._mask_cache = AllValidMaskCache()
         b, s, d = config.batch_size, config.seq_len, config.d_model
         self.static_x = torch.zeros(b, s, d, dtype=dtype, device=self.device)

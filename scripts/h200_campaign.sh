@@ -48,11 +48,19 @@ step_build() {
 
 step_selfcheck() { python3 scripts/gpu_selfcheck.py --shape "${SELFCHECK_SHAPE:-3}"; }
 step_fidelity() { python3 scripts/onnx_fidelity.py --out "$OUT/fidelity.json" ${FIDELITY_ARGS:-}; }
-step_inductor() { python3 scripts/inductor_h200.py --out "$OUT/inductor.json" ${INDUCTOR_ARGS:-}; }
+step_inductor() {
+  # Find a load mode that works on this GPU first (a bad one segfaults), then run the sweep with it.
+  best=$(python3 scripts/inductor_probe.py --shape 3 | tee /dev/stderr | sed -n 's/^BEST //p')
+  if [ -z "$best" ] || [ "$best" = NONE ]; then echo "no AOTInductor load mode works here"; return 1; fi
+  env $best python3 scripts/inductor_h200.py --out "$OUT/inductor.json" ${INDUCTOR_ARGS:-}
+}
 step_shape14() { python3 scripts/shape14_h200.py --out "$OUT/shape14.json" ${SHAPE14_ARGS:-}; }
 step_bench() {
-  python3 -m kkdeploy bench ${BENCH_ARGS:---all --dtype float16 --processes 1} --out "$WORK/bench" || true
-  (cd "$WORK" && tar czf "$OUT/bench.tgz" bench)
+  for s in ${BENCH_SHAPES:-2 3 12 1 4 5 7 9 10 11 8 13 6}; do
+    python3 -m kkdeploy bench --shape "$s" --dtype float16 --processes "${BENCH_PROCESSES:-1}" ${BENCH_ARGS:-} \
+      --out "$WORK/bench/shape-$s" || echo "bench shape $s: exit $?"
+    (cd "$WORK" && tar czf "$OUT/bench.tgz" bench)  # after every shape: a timeout keeps what finished
+  done
 }
 
 for arg in "$@"; do
