@@ -76,7 +76,8 @@ def attend_tile(q_tile, k_head, v_head, scale: float, query_start: int, causal: 
     return torch.matmul(probs, v_head)
 
 
-def tiled_attention(q, k, v, scale: float, causal: bool, valid_token_mask, query_tile: int) -> torch.Tensor:
+def tiled_attention(q, k, v, scale: float, causal: bool, valid_token_mask, query_tile: int,
+                    key_extent: str = "full") -> torch.Tensor:
     """Query-tiled attention on [b,H,S,Dh]: the largest temporary is [b,H,query_tile,S].
 
     Positions after the last valid token of the micro-batch are invalid for every sequence:
@@ -92,7 +93,9 @@ def tiled_attention(q, k, v, scale: float, causal: bool, valid_token_mask, query
     pieces, context = [], None if grad else q.new_zeros(b, h, s, dh)
     for t0 in range(0, limit, query_tile):
         t1 = min(limit, t0 + query_tile)
-        k_end = t1 if causal else limit
+        # "full": every query row sees its whole key row, like the reference (same reduction lengths,
+        # so the same rounding); "visible" stops causal tiles at their last query (half the work).
+        k_end = t1 if (causal and key_extent == "visible") else limit
         key_valid = query_valid = None
         if valid_token_mask is not None:
             key_valid = valid_token_mask[:, :k_end]
@@ -121,8 +124,12 @@ class LongContextTransformer(ReferenceTransformer):
 
     def __init__(self, config: TransformerConfig, micro_batch: int | None = None,
                  query_tile: int = DEFAULT_QUERY_TILE, activation_budget: int = DEFAULT_ACTIVATION_BUDGET,
-                 backends: list[SDPBackend] | None = None, sdpa_layers: int | None = None):
+                 backends: list[SDPBackend] | None = None, sdpa_layers: int | None = None,
+                 key_extent: str = "full"):
         super().__init__(config)
+        if key_extent not in ("full", "visible"):
+            raise KKError(f"key_extent must be 'full' or 'visible', got {key_extent!r}")
+        self.key_extent = key_extent
         if sdpa_layers is None:
             sdpa_layers = config.num_layers
         if isinstance(sdpa_layers, bool) or not isinstance(sdpa_layers, int) or not 0 <= sdpa_layers <= config.num_layers:
@@ -167,7 +174,8 @@ class LongContextTransformer(ReferenceTransformer):
         if fused:
             context = fused_attention(q, k, v, attn.scale, attn.causal, self.backends or fused_backends(q.device))
         else:
-            context = tiled_attention(q, k, v, attn.scale, attn.causal, valid_token_mask, self.query_tile)
+            context = tiled_attention(q, k, v, attn.scale, attn.causal, valid_token_mask, self.query_tile,
+                                      self.key_extent)
         del q, k, v
         b, s, d = h.shape
         return zero_invalid_rows(attn.out_proj(context.transpose(1, 2).reshape(b, s, d)), valid_token_mask)

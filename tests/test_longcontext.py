@@ -240,3 +240,32 @@ def test_build_long_context_refuses_dense_and_reports_validation(tmp_path):
     assert modes == [("all-valid", "sdpa-flash_attention"), ("padded", "tiled")]
     written = json.loads(Path(result["validation_file"]).read_text())
     assert written["passed"] and written["weights_sha256"] == result["validation"]["weights_sha256"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("padding_ratio", [0.0, 0.5])
+def test_unfused_long_context_path_is_bitwise_reference(dtype, padding_ratio):
+    """sdpa_layers=0 with full key rows: the calibration's last resort is exactly the reference."""
+    if not cpu_kernels_for(dtype):
+        pytest.skip(f"this CPU build has no {dtype} matmul/layer_norm kernels")
+    config = TransformerConfig(2, 200, 32, 4, 48, 2, causal=True)
+    reference, _, _ = models(config, dtype)
+    path = LongContextTransformer(config, query_tile=48, sdpa_layers=0, micro_batch=2)
+    path.load_state_dict(reference.state_dict(), strict=True)
+    path = path.to(dtype).eval()
+    for seed in (3, 4):
+        x, mask = generate_case(config, "cpu", dtype, seed, padding_ratio=padding_ratio)
+        with torch.inference_mode():
+            assert torch.equal(reference(x, mask), path(x, mask))
+    assert path.last_attention_path == "tiled"
+
+
+def test_fused_layers_are_confined_to_the_last_ones():
+    config = TransformerConfig(2, 64, 32, 4, 48, 3)
+    path = LongContextTransformer(config, sdpa_layers=1).eval()
+    x, _ = generate_case(config, "cpu", torch.float32, 0)
+    with torch.inference_mode():
+        path(x)
+    assert "last 1 layer(s)" in path.last_attention_path
+    with pytest.raises(KKError, match="sdpa_layers must be between 0 and num_layers=3"):
+        LongContextTransformer(config, sdpa_layers=4)
