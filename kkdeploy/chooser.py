@@ -44,6 +44,14 @@ def choose(candidates: list[dict], latencies_ms: dict[str, float], fallback_late
     entry = next(c for c in passed if c["name"] == winner)
     all_valid_only = entry["status"] == PASSED_ALL_VALID_ONLY
     tie_note = " (tie within 2%: simpler backend)" if len(tied) > 1 else ""
-    scope = "; padded calls take the fallback (validated on all-valid masks only)" if all_valid_only else ""
-    return {"candidate": winner, "backend": entry["backend"], "all_valid_only": all_valid_only,
-            "reason": f"fastest validated candidate{tie_note}: {ranking}{scope}"}
+    choice = {"candidate": winner, "backend": entry["backend"], "all_valid_only": all_valid_only,
+              "reason": f"fastest validated candidate{tie_note}: {ranking}"}
+    if all_valid_only:
+        # Padded calls go to the fastest option that passed padded trials too.
+        full = {c["name"]: contenders[c["name"]] for c in passed if c["status"] == PASSED}
+        if fallback_latency_ms is not None:
+            full[FALLBACK] = fallback_latency_ms
+        padded = min(full, key=lambda n: (full[n], simplicity_rank(n))) if full else FALLBACK
+        choice["padded_candidate"] = padded
+        choice["reason"] += f"; {winner} was validated on all-valid masks only, padded calls take {padded}"
+    return choice

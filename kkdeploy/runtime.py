@@ -31,9 +31,10 @@ class ServedRunner:
     """``runner(x, valid_token_mask=None)``; ``backend`` and ``reason`` say what was loaded and why."""
 
     def __init__(self, fallback: torch.nn.Module, engine=None, backend: str = FALLBACK, reason: str = "",
-                 all_valid_only: bool = False, manifest: dict | None = None):
+                 all_valid_only: bool = False, manifest: dict | None = None, padded_engine=None):
         self.fallback = fallback
         self.engine = engine
+        self.padded_engine = padded_engine  # serves padded calls when ``engine`` is all-valid-only
         self.backend = backend
         self.reason = reason
         self.all_valid_only = all_valid_only
@@ -45,8 +46,11 @@ class ServedRunner:
         return self.fallback.config
 
     def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.engine is not None and not (self.all_valid_only and not self._mask_cache.is_all_valid(valid_token_mask)):
-            return self.engine(x, valid_token_mask)
+        if self.engine is not None:
+            if not self.all_valid_only or self._mask_cache.is_all_valid(valid_token_mask):
+                return self.engine(x, valid_token_mask)
+            if self.padded_engine is not None:
+                return self.padded_engine(x, valid_token_mask)
         with torch.no_grad():
             return self.fallback(x, valid_token_mask)
 
@@ -142,17 +146,31 @@ def load(path, device=None) -> ServedRunner:
     problem = verify_files(root, manifest)
     if problem:
         return serve_fallback(problem)
-    entry = next((c for c in manifest["candidates"] if c["name"] == choice["candidate"]), None)
-    if entry is None:
-        return serve_fallback(f"the chosen candidate {choice['candidate']!r} is not in the manifest")
-    problem = environment_mismatch(manifest, entry, device)
+    engine, problem = load_engine(root, manifest, choice["candidate"], config, dtype, device)
     if problem:
         return serve_fallback(problem)
+    padded = None
+    padded_name = choice.get("padded_candidate")
+    if choice.get("all_valid_only") and padded_name not in (None, FALLBACK):
+        padded, problem = load_engine(root, manifest, padded_name, config, dtype, device)
+        if problem:  # the all-valid engine still serves; padded calls take the PyTorch fallback
+            log.warning("kkdeploy: padded calls take the PyTorch fallback for %s: %s", root, problem)
+    return ServedRunner(fallback, engine=engine, backend=choice["candidate"], reason=choice["reason"],
+                        all_valid_only=bool(choice.get("all_valid_only")), manifest=manifest, padded_engine=padded)
+
+
+def load_engine(root: Path, manifest: dict, name: str, config: TransformerConfig, dtype: torch.dtype,
+                device: torch.device):
+    """``(runner, None)`` or ``(None, reason)``: checks the environment, then asks the backend."""
+    entry = next((c for c in manifest["candidates"] if c["name"] == name), None)
+    if entry is None:
+        return None, f"the chosen candidate {name!r} is not in the manifest"
+    problem = environment_mismatch(manifest, entry, device)
+    if problem:
+        return None, problem
     try:
         from engines import get_backend
 
-        engine = get_backend(entry["backend"]).load(root, entry, config, dtype, device)
+        return get_backend(entry["backend"]).load(root, entry, config, dtype, device), None
     except Exception as exc:  # a missing library, a plan the runtime rejects, ...
-        return serve_fallback(f"{entry['name']} could not be loaded: {type(exc).__name__}: {exc}")
-    return ServedRunner(fallback, engine=engine, backend=entry["name"], reason=choice["reason"],
-                        all_valid_only=bool(choice.get("all_valid_only")), manifest=manifest)
+        return None, f"{name} could not be loaded: {type(exc).__name__}: {exc}"

@@ -114,4 +114,11 @@ def test_choose_fallback_when_it_is_faster():
 def test_choose_all_valid_only_scope():
     choice = choose([_c("torch-graph-sdpa1", PASSED_ALL_VALID_ONLY, "torch_graph")], {"torch-graph-sdpa1": 0.2}, 1.0)
     assert choice["candidate"] == "torch-graph-sdpa1" and choice["all_valid_only"]
-    assert "padded calls take the fallback" in choice["reason"]
+    assert choice["padded_candidate"] == FALLBACK and f"padded calls take {FALLBACK}" in choice["reason"]
+
+
+def test_padded_calls_go_to_the_fastest_fully_passing_option():
+    cands = [_c("torch-graph-sdpa1", PASSED_ALL_VALID_ONLY, "torch_graph"), _c("torch-graph", PASSED, "torch_graph"),
+             _c("ort-cuda", FAILED)]
+    choice = choose(cands, {"torch-graph-sdpa1": 0.2, "torch-graph": 0.3}, 1.5)
+    assert choice["candidate"] == "torch-graph-sdpa1" and choice["padded_candidate"] == "torch-graph"

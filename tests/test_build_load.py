@@ -222,3 +222,14 @@ def test_padded_calls_on_all_valid_only_engine_take_the_fallback():
         served(x, torch.ones_like(mask))
         served(x)
     assert len(seen) == 2
+    # with a fully validated engine for padded calls, those go there instead of the PyTorch fallback
+    padded_seen = []
+
+    def padded_engine(x, mask=None):
+        padded_seen.append(mask)
+        return ref(x, mask)
+
+    served = ServedRunner(opt, engine=engine, backend="engine", all_valid_only=True, padded_engine=padded_engine)
+    with torch.inference_mode():
+        assert compare_outputs(ref(x, mask), served(x, mask), *CONTRACTS["strict"]).passed
+    assert len(padded_seen) == 1 and len(seen) == 2
