@@ -8,8 +8,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+import sys
+
+# Logs and pipes get 120 columns so tables stay readable; a terminal keeps its own width.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 120)
 
 
 @contextmanager

@@ -23,7 +23,7 @@ def build_long_context_artifacts(args, shape_id: int | None, config: Transformer
     from validation import contract as contract_tolerances
 
     atol, rtol = contract_tolerances(args.contract)
-    seq_len = getattr(args, "seq_len", None)
+    seq_len = getattr(args, "validate_seq_len", None)
     console.print(f"[bold]build[/] shape {shape_id}: {config.describe()} {dtype_name(dtype)} on {device} -> {out} "
                   f"(long-context path; validated on a reduced shape)")
     with artifacts.staged_directory(out, force=args.force) as stage:

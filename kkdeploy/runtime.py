@@ -135,7 +135,7 @@ def load(path, device=None) -> ServedRunner:
     choice = manifest["choice"]
 
     def serve_fallback(reason: str) -> ServedRunner:
-        if choice["candidate"] != FALLBACK:
+        if choice["candidate"] != FALLBACK and choice.get("backend") != "long_context":
             log.warning("kkdeploy: serving the PyTorch fallback for %s: %s", root, reason)
         return ServedRunner(fallback, backend=FALLBACK, reason=reason, manifest=manifest)
 

@@ -233,3 +233,22 @@ def test_padded_calls_on_all_valid_only_engine_take_the_fallback():
     with torch.inference_mode():
         assert compare_outputs(ref(x, mask), served(x, mask), *CONTRACTS["strict"]).passed
     assert len(padded_seen) == 1 and len(seen) == 2
+
+
+def test_build_shape_14_ships_the_long_context_path(tmp_path, capsys):
+    """Dense candidates refused with their bytes; the validated long-context model is what load serves."""
+    out = tmp_path / "shape-14"
+    assert main(["build", "--shape", "14", "--seq-len-validate", "128", "--trials", "1", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "18.6 TiB" in text and "torch-long-context" in text
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {c["name"]: c["status"] for c in manifest["candidates"]} == {
+        "trt": "skipped", "ort-cpu": "skipped", "ort-cuda": "skipped", "torch-graph": "skipped",
+        "torch-long-context": "passed"}
+    assert manifest["validation"]["validated_shape"]["seq_len"] == 128
+    assert manifest["files"] == artifacts.hash_tree(out)
+    runner = kkdeploy.load(out)
+    assert runner.backend == "torch-long-context"
+    assert type(runner.fallback).__name__ == "LongContextTransformer"
+    assert runner.fallback.sdpa_layers == manifest["fallback"]["sdpa_layers"]
+    assert runner.config == official_config(14)

@@ -24,7 +24,7 @@ def register(sub):
     p.add_argument("--warmups", type=int, default=20)
     p.add_argument("--repeats", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--seq-len-validate", dest="seq_len", type=int,
+    p.add_argument("--seq-len-validate", dest="validate_seq_len", type=int,
                    help="shape 14: sequence length of the reduced validation shape (default 4096)")
     p.add_argument("--ort-level", choices=["disabled", "basic", "extended", "all"],
                    help="ONNX Runtime graph optimization level (default: extended on CPU, basic on CUDA)")
