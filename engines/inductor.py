@@ -34,13 +34,15 @@ import os
 import re
 import shutil
 import time
-import weakref
+
 from pathlib import Path
 
 import torch
 
+from kkdeploy.artifacts import file_sha256
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
+from kkdeploy.inputs import AllValidMaskCache
 
 from .base import BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason
 
@@ -155,7 +157,7 @@ class InductorRunner(Runner):
             kwargs["device_index"] = index
         self.model = torch._inductor.aoti_load_package(str(package), **kwargs)
         self.metadata = dict(self.model.get_metadata())
-        self._mask_seen: tuple | None = None
+        self._mask_cache = AllValidMaskCache()
         self.graph = None
         if on_cuda and cuda_graph and os.environ.get("KKDEPLOY_AOTI_GRAPH", "1") != "0":
             self._capture()
@@ -180,19 +182,8 @@ class InductorRunner(Runner):
         torch.cuda.synchronize(self.device)
         self.graph = graph
 
-    def _mask_all_valid(self, mask: torch.Tensor) -> bool:
-        """``mask.all()`` syncs the device: cache the answer per tensor and version."""
-        if mask.is_inference():
-            return bool(mask.all())
-        seen = self._mask_seen
-        if seen is not None and seen[0]() is mask and seen[1] == mask._version:
-            return seen[2]
-        result = bool(mask.all())
-        self._mask_seen = (weakref.ref(mask), mask._version, result)
-        return result
-
     def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.all_valid_only and not self._mask_all_valid(mask):
+        if self.all_valid_only and not self._mask_cache.is_all_valid(mask):
             raise KKError(f"{self.name} is valid for all-valid masks only; send padded calls to the PyTorch model")
         if self.graph is not None:
             self._x.copy_(x)
@@ -282,7 +273,7 @@ class InductorBackend(Backend):
 
     def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
              device: torch.device) -> Runner:
-        from .inductor_cache import environment_keys, file_sha256
+        from .inductor_cache import environment_keys
 
         device = torch.device(device)
         options = entry.get("options") or {}
@@ -383,7 +374,7 @@ def build_package(ctx: BuildContext, variant: str) -> dict:
     return {
         "variant": variant,
         "package": package_name,
-        "sha256": cache.file_sha256(dest),
+        "sha256": file_sha256(dest),
         "dtype": dtype_name(ctx.dtype),
         "config": ctx.config.to_dict(),
         "weights_sha256": weights_hash,

@@ -109,9 +109,3 @@ def store(root: Path, key: str, package: Path, info: dict) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

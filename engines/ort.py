@@ -42,7 +42,7 @@ def import_ort():
     return ort
 
 
-def session_options(ort, level: str, optimized_path: Path | None = None):
+def session_options(ort, level: str, optimized_path: Path | None = None, threads: int | None = None):
     if level not in OPT_LEVELS:
         raise KKError(f"unknown ONNX Runtime optimization level {level!r}; use one of {', '.join(OPT_LEVELS)}")
     levels = {
@@ -54,6 +54,10 @@ def session_options(ort, level: str, optimized_path: Path | None = None):
     options = ort.SessionOptions()
     options.graph_optimization_level = levels[level]
     options.log_severity_level = 3
+    if threads:  # a shared machine: a fixed thread count and no busy-waiting between ops
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if optimized_path is not None:
         options.optimized_model_filepath = str(optimized_path)
     return options

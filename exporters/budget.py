@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kkdeploy.config import LONG_CONTEXT_SHAPES, TransformerConfig
+from kkdeploy.config import LONG_CONTEXT_SHAPES, TransformerConfig, format_bytes
 from kkdeploy.errors import KKError
 
 DEFAULT_MEMORY_BUDGET_BYTES = 8 << 30  # 8 GiB for the largest single attention tensor
@@ -46,11 +46,3 @@ def ensure_dense_attention_fits(config: TransformerConfig, budget_bytes: int | N
             f"(`{BOUNDED_MEMORY_HINT}`){fix}"
         )
     return estimate
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n} B"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from kkdeploy.artifacts import file_sha256
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
 from kkdeploy.weights import weights_sha256
@@ -20,14 +20,6 @@ from .onnx_graph import PRODUCER, build_graph, onnx_elem_type, op_histogram
 from .options import ExportOptions
 
 EXPORTER_NAME = f"{PRODUCER} (graph written with onnx.helper)"
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _check_model_matches(model: torch.nn.Module, config: TransformerConfig, dtype: torch.dtype) -> None:

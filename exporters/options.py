@@ -72,3 +72,17 @@ class ExportOptions:
         if self.opset != DEFAULT_OPSET:
             parts.append(f"op{self.opset}")
         return "-".join(parts)
+
+
+# The variants that validation and the fidelity study compare, by the names used in tables.
+NAMED_VARIANTS: dict[str, ExportOptions] = {
+    "default": ExportOptions(),
+    "matmul_add": ExportOptions(linear="matmul_add"),
+    "fp32_linear": ExportOptions(linear="fp32"),
+    "bias_in_k": ExportOptions(linear="bias_in_k"),
+    "packed_qkv": ExportOptions(qkv="packed"),
+    "native_pointwise": ExportOptions(fp32_pointwise=False),
+    "scale_native": ExportOptions(scale_in_fp32=False),
+    "gelu_op_opset20": ExportOptions(gelu="exact_op", opset=20),
+    "fp32_linear_gelu_op": ExportOptions(linear="fp32", gelu="exact_op", opset=20),
+}

@@ -20,22 +20,9 @@ def session_options(level: str = "disabled", threads: int | None = None, optimiz
     """SessionOptions for one of the level names used in tables: disabled, basic, extended, all."""
     import onnxruntime as ort
 
-    levels = {
-        "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    }
-    so = ort.SessionOptions()
-    so.graph_optimization_level = levels[level]
-    so.log_severity_level = 3
-    if threads:  # a shared machine: a fixed thread count and no busy-waiting between ops
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if optimized_path:
-        so.optimized_model_filepath = optimized_path
-    return so
+    from engines.ort import session_options as engine_session_options
+
+    return engine_session_options(ort, level, optimized_path, threads)
 
 
 def optimized_graph(model_path: str | Path, level: str = "disabled",

@@ -335,7 +335,7 @@ def markdown_table(data: dict) -> str:
         f"{p['padding_ratio']}), timed input seed {p['seed'] + TIMED_SEED_OFFSET}, {p['warmups']} warmups, "
         f"{p['repeats']} repeats, {p['rounds']} alternating rounds, {p['processes']} process(es) per shape; "
         f"timing by {p['timer']}",
-        f"- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), "",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), "",
         "| shape | backend | status | failed elements | median ms | p90 ms | peak MiB (extra) | tokens/s | speedup |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

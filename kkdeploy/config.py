@@ -55,6 +55,15 @@ class TransformerConfig:
         )
 
 
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB': sizes in error messages and reports."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
 def _shape(b, s, d, h, f, l) -> TransformerConfig:
     return TransformerConfig(b, s, d, h, f, l, causal=True)
 

@@ -20,7 +20,7 @@ import torch
 
 from validation import compare_outputs, contract as contract_tolerances
 
-from .config import LONG_CONTEXT_SHAPES, TransformerConfig, dtype_name, parse_dtype, resolve_device
+from .config import LONG_CONTEXT_SHAPES, TransformerConfig, dtype_name, format_bytes, parse_dtype, resolve_device
 from .errors import KKError
 from .inputs import DEFAULT_SEED, DEFAULT_TRIALS, generate_case
 from .longcontext_model import (DEFAULT_QUERY_TILE, LongContextTransformer, activation_bytes_per_sequence,
@@ -34,14 +34,6 @@ DENSE_CANDIDATES = ("trt", "ort-cpu", "ort-cuda", "torch-graph")
 CANDIDATE = "torch-long-context"
 SHAPE_OVERRIDE_FLAGS = {"batch_size": "--batch-size", "seq_len": "--seq-len", "d_model": "--d-model",
                         "num_heads": "--heads", "ffn_dim": "--ffn-dim", "num_layers": "--layers"}
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.3g} PiB"
 
 
 def reduced_config(config: TransformerConfig, seq_len: int | None = None, **overrides) -> TransformerConfig:
@@ -178,7 +170,7 @@ def trial_line(entry: dict) -> str:
 
 def dense_refusals(config: TransformerConfig, dtype: torch.dtype) -> list[dict]:
     score_bytes = config.dense_score_bytes(dtype)
-    reason = (f"dense attention needs a [B,H,S,S] score tensor of {score_bytes} bytes ({human_bytes(score_bytes)}) "
+    reason = (f"dense attention needs a [B,H,S,S] score tensor of {score_bytes} bytes ({format_bytes(score_bytes)}) "
               f"in {dtype_name(dtype)} for {config.describe()}; only the bounded-memory path can run this shape")
     return [{"name": name, "status": "skipped", "reason": reason, "estimated_bytes": score_bytes}
             for name in DENSE_CANDIDATES]
@@ -233,10 +225,10 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
                f"over {len(validation['reports'])} trials (all-valid and padded) at {validated.describe()} against "
                f"the query-tiled reference")
     if passed:
-        reason = (f"dense candidates refused (a {human_bytes(score_bytes)} score tensor); the long-context path "
+        reason = (f"dense candidates refused (a {format_bytes(score_bytes)} score tensor); the long-context path "
                   f"passed: {summary}")
     else:
-        reason = (f"dense candidates refused (a {human_bytes(score_bytes)} score tensor); the long-context path is "
+        reason = (f"dense candidates refused (a {format_bytes(score_bytes)} score tensor); the long-context path is "
                   f"the only bounded-memory path but FAILED validation: {summary}")
     result = {
         "config": config.to_dict(), "validated_shape": validated.to_dict(), "dtype": dtype_name(dtype),
@@ -278,15 +270,15 @@ def check_config(args, shape_id: int | None, config: TransformerConfig, device: 
     if device.type != "cuda":
         raise KKError(
             f"shape {shape_id} ({config.describe()}) is not run on the CPU: dense scores would take "
-            f"{human_bytes(estimate['dense_score_bytes'])}, the long-context path alone needs "
-            f"{human_bytes(estimate['input_output_bytes'])} for input and output and ~{estimate['flops'] / 1e12:.0f} "
+            f"{format_bytes(estimate['dense_score_bytes'])}, the long-context path alone needs "
+            f"{format_bytes(estimate['input_output_bytes'])} for input and output and ~{estimate['flops'] / 1e12:.0f} "
             f"TFLOP (~{estimate['estimated_seconds'] / 3600:.0f} h at this CPU's measured "
             f"{estimate['measured_flops_per_s'] / 1e9:.0f} GFLOP/s), twice that with the reference; "
             f"run `kkdeploy check --shape {shape_id} --reduced` (B{REDUCED_BATCH}/S{REDUCED_SEQ_LEN})")
     if not getattr(args, "full_shape", False):
         raise KKError(
             f"shape {shape_id} at full size ({config.describe()}) takes ~{estimate['flops'] / 1e12:.0f} TFLOP and "
-            f"{human_bytes(estimate['input_output_bytes'])} of input/output on {device}; pass --full-shape to run "
+            f"{format_bytes(estimate['input_output_bytes'])} of input/output on {device}; pass --full-shape to run "
             f"it, or --reduced for the B{REDUCED_BATCH}/S{REDUCED_SEQ_LEN} validation")
     return config
 

@@ -35,7 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from exporters import ExportOptions, export_onnx, op_histogram  # noqa: E402
+from exporters import NAMED_VARIANTS, export_onnx, op_histogram  # noqa: E402
 from kkdeploy.config import official_config  # noqa: E402
 from kkdeploy.inputs import DEFAULT_SEED, TIMED_SEED_OFFSET, generate_case  # noqa: E402
 from kkdeploy.weights import build_models  # noqa: E402
@@ -53,16 +53,7 @@ def load_strict():
 STRICT = load_strict()
 ATOL, RTOL = STRICT.CONTRACTS["strict"]
 
-VARIANTS = {
-    "default": ExportOptions(),
-    "matmul_add": ExportOptions(linear="matmul_add"),
-    "fp32_linear": ExportOptions(linear="fp32"),
-    "bias_in_k": ExportOptions(linear="bias_in_k"),
-    "packed_qkv": ExportOptions(qkv="packed"),
-    "native_pointwise": ExportOptions(fp32_pointwise=False),
-    "scale_native": ExportOptions(scale_in_fp32=False),
-    "fp32_linear_gelu_op": ExportOptions(linear="fp32", gelu="exact_op", opset=20),
-}
+VARIANTS = {k: v for k, v in NAMED_VARIANTS.items() if k != "gelu_op_opset20"}
 LEVELS = {
     "disabled": onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC,

@@ -5,12 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 
-import numpy as np
 import onnx
 import pytest
 import torch
 
-from exporters import (DenseAttentionTooLarge, ExportOptions, GraphCheckError, check_graph,
+from exporters import (NAMED_VARIANTS, DenseAttentionTooLarge, ExportOptions, GraphCheckError, check_graph,
                        dense_attention_bytes_ok, export_onnx)
 from exporters.ort_probe import float32_fallback_nodes, session_options
 from kkdeploy import KKError, TransformerConfig, official_config
@@ -24,16 +23,7 @@ ort = pytest.importorskip("onnxruntime")
 
 STRICT = CONTRACTS["strict"]
 PADDINGS = (0.0, 0.25)
-OPTION_VARIANTS = {
-    "default": ExportOptions(),
-    "matmul_add": ExportOptions(linear="matmul_add"),
-    "fp32_linear": ExportOptions(linear="fp32"),
-    "bias_in_k": ExportOptions(linear="bias_in_k"),
-    "packed_qkv": ExportOptions(qkv="packed"),
-    "native_pointwise": ExportOptions(fp32_pointwise=False),
-    "scale_native": ExportOptions(scale_in_fp32=False),
-    "gelu_op_opset20": ExportOptions(gelu="exact_op", opset=20),
-}
+OPTION_VARIANTS = {k: v for k, v in NAMED_VARIANTS.items() if k != "fp32_linear_gelu_op"}
 CONFIGS = {"small": SMALL, "small-noncausal": SMALL_NONCAUSAL, "shape2": official_config(2),
            "shape3": official_config(3), "shape12": official_config(12)}
 # In float32 every Cast is omitted, so these variants write the default's graph byte for byte
