@@ -252,3 +252,40 @@ def test_build_shape_14_ships_the_long_context_path(tmp_path, capsys):
     assert type(runner.fallback).__name__ == "LongContextTransformer"
     assert runner.fallback.sdpa_layers == manifest["fallback"]["sdpa_layers"]
     assert runner.config == official_config(14)
+
+
+def test_interrupted_build_leaves_nothing_that_claims_success(tmp_path, monkeypatch):
+    """An exception injected after the engines were built (mid-validation) leaves no artifact directory."""
+    import validation.validator as validator
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("injected failure mid-build")
+
+    monkeypatch.setattr(validator, "validate_candidates", explode)
+    out = tmp_path / "shape"
+    request = BuildRequest(config=SMALL, dtype=torch.float32, device=torch.device("cpu"), out=out,
+                           backends=["ort-cpu"], **FAST_TIMING)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run_build(request)
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []  # no staging directory, no lock left behind
+
+
+def test_ort_runner_returns_exactly_what_the_session_computes(tmp_path):
+    import numpy as np
+
+    from engines import BuildContext, get_backend
+    from exporters import export_onnx
+
+    ref, _ = build_models(SMALL, torch.float32, "cpu")
+    export_onnx(ref, SMALL, torch.float32, tmp_path / "model.onnx")
+    backend = get_backend("ort")
+    ctx = BuildContext(SMALL, torch.float32, torch.device("cpu"), ref, tmp_path, onnx_path=tmp_path / "model.onnx")
+    entry = backend.build(ctx, "ort-cpu").to_dict()
+    runner = backend.load(tmp_path, entry, SMALL, torch.float32, torch.device("cpu"))
+    x, mask = generate_case(SMALL, "cpu", torch.float32, 5, padding_ratio=0.3)
+    (expected,) = runner.session.run(["y"], {"x": x.numpy(), "valid_token_mask": mask.numpy()})
+    got = runner(x, mask)
+    assert np.array_equal(got.numpy(), expected)
+    assert entry["options"]["graph_optimization_level"] == "extended"
+    assert (tmp_path / entry["options"]["model"]).is_file()  # the optimized graph is saved: no re-optimization
