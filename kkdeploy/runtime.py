@@ -22,6 +22,7 @@ from .inputs import AllValidMaskCache
 
 log = logging.getLogger("kkdeploy")
 
+REQUIRED_MANIFEST_KEYS = ("config", "dtype", "environment", "weights", "candidates", "fallback", "choice", "files")
 # Library versions an engine depends on: a different version may round differently.
 BACKEND_LIBRARIES = {"ort": ("onnxruntime",), "trt": ("tensorrt",), "torch_graph": ("torch",),
                      "inductor": ("torch",)}
@@ -119,6 +120,14 @@ def read_manifest(root: Path) -> dict:
     if manifest.get("schema") != artifacts.MANIFEST_SCHEMA:
         raise KKError(f"{root} is not a kkdeploy artifact directory (schema {manifest.get('schema')!r}); "
                       f"rebuild it with `kkdeploy build`")
+    missing = [k for k in REQUIRED_MANIFEST_KEYS if k not in manifest]
+    if missing:
+        raise KKError(f"{root / artifacts.MANIFEST} lacks {', '.join(missing)} (truncated or hand-edited); rebuild it")
+    try:
+        TransformerConfig.from_dict(manifest["config"])
+        parse_dtype(manifest["dtype"])
+    except (KeyError, TypeError) as exc:
+        raise KKError(f"{root / artifacts.MANIFEST} has an unreadable config ({exc}); rebuild it") from None
     return manifest
 
 

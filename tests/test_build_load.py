@@ -138,6 +138,12 @@ def test_foreign_or_missing_manifest(tmp_path):
         kkdeploy.load(tmp_path)
     with pytest.raises(KKError, match="not a directory"):
         kkdeploy.load(tmp_path / "nope")
+    (tmp_path / "manifest.json").write_text('{"schema": "kkdeploy.manifest/1", "config": {}}')
+    with pytest.raises(KKError, match="lacks dtype, environment"):
+        kkdeploy.load(tmp_path)
+    (tmp_path / "manifest.json").write_text('{"schema": "kkdeploy.manifest/1"')
+    with pytest.raises(KKError, match="not valid JSON"):
+        kkdeploy.load(tmp_path)
 
 
 def test_wrong_inputs_to_a_loaded_runner(shape3):
