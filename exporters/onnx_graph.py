@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from contextlib import contextmanager
 
 import numpy as np
 import onnx
@@ -96,6 +97,25 @@ class TransformerGraph:
         self.g = GraphBuilder(dtype)
         self.tokens = config.batch_size * config.seq_len
         self.model_np = NUMPY_TYPES[dtype]
+        self.fp16_layers = frozenset(options.fp16_layers)
+        if options.fp16_layers and dtype != torch.float32:
+            raise KKError(f"fp16_layers={options.fp16_layers} applies to float32 exports only (a float16 export "
+                          f"runs every layer in float16); drop fp16_layers or export float32")
+        out_of_range = [i for i in options.fp16_layers if i >= config.num_layers]
+        if out_of_range:
+            raise KKError(f"fp16_layers {tuple(out_of_range)} out of range for a {config.num_layers}-layer model; "
+                          f"use layer indices 0..{config.num_layers - 1}")
+
+    @contextmanager
+    def computing_in(self, dtype: torch.dtype):
+        """Emit nodes as the ``dtype`` export would (weights, constants, Casts), then restore the model dtype."""
+        g = self.g
+        saved = (g.dtype, g.elem, g.np_dtype, self.model_np)
+        g.dtype, g.elem, g.np_dtype, self.model_np = dtype, ONNX_TYPES[dtype], NUMPY_TYPES[dtype], NUMPY_TYPES[dtype]
+        try:
+            yield
+        finally:
+            g.dtype, g.elem, g.np_dtype, self.model_np = saved
 
     # -- Linear --------------------------------------------------------------------------
     def linear(self, x: str, weight: torch.Tensor, bias: torch.Tensor, name: str) -> str:
@@ -130,8 +150,11 @@ class TransformerGraph:
         g, t = self.g, self.pointwise_type()
         np_t = np.float32 if t == TensorProto.FLOAT else self.model_np
         xt = g.cast(x, t, f"{name}/in", g.elem)
-        y = g.op("LayerNormalization", [xt, g.initializer(f"{name}.weight", _np(module.weight, np_t)),
-                                        g.initializer(f"{name}.bias", _np(module.bias, np_t))],
+        # Through the model dtype first: in an fp16 block of a float32 export the weights are the FP16 ones.
+        weight = _np(module.weight, self.model_np).astype(np_t)
+        bias = _np(module.bias, self.model_np).astype(np_t)
+        y = g.op("LayerNormalization", [xt, g.initializer(f"{name}.weight", weight),
+                                        g.initializer(f"{name}.bias", bias)],
                  f"{name}/LayerNormalization", axis=-1, epsilon=float(module.eps), stash_type=1)
         return g.cast(y, g.elem, f"{name}/out", t)
 
@@ -216,7 +239,18 @@ class TransformerGraph:
         return self.zero_invalid_rows(out, row_valid, name)
 
     # -- whole model ---------------------------------------------------------------------
-    def block(self, x: str, layer, masked: str, row_valid: str, name: str) -> str:
+    def block(self, x: str, layer, masked: str, row_valid: str, name: str, fp16: bool = False) -> str:
+        """One transformer block; with ``fp16`` (float32 export only) the residual stream is cast to FP16 on
+        entry, the block is written exactly as the float16 export writes it, and the result is cast back."""
+        if not fp16:
+            return self.block_body(x, layer, masked, row_valid, name)
+        g = self.g
+        xh = g.cast(x, TensorProto.FLOAT16, f"{name}/fp16_in", g.elem)
+        with self.computing_in(torch.float16):
+            y = self.block_body(xh, layer, masked, row_valid, name)
+        return g.cast(y, g.elem, f"{name}/fp16_out", TensorProto.FLOAT16)
+
+    def block_body(self, x: str, layer, masked: str, row_valid: str, name: str) -> str:
         g = self.g
         a = self.attention(self.layer_norm(x, layer.norm1, f"{name}.norm1"), layer.attention, masked, row_valid,
                            f"{name}.attention")
@@ -236,7 +270,7 @@ class TransformerGraph:
         row_valid = g.op("Reshape", ["valid_token_mask", g.constant([self.tokens, 1], np.int64)], "mask/RowValid")
         masked = self.attention_mask("valid_token_mask")
         for i, layer in enumerate(self.model.layers):
-            x = self.block(x, layer, masked, row_valid, f"layers.{i}")
+            x = self.block(x, layer, masked, row_valid, f"layers.{i}", fp16=i in self.fp16_layers)
         x = self.zero_invalid_rows(self.layer_norm(x, self.model.final_norm, "final_norm"), row_valid, "final_norm")
         g.nodes.append(helper.make_node("Reshape", [x, g.constant([c.batch_size, c.seq_len, c.d_model], np.int64)],
                                         ["y"], name="output/Reshape"))

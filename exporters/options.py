@@ -44,8 +44,19 @@ class ExportOptions:
     scale_in_fp32: bool = True  # scores * (D/H)^-0.5 in FP32, as PyTorch multiplies by a Python float
     gelu: str = "exact"
     opset: int = DEFAULT_OPSET
+    # float32 exports only: these transformer blocks compute in float16 (Cast in, the float16 export's block,
+    # Cast out); the range is checked in build_graph, where the number of layers is known.
+    fp16_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        layers = self.fp16_layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+            raise KKError(f"fp16_layers must be a tuple of non-negative layer indices, got {layers!r}; "
+                          f"e.g. fp16_layers=(2, 3)")
+        if len(set(layers)) != len(layers):
+            raise KKError(f"fp16_layers lists a layer twice: {tuple(layers)!r}; list each layer once")
+        object.__setattr__(self, "fp16_layers", tuple(sorted(layers)))
         _choice("linear mode", self.linear, LINEAR_MODES)
         _choice("qkv mode", self.qkv, QKV_MODES)
         _choice("gelu mode", self.gelu, GELU_MODES)
@@ -56,7 +67,13 @@ class ExportOptions:
                           f"raise the opset or use gelu='exact'")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        # Absent when empty, so an all-FP32/FP16 export's options (and its graph metadata) stay what they were.
+        if data["fp16_layers"]:
+            data["fp16_layers"] = list(data["fp16_layers"])
+        else:
+            del data["fp16_layers"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "ExportOptions":
@@ -71,6 +88,8 @@ class ExportOptions:
             parts.append(f"gelu-{self.gelu}")
         if self.opset != DEFAULT_OPSET:
             parts.append(f"op{self.opset}")
+        if self.fp16_layers:
+            parts.append("fp16l" + "_".join(map(str, self.fp16_layers)))
         return "-".join(parts)
 
 
