@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -45,9 +46,9 @@ def hash_tree(root: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, s
 
 
 def json_safe(value):
-    """JSON without NaN/Infinity literals: non-finite floats become strings."""
+    """JSON without NaN/Infinity literals: non-finite floats become "nan", "inf" or "-inf"."""
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
         return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -56,15 +57,26 @@ def json_safe(value):
         return str(value)
     if isinstance(value, torch.dtype):
         return str(value).replace("torch.", "")
+    if isinstance(value, torch.device):
+        return str(value)
     return value
 
 
-def write_json(path: Path, data) -> None:
+def write_json(path: Path, data) -> Path:
     """Atomic JSON write: a reader sees the old file or the new one, never half of one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(json_safe(data), handle, indent=2, allow_nan=False)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
 
 
 def read_json(path: Path) -> dict:
@@ -170,7 +182,7 @@ def staged_directory(target: Path, force: bool = False):
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise KKError(f"cannot create {target.parent}: {exc.strerror}; choose a writable --out") from None
+        raise KKError(f"cannot write to {target.parent}: {exc.strerror}; choose a writable --out") from None
     if not os.access(target.parent, os.W_OK):
         raise KKError(f"{target.parent} is not writable; choose a writable --out")
     with build_lock(target):

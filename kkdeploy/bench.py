@@ -416,7 +416,8 @@ def plot_speedups(data: dict, path: Path) -> None:
 def run_bench(jobs: list[ShapeJob], options: BenchOptions, out_dir: Path, command: str | None = None,
               progress=None) -> dict:
     """Every shape in its own processes; writes bench.json, bench.md and bench.png into ``out_dir``."""
-    from validation import contract as contract_tolerances, write_json_atomic
+    from validation import contract as contract_tolerances
+    from .artifacts import write_json
 
     options.check()
     atol, rtol = contract_tolerances(options.contract)
@@ -440,7 +441,7 @@ def run_bench(jobs: list[ShapeJob], options: BenchOptions, out_dir: Path, comman
         data["chart"] = "bench.png"
     except ImportError as exc:  # the numbers matter more than the picture
         data["chart"] = f"not drawn: matplotlib is not importable here ({exc}); pip install matplotlib"
-    write_json_atomic(out_dir / "bench.json", data)
+    write_json(out_dir / "bench.json", data)
     tmp = out_dir / ".bench.md.tmp"
     tmp.write_text(markdown_table(data))
     os.replace(tmp, out_dir / "bench.md")

@@ -10,8 +10,6 @@ all-valid and padded masks. ``run_check`` is ``kkdeploy check --shape 14 --reduc
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +18,7 @@ import torch
 
 from validation import compare_outputs, contract as contract_tolerances
 
+from .artifacts import write_json
 from .config import LONG_CONTEXT_SHAPES, TransformerConfig, dtype_name, format_bytes, parse_dtype, resolve_device
 from .errors import KKError
 from .inputs import DEFAULT_SEED, DEFAULT_TRIALS, generate_case
@@ -176,13 +175,6 @@ def dense_refusals(config: TransformerConfig, dtype: torch.dtype) -> list[dict]:
             for name in DENSE_CANDIDATES]
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *, weights=None,
                        seed: int = DEFAULT_SEED, trials: int = DEFAULT_TRIALS, seq_len: int | None = None,
                        contract: str = "strict", padding_ratio: float = DEFAULT_PADDING_RATIO,
@@ -239,7 +231,7 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
     }
     if out_dir is not None:
         path = Path(out_dir) / "long-context-validation.json"
-        write_json_atomic(path, validation)
+        write_json(path, validation)
         result["validation_file"] = str(path)
     return result
 

@@ -61,7 +61,7 @@ def test_unwritable_parent(tmp_path):
     if os.geteuid() == 0:
         target = tmp_path / "file-not-dir"
         target.write_text("x")
-        with pytest.raises(KKError, match="cannot create .*choose a writable --out"):
+        with pytest.raises(KKError, match="cannot write to .*choose a writable --out"):
             with artifacts.staged_directory(target / "sub"):
                 pass
     else:  # pragma: no cover

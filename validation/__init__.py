@@ -3,10 +3,10 @@
 from .polygraphy_glue import CallableRunner, StrictCompareFunc, TrialDataLoader, model_input_metadata
 from .strict import CONTRACTS, ComparisonReport, compare_outputs, contract
 from .trials import ALL_VALID, MODES, PADDED, Trial, trial_plan
-from .validator import CandidateValidation, TrialRecord, ValidationReport, json_safe, validate_candidates, write_json_atomic
+from .validator import CandidateValidation, TrialRecord, ValidationReport, validate_candidates
 
 __all__ = [
     "ALL_VALID", "CONTRACTS", "CallableRunner", "CandidateValidation", "ComparisonReport", "MODES", "PADDED",
     "StrictCompareFunc", "Trial", "TrialDataLoader", "TrialRecord", "ValidationReport", "compare_outputs",
-    "contract", "json_safe", "model_input_metadata", "trial_plan", "validate_candidates", "write_json_atomic",
+    "contract", "model_input_metadata", "trial_plan", "validate_candidates",
 ]

@@ -8,11 +8,7 @@ exception text; it never stops the validation of the others.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +17,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from engines.base import FAILED, PASSED, PASSED_ALL_VALID_ONLY
+from kkdeploy.artifacts import json_safe, write_json
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS
@@ -44,40 +41,6 @@ def error_text(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     text = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
-
-
-def json_safe(value):
-    """Recursively replace non-finite floats by strings ("inf", "-inf", "nan") so json is strict."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, torch.dtype):
-        return dtype_name(value)
-    if isinstance(value, torch.device):
-        return str(value)
-    return value
-
-
-def write_json_atomic(path, data) -> Path:
-    """Write to a temporary file in the same folder, then ``os.replace``: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(json_safe(data), handle, indent=2, allow_nan=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 @dataclass
@@ -244,7 +207,7 @@ class ValidationReport:
         })
 
     def write_json(self, path) -> Path:
-        return write_json_atomic(path, self.to_dict())
+        return write_json(path, self.to_dict())
 
 
 def validate_candidates(

@@ -98,7 +98,7 @@ def print_summary(data: dict) -> None:
 
 
 def run_worker_process(args) -> int:
-    from validation import write_json_atomic
+    from ..artifacts import write_json
 
     from ..bench import BenchOptions, ShapeJob, run_worker
 
@@ -107,7 +107,7 @@ def run_worker_process(args) -> int:
     options = BenchOptions(**json.loads(args._options))
     log_dir = Path(args._log_dir) if args._log_dir else None
     result = run_worker(job, options, args._process, log_dir)
-    write_json_atomic(args._result, result)
+    write_json(args._result, result)
     for name, b in result["backends"].items():
         lat = b.get("latency")
         print(f"{job.label} p{args._process} {name}: {b['status']}"

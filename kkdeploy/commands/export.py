@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
+from ..artifacts import staged_directory, write_json
 from ..config import default_dtype, dtype_name, parse_dtype, resolve_device
 from ..console import console, progress_bar, table
 from ..errors import KKError
@@ -53,34 +50,6 @@ def default_out_dir(shape_id: int | None, config, dtype) -> Path:
     return Path("artifacts") / name
 
 
-def check_out_dir(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise KKError(f"--out {out} is a file, not a directory; choose another --out")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise KKError(f"output directory {out} is not empty; pass --force to replace it or choose another --out")
-
-
-def staging_dir(out: Path) -> Path:
-    """A temporary directory next to ``out``, so the final rename stays on one filesystem."""
-    parent = out.absolute().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=parent))
-    except OSError as exc:
-        raise KKError(f"cannot write to {parent}: {exc.strerror or exc}; choose a writable --out") from None
-
-
-def publish(staging: Path, out: Path) -> None:
-    """Swap the finished staging directory into place; an old directory is removed only afterwards."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(staging, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def resolve_dtype(args):
     from exporters.onnx_graph import onnx_elem_type
 
@@ -108,26 +77,19 @@ def run(args) -> int:
     budget = int(args.memory_budget_gb * GIB)
     ensure_dense_attention_fits(config, budget, shape_id=shape_id)  # before any allocation or file
     out = Path(args.out) if args.out else default_out_dir(shape_id, config, dtype)
-    check_out_dir(out, args.force)
-    staging = staging_dir(out)
     started = time.perf_counter()
-    try:
-        with progress_bar("export", 3) as bar:
-            bar.describe("building the model")
-            reference, _ = build_models(config, dtype, "cpu", weights=args.weights)
-            bar.advance()
-            bar.describe("writing and checking model.onnx")
-            info = export_onnx(reference, config, dtype, staging / "model.onnx", options, memory_budget_bytes=budget)
-            bar.advance()
-            bar.describe("writing export.json")
-            info["shape_id"] = shape_id
-            info["weights_source"] = str(args.weights) if args.weights else "seeded (seed 0)"
-            (staging / "export.json").write_text(json.dumps(info, indent=2) + "\n")
-            bar.advance()
-        publish(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with staged_directory(out, force=args.force) as staging, progress_bar("export", 3) as bar:
+        bar.describe("building the model")
+        reference, _ = build_models(config, dtype, "cpu", weights=args.weights)
+        bar.advance()
+        bar.describe("writing and checking model.onnx")
+        info = export_onnx(reference, config, dtype, staging / "model.onnx", options, memory_budget_bytes=budget)
+        bar.advance()
+        bar.describe("writing export.json")
+        info["shape_id"] = shape_id
+        info["weights_source"] = str(args.weights) if args.weights else "seeded (seed 0)"
+        write_json(staging / "export.json", info)
+        bar.advance()
     print_summary(out, info, time.perf_counter() - started)
     return 0
 
