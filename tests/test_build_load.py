@@ -252,6 +252,8 @@ def test_build_shape_14_ships_the_long_context_path(tmp_path, capsys):
         "trt": "skipped", "ort-cpu": "skipped", "ort-cuda": "skipped", "torch-graph": "skipped",
         "torch-long-context": "passed"}
     assert manifest["validation"]["validated_shape"]["seq_len"] == 128
+    for name in ("manifest.json", "long-context-validation.json"):  # strict JSON: no Infinity/NaN literals
+        json.loads((out / name).read_text(), parse_constant=lambda c: pytest.fail(f"{name} holds {c}"))
     assert manifest["files"] == artifacts.hash_tree(out)
     runner = kkdeploy.load(out)
     assert runner.backend == "torch-long-context"
