@@ -12,6 +12,7 @@ BACKEND_MODULES = {
     "ort": "engines.ort",
     "torch_graph": "engines.torch_graph",
     "inductor": "engines.inductor",
+    "torch_compile": "engines.torch_compile",
 }
 
 

@@ -44,6 +44,7 @@ from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import AllValidMaskCache
 
+from .cuda_graph import CapturedCall
 from .base import BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason
 
 FAITHFUL, FUSED, SDPA_PREFIX = "inductor", "inductor-fused", "inductor-sdpa"
@@ -158,38 +159,20 @@ class InductorRunner(Runner):
         self.model = torch._inductor.aoti_load_package(str(package), **kwargs)
         self.metadata = dict(self.model.get_metadata())
         self._mask_cache = AllValidMaskCache()
-        self.graph = None
+        self.captured = None
         if on_cuda and cuda_graph and os.environ.get("KKDEPLOY_AOTI_GRAPH", "1") != "0":
-            self._capture()
+            self.captured = CapturedCall(self._run, config.batch_size, config.seq_len, config.d_model, dtype,
+                                         self.device)
 
     def _run(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out = self.model(x, mask)
         return out[0] if isinstance(out, (list, tuple)) else out
 
-    def _capture(self) -> None:
-        cfg = self.config
-        self._x = torch.zeros(cfg.batch_size, cfg.seq_len, cfg.d_model, dtype=self.dtype, device=self.device)
-        self._mask = torch.ones(cfg.batch_size, cfg.seq_len, dtype=torch.bool, device=self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm up (lazy init, allocator) off the capture
-            for _ in range(3):
-                self._run(self._x, self._mask)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._out = self._run(self._x, self._mask)
-        torch.cuda.synchronize(self.device)
-        self.graph = graph
-
     def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.all_valid_only and not self._mask_cache.is_all_valid(mask):
             raise KKError(f"{self.name} is valid for all-valid masks only; send padded calls to the PyTorch model")
-        if self.graph is not None:
-            self._x.copy_(x)
-            self._mask.copy_(mask)
-            self.graph.replay()
-            return self._out.clone()  # the static output is overwritten by the next replay
+        if self.captured is not None:
+            return self.captured(x, mask)
         # The package was compiled for contiguous inputs; it allocates a fresh output per call.
         return self._run(x.contiguous(), mask.contiguous())
 

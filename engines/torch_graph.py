@@ -18,6 +18,7 @@ from kkdeploy.errors import KKError
 from kkdeploy.inputs import AllValidMaskCache
 
 from .base import BUILT, Backend, BuildContext, CandidateResult, Runner
+from .cuda_graph import CapturedCall
 
 VARIANTS = {
     "torch-graph": {"model": "reference", "sdpa_layers": 0, "all_valid_only": False},
@@ -27,7 +28,6 @@ VARIANTS = {
     # masked capture on shapes 8 and 13 (docs/h200-results.md). Its own capture is not measured yet.
     "torch-graph-nomask": {"model": "optimized", "sdpa_layers": 0, "all_valid_only": True},
 }
-WARMUP_CALLS = 3
 
 
 class CudaGraphRunner(Runner):
@@ -43,30 +43,16 @@ class CudaGraphRunner(Runner):
         self.all_valid_only = all_valid_only
         self.model = model  # the graph reads these parameters' memory: they must outlive it
         self._mask_cache = AllValidMaskCache()
-        b, s, d = config.batch_size, config.seq_len, config.d_model
-        self.static_x = torch.zeros(b, s, d, dtype=dtype, device=self.device)
-        self.static_mask = torch.ones(b, s, dtype=torch.bool, device=self.device)
         if all_valid_only:
-            forward = lambda: model.fast_forward(self.static_x)  # noqa: E731
+            forward = lambda x, mask: model.fast_forward(x)  # noqa: E731
         else:
-            forward = lambda: model.reference_forward(self.static_x, self.static_mask)  # noqa: E731
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(WARMUP_CALLS):
-                forward()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph):
-            self.static_y = forward()
+            forward = model.reference_forward
+        self.captured = CapturedCall(forward, config.batch_size, config.seq_len, config.d_model, dtype, self.device)
 
     def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.all_valid_only and not self._mask_cache.is_all_valid(mask):
             raise KKError(f"{self.backend} serves all-valid calls only; route padded calls to the fallback")
-        self.static_x.copy_(x)
-        self.static_mask.copy_(mask)
-        self.graph.replay()
-        return self.static_y.clone()
+        return self.captured(x, mask)
 
 
 def model_for_variant(variant: dict, config: TransformerConfig, dtype: torch.dtype, device: torch.device,

@@ -30,8 +30,9 @@ BACKEND_CHOICES = {
     "ort-cpu": ("ort", ["ort-cpu"]),
     "torch-graph": ("torch_graph", None),
     "inductor": ("inductor", None),
+    "torch-compile": ("torch_compile", None),
 }
-DEFAULT_BACKENDS = {"cpu": ["ort-cpu"], "cuda": ["trt", "ort-cuda", "torch-graph", "inductor"]}
+DEFAULT_BACKENDS = {"cpu": ["ort-cpu"], "cuda": ["trt", "ort-cuda", "torch-graph", "torch-compile", "inductor"]}
 ONNX_BACKENDS = {"trt", "ort"}
 FALLBACK_SDPA_LAYERS = (1, 0)  # calibrated: the most fused attention that still passes
 # Exporter defaults per device. On the H200 (FP16, ORT 1.31 CUDA EP) a Linear written as an FP32

@@ -25,7 +25,7 @@ log = logging.getLogger("kkdeploy")
 REQUIRED_MANIFEST_KEYS = ("config", "dtype", "environment", "weights", "candidates", "fallback", "choice", "files")
 # Library versions an engine depends on: a different version may round differently.
 BACKEND_LIBRARIES = {"ort": ("onnxruntime",), "trt": ("tensorrt",), "torch_graph": ("torch",),
-                     "inductor": ("torch",)}
+                     "inductor": ("torch",), "torch_compile": ("torch",)}
 
 
 class ServedRunner:

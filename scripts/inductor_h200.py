@@ -121,7 +121,7 @@ def run_shape(label: str, config: TransformerConfig, args, device, dtype, deadli
                 continue
             entry2 = {**result.to_dict(), "options": {**result.options, "cuda_graph": False}}
             runner = BACKEND.load(out_dir, entry2, config, dtype, device)  # plain AOTI call, flagged
-        entry["cuda_graph"] = runner.graph is not None
+        entry["cuda_graph"] = runner.captured is not None
         entry["validation"] = validate(runner, reference, config, dtype, device, args.seed, args.trials,
                                        bool(result.options.get("all_valid_only")), references)
         entry["failed"] = sum(m.get("failed", 0) for m in entry["validation"].values())

@@ -1,0 +1,42 @@
+"""One CUDA-graph capture for every graph-replaying runner (torch-graph, inductor, torch-compile).
+
+Static input buffers are filled by copy before each replay; the caller gets a clone of the static
+output, because the next replay overwrites it (design.md §7: the caller owns every output).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+WARMUP_CALLS = 3
+
+
+class CapturedCall:
+    """``fn(x, mask)`` captured once on static buffers of the model's fixed shape."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: int, seq: int, width: int,
+                 dtype: torch.dtype, device: torch.device, warmups: int = WARMUP_CALLS):
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError("CUDA-graph capture needs a CUDA device")
+        self.fn = fn  # the graph reads memory this callable owns (parameters, compiled kernels): keep it alive
+        self.x = torch.zeros(batch, seq, width, dtype=dtype, device=device)
+        self.mask = torch.ones(batch, seq, dtype=torch.bool, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.inference_mode():  # lazy init and allocator warm-up off the capture
+            for _ in range(warmups):
+                fn(self.x, self.mask)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph):
+            self.y = fn(self.x, self.mask)
+        torch.cuda.synchronize(device)
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self.x.copy_(x)
+        self.mask.copy_(mask)
+        self.graph.replay()
+        return self.y.clone()

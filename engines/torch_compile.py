@@ -1,0 +1,206 @@
+"""In-process ``torch.compile``: the faithful Inductor graph, compiled where it serves.
+
+The same graph as the AOTInductor package (``engines.inductor.export_variant``: the reference
+exported for one fixed shape, LayerNorm / exact GELU / FP32 softmax kept as opaque ATen calls) and
+the same Inductor settings (``faithful_inductor_configs``: precision-cast emulation, ATen GEMMs
+with the bias inside), but compiled just-in-time by ``torch.compile`` instead of loaded from a
+``.pt2`` package. That is the route design.md §6 measured bitwise on all 13 shapes, and it does not
+go through the AOTInductor package loader, which segfaults on the lent H200 image (issue 8).
+
+What the artifact holds: the weights (shared), the compile recipe in the manifest, and the
+portable Inductor cache (``torch.compiler.save_cache_artifacts``) in ``<candidate>.inductor-cache``,
+loaded before compiling so that serving skips code generation. Because the code is regenerated
+where it is served, ``load`` ends with a self-check: the output for the build's fingerprint input
+must hash to the value recorded at build time, or the candidate is refused (the caller then serves
+the fallback). Variants:
+
+  ``torch-compile``        fully faithful, all-valid and padded calls.
+  ``torch-compile-sdpa1``  faithful plus packed QKV + SDPA in the last layer; all-valid calls only.
+
+On CUDA the compiled call is captured in a CUDA graph (``engines.cuda_graph``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from kkdeploy.artifacts import WEIGHTS_FILE
+from kkdeploy.config import TransformerConfig, dtype_name
+from kkdeploy.errors import KKError
+from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache, generate_case
+
+from .base import BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason
+from .cuda_graph import CapturedCall
+
+FAITHFUL = "torch-compile"
+_SDPA_RE = re.compile(r"^torch-compile-sdpa(\d+)$")
+CACHE_SUFFIX = ".inductor-cache"
+
+
+def inductor_variant(name: str) -> str:
+    """Our candidate name -> the equivalent ``engines.inductor`` variant (same graph, same checks)."""
+    if name == FAITHFUL:
+        return "inductor"
+    match = _SDPA_RE.match(name)
+    if match:
+        return f"inductor-sdpa{match.group(1)}"
+    raise KKError(f"unknown torch-compile variant {name!r}; use {FAITHFUL} or {FAITHFUL}-sdpa<k>")
+
+
+def default_variants(device: torch.device) -> list[str]:
+    """CPU: the faithful graph only (compiles are slow there); CUDA: the last-layer SDPA one too."""
+    return [FAITHFUL] if torch.device(device).type == "cpu" else [FAITHFUL, f"{FAITHFUL}-sdpa1"]
+
+
+def output_fingerprint(runner, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+                       seed: int = DEFAULT_SEED) -> str:
+    """sha256 of the runner's output bytes on the all-valid case of ``seed``: equal hashes, equal outputs."""
+    x, mask = generate_case(config, device, dtype, seed)
+    with torch.inference_mode():
+        y = runner(x, mask)
+    return hashlib.sha256(y.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class CompiledRunner(Runner):
+    """The compiled exported module; CUDA-graph replay on a GPU, a plain call on the CPU."""
+
+    def __init__(self, model: torch.nn.Module, config: TransformerConfig, dtype: torch.dtype,
+                 device: torch.device, name: str = FAITHFUL, cuda_graph: bool = True):
+        super().__init__(config, dtype, device)
+        from . import inductor_ops  # noqa: F401  registers the opaque ops the graph calls
+        from .inductor import export_variant, faithful_inductor_configs, parse_variant
+
+        variant = inductor_variant(name)
+        self.backend = self.name = name
+        self.all_valid_only = bool(parse_variant(variant, config)[1])
+        self.model = model  # the compiled graph reads its parameters
+        start = time.perf_counter()
+        exported = export_variant(model, config, dtype, self.device, variant)
+        module = exported.module().requires_grad_(False)
+        self.compiled = torch.compile(module, options=faithful_inductor_configs(), dynamic=False, fullgraph=True)
+        x = torch.zeros(config.batch_size, config.seq_len, config.d_model, dtype=dtype, device=self.device)
+        self._forward(x, torch.ones(x.shape[:2], dtype=torch.bool, device=self.device))  # compiles now
+        self.compile_seconds = round(time.perf_counter() - start, 3)
+        self._mask_cache = AllValidMaskCache()
+        self.captured = None
+        if self.device.type == "cuda" and cuda_graph:
+            self.captured = CapturedCall(self._forward, config.batch_size, config.seq_len, config.d_model, dtype,
+                                         self.device)
+
+    def _forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # Always the same grad mode: Dynamo guards on it, and a second mode would mean a second compile.
+        with torch.inference_mode():
+            return self.compiled(x, mask)
+
+    def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.all_valid_only and not self._mask_cache.is_all_valid(mask):
+            raise KKError(f"{self.name} is valid for all-valid masks only; send padded calls to the PyTorch model")
+        if self.captured is not None:
+            return self.captured(x, mask)
+        return self._forward(x.contiguous(), mask.contiguous()).clone()  # a normal tensor the caller owns
+
+
+class TorchCompileBackend(Backend):
+    name = "torch_compile"
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        from .inductor import BACKEND as AOTI
+
+        return AOTI.unavailable_reason(device, dtype)  # the same compiler, the same requirements
+
+    def candidates(self, ctx: BuildContext) -> list[str]:
+        wanted = ctx.options.get("torch_compile_variants")
+        if wanted is None:
+            return default_variants(ctx.device)
+        names = [n.strip() for n in wanted.split(",")] if isinstance(wanted, str) else list(wanted)
+        names = [n for n in names if n]
+        for n in names:
+            from .inductor import parse_variant
+
+            parse_variant(inductor_variant(n), ctx.config)
+        return names
+
+    def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
+        """Compile once here: it proves the graph compiles, fills the cache file and records the fingerprint."""
+        from kkdeploy.weights import weights_sha256
+
+        from .inductor import _first_line, faithful_inductor_configs
+
+        result = CandidateResult(name=candidate, backend=self.name, status=BUILT)
+        device = torch.device(ctx.device)
+        reason = self.unavailable_reason(device, ctx.dtype)
+        if reason:
+            result.status, result.reason = UNAVAILABLE, reason
+            return result
+        start = time.perf_counter()
+        try:
+            runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate,
+                                    cuda_graph=ctx.options.get("cuda_graph", True))
+            fingerprint = output_fingerprint(runner, ctx.config, ctx.dtype, device)
+        except KKError as exc:
+            result.status, result.reason = BUILD_FAILED, f"build-failed: {exc}"
+            return result
+        except Exception as exc:  # noqa: BLE001 - a compiler failure is a candidate outcome, not a crash
+            result.status, result.reason = BUILD_FAILED, f"build-failed: {_first_line(exc)}"
+            return result
+        files = [WEIGHTS_FILE]
+        cache_file = None
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            cache_file = f"{candidate}{CACHE_SUFFIX}"
+            Path(ctx.out_dir, cache_file).write_bytes(saved[0])
+            files.append(cache_file)
+        result.files = files
+        result.options = {
+            "variant": candidate, "dtype": dtype_name(ctx.dtype), "config": ctx.config.to_dict(),
+            "weights_sha256": weights_sha256(ctx.model), "torch": torch.__version__,
+            "inductor_configs": faithful_inductor_configs(), "all_valid_only": runner.all_valid_only,
+            "mask_modes": ["all-valid"] if runner.all_valid_only else ["all-valid", "padded"],
+            "cuda_graph": runner.captured is not None, "cache_file": cache_file,
+            "fingerprint": {"seed": DEFAULT_SEED, "sha256": fingerprint},
+            "compile_seconds": runner.compile_seconds,
+        }
+        result.build_seconds = round(time.perf_counter() - start, 3)
+        return result
+
+    def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
+             device: torch.device) -> CompiledRunner:
+        from safetensors.torch import load_file
+
+        from .inductor import _first_line
+        from .torch_graph import model_for_variant
+
+        device = torch.device(device)
+        options = entry.get("options") or {}
+        name = entry.get("name", FAITHFUL)
+        if options.get("torch") != torch.__version__:
+            raise KKError(f"{name} was compiled with torch {options.get('torch')}, this process has "
+                          f"torch {torch.__version__}; rebuild it here")
+        if options.get("dtype") != dtype_name(dtype) or options.get("config") != config.to_dict():
+            raise KKError(f"{name} was built for {options.get('dtype')} {options.get('config')}; rebuild it here")
+        if options.get("cache_file"):
+            torch.compiler.load_cache_artifacts(Path(artifact_dir, options["cache_file"]).read_bytes())
+        state = load_file(str(Path(artifact_dir) / WEIGHTS_FILE))
+        model = model_for_variant({"model": "reference"}, config, dtype, device, state)
+        try:
+            runner = CompiledRunner(model, config, dtype, device, name=name,
+                                    cuda_graph=bool(options.get("cuda_graph", True)))
+        except KKError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise KKError(f"{name} failed to compile here: {_first_line(exc)}") from None
+        expected = (options.get("fingerprint") or {}).get("sha256")
+        got = output_fingerprint(runner, config, dtype, device, (options.get("fingerprint") or {}).get("seed",
+                                                                                                    DEFAULT_SEED))
+        if got != expected:
+            raise KKError(f"{name} recompiled here does not reproduce the validated output (fingerprint "
+                          f"{got[:12]} != {str(expected)[:12]}); rebuild the artifacts on this machine")
+        return runner
+
+
+BACKEND = TorchCompileBackend()

@@ -1,0 +1,116 @@
+"""The in-process torch.compile candidate: faithful on the CPU, cache file, load-time fingerprint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engines.base import BuildContext
+from engines.torch_compile import BACKEND, CompiledRunner, inductor_variant
+from kkdeploy.errors import KKError
+from kkdeploy.inputs import generate_case
+from kkdeploy.weights import build_models
+from validation.strict import compare_outputs, contract
+from tests.test_inductor import CPU, TINY, padded_case
+
+pytestmark = pytest.mark.skipif(BACKEND.unavailable_reason(CPU, torch.float32) is not None,
+                                reason=str(BACKEND.unavailable_reason(CPU, torch.float32)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_compiled_graph_is_bitwise_equal_to_the_reference(dtype):
+    reason = BACKEND.unavailable_reason(CPU, dtype)
+    if reason:
+        pytest.skip(reason)
+    reference, _ = build_models(TINY, dtype, CPU)
+    runner = CompiledRunner(reference, TINY, dtype, CPU)
+    assert not runner.all_valid_only
+    for x, mask in (generate_case(TINY, CPU, dtype, 3), padded_case(dtype, 4)):
+        with torch.no_grad():
+            y = runner(x, mask)
+            assert torch.equal(y, reference(x, mask))
+        assert runner(x, mask).data_ptr() != y.data_ptr()
+
+
+def test_sdpa_variant_refuses_padded_calls():
+    reference, _ = build_models(TINY, torch.float32, CPU)
+    runner = CompiledRunner(reference, TINY, torch.float32, CPU, name="torch-compile-sdpa1")
+    assert runner.all_valid_only
+    x, mask = padded_case(torch.float32, 5)
+    with pytest.raises(KKError, match="all-valid masks only"):
+        runner(x, mask)
+    x, mask = generate_case(TINY, CPU, torch.float32, 6, padding_ratio=0.0)
+    _, optimized = build_models(TINY, torch.float32, CPU, sdpa_layers=1)
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x, mask), optimized(x, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_variant_names_are_checked():
+    assert inductor_variant("torch-compile") == "inductor"
+    assert inductor_variant("torch-compile-sdpa2") == "inductor-sdpa2"
+    reference, _ = build_models(TINY, torch.float32, CPU)
+    ctx = BuildContext(TINY, torch.float32, CPU, reference, out_dir=None, options={})
+    assert BACKEND.candidates(ctx) == ["torch-compile"]
+    for bad in ("torch-compile-sdpa3", "torch-compile-fast"):
+        ctx.options["torch_compile_variants"] = bad
+        with pytest.raises(KKError, match=bad.split("-")[-1]):
+            BACKEND.candidates(ctx)
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    from kkdeploy.build import BuildRequest, run_build
+
+    out = tmp_path_factory.mktemp("compiled") / "artifacts"
+    run_build(BuildRequest(TINY, torch.float32, CPU, out, backends=["torch-compile"], trials=2,
+                           warmups=1, repeats=3, rounds=1))
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = next(c for c in manifest["candidates"] if c["name"] == "torch-compile")
+    assert entry["status"] == "passed", entry
+    assert entry["options"]["cache_file"] in manifest["files"]
+    assert len(entry["options"]["fingerprint"]["sha256"]) == 64
+    # Pin the choice: which of engine and fallback timed faster on a shared CPU is not the subject here.
+    manifest["choice"] = {**manifest["choice"], "candidate": "torch-compile", "backend": "torch_compile",
+                          "all_valid_only": False}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out, manifest
+
+
+def test_load_recompiles_and_serves_bitwise(shipped):
+    import kkdeploy
+
+    out, _ = shipped
+    runner = kkdeploy.load(out, device="cpu")
+    assert runner.backend == "torch-compile", runner.reason
+    reference, _ = build_models(TINY, torch.float32, CPU)
+    for x, mask in (generate_case(TINY, CPU, torch.float32, 7), padded_case(torch.float32, 8)):
+        with torch.no_grad():
+            assert torch.equal(runner(x, mask), reference(x, mask))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("fingerprint", {"seed": 1234, "sha256": "0" * 64}, "does not reproduce the validated output"),
+    ("torch", "0.0.0+other", "compiled with torch 0.0.0+other"),
+])
+def test_load_refuses_what_it_cannot_reproduce(shipped, field, value, message):
+    import kkdeploy
+
+    out, manifest = shipped
+    edited = json.loads(json.dumps(manifest))
+    for entry in edited["candidates"]:
+        if entry["name"] == "torch-compile":
+            entry["options"][field] = value
+    (out / "manifest.json").write_text(json.dumps(edited))
+    try:
+        runner = kkdeploy.load(out, device="cpu")
+        assert runner.backend != "torch-compile"
+        assert message in runner.reason
+        x, mask = generate_case(TINY, CPU, torch.float32, 9)
+        reference, _ = build_models(TINY, torch.float32, CPU)
+        with torch.no_grad():
+            # the fallback (packed SDPA in the validated last layer) still serves a strict-passing answer
+            assert compare_outputs(reference(x, mask), runner(x, mask), *contract("strict")).passed
+    finally:
+        (out / "manifest.json").write_text(json.dumps(manifest))
