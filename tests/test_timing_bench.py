@@ -147,3 +147,35 @@ def test_aggregation_pools_processes_and_a_failure_anywhere_fails(tmp_path):
     assert "| other | engine | **FAILED** |" in md and "process 2 exited with 1" in md
     plot_speedups(data, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_bench_judge_float32_calibrates_mixed_precision_and_compiles_on_request(tmp_path, capsys):
+    """float32 under the judge contract: the mixed-precision candidate carries its calibration record;
+    torch-compile (opt-in on the CPU) is faithful, so it passes with zero failed elements."""
+    out = tmp_path / "bench"
+    code = main(["bench", *TINY, "--device", "cpu", "--dtype", "float32", "--contract", "judge",
+                 "--candidates", "mixed,torch-compile,torch-graph-mixed", "--processes", "1", "--warmups", "1",
+                 "--repeats", "2", "--rounds", "1", "--trials", "1", "--out", str(out)])
+    assert code == 0, capsys.readouterr()
+    data = json.loads((out / "bench.json").read_text())
+    assert data["protocol"]["candidates"] == ["mixed", "torch-compile", "torch-graph-mixed"]
+    assert data["protocol"]["tf32"] is None  # auto; and off on the CPU:
+    worker = json.loads((out / "logs" / "result-custom-p0.json").read_text())
+    assert worker["tf32"] is False
+    backends = data["shapes"][0]["backends"]
+    mixed = backends["mixed"]
+    assert mixed["status"] == "passed" and mixed["failed_elements"] == {"all-valid": 0, "padded": 0}
+    chosen = mixed["calibration"]["fp16_layers"]
+    assert mixed["fp16_layers_per_process"] == [chosen] and mixed["calibration"]["passed"]
+    assert mixed["calibration"]["tried"][-1]["fp16_layers"] == chosen or chosen == [0, 1]
+    assert backends["torch-compile"]["status"] == "passed"
+    assert backends["torch-compile"]["failed_elements"] == {"all-valid": 0, "padded": 0}
+    assert backends["torch-compile"]["max_abs"] == 0.0  # bitwise
+    assert backends["torch-compile"]["compile_seconds_per_process"][0] > 0
+    assert backends["torch-graph-mixed"]["status"] == "skipped" and "CUDA" in backends["torch-graph-mixed"]["reason"]
+    assert "Mixed-precision calibration" in (out / "bench.md").read_text()
+
+
+def test_bench_rejects_unknown_candidates(capsys):
+    assert main(["bench", *TINY, "--device", "cpu", "--candidates", "optimized-sdpa0,warp-drive"]) == 2
+    assert "unknown bench candidate 'warp-drive'" in capsys.readouterr().err

@@ -26,6 +26,10 @@ def register(sub):
     p.add_argument("--warmups", type=int, default=20, help="untimed calls per backend per round (20)")
     p.add_argument("--repeats", type=int, default=100, help="timed calls per backend per round (100)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds over all backends (3)")
+    p.add_argument("--candidates", help="comma-separated candidates to validate and time (default: per device; "
+                   "float32 + judge adds the mixed-precision ones); see docs/benchmark.md")
+    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                   help="TF32 GEMMs for float32 on CUDA (default: on under --contract judge, off under strict)")
     p.add_argument("--artifacts", help="also time kkdeploy.load(DIR) (DIR or DIR/shape-NN for --all)")
     p.add_argument("--out", help="output folder (default artifacts/bench-<timestamp>)")
     # internal: one shape in one process
@@ -37,7 +41,7 @@ def register(sub):
 
 
 def run(args) -> int:
-    from ..bench import BENCH_SHAPES, BenchOptions, jobs_for, run_bench
+    from ..bench import BENCH_SHAPES, BenchOptions, jobs_for, parse_candidates, run_bench, tf32_enabled
 
     if args._worker:
         return run_worker_process(args)
@@ -57,9 +61,11 @@ def run(args) -> int:
     options = BenchOptions(device=str(device), dtype=dtype_name(dtype), contract=args.contract,
                            processes=args.processes, warmups=args.warmups, repeats=args.repeats, rounds=args.rounds,
                            seed=args.seed, trials=args.trials, padding_ratio=args.padding_ratio,
-                           weights=args.weights, artifacts=args.artifacts).check()
+                           weights=args.weights, artifacts=args.artifacts, candidates=parse_candidates(args.candidates),
+                           tf32=args.tf32).check()
     out = Path(args.out or f"artifacts/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     console.print(f"bench {len(jobs)} shape(s), {options.dtype} on {device}, contract {options.contract}, "
+                  f"tf32 {'on' if tf32_enabled(options, device, dtype) else 'off'}, "
                   f"{options.processes} process(es) x {options.rounds} rounds x ({options.warmups} warmups + "
                   f"{options.repeats} repeats) -> {out}")
     with progress_bar("bench", len(jobs) * options.processes) as bar:
