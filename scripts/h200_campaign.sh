@@ -8,8 +8,9 @@
 #   fidelity.json    scripts/onnx_fidelity.py (ORT CUDA EP variants x levels x CUDA graphs)
 #   inductor.json    scripts/inductor_h200.py (AOTInductor variants)
 #   shape14.json     scripts/shape14_h200.py (full logical shape 14)
-#   bench.tgz        kkdeploy bench output (json, md, png)
-# Steps: env, selfcheck, build, fidelity, inductor, shape14, bench. A step's =SECONDS caps its wall time.
+#   bench-DT-CT.tgz  kkdeploy bench output per shape (json, md, png, logs), DT dtype, CT contract
+#   summary-DT-CT.md scripts/bench_summary.py over those: best passing backend per shape, geomeans
+# Steps: env, setup, selfcheck, build, fidelity, inductor, shape14, bench. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -55,12 +56,22 @@ step_inductor() {
   env $best python3 scripts/inductor_h200.py --out "$OUT/inductor.json" ${INDUCTOR_ARGS:-}
 }
 step_shape14() { python3 scripts/shape14_h200.py --out "$OUT/shape14.json" ${SHAPE14_ARGS:-}; }
+step_setup() {
+  # polygraphy (pure Python, needed by the validator) from a carried wheel, when the machine lacks it
+  python3 -c "import polygraphy" 2>/dev/null && return 0
+  python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/polygraphy-*.whl && python3 -c "import polygraphy; print('polygraphy', polygraphy.__version__)"
+}
 step_bench() {
+  # BENCH_DTYPE float16|float32, BENCH_CONTRACT strict|judge, BENCH_PROCESSES (3), BENCH_ARGS (extra flags)
+  dt=${BENCH_DTYPE:-float16}; ct=${BENCH_CONTRACT:-strict}
   for s in ${BENCH_SHAPES:-2 3 12 1 4 5 7 9 10 11 8 13 6}; do
-    python3 -m kkdeploy bench --shape "$s" --dtype float16 --processes "${BENCH_PROCESSES:-1}" ${BENCH_ARGS:-} \
-      --out "$WORK/bench/shape-$s" || echo "bench shape $s: exit $?"
-    (cd "$WORK" && tar czf "$OUT/bench.tgz" bench)  # after every shape: a timeout keeps what finished
+    python3 -m kkdeploy bench --shape "$s" --dtype "$dt" --contract "$ct" --processes "${BENCH_PROCESSES:-3}" \
+      ${BENCH_ARGS:-} --out "$WORK/bench-$dt-$ct/shape-$s" || echo "bench shape $s: exit $?"
+    # after every shape: a timeout keeps what finished
+    (cd "$WORK" && tar czf "$OUT/bench-$dt-$ct.tgz" "bench-$dt-$ct")
+    python3 scripts/bench_summary.py "$WORK/bench-$dt-$ct" --md "$OUT/summary-$dt-$ct.md" > /dev/null
   done
+  cat "$OUT/summary-$dt-$ct.md"
 }
 
 for arg in "$@"; do

@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""One table over many `kkdeploy bench` runs: per shape, the best passing backend and the geomean.
+
+    python scripts/bench_summary.py DIR_OR_BENCH_JSON... [--md OUT.md]
+
+Reads every ``bench.json`` found under the arguments (a campaign benches each shape in its own
+invocation, so that a time limit keeps what finished). For each shape it reports eager's median,
+the fastest backend that passed every trial in every process ("fully passing": serves padded calls
+too), and the fastest for all-valid calls (which may be all-valid-only); then the geometric means
+of those speedups over the shapes present, and whether issue 6's float16 target holds
+(geomean >= 5x and no shape below 1x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kkdeploy.bench import EAGER, geometric_mean  # noqa: E402
+
+PASSED, PASSED_ALL_VALID_ONLY = "passed", "passed-all-valid-only"
+
+
+def load_shapes(paths: list[str]) -> tuple[list[dict], list[dict]]:
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files += sorted(p.rglob("bench.json")) if p.is_dir() else [p]
+    shapes, runs = [], []
+    for f in files:
+        data = json.loads(f.read_text())
+        runs.append({"file": str(f), "protocol": data["protocol"], "environment": data["environment"]})
+        shapes += data["shapes"]
+    shapes.sort(key=lambda s: (s["shape_id"] is None, s["shape_id"] or 0))
+    return shapes, runs
+
+
+def best(shape: dict, statuses: tuple[str, ...]) -> tuple[str, dict] | None:
+    timed = [(n, b) for n, b in shape["backends"].items()
+             if n != EAGER and b["status"] in statuses and b.get("speedup")]
+    return max(timed, key=lambda nb: nb[1]["speedup"]) if timed else None
+
+
+def summarize(shapes: list[dict]) -> dict:
+    rows, full, valid = [], [], []
+    for s in shapes:
+        eager = s["backends"].get(EAGER, {}).get("median_ms")
+        b_full = best(s, (PASSED,))
+        b_valid = best(s, (PASSED, PASSED_ALL_VALID_ONLY))
+        failed = {n: b.get("failed_elements") for n, b in s["backends"].items() if b["status"] == "failed"}
+        rows.append({"label": s["label"], "processes": s["processes"], "eager_ms": eager,
+                     "best_full": b_full and (b_full[0], b_full[1]["median_ms"], b_full[1]["speedup"]),
+                     "best_all_valid": b_valid and (b_valid[0], b_valid[1]["median_ms"], b_valid[1]["speedup"]),
+                     "failed": failed, "errors": s["errors"]})
+        if b_full:
+            full.append(b_full[1]["speedup"])
+        if b_valid:
+            valid.append(b_valid[1]["speedup"])
+    return {"rows": rows, "geomean_full": geometric_mean(full), "geomean_all_valid": geometric_mean(valid),
+            "min_full": min(full) if full else None, "shapes": len(shapes)}
+
+
+def markdown(summary: dict, runs: list[dict]) -> str:
+    env = runs[0]["environment"] if runs else {}
+    proto = runs[0]["protocol"] if runs else {}
+    lines = [f"device {env.get('gpu', env.get('cpu', '?'))}, versions {env.get('versions')}, dtype {proto.get('dtype')}, "
+             f"contract {proto.get('contract')}, processes {sorted({r['protocol']['processes'] for r in runs})}", "",
+             "| shape | procs | eager ms | best fully passing (ms, x) | best for all-valid calls (ms, x) | failed candidates |",
+             "|---|---|---|---|---|---|"]
+    fmt = lambda b: f"{b[0]} {b[1]:.4g} ms, {b[2]:.2f}x" if b else "none"  # noqa: E731
+    for r in summary["rows"]:
+        failed = "; ".join(f"{n} {v}" for n, v in r["failed"].items()) or "-"
+        eager = f"{r['eager_ms']:.4g}" if r["eager_ms"] else "-"
+        errors = f" **errors: {r['errors']}**" if r["errors"] else ""
+        lines.append(f"| {r['label']} | {r['processes']} | {eager} | {fmt(r['best_full'])} | "
+                     f"{fmt(r['best_all_valid'])} | {failed}{errors} |")
+    g_full, g_valid = summary["geomean_full"], summary["geomean_all_valid"]
+    lines += ["", f"geomean over {summary['shapes']} shape(s): fully passing "
+              f"{g_full:.2f}x, all-valid calls {g_valid:.2f}x; slowest fully passing "
+              f"{summary['min_full']:.2f}x" if g_full and g_valid else "no passing backend timed"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+")
+    parser.add_argument("--md", help="also write the table here")
+    args = parser.parse_args()
+    shapes, runs = load_shapes(args.paths)
+    if not shapes:
+        print("no bench.json found under " + ", ".join(args.paths), file=sys.stderr)
+        return 2
+    text = markdown(summarize(shapes), runs)
+    if args.md:
+        Path(args.md).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
