@@ -489,7 +489,7 @@ def plot_speedups(data: dict, path: Path) -> None:
                   and (b.get("speedup") is not None or b["status"] == FAILED)]
     skipped = sorted({n for s in shapes for n, b in s["backends"].items() if b["status"] == SKIPPED})
     width = 0.8 / max(1, len(names))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shapes) * max(1, len(names)) * 0.6), 4.5))
+    fig, ax = plt.subplots(figsize=(min(20, max(6, 0.25 * len(shapes) * max(1, len(names)) + 2)), 5.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     failed_label_used = False
     for i, name in enumerate(names):
@@ -510,9 +510,9 @@ def plot_speedups(data: dict, path: Path) -> None:
         if fails:
             ax.scatter(fails, [0] * len(fails), marker="x", color="red", s=60, zorder=3,
                        label=None if failed_label_used else "failed (not timed)")
-            for x in fails:
-                ax.annotate(f"{name}\nFAIL", (x, 0), ha="center", va="bottom", fontsize="x-small", color="red",
-                            xytext=(0, 6), textcoords="offset points")
+            for x in fails:  # in the backend's colour, so the legend says which one failed
+                ax.annotate("FAIL", (x, 0), ha="center", va="bottom", fontsize="x-small", rotation=90,
+                            color=colors[i % len(colors)], xytext=(0, 6), textcoords="offset points")
             failed_label_used = True
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(shapes)))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One table over many `kkdeploy bench` runs: per shape, the best passing backend and the geomean.
 
-    python scripts/bench_summary.py DIR_OR_BENCH_JSON... [--md OUT.md]
+    python scripts/bench_summary.py DIR_OR_BENCH_JSON... [--md OUT.md] [--png OUT.png]
 
 Reads every ``bench.json`` found under the arguments (a campaign benches each shape in its own
 invocation, so that a time limit keeps what finished). For each shape it reports eager's median,
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kkdeploy.bench import EAGER, geometric_mean  # noqa: E402
+from kkdeploy.bench import EAGER, geometric_mean, plot_speedups  # noqa: E402
 
 PASSED, PASSED_ALL_VALID_ONLY = "passed", "passed-all-valid-only"
 
@@ -88,6 +88,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+")
     parser.add_argument("--md", help="also write the table here")
+    parser.add_argument("--png", help="also draw every shape's speedups per backend into one chart")
     args = parser.parse_args()
     shapes, runs = load_shapes(args.paths)
     if not shapes:
@@ -96,6 +97,9 @@ def main() -> int:
     text = markdown(summarize(shapes), runs)
     if args.md:
         Path(args.md).write_text(text)
+    if args.png:  # one chart over all runs, titled with the first run's protocol and device
+        plot_speedups({"protocol": runs[0]["protocol"], "environment": runs[0]["environment"], "shapes": shapes},
+                      Path(args.png))
     print(text)
     return 0
 
