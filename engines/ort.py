@@ -3,6 +3,11 @@
 The builder optimizes the exported graph once at the requested level and saves the optimized
 model, so loading does not re-optimize (and cannot silently optimize differently than what
 was validated). Levels and disabled optimizers are recorded with the candidate.
+
+``<name>-mixed`` candidates (float32 builds under the judge contract, issue 6) run the mixed-precision export
+(``ExportOptions.fp16_layers``): the builder calibrates which blocks may be float16 by exporting, optimizing
+and validating each tried set on the build's trial plan (``kkdeploy.mixed.calibrate_layers``), and keeps the
+chosen graph as ``<name>.onnx`` next to its optimized form.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ CANDIDATES = {
     "ort-cuda": {"provider": "CUDAExecutionProvider", "cuda_graph": False},
     "ort-cuda-graph": {"provider": "CUDAExecutionProvider", "cuda_graph": True},
 }
+MIXED_SUFFIX = "-mixed"
 _NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_}
 _cuda_dlls_loaded = False
 
@@ -126,12 +132,23 @@ class OrtBackend(Backend):
     def candidates(self, ctx: BuildContext) -> list[str]:
         wanted = ctx.options.get("ort_candidates")
         names = ["ort-cpu"] if ctx.device.type == "cpu" else ["ort-cuda", "ort-cuda-graph"]
-        return [n for n in names if wanted is None or n in wanted]
+        names = [n for n in names if wanted is None or n in wanted]
+        if ctx.options.get("mixed_precision"):
+            names += [n + MIXED_SUFFIX for n in names]
+        return names
+
+    def _optimize(self, ort, candidate: str, device: torch.device, source: Path, optimized: Path, level: str,
+                  disabled: list):
+        options = session_options(ort, level, optimized)
+        return ort.InferenceSession(str(source), sess_options=options, providers=providers_for(candidate, device),
+                                    disabled_optimizers=disabled)
 
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
         ort = import_ort()
         if ctx.onnx_path is None:
             raise KKError(f"{candidate} needs the exported model.onnx")
+        if candidate.endswith(MIXED_SUFFIX):
+            return self.build_mixed(ort, ctx, candidate)
         device_type = "cpu" if CANDIDATES[candidate]["provider"] == "CPUExecutionProvider" else "cuda"
         level = ctx.options.get(f"ort_level_{device_type}", DEFAULT_LEVEL[device_type])
         disabled = list(ctx.options.get("ort_disabled_optimizers", []))
@@ -144,19 +161,72 @@ class OrtBackend(Backend):
                      "model": optimized.name, "onnxruntime": ort.__version__},
         )
 
-        def optimize():
-            options = session_options(ort, level, optimized)
-            ort.InferenceSession(str(ctx.onnx_path), sess_options=options,
-                                 providers=providers_for(candidate, ctx.device), disabled_optimizers=disabled)
+        return timed_build(lambda: self._optimize(ort, candidate, ctx.device, ctx.onnx_path, optimized, level,
+                                                  disabled), result)
 
-        return timed_build(optimize, result)
+    def build_mixed(self, ort, ctx: BuildContext, candidate: str) -> CandidateResult:
+        """Calibrate the float16 blocks against the validator, keep the chosen graph, record every try."""
+        import dataclasses
+        import time
+
+        from exporters import export_onnx
+        from kkdeploy.mixed import calibrate_layers
+
+        if ctx.dtype != torch.float32:
+            raise KKError(f"{candidate}: mixed precision applies to float32 builds, not {ctx.dtype}")
+        base = candidate[: -len(MIXED_SUFFIX)]
+        device_type = "cpu" if CANDIDATES[base]["provider"] == "CPUExecutionProvider" else "cuda"
+        level = ctx.options.get(f"ort_level_{device_type}", DEFAULT_LEVEL[device_type])
+        disabled = list(ctx.options.get("ort_disabled_optimizers", []))
+        export_options = ctx.options["export_options"]
+        plan = ctx.options["validation_plan"]
+        out = Path(ctx.out_dir)
+        tried_files: list[Path] = []
+
+        def paths(layers) -> tuple[Path, Path]:
+            tag = "_".join(map(str, layers)) or "none"
+            return out / f".calibrate-{candidate}-{tag}.onnx", out / f".calibrate-{candidate}-{tag}.optimized.onnx"
+
+        def runner_for(layers):
+            source, optimized = paths(layers)
+            tried_files.extend([source, optimized])
+            export_onnx(ctx.model, ctx.config, torch.float32, source,
+                        dataclasses.replace(export_options, fp16_layers=tuple(layers)))
+            self._optimize(ort, base, ctx.device, source, optimized, level, disabled)
+            session = ort.InferenceSession(str(optimized), sess_options=session_options(ort, "disabled"),
+                                           providers=providers_for(base, ctx.device))
+            return OrtRunner(session, ctx.config, ctx.dtype, ctx.device, cuda_graph=CANDIDATES[base]["cuda_graph"])
+
+        start = time.perf_counter()
+        try:
+            calibration = calibrate_layers(ctx.model, runner_for, all_valid_only=False, **plan)
+            chosen = tuple(calibration["fp16_layers"])
+            source, optimized = paths(chosen)
+            final_source, final_optimized = out / f"{candidate}.onnx", out / f"{candidate}.optimized.onnx"
+            source.replace(final_source)
+            optimized.replace(final_optimized)
+        finally:
+            for f in tried_files:
+                f.unlink(missing_ok=True)
+        calibration["seconds"] = round(time.perf_counter() - start, 3)
+        result = CandidateResult(
+            name=candidate, backend=self.name, status=BUILT, files=[final_source.name, final_optimized.name],
+            options={"provider": CANDIDATES[base]["provider"], "cuda_graph": CANDIDATES[base]["cuda_graph"],
+                     "graph_optimization_level": level, "disabled_optimizers": disabled,
+                     "model": final_optimized.name, "source": final_source.name, "onnxruntime": ort.__version__,
+                     "fp16_layers": list(chosen), "calibration": calibration})
+        if not calibration["passed"]:
+            result.reason = "even the all-float32 graph failed calibration; validation decides"
+        result.build_seconds = calibration["seconds"]
+        return result
 
     def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
              device: torch.device) -> OrtRunner:
         ort = import_ort()
         options = session_options(ort, "disabled")  # already optimized at build time
+        base = entry["name"].removesuffix(MIXED_SUFFIX)
         session = ort.InferenceSession(str(Path(artifact_dir) / entry["options"]["model"]), sess_options=options,
-                                       providers=providers_for(entry["name"], device))
+                                       providers=providers_for(base, device))
         if device.type == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
             raise KKError(f"{entry['name']}: the CUDA EP did not load (providers {session.get_providers()})")
         runner = OrtRunner(session, config, dtype, device, cuda_graph=entry["options"]["cuda_graph"])

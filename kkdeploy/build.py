@@ -178,6 +178,17 @@ def run_build(request: BuildRequest) -> dict:
             bar.describe("export ONNX")
             ctx = BuildContext(request.config, request.dtype, request.device, reference, stage,
                                options=dict(request.options))
+            # Precision repair (issue 6): a float32 build under the judge contract also builds "-mixed"
+            # candidates whose float16 blocks are calibrated on this build's own trial plan.
+            if ctx.options.get("mixed_precision") is None:
+                ctx.options["mixed_precision"] = request.dtype == torch.float32 and request.contract == "judge"
+            elif ctx.options["mixed_precision"] and request.dtype != torch.float32:
+                from .errors import KKError
+
+                raise KKError("--mixed-precision applies to float32 builds (a float16 build is float16 throughout); "
+                              "drop it or use --dtype float32")
+            ctx.options["validation_plan"] = {"contract": request.contract, "seed": request.seed,
+                                              "trials": request.trials, "padding_ratio": request.padding_ratio}
             export_info = export_if_needed(request, reference, stage, ctx)
             bar.advance()
 
@@ -235,6 +246,7 @@ def export_if_needed(request: BuildRequest, reference, stage: Path, ctx: BuildCo
     info = export_onnx(reference, request.config, request.dtype, stage / "model.onnx", options)
     artifacts.write_json(stage / "export.json", info)
     ctx.onnx_path = stage / "model.onnx"
+    ctx.options["export_options"] = options  # the mixed-precision candidates re-export with these
     return info
 
 
@@ -306,8 +318,9 @@ def summary_table(manifest: dict):
     for c in manifest["candidates"] + [{"name": FALLBACK, "status": "fallback", **manifest["fallback"]}]:
         v = c.get("validation") or c  # long-context entries carry their counts at top level
         lat = c.get("latency") or {}
+        layers = (c.get("options") or {}).get("fp16_layers")
         rows.append([
-            c["name"], c["status"],
+            c["name"] + (f" (fp16 blocks {layers})" if layers is not None else ""), c["status"],
             v.get("failed_elements", "-"), _fmt(v.get("max_abs")),
             f"{lat['median_ms']:.3f}" if lat else "-",
             "yes" if c["name"] == chosen else "",

@@ -77,13 +77,14 @@ class MixedPrecisionTransformer(nn.Module):
         return self.fast_forward(x)
 
 
-def calibrate_fp16_layers(reference: ReferenceTransformer, make_runner, *, all_valid_only: bool, contract: str,
-                          seed: int, trials: int, padding_ratio: float, sdpa_in_fp16_layers: bool = False) -> dict:
+def calibrate_layers(reference: ReferenceTransformer, runner_for_layers, *, all_valid_only: bool, contract: str,
+                     seed: int, trials: int, padding_ratio: float) -> dict:
     """Largest float16 block set whose runner passes ``contract`` on the trial plan (precision repair).
 
-    ``make_runner(model)`` turns a ``MixedPrecisionTransformer`` into the candidate under test (e.g. a
-    CUDA-graph capture), so what is calibrated is what ships. Returns ``bisect_fp16_layers``'s record
-    plus, per tried set, ``failed_elements`` per mask mode and, for a failing set, the validator's ``reason``.
+    ``runner_for_layers(fp16_layers)`` builds the candidate under test for one block set (a captured
+    PyTorch model, an ONNX Runtime session of the mixed export, ...), so what is calibrated is what ships;
+    the search itself is ``exporters.precision.bisect_fp16_layers``. Returns its record plus, per tried set,
+    ``failed_elements`` per mask mode and, for a failing set, the validator's ``reason``.
     """
     from exporters.precision import bisect_fp16_layers
     from validation import validate_candidates
@@ -91,7 +92,7 @@ def calibrate_fp16_layers(reference: ReferenceTransformer, make_runner, *, all_v
     failures: dict[tuple[int, ...], dict] = {}
 
     def passes(layers: tuple[int, ...]) -> bool:
-        runner = make_runner(MixedPrecisionTransformer(reference, layers, sdpa_in_fp16_layers))
+        runner = runner_for_layers(layers)
         report = validate_candidates(reference, {"mixed": runner}, reference.config, torch.float32,
                                      reference.device, seed=seed, trials=trials, padding_ratio=padding_ratio,
                                      contract=contract, all_valid_only={"mixed"} if all_valid_only else ())
@@ -107,3 +108,11 @@ def calibrate_fp16_layers(reference: ReferenceTransformer, make_runner, *, all_v
         entry.update(failures[tuple(entry["fp16_layers"])])
     result["fp16_layers"] = list(result["fp16_layers"])
     return result
+
+
+def calibrate_fp16_layers(reference: ReferenceTransformer, make_runner, *, all_valid_only: bool, contract: str,
+                          seed: int, trials: int, padding_ratio: float, sdpa_in_fp16_layers: bool = False) -> dict:
+    """``calibrate_layers`` for the PyTorch twin: ``make_runner(MixedPrecisionTransformer)`` -> candidate."""
+    return calibrate_layers(
+        reference, lambda layers: make_runner(MixedPrecisionTransformer(reference, layers, sdpa_in_fp16_layers)),
+        all_valid_only=all_valid_only, contract=contract, seed=seed, trials=trials, padding_ratio=padding_ratio)

@@ -297,3 +297,57 @@ def test_ort_runner_returns_exactly_what_the_session_computes(tmp_path):
     assert np.array_equal(got.numpy(), expected)
     assert entry["options"]["graph_optimization_level"] == "extended"
     assert (tmp_path / entry["options"]["model"]).is_file()  # the optimized graph is saved: no re-optimization
+
+
+@pytest.fixture(scope="module")
+def judge_build(tmp_path_factory):
+    """float32 under the judge contract: the ORT build adds a calibrated mixed-precision candidate."""
+    out = tmp_path_factory.mktemp("judge") / "artifacts"
+    manifest = run_build(BuildRequest(SMALL, torch.float32, torch.device("cpu"), out, backends=["ort-cpu"],
+                                      contract="judge", trials=2, warmups=1, repeats=3, rounds=1))
+    return out, manifest
+
+
+def test_judge_build_calibrates_and_keeps_only_the_chosen_graph(judge_build):
+    out, manifest = judge_build
+    entry = next(c for c in manifest["candidates"] if c["name"] == "ort-cpu-mixed")
+    assert entry["status"] == PASSED, entry
+    options = entry["options"]
+    calibration = options["calibration"]
+    assert calibration["passed"] and options["fp16_layers"] == calibration["fp16_layers"]
+    assert calibration["tried"][0]["fp16_layers"] == list(range(SMALL.num_layers))  # all float16 first
+    passing = [t["fp16_layers"] for t in calibration["tried"] if t["passed"]]
+    assert options["fp16_layers"] in passing
+    assert sorted(entry["files"]) == ["ort-cpu-mixed.onnx", "ort-cpu-mixed.optimized.onnx"]
+    assert not list(out.glob(".calibrate-*")) and set(entry["files"]) <= set(manifest["files"])
+    import onnx
+
+    graph = onnx.load(str(out / "ort-cpu-mixed.onnx"))
+    casts = [n.name for n in graph.graph.node if n.op_type == "Cast" and n.name.endswith("/fp16_in/Cast")]
+    assert sorted(casts) == [f"layers.{i}/fp16_in/Cast" for i in options["fp16_layers"]]
+    assert graph.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # float32 I/O
+
+
+def test_judge_build_serves_the_mixed_engine(judge_build):
+    out, manifest = judge_build
+    manifest = json.loads(json.dumps(manifest))
+    manifest["choice"] = {**manifest["choice"], "candidate": "ort-cpu-mixed", "backend": "ort", "all_valid_only": False}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    runner = kkdeploy.load(out, device="cpu")
+    assert runner.backend == "ort-cpu-mixed", runner.reason
+    reference, _ = build_models(SMALL, torch.float32, "cpu")
+    x, mask = generate_case(SMALL, "cpu", torch.float32, 4321, padding_ratio=0.5)
+    with torch.no_grad():
+        assert compare_outputs(reference(x, mask), runner(x, mask), *CONTRACTS["judge"]).passed
+
+
+def test_mixed_precision_flag_rules(tmp_path, capsys):
+    strict = run_build(BuildRequest(SMALL, torch.float32, torch.device("cpu"), tmp_path / "strict",
+                                    backends=["ort-cpu"], trials=1, warmups=1, repeats=2, rounds=1))
+    assert [c["name"] for c in strict["candidates"]] == ["ort-cpu"]  # strict: no mixed candidate by default
+    code = main(["build", "--batch-size", "2", "--seq-len", "8", "--d-model", "16", "--heads", "2", "--ffn-dim",
+                 "16", "--layers", "2", "--device", "cpu", "--dtype", "float16", "--mixed-precision",
+                 "--out", str(tmp_path / "half")])
+    assert code == 2
+    assert "--mixed-precision applies to float32 builds" in capsys.readouterr().err
+    assert not (tmp_path / "half").exists()

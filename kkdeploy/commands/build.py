@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from pathlib import Path
 
 from ..build import BACKEND_CHOICES, BuildRequest, default_out_dir, parse_backends, print_summary, run_build
@@ -30,6 +32,9 @@ def register(sub):
                    help="ONNX Runtime graph optimization level (default: extended on CPU, basic on CUDA)")
     p.add_argument("--linear", choices=["gemm", "matmul_add", "fp32", "bias_in_k"],
                    help="how the exporter writes each Linear (default gemm)")
+    p.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction, default=None,
+                   help="also build '-mixed' ONNX candidates whose float16 blocks are calibrated per shape "
+                        "(default: on for float32 under --contract judge)")
     p.set_defaults(func=run)
 
 
@@ -39,6 +44,8 @@ def request_options(args) -> dict:
         options["ort_level_cpu"] = options["ort_level_cuda"] = args.ort_level
     if args.linear:
         options["export"] = {"linear": args.linear}
+    if args.mixed_precision is not None:
+        options["mixed_precision"] = args.mixed_precision
     return options
 
 
