@@ -110,5 +110,18 @@ def timed_build(fn, result: CandidateResult) -> CandidateResult:
     return result
 
 
+def requested_variants(ctx: BuildContext, option: str, default: list[str], check) -> list[str]:
+    """Variant names from ``ctx.options[option]`` (a comma string or a list), each passed to ``check``
+    (which raises a one-line KKError for a bad name); ``default`` when the option is absent."""
+    wanted = ctx.options.get(option)
+    if wanted is None:
+        return list(default)
+    names = [n.strip() for n in (wanted.split(",") if isinstance(wanted, str) else wanted)]
+    names = [n for n in names if n]
+    for name in names:
+        check(name)
+    return names
+
+
 def import_error_reason(module: str, exc: BaseException) -> str:
     return f"unavailable: cannot import {module}: {type(exc).__name__}: {exc}"

@@ -45,7 +45,8 @@ from kkdeploy.errors import KKError
 from kkdeploy.inputs import AllValidMaskCache
 
 from .cuda_graph import CapturedCall
-from .base import BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason
+from .base import (BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
+                   requested_variants)
 
 FAITHFUL, FUSED, SDPA_PREFIX = "inductor", "inductor-fused", "inductor-sdpa"
 _SDPA_RE = re.compile(r"^inductor-sdpa(\d+)$")
@@ -228,13 +229,8 @@ class InductorBackend(Backend):
         return None
 
     def candidates(self, ctx: BuildContext) -> list[str]:
-        wanted = ctx.options.get("inductor_variants")
-        if wanted is None:
-            return default_variants(torch.device(ctx.device))
-        names = [n.strip() for n in wanted.split(",")] if isinstance(wanted, str) else list(wanted)
-        for name in names:
-            parse_variant(name, ctx.config)
-        return [n for n in names if n]
+        return requested_variants(ctx, "inductor_variants", default_variants(torch.device(ctx.device)),
+                                  lambda name: parse_variant(name, ctx.config))
 
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
         result = CandidateResult(name=candidate, backend=self.name, status=BUILT)

@@ -34,7 +34,7 @@ from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache, generate_case
 
-from .base import BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason
+from .base import BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, requested_variants
 from .cuda_graph import CapturedCall
 
 FAITHFUL = "torch-compile"
@@ -114,16 +114,10 @@ class TorchCompileBackend(Backend):
         return AOTI.unavailable_reason(device, dtype)  # the same compiler, the same requirements
 
     def candidates(self, ctx: BuildContext) -> list[str]:
-        wanted = ctx.options.get("torch_compile_variants")
-        if wanted is None:
-            return default_variants(ctx.device)
-        names = [n.strip() for n in wanted.split(",")] if isinstance(wanted, str) else list(wanted)
-        names = [n for n in names if n]
-        for n in names:
-            from .inductor import parse_variant
+        from .inductor import parse_variant
 
-            parse_variant(inductor_variant(n), ctx.config)
-        return names
+        return requested_variants(ctx, "torch_compile_variants", default_variants(ctx.device),
+                                  lambda name: parse_variant(inductor_variant(name), ctx.config))
 
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
         """Compile once here: it proves the graph compiles, fills the cache file and records the fingerprint."""

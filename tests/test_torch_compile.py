@@ -13,7 +13,7 @@ from kkdeploy.errors import KKError
 from kkdeploy.inputs import generate_case
 from kkdeploy.weights import build_models
 from validation.strict import compare_outputs, contract
-from tests.test_inductor import CPU, TINY, padded_case
+from tests.test_inductor import CPU, TINY, assert_load_serves_bitwise, padded_case
 
 pytestmark = pytest.mark.skipif(BACKEND.unavailable_reason(CPU, torch.float32) is not None,
                                 reason=str(BACKEND.unavailable_reason(CPU, torch.float32)))
@@ -79,15 +79,7 @@ def shipped(tmp_path_factory):
 
 
 def test_load_recompiles_and_serves_bitwise(shipped):
-    import kkdeploy
-
-    out, _ = shipped
-    runner = kkdeploy.load(out, device="cpu")
-    assert runner.backend == "torch-compile", runner.reason
-    reference, _ = build_models(TINY, torch.float32, CPU)
-    for x, mask in (generate_case(TINY, CPU, torch.float32, 7), padded_case(torch.float32, 8)):
-        with torch.no_grad():
-            assert torch.equal(runner(x, mask), reference(x, mask))
+    assert_load_serves_bitwise(shipped[0], "torch-compile")
 
 
 @pytest.mark.parametrize("field,value,message", [
