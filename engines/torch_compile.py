@@ -66,23 +66,23 @@ def output_fingerprint(runner, config: TransformerConfig, dtype: torch.dtype, de
     return hashlib.sha256(y.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-class CompiledRunner(Runner):
-    """The compiled exported module; CUDA-graph replay on a GPU, a plain call on the CPU."""
+class CompiledModuleRunner(Runner):
+    """``torch.compile`` of a fixed-shape ``module(x, mask)``; CUDA-graph replay on a GPU, a plain call on the CPU.
 
-    def __init__(self, model: torch.nn.Module, config: TransformerConfig, dtype: torch.dtype,
-                 device: torch.device, name: str = FAITHFUL, cuda_graph: bool = True):
+    ``options`` are Inductor settings for this compile only. ``keep_alive`` holds what the compiled graph
+    reads (the model whose parameters it uses).
+    """
+
+    def __init__(self, module: torch.nn.Module, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+                 *, name: str, all_valid_only: bool, options: dict | None = None, cuda_graph: bool = True,
+                 keep_alive=None):
         super().__init__(config, dtype, device)
-        from . import inductor_ops  # noqa: F401  registers the opaque ops the graph calls
-        from .inductor import export_variant, faithful_inductor_configs, parse_variant
-
-        variant = inductor_variant(name)
         self.backend = self.name = name
-        self.all_valid_only = bool(parse_variant(variant, config)[1])
-        self.model = model  # the compiled graph reads its parameters
+        self.all_valid_only = all_valid_only
+        self.keep_alive = keep_alive
         start = time.perf_counter()
-        exported = export_variant(model, config, dtype, self.device, variant)
-        module = exported.module().requires_grad_(False)
-        self.compiled = torch.compile(module, options=faithful_inductor_configs(), dynamic=False, fullgraph=True)
+        self.compiled = torch.compile(module.requires_grad_(False), options=options or {}, dynamic=False,
+                                      fullgraph=True)
         x = torch.zeros(config.batch_size, config.seq_len, config.d_model, dtype=dtype, device=self.device)
         self._forward(x, torch.ones(x.shape[:2], dtype=torch.bool, device=self.device))  # compiles now
         self.compile_seconds = round(time.perf_counter() - start, 3)
@@ -103,6 +103,24 @@ class CompiledRunner(Runner):
         if self.captured is not None:
             return self.captured(x, mask)
         return self._forward(x.contiguous(), mask.contiguous()).clone()  # a normal tensor the caller owns
+
+
+class CompiledRunner(CompiledModuleRunner):
+    """The faithful variant: the exported reference with its sensitive ops opaque, faithful Inductor settings."""
+
+    def __init__(self, model: torch.nn.Module, config: TransformerConfig, dtype: torch.dtype,
+                 device: torch.device, name: str = FAITHFUL, cuda_graph: bool = True):
+        from . import inductor_ops  # noqa: F401  registers the opaque ops the graph calls
+        from .inductor import export_variant, faithful_inductor_configs, parse_variant
+
+        variant = inductor_variant(name)
+        start = time.perf_counter()
+        exported = export_variant(model, config, dtype, torch.device(device), variant)
+        export_seconds = time.perf_counter() - start
+        super().__init__(exported.module(), config, dtype, device, name=name,
+                         all_valid_only=bool(parse_variant(variant, config)[1]), options=faithful_inductor_configs(),
+                         cuda_graph=cuda_graph, keep_alive=model)
+        self.compile_seconds = round(self.compile_seconds + export_seconds, 3)
 
 
 class TorchCompileBackend(Backend):
@@ -198,3 +216,36 @@ class TorchCompileBackend(Backend):
 
 
 BACKEND = TorchCompileBackend()
+
+
+class MixedForward(torch.nn.Module):
+    """``MixedPrecisionTransformer`` as a fixed-signature module for ``torch.compile``: the reference order
+    (all masks) or, with ``all_valid_sdpa``, the all-valid fast path. Packed QKV weights are built once and
+    held as buffers: the model's own cache keys on ``data_ptr()``, which Dynamo cannot trace."""
+
+    def __init__(self, mixed: torch.nn.Module, all_valid_sdpa: bool):
+        super().__init__()
+        self.mixed = mixed
+        self.all_valid_sdpa = all_valid_sdpa
+        if all_valid_sdpa:
+            fp16 = mixed.fp16_model
+            packed = {i: fp16.packed_qkv(i) for i in mixed.fp16_layers}
+            for i, (weight, bias) in packed.items():
+                self.register_buffer(f"packed_weight_{i}", weight.clone())
+                self.register_buffer(f"packed_bias_{i}", bias.clone())
+            fp16.packed_qkv = lambda i: (getattr(self, f"packed_weight_{i}"), getattr(self, f"packed_bias_{i}"))
+
+    def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
+        if self.all_valid_sdpa:
+            return self.mixed.fast_forward(x)
+        return self.mixed.reference_forward(x, valid_token_mask)
+
+
+def compile_mixed(mixed: torch.nn.Module, device: torch.device, *, name: str, all_valid_sdpa: bool,
+                  cuda_graph: bool = True) -> CompiledModuleRunner:
+    """A mixed-precision model compiled with Inductor's defaults (fusion allowed: judge contract, float32 model).
+
+    It is not the faithful graph, so it is not bitwise to anything; validation decides whether it ships.
+    """
+    return CompiledModuleRunner(MixedForward(mixed, all_valid_sdpa), mixed.config, torch.float32, device, name=name,
+                                all_valid_only=all_valid_sdpa, options={}, cuda_graph=cuda_graph, keep_alive=mixed)

@@ -108,9 +108,12 @@ def _artifacts_dir(root: Path, job: ShapeJob) -> Path | None:
 # Candidates a bench can run; the defaults per device (and, for mixed precision, per dtype) follow.
 GRAPH_CANDIDATES = ["torch-graph", "torch-graph-sdpa1", "torch-graph-nomask"]
 COMPILE_CANDIDATES = ["torch-compile", "torch-compile-sdpa1"]
-MIXED_CANDIDATES = {"cpu": ["mixed", "mixed-sdpa"], "cuda": ["torch-graph-mixed", "torch-graph-mixed-sdpa"]}
-BENCH_CANDIDATES = (["optimized-sdpa0", "optimized-sdpa1"] + GRAPH_CANDIDATES + COMPILE_CANDIDATES
-                    + MIXED_CANDIDATES["cpu"] + MIXED_CANDIDATES["cuda"])
+MIXED_CANDIDATES = {"cpu": ["mixed", "mixed-sdpa"],
+                    "cuda": ["torch-graph-mixed", "torch-graph-mixed-sdpa", "torch-compile-mixed",
+                             "torch-compile-mixed-sdpa"]}
+ALL_MIXED = MIXED_CANDIDATES["cpu"] + MIXED_CANDIDATES["cuda"]
+COMPILED = COMPILE_CANDIDATES + ["torch-compile-mixed", "torch-compile-mixed-sdpa"]  # opt-in on the CPU
+BENCH_CANDIDATES = ["optimized-sdpa0", "optimized-sdpa1"] + GRAPH_CANDIDATES + COMPILE_CANDIDATES + ALL_MIXED
 
 
 def default_candidates(device: torch.device, dtype: torch.dtype, contract: str) -> list[str]:
@@ -148,7 +151,7 @@ def _make_candidate(name: str, reference, config: TransformerConfig, dtype: torc
     if name.startswith("optimized-sdpa"):
         k = min(int(name[len("optimized-sdpa"):]), config.num_layers)
         return build_models(config, dtype, device, weights=options.weights, sdpa_layers=k)[1], False
-    if name in MIXED_CANDIDATES["cpu"] + MIXED_CANDIDATES["cuda"]:
+    if name in ALL_MIXED:
         return _make_mixed(name, reference, device, options, info)
     if name in GRAPH_CANDIDATES:
         if device.type != "cuda":
@@ -179,13 +182,16 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
     if reference.dtype != torch.float32:
         raise KKError("skipped: mixed precision applies to float32 models (float16 is already all float16)")
     captured = name.startswith("torch-graph-")
+    compiled = name.startswith("torch-compile-")
     if captured and device.type != "cuda":
         raise KKError("skipped: CUDA graphs need a CUDA device")
     sdpa = name.endswith("-sdpa")
     config = reference.config
 
     def make_runner(model):
-        if not captured:
+        # A compiled candidate calibrates on its eager twin (CUDA-graph captured where possible): one compile
+        # per tried set would cost minutes. The compiled model is then validated like every candidate.
+        if device.type != "cuda":
             return model
         from engines.torch_graph import CudaGraphRunner
 
@@ -197,7 +203,15 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
                                         sdpa_in_fp16_layers=sdpa)
     calibration["seconds"] = round(time.perf_counter() - start, 3)
     info["calibration"] = calibration
-    return make_runner(MixedPrecisionTransformer(reference, calibration["fp16_layers"], sdpa)), sdpa
+    chosen = MixedPrecisionTransformer(reference, calibration["fp16_layers"], sdpa)
+    if compiled:
+        from engines.torch_compile import compile_mixed
+
+        calibration["calibrated_on"] = "the eager twin (CUDA-graph captured on CUDA), not the compiled graph"
+        runner = compile_mixed(chosen, device, name=name, all_valid_sdpa=sdpa)
+        info["compile_seconds"] = runner.compile_seconds
+        return runner, sdpa
+    return (make_runner(chosen) if captured else chosen), sdpa
 
 
 def bench_candidates(job: ShapeJob, options: BenchOptions, reference, device: torch.device, dtype: torch.dtype):
@@ -214,7 +228,7 @@ def bench_candidates(job: ShapeJob, options: BenchOptions, reference, device: to
     names = options.candidates or default_candidates(device, dtype, options.contract)
     for name in names:
         details: dict = {}
-        if name in COMPILE_CANDIDATES and device.type == "cpu" and options.candidates is None:
+        if name in COMPILED and device.type == "cpu" and options.candidates is None:
             skipped[name] = f"skipped: compiling is opt-in on the CPU (--candidates {name})"
             continue
         try:

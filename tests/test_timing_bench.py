@@ -154,11 +154,11 @@ def test_bench_judge_float32_calibrates_mixed_precision_and_compiles_on_request(
     torch-compile (opt-in on the CPU) is faithful, so it passes with zero failed elements."""
     out = tmp_path / "bench"
     code = main(["bench", *TINY, "--device", "cpu", "--dtype", "float32", "--contract", "judge",
-                 "--candidates", "mixed,torch-compile,torch-graph-mixed", "--processes", "1", "--warmups", "1",
+                 "--candidates", "mixed,torch-compile,torch-graph-mixed,torch-compile-mixed-sdpa", "--processes", "1", "--warmups", "1",
                  "--repeats", "2", "--rounds", "1", "--trials", "1", "--out", str(out)])
     assert code == 0, capsys.readouterr()
     data = json.loads((out / "bench.json").read_text())
-    assert data["protocol"]["candidates"] == ["mixed", "torch-compile", "torch-graph-mixed"]
+    assert data["protocol"]["candidates"] == ["mixed", "torch-compile", "torch-graph-mixed", "torch-compile-mixed-sdpa"]
     assert data["protocol"]["tf32"] is None  # auto; and off on the CPU:
     worker = json.loads((out / "logs" / "result-custom-p0.json").read_text())
     assert worker["tf32"] is False
@@ -173,6 +173,10 @@ def test_bench_judge_float32_calibrates_mixed_precision_and_compiles_on_request(
     assert backends["torch-compile"]["max_abs"] == 0.0  # bitwise
     assert backends["torch-compile"]["compile_seconds_per_process"][0] > 0
     assert backends["torch-graph-mixed"]["status"] == "skipped" and "CUDA" in backends["torch-graph-mixed"]["reason"]
+    compiled_mixed = backends["torch-compile-mixed-sdpa"]  # calibrated on its eager twin, then compiled
+    assert compiled_mixed["status"] == "passed-all-valid-only" and compiled_mixed["failed_elements"] == {"all-valid": 0}
+    assert "eager twin" in compiled_mixed["calibration"]["calibrated_on"]
+    assert compiled_mixed["compile_seconds_per_process"][0] > 0
     assert "Mixed-precision calibration" in (out / "bench.md").read_text()
 
 
