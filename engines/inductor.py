@@ -233,22 +233,11 @@ class InductorBackend(Backend):
                                   lambda name: parse_variant(name, ctx.config))
 
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
-        result = CandidateResult(name=candidate, backend=self.name, status=BUILT)
-        device = torch.device(ctx.device)
-        reason = self.unavailable_reason(device, ctx.dtype)
-        if reason:
-            result.status, result.reason = UNAVAILABLE, reason
-            return result
-        start = time.perf_counter()
-        try:
-            result.options = build_package(ctx, candidate)
-            result.files = [result.options["package"]]
-        except KKError as exc:  # e.g. the exported graph lacks the ops it must keep opaque
-            result.status, result.reason = BUILD_FAILED, f"build-failed: {exc}"
-        except Exception as exc:  # noqa: BLE001 - a compiler failure is a candidate outcome, not a crash
-            result.status, result.reason = BUILD_FAILED, f"build-failed: {_first_line(exc)}"
-        result.build_seconds = round(time.perf_counter() - start, 3)
-        return result
+        def work():
+            options = build_package(ctx, candidate)
+            return options, [options["package"]]
+
+        return guarded_build(self, ctx, candidate, work)
 
     def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
              device: torch.device) -> Runner:
@@ -283,6 +272,25 @@ class InductorBackend(Backend):
             raise KKError(f"inductor package {package.name} holds {embedded.get('variant')} with other weights "
                           f"than its manifest entry records; rebuild the artifacts")
         return runner
+
+
+def guarded_build(backend: Backend, ctx: BuildContext, candidate: str, work) -> CandidateResult:
+    """Run a compiling builder's ``work() -> (options, files)``: unavailable here, a compiler error or a graph
+    that lacks the ops it must keep opaque become the candidate's recorded status, never a crash."""
+    result = CandidateResult(name=candidate, backend=backend.name, status=BUILT)
+    reason = backend.unavailable_reason(torch.device(ctx.device), ctx.dtype)
+    if reason:
+        result.status, result.reason = UNAVAILABLE, reason
+        return result
+    start = time.perf_counter()
+    try:
+        result.options, result.files = work()
+    except KKError as exc:
+        result.status, result.reason = BUILD_FAILED, f"build-failed: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a compiler failure is a candidate outcome, not a crash
+        result.status, result.reason = BUILD_FAILED, f"build-failed: {_first_line(exc)}"
+    result.build_seconds = round(time.perf_counter() - start, 3)
+    return result
 
 
 def keys_mismatch(recorded: dict, current: dict) -> str | None:

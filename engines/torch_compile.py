@@ -34,7 +34,7 @@ from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache, generate_case
 
-from .base import BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, requested_variants
+from .base import Backend, BuildContext, CandidateResult, Runner, requested_variants
 from .cuda_graph import CapturedCall
 
 FAITHFUL = "torch-compile"
@@ -139,27 +139,19 @@ class TorchCompileBackend(Backend):
 
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
         """Compile once here: it proves the graph compiles, fills the cache file and records the fingerprint."""
+        from .inductor import guarded_build
+
+        return guarded_build(self, ctx, candidate, lambda: self._compile(ctx, candidate))
+
+    def _compile(self, ctx: BuildContext, candidate: str) -> tuple[dict, list[str]]:
         from kkdeploy.weights import weights_sha256
 
-        from .inductor import _first_line, faithful_inductor_configs
+        from .inductor import faithful_inductor_configs
 
-        result = CandidateResult(name=candidate, backend=self.name, status=BUILT)
         device = torch.device(ctx.device)
-        reason = self.unavailable_reason(device, ctx.dtype)
-        if reason:
-            result.status, result.reason = UNAVAILABLE, reason
-            return result
-        start = time.perf_counter()
-        try:
-            runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate,
-                                    cuda_graph=ctx.options.get("cuda_graph", True))
-            fingerprint = output_fingerprint(runner, ctx.config, ctx.dtype, device)
-        except KKError as exc:
-            result.status, result.reason = BUILD_FAILED, f"build-failed: {exc}"
-            return result
-        except Exception as exc:  # noqa: BLE001 - a compiler failure is a candidate outcome, not a crash
-            result.status, result.reason = BUILD_FAILED, f"build-failed: {_first_line(exc)}"
-            return result
+        runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate,
+                                cuda_graph=ctx.options.get("cuda_graph", True))
+        fingerprint = output_fingerprint(runner, ctx.config, ctx.dtype, device)
         files = [WEIGHTS_FILE]
         cache_file = None
         saved = torch.compiler.save_cache_artifacts()
@@ -167,8 +159,7 @@ class TorchCompileBackend(Backend):
             cache_file = f"{candidate}{CACHE_SUFFIX}"
             Path(ctx.out_dir, cache_file).write_bytes(saved[0])
             files.append(cache_file)
-        result.files = files
-        result.options = {
+        options = {
             "variant": candidate, "dtype": dtype_name(ctx.dtype), "config": ctx.config.to_dict(),
             "weights_sha256": weights_sha256(ctx.model), "torch": torch.__version__,
             "inductor_configs": faithful_inductor_configs(), "all_valid_only": runner.all_valid_only,
@@ -177,8 +168,7 @@ class TorchCompileBackend(Backend):
             "fingerprint": {"seed": DEFAULT_SEED, "sha256": fingerprint},
             "compile_seconds": runner.compile_seconds,
         }
-        result.build_seconds = round(time.perf_counter() - start, 3)
-        return result
+        return options, files
 
     def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
              device: torch.device) -> CompiledRunner:
