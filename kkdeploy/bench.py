@@ -144,7 +144,7 @@ def tf32_enabled(options: "BenchOptions", device: torch.device, dtype: torch.dty
 
 
 def _make_candidate(name: str, reference, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
-                    options: "BenchOptions", info: dict):
+                    options: "BenchOptions", info: dict, calibrations: dict | None = None):
     """(runner, all_valid_only) for one bench candidate; raises with the reason it cannot run here."""
     from .weights import build_models
 
@@ -152,7 +152,7 @@ def _make_candidate(name: str, reference, config: TransformerConfig, dtype: torc
         k = min(int(name[len("optimized-sdpa"):]), config.num_layers)
         return build_models(config, dtype, device, weights=options.weights, sdpa_layers=k)[1], False
     if name in ALL_MIXED:
-        return _make_mixed(name, reference, device, options, info)
+        return _make_mixed(name, reference, device, options, info, {} if calibrations is None else calibrations)
     if name in GRAPH_CANDIDATES:
         if device.type != "cuda":
             raise KKError("skipped: CUDA graphs need a CUDA device")
@@ -175,8 +175,15 @@ def _make_candidate(name: str, reference, config: TransformerConfig, dtype: torc
     raise KKError(f"unknown bench candidate {name!r}")
 
 
-def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptions", info: dict):
-    """Calibrate the float16 blocks for this shape on the trial plan, then build the chosen runner."""
+def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptions", info: dict,
+                calibrations: dict):
+    """Calibrate the float16 blocks for this shape on the trial plan, then build the chosen runner.
+
+    Candidates with the same attention (reference order, or SDPA) calibrate on the same eager twin, so the
+    first one's record is reused by the others in this process (``calibrations``, keyed by SDPA or not).
+    """
+    import copy
+
     from .mixed import MixedPrecisionTransformer, calibrate_fp16_layers
 
     if reference.dtype != torch.float32:
@@ -197,11 +204,17 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
 
         return CudaGraphRunner(model, config, torch.float32, device, all_valid_only=sdpa)
 
-    start = time.perf_counter()
-    calibration = calibrate_fp16_layers(reference, make_runner, all_valid_only=sdpa, contract=options.contract,
-                                        seed=options.seed, trials=options.trials, padding_ratio=options.padding_ratio,
-                                        sdpa_in_fp16_layers=sdpa)
-    calibration["seconds"] = round(time.perf_counter() - start, 3)
+    if sdpa not in calibrations:
+        start = time.perf_counter()
+        record = calibrate_fp16_layers(reference, make_runner, all_valid_only=sdpa, contract=options.contract,
+                                       seed=options.seed, trials=options.trials, padding_ratio=options.padding_ratio,
+                                       sdpa_in_fp16_layers=sdpa)
+        record["seconds"] = round(time.perf_counter() - start, 3)
+        calibrations[sdpa] = (name, record)
+    first, record = calibrations[sdpa]
+    calibration = copy.deepcopy(record)
+    if first != name:
+        calibration["reused_from"] = first
     info["calibration"] = calibration
     chosen = MixedPrecisionTransformer(reference, calibration["fp16_layers"], sdpa)
     if compiled:
@@ -225,6 +238,7 @@ def bench_candidates(job: ShapeJob, options: BenchOptions, reference, device: to
     all_valid_only: set[str] = set()
     skipped: dict[str, str] = {}
     info: dict[str, dict] = {}
+    calibrations: dict = {}
     names = options.candidates or default_candidates(device, dtype, options.contract)
     for name in names:
         details: dict = {}
@@ -232,7 +246,8 @@ def bench_candidates(job: ShapeJob, options: BenchOptions, reference, device: to
             skipped[name] = f"skipped: compiling is opt-in on the CPU (--candidates {name})"
             continue
         try:
-            runner, valid_only = _make_candidate(name, reference, config, dtype, device, options, details)
+            runner, valid_only = _make_candidate(name, reference, config, dtype, device, options, details,
+                                                 calibrations)
         except KKError as exc:
             text = str(exc)
             skipped[name] = text if text.split(":")[0] in ("skipped", "unavailable") else f"unavailable: {text}"

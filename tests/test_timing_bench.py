@@ -176,6 +176,7 @@ def test_bench_judge_float32_calibrates_mixed_precision_and_compiles_on_request(
     compiled_mixed = backends["torch-compile-mixed-sdpa"]  # calibrated on its eager twin, then compiled
     assert compiled_mixed["status"] == "passed-all-valid-only" and compiled_mixed["failed_elements"] == {"all-valid": 0}
     assert "eager twin" in compiled_mixed["calibration"]["calibrated_on"]
+    assert "reused_from" not in compiled_mixed["calibration"]  # the only SDPA-mixed candidate calibrated itself
     assert compiled_mixed["compile_seconds_per_process"][0] > 0
     assert "Mixed-precision calibration" in (out / "bench.md").read_text()
 
