@@ -89,8 +89,8 @@ class ReferenceForward(torch.nn.Module):
 class AllValidSdpaForward(torch.nn.Module):
     """``OptimizedTransformer.fast_forward`` (all-valid semantics); the mask input is unused.
 
-    The packed QKV weights are built once here and held as buffers: the optimized model's own
-    cache keys on ``data_ptr()``, which export's fake tensors cannot answer.
+    The packed QKV weights are frozen (``freeze_packed_qkv``): the optimized model's own cache keys on
+    ``data_ptr()``, which export's fake tensors cannot answer.
     """
 
     def __init__(self, reference: torch.nn.Module, sdpa_layers: int):
@@ -100,15 +100,8 @@ class AllValidSdpaForward(torch.nn.Module):
         optimized = OptimizedTransformer(reference.config, sdpa_layers=sdpa_layers)
         optimized.load_state_dict(reference.state_dict(), strict=True)
         self.optimized = optimized.to(device=reference.device, dtype=reference.dtype).eval()
-        first = reference.config.num_layers - sdpa_layers
-        for index in range(first, reference.config.num_layers):
-            weight, bias = self.optimized.packed_qkv(index)
-            self.register_buffer(f"packed_weight_{index}", weight.clone())
-            self.register_buffer(f"packed_bias_{index}", bias.clone())
-        self.optimized.packed_qkv = self._packed  # instance attribute shadows the cached method
-
-    def _packed(self, index: int):
-        return getattr(self, f"packed_weight_{index}"), getattr(self, f"packed_bias_{index}")
+        self.optimized.freeze_packed_qkv(range(reference.config.num_layers - sdpa_layers,
+                                               reference.config.num_layers))
 
     def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
         return self.optimized.fast_forward(x)

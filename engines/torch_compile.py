@@ -102,7 +102,9 @@ class CompiledModuleRunner(Runner):
             raise KKError(f"{self.name} is valid for all-valid masks only; send padded calls to the PyTorch model")
         if self.captured is not None:
             return self.captured(x, mask)
-        return self._forward(x.contiguous(), mask.contiguous()).clone()  # a normal tensor the caller owns
+        y = self._forward(x.contiguous(), mask.contiguous())  # a fresh output: the caller owns it
+        # It is an inference tensor; outside inference mode the caller gets a normal one (as eager would give).
+        return y if torch.is_inference_mode_enabled() else y.clone()
 
 
 class CompiledRunner(CompiledModuleRunner):
@@ -210,20 +212,15 @@ BACKEND = TorchCompileBackend()
 
 class MixedForward(torch.nn.Module):
     """``MixedPrecisionTransformer`` as a fixed-signature module for ``torch.compile``: the reference order
-    (all masks) or, with ``all_valid_sdpa``, the all-valid fast path. Packed QKV weights are built once and
-    held as buffers: the model's own cache keys on ``data_ptr()``, which Dynamo cannot trace."""
+    (all masks) or, with ``all_valid_sdpa``, the all-valid fast path. Packed QKV weights are frozen
+    (``freeze_packed_qkv``): the model's own cache keys on ``data_ptr()``, which Dynamo cannot trace."""
 
     def __init__(self, mixed: torch.nn.Module, all_valid_sdpa: bool):
         super().__init__()
         self.mixed = mixed
         self.all_valid_sdpa = all_valid_sdpa
         if all_valid_sdpa:
-            fp16 = mixed.fp16_model
-            packed = {i: fp16.packed_qkv(i) for i in mixed.fp16_layers}
-            for i, (weight, bias) in packed.items():
-                self.register_buffer(f"packed_weight_{i}", weight.clone())
-                self.register_buffer(f"packed_bias_{i}", bias.clone())
-            fp16.packed_qkv = lambda i: (getattr(self, f"packed_weight_{i}"), getattr(self, f"packed_bias_{i}"))
+            mixed.fp16_model.freeze_packed_qkv(mixed.fp16_layers)
 
     def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
         if self.all_valid_sdpa:

@@ -23,6 +23,7 @@ class OptimizedTransformer(ReferenceTransformer):
             raise KKError(f"sdpa_layers must be between 0 and num_layers={config.num_layers}, got {sdpa_layers}")
         self.sdpa_layers = int(sdpa_layers)
         self._packed: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
+        self._frozen_packed: set[int] = set()
         self._mask_cache = AllValidMaskCache()
 
     def mask_is_all_valid(self, mask: torch.Tensor | None) -> bool:
@@ -30,7 +31,9 @@ class OptimizedTransformer(ReferenceTransformer):
 
     # -- packed projections --------------------------------------------------------------
     def packed_qkv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[Wq; Wk; Wv] and [bq; bk; bv], rebuilt whenever a source parameter changed."""
+        """[Wq; Wk; Wv] and [bq; bk; bv], rebuilt whenever a source parameter changed (unless frozen)."""
+        if index in self._frozen_packed:
+            return getattr(self, f"packed_weight_{index}"), getattr(self, f"packed_bias_{index}")
         attn = self.layers[index].attention
         sources = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
                    attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
@@ -43,6 +46,18 @@ class OptimizedTransformer(ReferenceTransformer):
             bias = torch.cat(sources[3:], dim=0)
         self._packed[index] = (signature, weight, bias)
         return weight, bias
+
+    def freeze_packed_qkv(self, indices) -> None:
+        """Hold these layers' packed weights as (non-persistent) buffers and stop checking their sources.
+
+        For ``torch.export`` / ``torch.compile``, which cannot trace the ``data_ptr()`` signature check.
+        The buffers follow ``.to()``, but not later weight changes: freeze a model whose weights are final.
+        """
+        for index in indices:
+            weight, bias = self.packed_qkv(index)
+            self.register_buffer(f"packed_weight_{index}", weight.clone(), persistent=False)
+            self.register_buffer(f"packed_bias_{index}", bias.clone(), persistent=False)
+            self._frozen_packed.add(index)
 
     def fused_attention(self, index: int, h: torch.Tensor) -> torch.Tensor:
         attn = self.layers[index].attention

@@ -94,3 +94,16 @@ def test_calibration_on_shape_3_judge_cpu():
     result = calibrate_fp16_layers(ref, lambda m: m, all_valid_only=False, contract="judge", seed=1234, trials=2,
                                    padding_ratio=0.25)
     assert result["fp16_layers"] == [0, 1, 2, 3] and result["passed"]
+
+
+def test_frozen_packed_weights_keep_results_and_state_dict():
+    """``freeze_packed_qkv`` (for export/compile) changes neither the fast path's output nor the state dict."""
+    _, optimized = models_for(SMALL, torch.float32, sdpa_layers=SMALL.num_layers)
+    x, _ = generate_case(SMALL, CPU, torch.float32, 9, padding_ratio=0.0)
+    keys = set(optimized.state_dict())
+    with torch.inference_mode():
+        before = optimized.fast_forward(x)
+    optimized.freeze_packed_qkv(range(SMALL.num_layers))
+    with torch.inference_mode():
+        assert torch.equal(optimized.fast_forward(x), before)
+    assert set(optimized.state_dict()) == keys

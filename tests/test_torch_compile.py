@@ -106,3 +106,16 @@ def test_load_refuses_what_it_cannot_reproduce(shipped, field, value, message):
             assert compare_outputs(reference(x, mask), runner(x, mask), *contract("strict")).passed
     finally:
         (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_cpu_outputs_are_the_callers_in_and_out_of_inference_mode():
+    reference, _ = build_models(TINY, torch.float32, CPU)
+    runner = CompiledRunner(reference, TINY, torch.float32, CPU)
+    x, mask = generate_case(TINY, CPU, torch.float32, 11)
+    y = runner(x, mask)
+    assert not y.is_inference()
+    y.add_(1)  # a normal tensor outside inference mode: in-place use works
+    with torch.inference_mode():
+        first = runner(x, mask)
+        second = runner(x, mask)
+    assert first.data_ptr() != second.data_ptr() and torch.equal(first, second)
