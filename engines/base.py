@@ -69,8 +69,9 @@ class Runner:
 
     def full_mask(self) -> torch.Tensor:
         if self._all_valid is None:
-            self._all_valid = torch.ones(self.config.batch_size, self.config.seq_len, dtype=torch.bool,
-                                         device=self.device)
+            with torch.inference_mode(False):  # a normal tensor, so AllValidMaskCache can remember it (no sync per call)
+                self._all_valid = torch.ones(self.config.batch_size, self.config.seq_len, dtype=torch.bool,
+                                             device=self.device)
         return self._all_valid
 
     def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ from . import artifacts
 from .chooser import FALLBACK
 from .config import TransformerConfig, parse_dtype, resolve_device
 from .errors import KKError
-from .inputs import AllValidMaskCache
+from .inputs import AllValidMaskCache, check_inputs
 
 log = logging.getLogger("kkdeploy")
 
@@ -48,8 +48,14 @@ class ServedRunner:
 
     def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.engine is not None:
-            if not self.all_valid_only or self._mask_cache.is_all_valid(valid_token_mask):
+            if not self.all_valid_only:
                 return self.engine(x, valid_token_mask)
+            engine = self.engine
+            check_inputs(x, valid_token_mask, engine.config.d_model, engine.dtype, engine.device,
+                         shape=(engine.config.batch_size, engine.config.seq_len))
+            if self._mask_cache.is_all_valid(valid_token_mask):
+                # Checked here once: None tells the engine "all valid" without a second mask.all() device sync.
+                return engine(x, None)
             if self.padded_engine is not None:
                 return self.padded_engine(x, valid_token_mask)
         with torch.no_grad():

@@ -212,13 +212,17 @@ def test_padded_calls_on_all_valid_only_engine_take_the_fallback():
     """Routing: the engine sees only all-valid calls; padded ones are answered by the fallback."""
     from kkdeploy.runtime import ServedRunner
 
+    from engines.base import Runner
+
     ref, opt = build_models(SMALL, torch.float32, "cpu")
     seen = []
 
-    def engine(x, mask=None):
-        seen.append(mask)
-        return ref(x, mask)
+    class Recording(Runner):
+        def infer(self, x, mask):
+            seen.append(mask)
+            return ref(x, mask)
 
+    engine = Recording(SMALL, torch.float32, "cpu")
     served = ServedRunner(opt, engine=engine, backend="engine", all_valid_only=True)
     x, mask = generate_case(SMALL, "cpu", torch.float32, 0, padding_ratio=0.4)
     assert not bool(mask.all())
@@ -227,13 +231,20 @@ def test_padded_calls_on_all_valid_only_engine_take_the_fallback():
         assert seen == [] and compare_outputs(ref(x, mask), y, *CONTRACTS["strict"]).passed
         served(x, torch.ones_like(mask))
         served(x)
-    assert len(seen) == 2
+        # the mask was checked once by the router; the engine is told "all valid" (its own full mask)
+        assert len(seen) == 2 and all(m is engine.full_mask() for m in seen)
+        assert not engine.full_mask().is_inference()  # cacheable: no mask.all() sync per call
+        with pytest.raises(KKError, match="valid_token_mask must have shape"):
+            served(x, torch.ones(SMALL.batch_size, SMALL.seq_len + 1, dtype=torch.bool))
     # with a fully validated engine for padded calls, those go there instead of the PyTorch fallback
     padded_seen = []
 
-    def padded_engine(x, mask=None):
-        padded_seen.append(mask)
-        return ref(x, mask)
+    class PaddedRecording(Runner):
+        def infer(self, x, mask):
+            padded_seen.append(mask)
+            return ref(x, mask)
+
+    padded_engine = PaddedRecording(SMALL, torch.float32, "cpu")
 
     served = ServedRunner(opt, engine=engine, backend="engine", all_valid_only=True, padded_engine=padded_engine)
     with torch.inference_mode():
