@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -99,7 +100,10 @@ def _version(module: str) -> str | None:
             return version(dist)
         except PackageNotFoundError:
             continue
-    return None
+    try:  # importable without install metadata (a copy carried onto a machine)?
+        return str(getattr(importlib.import_module(module), "__version__", "unknown"))
+    except Exception:  # noqa: BLE001 - absent or broken: no version to report
+        return None
 
 
 def library_versions() -> dict[str, str | None]:

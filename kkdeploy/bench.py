@@ -434,26 +434,17 @@ def _as_float(value) -> float:
 
 
 def environment(device: torch.device) -> dict:
-    from importlib import metadata
+    """The machine and library versions (``artifacts.device_info`` / ``library_versions``) in bench.json's keys."""
+    from .artifacts import device_info, library_versions
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for lib in ("polygraphy", "onnxruntime", "onnxruntime-gpu", "onnx", "tensorrt"):
-        try:
-            versions[lib] = metadata.version(lib)
-        except metadata.PackageNotFoundError:  # importable without install metadata (a carried copy)?
-            try:
-                module = __import__(lib.replace("-gpu", "").replace("-", "_"))
-                versions.setdefault(lib.replace("-gpu", ""), getattr(module, "__version__", "unknown"))
-            except Exception:
-                continue
+    dev = device_info(device)
+    versions = {"python": platform.python_version(), **{k: v for k, v in library_versions().items() if v}}
     info = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": str(device), "versions": versions}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        info["cuda"] = torch.version.cuda
+    if dev["type"] == "cuda":
+        info.update(gpu=dev["name"], compute_capability=dev["capability"], cuda=torch.version.cuda)
     else:
-        info["cpu"] = platform.processor() or platform.machine()
+        info["cpu"] = dev["name"]
     return info
 
 
