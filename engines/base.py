@@ -34,6 +34,8 @@ class BuildContext:
     model: torch.nn.Module  # the reference model, weights loaded, on ``device`` in ``dtype``
     out_dir: Path
     onnx_path: Path | None = None  # the exported graph inside out_dir, when the exporter ran
+    export_options: Any = None  # the ExportOptions behind onnx_path (mixed-precision candidates re-export)
+    validation_plan: dict[str, Any] = field(default_factory=dict)  # contract, seed, trials, padding_ratio
     options: dict[str, Any] = field(default_factory=dict)
 
 

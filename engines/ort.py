@@ -178,8 +178,7 @@ class OrtBackend(Backend):
         device_type = "cpu" if CANDIDATES[base]["provider"] == "CPUExecutionProvider" else "cuda"
         level = ctx.options.get(f"ort_level_{device_type}", DEFAULT_LEVEL[device_type])
         disabled = list(ctx.options.get("ort_disabled_optimizers", []))
-        export_options = ctx.options["export_options"]
-        plan = ctx.options["validation_plan"]
+        export_options, plan = ctx.export_options, ctx.validation_plan
         out = Path(ctx.out_dir)
         tried_files: list[Path] = []
 

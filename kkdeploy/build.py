@@ -187,8 +187,8 @@ def run_build(request: BuildRequest) -> dict:
 
                 raise KKError("--mixed-precision applies to float32 builds (a float16 build is float16 throughout); "
                               "drop it or use --dtype float32")
-            ctx.options["validation_plan"] = {"contract": request.contract, "seed": request.seed,
-                                              "trials": request.trials, "padding_ratio": request.padding_ratio}
+            ctx.validation_plan = {"contract": request.contract, "seed": request.seed, "trials": request.trials,
+                                   "padding_ratio": request.padding_ratio}
             export_info = export_if_needed(request, reference, stage, ctx)
             bar.advance()
 
@@ -246,7 +246,7 @@ def export_if_needed(request: BuildRequest, reference, stage: Path, ctx: BuildCo
     info = export_onnx(reference, request.config, request.dtype, stage / "model.onnx", options)
     artifacts.write_json(stage / "export.json", info)
     ctx.onnx_path = stage / "model.onnx"
-    ctx.options["export_options"] = options  # the mixed-precision candidates re-export with these
+    ctx.export_options = options
     return info
 
 
