@@ -228,6 +228,29 @@ class MixedForward(torch.nn.Module):
         return self.mixed.reference_forward(x, valid_token_mask)
 
 
+class BoundForward(torch.nn.Module):
+    """``owner.<method>(x, mask)`` as a module's forward: what ``torch.compile`` takes, with ``owner``'s
+    parameters registered under it."""
+
+    def __init__(self, owner: torch.nn.Module, method: str):
+        super().__init__()
+        self.owner = owner
+        self.method = method
+
+    def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
+        return getattr(self.owner, self.method)(x, valid_token_mask)
+
+
+def compile_fused(fused: torch.nn.Module, device: torch.device, *, name: str,
+                  cuda_graph: bool = True) -> CompiledModuleRunner:
+    """A ``kkdeploy.fused.FusedTransformer`` compiled with Inductor's defaults; serves all-valid and padded calls.
+
+    Like ``compile_mixed``, not bitwise to anything: a judge-contract candidate that validation gates.
+    """
+    return CompiledModuleRunner(BoundForward(fused, "fused_forward"), fused.config, fused.dtype, device, name=name,
+                                all_valid_only=False, options={}, cuda_graph=cuda_graph, keep_alive=fused)
+
+
 def compile_mixed(mixed: torch.nn.Module, device: torch.device, *, name: str, all_valid_sdpa: bool,
                   cuda_graph: bool = True) -> CompiledModuleRunner:
     """A mixed-precision model compiled with Inductor's defaults (fusion allowed: judge contract, float32 model).

@@ -108,20 +108,23 @@ def _artifacts_dir(root: Path, job: ShapeJob) -> Path | None:
 # Candidates a bench can run; the defaults per device (and, for mixed precision, per dtype) follow.
 GRAPH_CANDIDATES = ["torch-graph", "torch-graph-sdpa1", "torch-graph-nomask"]
 COMPILE_CANDIDATES = ["torch-compile", "torch-compile-sdpa1"]
-MIXED_CANDIDATES = {"cpu": ["mixed", "mixed-sdpa"],
+MIXED_CANDIDATES = {"cpu": ["mixed", "mixed-sdpa", "fused-mixed"],
                     "cuda": ["torch-graph-mixed", "torch-graph-mixed-sdpa", "torch-compile-mixed",
-                             "torch-compile-mixed-sdpa"]}
-ALL_MIXED = MIXED_CANDIDATES["cpu"] + MIXED_CANDIDATES["cuda"]
-COMPILED = COMPILE_CANDIDATES + ["torch-compile-mixed", "torch-compile-mixed-sdpa"]  # opt-in on the CPU
+                             "torch-compile-mixed-sdpa", "torch-compile-fused-mixed"]}
+# SDPA in every block for every mask (kkdeploy.fused): judge-contract candidates; "-mixed" ones calibrate.
+FUSED_CANDIDATES = {"cpu": ["fused"], "cuda": ["torch-compile-fused"]}
+ALL_MIXED = MIXED_CANDIDATES["cpu"] + MIXED_CANDIDATES["cuda"] + FUSED_CANDIDATES["cpu"] + FUSED_CANDIDATES["cuda"]
+COMPILED = COMPILE_CANDIDATES + [n for n in ALL_MIXED if n.startswith("torch-compile-")]  # opt-in on the CPU
 BENCH_CANDIDATES = ["optimized-sdpa0", "optimized-sdpa1"] + GRAPH_CANDIDATES + COMPILE_CANDIDATES + ALL_MIXED
 
 
 def default_candidates(device: torch.device, dtype: torch.dtype, contract: str) -> list[str]:
     """Every PyTorch route; on the CPU the CUDA-graph ones report why they are skipped, and compiling is
-    opt-in there (slow on 2 cores; ``--candidates torch-compile``). A float32 bench under the judge contract adds the calibrated mixed-precision candidates."""
+    opt-in there (slow on 2 cores; ``--candidates torch-compile``). A float32 bench under the judge contract
+    adds the calibrated mixed-precision candidates and the fused ones (SDPA everywhere, Inductor fusion)."""
     names = ["optimized-sdpa0", "optimized-sdpa1"] + GRAPH_CANDIDATES + COMPILE_CANDIDATES
     if dtype == torch.float32 and contract == "judge":
-        names += MIXED_CANDIDATES[device.type]
+        names += FUSED_CANDIDATES[device.type] + MIXED_CANDIDATES[device.type]
     return names
 
 
@@ -175,25 +178,42 @@ def _make_candidate(name: str, reference, config: TransformerConfig, dtype: torc
     raise KKError(f"unknown bench candidate {name!r}")
 
 
+def _attention_kind(name: str) -> str:
+    """How a mixed/fused candidate attends: ``reference`` order, ``sdpa`` in float16 blocks (all-valid only),
+    or ``fused`` (SDPA in every block, every mask)."""
+    if "fused" in name:
+        return "fused"
+    return "sdpa" if name.endswith("-sdpa") else "reference"
+
+
 def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptions", info: dict,
                 calibrations: dict):
     """Calibrate the float16 blocks for this shape on the trial plan, then build the chosen runner.
 
-    Candidates with the same attention (reference order, or SDPA) calibrate on the same eager twin, so the
-    first one's record is reused by the others in this process (``calibrations``, keyed by SDPA or not).
+    Candidates with the same attention kind calibrate on the same eager twin, so the first one's record is
+    reused by the others in this process (``calibrations``, keyed by attention kind). ``fused`` candidates
+    without ``-mixed`` keep every block in the model's dtype and need no calibration.
     """
     import copy
 
-    from .mixed import MixedPrecisionTransformer, calibrate_fp16_layers
+    from .fused import FusedTransformer
+    from .mixed import MixedPrecisionTransformer, calibrate_layers
 
-    if reference.dtype != torch.float32:
+    kind = _attention_kind(name)
+    calibrated = kind != "fused" or name.endswith("-mixed")
+    if calibrated and reference.dtype != torch.float32:
         raise KKError("skipped: mixed precision applies to float32 models (float16 is already all float16)")
     captured = name.startswith("torch-graph-")
     compiled = name.startswith("torch-compile-")
     if captured and device.type != "cuda":
         raise KKError("skipped: CUDA graphs need a CUDA device")
-    sdpa = name.endswith("-sdpa")
+    all_valid_only = kind == "sdpa"
     config = reference.config
+
+    def model_for(layers):
+        if kind == "fused":
+            return FusedTransformer(reference, layers)
+        return MixedPrecisionTransformer(reference, layers, kind == "sdpa")
 
     def make_runner(model):
         # A compiled candidate calibrates on its eager twin (CUDA-graph captured where possible): one compile
@@ -202,29 +222,34 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
             return model
         from engines.torch_graph import CudaGraphRunner
 
-        return CudaGraphRunner(model, config, torch.float32, device, all_valid_only=sdpa)
+        return CudaGraphRunner(model, config, torch.float32, device, all_valid_only=all_valid_only)
 
-    if sdpa not in calibrations:
-        start = time.perf_counter()
-        record = calibrate_fp16_layers(reference, make_runner, all_valid_only=sdpa, contract=options.contract,
-                                       seed=options.seed, trials=options.trials, padding_ratio=options.padding_ratio,
-                                       sdpa_in_fp16_layers=sdpa)
-        record["seconds"] = round(time.perf_counter() - start, 3)
-        calibrations[sdpa] = (name, record)
-    first, record = calibrations[sdpa]
-    calibration = copy.deepcopy(record)
-    if first != name:
-        calibration["reused_from"] = first
-    info["calibration"] = calibration
-    chosen = MixedPrecisionTransformer(reference, calibration["fp16_layers"], sdpa)
+    layers: tuple = ()
+    if calibrated:
+        if kind not in calibrations:
+            start = time.perf_counter()
+            record = calibrate_layers(reference, lambda chosen: make_runner(model_for(chosen)),
+                                      all_valid_only=all_valid_only, contract=options.contract, seed=options.seed,
+                                      trials=options.trials, padding_ratio=options.padding_ratio)
+            record["seconds"] = round(time.perf_counter() - start, 3)
+            calibrations[kind] = (name, record)
+        first, record = calibrations[kind]
+        calibration = copy.deepcopy(record)
+        if first != name:
+            calibration["reused_from"] = first
+        if compiled:
+            calibration["calibrated_on"] = "the eager twin (CUDA-graph captured on CUDA), not the compiled graph"
+        info["calibration"] = calibration
+        layers = tuple(calibration["fp16_layers"])
+    chosen = model_for(layers)
     if compiled:
-        from engines.torch_compile import compile_mixed
+        from engines.torch_compile import compile_fused, compile_mixed
 
-        calibration["calibrated_on"] = "the eager twin (CUDA-graph captured on CUDA), not the compiled graph"
-        runner = compile_mixed(chosen, device, name=name, all_valid_sdpa=sdpa)
+        runner = (compile_fused(chosen, device, name=name) if kind == "fused"
+                  else compile_mixed(chosen, device, name=name, all_valid_sdpa=all_valid_only))
         info["compile_seconds"] = runner.compile_seconds
-        return runner, sdpa
-    return (make_runner(chosen) if captured else chosen), sdpa
+        return runner, all_valid_only
+    return (make_runner(chosen) if captured else chosen), all_valid_only
 
 
 def bench_candidates(job: ShapeJob, options: BenchOptions, reference, device: torch.device, dtype: torch.dtype):

@@ -54,9 +54,12 @@ class OptimizedTransformer(ReferenceTransformer):
         The buffers follow ``.to()``, but not later weight changes: freeze a model whose weights are final.
         """
         for index in indices:
-            weight, bias = self.packed_qkv(index)
-            self.register_buffer(f"packed_weight_{index}", weight.clone(), persistent=False)
-            self.register_buffer(f"packed_bias_{index}", bias.clone(), persistent=False)
+            attn = self.layers[index].attention
+            with torch.no_grad():  # no version check: inference tensors (a model made in inference mode) have none
+                weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dim=0)
+                bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], dim=0)
+            self.register_buffer(f"packed_weight_{index}", weight, persistent=False)
+            self.register_buffer(f"packed_bias_{index}", bias, persistent=False)
             self._frozen_packed.add(index)
 
     def fused_attention(self, index: int, h: torch.Tensor) -> torch.Tensor:

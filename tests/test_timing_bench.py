@@ -154,11 +154,13 @@ def test_bench_judge_float32_calibrates_mixed_precision_and_compiles_on_request(
     torch-compile (opt-in on the CPU) is faithful, so it passes with zero failed elements."""
     out = tmp_path / "bench"
     code = main(["bench", *TINY, "--device", "cpu", "--dtype", "float32", "--contract", "judge",
-                 "--candidates", "mixed,torch-compile,torch-graph-mixed,torch-compile-mixed-sdpa", "--processes", "1", "--warmups", "1",
+                 "--candidates", "mixed,torch-compile,torch-graph-mixed,torch-compile-mixed-sdpa,fused-mixed,torch-compile-fused",
+                 "--processes", "1", "--warmups", "1",
                  "--repeats", "2", "--rounds", "1", "--trials", "1", "--out", str(out)])
     assert code == 0, capsys.readouterr()
     data = json.loads((out / "bench.json").read_text())
-    assert data["protocol"]["candidates"] == ["mixed", "torch-compile", "torch-graph-mixed", "torch-compile-mixed-sdpa"]
+    assert data["protocol"]["candidates"] == ["mixed", "torch-compile", "torch-graph-mixed", "torch-compile-mixed-sdpa",
+                                              "fused-mixed", "torch-compile-fused"]
     assert data["protocol"]["tf32"] is None  # auto; and off on the CPU:
     worker = json.loads((out / "logs" / "result-custom-p0.json").read_text())
     assert worker["tf32"] is False
@@ -178,6 +180,11 @@ def test_bench_judge_float32_calibrates_mixed_precision_and_compiles_on_request(
     assert "eager twin" in compiled_mixed["calibration"]["calibrated_on"]
     assert "reused_from" not in compiled_mixed["calibration"]  # the only SDPA-mixed candidate calibrated itself
     assert compiled_mixed["compile_seconds_per_process"][0] > 0
+    fused_mixed = backends["fused-mixed"]  # SDPA in every block serves padded calls too, so it calibrates on both
+    assert fused_mixed["status"] == "passed" and set(fused_mixed["failed_elements"]) == {"all-valid", "padded"}
+    assert "reused_from" not in fused_mixed["calibration"] and fused_mixed["calibration"]["passed"]
+    fused = backends["torch-compile-fused"]  # float32 throughout: SDPA and fusion only reorder float32 sums
+    assert fused["status"] == "passed" and 0 < fused["max_abs"] < 1e-4 and "calibration" not in fused
     assert "Mixed-precision calibration" in (out / "bench.md").read_text()
 
 

@@ -1,0 +1,95 @@
+"""The judge-contract fused model: SDPA in every block, every mask (kkdeploy.fused)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kkdeploy.errors import KKError
+from kkdeploy.fused import FusedTransformer, attention_mask
+from kkdeploy.inputs import generate_case
+from tests.conftest import SMALL, SMALL_NONCAUSAL, models_for
+
+CPU = torch.device("cpu")
+
+
+def padded_case(config, seed):
+    for offset in range(100):
+        x, mask = generate_case(config, CPU, torch.float32, seed + offset, padding_ratio=0.5)
+        if not bool(mask.all()):
+            return x, mask
+    raise AssertionError("generator never padded")
+
+
+@pytest.mark.parametrize("config", [SMALL, SMALL_NONCAUSAL], ids=["causal", "noncausal"])
+def test_float32_fused_model_keeps_the_reference_semantics(config):
+    """float32 SDPA only reorders float32 sums: far inside the strict rule, with padded rows exactly zero."""
+    reference = models_for(config, torch.float32, sdpa_layers=0)[0]
+    model = FusedTransformer(reference)
+    x_valid, all_valid = generate_case(config, CPU, torch.float32, 1, padding_ratio=0.0)
+    x_pad, mask = padded_case(config, 2)
+    with torch.inference_mode():
+        for x, m in ((x_valid, all_valid), (x_pad, mask)):
+            expected, got = reference(x, m), model(x, m)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+            assert not torch.equal(got, expected) or config.num_layers == 0  # SDPA really ran
+        assert bool((model(x_pad, mask)[~mask] == 0).all())
+        # None (all valid: SDPA's causal path) and an all-true mask (the boolean-mask path) agree
+        torch.testing.assert_close(model(x_valid, None), model(x_valid, all_valid), atol=1e-6, rtol=1e-6)
+
+
+def test_attention_mask_is_causal_and_drops_invalid_keys():
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    keep = attention_mask(mask, causal=True)
+    assert keep.shape == (2, 1, 3, 3)
+    assert keep[1, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert keep[0, 0, 2].tolist() == [True, True, False]  # the padded key is dropped even for a later query
+    assert attention_mask(mask, causal=False)[0, 0, 0].tolist() == [True, True, False]
+
+
+def test_fully_padded_sequence_gives_zero_rows_not_nan():
+    reference = models_for(SMALL, torch.float32, sdpa_layers=0)[0]
+    x, mask = generate_case(SMALL, CPU, torch.float32, 3, padding_ratio=0.0)
+    mask = mask.clone()
+    mask[0] = False
+    with torch.inference_mode():
+        y = FusedTransformer(reference, (1,))(x, mask)
+        assert torch.equal(y[0], torch.zeros_like(y[0]))
+        assert bool(torch.isfinite(y).all())
+        torch.testing.assert_close(y[1:], reference(x, mask)[1:], atol=2e-3, rtol=2e-2)
+
+
+def test_float16_blocks_run_in_float16():
+    reference = models_for(SMALL, torch.float32, sdpa_layers=0)[0]
+    x, mask = padded_case(SMALL, 4)
+    with torch.inference_mode():
+        full = FusedTransformer(reference)(x, mask)
+        mixed = FusedTransformer(reference, (1,))(x, mask)
+    assert mixed.dtype == torch.float32
+    assert not torch.equal(mixed, full)  # block 1 rounded to float16
+    torch.testing.assert_close(mixed, full, atol=2e-3, rtol=2e-2)
+
+
+def test_bad_arguments_are_one_line_errors():
+    reference = models_for(SMALL, torch.float32, sdpa_layers=0)[0]
+    with pytest.raises(KKError, match="out of range"):
+        FusedTransformer(reference, (SMALL.num_layers,))
+    with pytest.raises(KKError, match="float32 model"):
+        FusedTransformer(models_for(SMALL, torch.float16, sdpa_layers=0)[0], (0,))
+    FusedTransformer(models_for(SMALL, torch.float16, sdpa_layers=0)[0])  # no float16 blocks: any dtype
+
+
+def test_compiled_fused_model_matches_its_eager_form():
+    """Inductor's fusion (judge candidates) changes float32 rounding only slightly; padded rows stay zero."""
+    from engines.torch_compile import compile_fused
+
+    reference = models_for(SMALL, torch.float32, sdpa_layers=0)[0]
+    fused = FusedTransformer(reference)
+    runner = compile_fused(fused, CPU, name="torch-compile-fused")
+    assert runner.compile_seconds > 0 and not runner.all_valid_only
+    x, mask = padded_case(SMALL, 6)
+    with torch.inference_mode():
+        eager = fused(x, mask)
+    got = runner(x, mask)
+    torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
+    assert bool((got[~mask] == 0).all())
