@@ -16,6 +16,10 @@ the fallback). Variants:
 
   ``torch-compile``        fully faithful, all-valid and padded calls.
   ``torch-compile-sdpa1``  faithful plus packed QKV + SDPA in the last layer; all-valid calls only.
+  ``torch-compile-fused``  judge contract: ``kkdeploy.fused`` (SDPA in every block, every mask) under
+                           Inductor's own fusion; not bitwise, so validation decides.
+  ``torch-compile-fused-mixed``  the same with float16 blocks calibrated on the build's trial plan
+                           (float32 builds only). Both are defaults of float32 judge builds on CUDA.
 
 On CUDA the compiled call is captured in a CUDA graph (``engines.cuda_graph``).
 """
@@ -32,12 +36,13 @@ import torch
 from kkdeploy.artifacts import WEIGHTS_FILE
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
-from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache, generate_case
+from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS, AllValidMaskCache, generate_case
 
 from .base import Backend, BuildContext, CandidateResult, Runner, requested_variants
 from .cuda_graph import CapturedCall
 
 FAITHFUL = "torch-compile"
+FUSED, FUSED_MIXED = "torch-compile-fused", "torch-compile-fused-mixed"
 _SDPA_RE = re.compile(r"^torch-compile-sdpa(\d+)$")
 CACHE_SUFFIX = ".inductor-cache"
 
@@ -52,9 +57,24 @@ def inductor_variant(name: str) -> str:
     raise KKError(f"unknown torch-compile variant {name!r}; use {FAITHFUL} or {FAITHFUL}-sdpa<k>")
 
 
-def default_variants(device: torch.device) -> list[str]:
-    """CPU: the faithful graph only (compiles are slow there); CUDA: the last-layer SDPA one too."""
-    return [FAITHFUL] if torch.device(device).type == "cpu" else [FAITHFUL, f"{FAITHFUL}-sdpa1"]
+def default_variants(device: torch.device, dtype: torch.dtype = torch.float16, contract: str = "strict") -> list[str]:
+    """CPU: the faithful graph only (compiles are slow there); CUDA: the last-layer SDPA one too, and for a
+    float32 judge build the fused ones (SDPA everywhere; under strict, fused attention fails, design.md §6)."""
+    if torch.device(device).type == "cpu":
+        return [FAITHFUL]
+    fused = [FUSED, FUSED_MIXED] if dtype == torch.float32 and contract == "judge" else []
+    return [FAITHFUL, f"{FAITHFUL}-sdpa1", *fused]
+
+
+def check_variant(name: str, config: TransformerConfig, dtype: torch.dtype) -> None:
+    """A one-line KKError for a name this backend cannot build for ``config`` in ``dtype``."""
+    if name in (FUSED, FUSED_MIXED):
+        if name == FUSED_MIXED and dtype != torch.float32:
+            raise KKError(f"{name} calibrates float16 blocks inside a float32 model; build with --dtype float32")
+        return
+    from .inductor import parse_variant
+
+    parse_variant(inductor_variant(name), config)
 
 
 def output_fingerprint(runner, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
@@ -134,10 +154,12 @@ class TorchCompileBackend(Backend):
         return AOTI.unavailable_reason(device, dtype)  # the same compiler, the same requirements
 
     def candidates(self, ctx: BuildContext) -> list[str]:
-        from .inductor import parse_variant
-
-        return requested_variants(ctx, "torch_compile_variants", default_variants(ctx.device),
-                                  lambda name: parse_variant(inductor_variant(name), ctx.config))
+        chosen = ctx.options.get("torch_compile_candidates")  # from a --backends choice such as torch-compile-fused
+        if chosen is not None:  # float16 blocks exist only inside a float32 model
+            return [n for n in chosen if n != FUSED_MIXED or ctx.dtype == torch.float32]
+        contract = ctx.validation_plan.get("contract", "strict")
+        return requested_variants(ctx, "torch_compile_variants", default_variants(ctx.device, ctx.dtype, contract),
+                                  lambda name: check_variant(name, ctx.config, ctx.dtype))
 
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
         """Compile once here: it proves the graph compiles, fills the cache file and records the fingerprint."""
@@ -151,8 +173,20 @@ class TorchCompileBackend(Backend):
         from .inductor import faithful_inductor_configs
 
         device = torch.device(ctx.device)
-        runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate,
-                                cuda_graph=ctx.options.get("cuda_graph", True))
+        cuda_graph = ctx.options.get("cuda_graph", True)
+        recipe: dict = {"inductor_configs": faithful_inductor_configs()}
+        if candidate in (FUSED, FUSED_MIXED):
+            layers, calibration = (), None
+            if candidate == FUSED_MIXED:
+                calibration = calibrate_fused_layers(ctx.model, device, ctx.validation_plan)
+                if not calibration["passed"]:
+                    raise KKError("no float16 block set passed calibration (not even none); "
+                                  f"{calibration['tried'][-1].get('reason', '')}")
+                layers = tuple(calibration["fp16_layers"])
+            runner = compile_fused(fused_model(ctx.model, layers), device, name=candidate, cuda_graph=cuda_graph)
+            recipe = {"inductor_configs": {}, "fp16_layers": list(layers), "calibration": calibration}
+        else:
+            runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)
         fingerprint = output_fingerprint(runner, ctx.config, ctx.dtype, device)
         files = [WEIGHTS_FILE]
         cache_file = None
@@ -163,8 +197,9 @@ class TorchCompileBackend(Backend):
             files.append(cache_file)
         options = {
             "variant": candidate, "dtype": dtype_name(ctx.dtype), "config": ctx.config.to_dict(),
-            "weights_sha256": weights_sha256(ctx.model), "torch": torch.__version__,
-            "inductor_configs": faithful_inductor_configs(), "all_valid_only": runner.all_valid_only,
+            "weights_sha256": weights_sha256(ctx.model), "torch": torch.__version__, **recipe,
+            "tf32": bool(torch.backends.cuda.matmul.allow_tf32) if device.type == "cuda" else False,
+            "all_valid_only": runner.all_valid_only,
             "mask_modes": ["all-valid"] if runner.all_valid_only else ["all-valid", "padded"],
             "cuda_graph": runner.captured is not None, "cache_file": cache_file,
             "fingerprint": {"seed": DEFAULT_SEED, "sha256": fingerprint},
@@ -191,9 +226,13 @@ class TorchCompileBackend(Backend):
             torch.compiler.load_cache_artifacts(Path(artifact_dir, options["cache_file"]).read_bytes())
         state = load_file(str(Path(artifact_dir) / WEIGHTS_FILE))
         model = model_for_variant({"model": "reference"}, config, dtype, device, state)
+        cuda_graph = bool(options.get("cuda_graph", True))
         try:
-            runner = CompiledRunner(model, config, dtype, device, name=name,
-                                    cuda_graph=bool(options.get("cuda_graph", True)))
+            if name in (FUSED, FUSED_MIXED):
+                runner = compile_fused(fused_model(model, options.get("fp16_layers") or ()), device, name=name,
+                                       cuda_graph=cuda_graph)
+            else:
+                runner = CompiledRunner(model, config, dtype, device, name=name, cuda_graph=cuda_graph)
         except KKError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -259,3 +298,33 @@ def compile_mixed(mixed: torch.nn.Module, device: torch.device, *, name: str, al
     """
     return CompiledModuleRunner(MixedForward(mixed, all_valid_sdpa), mixed.config, torch.float32, device, name=name,
                                 all_valid_only=all_valid_sdpa, options={}, cuda_graph=cuda_graph, keep_alive=mixed)
+
+
+def fused_model(reference: torch.nn.Module, fp16_layers=()) -> torch.nn.Module:
+    from kkdeploy.fused import FusedTransformer
+
+    return FusedTransformer(reference, fp16_layers)
+
+
+def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, plan: dict) -> dict:
+    """The float16 blocks of ``torch-compile-fused-mixed``, searched on the build's trial plan.
+
+    Each tried set runs on its eager twin (CUDA-graph captured on a GPU): a compile per tried set would cost
+    minutes. The compiled model is then validated with every other candidate, so what ships has passed."""
+    from kkdeploy.mixed import calibrate_layers
+
+    def runner_for(layers):
+        model = fused_model(reference, layers)
+        if torch.device(device).type != "cuda":
+            return model
+        from .torch_graph import CudaGraphRunner
+
+        return CudaGraphRunner(model, reference.config, torch.float32, device, all_valid_only=False)
+
+    start = time.perf_counter()
+    record = calibrate_layers(reference, runner_for, all_valid_only=False, contract=plan.get("contract", "judge"),
+                              seed=plan.get("seed", DEFAULT_SEED), trials=plan.get("trials", DEFAULT_TRIALS),
+                              padding_ratio=plan.get("padding_ratio", 0.25))
+    record["seconds"] = round(time.perf_counter() - start, 3)
+    record["calibrated_on"] = "the eager twin (CUDA-graph captured on CUDA), not the compiled graph"
+    return record

@@ -140,10 +140,9 @@ def parse_candidates(text: str | None) -> list[str] | None:
 
 
 def tf32_enabled(options: "BenchOptions", device: torch.device, dtype: torch.dtype) -> bool:
-    """TF32 GEMMs for float32 on CUDA: the organizer's default under the judge contract, off under strict."""
-    if device.type != "cuda" or dtype != torch.float32:
-        return False
-    return options.contract == "judge" if options.tf32 is None else bool(options.tf32)
+    from .config import tf32_default
+
+    return tf32_default(device, dtype, options.contract, options.tf32)
 
 
 def _make_candidate(name: str, reference, config: TransformerConfig, dtype: torch.dtype, device: torch.device,

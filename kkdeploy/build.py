@@ -18,7 +18,7 @@ from engines.base import BUILD_FAILED, BUILT, FAILED, PASSED, PASSED_ALL_VALID_O
 
 from . import artifacts
 from .chooser import FALLBACK, choose
-from .config import TransformerConfig, dtype_name
+from .config import TransformerConfig, dtype_name, tf32_default, tf32_mode
 from .console import console, progress_bar, table
 from .inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
 from .weights import build_models, weights_sha256
@@ -31,6 +31,7 @@ BACKEND_CHOICES = {
     "torch-graph": ("torch_graph", None),
     "inductor": ("inductor", None),
     "torch-compile": ("torch_compile", None),
+    "torch-compile-fused": ("torch_compile", ["torch-compile-fused", "torch-compile-fused-mixed"]),
 }
 DEFAULT_BACKENDS = {"cpu": ["ort-cpu"], "cuda": ["trt", "ort-cuda", "torch-graph", "torch-compile", "inductor"]}
 ONNX_BACKENDS = {"trt", "ort"}
@@ -58,6 +59,7 @@ class BuildRequest:
     warmups: int = 20
     repeats: int = 100
     rounds: int = 3
+    tf32: bool | None = None  # None: config.tf32_default (on for float32 CUDA under the judge contract)
     options: dict = field(default_factory=dict)  # backend/exporter options, recorded in the manifest
 
 
@@ -117,6 +119,8 @@ def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[Cand
             continue
         if only is not None:
             ctx.options[f"{key}_candidates"] = only
+        else:  # not the restriction an earlier choice of the same backend left behind
+            ctx.options.pop(f"{key}_candidates", None)
         for name in backend.candidates(ctx):
             try:
                 results.append(backend.build(ctx, name))
@@ -158,8 +162,10 @@ def run_build(request: BuildRequest) -> dict:
 
     atol, rtol = contract_tolerances(request.contract)
     request.backends = request.backends or list(DEFAULT_BACKENDS[request.device.type])
+    request.tf32 = tf32_default(request.device, request.dtype, request.contract, request.tf32)
     started = time.perf_counter()
-    with artifacts.staged_directory(request.out, force=request.force) as stage:
+    # The reference, every candidate and the timing run under one TF32 setting, recorded for kkdeploy.load.
+    with tf32_mode(request.tf32), artifacts.staged_directory(request.out, force=request.force) as stage:
         steps = 5 + len(request.backends)
         with progress_bar("build", steps) as bar:
             bar.describe("load weights")
@@ -268,6 +274,7 @@ def make_manifest(request, reference, results, report, latencies, choice, sdpa_l
         "shape_id": request.shape_id,
         "config": request.config.to_dict(),
         "dtype": dtype_name(request.dtype),
+        "tf32": bool(request.tf32),
         "environment": artifacts.environment(request.device),
         "weights": {"file": artifacts.WEIGHTS_FILE, "sha256": weights_sha256(reference),
                     "source": request.weights or "seeded"},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -135,3 +136,24 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def default_dtype(device: torch.device) -> torch.dtype:
     """float16 on CUDA (the KernelKraft setting), float32 on the CPU."""
     return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def tf32_default(device: torch.device, dtype: torch.dtype, contract: str, requested: bool | None = None) -> bool:
+    """TF32 GEMMs for float32 on CUDA: the organizer's default under the judge contract, off under strict.
+    ``requested`` (``--tf32/--no-tf32``) overrides; anything but float32 on CUDA never uses TF32."""
+    if torch.device(device).type != "cuda" or dtype != torch.float32:
+        return False
+    return contract == "judge" if requested is None else bool(requested)
+
+
+@contextmanager
+def tf32_mode(enabled: bool):
+    """TF32 for matmuls and cuDNN while the block runs, restored after: a build (or a load, which captures
+    CUDA graphs whose kernels keep the mode they were captured with) without changing the caller's setting."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+

@@ -16,7 +16,7 @@ import torch
 
 from . import artifacts
 from .chooser import FALLBACK
-from .config import TransformerConfig, parse_dtype, resolve_device
+from .config import TransformerConfig, parse_dtype, resolve_device, tf32_mode
 from .errors import KKError
 from .inputs import AllValidMaskCache, check_inputs
 
@@ -186,6 +186,8 @@ def load_engine(root: Path, manifest: dict, name: str, config: TransformerConfig
     try:
         from engines import get_backend
 
-        return get_backend(entry["backend"]).load(root, entry, config, dtype, device), None
+        # The build's TF32 setting: CUDA graphs captured now keep it, whatever the caller's setting is later.
+        with tf32_mode(bool(manifest.get("tf32", False))):
+            return get_backend(entry["backend"]).load(root, entry, config, dtype, device), None
     except Exception as exc:  # a missing library, a plan the runtime rejects, ...
         return None, f"{name} could not be loaded: {type(exc).__name__}: {exc}"

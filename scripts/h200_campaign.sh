@@ -19,7 +19,7 @@ export KKDEPLOY_CACHE_DIR=${KKDEPLOY_CACHE_DIR:-/tmp/kk-cache}
 WORK=/tmp/kk-work
 mkdir -p "$WORK"
 log="$OUT/campaign.log"
-BUILD_SHAPES=${BUILD_SHAPES:-2 3 12}
+BUILD_SHAPES=${BUILD_SHAPES:-2 3 12}  # BUILD_DTYPE (float16), BUILD_BACKENDS, BUILD_ARGS (extra flags)
 export OUT WORK BUILD_SHAPES
 
 step_env() {
@@ -39,7 +39,7 @@ PY
 
 step_build() {
   for s in $BUILD_SHAPES; do
-    python3 -m kkdeploy build --shape "$s" --device cuda --dtype float16 --force \
+    python3 -m kkdeploy build --shape "$s" --device cuda --dtype "${BUILD_DTYPE:-float16}" --force ${BUILD_ARGS:-} \
       --backends "${BUILD_BACKENDS:-trt,ort-cuda,torch-graph}" --out "$WORK/shape-$s" || echo "build shape $s: exit $?"
   done
   (cd "$WORK" && tar czf "$OUT/builds.tgz" --exclude='*.onnx' --exclude='*.plan' --exclude='*.pt2' \

@@ -316,3 +316,21 @@ def test_strict_report_fields():
 def test_strict_rule_shape_mismatch():
     with pytest.raises(ValueError, match="differs"):
         compare_outputs(torch.zeros(2), torch.zeros(3), *STRICT)
+
+
+def test_tf32_default_and_mode_restore_the_callers_setting():
+    from kkdeploy.config import tf32_default, tf32_mode
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert tf32_default(cuda, torch.float32, "judge") is True  # the organizer's default
+    assert tf32_default(cuda, torch.float32, "strict") is False
+    assert tf32_default(cuda, torch.float32, "strict", requested=True) is True
+    assert tf32_default(cuda, torch.float16, "judge", requested=True) is False  # float16 never uses TF32
+    assert tf32_default(cpu, torch.float32, "judge") is False
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    with pytest.raises(RuntimeError):
+        with tf32_mode(not before[0]):
+            assert torch.backends.cuda.matmul.allow_tf32 is (not before[0])
+            assert torch.backends.cudnn.allow_tf32 is (not before[0])
+            raise RuntimeError("a failing build")
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before

@@ -119,3 +119,71 @@ def test_cpu_outputs_are_the_callers_in_and_out_of_inference_mode():
         first = runner(x, mask)
         second = runner(x, mask)
     assert first.data_ptr() != second.data_ptr() and torch.equal(first, second)
+
+
+def test_fused_variants_are_float32_judge_defaults_on_cuda_only():
+    from engines.torch_compile import FUSED, FUSED_MIXED, check_variant, default_variants
+
+    cuda = torch.device("cuda")
+    assert default_variants(cuda, torch.float32, "judge")[-2:] == [FUSED, FUSED_MIXED]
+    assert FUSED not in default_variants(cuda, torch.float16, "strict")  # SDPA everywhere fails strict (§6)
+    assert FUSED not in default_variants(cuda, torch.float32, "strict")
+    assert default_variants(CPU, torch.float32, "judge") == ["torch-compile"]
+    check_variant(FUSED, TINY, torch.float16)
+    with pytest.raises(KKError, match="--dtype float32"):
+        check_variant(FUSED_MIXED, TINY, torch.float16)
+
+
+@pytest.fixture(scope="module")
+def shipped_fused(tmp_path_factory):
+    """``--backends torch-compile-fused``, float32, judge contract: both fused candidates are built and validated."""
+    from kkdeploy.build import BuildRequest, run_build
+
+    out = tmp_path_factory.mktemp("fused") / "artifacts"
+    manifest = run_build(BuildRequest(TINY, torch.float32, CPU, out, backends=["torch-compile-fused"], trials=2,
+                                      contract="judge", warmups=1, repeats=3, rounds=1))
+    return out, manifest
+
+
+def test_fused_build_calibrates_validates_and_records_its_recipe(shipped_fused):
+    _, manifest = shipped_fused
+    entries = {c["name"]: c for c in manifest["candidates"]}
+    assert set(entries) == {"torch-compile-fused", "torch-compile-fused-mixed"}
+    assert manifest["tf32"] is False  # float32 on the CPU: no TF32 there
+    fused, mixed = entries["torch-compile-fused"], entries["torch-compile-fused-mixed"]
+    assert fused["status"] == "passed" and fused["options"]["fp16_layers"] == []
+    assert fused["options"]["inductor_configs"] == {} and fused["options"]["calibration"] is None
+    assert fused["validation"]["max_abs"] < 1e-4  # float32 throughout: SDPA and fusion reorder float32 sums only
+    assert mixed["status"] == "passed" and mixed["options"]["mask_modes"] == ["all-valid", "padded"]
+    calibration = mixed["options"]["calibration"]
+    assert calibration["passed"] and mixed["options"]["fp16_layers"] == calibration["fp16_layers"]
+    assert calibration["tried"][-1]["failed_elements"] == {"all-valid": 0, "padded": 0}
+    assert "eager twin" in calibration["calibrated_on"]
+
+
+@pytest.mark.parametrize("name", ["torch-compile-fused", "torch-compile-fused-mixed"])
+def test_fused_load_recompiles_and_serves_within_the_judge_rule(shipped_fused, name):
+    import kkdeploy
+
+    out, manifest = shipped_fused
+    edited = json.loads(json.dumps(manifest))
+    edited["choice"] = {**edited["choice"], "candidate": name, "backend": "torch_compile", "all_valid_only": False}
+    (out / "manifest.json").write_text(json.dumps(edited))
+    try:
+        runner = kkdeploy.load(out, device="cpu")  # fingerprint checked: a refusal would serve the fallback
+        assert runner.backend == name, runner.reason
+        reference, _ = build_models(TINY, torch.float32, CPU)
+        for x, mask in (generate_case(TINY, CPU, torch.float32, 7), padded_case(torch.float32, 8)):
+            with torch.no_grad():
+                assert compare_outputs(reference(x, mask), runner(x, mask), *contract("judge")).passed
+    finally:
+        (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_fused_choice_in_a_float16_build_skips_the_mixed_variant(tmp_path):
+    from engines.torch_compile import FUSED
+
+    reference, _ = build_models(TINY, torch.float16, CPU)
+    ctx = BuildContext(TINY, torch.float16, CPU, reference, out_dir=tmp_path,
+                       options={"torch_compile_candidates": ["torch-compile-fused", "torch-compile-fused-mixed"]})
+    assert BACKEND.candidates(ctx) == [FUSED]

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..config import TransformerConfig, dtype_name
 from ..console import console, progress_bar, table
 from ..errors import KKError
-from .common import CUSTOM_SHAPE_FLAGS, add_runtime_args, add_shape_args, resolve_config, resolve_runtime
+from .common import CUSTOM_SHAPE_FLAGS, add_runtime_args, add_shape_args, add_tf32_arg, resolve_config, resolve_runtime
 
 
 def register(sub):
@@ -28,8 +28,7 @@ def register(sub):
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds over all backends (3)")
     p.add_argument("--candidates", help="comma-separated candidates to validate and time (default: per device; "
                    "float32 + judge adds the mixed-precision ones); see docs/benchmark.md")
-    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
-                   help="TF32 GEMMs for float32 on CUDA (default: on under --contract judge, off under strict)")
+    add_tf32_arg(p)
     p.add_argument("--artifacts", help="also time kkdeploy.load(DIR) (DIR or DIR/shape-NN for --all)")
     p.add_argument("--out", help="output folder (default artifacts/bench-<timestamp>)")
     # internal: one shape in one process

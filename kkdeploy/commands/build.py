@@ -10,7 +10,7 @@ from ..build import BACKEND_CHOICES, BuildRequest, default_out_dir, parse_backen
 from ..config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES
 from ..console import console
 from ..errors import KKError
-from .common import add_runtime_args, add_shape_args, resolve_config, resolve_runtime
+from .common import add_runtime_args, add_shape_args, add_tf32_arg, resolve_config, resolve_runtime
 
 
 def register(sub):
@@ -22,6 +22,7 @@ def register(sub):
     p.add_argument("--out", help="artifact directory (default artifacts/shape-NN-<dtype>-<device>)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--contract", default="strict", choices=["strict", "judge"])
+    add_tf32_arg(p)
     p.add_argument("--padding-ratio", type=float, default=0.25, help="padding ratio of the padded trials (default 0.25)")
     p.add_argument("--warmups", type=int, default=20)
     p.add_argument("--repeats", type=int, default=100)
@@ -74,7 +75,7 @@ def run(args) -> int:
                                backends=backends, weights=args.weights, force=args.force, seed=args.seed,
                                trials=args.trials, padding_ratio=args.padding_ratio, contract=args.contract,
                                warmups=args.warmups, repeats=args.repeats, rounds=args.rounds,
-                               options=request_options(args))
+                               tf32=args.tf32, options=request_options(args))
         manifest = run_build(request)
         print_summary(manifest, out)
     return status

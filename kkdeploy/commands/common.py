@@ -31,6 +31,11 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=int, default=DEFAULT_TRIALS, help=f"accuracy trials (default {DEFAULT_TRIALS})")
 
 
+def add_tf32_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                        help="TF32 GEMMs for float32 on CUDA (default: on under --contract judge, off under strict)")
+
+
 def resolve_config(args) -> tuple[int | None, TransformerConfig]:
     custom = {f: getattr(args, f, None) for f in CUSTOM_SHAPE_FLAGS}
     given = {f: v for f, v in custom.items() if v is not None}
