@@ -319,7 +319,8 @@ def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, pla
             return model
         from .torch_graph import CudaGraphRunner
 
-        return CudaGraphRunner(model, reference.config, torch.float32, device, all_valid_only=False)
+        return CudaGraphRunner(model, reference.config, torch.float32, device, all_valid_only=False,
+                               forward=model.fused_forward)
 
     start = time.perf_counter()
     record = calibrate_layers(reference, runner_for, all_valid_only=False, contract=plan.get("contract", "judge"),

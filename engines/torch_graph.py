@@ -36,16 +36,18 @@ class CudaGraphRunner(Runner):
     backend = "torch-graph"
 
     def __init__(self, model, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
-                 all_valid_only: bool):
+                 all_valid_only: bool, forward=None):
+        """``forward(x, mask)`` is what gets captured: by default the model's all-valid fast path for an
+        all-valid-only runner, else its reference order (a model with another all-mask path passes it)."""
         super().__init__(config, dtype, device)
         if self.device.type != "cuda":
             raise KKError("CUDA-graph runners need a CUDA device")
         self.all_valid_only = all_valid_only
         self.model = model  # the graph reads these parameters' memory: they must outlive it
         self._mask_cache = AllValidMaskCache()
-        if all_valid_only:
+        if forward is None and all_valid_only:
             forward = lambda x, mask: model.fast_forward(x)  # noqa: E731
-        else:
+        elif forward is None:
             forward = model.reference_forward
         self.captured = CapturedCall(forward, config.batch_size, config.seq_len, config.d_model, dtype, self.device)
 

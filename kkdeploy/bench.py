@@ -221,7 +221,8 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
             return model
         from engines.torch_graph import CudaGraphRunner
 
-        return CudaGraphRunner(model, config, torch.float32, device, all_valid_only=all_valid_only)
+        return CudaGraphRunner(model, config, torch.float32, device, all_valid_only=all_valid_only,
+                               forward=model.fused_forward if kind == "fused" else None)
 
     layers: tuple = ()
     if calibrated:

@@ -122,6 +122,8 @@ def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[Cand
         else:  # not the restriction an earlier choice of the same backend left behind
             ctx.options.pop(f"{key}_candidates", None)
         for name in backend.candidates(ctx):
+            if any(r.name == name for r in results):  # two choices naming one variant build it once
+                continue
             try:
                 results.append(backend.build(ctx, name))
             except Exception as exc:  # a failed build is a recorded fact, not a crash
