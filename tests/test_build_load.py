@@ -352,6 +352,15 @@ def test_judge_build_serves_the_mixed_engine(judge_build):
         assert compare_outputs(reference(x, mask), runner(x, mask), *CONTRACTS["judge"]).passed
 
 
+def test_cli_run_compares_under_the_contract_the_artifacts_were_validated_under(judge_build, capsys):
+    out, _ = judge_build
+    assert main(["run", "--artifacts", str(out), "--repeats", "1", "--padding-ratio", "0.25"]) == 0
+    text = capsys.readouterr().out
+    assert "\njudge: PASS" in text and "strict:" not in text and "tf32" not in text  # no TF32 on the CPU
+    main(["run", "--artifacts", str(out), "--repeats", "1", "--contract", "strict"])  # an explicit rule wins
+    assert "\nstrict: " in capsys.readouterr().out
+
+
 def test_mixed_precision_flag_rules(tmp_path, capsys):
     strict = run_build(BuildRequest(SMALL, torch.float32, torch.device("cpu"), tmp_path / "strict",
                                     backends=["ort-cpu"], trials=1, warmups=1, repeats=2, rounds=1))

@@ -1,4 +1,8 @@
-"""`kkdeploy run --artifacts DIR`: load, run a generated input, compare strictly, time."""
+"""`kkdeploy run --artifacts DIR`: load, run a generated input, compare under the build's contract, time.
+
+The reference is computed as the build computed it: the build's contract and its TF32 setting (a float32
+judge build on CUDA validates against a TF32 reference; comparing with a full-FP32 one would judge
+the engine against a different model)."""
 
 from __future__ import annotations
 
@@ -19,13 +23,15 @@ def register(sub):
     p.add_argument("--device", default=None, help="default: the device the artifacts were built for")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--padding-ratio", type=float, default=0.0)
-    p.add_argument("--contract", default="strict", choices=["strict", "judge"])
+    p.add_argument("--contract", default=None, choices=["strict", "judge"],
+                   help="default: the contract the artifacts were validated under (manifest)")
     p.add_argument("--repeats", type=int, default=20, help="timed calls (default 20)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     import kkdeploy
+    from ..config import tf32_mode
     from ..reference import ReferenceTransformer
 
     if not 0 <= args.padding_ratio < 1:
@@ -36,11 +42,14 @@ def run(args) -> int:
     reference = ReferenceTransformer(config)
     reference.load_state_dict(model.state_dict(), strict=True)
     reference = reference.to(device=device, dtype=dtype).eval()
+    manifest = getattr(runner, "manifest", None) or {}
+    rule = args.contract or (manifest.get("validation") or {}).get("contract", "strict")
     x, mask = generate_case(config, device, dtype, args.seed, padding_ratio=args.padding_ratio)
     with torch.inference_mode():
-        expected = reference(x, mask)
+        with tf32_mode(bool(manifest.get("tf32", False))):
+            expected = reference(x, mask)
         y = runner(x, mask)
-        report = compare_outputs(expected, y, *contract(args.contract))
+        report = compare_outputs(expected, y, *contract(rule))
         times = []
         for _ in range(max(1, args.repeats)):
             if device.type == "cuda":
@@ -54,6 +63,6 @@ def run(args) -> int:
     console.print(f"served by [bold]{runner.backend}[/]: {runner.reason}", soft_wrap=True)
     console.print(f"{config.describe()} {str(dtype).replace('torch.', '')} on {device}, seed {args.seed}, "
                   f"padding {args.padding_ratio}")
-    console.print(f"{args.contract}: {report.summary()}")
+    console.print(f"{rule}{' (tf32 reference)' if manifest.get('tf32') else ''}: {report.summary()}")
     console.print(f"latency: median {times[len(times) // 2]:.3f} ms over {len(times)} calls (wall clock)")
     return 0 if report.passed else 1
