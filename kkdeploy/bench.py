@@ -561,7 +561,7 @@ def plot_speedups(data: dict, path: Path) -> None:
             failed_label_used = True
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(shapes)))
-    ax.set_xticklabels([s["label"] for s in shapes])
+    ax.set_xticklabels([s["label"] for s in shapes], rotation=45 if len(shapes) > 6 else 0, ha="right" if len(shapes) > 6 else "center")
     ax.set_ylabel("speedup over eager (median)")
     p = data["protocol"]
     ax.set_title(f"kkdeploy bench: {p['dtype']} on {data['environment'].get('gpu', p['device'])}, "
