@@ -215,14 +215,20 @@ def test_padded_calls_on_all_valid_only_engine_take_the_fallback():
     from engines.base import Runner
 
     ref, opt = build_models(SMALL, torch.float32, "cpu")
-    seen = []
 
     class Recording(Runner):
+        """Answers with the reference and remembers every mask it was given."""
+
+        def __init__(self):
+            super().__init__(SMALL, torch.float32, "cpu")
+            self.masks = []
+
         def infer(self, x, mask):
-            seen.append(mask)
+            self.masks.append(mask)
             return ref(x, mask)
 
-    engine = Recording(SMALL, torch.float32, "cpu")
+    engine = Recording()
+    seen = engine.masks
     served = ServedRunner(opt, engine=engine, backend="engine", all_valid_only=True)
     x, mask = generate_case(SMALL, "cpu", torch.float32, 0, padding_ratio=0.4)
     assert not bool(mask.all())
@@ -237,14 +243,8 @@ def test_padded_calls_on_all_valid_only_engine_take_the_fallback():
         with pytest.raises(KKError, match="valid_token_mask must have shape"):
             served(x, torch.ones(SMALL.batch_size, SMALL.seq_len + 1, dtype=torch.bool))
     # with a fully validated engine for padded calls, those go there instead of the PyTorch fallback
-    padded_seen = []
-
-    class PaddedRecording(Runner):
-        def infer(self, x, mask):
-            padded_seen.append(mask)
-            return ref(x, mask)
-
-    padded_engine = PaddedRecording(SMALL, torch.float32, "cpu")
+    padded_engine = Recording()
+    padded_seen = padded_engine.masks
 
     served = ServedRunner(opt, engine=engine, backend="engine", all_valid_only=True, padded_engine=padded_engine)
     with torch.inference_mode():
