@@ -36,17 +36,16 @@ def attention_mask(valid_token_mask: torch.Tensor, causal: bool) -> torch.Tensor
 
 
 def masked_fused_attention(model: OptimizedTransformer, index: int, h: torch.Tensor,
-                           valid_token_mask: torch.Tensor | None) -> torch.Tensor:
-    """Packed QKV + SDPA for one block, with the reference's padding semantics when a mask is given."""
+                           valid_token_mask: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor:
+    """Packed QKV + SDPA for one block, with the reference's padding semantics when a mask is given
+    (``keep`` is ``attention_mask(valid_token_mask, causal)``, built once per forward by the caller)."""
     if valid_token_mask is None:
         return model.fused_attention(index, h)
     attn = model.layers[index].attention
     b, s, d = h.shape
     weight, bias = model.packed_qkv(index)
     qkv = F.linear(h, weight, bias).view(b, s, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-    context = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2],
-                                             attn_mask=attention_mask(valid_token_mask, attn.causal),
-                                             scale=attn.scale)
+    context = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=keep, scale=attn.scale)
     out = attn.out_proj(context.transpose(1, 2).reshape(b, s, d))
     return zero_invalid_rows(out, valid_token_mask)
 
@@ -76,29 +75,29 @@ class FusedTransformer(nn.Module):
             raise KKError(f"float16 blocks need a float32 model, got {reference.dtype}; build it in float32")
         self.config = config
         self.fp16_layers = layers
-        self.reference = reference  # for check_call; its weights are not read by the fused path
-        self.main_model = _optimized_twin(reference, reference.dtype)
+        self.main_model = _optimized_twin(reference, reference.dtype)  # its weights, packed and frozen
         self.fp16_model = _optimized_twin(reference, torch.float16) if layers else None
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.reference.dtype
+        return self.main_model.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.reference.device
+        return self.main_model.device
 
     def fused_forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        keep = None if valid_token_mask is None else attention_mask(valid_token_mask, self.config.causal)
         for index in range(self.config.num_layers):
             fp16 = index in self.fp16_layers
             model = self.fp16_model if fp16 else self.main_model
             block = model.layers[index]
             h = x.half() if fp16 else x
-            h = h + masked_fused_attention(model, index, block.norm1(h), valid_token_mask)
+            h = h + masked_fused_attention(model, index, block.norm1(h), valid_token_mask, keep)
             h = zero_invalid_rows(h + block.feed_forward(h), valid_token_mask)
             x = h.to(self.dtype) if fp16 else h
         return zero_invalid_rows(self.main_model.final_norm(x), valid_token_mask)
 
     def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
-        self.reference.check_call(x, valid_token_mask)
+        self.main_model.check_call(x, valid_token_mask)
         return self.fused_forward(x, valid_token_mask)
