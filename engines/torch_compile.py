@@ -198,8 +198,7 @@ class TorchCompileBackend(Backend):
         options = {
             "variant": candidate, "dtype": dtype_name(ctx.dtype), "config": ctx.config.to_dict(),
             "weights_sha256": weights_sha256(ctx.model), "torch": torch.__version__, **recipe,
-            "tf32": bool(torch.backends.cuda.matmul.allow_tf32) if device.type == "cuda" else False,
-            "all_valid_only": runner.all_valid_only,
+            "all_valid_only": runner.all_valid_only,  # TF32: the build's one setting, manifest["tf32"]
             "mask_modes": ["all-valid"] if runner.all_valid_only else ["all-valid", "padded"],
             "cuda_graph": runner.captured is not None, "cache_file": cache_file,
             "fingerprint": {"seed": DEFAULT_SEED, "sha256": fingerprint},

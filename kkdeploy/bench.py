@@ -221,16 +221,21 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
             return model
         from engines.torch_graph import CudaGraphRunner
 
-        return CudaGraphRunner(model, config, torch.float32, device, all_valid_only=all_valid_only,
-                               forward=model.fused_forward if kind == "fused" else None)
+        return CudaGraphRunner(model, config, torch.float32, device, all_valid_only=all_valid_only)
 
     layers: tuple = ()
     if calibrated:
         if kind not in calibrations:
+            plan = {"contract": options.contract, "seed": options.seed, "trials": options.trials,
+                    "padding_ratio": options.padding_ratio}
             start = time.perf_counter()
-            record = calibrate_layers(reference, lambda chosen: make_runner(model_for(chosen)),
-                                      all_valid_only=all_valid_only, contract=options.contract, seed=options.seed,
-                                      trials=options.trials, padding_ratio=options.padding_ratio)
+            if kind == "fused":  # the very search `kkdeploy build` runs for torch-compile-fused-mixed
+                from engines.torch_compile import calibrate_fused_layers
+
+                record = calibrate_fused_layers(reference, device, plan)
+            else:
+                record = calibrate_layers(reference, lambda chosen: make_runner(model_for(chosen)),
+                                          all_valid_only=all_valid_only, **plan)
             record["seconds"] = round(time.perf_counter() - start, 3)
             calibrations[kind] = (name, record)
         first, record = calibrations[kind]
