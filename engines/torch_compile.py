@@ -45,6 +45,7 @@ FAITHFUL = "torch-compile"
 FUSED, FUSED_MIXED = "torch-compile-fused", "torch-compile-fused-mixed"
 _SDPA_RE = re.compile(r"^torch-compile-sdpa(\d+)$")
 CACHE_SUFFIX = ".inductor-cache"
+RECOMPILE_LIMIT = 64  # graphs per compiled code object in one process (see CompiledModuleRunner._forward)
 
 
 def inductor_variant(name: str) -> str:
@@ -114,7 +115,11 @@ class CompiledModuleRunner(Runner):
 
     def _forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # Always the same grad mode: Dynamo guards on it, and a second mode would mean a second compile.
-        with torch.inference_mode():
+        # Every BoundForward (and MixedForward) shares one code object, so Dynamo counts all their graphs (one
+        # per model, shape and method) against one recompile limit, 8 by default: a process that loads more
+        # fused artifacts than that would fail hard (fullgraph) and serve the fallback.
+        limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)  # never lower the caller's
+        with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit):
             return self.compiled(x, mask)
 
     def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -93,3 +93,25 @@ def test_compiled_fused_model_matches_its_eager_form():
     got = runner(x, mask)
     torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
     assert bool((got[~mask] == 0).all())
+
+
+def test_fused_compiles_are_not_bound_by_the_callers_recompile_limit():
+    """Every compiled fused model runs the same BoundForward code object, and Dynamo allows only
+    ``recompile_limit`` graphs (8 by default) per code object: a process loading more fused artifacts than
+    that must still compile them, not fail. Here the caller's limit is 1, so the second model would fail."""
+    import dataclasses
+
+    import torch._dynamo
+
+    from engines.torch_compile import compile_fused
+    from tests.test_inductor import TINY  # the smallest model: compiles stay cheap
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for batch in (1, 2, 3):
+            config = dataclasses.replace(TINY, batch_size=batch)
+            reference = models_for(config, torch.float32, sdpa_layers=0)[0]
+            runner = compile_fused(FusedTransformer(reference), CPU, name="torch-compile-fused")
+            x, mask = generate_case(config, CPU, torch.float32, batch, padding_ratio=0.0)
+            with torch.inference_mode():
+                torch.testing.assert_close(runner(x, mask), reference(x, mask), atol=1e-5, rtol=1e-5)
+        assert torch._dynamo.config.recompile_limit == 1  # raised for our compiles only
