@@ -45,7 +45,7 @@ FAITHFUL = "torch-compile"
 FUSED, FUSED_MIXED = "torch-compile-fused", "torch-compile-fused-mixed"
 _SDPA_RE = re.compile(r"^torch-compile-sdpa(\d+)$")
 CACHE_SUFFIX = ".inductor-cache"
-RECOMPILE_LIMIT = 64  # graphs per compiled code object in one process (see CompiledModuleRunner._forward)
+RECOMPILE_LIMIT = 64  # graphs per compiled code object in one process (see CompiledModuleRunner)
 
 
 def inductor_variant(name: str) -> str:
@@ -105,7 +105,13 @@ class CompiledModuleRunner(Runner):
         self.compiled = torch.compile(module.requires_grad_(False), options=options or {}, dynamic=False,
                                       fullgraph=True)
         x = torch.zeros(config.batch_size, config.seq_len, config.d_model, dtype=dtype, device=self.device)
-        self._forward(x, torch.ones(x.shape[:2], dtype=torch.bool, device=self.device))  # compiles now
+        # All BoundForward instances share one code object (as do all MixedForward ones), and Dynamo allows
+        # ``recompile_limit`` graphs per code object (8 by default; one per model, shape and method): a process
+        # loading more fused artifacts than that would fail hard (fullgraph) and serve the fallback. The limit
+        # is raised for this compile only, not per call (the patch costs ~50 us).
+        limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)  # never lower the caller's
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            self._forward(x, torch.ones(x.shape[:2], dtype=torch.bool, device=self.device))  # compiles now
         self.compile_seconds = round(time.perf_counter() - start, 3)
         self._mask_cache = AllValidMaskCache()
         self.captured = None
@@ -115,11 +121,7 @@ class CompiledModuleRunner(Runner):
 
     def _forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # Always the same grad mode: Dynamo guards on it, and a second mode would mean a second compile.
-        # Every BoundForward (and MixedForward) shares one code object, so Dynamo counts all their graphs (one
-        # per model, shape and method) against one recompile limit, 8 by default: a process that loads more
-        # fused artifacts than that would fail hard (fullgraph) and serve the fallback.
-        limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)  # never lower the caller's
-        with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit):
+        with torch.inference_mode():
             return self.compiled(x, mask)
 
     def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
