@@ -110,12 +110,17 @@ class CompiledModuleRunner(Runner):
         # loading more fused artifacts than that would fail hard (fullgraph) and serve the fallback. The limit
         # is raised for this compile only, not per call (the patch costs ~50 us).
         limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)  # never lower the caller's
+        capture = self.device.type == "cuda" and cuda_graph
         with torch._dynamo.config.patch(recompile_limit=limit):
             self._forward(x, torch.ones(x.shape[:2], dtype=torch.bool, device=self.device))  # compiles now
+            if not capture:  # callers pass inference tensors too, which Dynamo guards apart: compile that now
+                with torch.inference_mode():
+                    x, mask = x.clone(), torch.ones(x.shape[:2], dtype=torch.bool, device=self.device)
+                self._forward(x, mask)
         self.compile_seconds = round(time.perf_counter() - start, 3)
         self._mask_cache = AllValidMaskCache()
         self.captured = None
-        if self.device.type == "cuda" and cuda_graph:
+        if capture:
             self.captured = CapturedCall(self._forward, config.batch_size, config.seq_len, config.d_model, dtype,
                                          self.device)
 

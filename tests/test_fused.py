@@ -98,7 +98,8 @@ def test_compiled_fused_model_matches_its_eager_form():
 def test_fused_compiles_are_not_bound_by_the_callers_recompile_limit():
     """Every compiled fused model runs the same BoundForward code object, and Dynamo allows only
     ``recompile_limit`` graphs (8 by default) per code object: a process loading more fused artifacts than
-    that must still compile them, not fail. Here the caller's limit is 1, so the second model would fail."""
+    that must still compile them, not fail, and not recompile on a first call. Here the caller's limit is 1,
+    so the second model, or a first call with inference tensors, would fail."""
     import dataclasses
 
     import torch._dynamo
@@ -113,5 +114,8 @@ def test_fused_compiles_are_not_bound_by_the_callers_recompile_limit():
             runner = compile_fused(FusedTransformer(reference), CPU, name="torch-compile-fused")
             x, mask = generate_case(config, CPU, torch.float32, batch, padding_ratio=0.0)
             with torch.inference_mode():
-                torch.testing.assert_close(runner(x, mask), reference(x, mask), atol=1e-5, rtol=1e-5)
+                expected = reference(x, mask)
+                torch.testing.assert_close(runner(x, mask), expected, atol=1e-5, rtol=1e-5)
+                # inference tensors are guarded apart from normal ones: compiled up front, not on this call
+                torch.testing.assert_close(runner(x.clone(), mask.clone()), expected, atol=1e-5, rtol=1e-5)
         assert torch._dynamo.config.recompile_limit == 1  # raised for our compiles only
