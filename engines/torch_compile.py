@@ -108,7 +108,7 @@ class CompiledModuleRunner(Runner):
         # All BoundForward instances share one code object (as do all MixedForward ones), and Dynamo allows
         # ``recompile_limit`` graphs per code object (8 by default; one per model, shape and method): a process
         # loading more fused artifacts than that would fail hard (fullgraph) and serve the fallback. The limit
-        # is raised for this compile only, not per call (the patch costs ~50 us).
+        # is raised for this compile and capture only, not per call (the patch costs ~50 us).
         limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)  # never lower the caller's
         capture = self.device.type == "cuda" and cuda_graph
         with torch._dynamo.config.patch(recompile_limit=limit):
@@ -117,12 +117,10 @@ class CompiledModuleRunner(Runner):
                 with torch.inference_mode():
                     x, mask = x.clone(), torch.ones(x.shape[:2], dtype=torch.bool, device=self.device)
                 self._forward(x, mask)
-        self.compile_seconds = round(time.perf_counter() - start, 3)
-        self._mask_cache = AllValidMaskCache()
-        self.captured = None
-        if capture:
+            self.compile_seconds = round(time.perf_counter() - start, 3)
             self.captured = CapturedCall(self._forward, config.batch_size, config.seq_len, config.d_model, dtype,
-                                         self.device)
+                                         self.device) if capture else None
+        self._mask_cache = AllValidMaskCache()
 
     def _forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # Always the same grad mode: Dynamo guards on it, and a second mode would mean a second compile.
