@@ -525,6 +525,13 @@ def markdown_table(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shape_tick_labels(shapes: list[dict]) -> list[str]:
+    """Each shape's label; a shape measured in fewer processes than the others says so, so that a chart
+    pooled over several campaigns cannot pass one process off as three."""
+    most = max((s.get("processes", 1) for s in shapes), default=1)
+    return [s["label"] + (f" ({s['processes']} proc)" if s.get("processes", most) < most else "") for s in shapes]
+
+
 def plot_speedups(data: dict, path: Path) -> None:
     """Speedup over eager per shape per backend; failed backends get a red x at 0, skipped ones nothing."""
     import matplotlib
@@ -566,7 +573,7 @@ def plot_speedups(data: dict, path: Path) -> None:
             failed_label_used = True
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(shapes)))
-    ax.set_xticklabels([s["label"] for s in shapes], rotation=45 if len(shapes) > 6 else 0, ha="right" if len(shapes) > 6 else "center")
+    ax.set_xticklabels(shape_tick_labels(shapes), rotation=45 if len(shapes) > 6 else 0, ha="right" if len(shapes) > 6 else "center")
     ax.set_ylabel("speedup over eager (median)")
     p = data["protocol"]
     ax.set_title(f"kkdeploy bench: {p['dtype']} on {data['environment'].get('gpu', p['device'])}, "

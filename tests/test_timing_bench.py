@@ -7,7 +7,8 @@ import pytest
 
 from kkdeploy import KKError, TransformerConfig
 from kkdeploy import timing as timing_module
-from kkdeploy.bench import FAILED, ShapeJob, aggregate_shape, jobs_for, markdown_table, plot_speedups
+from kkdeploy.bench import (FAILED, ShapeJob, aggregate_shape, jobs_for, markdown_table, plot_speedups,
+                            shape_tick_labels)
 from kkdeploy.cli import main
 from kkdeploy.timing import LatencyStats, choose_fastest, measure_latency
 
@@ -147,6 +148,12 @@ def test_aggregation_pools_processes_and_a_failure_anywhere_fails(tmp_path):
     assert "| other | engine | **FAILED** |" in md and "process 2 exited with 1" in md
     plot_speedups(data, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_chart_labels_name_a_shape_measured_in_fewer_processes():
+    shapes = [{"label": "shape-01", "processes": 3}, {"label": "shape-06", "processes": 1}]
+    assert shape_tick_labels(shapes) == ["shape-01", "shape-06 (1 proc)"]
+    assert shape_tick_labels(shapes[:1]) == ["shape-01"]  # all alike: nothing to say
 
 
 def test_bench_judge_float32_calibrates_mixed_precision_and_compiles_on_request(tmp_path, capsys):
