@@ -53,11 +53,11 @@ class ServedRunner:
             engine = self.engine
             check_inputs(x, valid_token_mask, engine.config.d_model, engine.dtype, engine.device,
                          shape=(engine.config.batch_size, engine.config.seq_len))
-            if self._mask_cache.is_all_valid(valid_token_mask):
-                # Checked here once: None tells the engine "all valid" without a second mask.all() device sync.
-                return engine(x, None)
+            # Inputs and mask are checked here once; the engines' own ``__call__`` would check them again.
+            if self._mask_cache.is_all_valid(valid_token_mask):  # its own full mask: no second mask.all() sync
+                return engine.infer(x, engine.full_mask())
             if self.padded_engine is not None:
-                return self.padded_engine(x, valid_token_mask)
+                return self.padded_engine.infer(x, valid_token_mask)
         with torch.no_grad():
             return self.fallback(x, valid_token_mask)
 

@@ -208,11 +208,21 @@ def test_injected_failure_is_rejected_with_its_count(tmp_path):
     assert choice["candidate"] == FALLBACK and "ort-cpu (failed)" in choice["reason"]
 
 
-def test_padded_calls_on_all_valid_only_engine_take_the_fallback():
+def test_padded_calls_on_all_valid_only_engine_take_the_fallback(monkeypatch):
     """Routing: the engine sees only all-valid calls; padded ones are answered by the fallback."""
+    import engines.base
+    import kkdeploy.runtime
     from kkdeploy.runtime import ServedRunner
 
     from engines.base import Runner
+
+    checks = []  # every input check, wherever it runs: a routed call should be checked once
+    for module in (engines.base, kkdeploy.runtime):
+        def counted(*args, _original=module.check_inputs, **kwargs):
+            checks.append(1)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "check_inputs", counted)
 
     ref, opt = build_models(SMALL, torch.float32, "cpu")
 
@@ -235,10 +245,12 @@ def test_padded_calls_on_all_valid_only_engine_take_the_fallback():
     with torch.inference_mode():
         y = served(x, mask)
         assert seen == [] and compare_outputs(ref(x, mask), y, *CONTRACTS["strict"]).passed
+        checks.clear()
         served(x, torch.ones_like(mask))
         served(x)
         # the mask was checked once by the router; the engine is told "all valid" (its own full mask)
         assert len(seen) == 2 and all(m is engine.full_mask() for m in seen)
+        assert len(checks) == 2  # one input check per call, not one more inside the engine
         assert not engine.full_mask().is_inference()  # cacheable: no mask.all() sync per call
         with pytest.raises(KKError, match="valid_token_mask must have shape"):
             served(x, torch.ones(SMALL.batch_size, SMALL.seq_len + 1, dtype=torch.bool))
@@ -247,9 +259,10 @@ def test_padded_calls_on_all_valid_only_engine_take_the_fallback():
     padded_seen = padded_engine.masks
 
     served = ServedRunner(opt, engine=engine, backend="engine", all_valid_only=True, padded_engine=padded_engine)
+    checks.clear()
     with torch.inference_mode():
         assert compare_outputs(ref(x, mask), served(x, mask), *CONTRACTS["strict"]).passed
-    assert len(padded_seen) == 1 and len(seen) == 2
+    assert len(padded_seen) == 1 and len(seen) == 2 and len(checks) == 1
 
 
 def test_build_shape_14_ships_the_long_context_path(tmp_path, capsys):
