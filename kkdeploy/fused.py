@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import KKError
+from .mixed import fp16_block_set
 from .optimized import OptimizedTransformer
 from .reference import ReferenceTransformer, zero_invalid_rows
 
@@ -67,13 +67,8 @@ class FusedTransformer(nn.Module):
 
     def __init__(self, reference: ReferenceTransformer, fp16_layers=()):
         super().__init__()
-        config = reference.config
-        layers = tuple(sorted(set(int(i) for i in fp16_layers)))
-        if any(not 0 <= i < config.num_layers for i in layers):
-            raise KKError(f"fp16_layers {layers} out of range for a {config.num_layers}-layer model")
-        if layers and reference.dtype != torch.float32:
-            raise KKError(f"float16 blocks need a float32 model, got {reference.dtype}; build it in float32")
-        self.config = config
+        layers = fp16_block_set(reference, fp16_layers)
+        self.config = reference.config
         self.fp16_layers = layers
         self.main_model = _optimized_twin(reference, reference.dtype)  # its weights, packed and frozen
         self.fp16_model = _optimized_twin(reference, torch.float16) if layers else None

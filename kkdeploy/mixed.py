@@ -22,17 +22,25 @@ from .optimized import OptimizedTransformer
 from .reference import ReferenceTransformer, zero_invalid_rows
 
 
+def fp16_block_set(reference: ReferenceTransformer, fp16_layers) -> tuple[int, ...]:
+    """``fp16_layers`` as a sorted tuple, or a one-line KKError: indices out of range, or float16 blocks asked
+    of a model that is not float32 (a float16 model is float16 throughout)."""
+    layers = tuple(sorted(set(int(i) for i in fp16_layers)))
+    if any(not 0 <= i < reference.config.num_layers for i in layers):
+        raise KKError(f"fp16_layers {layers} out of range for a {reference.config.num_layers}-layer model")
+    if layers and reference.dtype != torch.float32:
+        raise KKError(f"float16 blocks need a float32 model, got {reference.dtype}; build it in float32")
+    return layers
+
+
 class MixedPrecisionTransformer(nn.Module):
     def __init__(self, reference: ReferenceTransformer, fp16_layers=(), sdpa_in_fp16_layers: bool = False):
         super().__init__()
         if reference.dtype != torch.float32:
             raise KKError(f"mixed precision starts from a float32 model, got {reference.dtype}; build it in float32")
         config = reference.config
-        layers = tuple(sorted(set(int(i) for i in fp16_layers)))
-        if any(not 0 <= i < config.num_layers for i in layers):
-            raise KKError(f"fp16_layers {layers} out of range for a {config.num_layers}-layer model")
         self.config = config
-        self.fp16_layers = layers
+        self.fp16_layers = fp16_block_set(reference, fp16_layers)
         self.sdpa_in_fp16_layers = bool(sdpa_in_fp16_layers)
         self.reference = reference
         fp16_model = OptimizedTransformer(config, sdpa_layers=0)
@@ -109,10 +117,3 @@ def calibrate_layers(reference: ReferenceTransformer, runner_for_layers, *, all_
     result["fp16_layers"] = list(result["fp16_layers"])
     return result
 
-
-def calibrate_fp16_layers(reference: ReferenceTransformer, make_runner, *, all_valid_only: bool, contract: str,
-                          seed: int, trials: int, padding_ratio: float, sdpa_in_fp16_layers: bool = False) -> dict:
-    """``calibrate_layers`` for the PyTorch twin: ``make_runner(MixedPrecisionTransformer)`` -> candidate."""
-    return calibrate_layers(
-        reference, lambda layers: make_runner(MixedPrecisionTransformer(reference, layers, sdpa_in_fp16_layers)),
-        all_valid_only=all_valid_only, contract=contract, seed=seed, trials=trials, padding_ratio=padding_ratio)

@@ -7,7 +7,7 @@ import torch
 
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import generate_case
-from kkdeploy.mixed import MixedPrecisionTransformer, calibrate_fp16_layers
+from kkdeploy.mixed import MixedPrecisionTransformer, calibrate_layers
 from kkdeploy.reference import zero_invalid_rows
 from tests.conftest import SMALL, models_for
 
@@ -70,14 +70,16 @@ def test_bad_arguments_are_one_line_errors(reference):
 def test_calibration_keeps_the_blocks_that_break_the_contract_in_float32(reference):
     """A runner that corrupts its output whenever block 0 is float16: calibration must leave block 0 out."""
 
-    def make_runner(model):
+    def runner_for(layers):
+        model = MixedPrecisionTransformer(reference, layers)
+
         def run(x, mask):
             y = model(x, mask)
             return y + 0.5 if 0 in model.fp16_layers else y
         return run
 
-    result = calibrate_fp16_layers(reference, make_runner, all_valid_only=False, contract="judge", seed=1234,
-                                   trials=2, padding_ratio=0.25)
+    result = calibrate_layers(reference, runner_for, all_valid_only=False, contract="judge", seed=1234,
+                              trials=2, padding_ratio=0.25)
     assert result["passed"] and result["fp16_layers"] == [1]
     assert result["tried"][0]["fp16_layers"] == [0, 1] and not result["tried"][0]["passed"]
     assert result["tried"][0]["failed_elements"]["all-valid"] > 0 and "reason" in result["tried"][0]
@@ -91,8 +93,8 @@ def test_calibration_on_shape_3_judge_cpu():
 
     config = official_config(3)
     ref = models_for(config, torch.float32, sdpa_layers=0)[0]
-    result = calibrate_fp16_layers(ref, lambda m: m, all_valid_only=False, contract="judge", seed=1234, trials=2,
-                                   padding_ratio=0.25)
+    result = calibrate_layers(ref, lambda layers: MixedPrecisionTransformer(ref, layers), all_valid_only=False,
+                              contract="judge", seed=1234, trials=2, padding_ratio=0.25)
     assert result["fp16_layers"] == [0, 1, 2, 3] and result["passed"]
 
 
