@@ -116,6 +116,14 @@ class OrtRunner(Runner):
         return self._y.clone()
 
 
+def optimizer_settings(ctx: BuildContext, candidate: str) -> tuple[str, list]:
+    """The graph optimization level (per device type, from the build options or the default) and the
+    disabled optimizers for a base candidate name."""
+    device_type = "cpu" if CANDIDATES[candidate]["provider"] == "CPUExecutionProvider" else "cuda"
+    return (ctx.options.get(f"ort_level_{device_type}", DEFAULT_LEVEL[device_type]),
+            list(ctx.options.get("ort_disabled_optimizers", [])))
+
+
 class OrtBackend(Backend):
     name = "ort"
 
@@ -149,9 +157,7 @@ class OrtBackend(Backend):
             raise KKError(f"{candidate} needs the exported model.onnx")
         if candidate.endswith(MIXED_SUFFIX):
             return self.build_mixed(ort, ctx, candidate)
-        device_type = "cpu" if CANDIDATES[candidate]["provider"] == "CPUExecutionProvider" else "cuda"
-        level = ctx.options.get(f"ort_level_{device_type}", DEFAULT_LEVEL[device_type])
-        disabled = list(ctx.options.get("ort_disabled_optimizers", []))
+        level, disabled = optimizer_settings(ctx, candidate)
         optimized = ctx.out_dir / f"{candidate}.optimized.onnx"
         result = CandidateResult(
             name=candidate, backend=self.name, status=BUILT,
@@ -175,9 +181,7 @@ class OrtBackend(Backend):
         if ctx.dtype != torch.float32:
             raise KKError(f"{candidate}: mixed precision applies to float32 builds, not {ctx.dtype}")
         base = candidate[: -len(MIXED_SUFFIX)]
-        device_type = "cpu" if CANDIDATES[base]["provider"] == "CPUExecutionProvider" else "cuda"
-        level = ctx.options.get(f"ort_level_{device_type}", DEFAULT_LEVEL[device_type])
-        disabled = list(ctx.options.get("ort_disabled_optimizers", []))
+        level, disabled = optimizer_settings(ctx, base)
         export_options, plan = ctx.export_options, ctx.validation_plan
         out = Path(ctx.out_dir)
         tried_files: list[Path] = []
