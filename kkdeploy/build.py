@@ -20,6 +20,7 @@ from . import artifacts
 from .chooser import FALLBACK, choose
 from .config import TransformerConfig, dtype_name, tf32_default, tf32_mode
 from .console import console, progress_bar, table
+from .errors import KKError
 from .inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
 from .weights import build_models, weights_sha256
 
@@ -71,8 +72,6 @@ def default_out_dir(shape_id: int | None, config: TransformerConfig, dtype: torc
 
 
 def parse_backends(text: str | None, device: torch.device) -> list[str]:
-    from .errors import KKError
-
     if not text:
         return list(DEFAULT_BACKENDS[device.type])
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -165,6 +164,13 @@ def run_build(request: BuildRequest) -> dict:
     atol, rtol = contract_tolerances(request.contract)
     request.backends = request.backends or list(DEFAULT_BACKENDS[request.device.type])
     request.tf32 = tf32_default(request.device, request.dtype, request.contract, request.tf32)
+    # Precision repair (issue 6): a float32 build under the judge contract also builds "-mixed" candidates
+    # whose float16 blocks are calibrated on this build's own trial plan. Checked before anything is written.
+    if request.options.get("mixed_precision") is None:
+        request.options["mixed_precision"] = request.dtype == torch.float32 and request.contract == "judge"
+    elif request.options["mixed_precision"] and request.dtype != torch.float32:
+        raise KKError("--mixed-precision applies to float32 builds (a float16 build is float16 throughout); "
+                      "drop it or use --dtype float32")
     started = time.perf_counter()
     # The reference, every candidate and the timing run under one TF32 setting, recorded for kkdeploy.load.
     with tf32_mode(request.tf32), artifacts.staged_directory(request.out, force=request.force) as stage:
@@ -186,15 +192,6 @@ def run_build(request: BuildRequest) -> dict:
             bar.describe("export ONNX")
             ctx = BuildContext(request.config, request.dtype, request.device, reference, stage,
                                options=dict(request.options))
-            # Precision repair (issue 6): a float32 build under the judge contract also builds "-mixed"
-            # candidates whose float16 blocks are calibrated on this build's own trial plan.
-            if ctx.options.get("mixed_precision") is None:
-                ctx.options["mixed_precision"] = request.dtype == torch.float32 and request.contract == "judge"
-            elif ctx.options["mixed_precision"] and request.dtype != torch.float32:
-                from .errors import KKError
-
-                raise KKError("--mixed-precision applies to float32 builds (a float16 build is float16 throughout); "
-                              "drop it or use --dtype float32")
             ctx.validation_plan = {"contract": request.contract, "seed": request.seed, "trials": request.trials,
                                    "padding_ratio": request.padding_ratio}
             export_info = export_if_needed(request, reference, stage, ctx)

@@ -156,4 +156,3 @@ def tf32_mode(enabled: bool):
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-

@@ -378,6 +378,7 @@ def test_mixed_precision_flag_rules(tmp_path, capsys):
     strict = run_build(BuildRequest(SMALL, torch.float32, torch.device("cpu"), tmp_path / "strict",
                                     backends=["ort-cpu"], trials=1, warmups=1, repeats=2, rounds=1))
     assert [c["name"] for c in strict["candidates"]] == ["ort-cpu"]  # strict: no mixed candidate by default
+    assert strict["options"]["mixed_precision"] is False  # the resolved default is recorded
     code = main(["build", "--batch-size", "2", "--seq-len", "8", "--d-model", "16", "--heads", "2", "--ffn-dim",
                  "16", "--layers", "2", "--device", "cpu", "--dtype", "float16", "--mixed-precision",
                  "--out", str(tmp_path / "half")])

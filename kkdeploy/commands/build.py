@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-
 from pathlib import Path
 
 from ..build import BACKEND_CHOICES, BuildRequest, default_out_dir, parse_backends, print_summary, run_build
