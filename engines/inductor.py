@@ -44,9 +44,9 @@ from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import AllValidMaskCache
 
-from .cuda_graph import CapturedCall
 from .base import (BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
                    requested_variants)
+from .cuda_graph import CapturedCall
 
 FAITHFUL, FUSED, SDPA_PREFIX = "inductor", "inductor-fused", "inductor-sdpa"
 _SDPA_RE = re.compile(r"^inductor-sdpa(\d+)$")

@@ -10,8 +10,9 @@ from engines.base import PASSED, PASSED_ALL_VALID_ONLY
 
 FALLBACK = "pytorch-fallback"
 # Simplest first: on a tie (within TIE_TOLERANCE) the simpler backend ships.
-SIMPLICITY_ORDER = [FALLBACK, "torch-graph", "torch-graph-nomask", "torch-graph-sdpa1", "ort-cpu", "ort-cuda", "ort-cuda-graph",
-                    "torch-compile", "torch-compile-sdpa1", "torch-compile-fused", "torch-compile-fused-mixed", "inductor", "inductor-fused", "inductor-sdpa1", "trt"]
+SIMPLICITY_ORDER = [FALLBACK, "torch-graph", "torch-graph-nomask", "torch-graph-sdpa1", "ort-cpu", "ort-cuda",
+                    "ort-cuda-graph", "torch-compile", "torch-compile-sdpa1", "torch-compile-fused",
+                    "torch-compile-fused-mixed", "inductor", "inductor-fused", "inductor-sdpa1", "trt"]
 TIE_TOLERANCE = 0.02
 
 
