@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kkdeploy.config import TransformerConfig
-from kkdeploy.inputs import check_inputs
+from kkdeploy.inputs import AllValidMaskCache, check_inputs
 
 # Candidate status values recorded in manifests.
 BUILT, UNAVAILABLE, BUILD_FAILED, SKIPPED = "built", "unavailable", "build-failed", "skipped"
@@ -84,6 +84,26 @@ class Runner:
 
     def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class AllValidRouter(Runner):
+    """One model as two fixed-path runners: all-valid calls take ``all_valid``, padded calls ``padded``.
+
+    A captured or compiled graph has one path. A model whose all-valid path is faster (no mask tensor, so
+    attention may use fused causal kernels) is built twice and routed here by the mask's content, one
+    device sync per new mask tensor (``AllValidMaskCache``; a ``None`` mask costs none).
+    """
+
+    def __init__(self, all_valid: Runner, padded: Runner):
+        super().__init__(padded.config, padded.dtype, padded.device)
+        self.all_valid, self.padded = all_valid, padded
+        self.backend = padded.backend
+        self.all_valid_only = False
+        self._mask_cache = AllValidMaskCache()
+
+    def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        runner = self.all_valid if self._mask_cache.is_all_valid(mask) else self.padded
+        return runner.infer(x, mask)
 
 
 class Backend:

@@ -38,7 +38,7 @@ from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS, AllValidMaskCache, generate_case
 
-from .base import Backend, BuildContext, CandidateResult, Runner, requested_variants
+from .base import AllValidRouter, Backend, BuildContext, CandidateResult, Runner, requested_variants
 from .cuda_graph import CapturedCall
 
 FAITHFUL = "torch-compile"
@@ -78,13 +78,24 @@ def check_variant(name: str, config: TransformerConfig, dtype: torch.dtype) -> N
     parse_variant(inductor_variant(name), config)
 
 
+FINGERPRINT_PADDING = (0.0, 0.25)  # the all-valid case, then a padded one: each route of a routed runner
+
+
 def output_fingerprint(runner, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
-                       seed: int = DEFAULT_SEED) -> str:
-    """sha256 of the runner's output bytes on the all-valid case of ``seed``: equal hashes, equal outputs."""
-    x, mask = generate_case(config, device, dtype, seed)
-    with torch.inference_mode():
-        y = runner(x, mask)
-    return hashlib.sha256(y.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                       seed: int = DEFAULT_SEED, padding_ratios=(0.0,)) -> str:
+    """sha256 of the runner's output bytes on ``seed``'s case at each padding ratio: equal hashes, equal outputs.
+
+    A padded case that the generator happened to leave all valid loses its last token, so it takes the
+    padded route."""
+    digest = hashlib.sha256()
+    for ratio in padding_ratios:
+        x, mask = generate_case(config, device, dtype, seed, padding_ratio=ratio)
+        if ratio > 0 and bool(mask.all()):
+            mask[0, -1] = False
+        with torch.inference_mode():
+            y = runner(x, mask)
+        digest.update(y.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 class CompiledModuleRunner(Runner):
@@ -197,7 +208,8 @@ class TorchCompileBackend(Backend):
             recipe = {"inductor_configs": {}, "fp16_layers": list(layers), "calibration": calibration}
         else:
             runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)
-        fingerprint = output_fingerprint(runner, ctx.config, ctx.dtype, device)
+        ratios = FINGERPRINT_PADDING[:1] if runner.all_valid_only else FINGERPRINT_PADDING
+        fingerprint = output_fingerprint(runner, ctx.config, ctx.dtype, device, padding_ratios=ratios)
         files = [WEIGHTS_FILE]
         cache_file = None
         saved = torch.compiler.save_cache_artifacts()
@@ -211,7 +223,7 @@ class TorchCompileBackend(Backend):
             "all_valid_only": runner.all_valid_only,  # TF32: the build's one setting, manifest["tf32"]
             "mask_modes": ["all-valid"] if runner.all_valid_only else ["all-valid", "padded"],
             "cuda_graph": runner.captured is not None, "cache_file": cache_file,
-            "fingerprint": {"seed": DEFAULT_SEED, "sha256": fingerprint},
+            "fingerprint": {"seed": DEFAULT_SEED, "padding_ratios": list(ratios), "sha256": fingerprint},
             "compile_seconds": runner.compile_seconds,
         }
         return options, files
@@ -246,9 +258,10 @@ class TorchCompileBackend(Backend):
             raise
         except Exception as exc:  # noqa: BLE001
             raise KKError(f"{name} failed to compile here: {_first_line(exc)}") from None
-        expected = (options.get("fingerprint") or {}).get("sha256")
-        got = output_fingerprint(runner, config, dtype, device, (options.get("fingerprint") or {}).get("seed",
-                                                                                                    DEFAULT_SEED))
+        recorded = options.get("fingerprint") or {}
+        expected = recorded.get("sha256")
+        got = output_fingerprint(runner, config, dtype, device, recorded.get("seed", DEFAULT_SEED),
+                                 recorded.get("padding_ratios", FINGERPRINT_PADDING[:1]))
         if got != expected:
             raise KKError(f"{name} recompiled here does not reproduce the validated output (fingerprint "
                           f"{got[:12]} != {str(expected)[:12]}); rebuild the artifacts on this machine")
@@ -290,13 +303,27 @@ class BoundForward(torch.nn.Module):
 
 
 def compile_fused(fused: torch.nn.Module, device: torch.device, *, name: str,
-                  cuda_graph: bool = True) -> CompiledModuleRunner:
-    """A ``kkdeploy.fused.FusedTransformer`` compiled with Inductor's defaults; serves all-valid and padded calls.
+                  cuda_graph: bool = True) -> AllValidRouter:
+    """A ``kkdeploy.fused.FusedTransformer`` compiled with Inductor's defaults, twice: all-valid calls take the
+    causal graph (no mask tensor), padded calls the boolean-mask graph. Serves both.
 
-    Like ``compile_mixed``, not bitwise to anything: a judge-contract candidate that validation gates.
+    Like ``compile_mixed``, not bitwise to anything: a judge-contract candidate that validation gates (per
+    mask mode, so each graph is validated on the calls it serves).
     """
-    return CompiledModuleRunner(BoundForward(fused, "fused_forward"), fused.config, fused.dtype, device, name=name,
-                                all_valid_only=False, options={}, cuda_graph=cuda_graph, keep_alive=fused)
+    def compiled(method: str) -> CompiledModuleRunner:
+        return CompiledModuleRunner(BoundForward(fused, method), fused.config, fused.dtype, device, name=name,
+                                    all_valid_only=False, options={}, cuda_graph=cuda_graph, keep_alive=fused)
+
+    return fused_router(compiled("all_valid_forward"), compiled("fused_forward"))
+
+
+def fused_router(all_valid: Runner, padded: Runner) -> AllValidRouter:
+    """The two routes as one runner, with what the builder records of a compiled runner."""
+    router = AllValidRouter(all_valid, padded)
+    router.name = padded.backend
+    router.captured = getattr(padded, "captured", None)
+    router.compile_seconds = round(getattr(all_valid, "compile_seconds", 0) + getattr(padded, "compile_seconds", 0), 3)
+    return router
 
 
 def compile_mixed(mixed: torch.nn.Module, device: torch.device, *, name: str, all_valid_sdpa: bool,
@@ -318,8 +345,8 @@ def fused_model(reference: torch.nn.Module, fp16_layers=()) -> torch.nn.Module:
 def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, plan: dict) -> dict:
     """The float16 blocks of ``torch-compile-fused-mixed``, searched on the build's trial plan.
 
-    Each tried set runs on its eager twin (CUDA-graph captured on a GPU): a compile per tried set would cost
-    minutes. The compiled model is then validated with every other candidate, so what ships has passed."""
+    Each tried set runs on its eager twin, routed by mask like the compiled runner (two CUDA-graph captures on
+    a GPU): a compile per tried set would cost minutes. The compiled model is then validated with every other candidate, so what ships has passed."""
     from kkdeploy.mixed import calibrate_layers
 
     def runner_for(layers):
@@ -328,8 +355,11 @@ def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, pla
             return model
         from .torch_graph import CudaGraphRunner
 
-        return CudaGraphRunner(model, reference.config, torch.float32, device, all_valid_only=False,
-                               forward=model.fused_forward)
+        def captured(forward) -> CudaGraphRunner:
+            return CudaGraphRunner(model, reference.config, torch.float32, device, all_valid_only=False,
+                                   forward=forward)
+
+        return fused_router(captured(model.all_valid_forward), captured(model.fused_forward))
 
     start = time.perf_counter()
     record = calibrate_layers(reference, runner_for, all_valid_only=False, contract=plan.get("contract", "judge"),

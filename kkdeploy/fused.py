@@ -61,8 +61,10 @@ def _optimized_twin(reference: ReferenceTransformer, dtype: torch.dtype) -> Opti
 class FusedTransformer(nn.Module):
     """SDPA in every block for all masks; ``fp16_layers`` compute in float16 (float32 models only).
 
-    ``model(x, mask)`` accepts ``None`` (all valid: SDPA's causal path) or a [B,S] bool mask (a boolean
-    attention mask; what a fixed-signature compiled graph uses for every call).
+    ``fused_forward(x, mask)`` takes ``None`` (all valid: SDPA's causal path, no mask tensor, so SDPA may
+    pick its fused causal kernels) or a [B,S] bool mask (a [B,1,S,S] boolean attention mask, which keeps
+    SDPA off FlashAttention). ``model(x, mask)`` routes by the mask's content; a compiled graph has a
+    fixed path, so the compiled runner holds one graph per route (``engines.base.AllValidRouter``).
     """
 
     def __init__(self, reference: ReferenceTransformer, fp16_layers=()):
@@ -93,6 +95,12 @@ class FusedTransformer(nn.Module):
             x = h.to(self.dtype) if fp16 else h
         return zero_invalid_rows(self.main_model.final_norm(x), valid_token_mask)
 
+    def all_valid_forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``fused_forward`` for a mask known to be all True (the mask is not read): the causal route."""
+        return self.fused_forward(x, None)
+
     def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
         self.main_model.check_call(x, valid_token_mask)
-        return self.fused_forward(x, valid_token_mask)
+        if valid_token_mask is not None and not bool(valid_token_mask.all()):
+            return self.fused_forward(x, valid_token_mask)
+        return self.all_valid_forward(x)

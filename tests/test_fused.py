@@ -34,8 +34,11 @@ def test_float32_fused_model_keeps_the_reference_semantics(config):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
             assert not torch.equal(got, expected) or config.num_layers == 0  # SDPA really ran
         assert bool((model(x_pad, mask)[~mask] == 0).all())
-        # None (all valid: SDPA's causal path) and an all-true mask (the boolean-mask path) agree
-        torch.testing.assert_close(model(x_valid, None), model(x_valid, all_valid), atol=1e-6, rtol=1e-6)
+        # the two routes: None (SDPA's causal path) and an all-true boolean mask agree, and model() picks
+        # the causal one for an all-true mask
+        causal, masked = model.fused_forward(x_valid, None), model.fused_forward(x_valid, all_valid)
+        torch.testing.assert_close(causal, masked, atol=1e-6, rtol=1e-6)
+        assert torch.equal(model(x_valid, all_valid), causal) and torch.equal(model(x_valid, None), causal)
 
 
 def test_attention_mask_is_causal_and_drops_invalid_keys():
@@ -79,20 +82,40 @@ def test_bad_arguments_are_one_line_errors():
     FusedTransformer(models_for(SMALL, torch.float16, sdpa_layers=0)[0])  # no float16 blocks: any dtype
 
 
-def test_compiled_fused_model_matches_its_eager_form():
-    """Inductor's fusion (judge candidates) changes float32 rounding only slightly; padded rows stay zero."""
+def count_calls(runner, counts: dict, key: str) -> None:
+    infer = runner.infer
+
+    def counted(x, mask):
+        counts[key] += 1
+        return infer(x, mask)
+
+    runner.infer = counted
+
+
+def test_compiled_fused_model_routes_each_mask_to_its_graph():
+    """Two graphs: all-valid calls (None or an all-true mask) take the causal one, padded calls the
+    boolean-mask one; each matches its eager route (Inductor's fusion changes float32 rounding only
+    slightly) and padded rows stay zero."""
     from engines.torch_compile import compile_fused
 
     reference = models_for(SMALL, torch.float32, sdpa_layers=0)[0]
     fused = FusedTransformer(reference)
     runner = compile_fused(fused, CPU, name="torch-compile-fused")
-    assert runner.compile_seconds > 0 and not runner.all_valid_only
-    x, mask = padded_case(SMALL, 6)
+    assert runner.compile_seconds > 0 and not runner.all_valid_only and runner.name == "torch-compile-fused"
+    served = {"all_valid": 0, "padded": 0}
+    for route in served:
+        count_calls(getattr(runner, route), served, route)
+    x_pad, mask = padded_case(SMALL, 6)
+    x_valid, all_valid = generate_case(SMALL, CPU, torch.float32, 7, padding_ratio=0.0)
     with torch.inference_mode():
-        eager = fused(x, mask)
-    got = runner(x, mask)
-    torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
+        eager_padded, eager_valid = fused.fused_forward(x_pad, mask), fused.fused_forward(x_valid, None)
+    got = runner(x_pad, mask)
+    assert served == {"all_valid": 0, "padded": 1}
+    torch.testing.assert_close(got, eager_padded, atol=1e-5, rtol=1e-5)
     assert bool((got[~mask] == 0).all())
+    for m in (None, all_valid):
+        torch.testing.assert_close(runner(x_valid, m), eager_valid, atol=1e-5, rtol=1e-5)
+    assert served == {"all_valid": 2, "padded": 1}
 
 
 def test_fused_compiles_are_not_bound_by_the_callers_recompile_limit():

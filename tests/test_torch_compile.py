@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from engines.base import BuildContext
-from engines.torch_compile import BACKEND, CompiledRunner, inductor_variant
+from engines.base import AllValidRouter, BuildContext, Runner
+from engines.torch_compile import BACKEND, FINGERPRINT_PADDING, CompiledRunner, inductor_variant, output_fingerprint
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import generate_case
 from kkdeploy.weights import build_models
@@ -47,6 +47,33 @@ def test_sdpa_variant_refuses_padded_calls():
         torch.testing.assert_close(runner(x, mask), optimized(x, mask), rtol=1e-5, atol=1e-5)
 
 
+class ScaledRunner(Runner):
+    """``x * scale`` with padded rows zeroed: a runner whose output says which route served it."""
+
+    def __init__(self, scale: float):
+        super().__init__(TINY, torch.float32, CPU)
+        self.scale = scale
+
+    def infer(self, x, mask):
+        return (x * self.scale).masked_fill(~mask[..., None], 0)
+
+
+def test_router_serves_each_mask_by_content_and_the_fingerprint_sees_both_routes():
+    router = AllValidRouter(ScaledRunner(2.0), ScaledRunner(3.0))
+    x, mask = padded_case(torch.float32, 5)
+    assert torch.equal(router(x, mask), (x * 3).masked_fill(~mask[..., None], 0))
+    for all_valid in (None, torch.ones_like(mask)):
+        assert torch.equal(router(x, all_valid), x * 2)
+    wrong_padded = AllValidRouter(ScaledRunner(2.0), ScaledRunner(4.0))
+
+    def fingerprint(runner, ratios):
+        return output_fingerprint(runner, TINY, torch.float32, CPU, padding_ratios=ratios)
+
+    # the all-valid case alone cannot tell the two apart; with the padded case it can
+    assert fingerprint(router, FINGERPRINT_PADDING[:1]) == fingerprint(wrong_padded, FINGERPRINT_PADDING[:1])
+    assert fingerprint(router, FINGERPRINT_PADDING) != fingerprint(wrong_padded, FINGERPRINT_PADDING)
+
+
 def test_variant_names_are_checked():
     assert inductor_variant("torch-compile") == "inductor"
     assert inductor_variant("torch-compile-sdpa2") == "inductor-sdpa2"
@@ -71,6 +98,7 @@ def shipped(tmp_path_factory):
     assert entry["status"] == "passed", entry
     assert entry["options"]["cache_file"] in manifest["files"]
     assert len(entry["options"]["fingerprint"]["sha256"]) == 64
+    assert entry["options"]["fingerprint"]["padding_ratios"] == [0.0, 0.25]  # it serves padded calls too
     # Pin the choice: which of engine and fallback timed faster on a shared CPU is not the subject here.
     manifest["choice"] = {**manifest["choice"], "candidate": "torch-compile", "backend": "torch_compile",
                           "all_valid_only": False}
