@@ -8,6 +8,12 @@ was validated). Levels and disabled optimizers are recorded with the candidate.
 (``ExportOptions.fp16_layers``): the builder calibrates which blocks may be float16 by exporting, optimizing
 and validating each tried set on the build's trial plan (``kkdeploy.mixed.calibrate_layers``), and keeps the
 chosen graph as ``<name>.onnx`` next to its optimized form.
+
+``<name>-autocast`` candidates (built alongside ``-mixed``) are the anchor that precision repair has to beat:
+NVIDIA ModelOpt's AutoCast converts the exported float32 graph by its own rules (a node stays FP32 when
+its outputs on one calibration batch, the build's all-valid case, exceed ``data_max`` or its initializers
+exceed FP16's range), not by our accuracy rule; validation then judges it like every other candidate.
+ModelOpt is optional: without it the candidate is recorded as unavailable, with the import error.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import torch
 from kkdeploy.config import TransformerConfig
 from kkdeploy.errors import KKError
 
-from .base import BUILT, Backend, BuildContext, CandidateResult, Runner, import_error_reason, timed_build
+from .base import (BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
+                   timed_build)
 
 OPT_LEVELS = ("disabled", "basic", "extended", "all")
 # Level "all" adds layout transforms tied to this machine's CPU features; "extended" stays portable.
@@ -30,7 +37,10 @@ CANDIDATES = {
     "ort-cuda": {"provider": "CUDAExecutionProvider", "cuda_graph": False},
     "ort-cuda-graph": {"provider": "CUDAExecutionProvider", "cuda_graph": True},
 }
-MIXED_SUFFIX = "-mixed"
+MIXED_SUFFIX, AUTOCAST_SUFFIX = "-mixed", "-autocast"
+# ModelOpt 0.47 pins onnx~=1.21 and its [onnx] extra pulls a CUDA torch; its AutoCast runs with these alone.
+AUTOCAST_INSTALL = "pip install --no-deps nvidia-modelopt onnx_graphsurgeon onnxslim lief nvidia-ml-py tqdm"
+AUTOCAST_SETTINGS = {"low_precision_type": "fp16", "data_max": 512, "init_max": 65504, "keep_io_types": True}  # its defaults, I/O kept
 _NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_}
 _cuda_dlls_loaded = False
 
@@ -116,6 +126,14 @@ class OrtRunner(Runner):
         return self._y.clone()
 
 
+def base_candidate(name: str) -> str:
+    """``ort-cpu-mixed`` / ``ort-cpu-autocast`` -> ``ort-cpu``: the session settings a variant shares."""
+    for suffix in (MIXED_SUFFIX, AUTOCAST_SUFFIX):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
 def optimizer_settings(ctx: BuildContext, candidate: str) -> tuple[str, list]:
     """The graph optimization level (per device type, from the build options or the default) and the
     disabled optimizers for a base candidate name."""
@@ -142,7 +160,7 @@ class OrtBackend(Backend):
         names = ["ort-cpu"] if ctx.device.type == "cpu" else ["ort-cuda", "ort-cuda-graph"]
         names = [n for n in names if wanted is None or n in wanted]
         if ctx.options.get("mixed_precision"):
-            names += [n + MIXED_SUFFIX for n in names]
+            names += [n + suffix for n in names for suffix in (MIXED_SUFFIX, AUTOCAST_SUFFIX)]
         return names
 
     def _optimize(self, ort, candidate: str, device: torch.device, source: Path, optimized: Path, level: str,
@@ -157,6 +175,8 @@ class OrtBackend(Backend):
             raise KKError(f"{candidate} needs the exported model.onnx")
         if candidate.endswith(MIXED_SUFFIX):
             return self.build_mixed(ort, ctx, candidate)
+        if candidate.endswith(AUTOCAST_SUFFIX):
+            return self.build_autocast(ort, ctx, candidate)
         level, disabled = optimizer_settings(ctx, candidate)
         optimized = ctx.out_dir / f"{candidate}.optimized.onnx"
         result = CandidateResult(
@@ -214,20 +234,59 @@ class OrtBackend(Backend):
         calibration["seconds"] = round(time.perf_counter() - start, 3)
         result = CandidateResult(
             name=candidate, backend=self.name, status=BUILT, files=[final_source.name, final_optimized.name],
-            options={"provider": CANDIDATES[base]["provider"], "cuda_graph": CANDIDATES[base]["cuda_graph"],
-                     "graph_optimization_level": level, "disabled_optimizers": disabled,
-                     "model": final_optimized.name, "source": final_source.name, "onnxruntime": ort.__version__,
+            options={**mixed_graph_options(ort, base, level, disabled, final_source, final_optimized),
                      "fp16_layers": list(chosen), "calibration": calibration})
         if not calibration["passed"]:
             result.reason = "even the all-float32 graph failed calibration; validation decides"
         result.build_seconds = calibration["seconds"]
         return result
 
+    def build_autocast(self, ort, ctx: BuildContext, candidate: str) -> CandidateResult:
+        """ModelOpt AutoCast (FP16, float32 I/O) on the exported graph, calibrated on the build's all-valid case."""
+        import logging
+        import time
+        from importlib.metadata import version
+
+        from exporters.export import write_atomically
+        from kkdeploy.inputs import generate_case
+
+        try:
+            from modelopt.onnx.autocast import convert_to_mixed_precision
+        except Exception as exc:  # absent, or present without what it imports
+            return CandidateResult(candidate, self.name, UNAVAILABLE,
+                                   f"{import_error_reason('modelopt.onnx.autocast', exc)}; {AUTOCAST_INSTALL}")
+        if ctx.dtype != torch.float32:
+            raise KKError(f"{candidate}: AutoCast converts float32 graphs, not {ctx.dtype}")
+        base = base_candidate(candidate)
+        level, disabled = optimizer_settings(ctx, base)
+        out = Path(ctx.out_dir)
+        source, optimized = out / f"{candidate}.onnx", out / f"{candidate}.optimized.onnx"
+        calibration = out / f".{candidate}-calibration.npz"
+        seed = ctx.validation_plan.get("seed", 1234)
+        x, mask = generate_case(ctx.config, "cpu", torch.float32, seed)
+        np.savez(calibration, x=x.numpy(), valid_token_mask=mask.numpy())
+        start = time.perf_counter()
+        logging.disable(logging.WARNING)  # AutoCast logs every skipped node; the record below keeps the result
+        try:
+            model = convert_to_mixed_precision(onnx_path=str(ctx.onnx_path), calibration_data=str(calibration),
+                                               providers=["cpu"], **AUTOCAST_SETTINGS)
+        finally:
+            logging.disable(logging.NOTSET)
+            calibration.unlink(missing_ok=True)
+        write_atomically(model, source)
+        self._optimize(ort, base, ctx.device, source, optimized, level, disabled)
+        return CandidateResult(
+            name=candidate, backend=self.name, status=BUILT, files=[source.name, optimized.name],
+            build_seconds=round(time.perf_counter() - start, 3),
+            options={**mixed_graph_options(ort, base, level, disabled, source, optimized),
+                     "autocast": {"modelopt": version("nvidia-modelopt"), **AUTOCAST_SETTINGS,
+                                  "calibration": f"the all-valid case of seed {seed}"}})
+
     def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
              device: torch.device) -> OrtRunner:
         ort = import_ort()
         options = session_options(ort, "disabled")  # already optimized at build time
-        base = entry["name"].removesuffix(MIXED_SUFFIX)
+        base = base_candidate(entry["name"])
         session = ort.InferenceSession(str(Path(artifact_dir) / entry["options"]["model"]), sess_options=options,
                                        providers=providers_for(base, device))
         if device.type == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
@@ -235,6 +294,19 @@ class OrtBackend(Backend):
         runner = OrtRunner(session, config, dtype, device, cuda_graph=entry["options"]["cuda_graph"])
         runner.backend = entry["name"]
         return runner
+
+
+def mixed_graph_options(ort, base: str, level: str, disabled: list, source: Path, optimized: Path) -> dict:
+    """What a mixed-precision candidate records: its session settings, both graphs, and how much of the
+    graph computes in float16 (``fp16_nodes``: [float16 nodes, nodes], comparable across converters)."""
+    import onnx
+
+    from exporters import float16_node_count
+
+    return {"provider": CANDIDATES[base]["provider"], "cuda_graph": CANDIDATES[base]["cuda_graph"],
+            "graph_optimization_level": level, "disabled_optimizers": disabled, "model": optimized.name,
+            "source": source.name, "onnxruntime": ort.__version__,
+            "fp16_nodes": list(float16_node_count(onnx.load(str(source))))}
 
 
 BACKEND = OrtBackend()

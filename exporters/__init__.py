@@ -4,12 +4,12 @@ from .budget import (DEFAULT_MEMORY_BUDGET_BYTES, DenseAttentionTooLarge, dense_
                      dense_attention_bytes_ok, ensure_dense_attention_fits)
 from .export import EXPORTER_NAME, export_onnx
 from .graph_check import GraphCheckError, check_graph
-from .onnx_graph import INPUT_NAMES, OUTPUT_NAMES, build_graph, op_histogram
+from .onnx_graph import INPUT_NAMES, OUTPUT_NAMES, build_graph, float16_node_count, op_histogram
 from .options import DEFAULT_OPSET, GELU_MODES, LINEAR_MODES, NAMED_VARIANTS, QKV_MODES, ExportOptions
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET_BYTES", "DEFAULT_OPSET", "EXPORTER_NAME", "GELU_MODES", "INPUT_NAMES", "LINEAR_MODES", "NAMED_VARIANTS",
     "OUTPUT_NAMES", "QKV_MODES", "DenseAttentionTooLarge", "ExportOptions", "GraphCheckError", "build_graph",
     "check_graph", "dense_attention_bytes", "dense_attention_bytes_ok", "ensure_dense_attention_fits",
-    "export_onnx", "op_histogram",
+    "export_onnx", "float16_node_count", "op_histogram",
 ]

@@ -292,3 +292,13 @@ def build_graph(model: torch.nn.Module, config: TransformerConfig, dtype: torch.
 def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
     counts = Counter(f"{n.domain}:{n.op_type}" if n.domain else n.op_type for n in model.graph.node)
     return dict(sorted(counts.items()))
+
+
+def float16_node_count(model: onnx.ModelProto) -> tuple[int, int]:
+    """``(nodes whose first output is float16, all nodes)``, Cast and Constant nodes not counted: how much
+    of a mixed-precision graph computes in float16, comparable across graphs from different converters."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    nodes = [n for n in graph.node if n.op_type not in ("Cast", "Constant")]
+    return sum(types.get(n.output[0]) == onnx.TensorProto.FLOAT16 for n in nodes), len(nodes)

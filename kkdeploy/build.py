@@ -324,9 +324,8 @@ def summary_table(manifest: dict):
     for c in manifest["candidates"] + [{"name": FALLBACK, "status": "fallback", **manifest["fallback"]}]:
         v = c.get("validation") or c  # long-context entries carry their counts at top level
         lat = c.get("latency") or {}
-        layers = (c.get("options") or {}).get("fp16_layers")
         rows.append([
-            c["name"] + (f" (fp16 blocks {layers})" if layers is not None else ""), c["status"],
+            c["name"] + precision_label(c.get("options") or {}), c["status"],
             v.get("failed_elements", "-"), _fmt(v.get("max_abs")),
             f"{lat['median_ms']:.3f}" if lat else "-",
             "yes" if c["name"] == chosen else "",
@@ -334,6 +333,18 @@ def summary_table(manifest: dict):
         ])
     return table("Candidates", ["candidate", "status", "failed elements", "max abs", "median ms", "chosen", "reason"],
                  rows)
+
+
+def precision_label(options: dict) -> str:
+    """How much runs in float16: ' (fp16 blocks [2, 3])' for our calibrated candidates, with ', 84/128 nodes'
+    where the graph was counted (ONNX), and ' (fp16 nodes 116/128)' for AutoCast's."""
+    parts = []
+    if options.get("fp16_layers") is not None:
+        parts.append(f"fp16 blocks {options['fp16_layers']}")
+    if options.get("fp16_nodes"):
+        parts.append("{}/{} nodes".format(*options["fp16_nodes"]) if parts else "fp16 nodes {}/{}".format(
+            *options["fp16_nodes"]))
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _fmt(v) -> str:

@@ -352,6 +352,58 @@ def test_judge_build_calibrates_and_keeps_only_the_chosen_graph(judge_build):
     assert graph.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # float32 I/O
 
 
+def autocast_import_error() -> str | None:
+    try:
+        import modelopt.onnx.autocast  # noqa: F401
+    except Exception as exc:  # noqa: BLE001  absent, or present without what it imports
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.skipif(autocast_import_error() is None, reason="ModelOpt is installed here: the anchor is built")
+def test_judge_build_records_the_autocast_anchor_as_unavailable_without_modelopt(judge_build):
+    out, manifest = judge_build
+    names = [c["name"] for c in manifest["candidates"]]
+    assert names[:3] == ["ort-cpu", "ort-cpu-mixed", "ort-cpu-autocast"]
+    entry = manifest["candidates"][2]
+    assert entry["status"] == "unavailable"
+    assert "cannot import modelopt.onnx.autocast" in entry["reason"] and "pip install --no-deps" in entry["reason"]
+    assert not list(out.glob("*autocast*")) and not list(out.glob(".*calibration*"))  # nothing half-written
+
+
+@pytest.mark.skipif(autocast_import_error() is not None,
+                    reason=f"ModelOpt AutoCast is optional and not importable here ({autocast_import_error()}); "
+                           "engines/ort.py AUTOCAST_INSTALL installs it")
+def test_judge_build_validates_and_serves_the_autocast_anchor(judge_build):
+    import onnx
+
+    out, manifest = judge_build
+    entry = next(c for c in manifest["candidates"] if c["name"] == "ort-cpu-autocast")
+    assert entry["status"] in (PASSED, FAILED) and entry["validation"]["failed_by_mode"].keys() == {"all-valid",
+                                                                                                      "padded"}
+    options = entry["options"]
+    graph = onnx.load(str(out / options["source"]))
+    assert graph.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # float32 I/O kept
+    assert graph.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    fp16, total = options["fp16_nodes"]
+    assert 0 < fp16 < total and options["autocast"]["data_max"] == 512
+    assert set(entry["files"]) <= set(manifest["files"]) and not list(out.glob(".*calibration*"))
+    if entry["status"] == PASSED:
+        pinned = json.loads(json.dumps(manifest))
+        pinned["choice"] = {**pinned["choice"], "candidate": "ort-cpu-autocast", "backend": "ort",
+                            "all_valid_only": False}
+        (out / "manifest.json").write_text(json.dumps(pinned))
+        try:
+            runner = kkdeploy.load(out, device="cpu")
+            assert runner.backend == "ort-cpu-autocast", runner.reason
+            reference, _ = build_models(SMALL, torch.float32, "cpu")
+            x, mask = generate_case(SMALL, "cpu", torch.float32, 4321, padding_ratio=0.5)
+            with torch.no_grad():
+                assert compare_outputs(reference(x, mask), runner(x, mask), *CONTRACTS["judge"]).passed
+        finally:
+            (out / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_judge_build_serves_the_mixed_engine(judge_build):
     out, manifest = judge_build
     manifest = json.loads(json.dumps(manifest))

@@ -69,6 +69,18 @@ def test_empty_fp16_layers_is_the_default_graph_byte_for_byte(tmp_path):
     assert "fp16_layers" not in props["kkdeploy.options"]
 
 
+def test_float16_node_count_grows_with_the_float16_blocks_and_spares_the_fp32_islands(tmp_path):
+    from exporters import float16_node_count
+
+    counts = {layers: float16_node_count(onnx.load(str(export(tmp_path, ExportOptions(fp16_layers=layers),
+                                                                f"l{len(layers)}.onnx")[0])))
+              for layers in ((), (LAST,), tuple(range(SMALL.num_layers)))}
+    totals = {total for _, total in counts.values()}
+    assert len(totals) == 1  # Cast nodes are not counted: every graph has the same computing nodes
+    none, last, every = (counts[k][0] for k in counts)
+    assert none == 0 < last < every < totals.pop()  # LayerNorm statistics, softmax and GELU stay FP32
+
+
 def test_fp16_layers_label_dict_roundtrip():
     options = ExportOptions(fp16_layers=[3, 1])
     assert options.fp16_layers == (1, 3)  # normalized: sorted tuple
