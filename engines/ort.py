@@ -40,7 +40,8 @@ CANDIDATES = {
 MIXED_SUFFIX, AUTOCAST_SUFFIX = "-mixed", "-autocast"
 # ModelOpt 0.47 pins onnx~=1.21 and its [onnx] extra pulls a CUDA torch; its AutoCast runs with these alone.
 AUTOCAST_INSTALL = "pip install --no-deps nvidia-modelopt onnx_graphsurgeon onnxslim lief nvidia-ml-py tqdm"
-AUTOCAST_SETTINGS = {"low_precision_type": "fp16", "data_max": 512, "init_max": 65504, "keep_io_types": True}  # its defaults, I/O kept
+# AutoCast's own defaults, written out so the manifest records what ran; float32 inputs and outputs kept.
+AUTOCAST_SETTINGS = {"low_precision_type": "fp16", "data_max": 512, "init_max": 65504, "keep_io_types": True}
 _NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_}
 _cuda_dlls_loaded = False
 
@@ -248,7 +249,7 @@ class OrtBackend(Backend):
         from importlib.metadata import version
 
         from exporters.export import write_atomically
-        from kkdeploy.inputs import generate_case
+        from kkdeploy.inputs import DEFAULT_SEED, generate_case
 
         try:
             from modelopt.onnx.autocast import convert_to_mixed_precision
@@ -262,7 +263,7 @@ class OrtBackend(Backend):
         out = Path(ctx.out_dir)
         source, optimized = out / f"{candidate}.onnx", out / f"{candidate}.optimized.onnx"
         calibration = out / f".{candidate}-calibration.npz"
-        seed = ctx.validation_plan.get("seed", 1234)
+        seed = ctx.validation_plan.get("seed", DEFAULT_SEED)
         x, mask = generate_case(ctx.config, "cpu", torch.float32, seed)
         np.savez(calibration, x=x.numpy(), valid_token_mask=mask.numpy())
         start = time.perf_counter()

@@ -322,7 +322,7 @@ def fused_router(all_valid: Runner, padded: Runner) -> AllValidRouter:
     router = AllValidRouter(all_valid, padded)
     router.name = padded.backend
     router.captured = getattr(padded, "captured", None)
-    router.compile_seconds = round(getattr(all_valid, "compile_seconds", 0) + getattr(padded, "compile_seconds", 0), 3)
+    router.compile_seconds = round(sum(getattr(r, "compile_seconds", 0) for r in (all_valid, padded)), 3)
     return router
 
 
@@ -345,8 +345,9 @@ def fused_model(reference: torch.nn.Module, fp16_layers=()) -> torch.nn.Module:
 def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, plan: dict) -> dict:
     """The float16 blocks of ``torch-compile-fused-mixed``, searched on the build's trial plan.
 
-    Each tried set runs on its eager twin, routed by mask like the compiled runner (two CUDA-graph captures on
-    a GPU): a compile per tried set would cost minutes. The compiled model is then validated with every other candidate, so what ships has passed."""
+    Each tried set runs on its eager twin, routed by mask like the compiled runner (two CUDA-graph captures
+    on a GPU): a compile per tried set would cost minutes. The compiled model is then validated with every
+    other candidate, so what ships has passed."""
     from kkdeploy.mixed import calibrate_layers
 
     def runner_for(layers):

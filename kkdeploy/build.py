@@ -336,14 +336,11 @@ def summary_table(manifest: dict):
 
 
 def precision_label(options: dict) -> str:
-    """How much runs in float16: ' (fp16 blocks [2, 3])' for our calibrated candidates, with ', 84/128 nodes'
-    where the graph was counted (ONNX), and ' (fp16 nodes 116/128)' for AutoCast's."""
-    parts = []
-    if options.get("fp16_layers") is not None:
-        parts.append(f"fp16 blocks {options['fp16_layers']}")
-    if options.get("fp16_nodes"):
-        parts.append("{}/{} nodes".format(*options["fp16_nodes"]) if parts else "fp16 nodes {}/{}".format(
-            *options["fp16_nodes"]))
+    """How much runs in float16: ' (fp16 blocks [2, 3], 84/128 fp16 nodes)' for our calibrated ONNX
+    candidates, ' (116/128 fp16 nodes)' for AutoCast's; blocks alone where no graph was counted."""
+    layers, nodes = options.get("fp16_layers"), options.get("fp16_nodes")
+    parts = ([f"fp16 blocks {layers}"] if layers is not None else []) + (
+        [f"{nodes[0]}/{nodes[1]} fp16 nodes"] if nodes else [])
     return f" ({', '.join(parts)})" if parts else ""
 
 
