@@ -57,9 +57,12 @@ step_inductor() {
 }
 step_shape14() { python3 scripts/shape14_h200.py --out "$OUT/shape14.json" ${SHAPE14_ARGS:-}; }
 step_setup() {
-  # polygraphy (pure Python, needed by the validator) from a carried wheel, when the machine lacks it
-  python3 -c "import polygraphy" 2>/dev/null && return 0
-  python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/polygraphy-*.whl && python3 -c "import polygraphy; print('polygraphy', polygraphy.__version__)"
+  # Carried wheels (.whl/*.whl), installed once per machine into /tmp/site without dependencies: polygraphy
+  # (the validator needs it) and, when carried, ModelOpt AutoCast's set for the -autocast candidates.
+  [ -e /tmp/site/.kk-wheels ] && return 0
+  python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl && touch /tmp/site/.kk-wheels
+  python3 -c "import polygraphy; print('polygraphy', polygraphy.__version__)"
+  python3 -c "import modelopt.onnx.autocast, modelopt; print('modelopt', modelopt.__version__)" 2>/dev/null || true
 }
 step_bench() {
   # BENCH_DTYPE float16|float32, BENCH_CONTRACT strict|judge, BENCH_PROCESSES (3), BENCH_ARGS (extra flags)

@@ -389,32 +389,27 @@ def test_judge_build_validates_and_serves_the_autocast_anchor(judge_build):
     assert 0 < fp16 < total and options["autocast"]["data_max"] == 512
     assert set(entry["files"]) <= set(manifest["files"]) and not list(out.glob(".*calibration*"))
     if entry["status"] == PASSED:
-        pinned = json.loads(json.dumps(manifest))
-        pinned["choice"] = {**pinned["choice"], "candidate": "ort-cpu-autocast", "backend": "ort",
-                            "all_valid_only": False}
-        (out / "manifest.json").write_text(json.dumps(pinned))
-        try:
-            runner = kkdeploy.load(out, device="cpu")
-            assert runner.backend == "ort-cpu-autocast", runner.reason
-            reference, _ = build_models(SMALL, torch.float32, "cpu")
-            x, mask = generate_case(SMALL, "cpu", torch.float32, 4321, padding_ratio=0.5)
-            with torch.no_grad():
-                assert compare_outputs(reference(x, mask), runner(x, mask), *CONTRACTS["judge"]).passed
-        finally:
-            (out / "manifest.json").write_text(json.dumps(manifest))
+        assert_judge_build_serves(out, manifest, "ort-cpu-autocast")
+
+
+def assert_judge_build_serves(out, manifest: dict, name: str) -> None:
+    """Pin ``name`` as the choice, load it, check a padded call under the judge rule, restore the manifest."""
+    pinned = json.loads(json.dumps(manifest))
+    pinned["choice"] = {**pinned["choice"], "candidate": name, "backend": "ort", "all_valid_only": False}
+    (out / "manifest.json").write_text(json.dumps(pinned))
+    try:
+        runner = kkdeploy.load(out, device="cpu")
+        assert runner.backend == name, runner.reason
+        reference, _ = build_models(SMALL, torch.float32, "cpu")
+        x, mask = generate_case(SMALL, "cpu", torch.float32, 4321, padding_ratio=0.5)
+        with torch.no_grad():
+            assert compare_outputs(reference(x, mask), runner(x, mask), *CONTRACTS["judge"]).passed
+    finally:
+        (out / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_judge_build_serves_the_mixed_engine(judge_build):
-    out, manifest = judge_build
-    manifest = json.loads(json.dumps(manifest))
-    manifest["choice"] = {**manifest["choice"], "candidate": "ort-cpu-mixed", "backend": "ort", "all_valid_only": False}
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    runner = kkdeploy.load(out, device="cpu")
-    assert runner.backend == "ort-cpu-mixed", runner.reason
-    reference, _ = build_models(SMALL, torch.float32, "cpu")
-    x, mask = generate_case(SMALL, "cpu", torch.float32, 4321, padding_ratio=0.5)
-    with torch.no_grad():
-        assert compare_outputs(reference(x, mask), runner(x, mask), *CONTRACTS["judge"]).passed
+    assert_judge_build_serves(*judge_build, "ort-cpu-mixed")
 
 
 def test_cli_run_compares_under_the_contract_the_artifacts_were_validated_under(judge_build, capsys):
