@@ -190,8 +190,12 @@ def staged_directory(target: Path, force: bool = False):
     if not os.access(target.parent, os.W_OK):
         raise KKError(f"{target.parent} is not writable; choose a writable --out")
     with build_lock(target):
+        # Under the lock no other build writes here: any staging or old copy left is from a killed build
+        # (SIGKILL, out of memory), never a result; remove it.
+        for kind in ("staging", "old"):
+            for leftover in target.parent.glob(f".{target.name}.{kind}-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
         stage = target.parent / f".{target.name}.staging-{os.getpid()}"
-        shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir()
         try:
             yield stage

@@ -28,6 +28,20 @@ def test_staged_directory_replaces_only_on_success(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or lock left behind
 
 
+def test_a_killed_builds_leftovers_are_removed_by_the_next_build(tmp_path):
+    """SIGKILL (the out-of-memory killer, say) runs no cleanup: the next build of that target removes what
+    the dead one staged, and never serves it."""
+    target = tmp_path / "out"
+    for leftover in (".out.staging-999999", ".out.old-999999"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "model.onnx").write_text("half written")
+    (tmp_path / ".other.staging-999999").mkdir()  # another target's: not ours to touch
+    with artifacts.staged_directory(target) as stage:
+        (stage / "a.txt").write_text("fresh")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.staging-999999", "out"]
+    assert [p.name for p in target.iterdir()] == ["a.txt"]
+
+
 def test_non_empty_target_needs_force(tmp_path):
     target = tmp_path / "out"
     target.mkdir()
