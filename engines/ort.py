@@ -4,20 +4,14 @@ The builder optimizes the exported graph once at the requested level and saves t
 model, so loading does not re-optimize (and cannot silently optimize differently than what
 was validated). Levels and disabled optimizers are recorded with the candidate.
 
-``<name>-mixed`` candidates (float32 builds under the judge contract, issue 6) run the mixed-precision export
-(``ExportOptions.fp16_layers``): the builder calibrates which blocks may be float16 by exporting, optimizing
-and validating each tried set on the build's trial plan (``kkdeploy.mixed.calibrate_layers``), and keeps the
-chosen graph as ``<name>.onnx`` next to its optimized form.
-
-``<name>-autocast`` candidates (built alongside ``-mixed``) are the anchor that precision repair has to beat:
-NVIDIA ModelOpt's AutoCast converts the exported float32 graph by its own rules (a node stays FP32 when
-its outputs on one calibration batch, the build's all-valid case, exceed ``data_max`` or its initializers
-exceed FP16's range), not by our accuracy rule; validation then judges it like every other candidate.
-ModelOpt is optional: without it the candidate is recorded as unavailable, with the import error.
+``<name>-mixed`` and ``<name>-autocast`` candidates (float32 builds under the judge contract, issue 6) run a
+mixed-precision graph: ours, its float16 blocks calibrated by exporting, optimizing and validating each tried
+set on the build's trial plan, or ModelOpt AutoCast's conversion, the anchor to beat (``engines.mixed_graph``).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,10 +32,6 @@ CANDIDATES = {
     "ort-cuda-graph": {"provider": "CUDAExecutionProvider", "cuda_graph": True},
 }
 MIXED_SUFFIX, AUTOCAST_SUFFIX = "-mixed", "-autocast"
-# ModelOpt 0.47 pins onnx~=1.21 and its [onnx] extra pulls a CUDA torch; its AutoCast runs with these alone.
-AUTOCAST_INSTALL = "pip install --no-deps nvidia-modelopt onnx_graphsurgeon onnxslim lief nvidia-ml-py tqdm"
-# AutoCast's own defaults, written out so the manifest records what ran; float32 inputs and outputs kept.
-AUTOCAST_SETTINGS = {"low_precision_type": "fp16", "data_max": 512, "init_max": 65504, "keep_io_types": True}
 _NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_}
 _cuda_dlls_loaded = False
 
@@ -193,95 +183,48 @@ class OrtBackend(Backend):
 
     def build_mixed(self, ort, ctx: BuildContext, candidate: str) -> CandidateResult:
         """Calibrate the float16 blocks against the validator, keep the chosen graph, record every try."""
-        import dataclasses
-        import time
+        from .mixed_graph import calibrate_graph
 
-        from exporters import export_onnx
-        from kkdeploy.mixed import calibrate_layers
-
-        if ctx.dtype != torch.float32:
-            raise KKError(f"{candidate}: mixed precision applies to float32 builds, not {ctx.dtype}")
-        base = candidate[: -len(MIXED_SUFFIX)]
+        base = base_candidate(candidate)
         level, disabled = optimizer_settings(ctx, base)
-        export_options, plan = ctx.export_options, ctx.validation_plan
-        out = Path(ctx.out_dir)
-        tried_files: list[Path] = []
 
-        def paths(layers) -> tuple[Path, Path]:
-            tag = "_".join(map(str, layers)) or "none"
-            return out / f".calibrate-{candidate}-{tag}.onnx", out / f".calibrate-{candidate}-{tag}.optimized.onnx"
-
-        def runner_for(layers):
-            source, optimized = paths(layers)
-            tried_files.extend([source, optimized])
-            export_onnx(ctx.model, ctx.config, torch.float32, source,
-                        dataclasses.replace(export_options, fp16_layers=tuple(layers)))
+        def build(source: Path, stem: Path) -> OrtRunner:
+            optimized = stem.with_name(f"{stem.name}.optimized.onnx")
             self._optimize(ort, base, ctx.device, source, optimized, level, disabled)
-            session = ort.InferenceSession(str(optimized), sess_options=session_options(ort, "disabled"),
-                                           providers=providers_for(base, ctx.device))
-            return OrtRunner(session, ctx.config, ctx.dtype, ctx.device, cuda_graph=CANDIDATES[base]["cuda_graph"])
+            return self._runner(ort, base, optimized, ctx)
 
-        start = time.perf_counter()
-        try:
-            calibration = calibrate_layers(ctx.model, runner_for, all_valid_only=False, **plan)
-            chosen = tuple(calibration["fp16_layers"])
-            source, optimized = paths(chosen)
-            final_source, final_optimized = out / f"{candidate}.onnx", out / f"{candidate}.optimized.onnx"
-            source.replace(final_source)
-            optimized.replace(final_optimized)
-        finally:
-            for f in tried_files:
-                f.unlink(missing_ok=True)
-        calibration["seconds"] = round(time.perf_counter() - start, 3)
+        calibration, (source, optimized) = calibrate_graph(ctx, candidate, ("onnx", "optimized.onnx"), build)
         result = CandidateResult(
-            name=candidate, backend=self.name, status=BUILT, files=[final_source.name, final_optimized.name],
-            options={**mixed_graph_options(ort, base, level, disabled, final_source, final_optimized),
-                     "fp16_layers": list(chosen), "calibration": calibration})
+            name=candidate, backend=self.name, status=BUILT, files=[source.name, optimized.name],
+            build_seconds=calibration["seconds"],
+            options={**mixed_graph_options(ort, base, level, disabled, source, optimized),
+                     "fp16_layers": calibration["fp16_layers"], "calibration": calibration})
         if not calibration["passed"]:
             result.reason = "even the all-float32 graph failed calibration; validation decides"
-        result.build_seconds = calibration["seconds"]
         return result
 
     def build_autocast(self, ort, ctx: BuildContext, candidate: str) -> CandidateResult:
-        """ModelOpt AutoCast (FP16, float32 I/O) on the exported graph, calibrated on the build's all-valid case."""
-        import logging
-        import time
-        from importlib.metadata import version
+        """ModelOpt AutoCast's graph, optimized like ours; unavailable (with the reason) without ModelOpt."""
+        from .mixed_graph import AutoCastUnavailable, autocast_graph
 
-        from exporters.export import write_atomically
-        from kkdeploy.inputs import DEFAULT_SEED, generate_case
-
+        start = time.perf_counter()
         try:
-            from modelopt.onnx.autocast import convert_to_mixed_precision
-        except Exception as exc:  # absent, or present without what it imports
-            return CandidateResult(candidate, self.name, UNAVAILABLE,
-                                   f"{import_error_reason('modelopt.onnx.autocast', exc)}; {AUTOCAST_INSTALL}")
-        if ctx.dtype != torch.float32:
-            raise KKError(f"{candidate}: AutoCast converts float32 graphs, not {ctx.dtype}")
+            source, autocast = autocast_graph(ctx, candidate)
+        except AutoCastUnavailable as exc:
+            return CandidateResult(candidate, self.name, UNAVAILABLE, str(exc))
         base = base_candidate(candidate)
         level, disabled = optimizer_settings(ctx, base)
-        out = Path(ctx.out_dir)
-        source, optimized = out / f"{candidate}.onnx", out / f"{candidate}.optimized.onnx"
-        calibration = out / f".{candidate}-calibration.npz"
-        seed = ctx.validation_plan.get("seed", DEFAULT_SEED)
-        x, mask = generate_case(ctx.config, "cpu", torch.float32, seed)
-        np.savez(calibration, x=x.numpy(), valid_token_mask=mask.numpy())
-        start = time.perf_counter()
-        logging.disable(logging.WARNING)  # AutoCast logs every skipped node; the record below keeps the result
-        try:
-            model = convert_to_mixed_precision(onnx_path=str(ctx.onnx_path), calibration_data=str(calibration),
-                                               providers=["cpu"], **AUTOCAST_SETTINGS)
-        finally:
-            logging.disable(logging.NOTSET)
-            calibration.unlink(missing_ok=True)
-        write_atomically(model, source)
+        optimized = source.with_name(f"{candidate}.optimized.onnx")
         self._optimize(ort, base, ctx.device, source, optimized, level, disabled)
         return CandidateResult(
             name=candidate, backend=self.name, status=BUILT, files=[source.name, optimized.name],
             build_seconds=round(time.perf_counter() - start, 3),
-            options={**mixed_graph_options(ort, base, level, disabled, source, optimized),
-                     "autocast": {"modelopt": version("nvidia-modelopt"), **AUTOCAST_SETTINGS,
-                                  "calibration": f"the all-valid case of seed {seed}"}})
+            options={**mixed_graph_options(ort, base, level, disabled, source, optimized), "autocast": autocast})
+
+    def _runner(self, ort, base: str, optimized: Path, ctx: BuildContext) -> OrtRunner:
+        session = ort.InferenceSession(str(optimized), sess_options=session_options(ort, "disabled"),
+                                       providers=providers_for(base, ctx.device))
+        return OrtRunner(session, ctx.config, ctx.dtype, ctx.device, cuda_graph=CANDIDATES[base]["cuda_graph"])
 
     def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
              device: torch.device) -> OrtRunner:
@@ -299,15 +242,12 @@ class OrtBackend(Backend):
 
 def mixed_graph_options(ort, base: str, level: str, disabled: list, source: Path, optimized: Path) -> dict:
     """What a mixed-precision candidate records: its session settings, both graphs, and how much of the
-    graph computes in float16 (``fp16_nodes``: [float16 nodes, nodes], comparable across converters)."""
-    import onnx
-
-    from exporters import float16_node_count
+    graph computes in float16 (``fp16_nodes``)."""
+    from .mixed_graph import fp16_nodes
 
     return {"provider": CANDIDATES[base]["provider"], "cuda_graph": CANDIDATES[base]["cuda_graph"],
             "graph_optimization_level": level, "disabled_optimizers": disabled, "model": optimized.name,
-            "source": source.name, "onnxruntime": ort.__version__,
-            "fp16_nodes": list(float16_node_count(onnx.load(str(source))))}
+            "source": source.name, "onnxruntime": ort.__version__, "fp16_nodes": fp16_nodes(source)}
 
 
 BACKEND = OrtBackend()

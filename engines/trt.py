@@ -4,6 +4,9 @@ TensorRT 11 networks are always strongly typed (no FP16 builder flag, no per-lay
 the ONNX graph's own types and Casts decide precision, so an FP16 engine is built from the
 faithful FP16 export (LayerNorm/softmax/GELU already in FP32 between explicit Casts). We parse
 with ``strongly_typed=True`` on TensorRT 10 as well, so both versions build the same program.
+That is also why a float32 build under the judge contract gets its float16 through the graph:
+``trt-mixed`` is built from our calibrated mixed export (each tried block set built as an engine and
+validated) and ``trt-autocast`` from ModelOpt AutoCast's conversion (``engines.mixed_graph``).
 
 TensorRT's builder is not installable on the project's machines; this module is written
 against the real API and reports ``unavailable`` with the import error there. It is never mocked.
@@ -19,10 +22,12 @@ import torch
 from kkdeploy.config import TransformerConfig
 from kkdeploy.errors import KKError
 
-from .base import BUILT, Backend, BuildContext, CandidateResult, Runner, import_error_reason, timed_build
+from .base import (BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
+                   timed_build)
 
 ENGINE_FILE = "engine.plan"
 BUILD_LOG = "trt-build.log"
+MIXED, AUTOCAST = "trt-mixed", "trt-autocast"
 TIMING_CACHE_ENV = "KKDEPLOY_TRT_TIMING_CACHE"
 
 
@@ -113,29 +118,74 @@ class TrtBackend(Backend):
             return "unavailable: TensorRT engines need a CUDA GPU"
         return None
 
+    def candidates(self, ctx: BuildContext) -> list[str]:
+        return ["trt", MIXED, AUTOCAST] if ctx.options.get("mixed_precision") else ["trt"]
+
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
         if ctx.onnx_path is None:
-            raise KKError("trt needs the exported model.onnx")
-        trt = import_tensorrt()
-        version_compatible = bool(ctx.options.get("trt_version_compatible", False))
-        opt_level = ctx.options.get("trt_builder_optimization_level")
+            raise KKError(f"{candidate} needs the exported model.onnx")
+        if candidate == MIXED:
+            return self.build_mixed(ctx)
+        if candidate == AUTOCAST:
+            return self.build_autocast(ctx)
         plan, log = ctx.out_dir / ENGINE_FILE, ctx.out_dir / BUILD_LOG
+        result = CandidateResult(name=candidate, backend=self.name, status=BUILT, files=[ENGINE_FILE, BUILD_LOG],
+                                 options=self._options(ctx, plan))
+        return timed_build(lambda: self._build_engine(ctx, ctx.onnx_path, plan, log), result)
+
+    def build_mixed(self, ctx: BuildContext) -> CandidateResult:
+        """Our precision repair: every tried block set is exported, built as an engine and validated."""
+        from .mixed_graph import calibrate_graph, fp16_nodes
+
+        def build(source: Path, stem: Path) -> TrtRunner:
+            plan = stem.with_name(f"{stem.name}.plan")
+            self._build_engine(ctx, source, plan, stem.with_name(f"{stem.name}.build.log"))
+            return self._runner(plan, ctx.config, ctx.dtype, ctx.device)
+
+        calibration, (source, plan, log) = calibrate_graph(ctx, MIXED, ("onnx", "plan", "build.log"), build)
+        return CandidateResult(
+            name=MIXED, backend=self.name, status=BUILT, files=[source.name, plan.name, log.name],
+            build_seconds=calibration["seconds"],
+            options={**self._options(ctx, plan), "source": source.name, "fp16_nodes": fp16_nodes(source),
+                     "fp16_layers": calibration["fp16_layers"], "calibration": calibration})
+
+    def build_autocast(self, ctx: BuildContext) -> CandidateResult:
+        """ModelOpt AutoCast's graph as a strongly typed engine; unavailable (with the reason) without ModelOpt."""
+        from .mixed_graph import AutoCastUnavailable, autocast_graph, fp16_nodes
+
+        try:
+            source, autocast = autocast_graph(ctx, AUTOCAST)
+        except AutoCastUnavailable as exc:
+            return CandidateResult(AUTOCAST, self.name, UNAVAILABLE, str(exc))
+        plan, log = source.with_suffix(".plan"), source.with_suffix(".build.log")
         result = CandidateResult(
-            name=candidate, backend=self.name, status=BUILT, files=[ENGINE_FILE, BUILD_LOG],
-            options={"engine": ENGINE_FILE, "strongly_typed": True, "version_compatible": version_compatible,
-                     "builder_optimization_level": opt_level, "tensorrt": trt.__version__},
-        )
-        return timed_build(lambda: build_engine(ctx.onnx_path, plan, log, timing_cache_path(ctx),
-                                                version_compatible, opt_level), result)
+            name=AUTOCAST, backend=self.name, status=BUILT, files=[source.name, plan.name, log.name],
+            options={**self._options(ctx, plan), "source": source.name, "fp16_nodes": fp16_nodes(source),
+                     "autocast": autocast})
+        return timed_build(lambda: self._build_engine(ctx, source, plan, log), result)
+
+    def _build_engine(self, ctx: BuildContext, source: Path, plan: Path, log: Path) -> None:
+        build_engine(source, plan, log, timing_cache_path(ctx), bool(ctx.options.get("trt_version_compatible", False)),
+                     ctx.options.get("trt_builder_optimization_level"))
+
+    def _options(self, ctx: BuildContext, plan: Path) -> dict:
+        return {"engine": plan.name, "strongly_typed": True,
+                "version_compatible": bool(ctx.options.get("trt_version_compatible", False)),
+                "builder_optimization_level": ctx.options.get("trt_builder_optimization_level"),
+                "tensorrt": import_tensorrt().__version__}
+
+    @staticmethod
+    def _runner(plan: Path, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> TrtRunner:
+        from polygraphy.backend.trt import EngineFromPath  # allows host code for version-compatible plans
+
+        engine = EngineFromPath(str(plan))()
+        if engine is None:
+            raise KKError(f"TensorRT could not deserialize {plan.name} (built by another TensorRT version or GPU?)")
+        return TrtRunner(engine, config, dtype, device)
 
     def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
              device: torch.device) -> TrtRunner:
-        from polygraphy.backend.trt import EngineFromPath  # allows host code for version-compatible plans
-
-        engine = EngineFromPath(str(Path(artifact_dir) / entry["options"]["engine"]))()
-        if engine is None:
-            raise KKError("TensorRT could not deserialize engine.plan (built by another TensorRT version or GPU?)")
-        runner = TrtRunner(engine, config, dtype, device)
+        runner = self._runner(Path(artifact_dir) / entry["options"]["engine"], config, dtype, device)
         runner.backend = entry["name"]
         return runner
 
