@@ -191,7 +191,7 @@ class OrtBackend(Backend):
         def build(source: Path, stem: Path) -> OrtRunner:
             optimized = stem.with_name(f"{stem.name}.optimized.onnx")
             self._optimize(ort, base, ctx.device, source, optimized, level, disabled)
-            return self._runner(ort, base, optimized, ctx)
+            return self._runner(ort, base, optimized, ctx.config, ctx.dtype, ctx.device)
 
         calibration, (source, optimized) = calibrate_graph(ctx, candidate, ("onnx", "optimized.onnx"), build)
         result = CandidateResult(
@@ -221,23 +221,22 @@ class OrtBackend(Backend):
             build_seconds=round(time.perf_counter() - start, 3),
             options={**mixed_graph_options(ort, base, level, disabled, source, optimized), "autocast": autocast})
 
-    def _runner(self, ort, base: str, optimized: Path, ctx: BuildContext) -> OrtRunner:
-        session = ort.InferenceSession(str(optimized), sess_options=session_options(ort, "disabled"),
-                                       providers=providers_for(base, ctx.device))
-        return OrtRunner(session, ctx.config, ctx.dtype, ctx.device, cuda_graph=CANDIDATES[base]["cuda_graph"])
-
     def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
              device: torch.device) -> OrtRunner:
-        ort = import_ort()
-        options = session_options(ort, "disabled")  # already optimized at build time
-        base = base_candidate(entry["name"])
-        session = ort.InferenceSession(str(Path(artifact_dir) / entry["options"]["model"]), sess_options=options,
-                                       providers=providers_for(base, device))
-        if device.type == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
-            raise KKError(f"{entry['name']}: the CUDA EP did not load (providers {session.get_providers()})")
-        runner = OrtRunner(session, config, dtype, device, cuda_graph=entry["options"]["cuda_graph"])
+        model = Path(artifact_dir) / entry["options"]["model"]
+        runner = self._runner(import_ort(), base_candidate(entry["name"]), model, config, dtype, device)
         runner.backend = entry["name"]
         return runner
+
+    @staticmethod
+    def _runner(ort, base: str, optimized: Path, config: TransformerConfig, dtype: torch.dtype,
+                device: torch.device) -> OrtRunner:
+        """A session on a graph optimized at build time (so: no optimization now), on ``base``'s provider."""
+        session = ort.InferenceSession(str(optimized), sess_options=session_options(ort, "disabled"),
+                                       providers=providers_for(base, device))
+        if device.type == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
+            raise KKError(f"{optimized.name}: the CUDA EP did not load (providers {session.get_providers()})")
+        return OrtRunner(session, config, dtype, device, cuda_graph=CANDIDATES[base]["cuda_graph"])
 
 
 def mixed_graph_options(ort, base: str, level: str, disabled: list, source: Path, optimized: Path) -> dict:
