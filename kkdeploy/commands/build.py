@@ -33,7 +33,8 @@ def register(sub):
     p.add_argument("--linear", choices=["gemm", "matmul_add", "fp32", "bias_in_k"],
                    help="how the exporter writes each Linear (default gemm)")
     p.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction, default=None,
-                   help="also build '-mixed' ONNX candidates whose float16 blocks are calibrated per shape "
+                   help="also build '-mixed' ONNX candidates whose float16 blocks are calibrated per shape, and "
+                        "'-autocast' ones converted by ModelOpt AutoCast when it is installed "
                         "(default: on for float32 under --contract judge)")
     p.set_defaults(func=run)
 
