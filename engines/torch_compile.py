@@ -302,8 +302,28 @@ class BoundForward(torch.nn.Module):
         return getattr(self.owner, self.method)(x, valid_token_mask)
 
 
+class CompiledRoutes(AllValidRouter):
+    """Two compiled graphs of one model behind the router; what the builder records of a compiled runner
+    is derived from them."""
+
+    all_valid: CompiledModuleRunner
+    padded: CompiledModuleRunner
+
+    @property
+    def name(self) -> str:
+        return self.padded.name
+
+    @property
+    def captured(self):
+        return self.padded.captured
+
+    @property
+    def compile_seconds(self) -> float:
+        return round(self.all_valid.compile_seconds + self.padded.compile_seconds, 3)
+
+
 def compile_fused(fused: torch.nn.Module, device: torch.device, *, name: str,
-                  cuda_graph: bool = True) -> AllValidRouter:
+                  cuda_graph: bool = True) -> CompiledRoutes:
     """A ``kkdeploy.fused.FusedTransformer`` compiled with Inductor's defaults, twice: all-valid calls take the
     causal graph (no mask tensor), padded calls the boolean-mask graph. Serves both.
 
@@ -314,16 +334,7 @@ def compile_fused(fused: torch.nn.Module, device: torch.device, *, name: str,
         return CompiledModuleRunner(BoundForward(fused, method), fused.config, fused.dtype, device, name=name,
                                     all_valid_only=False, options={}, cuda_graph=cuda_graph, keep_alive=fused)
 
-    return fused_router(compiled("all_valid_forward"), compiled("fused_forward"))
-
-
-def fused_router(all_valid: Runner, padded: Runner) -> AllValidRouter:
-    """The two routes as one runner, with what the builder records of a compiled runner."""
-    router = AllValidRouter(all_valid, padded)
-    router.name = padded.backend
-    router.captured = getattr(padded, "captured", None)
-    router.compile_seconds = round(sum(getattr(r, "compile_seconds", 0) for r in (all_valid, padded)), 3)
-    return router
+    return CompiledRoutes(compiled("all_valid_forward"), compiled("fused_forward"))
 
 
 def compile_mixed(mixed: torch.nn.Module, device: torch.device, *, name: str, all_valid_sdpa: bool,
@@ -360,7 +371,7 @@ def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, pla
             return CudaGraphRunner(model, reference.config, torch.float32, device, all_valid_only=False,
                                    forward=forward)
 
-        return fused_router(captured(model.all_valid_forward), captured(model.fused_forward))
+        return AllValidRouter(captured(model.all_valid_forward), captured(model.fused_forward))
 
     start = time.perf_counter()
     record = calibrate_layers(reference, runner_for, all_valid_only=False, contract=plan.get("contract", "judge"),

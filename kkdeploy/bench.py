@@ -573,7 +573,8 @@ def plot_speedups(data: dict, path: Path) -> None:
             failed_label_used = True
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(shapes)))
-    ax.set_xticklabels(shape_tick_labels(shapes), rotation=45 if len(shapes) > 6 else 0, ha="right" if len(shapes) > 6 else "center")
+    crowded = len(shapes) > 6
+    ax.set_xticklabels(shape_tick_labels(shapes), rotation=45 if crowded else 0, ha="right" if crowded else "center")
     ax.set_ylabel("speedup over eager (median)")
     p = data["protocol"]
     ax.set_title(f"kkdeploy bench: {p['dtype']} on {data['environment'].get('gpu', p['device'])}, "
