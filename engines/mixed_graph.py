@@ -114,10 +114,11 @@ def autocast_graph(ctx: BuildContext, candidate: str) -> tuple[Path, dict]:
                     "calibration": f"the all-valid case of seed {seed}"}
 
 
-def fp16_nodes(source: Path) -> list[int]:
-    """``[float16 nodes, nodes]`` of a graph file (Cast not counted): comparable across converters."""
+def graph_record(source: Path) -> dict:
+    """What a mixed-precision candidate records of its graph: the file, and ``fp16_nodes`` = [float16 nodes,
+    nodes] (Cast not counted), comparable across converters."""
     import onnx
 
     from exporters import float16_node_count
 
-    return list(float16_node_count(onnx.load(str(source))))
+    return {"source": source.name, "fp16_nodes": list(float16_node_count(onnx.load(str(source))))}

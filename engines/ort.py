@@ -242,11 +242,11 @@ class OrtBackend(Backend):
 def mixed_graph_options(ort, base: str, level: str, disabled: list, source: Path, optimized: Path) -> dict:
     """What a mixed-precision candidate records: its session settings, both graphs, and how much of the
     graph computes in float16 (``fp16_nodes``)."""
-    from .mixed_graph import fp16_nodes
+    from .mixed_graph import graph_record
 
     return {"provider": CANDIDATES[base]["provider"], "cuda_graph": CANDIDATES[base]["cuda_graph"],
             "graph_optimization_level": level, "disabled_optimizers": disabled, "model": optimized.name,
-            "source": source.name, "onnxruntime": ort.__version__, "fp16_nodes": fp16_nodes(source)}
+            "onnxruntime": ort.__version__, **graph_record(source)}
 
 
 BACKEND = OrtBackend()

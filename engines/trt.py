@@ -135,7 +135,7 @@ class TrtBackend(Backend):
 
     def build_mixed(self, ctx: BuildContext) -> CandidateResult:
         """Our precision repair: every tried block set is exported, built as an engine and validated."""
-        from .mixed_graph import calibrate_graph, fp16_nodes
+        from .mixed_graph import calibrate_graph, graph_record
 
         def build(source: Path, stem: Path) -> TrtRunner:
             plan = stem.with_name(f"{stem.name}.plan")
@@ -146,12 +146,12 @@ class TrtBackend(Backend):
         return CandidateResult(
             name=MIXED, backend=self.name, status=BUILT, files=[source.name, plan.name, log.name],
             build_seconds=calibration["seconds"],
-            options={**self._options(ctx, plan), "source": source.name, "fp16_nodes": fp16_nodes(source),
+            options={**self._options(ctx, plan), **graph_record(source),
                      "fp16_layers": calibration["fp16_layers"], "calibration": calibration})
 
     def build_autocast(self, ctx: BuildContext) -> CandidateResult:
         """ModelOpt AutoCast's graph as a strongly typed engine; unavailable (with the reason) without ModelOpt."""
-        from .mixed_graph import AutoCastUnavailable, autocast_graph, fp16_nodes
+        from .mixed_graph import AutoCastUnavailable, autocast_graph, graph_record
 
         try:
             source, autocast = autocast_graph(ctx, AUTOCAST)
@@ -160,7 +160,7 @@ class TrtBackend(Backend):
         plan, log = source.with_suffix(".plan"), source.with_suffix(".build.log")
         result = CandidateResult(
             name=AUTOCAST, backend=self.name, status=BUILT, files=[source.name, plan.name, log.name],
-            options={**self._options(ctx, plan), "source": source.name, "fp16_nodes": fp16_nodes(source),
+            options={**self._options(ctx, plan), **graph_record(source),
                      "autocast": autocast})
         return timed_build(lambda: self._build_engine(ctx, source, plan, log), result)
 
