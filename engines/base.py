@@ -91,7 +91,9 @@ class AllValidRouter(Runner):
 
     A captured or compiled graph has one path. A model whose all-valid path is faster (no mask tensor, so
     attention may use fused causal kernels) is built twice and routed here by the mask's content, one
-    device sync per new mask tensor (``AllValidMaskCache``; a ``None`` mask costs none).
+    device sync per new mask tensor (``AllValidMaskCache``; a ``None`` mask costs none). ``all_valid`` is an
+    all-valid-only runner: it gets its own full mask, so its check hits its cache and its capture copies
+    no mask (as ``kkdeploy.load``'s ServedRunner does for an all-valid-only engine).
     """
 
     def __init__(self, all_valid: Runner, padded: Runner):
@@ -102,8 +104,9 @@ class AllValidRouter(Runner):
         self._mask_cache = AllValidMaskCache()
 
     def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        runner = self.all_valid if self._mask_cache.is_all_valid(mask) else self.padded
-        return runner.infer(x, mask)
+        if self._mask_cache.is_all_valid(mask):
+            return self.all_valid.infer(x, self.all_valid.full_mask())
+        return self.padded.infer(x, mask)
 
 
 class Backend:

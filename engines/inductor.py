@@ -156,7 +156,7 @@ class InductorRunner(Runner):
         self.captured = None
         if on_cuda and cuda_graph and os.environ.get("KKDEPLOY_AOTI_GRAPH", "1") != "0":
             self.captured = CapturedCall(self._run, config.batch_size, config.seq_len, config.d_model, dtype,
-                                         self.device)
+                                         self.device, all_valid_only=all_valid_only)
 
     def _run(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out = self.model(x, mask)

@@ -130,7 +130,7 @@ class CompiledModuleRunner(Runner):
                 self._forward(x, mask)
             self.compile_seconds = round(time.perf_counter() - start, 3)
             self.captured = CapturedCall(self._forward, config.batch_size, config.seq_len, config.d_model, dtype,
-                                         self.device) if capture else None
+                                         self.device, all_valid_only=all_valid_only) if capture else None
         self._mask_cache = AllValidMaskCache()
 
     def _forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -330,11 +330,12 @@ def compile_fused(fused: torch.nn.Module, device: torch.device, *, name: str,
     Like ``compile_mixed``, not bitwise to anything: a judge-contract candidate that validation gates (per
     mask mode, so each graph is validated on the calls it serves).
     """
-    def compiled(method: str) -> CompiledModuleRunner:
+    def compiled(method: str, all_valid_only: bool) -> CompiledModuleRunner:
         return CompiledModuleRunner(BoundForward(fused, method), fused.config, fused.dtype, device, name=name,
-                                    all_valid_only=False, options={}, cuda_graph=cuda_graph, keep_alive=fused)
+                                    all_valid_only=all_valid_only, options={}, cuda_graph=cuda_graph,
+                                    keep_alive=fused)
 
-    return CompiledRoutes(compiled("all_valid_forward"), compiled("fused_forward"))
+    return CompiledRoutes(compiled("all_valid_forward", True), compiled("fused_forward", False))
 
 
 def compile_mixed(mixed: torch.nn.Module, device: torch.device, *, name: str, all_valid_sdpa: bool,
@@ -367,11 +368,11 @@ def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, pla
             return model
         from .torch_graph import CudaGraphRunner
 
-        def captured(forward) -> CudaGraphRunner:
-            return CudaGraphRunner(model, reference.config, torch.float32, device, all_valid_only=False,
+        def captured(forward, all_valid_only: bool) -> CudaGraphRunner:
+            return CudaGraphRunner(model, reference.config, torch.float32, device, all_valid_only=all_valid_only,
                                    forward=forward)
 
-        return AllValidRouter(captured(model.all_valid_forward), captured(model.fused_forward))
+        return AllValidRouter(captured(model.all_valid_forward, True), captured(model.fused_forward, False))
 
     start = time.perf_counter()
     record = calibrate_layers(reference, runner_for, all_valid_only=False, contract=plan.get("contract", "judge"),

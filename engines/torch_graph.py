@@ -49,7 +49,8 @@ class CudaGraphRunner(Runner):
             forward = lambda x, mask: model.fast_forward(x)  # noqa: E731
         elif forward is None:
             forward = model.reference_forward
-        self.captured = CapturedCall(forward, config.batch_size, config.seq_len, config.d_model, dtype, self.device)
+        self.captured = CapturedCall(forward, config.batch_size, config.seq_len, config.d_model, dtype, self.device,
+                                     all_valid_only=all_valid_only)
 
     def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.all_valid_only and not self._mask_cache.is_all_valid(mask):

@@ -82,11 +82,13 @@ def test_bad_arguments_are_one_line_errors():
     FusedTransformer(models_for(SMALL, torch.float16, sdpa_layers=0)[0])  # no float16 blocks: any dtype
 
 
-def count_calls(runner, counts: dict, key: str) -> None:
+def count_calls(runner, counts: dict, key: str, masks: list | None = None) -> None:
     infer = runner.infer
 
     def counted(x, mask):
         counts[key] += 1
+        if masks is not None:
+            masks.append(mask)
         return infer(x, mask)
 
     runner.infer = counted
@@ -102,9 +104,9 @@ def test_compiled_fused_model_routes_each_mask_to_its_graph():
     fused = FusedTransformer(reference)
     runner = compile_fused(fused, CPU, name="torch-compile-fused")
     assert runner.compile_seconds > 0 and not runner.all_valid_only and runner.name == "torch-compile-fused"
-    served = {"all_valid": 0, "padded": 0}
+    served, all_valid_masks = {"all_valid": 0, "padded": 0}, []
     for route in served:
-        count_calls(getattr(runner, route), served, route)
+        count_calls(getattr(runner, route), served, route, all_valid_masks if route == "all_valid" else None)
     x_pad, mask = padded_case(SMALL, 6)
     x_valid, all_valid = generate_case(SMALL, CPU, torch.float32, 7, padding_ratio=0.0)
     with torch.inference_mode():
@@ -116,6 +118,9 @@ def test_compiled_fused_model_routes_each_mask_to_its_graph():
     for m in (None, all_valid):
         torch.testing.assert_close(runner(x_valid, m), eager_valid, atol=1e-5, rtol=1e-5)
     assert served == {"all_valid": 2, "padded": 1}
+    # the all-valid graph is all-valid-only and gets its own full mask: no second check, no mask copy
+    assert runner.all_valid.all_valid_only and not runner.padded.all_valid_only
+    assert all(m is runner.all_valid.full_mask() for m in all_valid_masks)
 
 
 def test_fused_compiles_are_not_bound_by_the_callers_recompile_limit():
