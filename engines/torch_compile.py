@@ -19,7 +19,11 @@ the fallback). Variants:
   ``torch-compile-fused``  judge contract: ``kkdeploy.fused`` (SDPA in every block, every mask) under
                            Inductor's own fusion; not bitwise, so validation decides.
   ``torch-compile-fused-mixed``  the same with float16 blocks calibrated on the build's trial plan
-                           (float32 builds only). Both are defaults of float32 judge builds on CUDA.
+                           (float32 builds only).
+  ``torch-compile-fused-half-gemm[-mixed]``  the fused model whose float32 blocks run every GEMM and
+                           attention on float16 inputs with float32 accumulation: TF32's rounding points on
+                           float16 tensor cores (``kkdeploy.fused.half_gemm``); float32 builds only.
+                           The four fused variants are defaults of float32 judge builds on CUDA.
 
 On CUDA the compiled call is captured in a CUDA graph (``engines.cuda_graph``).
 """
@@ -43,6 +47,10 @@ from .cuda_graph import CapturedCall
 
 FAITHFUL = "torch-compile"
 FUSED, FUSED_MIXED = "torch-compile-fused", "torch-compile-fused-mixed"
+FUSED_HALF_GEMM, FUSED_HALF_GEMM_MIXED = "torch-compile-fused-half-gemm", "torch-compile-fused-half-gemm-mixed"
+# fused variant -> (half_gemm, calibrated float16 blocks)
+FUSED_VARIANTS = {FUSED: (False, False), FUSED_MIXED: (False, True),
+                  FUSED_HALF_GEMM: (True, False), FUSED_HALF_GEMM_MIXED: (True, True)}
 _SDPA_RE = re.compile(r"^torch-compile-sdpa(\d+)$")
 CACHE_SUFFIX = ".inductor-cache"
 RECOMPILE_LIMIT = 64  # graphs per compiled code object in one process (see CompiledModuleRunner)
@@ -63,19 +71,24 @@ def default_variants(device: torch.device, dtype: torch.dtype = torch.float16, c
     float32 judge build the fused ones (SDPA everywhere; under strict, fused attention fails, design.md §6)."""
     if torch.device(device).type == "cpu":
         return [FAITHFUL]
-    fused = [FUSED, FUSED_MIXED] if dtype == torch.float32 and contract == "judge" else []
+    fused = list(FUSED_VARIANTS) if dtype == torch.float32 and contract == "judge" else []
     return [FAITHFUL, f"{FAITHFUL}-sdpa1", *fused]
 
 
 def check_variant(name: str, config: TransformerConfig, dtype: torch.dtype) -> None:
     """A one-line KKError for a name this backend cannot build for ``config`` in ``dtype``."""
-    if name in (FUSED, FUSED_MIXED):
-        if name == FUSED_MIXED and dtype != torch.float32:
-            raise KKError(f"{name} calibrates float16 blocks inside a float32 model; build with --dtype float32")
+    if name in FUSED_VARIANTS:
+        if needs_float32(name) and dtype != torch.float32:
+            raise KKError(f"{name} computes in float16 inside a float32 model; build with --dtype float32")
         return
     from .inductor import parse_variant
 
     parse_variant(inductor_variant(name), config)
+
+
+def needs_float32(name: str) -> bool:
+    """Fused variants with float16 inside (calibrated blocks or half GEMMs) exist only in a float32 model."""
+    return name in FUSED_VARIANTS and name != FUSED
 
 
 FINGERPRINT_PADDING = (0.0, 0.25)  # the all-valid case, then a padded one: each route of a routed runner
@@ -177,7 +190,7 @@ class TorchCompileBackend(Backend):
     def candidates(self, ctx: BuildContext) -> list[str]:
         chosen = ctx.options.get("torch_compile_candidates")  # from a --backends choice such as torch-compile-fused
         if chosen is not None:  # float16 blocks exist only inside a float32 model
-            return [n for n in chosen if n != FUSED_MIXED or ctx.dtype == torch.float32]
+            return [n for n in chosen if not needs_float32(n) or ctx.dtype == torch.float32]
         contract = ctx.validation_plan.get("contract", "strict")
         return requested_variants(ctx, "torch_compile_variants", default_variants(ctx.device, ctx.dtype, contract),
                                   lambda name: check_variant(name, ctx.config, ctx.dtype))
@@ -196,16 +209,19 @@ class TorchCompileBackend(Backend):
         device = torch.device(ctx.device)
         cuda_graph = ctx.options.get("cuda_graph", True)
         recipe: dict = {"inductor_configs": faithful_inductor_configs()}
-        if candidate in (FUSED, FUSED_MIXED):
+        if candidate in FUSED_VARIANTS:
+            half, calibrated = FUSED_VARIANTS[candidate]
             layers, calibration = (), None
-            if candidate == FUSED_MIXED:
-                calibration = calibrate_fused_layers(ctx.model, device, ctx.validation_plan)
+            if calibrated:
+                calibration = calibrate_fused_layers(ctx.model, device, ctx.validation_plan, half_gemm=half)
                 if not calibration["passed"]:
                     raise KKError("no float16 block set passed calibration (not even none); "
                                   f"{calibration['tried'][-1].get('reason', '')}")
                 layers = tuple(calibration["fp16_layers"])
-            runner = compile_fused(fused_model(ctx.model, layers), device, name=candidate, cuda_graph=cuda_graph)
-            recipe = {"inductor_configs": {}, "fp16_layers": list(layers), "calibration": calibration}
+            runner = compile_fused(fused_model(ctx.model, layers, half), device, name=candidate,
+                                   cuda_graph=cuda_graph)
+            recipe = {"inductor_configs": {}, "fp16_layers": list(layers), "half_gemm": half,
+                      "calibration": calibration}
         else:
             runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)
         ratios = FINGERPRINT_PADDING[:1] if runner.all_valid_only else FINGERPRINT_PADDING
@@ -249,9 +265,9 @@ class TorchCompileBackend(Backend):
         model = model_for_variant({"model": "reference"}, config, dtype, device, state)
         cuda_graph = bool(options.get("cuda_graph", True))
         try:
-            if name in (FUSED, FUSED_MIXED):
-                runner = compile_fused(fused_model(model, options.get("fp16_layers") or ()), device, name=name,
-                                       cuda_graph=cuda_graph)
+            if name in FUSED_VARIANTS:
+                runner = compile_fused(fused_model(model, options.get("fp16_layers") or (), options.get("half_gemm")),
+                                       device, name=name, cuda_graph=cuda_graph)
             else:
                 runner = CompiledRunner(model, config, dtype, device, name=name, cuda_graph=cuda_graph)
         except KKError:
@@ -348,14 +364,15 @@ def compile_mixed(mixed: torch.nn.Module, device: torch.device, *, name: str, al
                                 all_valid_only=all_valid_sdpa, options={}, cuda_graph=cuda_graph, keep_alive=mixed)
 
 
-def fused_model(reference: torch.nn.Module, fp16_layers=()) -> torch.nn.Module:
+def fused_model(reference: torch.nn.Module, fp16_layers=(), half_gemm: bool = False) -> torch.nn.Module:
     from kkdeploy.fused import FusedTransformer
 
-    return FusedTransformer(reference, fp16_layers)
+    return FusedTransformer(reference, fp16_layers, half_gemm=bool(half_gemm))
 
 
-def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, plan: dict) -> dict:
-    """The float16 blocks of ``torch-compile-fused-mixed``, searched on the build's trial plan.
+def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, plan: dict,
+                           half_gemm: bool = False) -> dict:
+    """The float16 blocks of ``torch-compile-fused[-half-gemm]-mixed``, searched on the build's trial plan.
 
     Each tried set runs on its eager twin, routed by mask like the compiled runner (two CUDA-graph captures
     on a GPU): a compile per tried set would cost minutes. The compiled model is then validated with every
@@ -363,7 +380,7 @@ def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, pla
     from kkdeploy.mixed import calibrate_layers
 
     def runner_for(layers):
-        model = fused_model(reference, layers)
+        model = fused_model(reference, layers, half_gemm)
         if torch.device(device).type != "cuda":
             return model
         from .torch_graph import CudaGraphRunner

@@ -108,11 +108,14 @@ def _artifacts_dir(root: Path, job: ShapeJob) -> Path | None:
 # Candidates a bench can run; the defaults per device (and, for mixed precision, per dtype) follow.
 GRAPH_CANDIDATES = ["torch-graph", "torch-graph-sdpa1", "torch-graph-nomask"]
 COMPILE_CANDIDATES = ["torch-compile", "torch-compile-sdpa1"]
-MIXED_CANDIDATES = {"cpu": ["mixed", "mixed-sdpa", "fused-mixed"],
+MIXED_CANDIDATES = {"cpu": ["mixed", "mixed-sdpa", "fused-mixed", "fused-half-gemm-mixed"],
                     "cuda": ["torch-graph-mixed", "torch-graph-mixed-sdpa", "torch-compile-mixed",
-                             "torch-compile-mixed-sdpa", "torch-compile-fused-mixed"]}
-# SDPA in every block for every mask (kkdeploy.fused): judge-contract candidates; "-mixed" ones calibrate.
-FUSED_CANDIDATES = {"cpu": ["fused"], "cuda": ["torch-compile-fused"]}
+                             "torch-compile-mixed-sdpa", "torch-compile-fused-mixed",
+                             "torch-compile-fused-half-gemm-mixed"]}
+# SDPA in every block for every mask (kkdeploy.fused): judge-contract candidates; "-mixed" ones calibrate,
+# "-half-gemm" ones run their float32 blocks' GEMMs on float16 inputs (kkdeploy.fused.half_gemm).
+FUSED_CANDIDATES = {"cpu": ["fused", "fused-half-gemm"],
+                    "cuda": ["torch-compile-fused", "torch-compile-fused-half-gemm"]}
 ALL_MIXED = MIXED_CANDIDATES["cpu"] + MIXED_CANDIDATES["cuda"] + FUSED_CANDIDATES["cpu"] + FUSED_CANDIDATES["cuda"]
 COMPILED = COMPILE_CANDIDATES + [n for n in ALL_MIXED if n.startswith("torch-compile-")]  # opt-in on the CPU
 BENCH_CANDIDATES = ["optimized-sdpa0", "optimized-sdpa1"] + GRAPH_CANDIDATES + COMPILE_CANDIDATES + ALL_MIXED
@@ -190,8 +193,8 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
     """Calibrate the float16 blocks for this shape on the trial plan, then build the chosen runner.
 
     Candidates with the same attention kind calibrate on the same eager twin, so the first one's record is
-    reused by the others in this process (``calibrations``, keyed by attention kind). ``fused`` candidates
-    without ``-mixed`` keep every block in the model's dtype and need no calibration.
+    reused by the others in this process (``calibrations``, keyed by attention kind and half GEMMs). ``fused``
+    candidates without ``-mixed`` keep every block in the model's dtype and need no calibration.
     """
     import copy
 
@@ -199,8 +202,9 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
     from .mixed import MixedPrecisionTransformer, calibrate_layers
 
     kind = _attention_kind(name)
+    half = "-half-gemm" in name
     calibrated = kind != "fused" or name.endswith("-mixed")
-    if calibrated and reference.dtype != torch.float32:
+    if (calibrated or half) and reference.dtype != torch.float32:
         raise KKError("skipped: mixed precision applies to float32 models (float16 is already all float16)")
     captured = name.startswith("torch-graph-")
     compiled = name.startswith("torch-compile-")
@@ -211,7 +215,7 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
 
     def model_for(layers):
         if kind == "fused":
-            return FusedTransformer(reference, layers)
+            return FusedTransformer(reference, layers, half_gemm=half)
         return MixedPrecisionTransformer(reference, layers, kind == "sdpa")
 
     def make_runner(model):
@@ -225,20 +229,21 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
 
     layers: tuple = ()
     if calibrated:
-        if kind not in calibrations:
+        key = (kind, half)
+        if key not in calibrations:
             plan = {"contract": options.contract, "seed": options.seed, "trials": options.trials,
                     "padding_ratio": options.padding_ratio}
             start = time.perf_counter()
             if kind == "fused":  # the very search `kkdeploy build` runs for torch-compile-fused-mixed
                 from engines.torch_compile import calibrate_fused_layers
 
-                record = calibrate_fused_layers(reference, device, plan)
+                record = calibrate_fused_layers(reference, device, plan, half_gemm=half)
             else:
                 record = calibrate_layers(reference, lambda chosen: make_runner(model_for(chosen)),
                                           all_valid_only=all_valid_only, **plan)
             record["seconds"] = round(time.perf_counter() - start, 3)
-            calibrations[kind] = (name, record)
-        first, record = calibrations[kind]
+            calibrations[key] = (name, record)
+        first, record = calibrations[key]
         calibration = copy.deepcopy(record)
         if first != name:
             calibration["reused_from"] = first

@@ -15,6 +15,7 @@ import torch
 
 from engines import BuildContext, CandidateResult, get_backend
 from engines.base import BUILD_FAILED, BUILT, FAILED, PASSED, PASSED_ALL_VALID_ONLY, SKIPPED, UNAVAILABLE
+from engines.torch_compile import FUSED_VARIANTS
 
 from . import artifacts
 from .chooser import FALLBACK, choose
@@ -32,7 +33,7 @@ BACKEND_CHOICES = {
     "torch-graph": ("torch_graph", None),
     "inductor": ("inductor", None),
     "torch-compile": ("torch_compile", None),
-    "torch-compile-fused": ("torch_compile", ["torch-compile-fused", "torch-compile-fused-mixed"]),
+    "torch-compile-fused": ("torch_compile", list(FUSED_VARIANTS)),
 }
 DEFAULT_BACKENDS = {"cpu": ["ort-cpu"], "cuda": ["trt", "ort-cuda", "torch-graph", "torch-compile", "inductor"]}
 ONNX_BACKENDS = {"trt", "ort"}

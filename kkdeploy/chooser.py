@@ -12,7 +12,8 @@ FALLBACK = "pytorch-fallback"
 # Simplest first: on a tie (within TIE_TOLERANCE) the simpler backend ships.
 SIMPLICITY_ORDER = [FALLBACK, "torch-graph", "torch-graph-nomask", "torch-graph-sdpa1", "ort-cpu", "ort-cuda",
                     "ort-cuda-graph", "torch-compile", "torch-compile-sdpa1", "torch-compile-fused",
-                    "torch-compile-fused-mixed", "inductor", "inductor-fused", "inductor-sdpa1", "trt"]
+                    "torch-compile-fused-mixed", "torch-compile-fused-half-gemm",
+                    "torch-compile-fused-half-gemm-mixed", "inductor", "inductor-fused", "inductor-sdpa1", "trt"]
 TIE_TOLERANCE = 0.02
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import KKError
 from .mixed import fp16_block_set
 from .optimized import OptimizedTransformer
 from .reference import ReferenceTransformer, zero_invalid_rows
@@ -35,19 +36,39 @@ def attention_mask(valid_token_mask: torch.Tensor, causal: bool) -> torch.Tensor
     return keep
 
 
+def packed_attention(attn, qkv: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """SDPA over a packed [B,S,3D] projection; merged [B,S,D] context. ``keep`` None: all keys valid (SDPA's
+    causal path when the model is causal), else the [B,1,S,S] keep-mask of ``attention_mask``."""
+    b, s, _ = qkv.shape
+    q, k, v = qkv.view(b, s, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    causal = keep is None and attn.causal
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal, scale=attn.scale)
+    return context.transpose(1, 2).reshape(b, s, attn.num_heads * attn.head_dim)
+
+
 def masked_fused_attention(model: OptimizedTransformer, index: int, h: torch.Tensor,
                            valid_token_mask: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor:
     """Packed QKV + SDPA for one block, with the reference's padding semantics when a mask is given
     (``keep`` is ``attention_mask(valid_token_mask, causal)``, built once per forward by the caller)."""
-    if valid_token_mask is None:
-        return model.fused_attention(index, h)
     attn = model.layers[index].attention
-    b, s, d = h.shape
     weight, bias = model.packed_qkv(index)
-    qkv = F.linear(h, weight, bias).view(b, s, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-    context = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=keep, scale=attn.scale)
-    out = attn.out_proj(context.transpose(1, 2).reshape(b, s, d))
+    out = attn.out_proj(packed_attention(attn, F.linear(h, weight, bias), keep))
     return zero_invalid_rows(out, valid_token_mask)
+
+
+def half_gemm(x: torch.Tensor, weight16: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` with float16 inputs and float32 accumulation, bias and output.
+
+    Why: TF32 rounds a GEMM's float32 inputs to a 10-bit mantissa, which is float16's; so float16 tensor
+    cores (twice TF32's rate) fed with the rounded inputs and accumulating in float32 keep the rounding
+    points of the TF32 reference. CUDA runs it as one cuBLAS GEMM (``aten::addmm.dtype``); elsewhere the same
+    arithmetic in float32 (a product of two float16 values is exact in float32).
+    """
+    x16 = x.to(torch.float16)
+    if x16.is_cuda and hasattr(torch.ops.aten.addmm, "dtype"):
+        flat = torch.ops.aten.addmm.dtype(bias, x16.reshape(-1, x16.shape[-1]), weight16.t(), torch.float32)
+        return flat.view(*x16.shape[:-1], weight16.shape[0])
+    return F.linear(x16.float(), weight16.float(), bias)
 
 
 def _optimized_twin(reference: ReferenceTransformer, dtype: torch.dtype) -> OptimizedTransformer:
@@ -59,7 +80,9 @@ def _optimized_twin(reference: ReferenceTransformer, dtype: torch.dtype) -> Opti
 
 
 class FusedTransformer(nn.Module):
-    """SDPA in every block for all masks; ``fp16_layers`` compute in float16 (float32 models only).
+    """SDPA in every block for all masks; ``fp16_layers`` compute in float16 (float32 models only); with
+    ``half_gemm`` the other blocks of a float32 model keep float32 activations but run every GEMM and
+    attention on float16 inputs with float32 accumulation (``half_gemm_block``).
 
     ``fused_forward(x, mask)`` takes ``None`` (all valid: SDPA's causal path, no mask tensor, so SDPA may
     pick its fused causal kernels) or a [B,S] bool mask (a [B,1,S,S] boolean attention mask, which keeps
@@ -67,13 +90,17 @@ class FusedTransformer(nn.Module):
     fixed path, so the compiled runner holds one graph per route (``engines.base.AllValidRouter``).
     """
 
-    def __init__(self, reference: ReferenceTransformer, fp16_layers=()):
+    def __init__(self, reference: ReferenceTransformer, fp16_layers=(), half_gemm: bool = False):
         super().__init__()
         layers = fp16_block_set(reference, fp16_layers)
+        if half_gemm and reference.dtype != torch.float32:
+            raise KKError(f"half_gemm rounds a float32 model's GEMM inputs to float16, got {reference.dtype}; "
+                          "build it in float32")
         self.config = reference.config
         self.fp16_layers = layers
+        self.half_gemm = bool(half_gemm)
         self.main_model = _optimized_twin(reference, reference.dtype)  # its weights, packed and frozen
-        self.fp16_model = _optimized_twin(reference, torch.float16) if layers else None
+        self.fp16_model = _optimized_twin(reference, torch.float16) if layers or half_gemm else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -83,10 +110,34 @@ class FusedTransformer(nn.Module):
     def device(self) -> torch.device:
         return self.main_model.device
 
+    def half_gemm_block(self, index: int, x: torch.Tensor, valid_token_mask: torch.Tensor | None,
+                        keep: torch.Tensor | None) -> torch.Tensor:
+        """One block at the TF32 reference's rounding points, on float16 tensor cores.
+
+        Every value that TF32 rounds to a 10-bit mantissa (a GEMM input: LayerNorm outputs, Q, K, V, softmax
+        probabilities, the attention context, GELU outputs) is rounded to float16 instead; everything TF32
+        keeps in float32 (LayerNorm statistics, softmax, GELU, GEMM sums and biases, the residual stream)
+        stays float32. Only Q/K/V and the context are stored in float16, as FlashAttention takes and gives.
+        """
+        main, half = self.main_model.layers[index], self.fp16_model.layers[index]
+        weight16, _ = self.fp16_model.packed_qkv(index)
+        _, bias = self.main_model.packed_qkv(index)
+        attn = main.attention
+        qkv = half_gemm(main.norm1(x), weight16, bias).to(torch.float16)
+        context = packed_attention(attn, qkv, keep)
+        x = x + zero_invalid_rows(half_gemm(context, half.attention.out_proj.weight, attn.out_proj.bias),
+                                  valid_token_mask)
+        hidden = F.gelu(half_gemm(main.norm2(x), half.ffn_in.weight, main.ffn_in.bias), approximate="none")
+        x = x + half_gemm(hidden, half.ffn_out.weight, main.ffn_out.bias)
+        return zero_invalid_rows(x, valid_token_mask)
+
     def fused_forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
         keep = None if valid_token_mask is None else attention_mask(valid_token_mask, self.config.causal)
         for index in range(self.config.num_layers):
             fp16 = index in self.fp16_layers
+            if self.half_gemm and not fp16:
+                x = self.half_gemm_block(index, x, valid_token_mask, keep)
+                continue
             model = self.fp16_model if fp16 else self.main_model
             block = model.layers[index]
             h = x.half() if fp16 else x

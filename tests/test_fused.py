@@ -147,3 +147,74 @@ def test_fused_compiles_are_not_bound_by_the_callers_recompile_limit():
                 # inference tensors are guarded apart from normal ones: compiled up front, not on this call
                 torch.testing.assert_close(runner(x.clone(), mask.clone()), expected, atol=1e-5, rtol=1e-5)
         assert torch._dynamo.config.recompile_limit == 1  # raised for our compiles only
+
+
+def test_half_gemm_is_float16_inputs_with_float32_accumulation():
+    """The GEMM sees float16-rounded inputs, sums exactly as a float32 GEMM of those would, adds a float32
+    bias and returns float32 (no float16 output rounding)."""
+    from kkdeploy.fused import half_gemm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 64, generator=gen)
+    weight, bias = torch.randn(48, 64, generator=gen) / 8, torch.randn(48, generator=gen)
+    got = half_gemm(x, weight.half(), bias)
+    assert got.dtype == torch.float32 and got.shape == (2, 5, 48)
+    exact = (x.half().double() @ weight.half().double().T + bias.double()).float()
+    torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-6)  # float32 sums of exact products
+    unrounded = torch.nn.functional.linear(x, weight, bias)
+    assert (got - unrounded).abs().max() > 1e-3  # the inputs really were rounded
+    assert not torch.equal(got, got.half().float())  # ...and the output was not
+
+
+class TF32Reference(torch.overrides.TorchFunctionMode):
+    """The reference under TF32 as the H200 runs it: every GEMM input rounded to a 10-bit mantissa (round to
+    nearest), products summed in float32."""
+
+    @staticmethod
+    def round_tf32(t: torch.Tensor) -> torch.Tensor:
+        return ((t.contiguous().view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            return func(self.round_tf32(args[0]), self.round_tf32(args[1]), *args[2:], **kwargs)
+        if func is torch.matmul:
+            return func(self.round_tf32(args[0]), self.round_tf32(args[1]))
+        return func(*args, **kwargs)
+
+
+def test_half_gemm_model_keeps_the_tf32_references_rounding_points():
+    """On shape 3, against the TF32 reference: the half-GEMM model passes even the strict rule and is closer
+    to it than exact float32 is. A misplaced rounding point (say, a float16 residual stream or float16 GEMM
+    outputs) would put it further away than float32, not closer."""
+    from kkdeploy.config import official_config
+    from kkdeploy.weights import build_models
+    from validation.strict import compare_outputs
+
+    config = official_config(3)
+    reference = build_models(config, torch.float32, CPU)[0]
+    half, exact = FusedTransformer(reference, half_gemm=True), FusedTransformer(reference)
+    assert half.half_gemm and half.fp16_layers == ()
+    for x, mask in (generate_case(config, CPU, torch.float32, 1234, padding_ratio=0.0), padded_case(config, 1235)):
+        with torch.inference_mode():
+            with TF32Reference():
+                tf32 = reference(x, mask)
+            got, fp32 = half(x, mask), exact(x, mask)
+        assert got.dtype == torch.float32
+        report = compare_outputs(tf32, got, atol=1e-3, rtol=1e-2)
+        assert report.passed, report
+        assert report.max_abs < compare_outputs(tf32, fp32, atol=1e-3, rtol=1e-2).max_abs
+        assert bool((got[~mask] == 0).all())
+
+
+def test_half_gemm_blocks_combine_with_float16_blocks():
+    reference = models_for(SMALL, torch.float32, sdpa_layers=0)[0]
+    x, mask = padded_case(SMALL, 9)
+    with torch.inference_mode():
+        half = FusedTransformer(reference, half_gemm=True)(x, mask)
+        both = FusedTransformer(reference, (1,), half_gemm=True)(x, mask)
+        fp16_only = FusedTransformer(reference, (1,))(x, mask)
+    assert not torch.equal(both, half) and not torch.equal(both, fp16_only)  # block 0 half GEMM, block 1 float16
+    torch.testing.assert_close(both, reference(x, mask), atol=2e-3, rtol=2e-2)
+    with pytest.raises(KKError, match="half_gemm.*float32"):
+        FusedTransformer(models_for(SMALL, torch.float16, sdpa_layers=0)[0], half_gemm=True)

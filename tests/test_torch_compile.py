@@ -150,21 +150,22 @@ def test_cpu_outputs_are_the_callers_in_and_out_of_inference_mode():
 
 
 def test_fused_variants_are_float32_judge_defaults_on_cuda_only():
-    from engines.torch_compile import FUSED, FUSED_MIXED, check_variant, default_variants
+    from engines.torch_compile import FUSED, FUSED_HALF_GEMM, FUSED_MIXED, FUSED_VARIANTS, check_variant, default_variants
 
     cuda = torch.device("cuda")
-    assert default_variants(cuda, torch.float32, "judge")[-2:] == [FUSED, FUSED_MIXED]
+    assert default_variants(cuda, torch.float32, "judge")[-4:] == list(FUSED_VARIANTS)
     assert FUSED not in default_variants(cuda, torch.float16, "strict")  # SDPA everywhere fails strict (§6)
     assert FUSED not in default_variants(cuda, torch.float32, "strict")
     assert default_variants(CPU, torch.float32, "judge") == ["torch-compile"]
     check_variant(FUSED, TINY, torch.float16)
-    with pytest.raises(KKError, match="--dtype float32"):
-        check_variant(FUSED_MIXED, TINY, torch.float16)
+    for name in (FUSED_MIXED, FUSED_HALF_GEMM):
+        with pytest.raises(KKError, match="--dtype float32"):
+            check_variant(name, TINY, torch.float16)
 
 
 @pytest.fixture(scope="module")
 def shipped_fused(tmp_path_factory):
-    """``--backends torch-compile-fused``, float32, judge contract: both fused candidates are built and validated."""
+    """``--backends torch-compile-fused``, float32, judge contract: the four fused candidates are built and validated."""
     from kkdeploy.build import BuildRequest, run_build
 
     out = tmp_path_factory.mktemp("fused") / "artifacts"
@@ -177,20 +178,29 @@ def shipped_fused(tmp_path_factory):
 def test_fused_build_calibrates_validates_and_records_its_recipe(shipped_fused):
     _, manifest = shipped_fused
     entries = {c["name"]: c for c in manifest["candidates"]}
-    assert [c["name"] for c in manifest["candidates"]] == ["torch-compile-fused", "torch-compile-fused-mixed"]
+    assert [c["name"] for c in manifest["candidates"]] == ["torch-compile-fused", "torch-compile-fused-mixed",
+                                                           "torch-compile-fused-half-gemm",
+                                                           "torch-compile-fused-half-gemm-mixed"]
     assert manifest["tf32"] is False  # float32 on the CPU: no TF32 there
-    fused, mixed = entries["torch-compile-fused"], entries["torch-compile-fused-mixed"]
+    fused, half = entries["torch-compile-fused"], entries["torch-compile-fused-half-gemm"]
     assert fused["status"] == "passed" and fused["options"]["fp16_layers"] == []
     assert fused["options"]["inductor_configs"] == {} and fused["options"]["calibration"] is None
     assert fused["validation"]["max_abs"] < 1e-4  # float32 throughout: SDPA and fusion reorder float32 sums only
-    assert mixed["status"] == "passed" and mixed["options"]["mask_modes"] == ["all-valid", "padded"]
-    calibration = mixed["options"]["calibration"]
-    assert calibration["passed"] and mixed["options"]["fp16_layers"] == calibration["fp16_layers"]
-    assert calibration["tried"][-1]["failed_elements"] == {"all-valid": 0, "padded": 0}
-    assert "eager twin" in calibration["calibrated_on"]
+    assert not fused["options"]["half_gemm"] and half["options"]["half_gemm"]
+    # float16 GEMM inputs: TF32-sized rounding, far above float32's reordering but inside the judge rule
+    assert half["status"] == "passed" and half["validation"]["max_abs"] > 1e-4
+    assert half["options"]["fp16_layers"] == [] and half["options"]["calibration"] is None
+    for name in ("torch-compile-fused-mixed", "torch-compile-fused-half-gemm-mixed"):
+        mixed = entries[name]
+        assert mixed["status"] == "passed" and mixed["options"]["mask_modes"] == ["all-valid", "padded"]
+        calibration = mixed["options"]["calibration"]
+        assert calibration["passed"] and mixed["options"]["fp16_layers"] == calibration["fp16_layers"]
+        assert calibration["tried"][-1]["failed_elements"] == {"all-valid": 0, "padded": 0}
+        assert "eager twin" in calibration["calibrated_on"]
+        assert mixed["options"]["half_gemm"] == ("half-gemm" in name)
 
 
-@pytest.mark.parametrize("name", ["torch-compile-fused", "torch-compile-fused-mixed"])
+@pytest.mark.parametrize("name", ["torch-compile-fused", "torch-compile-fused-mixed", "torch-compile-fused-half-gemm"])
 def test_fused_load_recompiles_and_serves_within_the_judge_rule(shipped_fused, name):
     import kkdeploy
 
@@ -209,10 +219,10 @@ def test_fused_load_recompiles_and_serves_within_the_judge_rule(shipped_fused, n
         (out / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_fused_choice_in_a_float16_build_skips_the_mixed_variant(tmp_path):
-    from engines.torch_compile import FUSED
+def test_fused_choice_in_a_float16_build_skips_the_variants_with_float16_inside(tmp_path):
+    from engines.torch_compile import FUSED, FUSED_VARIANTS
 
     reference, _ = build_models(TINY, torch.float16, CPU)
     ctx = BuildContext(TINY, torch.float16, CPU, reference, out_dir=tmp_path,
-                       options={"torch_compile_candidates": ["torch-compile-fused", "torch-compile-fused-mixed"]})
+                       options={"torch_compile_candidates": list(FUSED_VARIANTS)})
     assert BACKEND.candidates(ctx) == [FUSED]
