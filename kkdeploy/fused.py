@@ -17,6 +17,8 @@ A valid query always sees itself, so only invalid rows can be fully masked, and 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,14 +63,25 @@ def half_gemm(x: torch.Tensor, weight16: torch.Tensor, bias: torch.Tensor) -> to
 
     Why: TF32 rounds a GEMM's float32 inputs to a 10-bit mantissa, which is float16's; so float16 tensor
     cores (twice TF32's rate) fed with the rounded inputs and accumulating in float32 keep the rounding
-    points of the TF32 reference. CUDA runs it as one cuBLAS GEMM (``aten::addmm.dtype``); elsewhere the same
+    points of the TF32 reference. CUDA runs it as one cuBLAS GEMM (``aten::mm.dtype``); elsewhere the same
     arithmetic in float32 (a product of two float16 values is exact in float32).
     """
     x16 = x.to(torch.float16)
-    if x16.is_cuda and hasattr(torch.ops.aten.addmm, "dtype"):
-        flat = torch.ops.aten.addmm.dtype(bias, x16.reshape(-1, x16.shape[-1]), weight16.t(), torch.float32)
-        return flat.view(*x16.shape[:-1], weight16.shape[0])
+    if x16.is_cuda and mm_to_float32_traceable():
+        flat = torch.ops.aten.mm.dtype(x16.reshape(-1, x16.shape[-1]), weight16.t(), torch.float32)
+        return flat.view(*x16.shape[:-1], weight16.shape[0]) + bias  # one float32 rounding, as in the epilogue
     return F.linear(x16.float(), weight16.float(), bias)
+
+
+@functools.cache
+def mm_to_float32_traceable() -> bool:
+    """Whether this torch has ``aten::mm.dtype`` (float16 x float16 -> float32) with the meta kernel that
+    ``torch.compile`` traces through (torch 2.11's ``aten::addmm.dtype`` has none)."""
+    try:
+        a = torch.empty(2, 2, dtype=torch.float16, device="meta")
+        return torch.ops.aten.mm.dtype(a, a, torch.float32).dtype == torch.float32
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def _optimized_twin(reference: ReferenceTransformer, dtype: torch.dtype) -> OptimizedTransformer:
