@@ -40,6 +40,7 @@ import torch
 from kkdeploy.artifacts import WEIGHTS_FILE
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
+from kkdeploy.fused import half_gemm_kernel
 from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS, AllValidMaskCache, generate_case
 
 from .base import AllValidRouter, Backend, BuildContext, CandidateResult, Runner, requested_variants
@@ -221,7 +222,7 @@ class TorchCompileBackend(Backend):
             runner = compile_fused(fused_model(ctx.model, layers, half), device, name=candidate,
                                    cuda_graph=cuda_graph)
             recipe = {"inductor_configs": {}, "fp16_layers": list(layers), "half_gemm": half,
-                      "calibration": calibration}
+                      "half_gemm_kernel": half_gemm_kernel(device) if half else None, "calibration": calibration}
         else:
             runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)
         ratios = FINGERPRINT_PADDING[:1] if runner.all_valid_only else FINGERPRINT_PADDING

@@ -198,7 +198,7 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
     """
     import copy
 
-    from .fused import FusedTransformer
+    from .fused import FusedTransformer, half_gemm_kernel
     from .mixed import MixedPrecisionTransformer, calibrate_layers
 
     kind = _attention_kind(name)
@@ -252,6 +252,8 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
         info["calibration"] = calibration
         layers = tuple(calibration["fp16_layers"])
     chosen = model_for(layers)
+    if half:
+        info["half_gemm_kernel"] = half_gemm_kernel(device)
     if compiled:
         from engines.torch_compile import compile_fused, compile_mixed
 

@@ -70,16 +70,26 @@ def half_gemm(x: torch.Tensor, weight16: torch.Tensor, bias: torch.Tensor) -> to
     arithmetic in float32 (a product of two float16 values is exact in float32).
     """
     x16 = x.to(torch.float16)
-    if x16.is_cuda and mm_to_float32_traceable():
+    if half_gemm_kernel(x16.device) == MM_TO_FLOAT32:
         flat = torch.ops.aten.mm.dtype(x16.reshape(-1, x16.shape[-1]), weight16.t(), torch.float32)
         return flat.view(*x16.shape[:-1], weight16.shape[0]) + bias  # one float32 rounding, as in the epilogue
     return F.linear(x16.float(), weight16.float(), bias)
 
 
+MM_TO_FLOAT32 = "aten::mm.dtype (float16 x float16 -> float32)"
+EMULATED = "float32 GEMM of float16-rounded inputs"
+
+
+def half_gemm_kernel(device: torch.device | str) -> str:
+    """Which GEMM ``half_gemm`` runs on ``device``, for the build and bench records: both compute the same
+    thing, only the first runs on float16 tensor cores."""
+    return MM_TO_FLOAT32 if torch.device(device).type == "cuda" and mm_to_float32_traceable() else EMULATED
+
+
 @functools.cache
 def mm_to_float32_traceable() -> bool:
     """Whether this torch has ``aten::mm.dtype`` (float16 x float16 -> float32) with the meta kernel that
-    ``torch.compile`` traces through (torch 2.11's ``aten::addmm.dtype`` has none)."""
+    ``torch.compile`` traces through (on the lent H200, torch 2.11 failed to fake-trace ``aten::addmm.dtype``)."""
     try:
         a = torch.empty(2, 2, dtype=torch.float16, device="meta")
         return torch.ops.aten.mm.dtype(a, a, torch.float32).dtype == torch.float32

@@ -166,6 +166,14 @@ def test_half_gemm_is_float16_inputs_with_float32_accumulation():
     assert not torch.equal(got, got.half().float())  # ...and the output was not
 
 
+def test_half_gemm_runs_float16_tensor_cores_on_cuda_where_torch_can_trace_them():
+    from kkdeploy.fused import EMULATED, MM_TO_FLOAT32, half_gemm_kernel, mm_to_float32_traceable
+
+    assert half_gemm_kernel("cpu") == EMULATED
+    assert mm_to_float32_traceable()  # this torch has aten::mm.dtype with a meta kernel
+    assert half_gemm_kernel("cuda") == MM_TO_FLOAT32
+
+
 class TF32Reference(torch.overrides.TorchFunctionMode):
     """The reference under TF32 as the H200 runs it: every GEMM input rounded to a 10-bit mantissa (round to
     nearest), products summed in float32."""

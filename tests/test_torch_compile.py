@@ -190,6 +190,8 @@ def test_fused_build_calibrates_validates_and_records_its_recipe(shipped_fused):
     # float16 GEMM inputs: TF32-sized rounding, far above float32's reordering but inside the judge rule
     assert half["status"] == "passed" and half["validation"]["max_abs"] > 1e-4
     assert half["options"]["fp16_layers"] == [] and half["options"]["calibration"] is None
+    assert half["options"]["half_gemm_kernel"] == "float32 GEMM of float16-rounded inputs"  # CPU: no tensor cores
+    assert fused["options"]["half_gemm_kernel"] is None
     for name in ("torch-compile-fused-mixed", "torch-compile-fused-half-gemm-mixed"):
         mixed = entries[name]
         assert mixed["status"] == "passed" and mixed["options"]["mask_modes"] == ["all-valid", "padded"]
