@@ -16,6 +16,16 @@ from .inputs import AllValidMaskCache
 from .reference import ReferenceTransformer
 
 
+def packed_attention(attn, qkv: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """SDPA over a packed [B,S,3D] projection; merged [B,S,D] context. ``keep`` None: all keys valid (SDPA's
+    causal path when the model is causal), else a [B,1,S,S] boolean keep-mask (``kkdeploy.fused.attention_mask``)."""
+    b, s, _ = qkv.shape
+    q, k, v = qkv.view(b, s, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    causal = keep is None and attn.causal
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal, scale=attn.scale)
+    return context.transpose(1, 2).reshape(b, s, attn.num_heads * attn.head_dim)
+
+
 class OptimizedTransformer(ReferenceTransformer):
     def __init__(self, config: TransformerConfig, sdpa_layers: int = 1):
         super().__init__(config)
@@ -64,11 +74,8 @@ class OptimizedTransformer(ReferenceTransformer):
 
     def fused_attention(self, index: int, h: torch.Tensor) -> torch.Tensor:
         attn = self.layers[index].attention
-        b, s, d = h.shape
         weight, bias = self.packed_qkv(index)
-        qkv = F.linear(h, weight, bias).view(b, s, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-        context = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=attn.causal, scale=attn.scale)
-        return attn.out_proj(context.transpose(1, 2).reshape(b, s, d))
+        return attn.out_proj(packed_attention(attn, F.linear(h, weight, bias), None))
 
     def fast_forward(self, x: torch.Tensor) -> torch.Tensor:
         first_fused = len(self.layers) - self.sdpa_layers
