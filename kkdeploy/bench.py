@@ -445,6 +445,9 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str]) -> di
             entry["calibration"] = next(e["calibration"] for e in entries if "calibration" in e)
         if any("compile_seconds" in e for e in entries):
             entry["compile_seconds_per_process"] = [e.get("compile_seconds") for e in entries]
+        kernels = sorted({e["half_gemm_kernel"] for e in entries if "half_gemm_kernel" in e})
+        if kernels:
+            entry["half_gemm_kernel"] = " | ".join(kernels)  # one machine, one answer; both if processes differed
         latencies = [e["latency"] for e in entries if e.get("latency")]
         if latencies and status != FAILED and len(latencies) == len(entries):
             times = [t for lat in latencies for t in lat["times_ms"]]
@@ -529,6 +532,10 @@ def markdown_table(data: dict) -> str:
              for shape in data["shapes"] for n, b in shape["backends"].items() if "calibration" in b]
     if mixed:
         lines += ["", "Mixed-precision calibration (float32 model, float16 blocks; later blocks tried first):", ""] + mixed
+    half = [f"- {shape['label']} {n}: {b['half_gemm_kernel']}" for shape in data["shapes"]
+            for n, b in shape["backends"].items() if "half_gemm_kernel" in b]
+    if half:
+        lines += ["", "Half-GEMM blocks ran their GEMMs as:", ""] + half
     return "\n".join(lines) + "\n"
 
 

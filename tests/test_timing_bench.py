@@ -161,13 +161,14 @@ def test_bench_judge_float32_calibrates_mixed_precision_and_compiles_on_request(
     torch-compile (opt-in on the CPU) is faithful, so it passes with zero failed elements."""
     out = tmp_path / "bench"
     code = main(["bench", *TINY, "--device", "cpu", "--dtype", "float32", "--contract", "judge",
-                 "--candidates", "mixed,torch-compile,torch-graph-mixed,torch-compile-mixed-sdpa,fused-mixed,torch-compile-fused",
+                 "--candidates", "mixed,torch-compile,torch-graph-mixed,torch-compile-mixed-sdpa,fused-mixed,torch-compile-fused,"
+                 "fused-half-gemm-mixed",
                  "--processes", "1", "--warmups", "1",
                  "--repeats", "2", "--rounds", "1", "--trials", "1", "--out", str(out)])
     assert code == 0, capsys.readouterr()
     data = json.loads((out / "bench.json").read_text())
     assert data["protocol"]["candidates"] == ["mixed", "torch-compile", "torch-graph-mixed", "torch-compile-mixed-sdpa",
-                                              "fused-mixed", "torch-compile-fused"]
+                                              "fused-mixed", "torch-compile-fused", "fused-half-gemm-mixed"]
     assert data["protocol"]["tf32"] is None  # auto; and off on the CPU:
     worker = json.loads((out / "logs" / "result-custom-p0.json").read_text())
     assert worker["tf32"] is False
@@ -192,7 +193,11 @@ def test_bench_judge_float32_calibrates_mixed_precision_and_compiles_on_request(
     assert "reused_from" not in fused_mixed["calibration"] and fused_mixed["calibration"]["passed"]
     fused = backends["torch-compile-fused"]  # float32 throughout: SDPA and fusion only reorder float32 sums
     assert fused["status"] == "passed" and 0 < fused["max_abs"] < 1e-4 and "calibration" not in fused
+    half = backends["fused-half-gemm-mixed"]  # another base model, so its own calibration, not fused-mixed's
+    assert half["status"] == "passed" and "reused_from" not in half["calibration"] and half["calibration"]["passed"]
+    assert half["half_gemm_kernel"] == "float32 GEMM of float16-rounded inputs" and "half_gemm_kernel" not in fused_mixed
     assert "Mixed-precision calibration" in (out / "bench.md").read_text()
+    assert "fused-half-gemm-mixed: float32 GEMM of float16-rounded inputs" in (out / "bench.md").read_text()
 
 
 def test_bench_rejects_unknown_candidates(capsys):
