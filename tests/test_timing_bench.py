@@ -150,6 +150,24 @@ def test_aggregation_pools_processes_and_a_failure_anywhere_fails(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+def test_aggregation_reports_the_speedup_over_eagers_fastest_round_too():
+    """Eager slow in one process (4 ms rounds) and fast in the other (2 ms): the pooled median gives the
+    protocol's speedup, the fastest round the conservative one; bench.md shows both."""
+    job = ShapeJob("custom", None, TransformerConfig(2, 8, 16, 2, 24, 2))
+    results = [_worker_result(0, "passed", [1.0, 1.0, 1.0]), _worker_result(1, "passed", [1.0, 1.0, 1.0])]
+    results[1]["backends"]["eager"]["latency"] = LatencyStats.from_times([2.0, 2.0], [2.0]).to_dict(include_times=True)
+    backends = aggregate_shape(job, results, [])["backends"]
+    assert backends["engine"]["speedup"] == pytest.approx(4.0)  # pooled eager samples 4,4,4,2,2: median 4
+    assert backends["engine"]["speedup_over_eager_floor"] == pytest.approx(2.0)
+    assert backends["eager"]["speedup_over_eager_floor"] == pytest.approx(0.5)  # its pooled median: 2x its floor
+    data = {"created": "now", "command": "kkdeploy bench", "shapes": [dict(aggregate_shape(job, results, []))],
+            "protocol": {"dtype": "float32", "device": "cpu", "contract": "judge", "atol": 0.002, "rtol": 0.02,
+                         "trials": 5, "seed": 1234, "padding_ratio": 0.25, "warmups": 20, "repeats": 100,
+                         "rounds": 3, "processes": 2, "timer": "time.perf_counter"},
+            "environment": {"device": "cpu", "cpu": "x86_64", "versions": {"torch": "x"}}}
+    assert "| 4.00x | 2.00x |" in markdown_table(data)
+
+
 def test_chart_labels_name_a_shape_measured_in_fewer_processes():
     shapes = [{"label": "shape-01", "processes": 3}, {"label": "shape-06", "processes": 1}]
     assert shape_tick_labels(shapes) == ["shape-01", "shape-06 (1 proc)"]
