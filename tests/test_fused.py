@@ -174,23 +174,6 @@ def test_half_gemm_runs_float16_tensor_cores_on_cuda_where_torch_can_trace_them(
     assert half_gemm_kernel("cuda") == MM_TO_FLOAT32
 
 
-class TF32Reference(torch.overrides.TorchFunctionMode):
-    """The reference under TF32 as the H200 runs it: every GEMM input rounded to a 10-bit mantissa (round to
-    nearest), products summed in float32."""
-
-    @staticmethod
-    def round_tf32(t: torch.Tensor) -> torch.Tensor:
-        return ((t.contiguous().view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.linear:
-            return func(self.round_tf32(args[0]), self.round_tf32(args[1]), *args[2:], **kwargs)
-        if func is torch.matmul:
-            return func(self.round_tf32(args[0]), self.round_tf32(args[1]))
-        return func(*args, **kwargs)
-
-
 def test_half_gemm_model_keeps_the_tf32_references_rounding_points():
     """On shape 3, against the TF32 reference: the half-GEMM model passes even the strict rule and is closer
     to it than exact float32 is. A misplaced rounding point (say, a float16 residual stream or float16 GEMM
@@ -198,6 +181,7 @@ def test_half_gemm_model_keeps_the_tf32_references_rounding_points():
     from kkdeploy.config import official_config
     from kkdeploy.weights import build_models
     from validation.strict import compare_outputs
+    from validation.tf32_emulation import TF32Emulation
 
     config = official_config(3)
     reference = build_models(config, torch.float32, CPU)[0]
@@ -205,7 +189,7 @@ def test_half_gemm_model_keeps_the_tf32_references_rounding_points():
     assert half.half_gemm and half.fp16_layers == ()
     for x, mask in (generate_case(config, CPU, torch.float32, 1234, padding_ratio=0.0), padded_case(config, 1235)):
         with torch.inference_mode():
-            with TF32Reference():
+            with TF32Emulation():
                 tf32 = reference(x, mask)
             got, fp32 = half(x, mask), exact(x, mask)
         assert got.dtype == torch.float32
@@ -226,3 +210,17 @@ def test_half_gemm_blocks_combine_with_float16_blocks():
     torch.testing.assert_close(both, reference(x, mask), atol=2e-3, rtol=2e-2)
     with pytest.raises(KKError, match="half_gemm.*float32"):
         FusedTransformer(models_for(SMALL, torch.float16, sdpa_layers=0)[0], half_gemm=True)
+
+
+def test_tf32_emulation_rounds_gemm_inputs_to_ten_mantissa_bits():
+    from validation.tf32_emulation import TF32Emulation, round_to_tf32
+
+    one_plus = torch.tensor([1 + 2**-10, 1 + 2**-11, 1 + 2**-12, -(1 + 3 * 2**-12)])
+    assert round_to_tf32(one_plus).tolist() == [1 + 2**-10, 1 + 2**-10, 1.0, -(1 + 2**-10)]  # ties away from 0
+    assert round_to_tf32(one_plus, "truncate").tolist() == [1 + 2**-10, 1.0, 1.0, -1.0]
+    a, b = torch.tensor([[1 + 2**-12]]), torch.tensor([[1.0]])
+    with TF32Emulation("truncate"):
+        assert torch.matmul(a, b).item() == 1.0 and torch.nn.functional.linear(a, b).item() == 1.0
+    assert torch.matmul(a, b).item() == 1 + 2**-12  # outside the mode: float32 again
+    with pytest.raises(ValueError, match="unknown TF32 rounding"):
+        TF32Emulation("stochastic")
