@@ -89,7 +89,7 @@ def check_variant(name: str, config: TransformerConfig, dtype: torch.dtype) -> N
 
 def needs_float32(name: str) -> bool:
     """Fused variants with float16 inside (calibrated blocks or half GEMMs) exist only in a float32 model."""
-    return name in FUSED_VARIANTS and name != FUSED
+    return any(FUSED_VARIANTS.get(name, ()))
 
 
 FINGERPRINT_PADDING = (0.0, 0.25)  # the all-valid case, then a padded one: each route of a routed runner
