@@ -168,6 +168,6 @@ class FusedTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
         self.main_model.check_call(x, valid_token_mask)
-        if valid_token_mask is not None and not bool(valid_token_mask.all()):
+        if not self.main_model.mask_is_all_valid(valid_token_mask):  # cached: a reused mask costs no sync
             return self.fused_forward(x, valid_token_mask)
         return self.all_valid_forward(x)
