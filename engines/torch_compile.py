@@ -40,7 +40,6 @@ import torch
 from kkdeploy.artifacts import WEIGHTS_FILE
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
-from kkdeploy.fused import half_gemm_kernel
 from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS, AllValidMaskCache, generate_case
 
 from .base import AllValidRouter, Backend, BuildContext, CandidateResult, Runner, requested_variants
@@ -219,10 +218,10 @@ class TorchCompileBackend(Backend):
                     raise KKError("no float16 block set passed calibration (not even none); "
                                   f"{calibration['tried'][-1].get('reason', '')}")
                 layers = tuple(calibration["fp16_layers"])
-            runner = compile_fused(fused_model(ctx.model, layers, half), device, name=candidate,
-                                   cuda_graph=cuda_graph)
+            fused = fused_model(ctx.model, layers, half)
+            runner = compile_fused(fused, device, name=candidate, cuda_graph=cuda_graph)
             recipe = {"inductor_configs": {}, "fp16_layers": list(layers), "half_gemm": half,
-                      "half_gemm_kernel": half_gemm_kernel(device) if half else None, "calibration": calibration}
+                      "half_gemm_kernel": fused.half_gemm_kernel, "calibration": calibration}
         else:
             runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)
         ratios = FINGERPRINT_PADDING[:1] if runner.all_valid_only else FINGERPRINT_PADDING

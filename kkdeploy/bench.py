@@ -198,7 +198,7 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
     """
     import copy
 
-    from .fused import FusedTransformer, half_gemm_kernel
+    from .fused import FusedTransformer
     from .mixed import MixedPrecisionTransformer, calibrate_layers
 
     kind = _attention_kind(name)
@@ -253,7 +253,7 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
         layers = tuple(calibration["fp16_layers"])
     chosen = model_for(layers)
     if half:
-        info["half_gemm_kernel"] = half_gemm_kernel(device)
+        info["half_gemm_kernel"] = chosen.half_gemm_kernel
     if compiled:
         from engines.torch_compile import compile_fused, compile_mixed
 

@@ -51,19 +51,21 @@ def masked_fused_attention(model: OptimizedTransformer, index: int, h: torch.Ten
     return zero_invalid_rows(out, valid_token_mask)
 
 
-def half_gemm(x: torch.Tensor, weight16: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def half_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``F.linear`` with float16 inputs and float32 accumulation, bias and output.
 
     Why: TF32 rounds a GEMM's float32 inputs to a 10-bit mantissa, which is float16's; so float16 tensor
     cores (twice TF32's rate) fed with the rounded inputs and accumulating in float32 keep the rounding
-    points of the TF32 reference. CUDA runs it as one cuBLAS GEMM (``aten::mm.dtype``); elsewhere the same
-    arithmetic in float32 (a product of two float16 values is exact in float32).
+    points of the TF32 reference. ``weight`` holds float16 values in the form its route takes (see
+    ``half_gemm_kernel``): a float16 weight runs as one cuBLAS GEMM (``aten::mm.dtype``), a float32 one
+    (float16-rounded once, by the caller) as the same arithmetic in float32 (a product of two float16
+    values is exact in float32).
     """
     x16 = x.to(torch.float16)
-    if half_gemm_kernel(x16.device) == MM_TO_FLOAT32:
-        flat = torch.ops.aten.mm.dtype(x16.reshape(-1, x16.shape[-1]), weight16.t(), torch.float32)
-        return flat.view(*x16.shape[:-1], weight16.shape[0]) + bias  # one float32 rounding, as in the epilogue
-    return F.linear(x16.float(), weight16.float(), bias)
+    if weight.dtype == torch.float16:
+        flat = torch.ops.aten.mm.dtype(x16.reshape(-1, x16.shape[-1]), weight.t(), torch.float32)
+        return flat.view(*x16.shape[:-1], weight.shape[0]) + bias  # one float32 rounding, as in the epilogue
+    return F.linear(x16.float(), weight, bias)
 
 
 MM_TO_FLOAT32 = "aten::mm.dtype (float16 x float16 -> float32)"
@@ -71,8 +73,8 @@ EMULATED = "float32 GEMM of float16-rounded inputs"
 
 
 def half_gemm_kernel(device: torch.device | str) -> str:
-    """Which GEMM ``half_gemm`` runs on ``device``, for the build and bench records: both compute the same
-    thing, only the first runs on float16 tensor cores."""
+    """Which GEMM ``half_gemm`` should run on ``device``: both compute the same thing, only the first runs
+    on float16 tensor cores (CUDA, where torch can trace ``aten::mm.dtype``)."""
     return MM_TO_FLOAT32 if torch.device(device).type == "cuda" and mm_to_float32_traceable() else EMULATED
 
 
@@ -115,8 +117,14 @@ class FusedTransformer(nn.Module):
         self.config = reference.config
         self.fp16_layers = layers
         self.half_gemm = bool(half_gemm)
+        # half-GEMM blocks: the route chosen once for this model's device, the weights held as it takes them
+        self.half_gemm_kernel = half_gemm_kernel(reference.device) if half_gemm else None
+        tensor_cores = self.half_gemm_kernel == MM_TO_FLOAT32
         self.main_model = _optimized_twin(reference, reference.dtype)  # its weights, packed and frozen
-        self.fp16_model = _optimized_twin(reference, torch.float16) if layers or half_gemm else None
+        self.fp16_model = _optimized_twin(reference, torch.float16) if layers or tensor_cores else None
+        self.gemm_model = None
+        if half_gemm:  # float16 weights for tensor cores, else float16 values rounded once and held in float32
+            self.gemm_model = self.fp16_model if tensor_cores else _optimized_twin(reference, torch.float16).float()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -135,11 +143,11 @@ class FusedTransformer(nn.Module):
         keeps in float32 (LayerNorm statistics, softmax, GELU, GEMM sums and biases, the residual stream)
         stays float32. Only Q/K/V and the context are stored in float16, as FlashAttention takes and gives.
         """
-        main, half = self.main_model.layers[index], self.fp16_model.layers[index]
-        weight16, _ = self.fp16_model.packed_qkv(index)
+        main, half = self.main_model.layers[index], self.gemm_model.layers[index]
+        weight, _ = self.gemm_model.packed_qkv(index)
         _, bias = self.main_model.packed_qkv(index)
         attn = main.attention
-        qkv = half_gemm(main.norm1(x), weight16, bias).to(torch.float16)
+        qkv = half_gemm(main.norm1(x), weight, bias).to(torch.float16)
         context = packed_attention(attn, qkv, keep)
         x = x + zero_invalid_rows(half_gemm(context, half.attention.out_proj.weight, attn.out_proj.bias),
                                   valid_token_mask)

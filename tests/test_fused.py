@@ -157,7 +157,7 @@ def test_half_gemm_is_float16_inputs_with_float32_accumulation():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 64, generator=gen)
     weight, bias = torch.randn(48, 64, generator=gen) / 8, torch.randn(48, generator=gen)
-    got = half_gemm(x, weight.half(), bias)
+    got = half_gemm(x, weight.half().float(), bias)  # the CPU's route: float16 values held in float32
     assert got.dtype == torch.float32 and got.shape == (2, 5, 48)
     exact = (x.half().double() @ weight.half().double().T + bias.double()).float()
     torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-6)  # float32 sums of exact products
@@ -172,6 +172,12 @@ def test_half_gemm_runs_float16_tensor_cores_on_cuda_where_torch_can_trace_them(
     assert half_gemm_kernel("cpu") == EMULATED
     assert mm_to_float32_traceable()  # this torch has aten::mm.dtype with a meta kernel
     assert half_gemm_kernel("cuda") == MM_TO_FLOAT32
+    reference = models_for(SMALL, torch.float32, sdpa_layers=0)[0]
+    model = FusedTransformer(reference, half_gemm=True)  # on the CPU: float16-rounded weights held in float32
+    assert model.half_gemm_kernel == EMULATED and model.gemm_model.dtype == torch.float32
+    weight = model.gemm_model.layers[0].ffn_in.weight
+    assert torch.equal(weight, reference.layers[0].ffn_in.weight.half().float())
+    assert FusedTransformer(reference).half_gemm_kernel is None
 
 
 def test_half_gemm_model_keeps_the_tf32_references_rounding_points():
