@@ -7,13 +7,13 @@ every reason lands in the manifest.
 from __future__ import annotations
 
 from engines.base import PASSED, PASSED_ALL_VALID_ONLY
+from engines.torch_compile import FUSED_VARIANTS
 
 FALLBACK = "pytorch-fallback"
 # Simplest first: on a tie (within TIE_TOLERANCE) the simpler backend ships.
 SIMPLICITY_ORDER = [FALLBACK, "torch-graph", "torch-graph-nomask", "torch-graph-sdpa1", "ort-cpu", "ort-cuda",
-                    "ort-cuda-graph", "torch-compile", "torch-compile-sdpa1", "torch-compile-fused",
-                    "torch-compile-fused-mixed", "torch-compile-fused-half-gemm",
-                    "torch-compile-fused-half-gemm-mixed", "inductor", "inductor-fused", "inductor-sdpa1", "trt"]
+                    "ort-cuda-graph", "torch-compile", "torch-compile-sdpa1", *FUSED_VARIANTS, "inductor",
+                    "inductor-fused", "inductor-sdpa1", "trt"]
 TIE_TOLERANCE = 0.02
 
 
