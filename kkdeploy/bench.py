@@ -148,7 +148,7 @@ def tf32_enabled(options: "BenchOptions", device: torch.device, dtype: torch.dty
     return tf32_default(device, dtype, options.contract, options.tf32)
 
 
-def _make_candidate(name: str, reference, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+def make_candidate(name: str, reference, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
                     options: "BenchOptions", info: dict, calibrations: dict | None = None):
     """(runner, all_valid_only) for one bench candidate; raises with the reason it cannot run here."""
     from .weights import build_models
@@ -283,7 +283,7 @@ def bench_candidates(job: ShapeJob, options: BenchOptions, reference, device: to
             skipped[name] = f"skipped: compiling is opt-in on the CPU (--candidates {name})"
             continue
         try:
-            runner, valid_only = _make_candidate(name, reference, config, dtype, device, options, details,
+            runner, valid_only = make_candidate(name, reference, config, dtype, device, options, details,
                                                  calibrations)
         except KKError as exc:
             text = str(exc)

@@ -10,7 +10,8 @@
 #   shape14.json     scripts/shape14_h200.py (full logical shape 14)
 #   bench-DT-CT.tgz  kkdeploy bench output per shape (json, md, png, logs), DT dtype, CT contract
 #   summary-DT-CT.md scripts/bench_summary.py over those: best passing backend per shape, geomeans
-# Steps: env, setup, selfcheck, build, fidelity, inductor, shape14, bench. A step's =SECONDS caps its wall time.
+#   profile.tgz      scripts/profile_candidate.py per shape: kernel classes and top kernels, Chrome traces
+# Steps: env, setup, selfcheck, build, fidelity, inductor, shape14, bench, profile. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -75,6 +76,14 @@ step_bench() {
     python3 scripts/bench_summary.py "$WORK/bench-$dt-$ct" --md "$OUT/summary-$dt-$ct.md" > /dev/null
   done
   cat "$OUT/summary-$dt-$ct.md"
+}
+step_profile() {
+  # PROFILE_SHAPES (8 6 5 11), PROFILE_ARGS (extra flags, e.g. --candidate torch-compile-fused-mixed)
+  for s in ${PROFILE_SHAPES:-8 6 5 11}; do
+    python3 scripts/profile_candidate.py --shape "$s" --device cuda ${PROFILE_ARGS:-} --out "$WORK/profile/shape-$s" \
+      || echo "profile shape $s: exit $?"
+    [ -d "$WORK/profile" ] && (cd "$WORK" && tar czf "$OUT/profile.tgz" profile)  # a timeout keeps what finished
+  done
 }
 
 for arg in "$@"; do

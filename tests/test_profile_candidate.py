@@ -1,0 +1,74 @@
+"""scripts/profile_candidate.py: where a candidate's time goes, by kernel class (run on the CPU here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kkdeploy.fused import EMULATED
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_candidate.py"
+
+
+@pytest.fixture(scope="module")
+def profiler():
+    spec = importlib.util.spec_from_file_location("profile_candidate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("sm90_xmma_gemm_f16f16_f32f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTN", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_64x64_16x6_tn_align4>(Params)", "gemm"),
+    ("fmha_cutlassF_f16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)", "attention"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<32, 128, 128, 4, cutlass::half_t>>", "attention"),
+    ("triton_poi_fused__to_copy_add_native_layer_norm_0", "triton"),
+    ("void at::native::elementwise_kernel<128, 2, direct_copy_kernel_cuda>", "copy/cast"),
+    ("Memcpy DtoD (Device -> Device)", "copy/cast"),
+    ("aten::addmm", "gemm"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("aten::native_layer_norm", "other"),
+])
+def test_kernel_class(profiler, name, cls):
+    assert profiler.kernel_class(name) == cls
+
+
+def test_profiles_eager_and_the_fused_candidate_on_the_cpu(profiler, tmp_path, capsys):
+    out = tmp_path / "prof"
+    code = profiler.main(["--shape", "3", "--device", "cpu", "--candidate", "fused-half-gemm", "--calls", "2",
+                          "--warmups", "1", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "profile.json").read_text())
+    assert report["shape_id"] == 3 and report["dtype"] == "float32" and report["tf32"] is False
+    assert report["candidate_info"]["half_gemm_kernel"] == EMULATED  # the candidate bench would run here
+    eager, fused = report["backends"]["eager"], report["backends"]["fused-half-gemm"]
+    for result in (eager, fused):
+        classes = result["classes_ms_per_call"]
+        assert set(classes) == set(profiler.CLASSES)
+        assert sum(classes.values()) == pytest.approx(result["kernel_ms_per_call"])
+        assert classes["gemm"] > 0
+        assert json.loads((out / result["trace"]).read_text())["traceEvents"]
+        times = [r["ms_per_call"] for r in result["kernels"]]
+        assert times == sorted(times, reverse=True)
+    # the fused model attends through SDPA in every block; the reference computes scores with bmm + softmax
+    assert fused["classes_ms_per_call"]["attention"] > 0
+    assert eager["classes_ms_per_call"]["attention"] == 0
+    assert {r["name"] for r in eager["kernels"]} >= {"aten::bmm", "aten::_softmax"}
+    assert "eager vs fused-half-gemm" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shape", "99"], "unknown shape id 99"),
+    (["--shape", "3", "--candidate", "tensorrt"], "unknown bench candidate"),
+    (["--shape", "3", "--calls", "0"], "--calls must be >= 1"),
+])
+def test_bad_arguments_get_one_line(profiler, tmp_path, capsys, argv, message):
+    assert profiler.main(argv + ["--device", "cpu", "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "p").exists()
