@@ -1,3 +1,6 @@
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,3 +20,12 @@ def small_config():
 
 def models_for(config, dtype=torch.float32, sdpa_layers=1, seed=0):
     return build_models(config, dtype, "cpu", seed=seed, sdpa_layers=sdpa_layers)
+
+
+def load_script(name: str):
+    """A module from scripts/ (run by hand, not a package), for tests of its functions and main()."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

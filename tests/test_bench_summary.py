@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_summary.py"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench_summary():
-    spec = importlib.util.spec_from_file_location("bench_summary", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_summary")
 
 
 def shape(shape_id: int, eager_rounds: list[float], eager_median: float, candidates: dict) -> dict:

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from kkdeploy.fused import EMULATED
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_candidate.py"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def profiler():
-    spec = importlib.util.spec_from_file_location("profile_candidate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("profile_candidate")
 
 
 @pytest.mark.parametrize("name, cls", [
