@@ -188,6 +188,15 @@ def _attention_kind(name: str) -> str:
     return "sdpa" if name.endswith("-sdpa") else "reference"
 
 
+def set_process_tf32(options: "BenchOptions", device: torch.device, dtype: torch.dtype) -> bool:
+    """TF32 for the whole process: the reference, eager timing and every candidate alike. Returns it."""
+    tf32 = tf32_enabled(options, device, dtype)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+    return tf32
+
+
 def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptions", info: dict,
                 calibrations: dict):
     """Calibrate the float16 blocks for this shape on the trial plan, then build the chosen runner.
@@ -326,10 +335,7 @@ def run_worker(job: ShapeJob, options: BenchOptions, process_index: int, log_dir
     device = resolve_device(options.device)
     dtype = parse_dtype(options.dtype)
     started = time.perf_counter()
-    tf32 = tf32_enabled(options, device, dtype)
-    if device.type == "cuda":  # set for the whole process: the reference, eager timing and candidates alike
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
+    tf32 = set_process_tf32(options, device, dtype)
     reference, _ = build_models(job.config, dtype, device, weights=options.weights, sdpa_layers=0)
     runners, all_valid_only, skipped, info = bench_candidates(job, options, reference, device, dtype)
     report = validate_candidates(reference, runners, job.config, dtype, device, seed=options.seed,

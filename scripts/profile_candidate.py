@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kkdeploy.bench import (EAGER, BenchOptions, environment, make_candidate, parse_candidates,  # noqa: E402
-                            tf32_enabled)
+                            set_process_tf32)
 from kkdeploy.config import OFFICIAL_SHAPES, dtype_name, parse_dtype, resolve_device  # noqa: E402
 from kkdeploy.errors import KKError  # noqa: E402
 from kkdeploy.inputs import DEFAULT_SEED, TIMED_SEED_OFFSET, generate_case  # noqa: E402
@@ -139,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         options = BenchOptions(device=str(device), dtype=dtype_name(dtype), contract=args.contract,
                                trials=args.trials, candidates=[name]).check()
         config = OFFICIAL_SHAPES[args.shape]
-        tf32 = tf32_enabled(options, device, dtype)
-        if device.type == "cuda":  # as the bench worker: one TF32 setting for the whole process
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-            torch.backends.cudnn.allow_tf32 = tf32
+        tf32 = set_process_tf32(options, device, dtype)  # as the bench worker
         reference, _ = build_models(config, dtype, device, sdpa_layers=0)
         info: dict = {}
         runner, _ = make_candidate(name, reference, config, dtype, device, options, info, {})
