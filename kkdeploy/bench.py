@@ -149,7 +149,7 @@ def tf32_enabled(options: "BenchOptions", device: torch.device, dtype: torch.dty
 
 
 def make_candidate(name: str, reference, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
-                    options: "BenchOptions", info: dict, calibrations: dict | None = None):
+                   options: "BenchOptions", info: dict, calibrations: dict | None = None):
     """(runner, all_valid_only) for one bench candidate; raises with the reason it cannot run here."""
     from .weights import build_models
 
@@ -293,7 +293,7 @@ def bench_candidates(job: ShapeJob, options: BenchOptions, reference, device: to
             continue
         try:
             runner, valid_only = make_candidate(name, reference, config, dtype, device, options, details,
-                                                 calibrations)
+                                                calibrations)
         except KKError as exc:
             text = str(exc)
             skipped[name] = text if text.split(":")[0] in ("skipped", "unavailable") else f"unavailable: {text}"
