@@ -135,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.calls < 1 or args.warmups < 0:
             raise KKError("--calls must be >= 1 and --warmups >= 0")
         device, dtype = resolve_device(args.device), parse_dtype(args.dtype)
-        name = (parse_candidates(args.candidate) or [default_candidate(device)])[0]
+        names = parse_candidates(args.candidate) or [default_candidate(device)]
+        if len(names) > 1:
+            raise KKError(f"--candidate takes one bench candidate, got {len(names)}: {', '.join(names)}")
+        name = names[0]
         options = BenchOptions(device=str(device), dtype=dtype_name(dtype), contract=args.contract,
                                trials=args.trials, candidates=[name]).check()
         config = OFFICIAL_SHAPES[args.shape]

@@ -60,6 +60,7 @@ def test_profiles_eager_and_the_fused_candidate_on_the_cpu(profiler, tmp_path, c
     (["--shape", "99"], "unknown shape id 99"),
     (["--shape", "3", "--candidate", "tensorrt"], "unknown bench candidate"),
     (["--shape", "3", "--calls", "0"], "--calls must be >= 1"),
+    (["--shape", "3", "--candidate", "fused,fused-half-gemm"], "--candidate takes one bench candidate, got 2"),
 ])
 def test_bad_arguments_get_one_line(profiler, tmp_path, capsys, argv, message):
     assert profiler.main(argv + ["--device", "cpu", "--out", str(tmp_path / "p")]) == 2
