@@ -26,7 +26,7 @@ import torch
 
 from engines.base import PASSED, PASSED_ALL_VALID_ONLY
 
-from .config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES, TransformerConfig, dtype_name
+from .config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES, TransformerConfig, dtype_name, official_config
 from .errors import KKError
 from .inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
 from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS, LatencyStats, measure_latency
@@ -92,7 +92,7 @@ def jobs_for(shape_ids: list[int] | None, config: TransformerConfig | None) -> l
     for sid in shape_ids:
         if sid in LONG_CONTEXT_SHAPES:
             raise KKError(LONG_CONTEXT_POINTER.format(sid=sid))
-        jobs.append(ShapeJob(shape_label(sid), sid, OFFICIAL_SHAPES[sid]))
+        jobs.append(ShapeJob(shape_label(sid), sid, official_config(sid)))  # an unknown id: one line
     return jobs
 
 

@@ -83,6 +83,9 @@ def test_bench_refuses_long_context_and_conflicting_flags(capsys):
         jobs_for([14], None)
     assert main(["bench", "--shape", "14", "--device", "cpu"]) == 2
     assert "long-context" in capsys.readouterr().err
+    assert main(["bench", "--shape", "99", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown shape id 99" in err and len(err.splitlines()) == 1
     assert main(["bench", "--all", "--shape", "3", "--device", "cpu"]) == 2
     assert main(["bench", "--device", "cpu"]) == 2
     assert main(["bench", "--shape", "3", "--device", "cpu", "--repeats", "0"]) == 2
