@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kkdeploy.bench import (EAGER, BenchOptions, environment, make_candidate, parse_candidates,  # noqa: E402
-                            set_process_tf32)
-from kkdeploy.config import OFFICIAL_SHAPES, dtype_name, parse_dtype, resolve_device  # noqa: E402
+from kkdeploy.bench import (EAGER, BenchOptions, environment, jobs_for, make_candidate,  # noqa: E402
+                            parse_candidates, set_process_tf32)
+from kkdeploy.config import dtype_name, parse_dtype, resolve_device  # noqa: E402
 from kkdeploy.errors import KKError  # noqa: E402
 from kkdeploy.inputs import DEFAULT_SEED, TIMED_SEED_OFFSET, generate_case  # noqa: E402
 from kkdeploy.weights import build_models  # noqa: E402
@@ -130,18 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="profile-out")
     args = parser.parse_args(argv)
     try:
-        if args.shape not in OFFICIAL_SHAPES:
-            raise KKError(f"unknown shape id {args.shape}; choose one of {sorted(OFFICIAL_SHAPES)}")
+        config = jobs_for([args.shape], None)[0].config  # bench's checks: unknown id, long-context shape
         if args.calls < 1 or args.warmups < 0:
             raise KKError("--calls must be >= 1 and --warmups >= 0")
         device, dtype = resolve_device(args.device), parse_dtype(args.dtype)
-        names = parse_candidates(args.candidate) or [default_candidate(device)]
+        names = parse_candidates(args.candidate or default_candidate(device))
         if len(names) > 1:
             raise KKError(f"--candidate takes one bench candidate, got {len(names)}: {', '.join(names)}")
         name = names[0]
         options = BenchOptions(device=str(device), dtype=dtype_name(dtype), contract=args.contract,
                                trials=args.trials, candidates=[name]).check()
-        config = OFFICIAL_SHAPES[args.shape]
         tf32 = set_process_tf32(options, device, dtype)  # as the bench worker
         reference, _ = build_models(config, dtype, device, sdpa_layers=0)
         info: dict = {}

@@ -58,6 +58,7 @@ def test_profiles_eager_and_the_fused_candidate_on_the_cpu(profiler, tmp_path, c
 
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "99"], "unknown shape id 99"),
+    (["--shape", "14"], "shape 14 is long-context"),
     (["--shape", "3", "--candidate", "tensorrt"], "unknown bench candidate"),
     (["--shape", "3", "--calls", "0"], "--calls must be >= 1"),
     (["--shape", "3", "--candidate", "fused,fused-half-gemm"], "--candidate takes one bench candidate, got 2"),
