@@ -50,11 +50,12 @@ def main() -> int:
                     tf32 = reference(x, mask)
                 with TF32Emulation("truncate"):
                     truncated = reference(x, mask)
+                half_gemm = half(x, mask)
                 rows = [("exact float32 vs TF32 (nearest)", tf32, exact),
                         ("TF32 (truncate) vs TF32 (nearest)", tf32, truncated),
                         ("fused float32 vs TF32 (nearest)", tf32, fused(x, mask)),
-                        ("fused half-GEMM vs TF32 (nearest)", tf32, half(x, mask)),
-                        ("fused half-GEMM vs exact float32", exact, half(x, mask))]
+                        ("fused half-GEMM vs TF32 (nearest)", tf32, half_gemm),
+                        ("fused half-GEMM vs exact float32", exact, half_gemm)]
             for name, ref, out in rows:
                 j, s = compare_outputs(ref, out, *judge), compare_outputs(ref, out, *strict)
                 mode = "all-valid" if ratio == 0 else f"padded {ratio}"

@@ -16,10 +16,15 @@ from torch.overrides import TorchFunctionMode
 TF32_MODES = ("nearest", "truncate")
 
 
-def round_to_tf32(t: torch.Tensor, mode: str = "nearest") -> torch.Tensor:
-    """A float32 tensor with its mantissa cut to TF32's 10 bits (finite values; exponent range is float32's)."""
+def check_mode(mode: str) -> str:
     if mode not in TF32_MODES:
         raise ValueError(f"unknown TF32 rounding {mode!r}; use one of {TF32_MODES}")
+    return mode
+
+
+def round_to_tf32(t: torch.Tensor, mode: str = "nearest") -> torch.Tensor:
+    """A float32 tensor with its mantissa cut to TF32's 10 bits (finite values; exponent range is float32's)."""
+    check_mode(mode)
     bits = t.float().contiguous().view(torch.int32)
     if mode == "nearest":
         bits = bits + 0x1000  # half of the dropped 13 bits: a carry rounds the magnitude up
@@ -31,8 +36,7 @@ class TF32Emulation(TorchFunctionMode):
 
     def __init__(self, mode: str = "nearest"):
         super().__init__()
-        round_to_tf32(torch.zeros(1), mode)  # an unknown mode fails here, not on the first GEMM
-        self.mode = mode
+        self.mode = check_mode(mode)  # an unknown mode fails here, not on the first GEMM
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
