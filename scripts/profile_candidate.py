@@ -18,7 +18,6 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -72,10 +71,10 @@ def kernel_rows(prof, on_gpu: bool, calls: int) -> list[dict]:
 
 
 def class_totals(rows: list[dict]) -> dict[str, float]:
-    totals = defaultdict(float)
+    totals = dict.fromkeys(CLASSES, 0.0)
     for r in rows:
         totals[r["class"]] += r["ms_per_call"]
-    return {c: totals.get(c, 0.0) for c in CLASSES}
+    return totals
 
 
 def profile_runner(runner, x, mask, device: torch.device, warmups: int, calls: int, trace: Path) -> dict:
