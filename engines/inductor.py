@@ -95,7 +95,7 @@ class AllValidSdpaForward(torch.nn.Module):
 
     def __init__(self, reference: torch.nn.Module, sdpa_layers: int):
         super().__init__()
-        from kkdeploy.optimized import OptimizedTransformer
+        from kkdeploy.models.optimized import OptimizedTransformer
 
         optimized = OptimizedTransformer(reference.config, sdpa_layers=sdpa_layers)
         optimized.load_state_dict(reference.state_dict(), strict=True)
@@ -315,7 +315,7 @@ def faithful_inductor_configs() -> dict:
 
 def build_package(ctx: BuildContext, variant: str) -> dict:
     """Write ``<variant>.pt2`` into ctx.out_dir (from the cache when possible); return its options."""
-    from kkdeploy.weights import weights_sha256
+    from kkdeploy.models.weights import weights_sha256
 
     from . import inductor_cache as cache
     from .inductor_ops import OPS_VERSION

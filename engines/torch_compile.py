@@ -16,13 +16,13 @@ the fallback). Variants:
 
   ``torch-compile``        fully faithful, all-valid and padded calls.
   ``torch-compile-sdpa1``  faithful plus packed QKV + SDPA in the last layer; all-valid calls only.
-  ``torch-compile-fused``  judge contract: ``kkdeploy.fused`` (SDPA in every block, every mask) under
+  ``torch-compile-fused``  judge contract: ``kkdeploy.models.fused`` (SDPA in every block, every mask) under
                            Inductor's own fusion; not bitwise, so validation decides.
   ``torch-compile-fused-mixed``  the same with float16 blocks calibrated on the build's trial plan
                            (float32 builds only).
   ``torch-compile-fused-half-gemm[-mixed]``  the fused model whose float32 blocks run every GEMM and
                            attention on float16 inputs with float32 accumulation: TF32's rounding points on
-                           float16 tensor cores (``kkdeploy.fused.half_gemm``); float32 builds only.
+                           float16 tensor cores (``kkdeploy.models.fused.half_gemm``); float32 builds only.
                            The four fused variants are defaults of float32 judge builds on CUDA.
 
 On CUDA the compiled call is captured in a CUDA graph (``engines.cuda_graph``).
@@ -202,7 +202,7 @@ class TorchCompileBackend(Backend):
         return guarded_build(self, ctx, candidate, lambda: self._compile(ctx, candidate))
 
     def _compile(self, ctx: BuildContext, candidate: str) -> tuple[dict, list[str]]:
-        from kkdeploy.weights import weights_sha256
+        from kkdeploy.models.weights import weights_sha256
 
         from .inductor import faithful_inductor_configs
 
@@ -340,7 +340,7 @@ class CompiledRoutes(AllValidRouter):
 
 def compile_fused(fused: torch.nn.Module, device: torch.device, *, name: str,
                   cuda_graph: bool = True) -> CompiledRoutes:
-    """A ``kkdeploy.fused.FusedTransformer`` compiled with Inductor's defaults, twice: all-valid calls take the
+    """A ``kkdeploy.models.fused.FusedTransformer`` compiled with Inductor's defaults, twice: all-valid calls take the
     causal graph (no mask tensor), padded calls the boolean-mask graph. Serves both.
 
     Like ``compile_mixed``, not bitwise to anything: a judge-contract candidate that validation gates (per
@@ -365,7 +365,7 @@ def compile_mixed(mixed: torch.nn.Module, device: torch.device, *, name: str, al
 
 
 def fused_model(reference: torch.nn.Module, fp16_layers=(), half_gemm: bool = False) -> torch.nn.Module:
-    from kkdeploy.fused import FusedTransformer
+    from kkdeploy.models.fused import FusedTransformer
 
     return FusedTransformer(reference, fp16_layers, half_gemm=bool(half_gemm))
 
@@ -377,7 +377,7 @@ def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, pla
     Each tried set runs on its eager twin, routed by mask like the compiled runner (two CUDA-graph captures
     on a GPU): a compile per tried set would cost minutes. The compiled model is then validated with every
     other candidate, so what ships has passed."""
-    from kkdeploy.mixed import calibrate_layers
+    from kkdeploy.models.mixed import calibrate_layers
 
     def runner_for(layers):
         model = fused_model(reference, layers, half_gemm)

@@ -60,8 +60,8 @@ class CudaGraphRunner(Runner):
 
 def model_for_variant(variant: dict, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
                       state_dict: dict):
-    from kkdeploy.optimized import OptimizedTransformer
-    from kkdeploy.reference import ReferenceTransformer
+    from kkdeploy.models.optimized import OptimizedTransformer
+    from kkdeploy.models.reference import ReferenceTransformer
 
     if variant["model"] == "reference":
         model = ReferenceTransformer(config)

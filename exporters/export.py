@@ -12,7 +12,7 @@ import torch
 from kkdeploy.artifacts import file_sha256
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
-from kkdeploy.weights import weights_sha256
+from kkdeploy.models.weights import weights_sha256
 
 from .budget import ensure_dense_attention_fits
 from .graph_check import check_graph

@@ -3,8 +3,7 @@
 from .config import OFFICIAL_SHAPES, TransformerConfig, official_config
 from .errors import KKError
 from .inputs import generate_case
-from .optimized import OptimizedTransformer
-from .reference import ReferenceTransformer
+from .models import OptimizedTransformer, ReferenceTransformer
 
 __version__ = "0.1.0"
 
@@ -21,6 +20,6 @@ __all__ = [
 
 def load(path, device=None):
     """Load verified artifacts and return a runner ``runner(x, valid_token_mask=None)``."""
-    from .runtime import load as _load
+    from .pipeline.runtime import load as _load
 
     return _load(path, device=device)

@@ -10,7 +10,7 @@ too), and the fastest for all-valid calls (which may be all-valid-only); then th
 of those speedups over the shapes present.
 
 Next to the protocol's speedup (over the pooled eager median) it gives the conservative one, over
-eager's fastest round median in the same processes (``kkdeploy.bench.eager_floor_ms`` says why).
+eager's fastest round median in the same processes (``kkdeploy.pipeline.bench.eager_floor_ms`` says why).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kkdeploy.bench import EAGER, eager_floor_ms, geometric_mean, plot_speedups  # noqa: E402
+from kkdeploy.pipeline.bench import EAGER, eager_floor_ms, geometric_mean, plot_speedups  # noqa: E402
 
 PASSED, PASSED_ALL_VALID_ONLY = "passed", "passed-all-valid-only"
 

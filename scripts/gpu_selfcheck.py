@@ -36,7 +36,7 @@ def scenario(name: str, shape: int) -> dict:
 
     from engines.torch_graph import VARIANTS, CudaGraphRunner, model_for_variant
     from kkdeploy import generate_case, official_config
-    from kkdeploy.weights import build_models
+    from kkdeploy.models.weights import build_models
 
     config = official_config(shape)
     dev = torch.device("cuda")

@@ -3,7 +3,7 @@
 For each shape: build every variant (``engines.inductor``; the build cache makes a rerun cheap),
 load it as ``kkdeploy.load`` would, run ``--trials`` seeds x {all-valid, padded} through the strict
 rule against the eager reference, then time eager and every variant with the organizer's protocol
-(``kkdeploy.timing``: CUDA events on a GPU, warmups, repeats, alternating rounds).
+(``kkdeploy.pipeline.timing``: CUDA events on a GPU, warmups, repeats, alternating rounds).
 
     # on the H200 (one call must fit ~8 minutes; split the shapes, the cache carries over)
     python scripts/inductor_h200.py --shapes 1-4 --time-budget-s 420
@@ -37,8 +37,8 @@ from engines.inductor import BACKEND  # noqa: E402
 from kkdeploy.config import TransformerConfig, default_dtype, dtype_name, official_config, parse_dtype, resolve_device  # noqa: E402
 from kkdeploy.errors import KKError  # noqa: E402
 from kkdeploy.inputs import TIMED_SEED_OFFSET, generate_case  # noqa: E402
-from kkdeploy.timing import measure_latency  # noqa: E402
-from kkdeploy.weights import build_models  # noqa: E402
+from kkdeploy.pipeline.timing import measure_latency  # noqa: E402
+from kkdeploy.models.weights import build_models  # noqa: E402
 from validation.strict import CONTRACTS, compare_outputs  # noqa: E402
 
 CUSTOM = {"tiny": TransformerConfig(2, 8, 16, 2, 16, 2), "small": TransformerConfig(4, 64, 64, 4, 64, 2)}

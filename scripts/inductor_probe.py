@@ -33,7 +33,7 @@ def build(shape: int, out: Path) -> None:
 
     from engines import BuildContext, get_backend
     from kkdeploy import official_config
-    from kkdeploy.weights import build_models
+    from kkdeploy.models.weights import build_models
 
     config = official_config(shape)
     ref, _ = build_models(config, torch.float16, "cuda")
@@ -54,7 +54,7 @@ def attempt(shape: int, out: Path, mode: str, cuda_graph: bool) -> dict:
 
     from engines.inductor import InductorRunner
     from kkdeploy import generate_case, official_config
-    from kkdeploy.weights import build_models
+    from kkdeploy.models.weights import build_models
 
     config = official_config(shape)
     ref, _ = build_models(config, torch.float16, "cuda")

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from exporters import NAMED_VARIANTS, export_onnx, op_histogram  # noqa: E402
 from kkdeploy.config import official_config  # noqa: E402
 from kkdeploy.inputs import DEFAULT_SEED, TIMED_SEED_OFFSET, generate_case  # noqa: E402
-from kkdeploy.weights import build_models  # noqa: E402
+from kkdeploy.models.weights import build_models  # noqa: E402
 
 
 def load_strict():

@@ -4,7 +4,7 @@
     python scripts/profile_candidate.py --shape 8 [--device auto] [--dtype float32] [--contract judge]
         [--candidate NAME] [--calls 20] [--warmups 10] [--trials 5] [--top 12] [--out DIR]
 
-The candidate is built by ``kkdeploy.bench.make_candidate``, so it is the very runner `kkdeploy bench`
+The candidate is built by ``kkdeploy.pipeline.bench.make_candidate``, so it is the very runner `kkdeploy bench`
 times (same calibration, same compile, same TF32 setting, same timed input). After ``--warmups`` calls,
 ``--calls`` calls of eager and of the candidate run under torch.profiler: device kernels on a GPU, CPU ops
 otherwise. Per backend it prints the time per call by class (GEMM, attention, Triton fusion, copy or cast,
@@ -24,12 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kkdeploy.bench import (EAGER, BenchOptions, environment, jobs_for, make_candidate,  # noqa: E402
+from kkdeploy.pipeline.bench import (EAGER, BenchOptions, environment, jobs_for, make_candidate,  # noqa: E402
                             parse_candidates, set_process_tf32)
 from kkdeploy.config import dtype_name, parse_dtype, resolve_device  # noqa: E402
 from kkdeploy.errors import KKError  # noqa: E402
 from kkdeploy.inputs import DEFAULT_SEED, TIMED_SEED_OFFSET, generate_case  # noqa: E402
-from kkdeploy.weights import build_models  # noqa: E402
+from kkdeploy.models.weights import build_models  # noqa: E402
 
 # First match wins: attention kernels often carry "cutlass" or "gemm" in their names too.
 KERNEL_CLASSES = (

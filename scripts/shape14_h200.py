@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kkdeploy import TransformerConfig, generate_case  # noqa: E402
 from kkdeploy.config import dtype_name, official_config, parse_dtype, resolve_device  # noqa: E402
 from kkdeploy.console import console, table  # noqa: E402
-from kkdeploy.longcontext import reduced_config, validate_long_context  # noqa: E402
-from kkdeploy.longcontext_model import DEFAULT_QUERY_TILE, LongContextTransformer  # noqa: E402
-from kkdeploy.tiled_reference import DEFAULT_REFERENCE_QUERY_TILE, TiledReferenceTransformer  # noqa: E402
-from kkdeploy.weights import init_weights, weights_sha256  # noqa: E402
+from kkdeploy.pipeline.long_context import reduced_config, validate_long_context  # noqa: E402
+from kkdeploy.models.long_context import DEFAULT_QUERY_TILE, LongContextTransformer  # noqa: E402
+from kkdeploy.models.tiled_reference import DEFAULT_REFERENCE_QUERY_TILE, TiledReferenceTransformer  # noqa: E402
+from kkdeploy.models.weights import init_weights, weights_sha256  # noqa: E402
 from validation import compare_outputs, contract  # noqa: E402
 
 

@@ -6,7 +6,7 @@
 For each shape and mask mode it compares, element by element under the judge and strict rules:
 exact float32 and a truncating TF32 reference against a round-to-nearest TF32 reference
 (``validation.tf32_emulation``), and the fused model in float32 and with half-GEMM blocks
-(``kkdeploy.fused``) against both the TF32 reference and exact float32. The H200's measured gap
+(``kkdeploy.models.fused``) against both the TF32 reference and exact float32. The H200's measured gap
 between all-float32 candidates and its TF32 reference (~1e-3) is what round-to-nearest predicts;
 truncation would fail the judge rule by itself.
 """
@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kkdeploy.config import official_config  # noqa: E402
-from kkdeploy.fused import FusedTransformer  # noqa: E402
+from kkdeploy.models.fused import FusedTransformer  # noqa: E402
 from kkdeploy.inputs import generate_case  # noqa: E402
-from kkdeploy.weights import build_models  # noqa: E402
+from kkdeploy.models.weights import build_models  # noqa: E402
 from validation.strict import compare_outputs, contract  # noqa: E402
 from validation.tf32_emulation import TF32Emulation  # noqa: E402
 

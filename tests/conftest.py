@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kkdeploy import TransformerConfig
-from kkdeploy.weights import build_models
+from kkdeploy.models.weights import build_models
 
 torch.set_num_threads(2)
 

@@ -8,7 +8,7 @@ import pytest
 
 from engines.base import FAILED, PASSED, PASSED_ALL_VALID_ONLY, UNAVAILABLE
 from kkdeploy import artifacts
-from kkdeploy.chooser import FALLBACK, choose
+from kkdeploy.pipeline.chooser import FALLBACK, choose
 from kkdeploy.errors import KKError
 
 

@@ -10,11 +10,11 @@ import torch
 import kkdeploy
 from engines.base import FAILED, PASSED
 from kkdeploy import artifacts, generate_case, official_config
-from kkdeploy.build import BuildRequest, run_build
-from kkdeploy.chooser import FALLBACK
+from kkdeploy.pipeline.build import BuildRequest, run_build
+from kkdeploy.pipeline.chooser import FALLBACK
 from kkdeploy.cli import main
 from kkdeploy.errors import KKError
-from kkdeploy.weights import build_models
+from kkdeploy.models.weights import build_models
 from validation import CONTRACTS, compare_outputs
 
 from .conftest import SMALL
@@ -182,7 +182,7 @@ def test_injected_failure_is_rejected_with_its_count(tmp_path):
 
     from engines import BuildContext, get_backend
     from exporters import ExportOptions, export_onnx
-    from kkdeploy.chooser import choose
+    from kkdeploy.pipeline.chooser import choose
     from validation.validator import validate_candidates
 
     ref, _ = build_models(SMALL, torch.float32, "cpu")
@@ -211,13 +211,13 @@ def test_injected_failure_is_rejected_with_its_count(tmp_path):
 def test_padded_calls_on_all_valid_only_engine_take_the_fallback(monkeypatch):
     """Routing: the engine sees only all-valid calls; padded ones are answered by the fallback."""
     import engines.base
-    import kkdeploy.runtime
-    from kkdeploy.runtime import ServedRunner
+    import kkdeploy.pipeline.runtime
+    from kkdeploy.pipeline.runtime import ServedRunner
 
     from engines.base import Runner
 
     checks = []  # every input check, wherever it runs: a routed call should be checked once
-    for module in (engines.base, kkdeploy.runtime):
+    for module in (engines.base, kkdeploy.pipeline.runtime):
         def counted(*args, _original=module.check_inputs, **kwargs):
             checks.append(1)
             return _original(*args, **kwargs)

@@ -15,7 +15,7 @@ from exporters.ort_probe import float32_fallback_nodes, session_options
 from kkdeploy import KKError, TransformerConfig, official_config
 from kkdeploy.cli import main
 from kkdeploy.inputs import generate_case
-from kkdeploy.weights import build_models, weights_sha256
+from kkdeploy.models.weights import build_models, weights_sha256
 from tests.conftest import SMALL, SMALL_NONCAUSAL
 from validation.strict import CONTRACTS, compare_outputs
 

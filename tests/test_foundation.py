@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kkdeploy import (OFFICIAL_SHAPES, OptimizedTransformer, ReferenceTransformer, TransformerConfig,
                       generate_case, official_config)
 from kkdeploy.errors import KKError
-from kkdeploy.weights import init_weights, load_weights, weights_sha256
+from kkdeploy.models.weights import init_weights, load_weights, weights_sha256
 from validation import CONTRACTS, compare_outputs
 
 from .conftest import SMALL, SMALL_NONCAUSAL, models_for

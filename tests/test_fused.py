@@ -1,4 +1,4 @@
-"""The judge-contract fused model: SDPA in every block, every mask (kkdeploy.fused)."""
+"""The judge-contract fused model: SDPA in every block, every mask (kkdeploy.models.fused)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kkdeploy.errors import KKError
-from kkdeploy.fused import FusedTransformer, attention_mask
+from kkdeploy.models.fused import FusedTransformer, attention_mask
 from kkdeploy.inputs import generate_case
 from tests.conftest import SMALL, SMALL_NONCAUSAL, models_for
 
@@ -152,7 +152,7 @@ def test_fused_compiles_are_not_bound_by_the_callers_recompile_limit():
 def test_half_gemm_is_float16_inputs_with_float32_accumulation():
     """The GEMM sees float16-rounded inputs, sums exactly as a float32 GEMM of those would, adds a float32
     bias and returns float32 (no float16 output rounding)."""
-    from kkdeploy.fused import half_gemm
+    from kkdeploy.models.fused import half_gemm
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 64, generator=gen)
@@ -167,7 +167,7 @@ def test_half_gemm_is_float16_inputs_with_float32_accumulation():
 
 
 def test_half_gemm_runs_float16_tensor_cores_on_cuda_where_torch_can_trace_them():
-    from kkdeploy.fused import EMULATED, MM_TO_FLOAT32, half_gemm_kernel, mm_to_float32_traceable
+    from kkdeploy.models.fused import EMULATED, MM_TO_FLOAT32, half_gemm_kernel, mm_to_float32_traceable
 
     assert half_gemm_kernel("cpu") == EMULATED
     assert mm_to_float32_traceable()  # this torch has aten::mm.dtype with a meta kernel
@@ -185,7 +185,7 @@ def test_half_gemm_model_keeps_the_tf32_references_rounding_points():
     to it than exact float32 is. A misplaced rounding point (say, a float16 residual stream or float16 GEMM
     outputs) would put it further away than float32, not closer."""
     from kkdeploy.config import official_config
-    from kkdeploy.weights import build_models
+    from kkdeploy.models.weights import build_models
     from validation.strict import compare_outputs
     from validation.tf32_emulation import TF32Emulation
 

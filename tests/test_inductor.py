@@ -21,7 +21,7 @@ import torch._inductor.config
 from engines.base import BUILT, BuildContext
 from engines.inductor import BACKEND, InductorRunner, faithful_inductor_configs
 from kkdeploy import KKError, TransformerConfig, generate_case
-from kkdeploy.weights import build_models
+from kkdeploy.models.weights import build_models
 
 TINY = TransformerConfig(batch_size=2, seq_len=8, d_model=16, num_heads=2, ffn_dim=16, num_layers=2, causal=True)
 CPU = torch.device("cpu")
@@ -77,7 +77,7 @@ FRESH_PROCESS = textwrap.dedent("""
     from engines.inductor import BACKEND
     from kkdeploy import TransformerConfig, generate_case
     from kkdeploy.config import parse_dtype
-    from kkdeploy.weights import build_models
+    from kkdeploy.models.weights import build_models
 
     art, entry_path, dtype_name, seeds = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     entry = json.loads(Path(entry_path).read_text())
@@ -201,7 +201,7 @@ def test_variant_names_are_checked():
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory, cache_root, fp32_build):
     """``kkdeploy build`` with the inductor backend only (a cache hit: no second compile)."""
-    from kkdeploy.build import BuildRequest, run_build
+    from kkdeploy.pipeline.build import BuildRequest, run_build
 
     out = tmp_path_factory.mktemp("shipped") / "artifacts"
     with pytest.MonkeyPatch.context() as mp:

@@ -13,10 +13,10 @@ from torch.nn.attention import SDPBackend
 
 from kkdeploy import KKError, ReferenceTransformer, TransformerConfig, generate_case
 from kkdeploy.cli import main
-from kkdeploy.longcontext import DENSE_CANDIDATES, build_long_context, validate_long_context
-from kkdeploy.longcontext_model import LongContextTransformer, fused_backends
-from kkdeploy.tiled_reference import TiledReferenceTransformer
-from kkdeploy.weights import init_weights
+from kkdeploy.pipeline.long_context import DENSE_CANDIDATES, build_long_context, validate_long_context
+from kkdeploy.models.long_context import LongContextTransformer, fused_backends
+from kkdeploy.models.tiled_reference import TiledReferenceTransformer
+from kkdeploy.models.weights import init_weights
 from validation import CONTRACTS, compare_outputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,7 +148,7 @@ def test_bad_arguments_are_one_line_errors():
 MEMORY_PROBE = textwrap.dedent("""
     import json, sys, torch
     from kkdeploy import ReferenceTransformer, TransformerConfig, generate_case
-    from kkdeploy.longcontext_model import LongContextTransformer
+    from kkdeploy.models.long_context import LongContextTransformer
     torch.set_num_threads(2)
 
     def status_bytes(key):

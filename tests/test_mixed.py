@@ -7,8 +7,8 @@ import torch
 
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import generate_case
-from kkdeploy.mixed import MixedPrecisionTransformer, calibrate_layers
-from kkdeploy.reference import zero_invalid_rows
+from kkdeploy.models.mixed import MixedPrecisionTransformer, calibrate_layers
+from kkdeploy.models.reference import zero_invalid_rows
 from tests.conftest import SMALL, models_for
 
 CPU = torch.device("cpu")

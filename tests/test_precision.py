@@ -15,8 +15,8 @@ from exporters.ort_probe import float32_fallback_nodes, session_options
 from exporters.precision import bisect_fp16_layers
 from kkdeploy import KKError
 from kkdeploy.inputs import generate_case
-from kkdeploy.reference import zero_invalid_rows
-from kkdeploy.weights import build_models
+from kkdeploy.models.reference import zero_invalid_rows
+from kkdeploy.models.weights import build_models
 from tests.conftest import SMALL
 from validation.strict import CONTRACTS, compare_outputs
 from validation.validator import validate_candidates

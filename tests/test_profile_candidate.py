@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kkdeploy.fused import EMULATED
+from kkdeploy.models.fused import EMULATED
 from tests.conftest import load_script
 
 

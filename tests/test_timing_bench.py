@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from kkdeploy import KKError, TransformerConfig
-from kkdeploy import timing as timing_module
-from kkdeploy.bench import (FAILED, ShapeJob, aggregate_shape, jobs_for, markdown_table, plot_speedups,
+from kkdeploy.pipeline import timing as timing_module
+from kkdeploy.pipeline.bench import (FAILED, ShapeJob, aggregate_shape, jobs_for, markdown_table, plot_speedups,
                             shape_tick_labels)
 from kkdeploy.cli import main
-from kkdeploy.timing import LatencyStats, choose_fastest, measure_latency
+from kkdeploy.pipeline.timing import LatencyStats, choose_fastest, measure_latency
 
 TINY = ["--batch-size", "2", "--seq-len", "8", "--d-model", "16", "--heads", "2", "--ffn-dim", "24", "--layers", "2"]
 

@@ -11,7 +11,7 @@ from engines.base import AllValidRouter, BuildContext, Runner
 from engines.torch_compile import BACKEND, FINGERPRINT_PADDING, CompiledRunner, inductor_variant, output_fingerprint
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import generate_case
-from kkdeploy.weights import build_models
+from kkdeploy.models.weights import build_models
 from validation.strict import compare_outputs, contract
 from tests.test_inductor import CPU, TINY, assert_load_serves_bitwise, padded_case
 
@@ -88,7 +88,7 @@ def test_variant_names_are_checked():
 
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory):
-    from kkdeploy.build import BuildRequest, run_build
+    from kkdeploy.pipeline.build import BuildRequest, run_build
 
     out = tmp_path_factory.mktemp("compiled") / "artifacts"
     run_build(BuildRequest(TINY, torch.float32, CPU, out, backends=["torch-compile"], trials=2,
@@ -166,7 +166,7 @@ def test_fused_variants_are_float32_judge_defaults_on_cuda_only():
 @pytest.fixture(scope="module")
 def shipped_fused(tmp_path_factory):
     """``--backends torch-compile-fused``, float32, judge contract: the four fused candidates are built and validated."""
-    from kkdeploy.build import BuildRequest, run_build
+    from kkdeploy.pipeline.build import BuildRequest, run_build
 
     out = tmp_path_factory.mktemp("fused") / "artifacts"
     # named twice (as `--backends torch-compile,torch-compile-fused` does on a float32 judge GPU build): built once

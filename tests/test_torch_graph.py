@@ -5,7 +5,7 @@ import torch
 
 from engines.torch_graph import BACKEND, VARIANTS, model_for_variant
 from kkdeploy import generate_case
-from kkdeploy.weights import build_models
+from kkdeploy.models.weights import build_models
 from validation import CONTRACTS, compare_outputs
 
 from .conftest import SMALL

@@ -13,7 +13,7 @@ import torch
 
 from engines import BuildContext, get_backend
 from engines.trt import AUTOCAST, MIXED
-from kkdeploy.build import BuildRequest, run_build
+from kkdeploy.pipeline.build import BuildRequest, run_build
 from tests.conftest import SMALL
 
 TRT = get_backend("trt")

@@ -40,7 +40,7 @@ def register(sub):
 
 
 def run(args) -> int:
-    from ..bench import BENCH_SHAPES, BenchOptions, jobs_for, parse_candidates, run_bench, tf32_enabled
+    from ..pipeline.bench import BENCH_SHAPES, BenchOptions, jobs_for, parse_candidates, run_bench, tf32_enabled
 
     if args._worker:
         return run_worker_process(args)
@@ -76,7 +76,7 @@ def run(args) -> int:
 
 
 def print_summary(data: dict) -> None:
-    from ..bench import EAGER, geometric_mean
+    from ..pipeline.bench import EAGER, geometric_mean
 
     rows = []
     speedups: dict[str, list[float]] = {}
@@ -105,7 +105,7 @@ def print_summary(data: dict) -> None:
 def run_worker_process(args) -> int:
     from ..artifacts import write_json
 
-    from ..bench import BenchOptions, ShapeJob, run_worker
+    from ..pipeline.bench import BenchOptions, ShapeJob, run_worker
 
     job_data = json.loads(args._job)
     job = ShapeJob(job_data["label"], job_data["shape_id"], TransformerConfig.from_dict(job_data["config"]))

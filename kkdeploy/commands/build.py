@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..build import BACKEND_CHOICES, BuildRequest, default_out_dir, parse_backends, print_summary, run_build
+from ..pipeline.build import BACKEND_CHOICES, BuildRequest, default_out_dir, parse_backends, print_summary, run_build
 from ..config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES
 from ..console import console
 from ..errors import KKError
@@ -65,7 +65,7 @@ def run(args) -> int:
     for shape_id, config in targets:
         out = Path(args.out) if args.out else default_out_dir(shape_id, config, dtype, device)
         if shape_id in LONG_CONTEXT_SHAPES:
-            from ..longcontext_build import build_long_context_artifacts
+            from ..pipeline.long_context import build_long_context_artifacts
 
             status = max(status, build_long_context_artifacts(args, shape_id, config, dtype, device, out))
             continue

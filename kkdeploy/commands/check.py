@@ -10,7 +10,7 @@ from ..config import LONG_CONTEXT_SHAPES, dtype_name, official_config
 from ..console import console, progress_bar
 from ..errors import KKError
 from ..inputs import generate_case
-from ..weights import build_models
+from ..models.weights import build_models
 from .common import add_runtime_args, add_shape_args, resolve_config, resolve_runtime
 
 
@@ -31,12 +31,12 @@ def register(sub):
 
 def run(args) -> int:
     if args.shape in LONG_CONTEXT_SHAPES:  # its custom-shape flags override the reduced shape
-        from ..longcontext import run_check as long_check
+        from ..pipeline.long_context import run_check as long_check
 
         return long_check(args, args.shape, official_config(args.shape))
     shape_id, config = resolve_config(args)
     if args.reduced:
-        from ..longcontext import run_check as long_check  # the bounded-memory path owns shape 14
+        from ..pipeline.long_context import run_check as long_check  # the bounded-memory path owns shape 14
 
         return long_check(args, shape_id, config)
     device, dtype = resolve_runtime(args)

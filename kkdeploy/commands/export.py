@@ -9,7 +9,7 @@ from ..artifacts import staged_directory, write_json
 from ..config import default_dtype, dtype_name, parse_dtype, resolve_device
 from ..console import console, progress_bar, table
 from ..errors import KKError
-from ..weights import build_models
+from ..models.weights import build_models
 from .common import add_shape_args, resolve_config
 
 GIB = 1 << 30

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..build import print_summary
+from ..pipeline.build import print_summary
 from ..console import console
-from ..runtime import read_manifest, verify_files
+from ..pipeline.runtime import read_manifest, verify_files
 
 
 def register(sub):

@@ -32,7 +32,7 @@ def register(sub):
 def run(args) -> int:
     import kkdeploy
     from ..config import tf32_mode
-    from ..reference import ReferenceTransformer
+    from ..models.reference import ReferenceTransformer
 
     if not 0 <= args.padding_ratio < 1:
         raise KKError(f"--padding-ratio must be in [0, 1), got {args.padding_ratio}")

@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .errors import KKError
+from ..errors import KKError
 
 DEFAULT_WARMUPS = 20
 DEFAULT_REPEATS = 100

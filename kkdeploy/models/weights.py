@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import TransformerConfig
-from .errors import KKError
+from ..config import TransformerConfig
+from ..errors import KKError
 
 DEFAULT_WEIGHT_SEED = 0
 

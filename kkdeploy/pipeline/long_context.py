@@ -18,14 +18,16 @@ import torch
 
 from validation import compare_outputs, contract as contract_tolerances
 
-from .artifacts import write_json
-from .config import LONG_CONTEXT_SHAPES, TransformerConfig, dtype_name, format_bytes, parse_dtype, resolve_device
-from .errors import KKError
-from .inputs import DEFAULT_SEED, DEFAULT_TRIALS, generate_case
-from .longcontext_model import (DEFAULT_QUERY_TILE, LongContextTransformer, activation_bytes_per_sequence,
+from .. import artifacts
+from ..artifacts import write_json
+from ..config import LONG_CONTEXT_SHAPES, TransformerConfig, dtype_name, format_bytes, parse_dtype, resolve_device
+from ..console import console, table
+from ..errors import KKError
+from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, generate_case
+from ..models.long_context import (DEFAULT_QUERY_TILE, LongContextTransformer, activation_bytes_per_sequence,
                                 backend_names, fused_backends)
-from .tiled_reference import DEFAULT_REFERENCE_QUERY_TILE, TiledReferenceTransformer
-from .weights import DEFAULT_WEIGHT_SEED, init_weights, load_weights, weights_sha256
+from ..models.tiled_reference import DEFAULT_REFERENCE_QUERY_TILE, TiledReferenceTransformer
+from ..models.weights import DEFAULT_WEIGHT_SEED, build_models, init_weights, load_weights, weights_sha256
 
 REDUCED_BATCH, REDUCED_SEQ_LEN = 2, 4096
 DEFAULT_PADDING_RATIO = 0.5  # padded trials when the caller gives none
@@ -277,8 +279,8 @@ def check_config(args, shape_id: int | None, config: TransformerConfig, device: 
 
 def run_check(args, shape_id: int | None, config: TransformerConfig) -> int:
     """Validate the long-context path against the tiled reference; 0 only when every element passes."""
-    from .commands.common import resolve_runtime
-    from .console import console, progress_bar
+    from ..commands.common import resolve_runtime
+    from ..console import console, progress_bar
 
     device, dtype = resolve_runtime(args)
     validated = check_config(args, shape_id, config, device, dtype)
@@ -304,3 +306,51 @@ def run_check(args, shape_id: int | None, config: TransformerConfig) -> int:
         return 0
     console.print(f"FAIL ({result['failed_elements']} elements failed)")
     return 1
+
+def build_long_context_artifacts(args, shape_id: int | None, config: TransformerConfig, dtype: torch.dtype,
+                                 device: torch.device, out: Path) -> int:
+    from validation import contract as contract_tolerances
+
+    atol, rtol = contract_tolerances(args.contract)
+    seq_len = getattr(args, "validate_seq_len", None)
+    console.print(f"[bold]build[/] shape {shape_id}: {config.describe()} {dtype_name(dtype)} on {device} -> {out} "
+                  f"(long-context path; validated on a reduced shape)")
+    with artifacts.staged_directory(out, force=args.force) as stage:
+        reference, _ = build_models(config, dtype, "cpu", weights=args.weights, sdpa_layers=0)
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in reference.state_dict().items()},
+                  str(stage / artifacts.WEIGHTS_FILE))
+        result = build_long_context(config, dtype, device, stage, weights=args.weights, seed=args.seed,
+                                    trials=args.trials, seq_len=seq_len, contract=args.contract,
+                                    on_trial=lambda e: console.print(trial_line(e)))
+        chosen = next(c for c in result["candidates"] if c["name"] == CANDIDATE)
+        manifest = {
+            "schema": artifacts.MANIFEST_SCHEMA,
+            "created": artifacts.utc_now(),
+            "shape_id": shape_id,
+            "config": config.to_dict(),
+            "dtype": dtype_name(dtype),
+            "environment": artifacts.environment(device),
+            "weights": {"file": artifacts.WEIGHTS_FILE, "sha256": weights_sha256(reference),
+                        "source": args.weights or "seeded"},
+            "validation": {"contract": args.contract, "atol": atol, "rtol": rtol, "seed": args.seed,
+                           "trials": args.trials, "padding_ratio": result["validation"].get("padding_ratio"),
+                           "mask_modes": ["all-valid", "padded"], "report": "long-context-validation.json",
+                           "validated_shape": result["validated_shape"]},
+            "export": None,
+            "candidates": result["candidates"],
+            "fallback": {"model": "LongContextTransformer", "sdpa_layers": chosen["sdpa_layers"],
+                         "validation": {"status": chosen["status"], "failed_elements": chosen["failed_elements"],
+                                        "max_abs": chosen["max_abs"]},
+                         "calibration": chosen["calibration"]},
+            "choice": {"candidate": CANDIDATE, "backend": "long_context", "all_valid_only": False,
+                       "validated": result["choice"]["validated"], "reason": result["choice"]["reason"]},
+            "files": artifacts.hash_tree(stage),
+        }
+        artifacts.write_json(stage / artifacts.MANIFEST, manifest)
+    rows = [[c["name"], c["status"], c.get("failed_elements", "-"), c.get("sdpa_layers", "-"),
+             c.get("reason", "")[:90]] for c in result["candidates"]]
+    console.print(table("Candidates", ["candidate", "status", "failed elements", "sdpa layers", "reason"], rows))
+    console.print(f"shipped: [bold]{CANDIDATE}[/] — {result['choice']['reason']}", soft_wrap=True)
+    return 0 if result["choice"]["validated"] else 1

@@ -10,7 +10,7 @@ judge atol 2e-3): still zero failed elements, with less margin, which is why val
 gap is TF32's own rounding (on the CPU, exact float32 is 1.09e-3 from an emulated TF32 reference on
 shape 3), which opens a faster route with the same fidelity: ``half_gemm`` blocks feed float16 tensor
 cores the values TF32 rounds to the same 10-bit mantissa and keep the rest in float32. Which blocks may
-also drop to float16 is chosen per shape by the same precision repair as ``kkdeploy.mixed``
+also drop to float16 is chosen per shape by the same precision repair as ``kkdeploy.models.mixed``
 (``calibrate_layers``); validation decides whether the result ships, as for every candidate.
 
 Mask semantics equal the reference's: a query attends to earlier-or-same keys that are valid, and the
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import KKError
+from ..errors import KKError
 from .mixed import fp16_block_set
 from .optimized import OptimizedTransformer, packed_attention
 from .reference import ReferenceTransformer, zero_invalid_rows

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import TransformerConfig
-from .inputs import check_inputs
+from ..config import TransformerConfig
+from ..inputs import check_inputs
 
 
 def zero_invalid_rows(t: torch.Tensor, valid_token_mask: torch.Tensor | None) -> torch.Tensor:

@@ -26,9 +26,9 @@ import torch
 
 from engines.base import PASSED, PASSED_ALL_VALID_ONLY
 
-from .config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES, TransformerConfig, dtype_name, official_config
-from .errors import KKError
-from .inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
+from ..config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES, TransformerConfig, dtype_name, official_config
+from ..errors import KKError
+from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
 from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS, LatencyStats, measure_latency
 
 BENCH_FORMAT = "kkdeploy-bench/1"
@@ -112,8 +112,8 @@ MIXED_CANDIDATES = {"cpu": ["mixed", "mixed-sdpa", "fused-mixed", "fused-half-ge
                     "cuda": ["torch-graph-mixed", "torch-graph-mixed-sdpa", "torch-compile-mixed",
                              "torch-compile-mixed-sdpa", "torch-compile-fused-mixed",
                              "torch-compile-fused-half-gemm-mixed"]}
-# SDPA in every block for every mask (kkdeploy.fused): judge-contract candidates; "-mixed" ones calibrate,
-# "-half-gemm" ones run their float32 blocks' GEMMs on float16 inputs (kkdeploy.fused.half_gemm).
+# SDPA in every block for every mask (kkdeploy.models.fused): judge-contract candidates; "-mixed" ones calibrate,
+# "-half-gemm" ones run their float32 blocks' GEMMs on float16 inputs (kkdeploy.models.fused.half_gemm).
 FUSED_CANDIDATES = {"cpu": ["fused", "fused-half-gemm"],
                     "cuda": ["torch-compile-fused", "torch-compile-fused-half-gemm"]}
 ALL_MIXED = MIXED_CANDIDATES["cpu"] + MIXED_CANDIDATES["cuda"] + FUSED_CANDIDATES["cpu"] + FUSED_CANDIDATES["cuda"]
@@ -143,7 +143,7 @@ def parse_candidates(text: str | None) -> list[str] | None:
 
 
 def tf32_enabled(options: "BenchOptions", device: torch.device, dtype: torch.dtype) -> bool:
-    from .config import tf32_default
+    from ..config import tf32_default
 
     return tf32_default(device, dtype, options.contract, options.tf32)
 
@@ -151,7 +151,7 @@ def tf32_enabled(options: "BenchOptions", device: torch.device, dtype: torch.dty
 def make_candidate(name: str, reference, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
                    options: "BenchOptions", info: dict, calibrations: dict | None = None):
     """(runner, all_valid_only) for one bench candidate; raises with the reason it cannot run here."""
-    from .weights import build_models
+    from ..models.weights import build_models
 
     if name.startswith("optimized-sdpa"):
         k = min(int(name[len("optimized-sdpa"):]), config.num_layers)
@@ -207,8 +207,8 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
     """
     import copy
 
-    from .fused import FusedTransformer
-    from .mixed import MixedPrecisionTransformer, calibrate_layers
+    from ..models.fused import FusedTransformer
+    from ..models.mixed import MixedPrecisionTransformer, calibrate_layers
 
     kind = _attention_kind(name)
     half = "-half-gemm" in name
@@ -311,7 +311,7 @@ def bench_candidates(job: ShapeJob, options: BenchOptions, reference, device: to
             skipped["shipped"] = f"skipped: no artifact directory for {job.label} under {options.artifacts}"
         else:
             try:
-                from . import load
+                from .. import load
 
                 served = load(directory, device=str(device))
             except Exception as exc:
@@ -329,8 +329,8 @@ def run_worker(job: ShapeJob, options: BenchOptions, process_index: int, log_dir
     """Accuracy, then timing, for one shape in this process. Returns a JSON-ready dict."""
     from validation import validate_candidates
 
-    from .config import parse_dtype, resolve_device
-    from .weights import build_models
+    from ..config import parse_dtype, resolve_device
+    from ..models.weights import build_models
 
     device = resolve_device(options.device)
     dtype = parse_dtype(options.dtype)
@@ -493,7 +493,7 @@ def _as_float(value) -> float:
 
 def environment(device: torch.device) -> dict:
     """The machine and library versions (``artifacts.device_info`` / ``library_versions``) in bench.json's keys."""
-    from .artifacts import device_info, library_versions
+    from ..artifacts import device_info, library_versions
 
     dev = device_info(device)
     versions = {"python": platform.python_version(), **{k: v for k, v in library_versions().items() if v}}
@@ -626,7 +626,7 @@ def run_bench(jobs: list[ShapeJob], options: BenchOptions, out_dir: Path, comman
               progress=None) -> dict:
     """Every shape in its own processes; writes bench.json, bench.md and bench.png into ``out_dir``."""
     from validation import contract as contract_tolerances
-    from .artifacts import write_json
+    from ..artifacts import write_json
 
     options.check()
     atol, rtol = contract_tolerances(options.contract)

@@ -10,15 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import TransformerConfig
-from .errors import KKError
-from .inputs import AllValidMaskCache
+from ..config import TransformerConfig
+from ..errors import KKError
+from ..inputs import AllValidMaskCache
 from .reference import ReferenceTransformer
 
 
 def packed_attention(attn, qkv: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """SDPA over a packed [B,S,3D] projection; merged [B,S,D] context. ``keep`` None: all keys valid (SDPA's
-    causal path when the model is causal), else a [B,1,S,S] boolean keep-mask (``kkdeploy.fused.attention_mask``)."""
+    causal path when the model is causal), else a [B,1,S,S] boolean keep-mask (``kkdeploy.models.fused.attention_mask``)."""
     b, s, _ = qkv.shape
     q, k, v = qkv.view(b, s, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     causal = keep is None and attn.causal

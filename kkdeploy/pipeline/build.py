@@ -17,13 +17,13 @@ from engines import BuildContext, CandidateResult, get_backend
 from engines.base import BUILD_FAILED, BUILT, FAILED, PASSED, PASSED_ALL_VALID_ONLY, SKIPPED, UNAVAILABLE
 from engines.torch_compile import FUSED_VARIANTS
 
-from . import artifacts
+from .. import artifacts
 from .chooser import FALLBACK, choose
-from .config import TransformerConfig, dtype_name, tf32_default, tf32_mode
-from .console import console, progress_bar, table
-from .errors import KKError
-from .inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
-from .weights import build_models, weights_sha256
+from ..config import TransformerConfig, dtype_name, tf32_default, tf32_mode
+from ..console import console, progress_bar, table
+from ..errors import KKError
+from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
+from ..models.weights import build_models, weights_sha256
 
 # User-facing backend names -> (backend module key, candidate filter option)
 BACKEND_CHOICES = {

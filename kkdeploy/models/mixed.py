@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import KKError
-from .inputs import AllValidMaskCache
+from ..errors import KKError
+from ..inputs import AllValidMaskCache
 from .optimized import OptimizedTransformer
 from .reference import ReferenceTransformer, zero_invalid_rows
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from .config import TransformerConfig
-from .errors import KKError
+from ..config import TransformerConfig
+from ..errors import KKError
 from .reference import ReferenceTransformer, zero_invalid_rows
 
 DEFAULT_QUERY_TILE = 128

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import TransformerConfig
-from .errors import KKError
+from ..config import TransformerConfig
+from ..errors import KKError
 from .reference import ReferenceTransformer, zero_invalid_rows
 
 KEY_EXTENTS = ("full", "visible")

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from . import artifacts
+from .. import artifacts
 from .chooser import FALLBACK
-from .config import TransformerConfig, parse_dtype, resolve_device, tf32_mode
-from .errors import KKError
-from .inputs import AllValidMaskCache, check_inputs
+from ..config import TransformerConfig, parse_dtype, resolve_device, tf32_mode
+from ..errors import KKError
+from ..inputs import AllValidMaskCache, check_inputs
 
 log = logging.getLogger("kkdeploy")
 
@@ -94,8 +94,8 @@ def load_fallback(root: Path, manifest: dict, config: TransformerConfig, dtype: 
                   device: torch.device) -> torch.nn.Module:
     from safetensors.torch import load_file
 
-    from .optimized import OptimizedTransformer
-    from .weights import weights_sha256
+    from ..models.optimized import OptimizedTransformer
+    from ..models.weights import weights_sha256
 
     weights = root / manifest["weights"]["file"]
     if not weights.is_file():
@@ -107,7 +107,7 @@ def load_fallback(root: Path, manifest: dict, config: TransformerConfig, dtype: 
     if weights_sha256(state) != manifest["weights"]["sha256"]:
         raise KKError(f"{weights} does not match the manifest's weights hash (tampered or foreign); rebuild")
     if manifest["fallback"].get("model") == "LongContextTransformer":
-        from .longcontext_model import LongContextTransformer
+        from ..models.long_context import LongContextTransformer
 
         model = LongContextTransformer(config, sdpa_layers=int(manifest["fallback"]["sdpa_layers"]))
     else:
