@@ -4,7 +4,7 @@ A float32 build under the judge contract may compute in float16 inside (issue 6)
 graph, shared by every backend that runs an ONNX file, so ``ort-*-mixed`` and ``trt-mixed`` calibrate the
 same way and ``ort-*-autocast`` and ``trt-autocast`` start from the same conversion:
 
-* ``calibrate_graph``: our precision repair. For each block set that ``kkdeploy.models.mixed.calibrate_layers``
+* ``calibrate_graph``: our precision repair. For each block set that ``validation.calibration.calibrate_layers``
   tries, the mixed export (``ExportOptions.fp16_layers``) is built *by the backend itself* and validated on
   the build's trial plan, so what is calibrated is what ships. Only the chosen set's files stay.
 * ``autocast_graph``: NVIDIA ModelOpt's AutoCast on the exported float32 graph, the anchor to beat. It keeps a
@@ -49,7 +49,7 @@ def calibrate_graph(ctx: BuildContext, candidate: str, suffixes: Sequence[str],
     The chosen set's files are renamed ``<candidate>.<suffix>``; every other tried file is removed.
     """
     from exporters import export_onnx
-    from kkdeploy.models.mixed import calibrate_layers
+    from validation.calibration import calibrate_layers
 
     check_float32(ctx, candidate)
     out = Path(ctx.out_dir)

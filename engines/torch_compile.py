@@ -377,7 +377,7 @@ def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, pla
     Each tried set runs on its eager twin, routed by mask like the compiled runner (two CUDA-graph captures
     on a GPU): a compile per tried set would cost minutes. The compiled model is then validated with every
     other candidate, so what ships has passed."""
-    from kkdeploy.models.mixed import calibrate_layers
+    from validation.calibration import calibrate_layers
 
     def runner_for(layers):
         model = fused_model(reference, layers, half_gemm)

@@ -25,7 +25,7 @@ VARIANTS = {
     "torch-graph-sdpa1": {"model": "optimized", "sdpa_layers": 1, "all_valid_only": True},
     # Reference-order attention without the mask ops (all-valid calls only): the same kernels as
     # eager minus masked_fill/where no-ops, so bitwise; on the H200 the uncaptured form beat the
-    # masked capture on shapes 8 and 13 (docs/h200-results.md). Its own capture is not measured yet.
+    # masked capture on shapes 8 and 13 (docs/results.md). Its own capture is not measured yet.
     "torch-graph-nomask": {"model": "optimized", "sdpa_layers": 0, "all_valid_only": True},
 }
 

@@ -33,12 +33,12 @@ def run(args) -> int:
     if args.shape in LONG_CONTEXT_SHAPES:  # its custom-shape flags override the reduced shape
         from ..pipeline.long_context import run_check as long_check
 
-        return long_check(args, args.shape, official_config(args.shape))
+        return long_check(args, args.shape, official_config(args.shape), *resolve_runtime(args))
     shape_id, config = resolve_config(args)
     if args.reduced:
         from ..pipeline.long_context import run_check as long_check  # the bounded-memory path owns shape 14
 
-        return long_check(args, shape_id, config)
+        return long_check(args, shape_id, config, *resolve_runtime(args))
     device, dtype = resolve_runtime(args)
     atol, rtol = contract(args.contract)
     if not 0 <= args.padding_ratio < 1:

@@ -5,7 +5,7 @@ element passes. This is the PyTorch twin of the exporter's ``ExportOptions.fp16_
 the same semantics: the residual stream is cast to float16 on entry to a listed block, the block runs
 exactly as the float16 model runs it (same ops, float16 weights), and its result is cast back to
 float32; unlisted blocks and the final LayerNorm stay float32. Which blocks may be float16 is not
-guessed: ``exporters.precision.bisect_fp16_layers`` searches it per shape against the validator.
+guessed: ``validation.calibration.calibrate_layers`` searches it per shape against the validator.
 
 ``fast_forward`` (all-valid masks only) also swaps the float16 blocks' attention for packed QKV +
 SDPA, as ``OptimizedTransformer`` does; float32 blocks keep the reference order.
@@ -83,37 +83,3 @@ class MixedPrecisionTransformer(nn.Module):
         if torch.is_grad_enabled() or not self._mask_cache.is_all_valid(valid_token_mask):
             return self.reference_forward(x, valid_token_mask)
         return self.fast_forward(x)
-
-
-def calibrate_layers(reference: ReferenceTransformer, runner_for_layers, *, all_valid_only: bool, contract: str,
-                     seed: int, trials: int, padding_ratio: float) -> dict:
-    """Largest float16 block set whose runner passes ``contract`` on the trial plan (precision repair).
-
-    ``runner_for_layers(fp16_layers)`` builds the candidate under test for one block set (a captured
-    PyTorch model, an ONNX Runtime session of the mixed export, ...), so what is calibrated is what ships;
-    the search itself is ``exporters.precision.bisect_fp16_layers``. Returns its record plus, per tried set,
-    ``failed_elements`` per mask mode and, for a failing set, the validator's ``reason``.
-    """
-    from exporters.precision import bisect_fp16_layers
-    from validation import validate_candidates
-
-    failures: dict[tuple[int, ...], dict] = {}
-
-    def passes(layers: tuple[int, ...]) -> bool:
-        runner = runner_for_layers(layers)
-        report = validate_candidates(reference, {"mixed": runner}, reference.config, torch.float32,
-                                     reference.device, seed=seed, trials=trials, padding_ratio=padding_ratio,
-                                     contract=contract, all_valid_only={"mixed"} if all_valid_only else ())
-        cand = report.candidates["mixed"]
-        failures[layers] = {"failed_elements": {m: cand.failed_elements(m) for m in cand.modes if cand.mode_records(m)}}
-        passed = "mixed" in report.passed()
-        if not passed:
-            failures[layers]["reason"] = report.reason("mixed")
-        return passed
-
-    result = bisect_fp16_layers(reference.config.num_layers, passes)
-    for entry in result["tried"]:
-        entry.update(failures[tuple(entry["fp16_layers"])])
-    result["fp16_layers"] = list(result["fp16_layers"])
-    return result
-

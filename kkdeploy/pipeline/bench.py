@@ -207,8 +207,10 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
     """
     import copy
 
+    from validation.calibration import calibrate_layers
+
     from ..models.fused import FusedTransformer
-    from ..models.mixed import MixedPrecisionTransformer, calibrate_layers
+    from ..models.mixed import MixedPrecisionTransformer
 
     kind = _attention_kind(name)
     half = "-half-gemm" in name

@@ -277,12 +277,10 @@ def check_config(args, shape_id: int | None, config: TransformerConfig, device: 
     return config
 
 
-def run_check(args, shape_id: int | None, config: TransformerConfig) -> int:
+def run_check(args, shape_id: int | None, config: TransformerConfig, device: torch.device, dtype: torch.dtype) -> int:
     """Validate the long-context path against the tiled reference; 0 only when every element passes."""
-    from ..commands.common import resolve_runtime
-    from ..console import console, progress_bar
+    from ..console import progress_bar
 
-    device, dtype = resolve_runtime(args)
     validated = check_config(args, shape_id, config, device, dtype)
     padding = getattr(args, "padding_ratio", 0.0) or DEFAULT_PADDING_RATIO
     micro_batch = getattr(args, "micro_batch", None)
