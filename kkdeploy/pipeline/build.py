@@ -40,7 +40,7 @@ ONNX_BACKENDS = {"trt", "ort"}
 FALLBACK_SDPA_LAYERS = (1, 0)  # calibrated: the most fused attention that still passes
 # Exporter defaults per device. On the H200 (FP16, ORT 1.31 CUDA EP) a Linear written as an FP32
 # MatMul + FP32 bias Add had the fewest strict failures of every variant (shape 2: 4 vs 129 for Gemm;
-# docs/h200-results.md); on the CPU every variant passes in FP32, and Gemm is the compact graph.
+# docs/results.md); on the CPU every variant passes in FP32, and Gemm is the compact graph.
 DEFAULT_EXPORT_OPTIONS = {"cpu": {}, "cuda": {"linear": "fp32"}}
 
 
