@@ -50,7 +50,10 @@ class CandidateResult:
     build_seconds: float = 0.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The manifest entry: the result plus the recipe its name stands for (``engines.recipe``)."""
+        from .recipe import recipe_record
+
+        return {**asdict(self), "recipe": recipe_record(self.name)}
 
 
 class Runner:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import re
 import shutil
 import time
 
@@ -47,26 +46,26 @@ from kkdeploy.inputs import AllValidMaskCache
 from .base import (BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
                    requested_variants)
 from .cuda_graph import CapturedCall
+from .recipe import parse as parse_recipe
 
 FAITHFUL, FUSED, SDPA_PREFIX = "inductor", "inductor-fused", "inductor-sdpa"
-_SDPA_RE = re.compile(r"^inductor-sdpa(\d+)$")
 METADATA_PREFIX = "kkdeploy."
 
 
 # -- variants --------------------------------------------------------------------------------
 def parse_variant(name: str, config: TransformerConfig) -> tuple[tuple[str, ...], int]:
-    """Variant name -> (ops kept opaque, packed-SDPA layers); a bad name is a one-line KKError."""
-    if name == FAITHFUL:
-        return ("layer_norm", "gelu", "softmax"), 0
-    if name == FUSED:
+    """Variant name -> (ops kept opaque, packed-SDPA layers); a bad name is a one-line KKError.
+
+    The name's grammar is ``engines.recipe``'s: ``inductor`` keeps LayerNorm, GELU and softmax opaque,
+    ``inductor-fused`` lets Inductor fuse GELU and softmax, ``inductor-sdpa<k>`` packs the last k blocks."""
+    recipe = parse_recipe(name)
+    if recipe.backend != "inductor":
+        raise KKError(f"unknown inductor variant {name!r}; use {FAITHFUL}, {FUSED} or {SDPA_PREFIX}<k>")
+    if recipe.attention == "fused":
         return ("layer_norm",), 0
-    match = _SDPA_RE.match(name)
-    if match:
-        k = int(match.group(1))
-        if not 1 <= k <= config.num_layers:
-            raise KKError(f"{name}: k must be between 1 and num_layers={config.num_layers}")
-        return ("layer_norm", "gelu", "softmax"), k
-    raise KKError(f"unknown inductor variant {name!r}; use {FAITHFUL}, {FUSED} or {SDPA_PREFIX}<k>")
+    if recipe.attention == "sdpa-last" and not 1 <= recipe.sdpa_layers <= config.num_layers:
+        raise KKError(f"{name}: k must be between 1 and num_layers={config.num_layers}")
+    return ("layer_norm", "gelu", "softmax"), recipe.sdpa_layers
 
 
 def default_variants(device: torch.device) -> list[str]:

@@ -12,6 +12,7 @@ set on the build's trial plan, or ModelOpt AutoCast's conversion, the anchor to 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from kkdeploy.errors import KKError
 
 from .base import (BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
                    timed_build)
+from .recipe import parse as parse_recipe
 
 OPT_LEVELS = ("disabled", "basic", "extended", "all")
 # Level "all" adds layout transforms tied to this machine's CPU features; "extended" stays portable.
@@ -31,7 +33,6 @@ CANDIDATES = {
     "ort-cuda": {"provider": "CUDAExecutionProvider", "cuda_graph": False},
     "ort-cuda-graph": {"provider": "CUDAExecutionProvider", "cuda_graph": True},
 }
-MIXED_SUFFIX, AUTOCAST_SUFFIX = "-mixed", "-autocast"
 _NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_}
 _cuda_dlls_loaded = False
 
@@ -119,10 +120,7 @@ class OrtRunner(Runner):
 
 def base_candidate(name: str) -> str:
     """``ort-cpu-mixed`` / ``ort-cpu-autocast`` -> ``ort-cpu``: the session settings a variant shares."""
-    for suffix in (MIXED_SUFFIX, AUTOCAST_SUFFIX):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
+    return replace(parse_recipe(name), precision="model").name
 
 
 def optimizer_settings(ctx: BuildContext, candidate: str) -> tuple[str, list]:
@@ -151,7 +149,7 @@ class OrtBackend(Backend):
         names = ["ort-cpu"] if ctx.device.type == "cpu" else ["ort-cuda", "ort-cuda-graph"]
         names = [n for n in names if wanted is None or n in wanted]
         if ctx.options.get("mixed_precision"):
-            names += [n + suffix for n in names for suffix in (MIXED_SUFFIX, AUTOCAST_SUFFIX)]
+            names += [replace(parse_recipe(n), precision=p).name for n in names for p in ("fp16-blocks", "autocast")]
         return names
 
     def _optimize(self, ort, candidate: str, device: torch.device, source: Path, optimized: Path, level: str,
@@ -164,9 +162,10 @@ class OrtBackend(Backend):
         ort = import_ort()
         if ctx.onnx_path is None:
             raise KKError(f"{candidate} needs the exported model.onnx")
-        if candidate.endswith(MIXED_SUFFIX):
+        precision = parse_recipe(candidate).precision
+        if precision == "fp16-blocks":
             return self.build_mixed(ort, ctx, candidate)
-        if candidate.endswith(AUTOCAST_SUFFIX):
+        if precision == "autocast":
             return self.build_autocast(ort, ctx, candidate)
         level, disabled = optimizer_settings(ctx, candidate)
         optimized = ctx.out_dir / f"{candidate}.optimized.onnx"

@@ -31,8 +31,8 @@ On CUDA the compiled call is captured in a CUDA graph (``engines.cuda_graph``).
 from __future__ import annotations
 
 import hashlib
-import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS, AllValidMaskCache, gen
 
 from .base import AllValidRouter, Backend, BuildContext, CandidateResult, Runner, requested_variants
 from .cuda_graph import CapturedCall
+from .recipe import parse as parse_recipe
 
 FAITHFUL = "torch-compile"
 FUSED, FUSED_MIXED = "torch-compile-fused", "torch-compile-fused-mixed"
@@ -51,18 +52,15 @@ FUSED_HALF_GEMM, FUSED_HALF_GEMM_MIXED = "torch-compile-fused-half-gemm", "torch
 # fused variant -> (half_gemm, calibrated float16 blocks)
 FUSED_VARIANTS = {FUSED: (False, False), FUSED_MIXED: (False, True),
                   FUSED_HALF_GEMM: (True, False), FUSED_HALF_GEMM_MIXED: (True, True)}
-_SDPA_RE = re.compile(r"^torch-compile-sdpa(\d+)$")
 CACHE_SUFFIX = ".inductor-cache"
 RECOMPILE_LIMIT = 64  # graphs per compiled code object in one process (see CompiledModuleRunner)
 
 
 def inductor_variant(name: str) -> str:
     """Our candidate name -> the equivalent ``engines.inductor`` variant (same graph, same checks)."""
-    if name == FAITHFUL:
-        return "inductor"
-    match = _SDPA_RE.match(name)
-    if match:
-        return f"inductor-sdpa{match.group(1)}"
+    recipe = parse_recipe(name)
+    if recipe.backend == "torch-compile" and recipe.attention in ("reference", "sdpa-last") and recipe.precision == "model":
+        return replace(recipe, backend="inductor").name
     raise KKError(f"unknown torch-compile variant {name!r}; use {FAITHFUL} or {FAITHFUL}-sdpa<k>")
 
 

@@ -326,14 +326,24 @@ def summary_table(manifest: dict):
         v = c.get("validation") or c  # long-context entries carry their counts at top level
         lat = c.get("latency") or {}
         rows.append([
-            c["name"] + precision_label(c.get("options") or {}), c["status"],
+            c["name"] + precision_label(c.get("options") or {}), recipe_label(c["name"]), c["status"],
             v.get("failed_elements", "-"), _fmt(v.get("max_abs")),
             f"{lat['median_ms']:.3f}" if lat else "-",
             "yes" if c["name"] == chosen else "",
             (c.get("reason") or "")[:70] if c["status"] not in (PASSED, "fallback") else "",
         ])
-    return table("Candidates", ["candidate", "status", "failed elements", "max abs", "median ms", "chosen", "reason"],
-                 rows)
+    return table("Candidates", ["candidate", "recipe", "status", "failed elements", "max abs", "median ms", "chosen",
+                                "reason"], rows)
+
+
+def recipe_label(name: str) -> str:
+    """The recipe's fields (attention, precision, capture) for a candidate name; '-' outside the grammar."""
+    from engines.recipe import parse
+
+    try:
+        return parse(name).describe()
+    except KKError:
+        return "-"
 
 
 def precision_label(options: dict) -> str:

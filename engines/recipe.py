@@ -1,0 +1,121 @@
+"""A candidate is a backend plus a recipe; its name is derived from them, in one place.
+
+Names such as ``torch-compile-fused-half-gemm-mixed`` or ``ort-cuda-graph-autocast`` used to be
+parsed by a regex in every engine. Here they are one small grammar over one small value:
+
+    name = backend ["-" provider] ["-graph"] [attention suffix] [precision suffix]
+
+    backend     ort (provider cpu|cuda) | trt | torch-graph | torch-compile | inductor
+    capture     "-graph": ONNX Runtime replays a CUDA graph (torch-graph and torch-compile always
+                capture on CUDA; that is part of the backend, not of the name)
+    attention   "" reference order, every rounding point of design.md §2
+                "-nomask" reference order without the mask ops (all-valid calls only)
+                "-sdpa<k>" packed QKV + SDPA in the last k blocks (all-valid calls only)
+                "-fused" Inductor's own fusion (torch-compile: SDPA in every block too, judge contract)
+                "-faithful-attention" our bitwise fused attention kernel (kkdeploy.kernels)
+    precision   "" the model's dtype; "-mixed" calibrated float16 blocks; "-autocast" ModelOpt AutoCast;
+                "-half-gemm" float16 GEMM inputs with float32 accumulation; "-half-gemm-mixed" both
+
+``parse(name)`` and ``Recipe.name`` are inverse to each other for every name a backend accepts, so
+artifacts written under the old names load unchanged, and the manifest and summary table show the
+recipe's fields rather than asking a reader to decode the name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from kkdeploy.errors import KKError
+
+BACKENDS = ("ort", "trt", "torch-graph", "torch-compile", "inductor")
+ATTENTION_SUFFIX = {"reference": "", "reference-nomask": "-nomask", "sdpa-last": "-sdpa", "fused": "-fused",
+                    "faithful-kernel": "-faithful-attention"}
+PRECISION_SUFFIX = {"model": "", "fp16-blocks": "-mixed", "autocast": "-autocast", "half-gemm": "-half-gemm",
+                    "half-gemm+fp16-blocks": "-half-gemm-mixed"}
+# What each backend can build: attention forms and precision plans (ONNX graphs cannot express half GEMMs:
+# docs/exporter.md; torch-graph's mixed routes are bench-only).
+ALLOWED = {
+    "ort": ({"reference"}, {"model", "fp16-blocks", "autocast"}),
+    "trt": ({"reference"}, {"model", "fp16-blocks", "autocast"}),
+    "torch-graph": ({"reference", "reference-nomask", "sdpa-last"}, {"model"}),
+    "torch-compile": ({"reference", "sdpa-last", "fused", "faithful-kernel"},
+                      {"model", "fp16-blocks", "half-gemm", "half-gemm+fp16-blocks"}),
+    "inductor": ({"reference", "sdpa-last", "fused"}, {"model"}),
+}
+_NAME = re.compile(
+    r"^(?P<backend>ort|trt|torch-graph|torch-compile|inductor)(?:-(?P<provider>cpu|cuda))?(?P<graph>-graph)?"
+    r"(?P<attention>-nomask|-sdpa(?P<k>\d+)|-fused|-faithful-attention)?"
+    r"(?P<precision>-half-gemm-mixed|-half-gemm|-mixed|-autocast)?$")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    backend: str
+    provider: str = ""  # ONNX Runtime's execution provider (cpu, cuda); empty elsewhere
+    graph_capture: bool = False  # ONNX Runtime CUDA-graph replay
+    attention: str = "reference"
+    sdpa_layers: int = 0  # with attention "sdpa-last": how many final blocks
+    precision: str = "model"
+
+    @property
+    def name(self) -> str:
+        parts = [self.backend]
+        if self.provider:
+            parts.append(f"-{self.provider}")
+        if self.graph_capture:
+            parts.append("-graph")
+        parts.append(ATTENTION_SUFFIX[self.attention] + (str(self.sdpa_layers) if self.attention == "sdpa-last" else ""))
+        parts.append(PRECISION_SUFFIX[self.precision])
+        return "".join(parts)
+
+    @property
+    def all_valid_only(self) -> bool:
+        """Serves all-valid calls only (its graph has no mask path)."""
+        return self.attention in ("reference-nomask", "sdpa-last")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """The fields a summary table shows: 'sdpa-last 1, float16 blocks', 'reference'."""
+        attention = f"sdpa-last {self.sdpa_layers}" if self.attention == "sdpa-last" else self.attention
+        bits = [attention] + ([self.precision] if self.precision != "model" else [])
+        if self.graph_capture:
+            bits.append("cuda graph")
+        return ", ".join(bits)
+
+
+def parse(name: str) -> Recipe:
+    """Candidate name -> Recipe, or a one-line KKError naming the grammar."""
+    match = _NAME.match(name)
+    if match is None:
+        raise KKError(f"unknown candidate {name!r}: names are <backend>[-cpu|-cuda][-graph][-nomask|-sdpa<k>|-fused|"
+                      f"-faithful-attention][-half-gemm][-mixed|-autocast] with backend one of {', '.join(BACKENDS)}")
+    backend = match["backend"]
+    attention = {None: "reference", "-nomask": "reference-nomask", "-fused": "fused",
+                 "-faithful-attention": "faithful-kernel"}.get(match["attention"], "sdpa-last")
+    precision = {v: k for k, v in PRECISION_SUFFIX.items()}[match["precision"] or ""]
+    recipe = Recipe(backend, match["provider"] or "", bool(match["graph"]), attention,
+                    int(match["k"]) if match["k"] else 0, precision)
+    attentions, precisions = ALLOWED[backend]
+    if (backend == "ort") != bool(recipe.provider) or (recipe.graph_capture and not (backend == "ort" and recipe.provider == "cuda")):
+        raise KKError(f"unknown candidate {name!r}: only ONNX Runtime takes -cpu/-cuda, and only ort-cuda takes -graph")
+    if attention not in attentions or precision not in precisions:
+        raise KKError(f"unknown candidate {name!r}: {backend} builds attention {sorted(attentions)} with precision "
+                      f"{sorted(precisions)}")
+    if attention == "sdpa-last" and recipe.sdpa_layers < 1:
+        raise KKError(f"unknown candidate {name!r}: -sdpa<k> needs k >= 1")
+    if attention == "fused" and backend == "torch-compile" and precision == "model":
+        pass  # torch-compile-fused: kkdeploy.models.fused in the model's dtype
+    elif precision != "model" and backend == "torch-compile" and attention != "fused":
+        raise KKError(f"unknown candidate {name!r}: torch-compile's float16 blocks and half GEMMs come with -fused")
+    return recipe
+
+
+def recipe_record(name: str) -> dict:
+    """The recipe's fields for a manifest entry; names outside the grammar (pytorch-fallback) get none."""
+    try:
+        return parse(name).to_dict()
+    except KKError:
+        return {}
