@@ -16,8 +16,19 @@ BACKEND_MODULES = {
 }
 
 
+def backend_module(key: str) -> str:
+    """The importable spec of a backend key: ``module`` (its ``BACKEND``) or ``module:ATTRIBUTE``."""
+    return BACKEND_MODULES[key]
+
+
+def import_backend(spec: str) -> Backend:
+    module, _, attribute = spec.partition(":")
+    return getattr(importlib.import_module(module), attribute or "BACKEND")
+
+
 def get_backend(key: str) -> Backend:
-    return importlib.import_module(BACKEND_MODULES[key]).BACKEND
+    return import_backend(backend_module(key))
 
 
-__all__ = ["Backend", "BuildContext", "CandidateResult", "Runner", "BACKEND_MODULES", "get_backend"]
+__all__ = ["Backend", "BuildContext", "CandidateResult", "Runner", "BACKEND_MODULES", "backend_module", "get_backend",
+           "import_backend"]

@@ -8,6 +8,7 @@ raising, why the backend cannot run here (a missing optional import gives its ex
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from kkdeploy.config import TransformerConfig
-from kkdeploy.inputs import AllValidMaskCache, check_inputs
+from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache, check_inputs, generate_case
 
 # Candidate status values recorded in manifests.
 BUILT, UNAVAILABLE, BUILD_FAILED, SKIPPED = "built", "unavailable", "build-failed", "skipped"
@@ -48,6 +49,7 @@ class CandidateResult:
     files: list[str] = field(default_factory=list)  # relative to the artifact directory
     options: dict[str, Any] = field(default_factory=dict)  # everything needed to load it again
     build_seconds: float = 0.0
+    fresh_process: dict[str, Any] = field(default_factory=dict)  # engines.fresh_process's record, when probed
 
     def to_dict(self) -> dict:
         """The manifest entry: the result plus the recipe its name stands for (``engines.recipe``)."""
@@ -124,6 +126,12 @@ class Backend:
         """Candidate names this backend would build for this context (variants of one backend)."""
         return [self.name]
 
+    def loads_native_code(self, entry: dict) -> bool:
+        """Whether loading ``entry`` runs native code that could kill the loading process (a package or plan
+        deserializer, a custom-op library). Such a candidate is loaded in a fresh process first
+        (``engines.fresh_process``), at build time and wherever the environment differs at load time."""
+        return False
+
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -154,3 +162,23 @@ def requested_variants(ctx: BuildContext, option: str, default: list[str], check
 
 def import_error_reason(module: str, exc: BaseException) -> str:
     return f"unavailable: cannot import {module}: {type(exc).__name__}: {exc}"
+
+
+FINGERPRINT_PADDING = (0.0, 0.25)  # the all-valid case, then a padded one: each route of a routed runner
+
+
+def output_fingerprint(runner, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+                       seed: int = DEFAULT_SEED, padding_ratios=(0.0,)) -> str:
+    """sha256 of the runner's output bytes on ``seed``'s case at each padding ratio: equal hashes, equal outputs.
+
+    A padded case that the generator happened to leave all valid loses its last token, so it takes the
+    padded route."""
+    digest = hashlib.sha256()
+    for ratio in padding_ratios:
+        x, mask = generate_case(config, device, dtype, seed, padding_ratio=ratio)
+        if ratio > 0 and bool(mask.all()):
+            mask[0, -1] = False
+        with torch.inference_mode():
+            y = runner(x, mask)
+        digest.update(y.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -224,6 +224,9 @@ class InductorBackend(Backend):
         return requested_variants(ctx, "inductor_variants", default_variants(torch.device(ctx.device)),
                                   lambda name: parse_variant(name, ctx.config))
 
+    def loads_native_code(self, entry: dict) -> bool:
+        return True  # aoti_load_package: segfaults in a fresh process on torch 2.11.0+cu130 on an H200
+
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
         def work():
             options = build_package(ctx, candidate)

@@ -220,6 +220,10 @@ class OrtBackend(Backend):
             build_seconds=round(time.perf_counter() - start, 3),
             options={**mixed_graph_options(ort, base, level, disabled, source, optimized), "autocast": autocast})
 
+    def loads_native_code(self, entry: dict) -> bool:
+        """A session with a custom-op library runs that library's native code; stock ORT kernels do not."""
+        return bool((entry.get("options") or {}).get("custom_ops_library"))
+
     def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
              device: torch.device) -> OrtRunner:
         model = Path(artifact_dir) / entry["options"]["model"]

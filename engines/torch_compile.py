@@ -42,7 +42,8 @@ from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS, AllValidMaskCache, generate_case
 
-from .base import AllValidRouter, Backend, BuildContext, CandidateResult, Runner, requested_variants
+from .base import (FINGERPRINT_PADDING, AllValidRouter, Backend, BuildContext, CandidateResult, Runner,
+                   output_fingerprint, requested_variants)
 from .cuda_graph import CapturedCall
 from .recipe import parse as parse_recipe
 
@@ -87,26 +88,6 @@ def check_variant(name: str, config: TransformerConfig, dtype: torch.dtype) -> N
 def needs_float32(name: str) -> bool:
     """Fused variants with float16 inside (calibrated blocks or half GEMMs) exist only in a float32 model."""
     return any(FUSED_VARIANTS.get(name, ()))
-
-
-FINGERPRINT_PADDING = (0.0, 0.25)  # the all-valid case, then a padded one: each route of a routed runner
-
-
-def output_fingerprint(runner, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
-                       seed: int = DEFAULT_SEED, padding_ratios=(0.0,)) -> str:
-    """sha256 of the runner's output bytes on ``seed``'s case at each padding ratio: equal hashes, equal outputs.
-
-    A padded case that the generator happened to leave all valid loses its last token, so it takes the
-    padded route."""
-    digest = hashlib.sha256()
-    for ratio in padding_ratios:
-        x, mask = generate_case(config, device, dtype, seed, padding_ratio=ratio)
-        if ratio > 0 and bool(mask.all()):
-            mask[0, -1] = False
-        with torch.inference_mode():
-            y = runner(x, mask)
-        digest.update(y.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 class CompiledModuleRunner(Runner):

@@ -183,6 +183,9 @@ class TrtBackend(Backend):
             raise KKError(f"TensorRT could not deserialize {plan.name} (built by another TensorRT version or GPU?)")
         return TrtRunner(engine, config, dtype, device)
 
+    def loads_native_code(self, entry: dict) -> bool:
+        return True  # deserializing a plan (and any plugin library) runs TensorRT's native code
+
     def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
              device: torch.device) -> TrtRunner:
         runner = self._runner(Path(artifact_dir) / entry["options"]["engine"], config, dtype, device)

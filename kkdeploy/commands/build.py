@@ -21,6 +21,9 @@ def register(sub):
     p.add_argument("--out", help="artifact directory (default artifacts/shape-NN-<dtype>-<device>)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--contract", default="strict", choices=["strict", "judge"])
+    p.add_argument("--probe-timeout", type=float, default=None, metavar="S",
+                   help="seconds a candidate with a native loader (inductor, trt) may take to load and answer once "
+                        "in a fresh process before it is recorded as load-hung (default 600)")
     add_tf32_arg(p)
     p.add_argument("--padding-ratio", type=float, default=0.25, help="padding ratio of the padded trials (default 0.25)")
     p.add_argument("--warmups", type=int, default=20)
@@ -75,7 +78,7 @@ def run(args) -> int:
                                backends=backends, weights=args.weights, force=args.force, seed=args.seed,
                                trials=args.trials, padding_ratio=args.padding_ratio, contract=args.contract,
                                warmups=args.warmups, repeats=args.repeats, rounds=args.rounds,
-                               tf32=args.tf32, options=request_options(args))
+                               tf32=args.tf32, options=request_options(args), probe_timeout_s=args.probe_timeout)
         manifest = run_build(request)
         print_summary(manifest, out)
     return status

@@ -1,11 +1,11 @@
-"""`kkdeploy inspect DIR`: the manifest, readably."""
+"""`kkdeploy inspect DIR`: the manifest, readably; exit 1 when any file differs from its recorded hash."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..pipeline.build import print_summary
-from ..console import console
+from ..console import console, err_console
 from ..pipeline.runtime import read_manifest, verify_files
 
 
@@ -34,4 +34,7 @@ def run(args) -> int:
     problem = verify_files(root, m)
     console.print(f"files: {len(m['files'])} hashed; " + (f"[red]{problem}[/]" if problem else "all match"))
     print_summary(m, root)
+    if problem:  # `kkdeploy inspect DIR && deploy` must stop here
+        err_console.print(f"[bold red]error:[/] {root}: {problem}; rebuild the artifacts", soft_wrap=True)
+        return 1
     return 0

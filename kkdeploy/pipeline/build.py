@@ -35,7 +35,9 @@ BACKEND_CHOICES = {
     "torch-compile": ("torch_compile", None),
     "torch-compile-fused": ("torch_compile", list(FUSED_VARIANTS)),
 }
-DEFAULT_BACKENDS = {"cpu": ["ort-cpu"], "cuda": ["trt", "ort-cuda", "torch-graph", "torch-compile", "inductor"]}
+# AOTInductor (`inductor`) is opt-in: it compiles the same graph as torch-compile, and its packages segfault on
+# load in a fresh process on torch 2.11.0+cu130 (design.md §6); asked for, the fresh-process check guards it.
+DEFAULT_BACKENDS = {"cpu": ["ort-cpu"], "cuda": ["trt", "ort-cuda", "torch-graph", "torch-compile"]}
 ONNX_BACKENDS = {"trt", "ort"}
 FALLBACK_SDPA_LAYERS = (1, 0)  # calibrated: the most fused attention that still passes
 # Exporter defaults per device. On the H200 (FP16, ORT 1.31 CUDA EP) a Linear written as an FP32
@@ -63,6 +65,7 @@ class BuildRequest:
     rounds: int = 3
     tf32: bool | None = None  # None: config.tf32_default (on for float32 CUDA under the judge contract)
     options: dict = field(default_factory=dict)  # backend/exporter options, recorded in the manifest
+    probe_timeout_s: float | None = None  # fresh-process load check; None: engines.fresh_process.DEFAULT_TIMEOUT_S
 
 
 def default_out_dir(shape_id: int | None, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> Path:
@@ -132,16 +135,49 @@ def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[Cand
     return results
 
 
+def probe_fresh_processes(request: BuildRequest, stage: Path, results: list[CandidateResult], bar) -> None:
+    """Load and call every candidate whose loader runs native code in a spawned child first (issue 17).
+
+    A crash, a hang or an error there becomes the candidate's status and it is never loaded here; the
+    child's output fingerprint is kept so that ``load_runners`` can check this process computes the same."""
+    from engines import backend_module
+    from engines.base import FINGERPRINT_PADDING
+    from engines.fresh_process import DEFAULT_TIMEOUT_S, probe
+
+    for result in results:
+        if result.status != BUILT or not get_backend(result.backend).loads_native_code(result.to_dict()):
+            continue
+        bar.describe(f"load {result.name} in a fresh process")
+        ratios = FINGERPRINT_PADDING[:1] if result.options.get("all_valid_only") else FINGERPRINT_PADDING
+        outcome = probe(backend_module(result.backend), stage, result.to_dict(), request.config, request.dtype,
+                        request.device, tf32=bool(request.tf32), padding_ratios=ratios,
+                        timeout_s=request.probe_timeout_s or DEFAULT_TIMEOUT_S)
+        result.fresh_process = {**outcome.to_dict(), "padding_ratios": list(ratios)}
+        if not outcome.ok:
+            result.status, result.reason = outcome.status, outcome.reason
+
+
 def load_runners(request: BuildRequest, stage: Path, results: list[CandidateResult]) -> dict:
+    """Load every built candidate here; one that was probed must compute here what it computed there."""
+    from engines.base import output_fingerprint
+
     runners = {}
     for result in results:
         if result.status != BUILT:
             continue
         try:
-            runners[result.name] = get_backend(result.backend).load(stage, result.to_dict(), request.config,
-                                                                    request.dtype, request.device)
+            runner = get_backend(result.backend).load(stage, result.to_dict(), request.config, request.dtype,
+                                                      request.device)
         except Exception as exc:
             result.status, result.reason = BUILD_FAILED, f"load failed: {type(exc).__name__}: {exc}"
+            continue
+        probed = result.fresh_process
+        if probed and output_fingerprint(runner, request.config, request.dtype, request.device,
+                                         padding_ratios=probed["padding_ratios"]) != probed["fingerprint"]:
+            result.status = FAILED
+            result.reason = "its output in a fresh process differs from its output in the build's process"
+            continue
+        runners[result.name] = runner
     return runners
 
 
@@ -199,6 +235,7 @@ def run_build(request: BuildRequest) -> dict:
             bar.advance()
 
             results = build_candidates(request, ctx, bar)
+            probe_fresh_processes(request, stage, results, bar)
             runners = load_runners(request, stage, results)
 
             bar.describe("validate")

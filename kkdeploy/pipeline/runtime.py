@@ -9,6 +9,7 @@ Tampered or foreign weights cannot be served at all: that is an error, not a fal
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -186,8 +187,59 @@ def load_engine(root: Path, manifest: dict, name: str, config: TransformerConfig
     try:
         from engines import get_backend
 
+        backend = get_backend(entry["backend"])
+        if backend.loads_native_code(entry):
+            problem = native_loader_problem(root, manifest, entry, config, dtype, device)
+            if problem:
+                return None, problem
         # The build's TF32 setting: CUDA graphs captured now keep it, whatever the caller's setting is later.
         with tf32_mode(bool(manifest.get("tf32", False))):
-            return get_backend(entry["backend"]).load(root, entry, config, dtype, device), None
+            return backend.load(root, entry, config, dtype, device), None
     except Exception as exc:  # a missing library, a plan the runtime rejects, ...
         return None, f"{name} could not be loaded: {type(exc).__name__}: {exc}"
+
+
+PROBE_CACHE_DIR = ".fresh-process"  # beside the artifacts: one answer per candidate and environment
+
+
+def native_loader_problem(root: Path, manifest: dict, entry: dict, config: TransformerConfig, dtype: torch.dtype,
+                          device: torch.device) -> str | None:
+    """None when ``entry``'s native loader is known to be safe in this environment, else why not.
+
+    Known safe: the build's fresh-process check ran in this very environment and passed, or a probe here
+    did (cached beside the artifacts, keyed by environment). Otherwise the engine is probed now in a spawned
+    child, never in this process: a crash there costs the child, and this process serves the fallback."""
+    from engines import backend_module
+    from engines.base import FINGERPRINT_PADDING
+    from engines.fresh_process import OK, environment_key, environment_record, probe
+
+    name = entry["name"]
+    key = environment_key(environment_record(device))
+    recorded = entry.get("fresh_process") or {}
+    expected = recorded.get("fingerprint")
+    if recorded.get("status") == OK and recorded.get("environment_key") == key:
+        return None
+    cache = root / PROBE_CACHE_DIR / f"{name}-{key}.json"
+    answer = None
+    if cache.is_file():
+        try:
+            answer = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            answer = None
+    if answer is None or answer.get("expected") != expected:
+        ratios = recorded.get("padding_ratios") or (
+            FINGERPRINT_PADDING[:1] if (entry.get("options") or {}).get("all_valid_only") else FINGERPRINT_PADDING)
+        log.warning("kkdeploy: %s was not checked in this environment; loading it in a fresh process first", name)
+        outcome = probe(backend_module(entry["backend"]), root, entry, config, dtype, device,
+                        tf32=bool(manifest.get("tf32", False)), padding_ratios=ratios)
+        answer = {**outcome.to_dict(), "expected": expected}
+        try:
+            cache.parent.mkdir(exist_ok=True)
+            artifacts.write_json(cache, answer)
+        except OSError as exc:  # a read-only artifact directory: probe again next time
+            log.warning("kkdeploy: cannot cache the probe of %s in %s: %s", name, cache.parent, exc)
+    if answer["status"] != OK:
+        return f"{name} was not loaded here: {answer['reason']} (probed in this environment)"
+    if expected is not None and answer.get("fingerprint") != expected:
+        return f"{name} was not loaded here: in a fresh process its output differs from the validated output"
+    return None
