@@ -11,7 +11,8 @@
 #   bench-DT-CT.tgz  kkdeploy bench output per shape (json, md, png, logs), DT dtype, CT contract
 #   summary-DT-CT.md scripts/bench_summary.py over those: best passing backend per shape, geomeans
 #   profile.tgz      scripts/profile_candidate.py per shape: kernel classes and top kernels, Chrome traces
-# Steps: env, setup, selfcheck, build, fidelity, inductor, shape14, bench, profile. A step's =SECONDS caps its wall time.
+#   crashproof.tgz, fresh-process.json  issue 17's builds (manifests) and scripts/fresh_process_table.py
+# Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, bench, profile. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -46,6 +47,26 @@ step_build() {
   (cd "$WORK" && tar czf "$OUT/builds.tgz" --exclude='*.onnx' --exclude='*.plan' --exclude='*.pt2' \
      --exclude='*.safetensors' shape-*)
   for s in $BUILD_SHAPES; do python3 -m kkdeploy run --artifacts "$WORK/shape-$s" --padding-ratio 0.25 || true; done
+}
+
+step_crashproof() {
+  # Issue 17 on the GPU: an inductor-only build survives its crashing loader; a default build serves padded
+  # calls in 5 fresh processes; every built candidate of shapes 2, 3 and 12 is loaded in a fresh process.
+  python3 -m kkdeploy build --shape 3 --device cuda --force --backends inductor --out "$WORK/s3-inductor"
+  echo "CRASHPROOF inductor-only build exit $?"
+  python3 -m kkdeploy build --shape 3 --device cuda --force --out "$WORK/s3-default"
+  echo "CRASHPROOF default build exit $?"
+  for i in 1 2 3 4 5; do
+    python3 -m kkdeploy run --artifacts "$WORK/s3-default" --padding-ratio 0.25; echo "CRASHPROOF run $i exit $?"
+  done
+  for s in ${CRASHPROOF_SHAPES:-2 12}; do
+    python3 -m kkdeploy build --shape "$s" --device cuda --force --backends ${CRASHPROOF_BACKENDS:-torch-graph,torch-compile,inductor-sdpa1} \
+      --out "$WORK/s$s"; echo "CRASHPROOF build shape $s exit $?"
+  done
+  (cd "$WORK" && tar czf "$OUT/crashproof.tgz" --exclude='*.pt2' --exclude='*.safetensors' --exclude='*.inductor-cache' \
+     --exclude='*.onnx' s3-inductor s3-default s2 s12)
+  python3 scripts/fresh_process_table.py "$WORK/s3-inductor" "$WORK/s3-default" "$WORK/s2" "$WORK/s12" \
+    --out "$OUT/fresh-process.json"
 }
 
 step_selfcheck() { python3 scripts/gpu_selfcheck.py --shape "${SELFCHECK_SHAPE:-3}"; }

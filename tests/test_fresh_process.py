@@ -150,3 +150,13 @@ def test_inspect_exits_nonzero_and_names_a_flipped_byte(tmp_path):
                           text=True, timeout=300)
     assert done.returncode == 1
     assert "model.onnx was modified" in done.stdout + done.stderr
+
+
+def test_fresh_process_table_loads_every_built_candidate(shipped_native, capsys):
+    from tests.conftest import load_script
+
+    table = load_script("fresh_process_table")
+    assert table.main([str(shipped_native)]) == 0
+    printed = capsys.readouterr().out
+    row = next(line for line in printed.splitlines() if "faithful-native" in line)
+    assert "| ok |" in row and "| yes |" in row  # loaded in a fresh process, same output as the build's check

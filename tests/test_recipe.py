@@ -46,3 +46,17 @@ def test_names_outside_the_grammar_are_one_line_errors(name):
 def test_manifest_record_of_the_fallback_is_empty():
     assert recipe_record("pytorch-fallback") == {}
     assert recipe_record("torch-compile")["backend"] == "torch-compile"
+
+
+def test_backends_take_short_names_and_exact_candidate_names():
+    import torch
+
+    from kkdeploy.pipeline.build import backend_choice, parse_backends
+
+    assert backend_choice("ort-cuda") == ("ort", ["ort-cuda", "ort-cuda-graph"], None)
+    assert backend_choice("inductor-sdpa1") == ("inductor", None, ["inductor-sdpa1"])
+    assert backend_choice("torch-compile-faithful-attention") == ("torch_compile", None,
+                                                                  ["torch-compile-faithful-attention"])
+    assert parse_backends("torch-graph,inductor-sdpa1", torch.device("cpu")) == ["torch-graph", "inductor-sdpa1"]
+    with pytest.raises(KKError, match="unknown backend 'tensorrt'"):
+        parse_backends("tensorrt", torch.device("cpu"))

@@ -75,13 +75,33 @@ def default_out_dir(shape_id: int | None, config: TransformerConfig, dtype: torc
     return Path("artifacts") / f"{name}-{dtype_name(dtype)}-{device.type}"
 
 
+# engines.recipe's backend names -> backend module keys
+RECIPE_BACKEND_KEYS = {"ort": "ort", "trt": "trt", "torch-graph": "torch_graph", "torch-compile": "torch_compile",
+                       "inductor": "inductor"}
+
+
+def backend_choice(name: str) -> tuple[str, list[str] | None, list[str] | None]:
+    """A --backends entry -> (backend key, candidate filter option, exact candidates). A short name from
+    BACKEND_CHOICES builds its backend's defaults; any other candidate name (``engines.recipe`` grammar,
+    e.g. ``inductor-sdpa1``) builds exactly that candidate."""
+    if name in BACKEND_CHOICES:
+        return (*BACKEND_CHOICES[name], None)
+    from engines.recipe import parse
+
+    try:
+        recipe = parse(name)
+    except KKError:
+        raise KKError(f"unknown backend {name!r}; choose from {', '.join(BACKEND_CHOICES)} or name one candidate "
+                      f"such as inductor-sdpa1 or torch-compile-faithful-attention") from None
+    return RECIPE_BACKEND_KEYS[recipe.backend], None, [name]
+
+
 def parse_backends(text: str | None, device: torch.device) -> list[str]:
     if not text:
         return list(DEFAULT_BACKENDS[device.type])
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BACKEND_CHOICES]
-    if unknown:
-        raise KKError(f"unknown backend {unknown[0]!r}; choose from {', '.join(BACKEND_CHOICES)}")
+    for name in names:
+        backend_choice(name)
     return names
 
 
@@ -104,7 +124,7 @@ def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[Cand
     """Build every requested candidate; failures and absences become recorded statuses."""
     results: list[CandidateResult] = []
     for user_name in request.backends:
-        key, only = BACKEND_CHOICES[user_name]
+        key, only, exact = backend_choice(user_name)
         bar.describe(f"build {user_name}")
         try:
             backend = get_backend(key)
@@ -124,7 +144,7 @@ def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[Cand
             ctx.options[f"{key}_candidates"] = only
         else:  # not the restriction an earlier choice of the same backend left behind
             ctx.options.pop(f"{key}_candidates", None)
-        for name in backend.candidates(ctx):
+        for name in exact if exact is not None else backend.candidates(ctx):
             if any(r.name == name for r in results):  # two choices naming one variant build it once
                 continue
             try:
@@ -280,7 +300,7 @@ def run_build(request: BuildRequest) -> dict:
 
 
 def export_if_needed(request: BuildRequest, reference, stage: Path, ctx: BuildContext) -> dict | None:
-    if not any(BACKEND_CHOICES[b][0] in ONNX_BACKENDS for b in request.backends):
+    if not any(backend_choice(b)[0] in ONNX_BACKENDS for b in request.backends):
         return None
     from exporters import ExportOptions, export_onnx
 
