@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind the issue notes, as steps: bash scripts/h200_campaign.sh STEP[=SECONDS]...
 #
-# Run on the lent GPU machine from the repository root (see ../shared/gpu/README.md for bringing
+# Run on a GPU machine (an H200 with torch 2.11.0+cu130 so far) from the repository root (see ../shared/gpu/README.md for bringing
 # onnxruntime-gpu and polygraphy to /tmp/site first). Everything lands under $OUT (at most 8 files):
 #   campaign.log     every step's output, in order
 #   builds.tgz       manifest/validation/bench/latency.png of each `kkdeploy build` (no engines)
