@@ -1,0 +1,224 @@
+"""The Triton kernel behind ``kkdeploy_faithful::attention`` (imported lazily: it imports triton).
+
+One program per (block of BLOCK_M query rows, batch * head). Keys are walked in chunks of
+``LANES * SUB`` keys, where LANES = ATen's WARP (min(next_pow2(S), 32), at least 16 for tl.dot) and
+column ``t`` of sub-chunk ``j`` is lane ``t``'s element of iteration ``it``: exactly the element
+ownership of ATen's ``softmax_warp_forward``. Chunks wholly past the causal limit of the block (or past
+S) are skipped: there every score is -inf, which adds exactly +0 to each lane sum and 0 * v to P.V.
+
+Three passes over the keys, recomputing the score chunk each time (cheap: K = head_dim):
+
+1. scores = fp16(fp16(dot(q, k^T)) * scale), -inf where causal/invalid/out of range; running max.
+2. ``lane += expf(s - max)`` elementwise (per-lane sequential, in chunk order), then the butterfly
+   over the lanes (offset LANES/2 first) by reshape/permute/split: the row sum.
+3. ``p = fp16(div_rn(expf(s - max), sum))``; ``acc = dot(p, v_chunk, acc)`` in key order; store fp16.
+
+Compiled with ``enable_fp_fusion=False`` (no mul+add contraction anywhere) and
+``enable_reflect_ftz=False`` (libdevice's ``__nv_expf`` without flush-to-zero, like nvcc's ``expf``
+in ATen, which is built without --use_fast_math / -ftz). ``exp`` is libdevice's accurate ``expf``,
+not ``tl.exp`` (ex2.approx); division is ``tl.math.div_rn`` (``/`` lowers to an approximate
+division). Under ``TRITON_INTERPRET=1`` (CPU) libdevice does not exist: the kernel then uses
+``tl.exp`` (numpy's float32 exp) so its *logic* can be checked on a CPU against
+``emulate_persistent_softmax(..., exp=numpy exp)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .faithful_attention import check_attention_inputs, fp32_scale, persistent_softmax_layout
+
+try:  # the CUDA libdevice wrappers (absent or unusable under the interpreter)
+    from triton.language.extra.cuda import libdevice as _libdevice
+except ImportError:  # pragma: no cover - older layouts
+    from triton.language.extra import libdevice as _libdevice
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+#: the launch configuration used by the custom op: rows per program, lane iterations per chunk.
+DEFAULT_BLOCK_M = 64
+DEFAULT_SUB = 1
+#: compile options that keep the arithmetic IEEE: no fmul+fadd contraction, libdevice without FTZ.
+COMPILE_FLAGS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
+
+
+@triton.jit
+def _exp(x, ACCURATE: tl.constexpr):
+    if ACCURATE:
+        y = _libdevice.exp(x)  # __nv_expf: the accurate expf ATen's kernel calls
+    else:
+        y = tl.exp(x)  # interpreter only (numpy float32 exp)
+    return y
+
+
+@triton.jit
+def _butterfly_step(x, BLOCK_M: tl.constexpr, W: tl.constexpr):
+    """[BLOCK_M, 2W] -> [BLOCK_M, W]: lane t + lane t+W (the __shfl_xor step at offset W)."""
+    x = tl.reshape(x, (BLOCK_M, 2, W))
+    x = tl.permute(x, (0, 2, 1))
+    lo, hi = tl.split(x)
+    return lo + hi
+
+
+@triton.jit
+def _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d, S, scale,
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+    """fp32 scores of one key chunk, holding fp16 values (or -inf), rounded where the reference rounds."""
+    kmask = (offs_n[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(K + k_row0 + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0.0)
+    s = tl.dot(q, tl.trans(k))  # fp32 accumulation
+    s = s.to(tl.float16).to(tl.float32) * scale  # GEMM output rounded to fp16, then fp32 multiply
+    s = s.to(tl.float16).to(tl.float32)  # the scaled scores are fp16 in the reference
+    valid = offs_n[None, :] < S
+    if CAUSAL:
+        valid = valid & (offs_n[None, :] <= offs_m[:, None])
+    if HAS_MASK:
+        km = tl.load(MASK + m_row0 + offs_n * stride_ms, mask=offs_n < S, other=0)
+        valid = valid & (km[None, :] != 0)
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _faithful_attention_kernel(
+    Q, K, V, MASK, OUT, SCORES, PROBS,
+    stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_ob, stride_os,
+    stride_mb, stride_ms,
+    S, H, scale,
+    HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    LANES: tl.constexpr, SUB: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
+):
+    CHUNK: tl.constexpr = LANES * SUB
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, DH_PAD)
+    offs_c = tl.arange(0, CHUNK)
+    col0 = h * HEAD_DIM
+
+    q_ptrs = Q + b * stride_qb + offs_m[:, None] * stride_qs + col0 + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    k_row0 = b * stride_kb + col0
+    v_row0 = b * stride_vb + col0
+    m_row0 = b * stride_mb
+
+    if CAUSAL:
+        n_end = tl.minimum(S, m0 + BLOCK_M)  # later chunks are -inf for every row of this block
+    else:
+        n_end = S
+
+    # pass 1: the row max (order-free)
+    run_max = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
+    for n0 in range(0, n_end, CHUNK):
+        s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
+                         S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+        run_max = tl.maximum(run_max, s)
+    row_max = tl.max(run_max, axis=1)
+
+    # pass 2: per-lane sequential sums of expf(s - max), in ATen's element order
+    lane = tl.zeros((BLOCK_M, LANES), tl.float32)
+    for n0 in range(0, n_end, CHUNK):
+        s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
+                         S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+        e = _exp(s - row_max[:, None], ACCURATE)
+        if SUB == 1:
+            lane = lane + e
+        else:  # SUB == 2: columns [0, LANES) are iteration it, [LANES, 2 LANES) iteration it + 1
+            e2 = tl.permute(tl.reshape(e, (BLOCK_M, 2, LANES)), (0, 2, 1))
+            e_first, e_second = tl.split(e2)
+            lane = lane + e_first
+            lane = lane + e_second
+    # the __shfl_xor butterfly: offsets LANES/2, ..., 1 (LANES is 16 or 32; lanes >= WARP hold +0)
+    if LANES == 32:
+        lane = _butterfly_step(lane, BLOCK_M, 16)
+    lane = _butterfly_step(lane, BLOCK_M, 8)
+    lane = _butterfly_step(lane, BLOCK_M, 4)
+    lane = _butterfly_step(lane, BLOCK_M, 2)
+    lane = _butterfly_step(lane, BLOCK_M, 1)
+    row_sum = tl.reshape(lane, (BLOCK_M, ))
+
+    # pass 3: probabilities (IEEE division, fp16) and P.V in key order
+    acc = tl.zeros((BLOCK_M, DH_PAD), tl.float32)
+    for n0 in range(0, n_end, CHUNK):
+        offs_n = n0 + offs_c
+        s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d,
+                         S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+        e = _exp(s - row_max[:, None], ACCURATE)
+        p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
+        vmask = (offs_n[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+        v = tl.load(V + v_row0 + offs_n[:, None] * stride_vs + offs_d[None, :], mask=vmask, other=0.0)
+        acc = tl.dot(p, v, acc)
+        if DEBUG:  # the reference's intermediate tensors, [B, H, S, S] fp16
+            dbg = ((b * H + h) * S + offs_m[:, None].to(tl.int64)) * S + offs_n[None, :]
+            dmask = (offs_m[:, None] < S) & (offs_n[None, :] < S)
+            tl.store(SCORES + dbg, s.to(tl.float16), mask=dmask)
+            tl.store(PROBS + dbg, p, mask=dmask)
+
+    o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
+
+
+def kernel_lanes(seq_len: int) -> int:
+    """ATen's WARP for this row length, raised to 16 (tl.dot's minimum): the extra lanes hold +0."""
+    warp, _ = persistent_softmax_layout(seq_len)
+    return max(16, warp)
+
+
+def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=None, sub=None,
+                     num_warps=None, num_stages=None, debug=False, validate=True):
+    """Launch the kernel; returns the context [B, S, D] fp16 (and, with ``debug``, the fp16 scores and
+    probabilities [B, H, S, S] as the reference computes them; causal-skipped entries are filled with
+    the reference's values -inf and 0). ``validate=False``: the caller already checked the inputs."""
+    if validate:
+        check_attention_inputs(q, k, v, valid_token_mask, num_heads, causal)
+        if q.dtype != torch.float16:
+            raise TypeError(f"the faithful kernel is float16-only, got {q.dtype}")
+    b, s, d = q.shape
+    dh = d // num_heads
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the kernel needs unit feature stride
+    lanes = kernel_lanes(s)
+    block_m = DEFAULT_BLOCK_M if block_m is None else block_m
+    sub = DEFAULT_SUB if sub is None else sub
+    if lanes < 32:
+        sub = 1  # one iteration per lane: S <= 32
+    dh_pad = max(16, 1 << (dh - 1).bit_length())
+    if num_warps is None:
+        num_warps = 8 if (dh_pad >= 256 or block_m >= 128) else 4
+    if num_stages is None and dh_pad >= 256:
+        num_stages = 2  # 3 stages of [64, 256] K and V tiles pass the H200's 227 KiB of shared memory
+    out = torch.empty((b, s, d), dtype=q.dtype, device=q.device)
+    if debug:
+        scores = torch.full((b, num_heads, s, s), float("-inf"), dtype=q.dtype, device=q.device)
+        probs = torch.zeros((b, num_heads, s, s), dtype=q.dtype, device=q.device)
+    else:
+        scores = probs = out  # never written
+    has_mask = valid_token_mask is not None
+    mask = valid_token_mask if has_mask else q
+    stride_mb, stride_ms = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
+    scale = fp32_scale(dh)  # what ATen multiplies by (exact in fp32, so Triton's fp32 argument keeps it)
+    grid = (triton.cdiv(s, block_m), b * num_heads)
+    launch = dict(num_warps=num_warps)
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
+    if not INTERPRET:
+        launch.update(COMPILE_FLAGS)
+    _faithful_attention_kernel[grid](
+        q, k, v, mask, out, scores, probs,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        stride_mb, stride_ms,
+        s, num_heads, scale,
+        HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_M=block_m, LANES=lanes, SUB=sub,
+        CAUSAL=bool(causal), HAS_MASK=has_mask, ACCURATE=not INTERPRET, DEBUG=bool(debug),
+        **launch,
+    )
+    if debug:
+        return out, scores, probs
+    return out

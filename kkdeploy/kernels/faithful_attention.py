@@ -1,0 +1,352 @@
+"""A fused attention that is bit-identical to the reference's ATen composition (S <= 1024).
+
+Why this exists (design.md §6): one ulp anywhere in an FP16 layer grows through residual + LayerNorm
+into a strict-rule failure after a few layers, so a faster attention is admissible only if it is
+*bit-identical* to the op sequence it replaces. SDPA/flash attention are not: they skip the FP16
+rounding of the scores and use an online softmax with another summation order. The reference
+(``ReferenceTransformer``'s ``Attention.attend``) computes, per head, with q/k/v the Linear outputs
+``[B, S, D]`` (head ``h`` = columns ``h*Dh:(h+1)*Dh``)::
+
+    scores = matmul(q, k^T)            # fp16 GEMM: fp32 accumulation, one rounding to fp16
+             * scale                   # Dh**-0.5 as a Python float: fp32 multiply, rounded to fp16
+    scores[causal future | invalid key] = -inf
+    probs  = softmax(scores.float(), -1).half()
+    context = matmul(probs, v)         # fp32 accumulation over the keys in order, rounded to fp16
+
+``reference_attention`` is that composition as a pure function (it is also the CPU kernel and the
+CUDA fallback of the custom op). The Triton kernel (``_faithful_attention_triton``) keeps every
+rounding point and, for the float32 softmax, the exact arithmetic of the kernel ATen runs for rows of
+<= 1024 elements: the persistent warp softmax (``softmax_warp_forward`` in
+``aten/src/ATen/native/cuda/PersistentSoftmax.cuh``), whose result depends on its summation order:
+
+* WARP = min(next_pow2(S), 32) lanes, lane ``t`` owns the elements ``t + WARP*it``;
+* the row max (order-free) then, per lane, ``sum = 0; sum += expf(x - max)`` in ``it`` order, out of
+  range / masked elements adding ``expf(-inf) = +0``;
+* a ``__shfl_xor`` butterfly over the lanes at offsets WARP/2, ..., 1 (a fixed pairwise tree);
+* ``p = e / sum`` with IEEE division, then the cast to fp16.
+
+``emulate_persistent_softmax`` replays that order with plain tensor ops, so the reading of the
+source can be checked against ``torch.softmax`` on a GPU independently of the kernel.
+
+The custom op ``kkdeploy_faithful::attention`` dispatches: CPU -> the reference composition; CUDA ->
+the Triton kernel when ``select_attention_path`` says so (fp16, S <= 1024, head_dim <= 256, and a
+platform and (B*H, S, Dh) on which bit-identity was measured: see PROVEN_SHAPES for why it is per
+shape), else the reference composition. Either way the result is the reference's bits; only the
+speed differs. This module imports only torch and the standard library;
+Triton is imported lazily, on CUDA, when the kernel actually runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from kkdeploy.errors import KKError
+
+OP_NAMESPACE = "kkdeploy_faithful"
+OP_NAME = f"{OP_NAMESPACE}::attention"
+
+#: The kernel's scope. ATen's float32 softmax over the last dim runs the persistent warp softmax for
+#: dim_size <= 1024 (host_softmax in SoftMax.cu as read at pytorch e9865f53: dim_size <= 1024 and
+#: dim_size * sizeof(float) <= 4096); torch 2.11's PersistentSoftmax.cuh also instantiates 2048 and
+#: torch.softmax measured equal to the emulation at S = 2048, but the kernel is built and proven for <= 1024.
+MAX_FUSED_SEQ_LEN = 1024
+#: the longest row ``softmax_warp_forward`` handles (log2_elements <= 11 in torch 2.11's header).
+MAX_PERSISTENT_SOFTMAX_LEN = 2048
+#: the largest head size the kernel was built and measured for (accumulator [64, 256] in registers).
+MAX_FUSED_HEAD_DIM = 256
+#: Where bit-identity was measured. It is a property of (platform, shape), not of the kernel alone: the
+#: reference's own GEMMs are cuBLAS calls whose algorithm cuBLAS picks from the problem size, and a few
+#: picks do not accumulate like one in-order tensor-core pass. Measured on the H200 with torch 2.11.0+cu130
+#: (scripts/faithful_attention_selftest.py): at (B*H, S, Dh) = (2, 333, 256), (2, 333, 128) and (2, 700, 128)
+#: ATen's P.V differs from the kernel's in 13-50 elements (scores and probabilities equal), and ATen's own
+#: scores change when the same rows sit in a batch of 32 instead of 2. So "auto" takes the kernel only on the
+#: platform and the shapes below; elsewhere it runs the reference composition (same bits by definition).
+PROVEN_PLATFORM = {"capability": (9, 0), "torch": "2.11", "cuda": "13.0"}
+#: (batch * heads, S, head_dim) measured bit-identical, all-valid and padded (padding_ratio 0.25), causal
+#: (and non-causal where noted in docs/faithful-attention.md), with seeded-model and wide random inputs.
+PROVEN_SHAPES = frozenset({
+    # the official shapes 1-13 (design.md §3)
+    (256, 128, 32), (4, 128, 32), (16, 128, 32), (64, 128, 32), (512, 128, 32), (40000, 128, 32),
+    (256, 128, 8), (256, 128, 256), (64, 128, 128), (128, 128, 64), (1024, 128, 8), (256, 32, 32),
+    (256, 1024, 32),
+    # edge cases of the kernel (S < 16, S % 32 != 0, Dh = 8/16/256, small batches)
+    (4, 1, 32), (6, 5, 32), (4, 16, 8), (8, 17, 16), (8, 45, 32), (9, 100, 32), (2, 1000, 64),
+    (2, 128, 256), (64, 128, 256), (8, 128, 256),
+})
+#: ``auto`` (default): the rules above; ``aten``: never the kernel; ``triton``: the kernel wherever it can
+#: run (CUDA, fp16, S <= 1024, head_dim <= 256, Triton importable), proven or not: validate before shipping.
+PATH_ENV = "KKDEPLOY_FAITHFUL_ATTENTION"
+
+
+# ----------------------------------------------------------------------------------------------
+# input checks
+# ----------------------------------------------------------------------------------------------
+
+
+def check_attention_inputs(q, k, v, valid_token_mask, num_heads, causal) -> tuple[int, int, int, int]:
+    """Reject a call that breaks the op's contract with one line naming the fix; returns B, S, D, Dh."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise KKError(f"{name} must be a torch.Tensor [B, S, D] (a Linear output), got {type(t).__name__}")
+        if t.dim() != 3:
+            raise KKError(f"{name} must have shape [B, S, D] (heads not split), got {list(t.shape)}")
+        if not t.is_floating_point():
+            raise KKError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if q.shape != k.shape or q.shape != v.shape:
+        raise KKError(
+            f"q, k and v must have one shape [B, S, D], got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}"
+        )
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise KKError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device != k.device or q.device != v.device:
+        raise KKError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
+        raise KKError(f"num_heads must be a positive integer, got {num_heads!r}")
+    if not isinstance(causal, bool):
+        raise KKError(f"causal must be True or False, got {causal!r}")
+    b, s, d = q.shape
+    if d % num_heads:
+        raise KKError(f"D = {d} is not divisible by num_heads = {num_heads}; pass the model's num_heads")
+    if valid_token_mask is not None:
+        if not isinstance(valid_token_mask, torch.Tensor):
+            raise KKError("valid_token_mask must be a bool torch.Tensor [B, S] or None")
+        if tuple(valid_token_mask.shape) != (b, s):
+            raise KKError(
+                f"valid_token_mask must have shape [B, S] = {[b, s]}, got {list(valid_token_mask.shape)}"
+            )
+        if valid_token_mask.dtype != torch.bool:
+            raise KKError(f"valid_token_mask must have dtype torch.bool, got {valid_token_mask.dtype}; pass mask.bool()")
+        if valid_token_mask.device != q.device:
+            raise KKError(f"valid_token_mask is on {valid_token_mask.device} but q is on {q.device}; put both on one device")
+    return b, s, d, d // num_heads
+
+
+# ----------------------------------------------------------------------------------------------
+# the reference composition and an emulation of ATen's softmax order
+# ----------------------------------------------------------------------------------------------
+
+
+def reference_attention(q, k, v, valid_token_mask, num_heads: int, causal: bool) -> torch.Tensor:
+    """The reference attention, op for op (``Attention.attend`` after ``split_heads``): [B, S, D] out.
+
+    Kept as ATen ops on purpose: this is what the fused kernel must equal bit for bit, the CPU kernel
+    of the custom op, and its CUDA fallback. The same views and strides as the reference are used so
+    that cuBLAS picks the same GEMMs.
+    """
+    b, s, d, dh = check_attention_inputs(q, k, v, valid_token_mask, num_heads, causal)
+
+    def split_heads(t):
+        return t.view(b, s, num_heads, dh).transpose(1, 2)
+
+    q, k, v = split_heads(q), split_heads(k), split_heads(v)
+    scale = dh ** -0.5  # a Python float, as in the reference: multiplied in fp32
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal:
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    if valid_token_mask is not None:
+        scores = scores.masked_fill(~valid_token_mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    context = torch.matmul(probs, v)
+    return context.transpose(1, 2).reshape(b, s, num_heads * dh)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def persistent_softmax_layout(seq_len: int) -> tuple[int, int]:
+    """(WARP lanes, iterations per lane) of ATen's softmax_warp_forward for a row of ``seq_len``."""
+    p2 = _next_pow2(seq_len)
+    warp = min(p2, 32)
+    return warp, p2 // warp
+
+
+def emulate_persistent_softmax(x: torch.Tensor, exp: Optional[Callable] = None) -> torch.Tensor:
+    """Softmax over the last dim of a float32 tensor in the exact order of ATen's warp softmax.
+
+    ``exp`` defaults to ``torch.exp`` (on CUDA: the accurate ``expf``, as ATen's kernel uses). Every
+    step is one IEEE float32 operation per element, so on a GPU this equals ``torch.softmax(x, -1)``
+    bit for bit iff the description in the module docstring is right (the selftest checks it).
+    """
+    if x.dtype != torch.float32:
+        raise KKError(f"emulate_persistent_softmax expects float32, got {x.dtype}")
+    exp = torch.exp if exp is None else exp
+    s = x.shape[-1]
+    if not 1 <= s <= MAX_PERSISTENT_SOFTMAX_LEN:
+        raise KKError(f"ATen's persistent warp softmax covers rows of 1..{MAX_PERSISTENT_SOFTMAX_LEN} elements, got {s}")
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, s)
+    warp, iters = persistent_softmax_layout(s)
+    padded = torch.full((rows.shape[0], warp * iters), float("-inf"), dtype=torch.float32, device=x.device)
+    padded[:, :s] = rows
+    elements = padded.view(-1, iters, warp)  # element t + warp*it sits at [it, t]
+    row_max = elements.amax(dim=(1, 2))  # max is order-free
+    e = exp(elements - row_max[:, None, None])
+    lane = torch.zeros(rows.shape[0], warp, dtype=torch.float32, device=x.device)
+    for it in range(iters):  # per-lane sequential sum, `sum += e` in `it` order
+        lane = lane + e[:, it, :]
+    width = warp
+    while width > 1:  # __shfl_xor butterfly: offset width/2 pairs lane t with t + width/2
+        width //= 2
+        lane = lane[:, :width] + lane[:, width : 2 * width]
+    probs = e / lane[:, :1, None]
+    return probs.reshape(rows.shape[0], -1)[:, :s].reshape(*lead, s)
+
+
+# ----------------------------------------------------------------------------------------------
+# which path a call takes
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionPath:
+    """The path a call takes: ``kernel`` is ``"triton"`` (the fused kernel) or ``"aten"``; ``reason`` says why."""
+
+    kernel: str
+    reason: str
+
+    @property
+    def fused(self) -> bool:
+        return self.kernel == "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether Triton can be imported, without importing it (cached: asked on every CUDA call)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def platform_versions() -> tuple[str, str | None]:
+    """(torch major.minor, CUDA version torch was built with): what cuBLAS' algorithm choices depend on."""
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2]), torch.version.cuda
+
+
+def select_attention_path(seq_len: int, head_dim: int, dtype: torch.dtype, device, *, batch_heads=None,
+                          capability=None, versions=None) -> AttentionPath:
+    """Which kernel runs a call of this shape, and why. A pure function of shape, dtype, device (no sync).
+
+    ``batch_heads`` is B * H (the batch count of the reference's GEMMs); ``capability`` (major, minor) and
+    ``versions`` (torch major.minor, CUDA) default to this process's GPU and torch; pass them to ask about
+    another platform.
+    """
+    mode = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "aten", "triton"):
+        raise KKError(f"{PATH_ENV} must be auto, aten or triton, got {mode!r}")
+    device = torch.device(device)
+    if device.type != "cuda":
+        return AttentionPath("aten", f"{device.type} device: the reference composition runs (the kernel is CUDA-only)")
+    if mode == "aten":
+        return AttentionPath("aten", f"{PATH_ENV}=aten")
+    if dtype != torch.float16:
+        return AttentionPath("aten", f"dtype {dtype}: the kernel reproduces the float16 reference only")
+    if not 1 <= seq_len <= MAX_FUSED_SEQ_LEN:
+        return AttentionPath(
+            "aten",
+            f"S = {seq_len} outside 1..{MAX_FUSED_SEQ_LEN}: the kernel is built and proven for ATen's persistent "
+            f"warp softmax up to {MAX_FUSED_SEQ_LEN} keys (longer rows may take another softmax kernel)",
+        )
+    if head_dim > MAX_FUSED_HEAD_DIM:
+        return AttentionPath("aten", f"head_dim = {head_dim} > {MAX_FUSED_HEAD_DIM}: not built or measured")
+    if not triton_available():
+        return AttentionPath("aten", "triton is not importable")
+    if mode == "triton":
+        return AttentionPath("triton", f"fused kernel (forced by {PATH_ENV}=triton: validate the result)")
+    if capability is None:
+        capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    capability = tuple(capability)
+    versions = tuple(platform_versions() if versions is None else versions)
+    proven = PROVEN_PLATFORM
+    if capability != proven["capability"] or versions != (proven["torch"], proven["cuda"]):
+        return AttentionPath(
+            "aten",
+            f"compute capability {capability[0]}.{capability[1]}, torch {versions[0]}, CUDA {versions[1]}: bit-identity "
+            f"was measured on {proven['capability'][0]}.{proven['capability'][1]} / torch {proven['torch']} / CUDA "
+            f"{proven['cuda']} only (cuBLAS' algorithm choices are part of the reference); run "
+            f"scripts/faithful_attention_selftest.py here, or set {PATH_ENV}=triton and validate",
+        )
+    key = (batch_heads, seq_len, head_dim)
+    if key not in PROVEN_SHAPES:
+        return AttentionPath(
+            "aten",
+            f"(B*H, S, Dh) = {key} was not measured bit-identical (cuBLAS picks the reference's GEMM algorithm per "
+            f"shape); add it to PROVEN_SHAPES after scripts/faithful_attention_selftest.py shows 0 differing elements",
+        )
+    return AttentionPath("triton", f"fused kernel (fp16, (B*H, S, Dh) = {key} proven bit-identical on this platform)")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def fp32_scale(head_dim: int) -> float:
+    """``head_dim ** -0.5`` rounded to float32 (what ATen multiplies the fp16 scores by), as a Python float."""
+    return struct.unpack("f", struct.pack("f", head_dim ** -0.5))[0]
+
+
+def attention_path_for(q: torch.Tensor, num_heads: int) -> AttentionPath:
+    """``select_attention_path`` for a q of shape [B, S, D] split into ``num_heads`` heads."""
+    b, s, d = q.shape
+    return select_attention_path(s, d // num_heads, q.dtype, q.device, batch_heads=b * num_heads)
+
+
+# ----------------------------------------------------------------------------------------------
+# the custom op
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid_token_mask: Optional[torch.Tensor],
+    num_heads: int,
+    causal: bool,
+) -> torch.Tensor:
+    """Default (CPU and any non-CUDA device): the reference composition itself."""
+    return reference_attention(q, k, v, valid_token_mask, num_heads, causal)
+
+
+@_attention_op.register_kernel("cuda")
+def _attention_cuda(q, k, v, valid_token_mask, num_heads, causal):
+    """CUDA: the fused Triton kernel where ``select_attention_path`` allows it, else the composition."""
+    b, s, _, dh = check_attention_inputs(q, k, v, valid_token_mask, num_heads, causal)
+    path = select_attention_path(s, dh, q.dtype, q.device, batch_heads=b * num_heads)
+    if path.fused:
+        from ._faithful_attention_triton import triton_attention
+
+        return triton_attention(q, k, v, valid_token_mask, num_heads, causal, validate=False)
+    return reference_attention(q, k, v, valid_token_mask, num_heads, causal)
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, valid_token_mask, num_heads, causal):
+    """Shapes only: the output is [B, S, D] like q, in q's dtype and device."""
+    if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape:
+        raise KKError(f"q, k and v must have one shape [B, S, D], got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if q.shape[-1] % num_heads != 0:
+        raise KKError(f"D = {q.shape[-1]} is not divisible by num_heads = {num_heads}")
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def faithful_attention(q, k, v, valid_token_mask=None, *, num_heads: int, causal: bool = True) -> torch.Tensor:
+    """Reference-exact attention on Linear outputs q, k, v [B, S, D]; returns the merged context [B, S, D].
+
+    Invalid query rows are computed like any other (the caller zeros them, as the reference does).
+    Goes through ``torch.ops.kkdeploy_faithful.attention`` so that ``torch.compile`` and CUDA graphs
+    see one opaque op.
+    """
+    check_attention_inputs(q, k, v, valid_token_mask, num_heads, causal)
+    return torch.ops.kkdeploy_faithful.attention(q, k, v, valid_token_mask, num_heads, causal)

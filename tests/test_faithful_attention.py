@@ -1,0 +1,399 @@
+"""kkdeploy.kernels.faithful_attention: the custom op, its dispatch, its fake kernel, its errors.
+
+The GPU proof (kernel == ATen composition bit for bit on the H200) is scripts/faithful_attention_selftest.py;
+here: the CPU path is the reference bit for bit, and, when Triton is importable, the kernel's logic runs
+under TRITON_INTERPRET=1 against an emulation of ATen's softmax order (scores and probabilities bitwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kkdeploy import OFFICIAL_SHAPES, KKError, ReferenceTransformer, TransformerConfig
+from kkdeploy.kernels import (
+    MAX_FUSED_SEQ_LEN,
+    emulate_persistent_softmax,
+    reference_attention,
+    select_attention_path,
+)
+from kkdeploy.kernels import faithful_attention as fa
+from kkdeploy.kernels.faithful_attention import faithful_attention
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads and signed zeros included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    view = {torch.float16: torch.int16, torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def padded_mask(b: int, s: int, seed: int = 0, padding_ratio: float = 0.25) -> torch.Tensor:
+    """design.md §4's lengths: randint(max(1, round(S*(1-ratio))), S+1)."""
+    g = torch.Generator().manual_seed(seed)
+    min_valid = max(1, round(s * (1 - padding_ratio)))
+    lengths = torch.randint(min_valid, s + 1, (b,), generator=g)
+    return torch.arange(s)[None, :] < lengths[:, None]
+
+
+def projections(config: TransformerConfig, dtype: torch.dtype, seed: int = 0):
+    """Layer 0's attention module of a seeded reference model and its q/k/v Linear outputs."""
+    torch.manual_seed(seed)
+    model = ReferenceTransformer(config).to(dtype)
+    attention = model.layers[0].attention
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(config.batch_size, config.seq_len, config.d_model, generator=g).to(dtype)
+    with torch.no_grad():
+        h = model.layers[0].norm1(x)
+        return attention, attention.q_proj(h), attention.k_proj(h), attention.v_proj(h)
+
+
+CASES = [
+    # B, S, D, H, causal
+    (3, 16, 32, 4, True),
+    (2, 33, 64, 2, True),
+    (2, 20, 64, 8, False),
+    (1, 1, 16, 2, True),
+    (2, 40, 48, 3, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("b,s,d,h,causal", CASES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_cpu_op_is_the_reference_bit_for_bit(b, s, d, h, causal, padded, dtype):
+    config = TransformerConfig(b, s, d, h, 2 * d, 1, causal=causal)
+    attention, q, k, v = projections(config, dtype)
+    mask = padded_mask(b, s) if padded else None
+    with torch.no_grad():
+        expected = attention.attend(attention.split_heads(q), attention.split_heads(k),
+                                    attention.split_heads(v), mask)
+        out = faithful_attention(q, k, v, mask, num_heads=h, causal=causal)
+        direct = torch.ops.kkdeploy_faithful.attention(q, k, v, mask, h, causal)
+        pure = reference_attention(q, k, v, mask, h, causal)
+    assert out.shape == (b, s, d) and out.dtype == dtype
+    assert bits_equal(out, expected)
+    assert bits_equal(direct, expected)
+    assert bits_equal(pure, expected)
+
+
+def test_op_on_a_packed_qkv_slice_equals_contiguous_inputs():
+    """q, k, v may be column slices of one packed QKV output (row stride 3D)."""
+    config = TransformerConfig(2, 12, 32, 4, 64, 1)
+    _, q, k, v = projections(config, torch.float16)
+    packed = torch.cat([q, k, v], dim=-1)
+    qs, ks, vs = packed.split(32, dim=-1)
+    out = faithful_attention(qs, ks, vs, None, num_heads=4, causal=True)
+    assert bits_equal(out, faithful_attention(q, k, v, None, num_heads=4, causal=True))
+
+
+def test_fake_kernel_shapes_under_fake_tensor_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(4, 128, 64, dtype=torch.float16)
+        mask = torch.ones(4, 128, dtype=torch.bool)
+        out = torch.ops.kkdeploy_faithful.attention(q, q, q, mask, 4, True)
+        assert out.shape == (4, 128, 64) and out.dtype == torch.float16
+        assert out.is_contiguous()
+        out2 = torch.ops.kkdeploy_faithful.attention(q, q, q, None, 2, False)
+        assert out2.shape == (4, 128, 64)
+        with pytest.raises(KKError, match="not divisible"):
+            torch.ops.kkdeploy_faithful.attention(q, q, q, None, 3, True)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_opcheck(with_mask):
+    config = TransformerConfig(2, 9, 32, 4, 64, 1)
+    _, q, k, v = projections(config, torch.float32)
+    mask = padded_mask(2, 9, padding_ratio=0.5) if with_mask else None
+    torch.library.opcheck(torch.ops.kkdeploy_faithful.attention.default, (q, k, v, mask, 4, True))
+
+
+def test_op_is_opaque_to_torch_compile():
+    config = TransformerConfig(2, 8, 32, 4, 64, 1)
+    _, q, k, v = projections(config, torch.float32)
+
+    def f(q, k, v):
+        return faithful_attention(q, k, v, None, num_heads=4, causal=True) + 0
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    assert bits_equal(compiled(q, k, v), f(q, k, v))
+
+
+# ------------------------------------------------------------------------------------------------
+# dispatch
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def triton_present(monkeypatch):
+    monkeypatch.setattr(fa, "triton_available", lambda: True)
+    monkeypatch.delenv(fa.PATH_ENV, raising=False)
+
+
+H200 = dict(capability=(9, 0), versions=("2.11", "13.0"))
+
+
+def test_dispatch_takes_the_kernel_only_where_it_is_proven(triton_present, monkeypatch):
+    path = select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, **H200)  # shape 1
+    assert path.kernel == "triton" and path.fused and "(256, 128, 32)" in path.reason
+    assert select_attention_path(1024, 32, torch.float16, "cuda:0", batch_heads=256, **H200).fused  # shape 13
+    assert select_attention_path(128, 256, torch.float16, "cuda", batch_heads=256, **H200).fused  # shape 8
+    assert select_attention_path(128, 8, torch.float16, "cuda", batch_heads=1024, **H200).fused  # shape 11
+    for sid, config in OFFICIAL_SHAPES.items():
+        if config.seq_len <= MAX_FUSED_SEQ_LEN:
+            key = (config.batch_size * config.num_heads, config.seq_len, config.head_dim)
+            assert key in fa.PROVEN_SHAPES, sid
+
+    cpu = select_attention_path(128, 32, torch.float16, "cpu", batch_heads=256)
+    assert cpu.kernel == "aten" and "cpu" in cpu.reason
+    long = select_attention_path(MAX_FUSED_SEQ_LEN + 1, 32, torch.float16, "cuda", batch_heads=256, **H200)
+    assert long.kernel == "aten" and "1024" in long.reason
+    fp32 = select_attention_path(128, 32, torch.float32, "cuda", batch_heads=256, **H200)
+    assert fp32.kernel == "aten" and "float32" in fp32.reason
+    wide = select_attention_path(128, 512, torch.float16, "cuda", batch_heads=256, **H200)
+    assert wide.kernel == "aten" and "head_dim" in wide.reason
+    # measured NOT bit-identical on the H200 (cuBLAS' P.V at these sizes): the composition runs
+    for bh, s, dh in [(2, 333, 256), (2, 333, 128), (2, 700, 128)]:
+        unproven = select_attention_path(s, dh, torch.float16, "cuda", batch_heads=bh, **H200)
+        assert unproven.kernel == "aten" and "not measured" in unproven.reason
+    assert not select_attention_path(128, 32, torch.float16, "cuda", **H200).fused  # batch count unknown
+    a100 = select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, capability=(8, 0),
+                                 versions=("2.11", "13.0"))
+    assert a100.kernel == "aten" and "8.0" in a100.reason
+    other_torch = select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, capability=(9, 0),
+                                        versions=("2.12", "13.0"))
+    assert other_torch.kernel == "aten" and "torch 2.12" in other_torch.reason
+
+    monkeypatch.setenv(fa.PATH_ENV, "aten")
+    assert select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, **H200).kernel == "aten"
+    monkeypatch.setenv(fa.PATH_ENV, "triton")
+    forced = select_attention_path(333, 256, torch.float16, "cuda", batch_heads=2, capability=(8, 0))
+    assert forced.fused and "forced" in forced.reason
+    assert not select_attention_path(2048, 32, torch.float16, "cuda", capability=(8, 0)).fused  # never past 1024
+    monkeypatch.setenv(fa.PATH_ENV, "fast")
+    with pytest.raises(KKError, match="auto, aten or triton"):
+        select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, **H200)
+
+
+def test_platform_versions_names_torch_and_cuda():
+    torch_mm, cuda = fa.platform_versions()
+    assert torch_mm.count(".") == 1 and torch.__version__.startswith(torch_mm)
+    assert cuda == torch.version.cuda
+
+
+def test_dispatch_without_triton(monkeypatch):
+    monkeypatch.setattr(fa, "triton_available", lambda: False)
+    monkeypatch.delenv(fa.PATH_ENV, raising=False)
+    path = select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, **H200)
+    assert path.kernel == "aten" and "triton" in path.reason
+
+
+def test_cuda_implementation_falls_back_to_the_composition():
+    """The op's CUDA kernel, called with CPU tensors: the dispatch says 'aten', so the reference bits."""
+    config = TransformerConfig(2, 12, 32, 4, 64, 1)
+    _, q, k, v = projections(config, torch.float16)
+    mask = padded_mask(2, 12)
+    assert bits_equal(fa._attention_cuda(q, k, v, mask, 4, True), reference_attention(q, k, v, mask, 4, True))
+
+
+def test_attention_path_for_splits_heads(triton_present):
+    q = torch.empty(2, 128, 128, dtype=torch.float16)
+    assert fa.attention_path_for(q, 4).kernel == "aten"  # a CPU tensor
+
+
+def test_importing_the_package_does_not_import_triton():
+    code = "import sys, kkdeploy.kernels; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------------------------
+# errors
+# ------------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_are_named():
+    q = torch.zeros(2, 4, 8, dtype=torch.float16)
+    with pytest.raises(KKError, match="must be a torch.Tensor"):
+        faithful_attention([1], q, q, num_heads=2)
+    with pytest.raises(KKError, match=r"\[B, S, D\]"):
+        faithful_attention(q[0], q[0], q[0], num_heads=2)
+    with pytest.raises(KKError, match="one shape"):
+        faithful_attention(q, q[:, :3], q, num_heads=2)
+    with pytest.raises(KKError, match="one dtype"):
+        faithful_attention(q, q.float(), q, num_heads=2)
+    with pytest.raises(KKError, match="floating-point"):
+        faithful_attention(q.long(), q.long(), q.long(), num_heads=2)
+    with pytest.raises(KKError, match="not divisible"):
+        faithful_attention(q, q, q, num_heads=3)
+    with pytest.raises(KKError, match="positive integer"):
+        faithful_attention(q, q, q, num_heads=0)
+    with pytest.raises(KKError, match="positive integer"):
+        faithful_attention(q, q, q, num_heads=True)
+    with pytest.raises(KKError, match="causal"):
+        faithful_attention(q, q, q, num_heads=2, causal=1)
+    with pytest.raises(KKError, match="torch.bool"):
+        faithful_attention(q, q, q, torch.ones(2, 4), num_heads=2)
+    with pytest.raises(KKError, match=r"\[B, S\]"):
+        faithful_attention(q, q, q, torch.ones(2, 5, dtype=torch.bool), num_heads=2)
+    with pytest.raises(KKError, match="bool torch.Tensor"):
+        faithful_attention(q, q, q, [[True] * 4] * 2, num_heads=2)
+    # the op itself (not only the wrapper) checks too
+    with pytest.raises(KKError, match="not divisible"):
+        torch.ops.kkdeploy_faithful.attention(q, q, q, None, 3, True)
+
+
+def test_kkerror_is_a_value_error():
+    assert issubclass(KKError, ValueError)
+
+
+# ------------------------------------------------------------------------------------------------
+# ATen's softmax order, emulated
+# ------------------------------------------------------------------------------------------------
+
+
+def test_persistent_softmax_layout():
+    assert fa.persistent_softmax_layout(1) == (1, 1)
+    assert fa.persistent_softmax_layout(5) == (8, 1)
+    assert fa.persistent_softmax_layout(17) == (32, 1)
+    assert fa.persistent_softmax_layout(32) == (32, 1)
+    assert fa.persistent_softmax_layout(33) == (32, 2)
+    assert fa.persistent_softmax_layout(128) == (32, 4)
+    assert fa.persistent_softmax_layout(1024) == (32, 32)
+    assert fa.persistent_softmax_layout(2048) == (32, 64)
+
+
+@pytest.mark.parametrize("s", [1, 3, 16, 31, 32, 33, 100, 128, 1024])
+def test_emulated_softmax_is_a_softmax(s):
+    g = torch.Generator().manual_seed(s)
+    x = torch.randn(6, s, generator=g) * 4
+    tail = max(1, s // 2)
+    x[1, tail:] = float("-inf")  # masked tail (the row keeps at least one finite element)
+    got = emulate_persistent_softmax(x)
+    want = torch.softmax(x, dim=-1)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    assert torch.all(got[1, tail:] == 0)
+
+
+def test_emulated_softmax_follows_the_lane_order():
+    """Lane t sums its elements t, t+32, ... first; the lanes then meet in the xor tree."""
+    x = torch.full((1, 64), float("-inf"))
+    x[0, 0], x[0, 32], x[0, 1] = 0.0, -20.0, -30.0
+    e = torch.exp(torch.tensor([0.0, -20.0, -30.0]))
+    lane0 = torch.tensor(0.0) + e[0] + e[1]  # lane 0: elements 0 and 32
+    total = lane0 + e[2]  # ... meets lane 1 at the last butterfly step
+    got = emulate_persistent_softmax(x)
+    assert bits_equal(got[0, :2], torch.stack([e[0] / total, e[2] / total]))
+
+
+def test_emulated_softmax_rejects_what_aten_runs_otherwise():
+    with pytest.raises(KKError, match="float32"):
+        emulate_persistent_softmax(torch.zeros(2, 4, dtype=torch.float16))
+    with pytest.raises(KKError, match="2048"):
+        emulate_persistent_softmax(torch.zeros(2, fa.MAX_PERSISTENT_SOFTMAX_LEN + 1))
+    assert emulate_persistent_softmax(torch.zeros(1, 2048)).shape == (1, 2048)  # torch 2.11's header: up to 2048
+
+
+def test_scale_is_the_float32_rounding_of_the_python_float():
+    for dh in (8, 32, 64, 128, 256):
+        want = torch.tensor(dh ** -0.5, dtype=torch.float32).item()
+        assert fa.fp32_scale(dh) == want
+    assert fa.fp32_scale(32) != 32 ** -0.5  # 1/sqrt(32) is not a float32
+
+
+# ------------------------------------------------------------------------------------------------
+# the Triton kernel's logic on the CPU (TRITON_INTERPRET=1), when Triton is importable
+# ------------------------------------------------------------------------------------------------
+
+INTERPRETER_SCRIPT = textwrap.dedent(
+    """
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import numpy as np
+    import torch
+    from kkdeploy.kernels.faithful_attention import emulate_persistent_softmax
+    from kkdeploy.kernels._faithful_attention_triton import triton_attention
+
+    def np_exp(t):  # the interpreter's tl.exp is numpy's float32 exp
+        return torch.from_numpy(np.exp(t.numpy()))
+
+    g = torch.Generator().manual_seed(0)
+    results = []
+    for b, s, d, h, causal, padded, sub, block_m in [
+        (2, 7, 16, 2, True, False, 1, 64), (2, 16, 32, 4, True, True, 1, 64),
+        (2, 33, 64, 2, False, True, 1, 64), (1, 100, 32, 1, True, True, 2, 64),
+        (2, 130, 64, 2, True, True, 2, 64), (1, 1, 16, 2, True, False, 1, 64),
+        (1, 70, 128, 8, True, True, 1, 32), (1, 96, 32, 2, False, False, 1, 128),
+    ]:
+        dh = d // h
+        # q.k exact in fp32 in any summation order (multiples of 1/256, |q.k| <= 64: 15 bits), so the
+        # scores do not depend on numpy's GEMM order and the softmax inputs are spread out
+        q, k = (torch.randint(-16, 17, (b, s, d), generator=g).half() / 16 for _ in range(2))
+        v = torch.randn(b, s, d, generator=g).half()
+        mask = None
+        if padded:
+            lengths = torch.randint(max(1, s // 2), s + 1, (b,), generator=g)
+            mask = torch.arange(s)[None, :] < lengths[:, None]
+        out, scores, probs = triton_attention(q, k, v, mask, h, causal, debug=True, sub=sub, block_m=block_m)
+        qh, kh, vh = (t.view(b, s, h, dh).transpose(1, 2) for t in (q, k, v))
+        ref_scores = torch.matmul(qh, kh.transpose(-2, -1)) * dh ** -0.5
+        if causal:
+            ref_scores = ref_scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        if mask is not None:
+            ref_scores = ref_scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        ref_probs = emulate_persistent_softmax(ref_scores.float(), exp=np_exp).half()
+        # P.V from the kernel's own probabilities in float64: the kernel's fp32 sum may differ by an ulp
+        ctx64 = torch.matmul(probs.double(), vh.double()).transpose(1, 2).reshape(b, s, d)
+        ulp = torch.finfo(torch.float16).eps * ctx64.abs().clamp_min(2 ** -14)
+        results.append(dict(
+            case=[b, s, d, h, causal, padded, sub, block_m],
+            scores_diff=int((scores.view(torch.int16) != ref_scores.view(torch.int16)).sum()),
+            probs_diff=int((probs.view(torch.int16) != ref_probs.view(torch.int16)).sum()),
+            ctx_over_one_ulp=int(((out.double() - ctx64).abs() > ulp).sum()),
+            finite=bool(torch.isfinite(out).all()),
+        ))
+    # the custom op's CUDA implementation, made to take the kernel branch on CPU tensors
+    import kkdeploy.kernels.faithful_attention as fa
+    fa.select_attention_path = lambda *a, **k: fa.AttentionPath("triton", "test")
+    q, k, v = (torch.randn(2, 40, 64, generator=g).half() for _ in range(3))
+    mask = torch.arange(40)[None, :] < torch.tensor([[40], [31]])
+    via_op = fa._attention_cuda(q, k, v, mask, 4, True)
+    direct = triton_attention(q, k, v, mask, 4, True)
+    results.append(dict(case="cuda impl", same=bool(torch.equal(via_op.view(torch.int16), direct.view(torch.int16)))))
+    print("RESULTS " + json.dumps(results))
+    """
+)
+
+
+def test_triton_kernel_logic_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], capture_output=True, text=True,
+                         cwd=REPO, env=env, timeout=600)
+    if run.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in run.stderr:
+        # triton 3.6's interpreter indexes with int(np.array([n])), an error since numpy 2.4 (fixed upstream
+        # by squeezing); the compiled kernel is unaffected. Any other failure fails the test.
+        pytest.skip("this triton's interpreter cannot run with this numpy (int() of a 1-element array)")
+    assert run.returncode == 0, run.stderr[-4000:]
+    line = next(l for l in run.stdout.splitlines() if l.startswith("RESULTS "))
+    results = json.loads(line[len("RESULTS "):])
+    assert results[-1] == {"case": "cuda impl", "same": True}
+    results = results[:-1]
+    assert len(results) == 8
+    for r in results:
+        assert r["scores_diff"] == 0, r
+        assert r["probs_diff"] == 0, r
+        assert r["ctx_over_one_ulp"] == 0, r
+        assert r["finite"], r
