@@ -28,6 +28,7 @@ Runner: ``aoti_load_package`` (no recompilation); on CUDA the call is captured i
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -85,6 +86,38 @@ class ReferenceForward(torch.nn.Module):
         return self.model.reference_forward(x, valid_token_mask)
 
 
+class KernelAttentionForward(ReferenceForward):
+    """The reference's forward with each block's attention core (scores, scale, masks, FP32 softmax,
+    probabilities, context) as one ``kkdeploy_faithful::attention`` call (``kkdeploy.kernels``).
+
+    Bit for bit the same composition (the op's CPU kernel *is* that composition, its CUDA kernel was
+    proven equal to it), but one opaque op for Inductor: the [B,H,S,S] scores never reach memory where the
+    fused kernel runs. The projections, out_proj, LayerNorms and GELU stay the faithful graph's."""
+
+    def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
+        attentions = [layer.attention for layer in self.model.layers]
+        for attention in attentions:
+            attention.attend = functools.partial(_kernel_attend, attention)
+        try:
+            return self.model.reference_forward(x, valid_token_mask)
+        finally:
+            for attention in attentions:
+                del attention.attend  # the instance attribute goes; the class's reference attend is back
+
+
+def _kernel_attend(attention, q, k, v, valid_token_mask):
+    """``Attention.attend`` on split heads [B,H,S,Dh] -> the op on the Linear outputs [B,S,D] (views only)."""
+    from kkdeploy.kernels.faithful_attention import faithful_attention
+
+    b, h, s, dh = q.shape
+
+    def merged(t):
+        return t.transpose(1, 2).reshape(b, s, h * dh)
+
+    return faithful_attention(merged(q), merged(k), merged(v), valid_token_mask, num_heads=attention.num_heads,
+                              causal=attention.causal)
+
+
 class AllValidSdpaForward(torch.nn.Module):
     """``OptimizedTransformer.fast_forward`` (all-valid semantics); the mask input is unused.
 
@@ -107,12 +140,19 @@ class AllValidSdpaForward(torch.nn.Module):
 
 
 def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: torch.dtype,
-                   device: torch.device, variant: str):
-    """ExportedProgram for one fixed shape, sensitive ops made opaque as the variant says."""
+                   device: torch.device, variant: str, kernel_attention: bool = False):
+    """ExportedProgram for one fixed shape, sensitive ops made opaque as the variant says; with
+    ``kernel_attention`` each attention core is one ``kkdeploy_faithful::attention`` op (no softmax left)."""
     from .inductor_ops import make_sensitive_ops_opaque
 
     opaque, sdpa_layers = parse_variant(variant, config)
-    module = AllValidSdpaForward(model, sdpa_layers) if sdpa_layers else ReferenceForward(model)
+    if kernel_attention:
+        if sdpa_layers:
+            raise KKError(f"{variant}: the faithful attention kernel replaces reference-order attention, not SDPA")
+        opaque = tuple(op for op in opaque if op != "softmax")
+        module = KernelAttentionForward(model)
+    else:
+        module = AllValidSdpaForward(model, sdpa_layers) if sdpa_layers else ReferenceForward(model)
     x = torch.zeros(config.batch_size, config.seq_len, config.d_model, dtype=dtype, device=device)
     mask = torch.ones(config.batch_size, config.seq_len, dtype=torch.bool, device=device)
     with torch.no_grad():
@@ -120,7 +160,7 @@ def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: tor
     if opaque:
         counts = make_sensitive_ops_opaque(exported, keep=opaque)
         expected = {"layer_norm": 2 * config.num_layers + 1, "gelu": config.num_layers,
-                    "softmax": config.num_layers - sdpa_layers}
+                    "softmax": 0 if kernel_attention else config.num_layers - sdpa_layers}
         wrong = {op: (counts[op], expected[op]) for op in opaque if counts[op] != expected[op]}
         if wrong:
             detail = ", ".join(f"{op}: {got} found, {want} expected" for op, (got, want) in wrong.items())

@@ -5,7 +5,7 @@ exported for one fixed shape, LayerNorm / exact GELU / FP32 softmax kept as opaq
 the same Inductor settings (``faithful_inductor_configs``: precision-cast emulation, ATen GEMMs
 with the bias inside), but compiled just-in-time by ``torch.compile`` instead of loaded from a
 ``.pt2`` package. That is the route design.md §6 measured bitwise on all 13 shapes, and it does not
-go through the AOTInductor package loader, which segfaults on the lent H200 image (issue 8).
+go through the AOTInductor package loader, which segfaults on load in a fresh process on torch 2.11.0+cu130 on an H200 (issue 8).
 
 What the artifact holds: the weights (shared), the compile recipe in the manifest, and the
 portable Inductor cache (``torch.compiler.save_cache_artifacts``) in ``<candidate>.inductor-cache``,
@@ -48,6 +48,7 @@ from .cuda_graph import CapturedCall
 from .recipe import parse as parse_recipe
 
 FAITHFUL = "torch-compile"
+KERNEL_ATTENTION = "torch-compile-faithful-attention"  # the faithful graph with kkdeploy.kernels' attention
 FUSED, FUSED_MIXED = "torch-compile-fused", "torch-compile-fused-mixed"
 FUSED_HALF_GEMM, FUSED_HALF_GEMM_MIXED = "torch-compile-fused-half-gemm", "torch-compile-fused-half-gemm-mixed"
 # fused variant -> (half_gemm, calibrated float16 blocks)
@@ -58,20 +59,29 @@ RECOMPILE_LIMIT = 64  # graphs per compiled code object in one process (see Comp
 
 
 def inductor_variant(name: str) -> str:
-    """Our candidate name -> the equivalent ``engines.inductor`` variant (same graph, same checks)."""
+    """Our candidate name -> the equivalent ``engines.inductor`` variant (same graph, same checks); the
+    faithful-attention candidate exports the faithful variant with its attention cores as one kernel op."""
     recipe = parse_recipe(name)
-    if recipe.backend == "torch-compile" and recipe.attention in ("reference", "sdpa-last") and recipe.precision == "model":
-        return replace(recipe, backend="inductor").name
-    raise KKError(f"unknown torch-compile variant {name!r}; use {FAITHFUL} or {FAITHFUL}-sdpa<k>")
+    if recipe.backend == "torch-compile" and recipe.precision == "model":
+        if recipe.attention in ("reference", "sdpa-last"):
+            return replace(recipe, backend="inductor").name
+        if recipe.attention == "faithful-kernel":
+            return "inductor"
+    raise KKError(f"unknown torch-compile variant {name!r}; use {FAITHFUL}, {FAITHFUL}-sdpa<k> or {KERNEL_ATTENTION}")
+
+
+def uses_kernel_attention(name: str) -> bool:
+    return parse_recipe(name).attention == "faithful-kernel"
 
 
 def default_variants(device: torch.device, dtype: torch.dtype = torch.float16, contract: str = "strict") -> list[str]:
-    """CPU: the faithful graph only (compiles are slow there); CUDA: the last-layer SDPA one too, and for a
-    float32 judge build the fused ones (SDPA everywhere; under strict, fused attention fails, design.md §6)."""
+    """CPU: the faithful graph only (compiles are slow there); CUDA: the last-layer SDPA one and the faithful
+    attention kernel too, and for a float32 judge build the fused ones (SDPA everywhere; under strict, fused
+    attention fails, design.md §6)."""
     if torch.device(device).type == "cpu":
         return [FAITHFUL]
     fused = list(FUSED_VARIANTS) if dtype == torch.float32 and contract == "judge" else []
-    return [FAITHFUL, f"{FAITHFUL}-sdpa1", *fused]
+    return [FAITHFUL, f"{FAITHFUL}-sdpa1", KERNEL_ATTENTION, *fused]
 
 
 def check_variant(name: str, config: TransformerConfig, dtype: torch.dtype) -> None:
@@ -150,7 +160,8 @@ class CompiledRunner(CompiledModuleRunner):
 
         variant = inductor_variant(name)
         start = time.perf_counter()
-        exported = export_variant(model, config, dtype, torch.device(device), variant)
+        exported = export_variant(model, config, dtype, torch.device(device), variant,
+                                  kernel_attention=uses_kernel_attention(name))
         export_seconds = time.perf_counter() - start
         super().__init__(exported.module(), config, dtype, device, name=name,
                          all_valid_only=bool(parse_variant(variant, config)[1]), options=faithful_inductor_configs(),

@@ -228,3 +228,26 @@ def test_fused_choice_in_a_float16_build_skips_the_variants_with_float16_inside(
     ctx = BuildContext(TINY, torch.float16, CPU, reference, out_dir=tmp_path,
                        options={"torch_compile_candidates": list(FUSED_VARIANTS)})
     assert BACKEND.candidates(ctx) == [FUSED]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_faithful_attention_variant_is_one_kernel_op_per_block_and_bitwise(dtype):
+    """torch-compile-faithful-attention: each block's attention core is one kkdeploy_faithful::attention
+    call (no softmax left for Inductor), and its output equals the reference bit for bit, any mask."""
+    from engines.inductor import export_variant
+
+    reason = BACKEND.unavailable_reason(CPU, dtype)
+    if reason:
+        pytest.skip(reason)
+    reference, _ = build_models(TINY, dtype, CPU)
+    exported = export_variant(reference, TINY, dtype, CPU, inductor_variant("torch-compile-faithful-attention"),
+                              kernel_attention=True)
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert sum("kkdeploy_faithful.attention" in t for t in targets) == TINY.num_layers
+    assert not any("softmax" in t and "kkdeploy" not in t for t in targets)
+    assert "attend" not in vars(reference.layers[0].attention)  # the swap lasted only while exporting
+    runner = CompiledRunner(reference, TINY, dtype, CPU, name="torch-compile-faithful-attention")
+    assert not runner.all_valid_only
+    for x, mask in (generate_case(TINY, CPU, dtype, 3), padded_case(dtype, 4)):
+        with torch.no_grad():
+            assert torch.equal(runner(x, mask), reference(x, mask))

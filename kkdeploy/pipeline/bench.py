@@ -107,7 +107,7 @@ def _artifacts_dir(root: Path, job: ShapeJob) -> Path | None:
 
 # Candidates a bench can run; the defaults per device (and, for mixed precision, per dtype) follow.
 GRAPH_CANDIDATES = ["torch-graph", "torch-graph-sdpa1", "torch-graph-nomask"]
-COMPILE_CANDIDATES = ["torch-compile", "torch-compile-sdpa1"]
+COMPILE_CANDIDATES = ["torch-compile", "torch-compile-sdpa1", "torch-compile-faithful-attention"]
 MIXED_CANDIDATES = {"cpu": ["mixed", "mixed-sdpa", "fused-mixed", "fused-half-gemm-mixed"],
                     "cuda": ["torch-graph-mixed", "torch-graph-mixed-sdpa", "torch-compile-mixed",
                              "torch-compile-mixed-sdpa", "torch-compile-fused-mixed",

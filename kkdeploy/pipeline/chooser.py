@@ -12,7 +12,8 @@ from engines.torch_compile import FUSED_VARIANTS
 FALLBACK = "pytorch-fallback"
 # Simplest first: on a tie (within TIE_TOLERANCE) the simpler backend ships.
 SIMPLICITY_ORDER = [FALLBACK, "torch-graph", "torch-graph-nomask", "torch-graph-sdpa1", "ort-cpu", "ort-cuda",
-                    "ort-cuda-graph", "torch-compile", "torch-compile-sdpa1", *FUSED_VARIANTS, "inductor",
+                    "ort-cuda-graph", "torch-compile", "torch-compile-sdpa1", "torch-compile-faithful-attention",
+                    *FUSED_VARIANTS, "inductor",
                     "inductor-fused", "inductor-sdpa1", "trt"]
 TIE_TOLERANCE = 0.02
 
