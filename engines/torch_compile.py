@@ -74,6 +74,16 @@ def uses_kernel_attention(name: str) -> bool:
     return parse_recipe(name).attention == "faithful-kernel"
 
 
+def attention_path_record(config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> dict:
+    """Which attention the kernel op runs for this shape here (the fused kernel, or the ATen composition where
+    bit-identity was not measured) and why: the manifest says whether the candidate is the kernel at all."""
+    from kkdeploy.kernels.faithful_attention import select_attention_path
+
+    path = select_attention_path(config.seq_len, config.d_model // config.num_heads, dtype, device,
+                                 batch_heads=config.batch_size * config.num_heads)
+    return {"kernel": path.kernel, "reason": path.reason}
+
+
 def default_variants(device: torch.device, dtype: torch.dtype = torch.float16, contract: str = "strict") -> list[str]:
     """CPU: the faithful graph only (compiles are slow there); CUDA: the last-layer SDPA one and the faithful
     attention kernel too, and for a float32 judge build the fused ones (SDPA everywhere; under strict, fused
@@ -214,6 +224,8 @@ class TorchCompileBackend(Backend):
                       "half_gemm_kernel": fused.half_gemm_kernel, "calibration": calibration}
         else:
             runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)
+            if uses_kernel_attention(candidate):
+                recipe["attention_path"] = attention_path_record(ctx.config, ctx.dtype, device)
         ratios = FINGERPRINT_PADDING[:1] if runner.all_valid_only else FINGERPRINT_PADDING
         fingerprint = output_fingerprint(runner, ctx.config, ctx.dtype, device, padding_ratios=ratios)
         files = [WEIGHTS_FILE]

@@ -169,13 +169,15 @@ def make_candidate(name: str, reference, config: TransformerConfig, dtype: torch
         return CudaGraphRunner(model, config, dtype, device, all_valid_only=variant["all_valid_only"]), \
             variant["all_valid_only"]
     if name in COMPILE_CANDIDATES:
-        from engines.torch_compile import BACKEND, CompiledRunner
+        from engines.torch_compile import BACKEND, CompiledRunner, attention_path_record, uses_kernel_attention
 
         reason = BACKEND.unavailable_reason(device, dtype)
         if reason:
             raise KKError(reason)
         runner = CompiledRunner(reference, config, dtype, device, name=name)
         info["compile_seconds"] = runner.compile_seconds
+        if uses_kernel_attention(name):
+            info["attention_path"] = attention_path_record(config, dtype, device)
         return runner, runner.all_valid_only
     raise KKError(f"unknown bench candidate {name!r}")
 
