@@ -48,6 +48,7 @@ from typing import Callable, Optional
 import torch
 
 from kkdeploy.errors import KKError
+from kkdeploy.models.reference import attention_core
 
 OP_NAMESPACE = "kkdeploy_faithful"
 OP_NAME = f"{OP_NAMESPACE}::attention"
@@ -146,15 +147,7 @@ def reference_attention(q, k, v, valid_token_mask, num_heads: int, causal: bool)
         return t.view(b, s, num_heads, dh).transpose(1, 2)
 
     q, k, v = split_heads(q), split_heads(k), split_heads(v)
-    scale = dh ** -0.5  # a Python float, as in the reference: multiplied in fp32
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if causal:
-        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    if valid_token_mask is not None:
-        scores = scores.masked_fill(~valid_token_mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    context = torch.matmul(probs, v)
+    context = attention_core(q, k, v, valid_token_mask, dh ** -0.5, causal)  # scale: a Python float, as in the reference
     return context.transpose(1, 2).reshape(b, s, num_heads * dh)
 
 

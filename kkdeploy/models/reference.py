@@ -24,6 +24,24 @@ def zero_invalid_rows(t: torch.Tensor, valid_token_mask: torch.Tensor | None) ->
     return t.masked_fill(~valid_token_mask[..., None], 0)
 
 
+def attention_core(q, k, v, valid_token_mask, scale: float, causal: bool) -> torch.Tensor:
+    """Scores, scale, masks, FP32 softmax, probabilities and context on split heads [B,H,S,Dh] -> [B,H,S,Dh].
+
+    Every rounding point here is one an engine must reproduce: the fp16 score GEMM, the multiply by the
+    Python float ``scale`` (in FP32), the -inf masks, the softmax in FP32 cast back, the context GEMM.
+    ``kkdeploy.kernels.faithful_attention`` runs exactly this on the CPU and proves its kernel against it.
+    """
+    s = q.shape[-2]
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal:
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    if valid_token_mask is not None:
+        scores = scores.masked_fill(~valid_token_mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 class Attention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, causal: bool):
         super().__init__()
@@ -43,14 +61,7 @@ class Attention(nn.Module):
     def attend(self, q, k, v, valid_token_mask):
         """Reference-order attention on [B,H,S,Dh] heads; returns merged [B,S,D]."""
         b, _, s, _ = q.shape
-        scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale
-        if self.causal:
-            future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill(future, float("-inf"))
-        if valid_token_mask is not None:
-            scores = scores.masked_fill(~valid_token_mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        context = torch.matmul(probs, v)
+        context = attention_core(q, k, v, valid_token_mask, self.scale, self.causal)
         return context.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
 
     def forward(self, h: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
