@@ -1,0 +1,342 @@
+"""Write a Triton model repository for what ``kkdeploy build`` shipped.
+
+Layout (``<name>`` is ``--model-name``, default ``kkdeploy``)::
+
+    REPO/
+      README.md  manifest.json  validation.json  serving.json     (Triton ignores top-level files)
+      <name>/config.pbtxt   1/model.py                             the front: what clients call
+      <name>_engine/config.pbtxt   1/<engine files>                the engine at its fixed batch B
+
+Why two models. Engines are built for one fixed batch B, while clients send 1..B sequences. Triton cannot pad a
+batch for an ONNX Runtime or TensorRT model (its batcher concatenates requests; it never pads to a fixed size),
+and an ensemble cannot compute. So the front is a Python-backend model with dynamic batching and
+``max_batch_size: B``: it gathers requests, pads the batch to B with fully masked rows (zeros by the model's
+semantics, never returned), calls the engine model once through BLS, and splits the result back. The same front
+serves every engine kind, so the path tested on the CPU (front -> Python engine) is the path an ORT or
+TensorRT repository takes, up to the engine model itself.
+
+The engine model, by what was shipped (``engine="auto"``):
+  * an ONNX Runtime candidate -> ``backend: "onnxruntime"`` on the graph the build optimized and validated, with
+    the session options ``engines.ort`` loads it with (optimizations off: the saved graph is already optimized);
+  * a TensorRT candidate -> ``backend: "tensorrt"`` on the plan;
+  * anything else (the PyTorch fallback, compiled PyTorch, CUDA graphs, an all-valid-only choice whose padded
+    calls need another runner) -> a Python-backend model that serves ``kkdeploy.load`` on a copy of the
+    artifacts, with every check ``kkdeploy.load`` makes.
+``engine="python"`` forces the last form for any artifact (``kkdeploy serve`` does this when the server has no
+backend for the native engine, as with the nvidia-pytriton server, which has only the Python backend).
+
+The repository is written to a staging directory and renamed into place: never half a repository.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .. import artifacts
+from ..config import TransformerConfig
+from ..console import console
+from ..errors import KKError
+
+# The exported graph's names (exporters.onnx_graph INPUT_NAMES / OUTPUT_NAMES; a test keeps them in step).
+INPUT_X, INPUT_MASK, OUTPUT_Y = "x", "valid_token_mask", "y"
+REPO_SCHEMA = "kkdeploy.triton-repo/1"
+ENGINE_CHOICES = ("auto", "native", "python")
+NATIVE_BACKENDS = {"ort": "onnxruntime", "trt": "tensorrt"}  # kkdeploy backend -> Triton backend
+TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
+ORT_DISABLE_ALL = 2  # the onnxruntime backend's ``optimization { graph { level } }``: 2 = ORT_DISABLE_ALL
+TEMPLATE = Path(__file__).with_name("triton_model.py")
+REQUIRED_KEYS = ("config", "dtype", "environment", "weights", "candidates", "choice", "files")
+
+
+@dataclass
+class RepositoryInfo:
+    """What a written repository serves; also written as ``serving.json``."""
+
+    path: str
+    model: str
+    engine_model: str
+    engine_backend: str  # python | onnxruntime | tensorrt
+    candidate: str  # the artifact's chosen candidate
+    engine_reason: str  # why this engine model
+    choice_reason: str  # the build's reason for its choice
+    config: dict
+    dtype: str
+    device_type: str
+    max_queue_delay_us: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.config["batch_size"])
+
+
+# -- reading the artifacts -------------------------------------------------------------------------------------
+def read_artifacts(root: Path) -> dict:
+    """The manifest, after checking that every file it lists is present and unmodified: a repository is a
+    deployment, and Triton (unlike ``kkdeploy.load``) has no fallback for a tampered engine."""
+    root = Path(root)
+    if not root.is_dir():
+        raise KKError(f"{root} is not a directory; pass the artifact directory written by `kkdeploy build`")
+    manifest = artifacts.read_json(root / artifacts.MANIFEST)
+    if manifest.get("schema") != artifacts.MANIFEST_SCHEMA:
+        raise KKError(f"{root} is not a kkdeploy artifact directory (schema {manifest.get('schema')!r}); "
+                      f"rebuild it with `kkdeploy build`")
+    missing = [k for k in REQUIRED_KEYS if k not in manifest]
+    if missing:
+        raise KKError(f"{root / artifacts.MANIFEST} lacks {', '.join(missing)}; rebuild the artifacts")
+    if str(manifest["dtype"]) not in TRITON_DTYPES:
+        raise KKError(f"dtype {manifest['dtype']!r} has no Triton type here; use float32 or float16 artifacts")
+    TransformerConfig.from_dict(manifest["config"])  # a one-line error if the config is unreadable
+    for rel, digest in manifest["files"].items():
+        path = root / rel
+        if not path.is_file():
+            raise KKError(f"{path} is missing; the artifacts are incomplete, rebuild them")
+        if artifacts.file_sha256(path) != digest:
+            raise KKError(f"{path} differs from the manifest (modified after the build); rebuild the artifacts")
+    return manifest
+
+
+def plan_engine(manifest: dict, engine: str = "auto", available: set[str] | None = None) -> tuple[str, str]:
+    """``(triton_backend, reason)`` for the engine model. ``available``: the backends of the server that will
+    run the repository (None: any Triton, e.g. a repository written for a cluster)."""
+    if engine not in ENGINE_CHOICES:
+        raise KKError(f"--engine must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}")
+    choice = manifest["choice"]
+    native = NATIVE_BACKENDS.get(choice.get("backend"))
+    if engine == "python":
+        return "python", f"--engine python: {choice['candidate']} is served through kkdeploy.load"
+    if native is None or choice.get("all_valid_only"):
+        why = ("it passed all-valid inputs only, and the padded batches a dynamic batcher makes need "
+               "kkdeploy.load's padded runner" if native else "it has no native Triton backend")
+        if engine == "native":
+            raise KKError(f"--engine native: the shipped candidate {choice['candidate']} cannot be served by a "
+                          f"native Triton backend ({why}); use --engine auto or python")
+        return "python", f"{choice['candidate']} is served through kkdeploy.load ({why})"
+    if available is not None and native not in available:
+        if engine == "native":
+            raise KKError(f"--engine native: this tritonserver has no {native} backend "
+                          f"(it has: {', '.join(sorted(available)) or 'none'}); use --engine python")
+        return "python", (f"this tritonserver has no {native} backend (it has: {', '.join(sorted(available))}), "
+                          f"so the shipped {choice['candidate']} engine runs through kkdeploy.load in the "
+                          f"Python backend")
+    return native, f"the shipped {choice['candidate']} engine, natively on Triton's {native} backend"
+
+
+# -- config.pbtxt -----------------------------------------------------------------------------------------------
+def _tensor(name: str, dtype: str, dims: list[int], optional: bool = False) -> str:
+    extra = " optional: true" if optional else ""
+    return f'  {{ name: "{name}" data_type: {dtype} dims: [ {", ".join(str(d) for d in dims)} ]{extra} }}'
+
+
+def _params(values: dict[str, str]) -> str:
+    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in values.items())
+
+
+def front_config(name: str, engine_model: str, config: TransformerConfig, dtype: str, delay_us: int) -> str:
+    t = TRITON_DTYPES[dtype]
+    s, d = config.seq_len, config.d_model
+    return (
+        f'# The front: dynamic batching of 1..{config.batch_size} sequences, padded to the engine\'s fixed batch\n'
+        f'# with fully masked rows, one BLS call to "{engine_model}", results split back (see model.py).\n'
+        f'name: "{name}"\nbackend: "python"\nmax_batch_size: {config.batch_size}\n'
+        f"input [\n{_tensor(INPUT_X, t, [s, d])},\n{_tensor(INPUT_MASK, 'TYPE_BOOL', [s], optional=True)}\n]\n"
+        f"output [\n{_tensor(OUTPUT_Y, t, [s, d])}\n]\n"
+        f"dynamic_batching {{ max_queue_delay_microseconds: {int(delay_us)} }}\n"
+        f"instance_group [ {{ kind: KIND_CPU count: 1 }} ]\n"
+        + _params({"kkdeploy_role": "front", "kkdeploy_engine_model": engine_model})
+    )
+
+
+def engine_config(name: str, backend: str, config: TransformerConfig, dtype: str, device_type: str,
+                  entry: dict | None) -> str:
+    t = TRITON_DTYPES[dtype]
+    b, s, d = config.batch_size, config.seq_len, config.d_model
+    kind = "KIND_GPU" if device_type == "cuda" else "KIND_CPU"
+    head = f'name: "{name}"\nbackend: "{backend}"\n'
+    body = (f"max_batch_size: 0\n"
+            f"input [\n{_tensor(INPUT_X, t, [b, s, d])},\n{_tensor(INPUT_MASK, 'TYPE_BOOL', [b, s])}\n]\n"
+            f"output [\n{_tensor(OUTPUT_Y, t, [b, s, d])}\n]\n"
+            f"instance_group [ {{ kind: {kind} count: 1 }} ]\n")
+    if backend == "python":
+        return (f"# The engine at its fixed batch {b}: kkdeploy.load on 1/artifacts (see model.py).\n" + head + body
+                + _params({"kkdeploy_role": "engine", "kkdeploy_artifacts": "artifacts",
+                           "kkdeploy_device_type": device_type}))
+    options = entry["options"]
+    if backend == "onnxruntime":
+        level = options.get("graph_optimization_level")
+        notes = (f"# {entry['name']}: the graph optimized at build time (level {level}"
+                 f", disabled optimizers {options.get('disabled_optimizers') or []}) and validated as saved;\n"
+                 f"# it is loaded with optimizations off, as engines/ort.py loads it. Built with onnxruntime "
+                 f"{options.get('onnxruntime')}: the backend's ORT should be the same version.\n")
+        if options.get("cuda_graph"):
+            notes += ("# The build captured CUDA graphs; Triton's onnxruntime backend binds new buffers per request,\n"
+                      "# which ORT's CUDA-graph mode forbids, so it runs the same graph on the CUDA EP uncaptured.\n")
+        return (notes + head + f'default_model_filename: "{options["model"]}"\n' + body
+                + f"optimization {{ graph {{ level: {ORT_DISABLE_ALL} }} }}\n"
+                + _params({"kkdeploy_candidate": entry["name"]}))
+    compatible = " (the plan is version compatible)" if options.get("version_compatible") else ""
+    notes = (f"# {entry['name']}: a TensorRT {options.get('tensorrt')} plan for one GPU type; the backend's TensorRT "
+             f"must be the same version{compatible}.\n")
+    return (notes + head + f'default_model_filename: "{options["engine"]}"\n' + body
+            + _params({"kkdeploy_candidate": entry["name"]}))
+
+
+# -- files ------------------------------------------------------------------------------------------------------
+def _native_files(root: Path, manifest: dict, entry: dict, backend: str) -> list[str]:
+    """The engine files Triton loads: the model or plan, and any external-data file beside it."""
+    main = entry["options"]["model" if backend == "onnxruntime" else "engine"]
+    return [rel for rel in manifest["files"] if rel == main or rel.startswith(main + ".")] or [main]
+
+
+def check_onnx_io(path: Path, config: TransformerConfig, dtype: str) -> None:
+    """The graph's inputs and outputs are the ones config.pbtxt declares (else Triton refuses to load it)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    b, s, d = config.batch_size, config.seq_len, config.d_model
+    expected = {INPUT_X: [b, s, d], INPUT_MASK: [b, s], OUTPUT_Y: [b, s, d]}
+    found = {v.name: [dim.dim_value for dim in v.type.tensor_type.shape.dim] for v in [*graph.input, *graph.output]}
+    for name, dims in expected.items():
+        if found.get(name) != dims:
+            raise KKError(f"{path.name}: tensor {name!r} is {found.get(name)}, config.pbtxt needs {dims}; "
+                          f"the graph does not match the manifest, rebuild the artifacts")
+
+
+def render_readme(info: RepositoryInfo, manifest: dict) -> str:
+    cfg = TransformerConfig.from_dict(info.config)
+    b, s, d = cfg.batch_size, cfg.seq_len, cfg.d_model
+    env = manifest.get("environment", {})
+    device = env.get("device", {})
+    validation = manifest.get("validation") or {}
+    chosen = next((c for c in manifest["candidates"] if c.get("name") == info.candidate), {})
+    verdict = (chosen.get("validation") or manifest.get("fallback", {}).get("validation") or {})
+    versions = env.get("versions", {})
+    shape = f"shape {manifest['shape_id']}" if manifest.get("shape_id") else "a custom shape"
+    lines = [
+        f"# Triton model repository: `{info.model}`",
+        "",
+        f"Written by `kkdeploy triton-repo` from the artifacts of {shape}: {cfg.describe()}, {info.dtype}, "
+        f"built on {device.get('type')} "
+        f"`{device.get('name')}` ({device.get('capability')}).",
+        "",
+        "| model | backend | batch | inputs | output |",
+        "|---|---|---|---|---|",
+        f"| `{info.model}` (call this one) | python (front) | 1..{b} sequences per request, dynamic batching | "
+        f"`x` [n,{s},{d}] {info.dtype}, `valid_token_mask` [n,{s}] bool (optional: all valid) | `y` [n,{s},{d}] |",
+        f"| `{info.engine_model}` | {info.engine_backend} | exactly {b} | `x` [{b},{s},{d}], `valid_token_mask` "
+        f"[{b},{s}] | `y` [{b},{s},{d}] |",
+        "",
+        f"* Shipped candidate: **{info.candidate}** ({info.choice_reason}).",
+        f"* Engine model: {info.engine_reason}.",
+        f"* Validation: contract `{validation.get('contract')}` (atol {validation.get('atol')}, rtol "
+        f"{validation.get('rtol')}), {validation.get('trials')} trials per mask mode "
+        f"({', '.join(validation.get('mask_modes') or [])}), seed {validation.get('seed')}: "
+        f"{verdict.get('status', 'unknown')}, {verdict.get('failed_elements', '?')} failed elements "
+        f"(max abs {verdict.get('max_abs', '?')}). Full report: `validation.json`; build record: `manifest.json`.",
+        "",
+        "## Batching",
+        "",
+        f"The front gathers requests until they hold at most {b} sequences, pads the batch to exactly {b} with zero "
+        "rows whose mask is all False (the model outputs zeros there; every row is computed on its own), calls the "
+        "engine once and returns each request its own rows. Triton answers 400 to a request of more than "
+        f"{b} sequences, a wrong width, a wrong dtype or a mask of the wrong shape.",
+        "",
+        "## Serving it",
+        "",
+        "```bash",
+        "tritonserver --model-repository $PWD      # any Triton with the backends named above",
+        "kkdeploy serve --artifacts <artifact dir>  # or: the bundled server (writes its own copy of this repository)",
+        f"curl -s localhost:8000/v2/models/{info.model}/infer -d '{{\"inputs\": [{{\"name\": \"x\", \"shape\": "
+        f"[1,{s},{d}], \"datatype\": \"{TRITON_DTYPES[info.dtype][5:]}\", \"data\": [...]}}]}}'",
+        "```",
+        "",
+        "Requirements: the Python-backend models run in Triton's Python environment: the front needs `torch`; a "
+        "Python engine model needs `kkdeploy` installed with its dependencies (`kkdeploy.load` checks library "
+        "versions against the manifest). Tensors cross the Python backend as DLPack, so numpy 1.x or 2.x both work.",
+    ]
+    if info.engine_backend == "onnxruntime":
+        lines.append(f"The onnxruntime backend should carry onnxruntime {versions.get('onnxruntime')}, the version "
+                     "this graph was validated with (another version may round differently).")
+    elif info.engine_backend == "tensorrt":
+        lines.append(f"The plan runs only on `{device.get('name')}` with TensorRT {versions.get('tensorrt')}.")
+    else:
+        lines.append("`kkdeploy.load` re-checks hashes, device and library versions at load time and serves the "
+                     "validated PyTorch fallback, saying why in the server log, if the engine cannot run here.")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: str = "auto",
+                     max_queue_delay_us: int = 0, available_backends: set[str] | None = None,
+                     force: bool = False) -> RepositoryInfo:
+    """Write the repository for ``artifacts_dir`` to ``out`` (atomically) and return what it serves."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", model_name or ""):
+        raise KKError(f"--model-name {model_name!r}: use letters, digits, '_', '.', '-' (64 at most), "
+                      f"starting with a letter or digit")
+    if int(max_queue_delay_us) < 0:
+        raise KKError(f"--max-queue-delay-us must be >= 0, got {max_queue_delay_us}")
+    root = Path(artifacts_dir).resolve()
+    manifest = read_artifacts(root)
+    backend, reason = plan_engine(manifest, engine, available_backends)
+    config = TransformerConfig.from_dict(manifest["config"])
+    dtype = str(manifest["dtype"])
+    device_type = manifest["environment"]["device"].get("type", "cpu")
+    choice = manifest["choice"]
+    entry = next((c for c in manifest["candidates"] if c.get("name") == choice["candidate"]), None)
+    if backend != "python" and entry is None:
+        raise KKError(f"the chosen candidate {choice['candidate']!r} is not in the manifest; rebuild the artifacts")
+    engine_model = f"{model_name}_engine"
+    target = Path(out).resolve()
+    if target == root or root in target.parents:
+        raise KKError(f"--out {target} is inside the artifact directory; write the repository elsewhere")
+    info = RepositoryInfo(path=str(target), model=model_name, engine_model=engine_model, engine_backend=backend,
+                          candidate=choice["candidate"], engine_reason=reason, choice_reason=choice.get("reason", ""),
+                          config=config.to_dict(), dtype=dtype, device_type=device_type,
+                          max_queue_delay_us=int(max_queue_delay_us))
+    with artifacts.staged_directory(target, force=force) as stage:
+        front = stage / model_name
+        (front / "1").mkdir(parents=True)
+        (front / "config.pbtxt").write_text(front_config(model_name, engine_model, config, dtype, max_queue_delay_us))
+        shutil.copyfile(TEMPLATE, front / "1" / "model.py")
+        eng = stage / engine_model
+        (eng / "1").mkdir(parents=True)
+        (eng / "config.pbtxt").write_text(engine_config(engine_model, backend, config, dtype, device_type, entry))
+        if backend == "python":
+            shutil.copyfile(TEMPLATE, eng / "1" / "model.py")
+            copy = eng / "1" / "artifacts"
+            for rel in [*manifest["files"], artifacts.MANIFEST]:
+                (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(root / rel, copy / rel)
+        else:
+            for rel in _native_files(root, manifest, entry, backend):
+                shutil.copy2(root / rel, eng / "1" / Path(rel).name)
+            if backend == "onnxruntime":
+                check_onnx_io(eng / "1" / Path(entry["options"]["model"]).name, config, dtype)
+        shutil.copy2(root / artifacts.MANIFEST, stage / "manifest.json")
+        report = (manifest.get("validation") or {}).get("report")
+        if report and (root / report).is_file():
+            shutil.copy2(root / report, stage / "validation.json")
+        from .. import __version__
+
+        source = {"artifacts": str(root), "manifest_sha256": artifacts.file_sha256(root / artifacts.MANIFEST)}
+        artifacts.write_json(stage / "serving.json", {"schema": REPO_SCHEMA, **asdict(info), "path": None,
+                                                      "kkdeploy": __version__, "created": artifacts.utc_now(),
+                                                      "source": source})
+        (stage / "README.md").write_text(render_readme(info, manifest))
+    return info
+
+
+def print_summary(info: RepositoryInfo) -> None:
+    b = info.batch_size
+    console.print(f"repository [bold]{info.path}[/]")
+    console.print(f"  {info.model}: python front, dynamic batching of 1..{b} sequences, padded to {b}")
+    console.print(f"  {info.engine_model}: {info.engine_backend} — {info.engine_reason}", soft_wrap=True)
+
+
+def load_info(repository: Path) -> dict:
+    """``serving.json`` of a written repository."""
+    return json.loads((Path(repository) / "serving.json").read_text())

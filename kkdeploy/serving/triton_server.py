@@ -1,0 +1,495 @@
+"""Find a ``tritonserver``, run it on a model repository, and stop it leaving no process behind.
+
+Where the server comes from. The ``nvidia-pytriton`` wheel (PyPI) bundles a real ``tritonserver`` with the Python
+backend and a backend stub per Python version. Its metadata pins ``numpy<2``, which would downgrade this
+project's numpy (2.x) in every environment that lists it as a dependency; and PyTriton's own Python glue is not
+used (it fails on Python 3.11.7). So kkdeploy installs only the wheel's files: ``install_server`` runs
+``pip install --no-deps --require-hashes --target <cache>`` on the pinned wheel, which leaves site-packages (and
+numpy) untouched. The stub's own numpy bridge misreads arrays under numpy 2, which is why our Python-backend
+model moves every tensor as DLPack (see ``triton_model``). ``find_server`` also accepts a Triton install named by
+``KKDEPLOY_TRITONSERVER``, an importable ``pytriton`` package, and a ``tritonserver`` on PATH (the NGC container's
+``/opt/tritonserver``).
+
+Lifecycle. The server runs in its own session (process group), so the Python-backend stubs it spawns can be
+found and ended with it; it is asked to die with its parent (``PR_SET_PDEATHSIG``) so a killed ``kkdeploy serve``
+cannot orphan it. ``stop`` asks politely (SIGTERM: Triton unloads its models and ends its stubs), then kills the
+whole group, then removes any shared-memory region a killed stub left in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import KKError
+
+PYTRITON_VERSION = "0.7.0"
+# sha256 of the two published wheels of nvidia-pytriton 0.7.0 (PyPI), checked by pip (--require-hashes).
+PYTRITON_WHEEL_SHA256 = {
+    "x86_64": "21f063ff93bb426d0c06b7a55e7eb9efcfe62c0dddd9a908e9877e18710128df",
+    "aarch64": "f99e07ee56fe065337453956afba17d2673e02ec6a632c3de26ce6e7b32a0898",
+}
+ENV_SERVER = "KKDEPLOY_TRITONSERVER"
+ENV_CACHE = "KKDEPLOY_CACHE_DIR"
+ENV_SITE_DIRS = "KKDEPLOY_SITE_DIRS"  # read by triton_model: site dirs (with their .pth files) of this Python
+INSTALL_COMMAND = "kkdeploy serve --install-server"
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+EXIT_TIMEOUT_S = 10  # --exit-timeout-secs: in-flight requests and open client connections get this long
+_SHM_PREFIX = "triton_python_backend_shm_region_"
+# Log lines a CPU machine always shows (no GPU, no NVML/DCGM): never the reason a server failed.
+_BENIGN = r"NVML|DCGM|CudaDriverHelper|CUDA driver|pinned memory"
+
+
+# -- where the server is ----------------------------------------------------------------------------------------
+@dataclass
+class ServerInstall:
+    """A Triton installation: ``root/bin/tritonserver`` and ``root/backends/<name>/``."""
+
+    root: Path
+    source: str  # how it was found, for messages
+    lib_dirs: list[Path] = field(default_factory=list)  # bundled shared libraries (nvidia_pytriton.libs)
+    stubs: Path | None = None  # python_backend_stubs/<major.minor>/ (pytriton layout: one stub per Python)
+
+    @property
+    def binary(self) -> Path:
+        return self.root / "bin" / "tritonserver"
+
+    def backends(self) -> set[str]:
+        folder = self.root / "backends"
+        return {p.name for p in folder.iterdir() if p.is_dir()} if folder.is_dir() else set()
+
+    def describe(self) -> str:
+        return f"{self.binary} ({self.source}; backends: {', '.join(sorted(self.backends())) or 'none'})"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get(ENV_CACHE) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "kkdeploy")
+    return Path(base) / "tritonserver"
+
+
+def _install_from_root(root: Path, source: str) -> ServerInstall | None:
+    root = Path(root)
+    if not (root / "bin" / "tritonserver").is_file():
+        return None
+    libs = [d for d in (root.parent.parent / "nvidia_pytriton.libs", root / "lib") if d.is_dir()]
+    stubs = root / "python_backend_stubs"
+    return ServerInstall(root=root, source=source, lib_dirs=libs, stubs=stubs if stubs.is_dir() else None)
+
+
+def _managed_root() -> Path:
+    return cache_dir() / f"nvidia-pytriton-{PYTRITON_VERSION}" / "pytriton" / "tritonserver"
+
+
+def find_server() -> ServerInstall | None:
+    """The first Triton found: $KKDEPLOY_TRITONSERVER, kkdeploy's own install, a ``pytriton`` package, PATH."""
+    named = os.environ.get(ENV_SERVER)
+    if named:
+        path = Path(named)
+        root = path.parent.parent if path.is_file() else path
+        found = _install_from_root(root, f"${ENV_SERVER}")
+        if found is None:
+            raise KKError(f"{ENV_SERVER}={named} holds no bin/tritonserver; point it at a Triton install "
+                          f"(such as /opt/tritonserver) or unset it and run `{INSTALL_COMMAND}`")
+        return found
+    found = _install_from_root(_managed_root(), f"installed by `{INSTALL_COMMAND}`")
+    if found:
+        return found
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")  # locates the package without importing its (numpy<2) glue
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            found = _install_from_root(Path(location) / "tritonserver", "the nvidia-pytriton package")
+            if found:
+                return found
+    on_path = shutil.which("tritonserver")
+    for candidate in ([Path(on_path).resolve().parent.parent] if on_path else []) + [Path("/opt/tritonserver")]:
+        found = _install_from_root(candidate, "PATH" if on_path else "/opt/tritonserver")
+        if found:
+            return found
+    return None
+
+
+def locate_server() -> ServerInstall:
+    """``find_server`` or a one-line error that names the install command."""
+    found = find_server()
+    if found is None:
+        raise KKError(f"no tritonserver found: run `{INSTALL_COMMAND}` (pip installs the server bundled in "
+                      f"nvidia-pytriton {PYTRITON_VERSION} with --no-deps into {cache_dir()}; numpy stays 2.x), "
+                      f"or set {ENV_SERVER} to a Triton install such as /opt/tritonserver")
+    return found
+
+
+def install_server(force: bool = False, log=None) -> ServerInstall:
+    """Install the pinned nvidia-pytriton wheel's files (not its dependencies) into kkdeploy's cache.
+
+    ``pip install --no-deps --require-hashes --target``: the ordinary client, the wheel's published hash, and no
+    change to site-packages, so the wheel's ``numpy<2`` pin never reaches this environment. Atomic: a staging
+    directory is renamed into place only after pip succeeded."""
+    machine = platform.machine()
+    if not sys.platform.startswith("linux") or machine not in PYTRITON_WHEEL_SHA256:
+        raise KKError(f"nvidia-pytriton {PYTRITON_VERSION} ships tritonserver for Linux x86_64 and aarch64 only; "
+                      f"this is {sys.platform} {machine}: use the NGC Triton container and set {ENV_SERVER}")
+    target = _managed_root().parent.parent
+    if not force:
+        existing = _install_from_root(_managed_root(), f"installed by `{INSTALL_COMMAND}`")
+        if existing:
+            return existing
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
+    try:
+        requirements = stage / "requirements.txt"
+        hashes = " ".join(f"--hash=sha256:{h}" for h in PYTRITON_WHEEL_SHA256.values())
+        requirements.write_text(f"nvidia-pytriton=={PYTRITON_VERSION} {hashes}\n")
+        command = [sys.executable, "-m", "pip", "install", "--no-deps", "--only-binary", ":all:",
+                   "--require-hashes", "--no-compile", "--disable-pip-version-check", "--no-warn-script-location",
+                   "--quiet", "--target", str(stage / "pkg"), "-r", str(requirements)]
+        if log:
+            log(f"installing tritonserver from nvidia-pytriton {PYTRITON_VERSION} (pip --no-deps) into {target}")
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            lines = [ln.strip() for ln in (done.stderr or done.stdout).splitlines()
+                     if ln.strip() and not ln.startswith("WARNING")]
+            raise KKError(f"pip could not install nvidia-pytriton {PYTRITON_VERSION}: "
+                          f"{lines[-1] if lines else f'exit code {done.returncode}'}")
+        if not (stage / "pkg" / "pytriton" / "tritonserver" / "bin" / "tritonserver").is_file():
+            raise KKError(f"the nvidia-pytriton {PYTRITON_VERSION} wheel has no pytriton/tritonserver/bin/tritonserver")
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        if target.exists():
+            os.rename(target, old)
+        try:
+            os.rename(stage / "pkg", target)
+        except OSError:  # another installer won the race: keep its copy
+            if old.exists() and not target.exists():
+                os.rename(old, target)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    installed = _install_from_root(_managed_root(), f"installed by `{INSTALL_COMMAND}`")
+    if installed is None:  # pragma: no cover - checked above
+        raise KKError(f"tritonserver is missing from {target} after the install; retry with --install-server")
+    return installed
+
+
+# -- ports --------------------------------------------------------------------------------------------------------
+def port_in_use(host: str, port: int) -> bool:
+    """True when something listens on ``host:port``. SO_REUSEADDR, as the server binds: a port in TIME_WAIT after
+    an earlier server is free for it, a listening one is not."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            if exc.errno == errno.EACCES:
+                raise KKError(f"port {port} on {host} needs privileges this user lacks; choose a port above 1023") \
+                    from None
+            raise KKError(f"cannot bind {host}:{port}: {exc.strerror}; choose another --address") from None
+    return False
+
+
+def free_port(host: str = "127.0.0.1", avoid: set[int] = frozenset()) -> int:
+    """A port nothing listens on now (the kernel's pick); ``avoid`` keeps several picks distinct."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise KKError("no free port found")  # pragma: no cover
+
+
+def check_ports(host: str, ports: dict[str, int]) -> None:
+    """One-line errors for an invalid, repeated or taken port, before the server tries them."""
+    seen: dict[int, str] = {}
+    for name, port in ports.items():
+        if not 1 <= int(port) <= 65535:
+            raise KKError(f"--{name}-port must be in 1..65535, got {port}")
+        if port in seen:
+            raise KKError(f"--{name}-port and --{seen[port]}-port are both {port}; give each endpoint its own port")
+        seen[port] = name
+    for name, port in ports.items():
+        if port_in_use(host, port):
+            raise KKError(f"port {port} ({name}) is already in use on {host}; choose another with --{name}-port")
+
+
+# -- the server process -------------------------------------------------------------------------------------------
+_PR_SET_PDEATHSIG = 1
+_libc = None
+
+
+def _death_signal_hook():
+    """A preexec_fn that makes the child receive SIGTERM when its parent dies. libc is opened here, in the
+    parent: the hook itself runs between fork and exec and must not load anything."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            return None
+
+    def hook():
+        _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+    return hook
+
+
+def python_library_dir() -> Path:
+    """The folder holding this Python's ``libpython3.X.so``: the stub must embed this interpreter, not another
+    3.X that the loader would find first (Debian's, for a pyenv Python)."""
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        raise KKError(f"this Python ({sys.executable}) was built without a shared libpython, which the Triton "
+                      f"Python-backend stub embeds: use a Python built with --enable-shared (Debian's python3, "
+                      f"pyenv with PYTHON_CONFIGURE_OPTS=--enable-shared) or the NGC Triton container")
+    return Path(sysconfig.get_config_var("LIBDIR"))
+
+
+def _site_dirs() -> list[str]:
+    import site
+
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
+        dirs.append(site.getusersitepackages())
+    return dirs
+
+
+def _process_table() -> list[tuple[int, int, str, str]]:
+    """(pid, pgid, state, cmdline) of every process we can read."""
+    rows = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        rows.append((int(entry.name), int(fields[2]), fields[0], cmd))
+    return rows
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live (non-zombie) processes whose command line contains ``text``: a repository path finds its server
+    and every Python-backend stub serving from it."""
+    me = os.getpid()
+    return [pid for pid, _, state, cmd in _process_table() if text in cmd and state != "Z" and pid != me]
+
+
+class TritonServer:
+    """``tritonserver`` on one repository: ``start()``, ``wait_ready()``, ``stop()``; also a context manager.
+
+    ``workdir`` receives the backend folder (the Python backend with this Python's stub) and the server log."""
+
+    def __init__(self, install: ServerInstall, repository: Path, workdir: Path, *, address: str = "127.0.0.1",
+                 http_port: int = DEFAULT_PORTS["http"], grpc_port: int = DEFAULT_PORTS["grpc"],
+                 metrics_port: int = DEFAULT_PORTS["metrics"], exit_timeout_s: int = EXIT_TIMEOUT_S,
+                 extra_args: list[str] | None = None):
+        self.install = install
+        self.repository = Path(repository).resolve()
+        self.workdir = Path(workdir).resolve()
+        self.address = address
+        self.ports = {"http": int(http_port), "grpc": int(grpc_port), "metrics": int(metrics_port)}
+        self.exit_timeout_s = exit_timeout_s
+        self.extra_args = list(extra_args or [])
+        self.log_path = self.workdir / "tritonserver.log"
+        self.process: subprocess.Popen | None = None
+        self._shm_regions: set[str] = set()
+
+    # endpoints
+    @property
+    def host(self) -> str:
+        return "127.0.0.1" if self.address in ("0.0.0.0", "") else ("::1" if self.address == "::" else self.address)
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.ports['grpc']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.ports['metrics']}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    # setup
+    def backend_directory(self) -> Path:
+        """The install's backends, with the Python backend's stub for this Python where the install ships one
+        per version (the pytriton layout); an NGC install is used as it is."""
+        if self.install.stubs is None:
+            return self.install.root / "backends"
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        stub = self.install.stubs / version / "triton_python_backend_stub"
+        if not stub.is_file():
+            shipped = ", ".join(sorted(p.name for p in self.install.stubs.iterdir())) or "none"
+            raise KKError(f"{self.install.binary} has no Python-backend stub for Python {version} (it has: {shipped}); "
+                          f"run kkdeploy with one of those Pythons")
+        target = self.workdir / "backends"
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+        for entry in (self.install.root / "backends").iterdir():
+            if entry.name == "python":
+                shutil.copytree(entry, target / "python")
+                shutil.copy2(stub, target / "python" / stub.name)
+            else:
+                (target / entry.name).symlink_to(entry, target_is_directory=True)
+        return target
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env[ENV_SITE_DIRS] = os.pathsep.join(_site_dirs())
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.install.stubs is not None:  # the stub embeds *this* interpreter: its libpython, its stdlib
+            libs = [str(python_library_dir())] + [str(d) for d in self.install.lib_dirs]
+            if env.get("LD_LIBRARY_PATH"):
+                libs.append(env["LD_LIBRARY_PATH"])
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
+            env["PYTHONHOME"] = sys.base_prefix
+        return env
+
+    def command(self, backend_dir: Path) -> list[str]:
+        gpu = Path("/dev/nvidiactl").exists()
+        return [str(self.install.binary), f"--model-repository={self.repository}",
+                f"--backend-directory={backend_dir}",
+                f"--http-address={self.address}", f"--http-port={self.ports['http']}",
+                f"--grpc-address={self.address}", f"--grpc-port={self.ports['grpc']}",
+                f"--metrics-address={self.address}", f"--metrics-port={self.ports['metrics']}",
+                f"--allow-gpu-metrics={'true' if gpu else 'false'}",
+                "--disable-auto-complete-config", "--strict-readiness=true",
+                f"--exit-timeout-secs={self.exit_timeout_s}", *self.extra_args]
+
+    # lifecycle
+    def start(self) -> "TritonServer":
+        if self.process is not None:
+            raise KKError("this server was already started")
+        if not self.install.binary.is_file():
+            raise KKError(f"{self.install.binary} is missing; run `{INSTALL_COMMAND}`")
+        check_ports(self.address, self.ports)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        backend_dir = self.backend_directory()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command(backend_dir), stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=self.environment(),
+                                            start_new_session=True, preexec_fn=_death_signal_hook())
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout_s: float = 300.0) -> "TritonServer":
+        """Until the server reports ready; a server that exits or a timeout is a one-line error (and stops it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                code = self.process.returncode if self.process else None
+                self.stop()
+                raise KKError(f"tritonserver exited (code {code}) before it was ready: {self.failure_reason()}")
+            if self.ready():
+                self._note_shm_regions()
+                return self
+            time.sleep(0.25)
+        reason = self.failure_reason()
+        self.stop()
+        raise KKError(f"tritonserver was not ready after {timeout_s:.0f} s: {reason}")
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def failure_reason(self) -> str:
+        """The most telling line of the server log, kept to one line."""
+        text = self.log_text()
+        if re.search(r"address already in use|failed to start .*(HTTP|GRPC|Metrics)", text, re.IGNORECASE):
+            return (f"a port is already in use on {self.address} (http {self.ports['http']}, grpc "
+                    f"{self.ports['grpc']}, metrics {self.ports['metrics']}); choose others with --http-port, "
+                    f"--grpc-port, --metrics-port")
+        lines = text.splitlines()
+        errors = [ln for ln in lines if (re.match(r"^E\d{4} ", ln) or "error:" in ln.lower())
+                  and not re.search(_BENIGN, ln)]
+        telling = [ln for ln in errors if "failed to load" in ln] or errors
+        line = (telling[0] if telling else (text.strip().splitlines() or ["no output"])[-1]).strip()
+        line = re.sub(r"^[EWI]\d{4} [\d:.]+ \d+ [\w.]+:\d+\] ", "", line)
+        return f"{line[:400]} (log: {self.log_path})"
+
+    def _note_shm_regions(self):
+        """Remember the stubs' shared-memory regions: a killed stub cannot remove its own."""
+        if self.process is None:
+            return
+        for pid, pgid, state, cmd in _process_table():
+            if pgid == self.process.pid:
+                self._shm_regions.update(re.findall(rf"{_SHM_PREFIX}[\w-]+", cmd))
+
+    def group_members(self) -> list[int]:
+        """Live processes of the server's process group (the server and its stubs)."""
+        if self.process is None:
+            return []
+        return [pid for pid, pgid, state, _ in _process_table() if pgid == self.process.pid and state != "Z"]
+
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGTERM (Triton unloads its models and ends its stubs), then SIGKILL to the whole group. Idempotent.
+        Returns the server's exit code."""
+        if self.process is None:
+            return None
+        self._note_shm_regions()
+        grace = (self.exit_timeout_s + 5) if timeout_s is None else timeout_s
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if self.group_members() or self.process.poll() is None:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=1)
+            if (self.process.poll() is not None and not self.group_members()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        for region in self._shm_regions:
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{region}")
+        return self.process.returncode
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
