@@ -24,6 +24,7 @@ from engines import backend_module  # noqa: E402
 from engines.base import FINGERPRINT_PADDING  # noqa: E402
 from engines.fresh_process import OK, probe  # noqa: E402
 from kkdeploy.config import TransformerConfig, parse_dtype  # noqa: E402
+from kkdeploy.errors import KKError  # noqa: E402
 from kkdeploy.pipeline.runtime import read_manifest  # noqa: E402
 
 NOT_BUILT = ("unavailable", "skipped", "build-failed")
@@ -58,7 +59,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
-    rows = [row for root in args.dirs for row in rows_for(root, args.timeout)]
+    rows = []
+    for root in args.dirs:
+        try:
+            rows += rows_for(root, args.timeout)
+        except KKError as exc:  # one unreadable directory (a build that died) does not cost the others' rows
+            print(f"skipped {root}: {exc}", file=sys.stderr)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
     print("| shape | candidate | build status | fresh process | s | same output | shipped |")

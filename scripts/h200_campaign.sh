@@ -70,6 +70,14 @@ step_crashproof() {
     --out "$OUT/fresh-process.json"
 }
 
+step_inductoronly() {
+  # Issue 17's first command alone: every AOTInductor package is probed in a fresh process.
+  python3 -m kkdeploy build --shape 3 --device cuda --force --backends inductor --out "$WORK/s3-inductor"
+  echo "CRASHPROOF inductor-only build exit $?"
+  python3 -c "import json; m = json.load(open('$WORK/s3-inductor/manifest.json')); [print('FRESH', c['name'], c['status'], c['reason'], c.get('fresh_process', {}).get('seconds')) for c in m['candidates']]; print('CHOICE', m['choice'])"
+  (cd "$WORK" && tar czf "$OUT/inductor-only.tgz" --exclude='*.pt2' --exclude='*.safetensors' --exclude='*.onnx' s3-inductor)
+}
+
 step_selfcheck() { python3 scripts/gpu_selfcheck.py --shape "${SELFCHECK_SHAPE:-3}"; }
 step_fidelity() { python3 scripts/onnx_fidelity.py --out "$OUT/fidelity.json" ${FIDELITY_ARGS:-}; }
 step_inductor() {

@@ -33,6 +33,15 @@ class Segfaults(_NativeBackend):
         os.kill(os.getpid(), signal.SIGSEGV)
 
 
+class SegfaultsAllValidOnly(Segfaults):
+    """An all-valid-only engine (like inductor-sdpa1) whose loader segfaults: it must not reach validation."""
+
+    name = key = "segfault-all-valid-only"
+
+    def build(self, ctx, candidate: str) -> CandidateResult:
+        return CandidateResult(candidate, self.key, BUILT, files=[], options={"all_valid_only": True})
+
+
 class Hangs(_NativeBackend):
     name = key = "hang-on-load"
 
@@ -66,4 +75,4 @@ class Faithful(_NativeBackend):
         return ReferenceRunner(model.to(device=device, dtype=dtype).eval(), config, dtype, device)
 
 
-SEGFAULT, HANG, FAITHFUL = Segfaults(), Hangs(), Faithful()
+SEGFAULT, SEGFAULT_ALL_VALID_ONLY, HANG, FAITHFUL = Segfaults(), SegfaultsAllValidOnly(), Hangs(), Faithful()

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPE = ["--batch-size", "2", "--seq-len", "8", "--d-model", "16", "--heads", "2", "--ffn-dim", "16", "--layers", "1",
          "--device", "cpu", "--dtype", "float32", "--trials", "1", "--warmups", "1", "--repeats", "3", "--rounds", "1"]
 TEST_BACKENDS = {"segfault-on-load": "tests.native_backends:SEGFAULT", "hang-on-load": "tests.native_backends:HANG",
+                 "segfault-all-valid-only": "tests.native_backends:SEGFAULT_ALL_VALID_ONLY",
                  "faithful-native": "tests.native_backends:FAITHFUL"}
 
 
@@ -160,3 +161,25 @@ def test_fresh_process_table_loads_every_built_candidate(shipped_native, capsys)
     printed = capsys.readouterr().out
     row = next(line for line in printed.splitlines() if "faithful-native" in line)
     assert "| ok |" in row and "| yes |" in row  # loaded in a fresh process, same output as the build's check
+
+
+def test_a_build_whose_every_candidate_crashes_ships_the_fallback(native_backends, tmp_path):
+    """The H200's `kkdeploy build --shape 3 --backends inductor`: every package (inductor-sdpa1 is all-valid-only)
+    segfaults in its fresh process; the build exits 0 and ships the fallback, naming each crash."""
+    out = tmp_path / "art"
+    assert cli_main(["build", *SHAPE, "--backends", "segfault-on-load,segfault-all-valid-only", "--out", str(out)]) == 0
+    m = manifest_of(out)
+    assert {c["name"]: c["status"] for c in m["candidates"]} == {"segfault-on-load": CRASHED,
+                                                                  "segfault-all-valid-only": CRASHED}
+    assert m["choice"]["candidate"] == "pytorch-fallback"
+    assert "segfault-all-valid-only (load-crashed)" in m["choice"]["reason"]
+
+
+def test_fresh_process_table_skips_a_missing_directory_in_one_line(shipped_native, tmp_path, capsys):
+    from tests.conftest import load_script
+
+    table = load_script("fresh_process_table")
+    assert table.main([str(tmp_path / "never-built"), str(shipped_native)]) == 0
+    captured = capsys.readouterr()
+    assert "skipped" in captured.err and "never-built" in captured.err
+    assert "faithful-native" in captured.out

@@ -259,7 +259,7 @@ def run_build(request: BuildRequest) -> dict:
             runners = load_runners(request, stage, results)
 
             bar.describe("validate")
-            all_valid_only = {r.name for r in results if r.options.get("all_valid_only")}
+            all_valid_only = {r.name for r in results if r.options.get("all_valid_only") and r.name in runners}
             fallback_names = {f"{FALLBACK}-sdpa{k}": model for k, model in fallbacks.items()}
             with torch.inference_mode():
                 report = validate_candidates(
