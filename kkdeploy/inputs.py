@@ -58,18 +58,24 @@ def check_inputs(x, valid_token_mask, d_model: int, dtype: torch.dtype, device: 
         device.index is not None and x.device.index is not None and x.device.index != device.index
     ):
         raise KKError(f"x is on {x.device} but the model is on {device}; move x with .to('{device}')")
+    check_mask(valid_token_mask, tuple(x.shape[:2]), x.device, "x")
+
+
+def check_mask(valid_token_mask, shape: tuple[int, int], device: torch.device, beside: str) -> None:
+    """None, or a bool tensor of ``shape`` [B, S] on ``device`` (where ``beside``, the tensor it masks, lives)."""
     if valid_token_mask is None:
         return
     if not isinstance(valid_token_mask, torch.Tensor):
         raise KKError("valid_token_mask must be a bool torch.Tensor of shape [B, S] or None")
-    if tuple(valid_token_mask.shape) != tuple(x.shape[:2]):
+    if tuple(valid_token_mask.shape) != tuple(shape):
         raise KKError(
-            f"valid_token_mask must have shape [B, S] = {list(x.shape[:2])}, got {list(valid_token_mask.shape)}"
+            f"valid_token_mask must have shape [B, S] = {list(shape)}, got {list(valid_token_mask.shape)}"
         )
     if valid_token_mask.dtype != torch.bool:
         raise KKError(f"valid_token_mask must have dtype torch.bool, got {valid_token_mask.dtype}; pass mask.bool()")
-    if valid_token_mask.device != x.device:
-        raise KKError(f"valid_token_mask is on {valid_token_mask.device} but x is on {x.device}; put both on one device")
+    if valid_token_mask.device != device:
+        raise KKError(f"valid_token_mask is on {valid_token_mask.device} but {beside} is on {device}; "
+                      f"put both on one device")
 
 
 class AllValidMaskCache:

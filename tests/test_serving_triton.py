@@ -250,7 +250,7 @@ def test_python_engine_repository_and_refusals(built, fallback_built, tmp_path):
     tampered = tmp_path / "tampered"
     subprocess.run(["cp", "-r", str(built), str(tampered)], check=True)
     (tampered / "model.onnx").write_bytes(b"not the validated graph")
-    with pytest.raises(KKError, match="differs from the manifest"):
+    with pytest.raises(KKError, match="model.onnx was modified"):
         triton_repo.write_repository(tampered, tmp_path / "t")
     assert not (tmp_path / "t").exists()
 

@@ -48,6 +48,7 @@ from typing import Callable, Optional
 import torch
 
 from kkdeploy.errors import KKError
+from kkdeploy.inputs import check_mask
 from kkdeploy.models.reference import attention_core
 
 OP_NAMESPACE = "kkdeploy_faithful"
@@ -115,17 +116,7 @@ def check_attention_inputs(q, k, v, valid_token_mask, num_heads, causal) -> tupl
     b, s, d = q.shape
     if d % num_heads:
         raise KKError(f"D = {d} is not divisible by num_heads = {num_heads}; pass the model's num_heads")
-    if valid_token_mask is not None:
-        if not isinstance(valid_token_mask, torch.Tensor):
-            raise KKError("valid_token_mask must be a bool torch.Tensor [B, S] or None")
-        if tuple(valid_token_mask.shape) != (b, s):
-            raise KKError(
-                f"valid_token_mask must have shape [B, S] = {[b, s]}, got {list(valid_token_mask.shape)}"
-            )
-        if valid_token_mask.dtype != torch.bool:
-            raise KKError(f"valid_token_mask must have dtype torch.bool, got {valid_token_mask.dtype}; pass mask.bool()")
-        if valid_token_mask.device != q.device:
-            raise KKError(f"valid_token_mask is on {valid_token_mask.device} but q is on {q.device}; put both on one device")
+    check_mask(valid_token_mask, (b, s), q.device, "q")
     return b, s, d, d // num_heads
 
 

@@ -48,7 +48,6 @@ NATIVE_BACKENDS = {"ort": "onnxruntime", "trt": "tensorrt"}  # kkdeploy backend 
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
 ORT_DISABLE_ALL = 2  # the onnxruntime backend's ``optimization { graph { level } }``: 2 = ORT_DISABLE_ALL
 TEMPLATE = Path(__file__).with_name("triton_model.py")
-REQUIRED_KEYS = ("config", "dtype", "environment", "weights", "candidates", "choice", "files")
 
 
 @dataclass
@@ -76,25 +75,15 @@ class RepositoryInfo:
 def read_artifacts(root: Path) -> dict:
     """The manifest, after checking that every file it lists is present and unmodified: a repository is a
     deployment, and Triton (unlike ``kkdeploy.load``) has no fallback for a tampered engine."""
+    from ..pipeline.runtime import read_manifest, verify_files
+
     root = Path(root)
-    if not root.is_dir():
-        raise KKError(f"{root} is not a directory; pass the artifact directory written by `kkdeploy build`")
-    manifest = artifacts.read_json(root / artifacts.MANIFEST)
-    if manifest.get("schema") != artifacts.MANIFEST_SCHEMA:
-        raise KKError(f"{root} is not a kkdeploy artifact directory (schema {manifest.get('schema')!r}); "
-                      f"rebuild it with `kkdeploy build`")
-    missing = [k for k in REQUIRED_KEYS if k not in manifest]
-    if missing:
-        raise KKError(f"{root / artifacts.MANIFEST} lacks {', '.join(missing)}; rebuild the artifacts")
+    manifest = read_manifest(root)  # a directory, our schema, every key, a readable config: one-line errors
     if str(manifest["dtype"]) not in TRITON_DTYPES:
         raise KKError(f"dtype {manifest['dtype']!r} has no Triton type here; use float32 or float16 artifacts")
-    TransformerConfig.from_dict(manifest["config"])  # a one-line error if the config is unreadable
-    for rel, digest in manifest["files"].items():
-        path = root / rel
-        if not path.is_file():
-            raise KKError(f"{path} is missing; the artifacts are incomplete, rebuild them")
-        if artifacts.file_sha256(path) != digest:
-            raise KKError(f"{path} differs from the manifest (modified after the build); rebuild the artifacts")
+    problem = verify_files(root, manifest)
+    if problem:
+        raise KKError(f"{root}: {problem}; rebuild the artifacts")
     return manifest
 
 
