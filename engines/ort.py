@@ -7,6 +7,12 @@ was validated). Levels and disabled optimizers are recorded with the candidate.
 ``<name>-mixed`` and ``<name>-autocast`` candidates (float32 builds under the judge contract, issue 6) run a
 mixed-precision graph: ours, its float16 blocks calibrated by exporting, optimizing and validating each tried
 set on the build's trial plan, or ModelOpt AutoCast's conversion, the anchor to beat (``engines.mixed_graph``).
+
+A graph exported with our custom ops (``--linear custom`` / ``--layer-norm custom``: ``kkdeploy``-domain
+nodes) needs our custom-op library in every session: the builder compiles it on demand
+(``engines.custom_op_library``), copies it into the artifact (so the manifest hashes it), records it as
+``options["custom_ops_library"]`` and registers it at build and at load. It is native code, so the build and
+``kkdeploy.load`` first load the candidate in a fresh process (``loads_native_code``).
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ def import_ort():
     return ort
 
 
-def session_options(ort, level: str, optimized_path: Path | None = None, threads: int | None = None):
+def session_options(ort, level: str, optimized_path: Path | None = None, threads: int | None = None,
+                    custom_ops_library: Path | None = None):
     if level not in OPT_LEVELS:
         raise KKError(f"unknown ONNX Runtime optimization level {level!r}; use one of {', '.join(OPT_LEVELS)}")
     levels = {
@@ -68,6 +75,10 @@ def session_options(ort, level: str, optimized_path: Path | None = None, threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if optimized_path is not None:
         options.optimized_model_filepath = str(optimized_path)
+    if custom_ops_library is not None:
+        from .custom_op_library import register
+
+        register(options, custom_ops_library)
     return options
 
 
@@ -153,8 +164,8 @@ class OrtBackend(Backend):
         return names
 
     def _optimize(self, ort, candidate: str, device: torch.device, source: Path, optimized: Path, level: str,
-                  disabled: list):
-        options = session_options(ort, level, optimized)
+                  disabled: list, library: Path | None = None):
+        options = session_options(ort, level, optimized, custom_ops_library=library)
         return ort.InferenceSession(str(source), sess_options=options, providers=providers_for(candidate, device),
                                     disabled_optimizers=disabled)
 
@@ -162,10 +173,24 @@ class OrtBackend(Backend):
         ort = import_ort()
         if ctx.onnx_path is None:
             raise KKError(f"{candidate} needs the exported model.onnx")
+        try:
+            library = custom_ops_library(ctx)
+        except KKError as exc:  # no compiler, headers unreachable, compile error: recorded, not raised
+            return CandidateResult(candidate, self.name, UNAVAILABLE, f"unavailable: {exc}")
+        result = self._build(ort, ctx, candidate, library)
+        if library is not None and result.status == BUILT:
+            result.files.append(library.name)
+            result.options["custom_ops_library"] = library.name
+        return result
+
+    def _build(self, ort, ctx: BuildContext, candidate: str, library: Path | None) -> CandidateResult:
         precision = parse_recipe(candidate).precision
         if precision == "fp16-blocks":
-            return self.build_mixed(ort, ctx, candidate)
+            return self.build_mixed(ort, ctx, candidate, library)
         if precision == "autocast":
+            if library is not None:
+                return CandidateResult(candidate, self.name, UNAVAILABLE,
+                                       "unavailable: ModelOpt AutoCast cannot run a graph with kkdeploy custom ops")
             return self.build_autocast(ort, ctx, candidate)
         level, disabled = optimizer_settings(ctx, candidate)
         optimized = ctx.out_dir / f"{candidate}.optimized.onnx"
@@ -178,9 +203,9 @@ class OrtBackend(Backend):
         )
 
         return timed_build(lambda: self._optimize(ort, candidate, ctx.device, ctx.onnx_path, optimized, level,
-                                                  disabled), result)
+                                                  disabled, library), result)
 
-    def build_mixed(self, ort, ctx: BuildContext, candidate: str) -> CandidateResult:
+    def build_mixed(self, ort, ctx: BuildContext, candidate: str, library: Path | None = None) -> CandidateResult:
         """Calibrate the float16 blocks against the validator, keep the chosen graph, record every try."""
         from .mixed_graph import calibrate_graph
 
@@ -189,8 +214,8 @@ class OrtBackend(Backend):
 
         def build(source: Path, stem: Path) -> OrtRunner:
             optimized = stem.with_name(f"{stem.name}.optimized.onnx")
-            self._optimize(ort, base, ctx.device, source, optimized, level, disabled)
-            return self._runner(ort, base, optimized, ctx.config, ctx.dtype, ctx.device)
+            self._optimize(ort, base, ctx.device, source, optimized, level, disabled, library)
+            return self._runner(ort, base, optimized, ctx.config, ctx.dtype, ctx.device, library)
 
         calibration, (source, optimized) = calibrate_graph(ctx, candidate, ("onnx", "optimized.onnx"), build)
         result = CandidateResult(
@@ -227,19 +252,42 @@ class OrtBackend(Backend):
     def load(self, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
              device: torch.device) -> OrtRunner:
         model = Path(artifact_dir) / entry["options"]["model"]
-        runner = self._runner(import_ort(), base_candidate(entry["name"]), model, config, dtype, device)
+        library = entry["options"].get("custom_ops_library")
+        runner = self._runner(import_ort(), base_candidate(entry["name"]), model, config, dtype, device,
+                              Path(artifact_dir) / library if library else None)
         runner.backend = entry["name"]
         return runner
 
     @staticmethod
     def _runner(ort, base: str, optimized: Path, config: TransformerConfig, dtype: torch.dtype,
-                device: torch.device) -> OrtRunner:
-        """A session on a graph optimized at build time (so: no optimization now), on ``base``'s provider."""
-        session = ort.InferenceSession(str(optimized), sess_options=session_options(ort, "disabled"),
+                device: torch.device, library: Path | None = None) -> OrtRunner:
+        """A session on a graph optimized at build time (so: no optimization now), on ``base``'s provider,
+        with the artifact's custom-op library registered when it has one."""
+        options = session_options(ort, "disabled", custom_ops_library=library)
+        session = ort.InferenceSession(str(optimized), sess_options=options,
                                        providers=providers_for(base, device))
         if device.type == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
             raise KKError(f"{optimized.name}: the CUDA EP did not load (providers {session.get_providers()})")
         return OrtRunner(session, config, dtype, device, cuda_graph=CANDIDATES[base]["cuda_graph"])
+
+
+def custom_ops_library(ctx: BuildContext) -> Path | None:
+    """The custom-op library inside the artifact when the exported graph uses kkdeploy ops, else None.
+
+    Compiled (or taken from the cache) once per build and copied next to the graph, so the artifact carries
+    the exact bytes that were validated; raises a one-line ``KKError`` when it cannot be built here."""
+    from .custom_op_library import LIBRARY_NAME, build_library, graph_uses_custom_ops
+
+    uses = (ctx.export_options.uses_custom_ops if ctx.export_options is not None
+            else graph_uses_custom_ops(ctx.onnx_path))
+    if not uses:
+        return None
+    target = ctx.out_dir / LIBRARY_NAME
+    if not target.is_file():
+        import shutil
+
+        shutil.copyfile(build_library(ctx.device), target)
+    return target
 
 
 def mixed_graph_options(ort, base: str, level: str, disabled: list, source: Path, optimized: Path) -> dict:

@@ -12,6 +12,13 @@ from kkdeploy.config import TransformerConfig
 from kkdeploy.errors import KKError
 
 from .onnx_graph import onnx_elem_type
+from .options import CUSTOM_DOMAIN
+
+# The standard ONNX domain (both spellings) and exactly our custom-op domain; anything else (com.microsoft,
+# another library's ops) would need a runtime this project neither builds nor validates.
+ALLOWED_DOMAINS = ("", "ai.onnx", CUSTOM_DOMAIN)
+# kkdeploy ops: (inputs, required attributes); engines/custom_ops/kkdeploy_ops.cc implements exactly these.
+CUSTOM_OPS = {"Linear": (3, ()), "LayerNorm": (3, ("epsilon",))}
 
 TYPE_NAMES = {v: k for k, v in TensorProto.DataType.items()}
 
@@ -92,6 +99,40 @@ def _elem(types: dict, name: str) -> int | None:
     return t.tensor_type.elem_type if t is not None else None
 
 
+def _check_domains(model: onnx.ModelProto) -> None:
+    """Only the standard domain and ``kkdeploy``; a kkdeploy node must be one of our ops, well-formed."""
+    for opset in model.opset_import:
+        if opset.domain not in ALLOWED_DOMAINS:
+            raise GraphCheckError(f"the graph imports opset domain {opset.domain!r}; only the standard ONNX domain "
+                                  f"and {CUSTOM_DOMAIN!r} (our custom ops) are allowed")
+    for node in model.graph.node:
+        if node.domain not in ALLOWED_DOMAINS:
+            raise GraphCheckError(f"{_node_label(node)} is in domain {node.domain!r}; only the standard ONNX domain "
+                                  f"and {CUSTOM_DOMAIN!r} (our custom ops) are allowed")
+        if node.domain == CUSTOM_DOMAIN:
+            if node.op_type not in CUSTOM_OPS:
+                raise GraphCheckError(f"{_node_label(node)} is not a {CUSTOM_DOMAIN} op; the library implements "
+                                      f"{', '.join(CUSTOM_OPS)}")
+            arity, attrs = CUSTOM_OPS[node.op_type]
+            missing = [a for a in attrs if _attr(node, a) is None]
+            if len(node.input) != arity or len(node.output) != 1 or missing:
+                raise GraphCheckError(f"{_node_label(node)} needs {arity} inputs, 1 output and attributes "
+                                      f"{list(attrs)}; got {len(node.input)} inputs, {len(node.output)} outputs"
+                                      + (f", missing {missing}" if missing else ""))
+
+
+def _check_custom_types(model: onnx.ModelProto, types: dict) -> None:
+    """A kkdeploy node's inputs and output share one float type (the library registers float32 and float16)."""
+    for node in model.graph.node:
+        if node.domain != CUSTOM_DOMAIN:
+            continue
+        elems = [_elem(types, name) for name in (*node.input, *node.output)]
+        if len(set(elems)) != 1 or elems[0] not in (TensorProto.FLOAT, TensorProto.FLOAT16):
+            raise GraphCheckError(f"{_node_label(node)} mixes or lacks element types "
+                                  f"{[TYPE_NAMES.get(e) for e in elems]}; its inputs and output must all be "
+                                  f"FLOAT or all FLOAT16")
+
+
 def _check_numerics(model: onnx.ModelProto, types: dict) -> None:
     for node in model.graph.node:
         op = node.op_type
@@ -127,7 +168,9 @@ def check_graph(model_or_path, config: TransformerConfig, dtype: torch.dtype) ->
     """Raise ``GraphCheckError`` (naming the node) unless the graph is valid, static and faithful."""
     model = _load(model_or_path)
     _check_io(model, config, dtype)
+    _check_domains(model)
     inferred = _infer(model)
     types = _value_types(inferred)
     _check_static(inferred, types)
+    _check_custom_types(inferred, types)
     _check_numerics(inferred, types)

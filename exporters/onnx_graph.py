@@ -24,7 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 from kkdeploy.config import TransformerConfig
 from kkdeploy.errors import KKError
 
-from .options import ExportOptions
+from .options import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, ExportOptions
 
 ONNX_TYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
 NUMPY_TYPES = {torch.float32: np.float32, torch.float16: np.float16}
@@ -51,6 +51,7 @@ class GraphBuilder:
         self.initializers: list[onnx.TensorProto] = []
         self._used: Counter = Counter()
         self._consts: dict[tuple, str] = {}
+        self.value_infos: list[onnx.ValueInfoProto] = []
 
     def unique(self, base: str) -> str:
         self._used[base] += 1
@@ -79,6 +80,13 @@ class GraphBuilder:
 
     def op(self, op: str, inputs: list[str], name: str, **attrs) -> str:
         return self.node(op, inputs, name, **attrs)[0]
+
+    def custom_op(self, op: str, inputs: list[str], name: str, shape: list[int], **attrs) -> str:
+        """A kkdeploy-domain node in the current dtype. ONNX cannot infer its output, so the exporter states
+        it (value_info): every later shape stays static and checkable."""
+        out = self.node(op, inputs, name, domain=CUSTOM_DOMAIN, **attrs)[0]
+        self.value_infos.append(helper.make_tensor_value_info(out, self.elem, shape))
+        return out
 
     def cast(self, value: str, to: int, name: str, current: int) -> str:
         """Cast only when the type changes (a same-type Cast is noise in the graph)."""
@@ -139,6 +147,9 @@ class TransformerGraph:
             xk = g.op("Concat", [x, ones], f"{name}/ConcatOne", axis=1)
             wk = np.concatenate([w.T, b[None, :]], axis=0)  # [in + 1, out]
             return g.op("MatMul", [xk, g.initializer(f"{name}.weight_t_bias", wk)], f"{name}/MatMul")
+        if mode == "custom":  # F.linear as one op: FP32 accumulator + FP32 bias, rounded once (engines/custom_ops)
+            return g.custom_op("Linear", [x, g.initializer(f"{name}.weight", w), g.initializer(f"{name}.bias", b)],
+                               f"{name}/Linear", [self.tokens, w.shape[0]])
         raise AssertionError(mode)
 
     # -- pointwise -----------------------------------------------------------------------
@@ -148,6 +159,10 @@ class TransformerGraph:
     def layer_norm(self, x: str, module: torch.nn.LayerNorm, name: str) -> str:
         """FP32 statistics always (stash_type=1); with fp32_pointwise the whole op runs in FP32."""
         g, t = self.g, self.pointwise_type()
+        if self.options.layer_norm == "custom":  # the op computes in FP32 and rounds once: no Casts around it
+            return g.custom_op("LayerNorm", [x, g.initializer(f"{name}.weight", _np(module.weight, self.model_np)),
+                                             g.initializer(f"{name}.bias", _np(module.bias, self.model_np))],
+                               f"{name}/LayerNorm", [self.tokens, self.config.d_model], epsilon=float(module.eps))
         np_t = np.float32 if t == TensorProto.FLOAT else self.model_np
         xt = g.cast(x, t, f"{name}/in", g.elem)
         # Through the model dtype first: in an fp16 block of a float32 export the weights are the FP16 ones.
@@ -274,8 +289,12 @@ class TransformerGraph:
         x = self.zero_invalid_rows(self.layer_norm(x, self.model.final_norm, "final_norm"), row_valid, "final_norm")
         g.nodes.append(helper.make_node("Reshape", [x, g.constant([c.batch_size, c.seq_len, c.d_model], np.int64)],
                                         ["y"], name="output/Reshape"))
-        graph = helper.make_graph(g.nodes, "kernelkraft_transformer", [x_in, m_in], [y_out], g.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.options.opset)],
+        graph = helper.make_graph(g.nodes, "kernelkraft_transformer", [x_in, m_in], [y_out], g.initializers,
+                                  value_info=g.value_infos)
+        opsets = [helper.make_opsetid("", self.options.opset)]
+        if any(n.domain == CUSTOM_DOMAIN for n in g.nodes):
+            opsets.append(helper.make_opsetid(CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION))
+        model = helper.make_model(graph, opset_imports=opsets,
                                   producer_name=PRODUCER, producer_version=onnx.__version__)
         model.ir_version = min(model.ir_version, 10)  # readable by every ONNX Runtime the GPU machines carry
         helper.set_model_props(model, {"kkdeploy.config": str(c.to_dict()), "kkdeploy.options": str(self.options.to_dict())})

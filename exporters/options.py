@@ -17,7 +17,15 @@ LINEAR_MODES = {
     "matmul_add": "MatMul then Add, both in the model dtype (the bias is added after the GEMM rounds)",
     "fp32": "Cast -> MatMul(FP32) -> Add(FP32 bias) -> Cast: one rounding, like cuBLASLt's FP32 bias epilogue",
     "bias_in_k": "[x, 1] @ [W^T; b] in the model dtype: the bias is summed inside the GEMM's accumulator",
+    "custom": "one kkdeploy::Linear node (our custom-op library): FP32 accumulation, FP32 bias, one rounding",
 }
+LAYER_NORM_MODES = {
+    "onnx": "LayerNormalization (stash_type=1: FP32 statistics)",
+    "custom": "one kkdeploy::LayerNorm node in the model dtype (our custom-op library): FP32 statistics, one rounding",
+}
+# The custom-op domain our library (engines/custom_ops) registers; the graph check accepts exactly this one.
+CUSTOM_DOMAIN = "kkdeploy"
+CUSTOM_DOMAIN_VERSION = 1
 QKV_MODES = {
     "separate": "three projections, as the reference computes them",
     "packed": "one projection with [Wq; Wk; Wv], split after",
@@ -47,6 +55,7 @@ class ExportOptions:
     # float32 exports only: these transformer blocks compute in float16 (Cast in, the float16 export's block,
     # Cast out); the range is checked in build_graph, where the number of layers is known.
     fp16_layers: tuple[int, ...] = ()
+    layer_norm: str = "onnx"
 
     def __post_init__(self) -> None:
         layers = self.fp16_layers
@@ -59,6 +68,7 @@ class ExportOptions:
         object.__setattr__(self, "fp16_layers", tuple(sorted(layers)))
         _choice("linear mode", self.linear, LINEAR_MODES)
         _choice("qkv mode", self.qkv, QKV_MODES)
+        _choice("layer_norm mode", self.layer_norm, LAYER_NORM_MODES)
         _choice("gelu mode", self.gelu, GELU_MODES)
         if isinstance(self.opset, bool) or not isinstance(self.opset, int) or self.opset < MIN_OPSET:
             raise KKError(f"opset must be an integer >= {MIN_OPSET} (LayerNormalization), got {self.opset!r}")
@@ -73,7 +83,14 @@ class ExportOptions:
             data["fp16_layers"] = list(data["fp16_layers"])
         else:
             del data["fp16_layers"]
+        if data["layer_norm"] == "onnx":  # likewise: the stock LayerNorm's exports keep their bytes
+            del data["layer_norm"]
         return data
+
+    @property
+    def uses_custom_ops(self) -> bool:
+        """Whether the graph holds kkdeploy-domain nodes, so a session needs our custom-op library."""
+        return self.linear == "custom" or self.layer_norm == "custom"
 
     @classmethod
     def from_dict(cls, data: dict) -> "ExportOptions":
@@ -84,6 +101,8 @@ class ExportOptions:
         parts = [self.linear, self.qkv, "fp32pw" if self.fp32_pointwise else "nativepw"]
         if not self.scale_in_fp32:
             parts.append("scale-native")
+        if self.layer_norm != "onnx":
+            parts.append(f"ln-{self.layer_norm}")
         if self.gelu != "exact":
             parts.append(f"gelu-{self.gelu}")
         if self.opset != DEFAULT_OPSET:

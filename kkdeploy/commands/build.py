@@ -33,8 +33,11 @@ def register(sub):
                    help="shape 14: sequence length of the reduced validation shape (default 4096)")
     p.add_argument("--ort-level", choices=["disabled", "basic", "extended", "all"],
                    help="ONNX Runtime graph optimization level (default: extended on CPU, basic on CUDA)")
-    p.add_argument("--linear", choices=["gemm", "matmul_add", "fp32", "bias_in_k"],
-                   help="how the exporter writes each Linear (default gemm)")
+    p.add_argument("--linear", choices=["gemm", "matmul_add", "fp32", "bias_in_k", "custom"],
+                   help="how the exporter writes each Linear (default gemm); custom: our kkdeploy::Linear op, "
+                        "compiled on demand and shipped in the artifact")
+    p.add_argument("--layer-norm", choices=["onnx", "custom"],
+                   help="how the exporter writes each LayerNorm (default onnx); custom: our kkdeploy::LayerNorm op")
     p.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction, default=None,
                    help="also build '-mixed' ONNX candidates whose float16 blocks are calibrated per shape, and "
                         "'-autocast' ones converted by ModelOpt AutoCast when it is installed "
@@ -47,7 +50,9 @@ def request_options(args) -> dict:
     if args.ort_level:
         options["ort_level_cpu"] = options["ort_level_cuda"] = args.ort_level
     if args.linear:
-        options["export"] = {"linear": args.linear}
+        options.setdefault("export", {})["linear"] = args.linear
+    if args.layer_norm:
+        options.setdefault("export", {})["layer_norm"] = args.layer_norm
     if args.mixed_precision is not None:
         options["mixed_precision"] = args.mixed_precision
     return options

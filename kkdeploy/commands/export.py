@@ -16,7 +16,7 @@ GIB = 1 << 30
 
 
 def register(sub):
-    from exporters import GELU_MODES, LINEAR_MODES, QKV_MODES
+    from exporters import GELU_MODES, LAYER_NORM_MODES, LINEAR_MODES, QKV_MODES
     from exporters.budget import DEFAULT_MEMORY_BUDGET_BYTES
     from exporters.options import DEFAULT_OPSET
 
@@ -28,6 +28,8 @@ def register(sub):
     p.add_argument("--out", help="output directory (default artifacts/export-shape-NN-<dtype>)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--linear", default="gemm", choices=list(LINEAR_MODES), help="Linear formulation (default gemm)")
+    p.add_argument("--layer-norm", default="onnx", choices=list(LAYER_NORM_MODES),
+                   help="LayerNorm formulation (default onnx; custom: our kkdeploy::LayerNorm op)")
     p.add_argument("--qkv", default="separate", choices=list(QKV_MODES), help="Q/K/V projections (default separate)")
     p.add_argument("--no-fp32-pointwise", dest="fp32_pointwise", action="store_false", default=True,
                    help="LayerNorm and GELU in the model dtype instead of FP32 cast once")
@@ -62,7 +64,8 @@ def resolve_dtype(args):
 def resolve_options(args):
     from exporters import ExportOptions
 
-    return ExportOptions(linear=args.linear, qkv=args.qkv, fp32_pointwise=args.fp32_pointwise,
+    return ExportOptions(linear=args.linear, layer_norm=args.layer_norm, qkv=args.qkv,
+                         fp32_pointwise=args.fp32_pointwise,
                          scale_in_fp32=args.scale_in_fp32, gelu=args.gelu, opset=args.opset)
 
 

@@ -1,0 +1,204 @@
+"""Build (on demand) and cache the ``kkdeploy`` ONNX Runtime custom-op library (issue 20, Part B).
+
+Why on demand: the library is native code for this machine's compiler and ORT's C API; only its source
+(``engines/custom_ops/kkdeploy_ops.cc``) is in git. Why fetch headers: ONNX Runtime's C/C++ API headers are
+not in the pip wheels, and third-party headers are not copied into this repository. Debian trixie's
+``libonnxruntime-dev`` (1.21) ships them; it is downloaded with a private apt state (a temporary source
+list, lists and archive cache under our cache directory) and unpacked with ``dpkg -x``, so the system's apt
+configuration and installed packages are never touched. The C API is versioned (``OrtApiBase::GetApi``), so
+a library built against 1.21 headers loads in a newer runtime (checked with 1.32: docs/custom-ops.md).
+
+Cache layout (``$KKDEPLOY_CACHE_DIR`` or ``~/.cache/kkdeploy``):
+``ort-headers/<deb version>/include`` and ``custom-ops/<key>/libkkdeploy_ops.so``, where ``key`` hashes the
+sources, the compiler's version, the flags, the header version and the platform. ``KKDEPLOY_ORT_INCLUDE``
+names a directory holding ``onnxruntime_c_api.h`` to use instead of the download (a machine without
+network: carry the cached ``include`` directory there).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kkdeploy.errors import KKError
+
+SOURCE_DIR = Path(__file__).resolve().parent / "custom_ops"
+SOURCES = ("kkdeploy_ops.cc",)
+LIBRARY_NAME = "libkkdeploy_ops.so"
+DOMAIN = "kkdeploy"
+DEBIAN_SUITE = "deb http://deb.debian.org/debian trixie main"
+DEBIAN_PACKAGE = "libonnxruntime-dev"
+# -ffp-contract=off: no fused multiply-add, so the kernels' documented summation order is what runs.
+CXX_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden")
+BUILDER_VERSION = "1"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KKDEPLOY_CACHE_DIR") or "~/.cache/kkdeploy").expanduser()
+
+
+def _run(cmd: list[str], cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    lines = (proc.stderr or proc.stdout or "").strip().splitlines()
+    return lines[-1][:200] if lines else f"exit code {proc.returncode}"
+
+
+def compiler() -> str:
+    """The C++ compiler: ``$CXX``, else g++; a one-line KKError with the fix when there is none."""
+    cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        raise KKError(f"the kkdeploy custom ops need a C++17 compiler and {cxx!r} is not on PATH; "
+                      f"install one (apt-get install g++) or set CXX")
+    return cxx
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_version(cxx: str) -> str:
+    proc = _run([cxx, "--version"], timeout=30)
+    return proc.stdout.splitlines()[0].strip() if proc.returncode == 0 and proc.stdout else cxx
+
+
+def header_api_version(include: Path) -> int:
+    """``ORT_API_VERSION`` of the C API headers in ``include``: the oldest runtime the library loads in."""
+    text = (include / "onnxruntime_c_api.h").read_text(errors="replace")
+    match = re.search(r"#define\s+ORT_API_VERSION\s+(\d+)", text)
+    if not match:
+        raise KKError(f"{include / 'onnxruntime_c_api.h'} has no ORT_API_VERSION; point KKDEPLOY_ORT_INCLUDE at "
+                      f"ONNX Runtime's include directory")
+    return int(match.group(1))
+
+
+def ort_headers() -> tuple[Path, str]:
+    """``(include directory, version label)`` of ONNX Runtime's C/C++ API headers, downloaded once."""
+    override = os.environ.get("KKDEPLOY_ORT_INCLUDE")
+    if override:
+        include = Path(override).expanduser()
+        if not (include / "onnxruntime_c_api.h").is_file():
+            raise KKError(f"KKDEPLOY_ORT_INCLUDE={override} has no onnxruntime_c_api.h; point it at ONNX Runtime's "
+                          f"include directory (e.g. a cached ~/.cache/kkdeploy/ort-headers/*/include)")
+        return include, f"api{header_api_version(include)}"
+    root = cache_root() / "ort-headers"
+    for done in sorted(root.glob("*/include/onnxruntime_c_api.h")):
+        return done.parent, done.parent.parent.name
+    return _download_headers(root)
+
+
+def _download_headers(root: Path) -> tuple[Path, str]:
+    """apt-get update/download with a private state directory, then dpkg -x: nothing system-wide changes."""
+    from kkdeploy.console import err_console
+
+    for tool in ("apt-get", "dpkg"):
+        if shutil.which(tool) is None:
+            raise KKError(f"fetching ONNX Runtime's C API headers needs {tool} (Debian's {DEBIAN_PACKAGE}); "
+                          f"set KKDEPLOY_ORT_INCLUDE to an include directory with onnxruntime_c_api.h instead")
+    err_console.print(f"fetching ONNX Runtime's C API headers ({DEBIAN_PACKAGE}, Debian trixie) into {root}")
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="apt-", dir=root) as tmp:
+        tmp = Path(tmp)
+        (tmp / "lists" / "partial").mkdir(parents=True)
+        (tmp / "cache" / "archives" / "partial").mkdir(parents=True)
+        (tmp / "deb").mkdir()
+        (tmp / "sources.list").write_text(DEBIAN_SUITE + "\n")
+        apt = ["apt-get", "-q", "-o", f"Dir::Etc::SourceList={tmp / 'sources.list'}",
+               "-o", "Dir::Etc::SourceParts=/dev/null", "-o", f"Dir::State::Lists={tmp / 'lists'}",
+               "-o", f"Dir::Cache={tmp / 'cache'}", "-o", "Debug::NoLocking=1"]
+        if os.geteuid() == 0:  # root: download as root into our directory (apt's _apt user cannot write there)
+            apt += ["-o", "APT::Sandbox::User=root"]
+        for step in (apt + ["update"], apt + ["download", DEBIAN_PACKAGE]):
+            proc = _run(step, cwd=tmp / "deb")
+            if proc.returncode != 0:
+                raise KKError(f"could not fetch {DEBIAN_PACKAGE} from Debian trixie ({' '.join(step[-1:])}: "
+                              f"{_last_line(proc)}); check network access to deb.debian.org or set "
+                              f"KKDEPLOY_ORT_INCLUDE to an include directory with onnxruntime_c_api.h")
+        debs = sorted((tmp / "deb").glob(f"{DEBIAN_PACKAGE}_*.deb"))
+        if not debs:
+            raise KKError(f"apt-get download left no {DEBIAN_PACKAGE} package; set KKDEPLOY_ORT_INCLUDE instead")
+        version = debs[0].name.split("_")[1].replace(":", "_").replace("+", "_")
+        proc = _run(["dpkg", "-x", str(debs[0]), str(tmp / "x")])
+        include = tmp / "x" / "usr" / "include" / "onnxruntime"
+        if proc.returncode != 0 or not (include / "onnxruntime_c_api.h").is_file():
+            raise KKError(f"unpacking {debs[0].name} gave no onnxruntime_c_api.h ({_last_line(proc)}); "
+                          f"set KKDEPLOY_ORT_INCLUDE instead")
+        staged = tmp / "staged"
+        staged.mkdir()
+        shutil.copytree(include, staged / "include")
+        (staged / "package.json").write_text(json.dumps({"package": debs[0].name, "suite": DEBIAN_SUITE}))
+        target = root / version
+        try:
+            staged.rename(target)  # atomic: a concurrent builder's complete copy wins, ours is dropped
+        except OSError:
+            if not (target / "include" / "onnxruntime_c_api.h").is_file():
+                raise
+    return target / "include", version
+
+
+def library_key(cxx: str, include: Path, header_version: str) -> str:
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
+    for name in sorted(p.name for p in include.glob("*.h")):  # the headers compiled in, byte for byte
+        digest.update(name.encode() + b"\0" + (include / name).read_bytes())
+    env = {"builder": BUILDER_VERSION, "compiler": compiler_version(cxx), "flags": CXX_FLAGS,
+           "headers": header_version, "platform": platform.platform(), "machine": platform.machine()}
+    digest.update(json.dumps(env, sort_keys=True).encode())
+    return digest.hexdigest()[:32]
+
+
+def build_library(device: torch.device | str = "cpu") -> Path:
+    """The cached ``libkkdeploy_ops.so`` for this environment, compiled first when missing.
+
+    ``device`` is accepted for the GPU kernels to come; today every device gets the CPU kernels (a CUDA
+    session runs them on the CPU EP). Raises a one-line ``KKError`` (missing compiler, headers unreachable,
+    compile error) that builders record as the candidate's ``unavailable: ...`` reason."""
+    torch.device(device)  # a bad device string fails here, in one line
+    cxx = compiler()
+    include, header_version = ort_headers()
+    key = library_key(cxx, include, header_version)
+    target_dir = cache_root() / "custom-ops" / key
+    library = target_dir / LIBRARY_NAME
+    if library.is_file():
+        return library
+    from kkdeploy.console import err_console
+
+    err_console.print(f"compiling the kkdeploy custom ops ({compiler_version(cxx)}, ORT headers {header_version})")
+    target_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="build-", dir=target_dir) as tmp:
+        staged = Path(tmp) / LIBRARY_NAME
+        cmd = [cxx, *CXX_FLAGS, f"-I{include}", *(str(SOURCE_DIR / s) for s in SOURCES), "-o", str(staged)]
+        proc = _run(cmd)
+        if proc.returncode != 0:
+            raise KKError(f"compiling the kkdeploy custom ops failed: {_last_line(proc)}")
+        (target_dir / "build.json").write_text(json.dumps({"command": cmd, "compiler": compiler_version(cxx),
+                                                           "headers": header_version,
+                                                           "api_version": header_api_version(include)}, indent=1))
+        os.replace(staged, library)
+    return library
+
+
+def register(session_options, library: Path | str) -> None:
+    """Register the library with an ``onnxruntime.SessionOptions``; a missing file is a one-line KKError."""
+    path = Path(library)
+    if not path.is_file():
+        raise KKError(f"custom-op library {path} is missing; rebuild the artifact (kkdeploy build)")
+    session_options.register_custom_ops_library(str(path))
+
+
+def graph_uses_custom_ops(model_path: Path) -> bool:
+    """Whether an ONNX file imports the ``kkdeploy`` domain (read without its external weights)."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    return any(op.domain == DOMAIN for op in model.opset_import)

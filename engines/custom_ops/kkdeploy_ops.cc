@@ -1,0 +1,227 @@
+// kkdeploy's ONNX Runtime custom ops (domain "kkdeploy"), CPU kernels.
+//
+// Why: a stock ORT graph cannot say "FP16 GEMM, FP32 accumulator, FP32 bias, round once" (Gemm and
+// MatMul+Add round before the bias; an FP32 MatMul rounds the inputs' products differently on the GPU).
+// These ops state that arithmetic as one node, so an engine can compute exactly what PyTorch's fused
+// Linear epilogue computes (issue 20, Part B). docs/custom-ops.md describes them.
+//
+//   kkdeploy::Linear(x[..., K], W[N, K], b[N]) -> y[..., N]      (torch.nn.functional.linear)
+//   kkdeploy::LayerNorm(x[..., D], weight[D], bias[D]) -> y[..., D], attribute epsilon (float)
+//
+// Both exist for float32 and float16 (every input and the output of one node share the type).
+//
+// Arithmetic (the CPU kernels are plain loops: correctness and a reproducible order over speed):
+// * Linear: y[m, n] = round_T( (sum_{k=0..K-1} float(x[m,k]) * float(W[n,k])) + float(b[n]) ), the sum
+//   accumulated in FP32 strictly in k order starting from 0.0f, the bias added to the FP32 sum, ONE rounding
+//   to T at the end (for float32 that rounding is the identity). An FP16 x FP16 product is exact in FP32.
+// * LayerNorm: FP32 statistics, two passes in index order: mean = (sum x) / D; var = (sum (x - mean)^2) / D
+//   (biased); rstd = 1 / sqrtf(var + eps); y = round_T((x - mean) * rstd * float(w) + float(b)).
+//   This is not ATen's CPU order (ATen uses a vectorised cascade Welford), so it is close, not bitwise.
+// The library is built with -ffp-contract=off, so no multiply-add is fused and the order above is exact.
+//
+// The library links nothing: RegisterCustomOps receives ORT's API and the C++ wrapper is initialised with
+// it (ORT_API_MANUAL_INIT), so a library built against older headers (the C API is versioned) loads in a
+// newer runtime.
+
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr const char* kDomain = "kkdeploy";
+
+// float16 <-> float32 through ORT's own conversions (round to nearest even, subnormals, inf and NaN kept).
+inline float load(const float v) { return v; }
+inline float load(const Ort::Float16_t v) { return v.ToFloat(); }
+template <typename T> inline T store(float v);
+template <> inline float store<float>(float v) { return v; }
+template <> inline Ort::Float16_t store<Ort::Float16_t>(float v) { return Ort::Float16_t(v); }
+
+template <typename T> constexpr ONNXTensorElementDataType elem_type();
+template <> constexpr ONNXTensorElementDataType elem_type<float>() { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+template <> constexpr ONNXTensorElementDataType elem_type<Ort::Float16_t>() {
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+}
+
+int64_t product(const std::vector<int64_t>& dims, size_t begin, size_t end) {
+  int64_t p = 1;
+  for (size_t i = begin; i < end; ++i) p *= dims[i];
+  return p;
+}
+
+// Run ``fn``, turning any C++ exception into an OrtStatus: an exception must never cross into ORT's frames.
+template <typename Fn>
+OrtStatus* guarded(Fn&& fn) {
+  try {
+    fn();
+    return nullptr;
+  } catch (const Ort::Exception& e) {
+    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
+  }
+}
+
+// The ORT plumbing shared by both ops: status-returning kernel creation and compute (WithStatus = true).
+template <typename TOp, typename TKernel>
+struct OpBase : Ort::CustomOpBase<TOp, TKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    return guarded([&] { *kernel = new TKernel(api, info); });
+  }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 3; }
+  size_t GetOutputTypeCount() const { return 1; }
+};
+
+std::string shape_text(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// ---------------------------------------------------------------------------------------------- Linear
+template <typename T>
+struct LinearKernel {
+  LinearKernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) { return guarded([&] { Compute(raw); }); }
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    auto x = ctx.GetInput(0), w = ctx.GetInput(1), b = ctx.GetInput(2);
+    const auto xs = x.GetTensorTypeAndShapeInfo().GetShape();
+    const auto ws = w.GetTensorTypeAndShapeInfo().GetShape();
+    const auto bs = b.GetTensorTypeAndShapeInfo().GetShape();
+    if (xs.empty() || ws.size() != 2 || bs.size() != 1 || ws[1] != xs.back() || bs[0] != ws[0])
+      ORT_CXX_API_THROW("kkdeploy::Linear: expected x[..., K], W[N, K], b[N]; got x" + shape_text(xs) + ", W" +
+                            shape_text(ws) + ", b" + shape_text(bs),
+                        ORT_INVALID_ARGUMENT);
+    const int64_t K = ws[1], N = ws[0], M = product(xs, 0, xs.size() - 1);
+    std::vector<int64_t> ys(xs);
+    ys.back() = N;
+    auto y = ctx.GetOutput(0, ys);
+    const T* xp = x.GetTensorData<T>();
+    const T* wp = w.GetTensorData<T>();
+    const T* bp = b.GetTensorData<T>();
+    T* yp = y.GetTensorMutableData<T>();
+    std::vector<float> wf(static_cast<size_t>(N * K)), xf(static_cast<size_t>(K));
+    for (int64_t i = 0; i < N * K; ++i) wf[i] = load(wp[i]);  // exact: float16 -> float32 loses nothing
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < K; ++k) xf[k] = load(xp[m * K + k]);
+      for (int64_t n = 0; n < N; ++n) {
+        const float* wr = &wf[n * K];
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; ++k) acc += xf[k] * wr[k];  // FP32 accumulator, k order
+        yp[m * N + n] = store<T>(acc + load(bp[n]));             // FP32 bias, one rounding
+      }
+    }
+  }
+};
+
+template <typename T>
+struct LinearOp : OpBase<LinearOp<T>, LinearKernel<T>> {
+  const char* GetName() const { return "Linear"; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return elem_type<T>(); }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return elem_type<T>(); }
+};
+
+// ------------------------------------------------------------------------------------------- LayerNorm
+template <typename T>
+struct LayerNormKernel {
+  float epsilon;
+
+  LayerNormKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    epsilon = ki.GetAttribute<float>("epsilon");
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) { return guarded([&] { Compute(raw); }); }
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    auto x = ctx.GetInput(0), w = ctx.GetInput(1), b = ctx.GetInput(2);
+    const auto xs = x.GetTensorTypeAndShapeInfo().GetShape();
+    const auto ws = w.GetTensorTypeAndShapeInfo().GetShape();
+    const auto bs = b.GetTensorTypeAndShapeInfo().GetShape();
+    if (xs.empty() || ws.size() != 1 || bs.size() != 1 || ws[0] != xs.back() || bs[0] != xs.back())
+      ORT_CXX_API_THROW("kkdeploy::LayerNorm: expected x[..., D], weight[D], bias[D]; got x" + shape_text(xs) +
+                            ", weight" + shape_text(ws) + ", bias" + shape_text(bs),
+                        ORT_INVALID_ARGUMENT);
+    const int64_t D = xs.back(), M = product(xs, 0, xs.size() - 1);
+    auto y = ctx.GetOutput(0, xs);
+    const T* xp = x.GetTensorData<T>();
+    const T* wp = w.GetTensorData<T>();
+    const T* bp = b.GetTensorData<T>();
+    T* yp = y.GetTensorMutableData<T>();
+    std::vector<float> row(static_cast<size_t>(D)), wf(static_cast<size_t>(D)), bf(static_cast<size_t>(D));
+    for (int64_t d = 0; d < D; ++d) {
+      wf[d] = load(wp[d]);
+      bf[d] = load(bp[d]);
+    }
+    const float inv_d = 1.0f / static_cast<float>(D);
+    for (int64_t m = 0; m < M; ++m) {
+      float sum = 0.0f;
+      for (int64_t d = 0; d < D; ++d) sum += (row[d] = load(xp[m * D + d]));
+      const float mean = sum * inv_d;
+      float sq = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float c = row[d] - mean;
+        sq += c * c;
+      }
+      const float rstd = 1.0f / std::sqrt(sq * inv_d + epsilon);
+      for (int64_t d = 0; d < D; ++d) yp[m * D + d] = store<T>((row[d] - mean) * rstd * wf[d] + bf[d]);
+    }
+  }
+};
+
+template <typename T>
+struct LayerNormOp : OpBase<LayerNormOp<T>, LayerNormKernel<T>> {
+  const char* GetName() const { return "LayerNorm"; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return elem_type<T>(); }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return elem_type<T>(); }
+};
+
+// One instance per (op, type); ORT merges same-named ops of one domain into one schema with a type constraint.
+const LinearOp<float> linear_f32;
+const LinearOp<Ort::Float16_t> linear_f16;
+const LayerNormOp<float> layer_norm_f32;
+const LayerNormOp<Ort::Float16_t> layer_norm_f16;
+
+}  // namespace
+
+extern "C" {
+
+// Exported for tools and tests that want to know what they loaded (ctypes): the C API version built against.
+__attribute__((visibility("default"))) int KKDeployOpsApiVersion() { return ORT_API_VERSION; }
+
+__attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
+                                                                                const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) {  // the runtime is older than the headers: say so through the oldest API there is
+    const OrtApi* v1 = api_base->GetApi(1);
+    return v1 ? v1->CreateStatus(ORT_FAIL, "kkdeploy ops: this ONNX Runtime is older than the headers they were "
+                                           "built against") : nullptr;
+  }
+  Ort::InitApi(api);
+  OrtCustomOpDomain* domain = nullptr;
+  if (OrtStatus* status = api->CreateCustomOpDomain(kDomain, &domain)) return status;
+  // The domain must outlive every session using it; ORT does not take ownership, so it is kept for the
+  // lifetime of the process (one small object per registration).
+  for (const OrtCustomOp* op : {static_cast<const OrtCustomOp*>(&linear_f32),
+                                static_cast<const OrtCustomOp*>(&linear_f16),
+                                static_cast<const OrtCustomOp*>(&layer_norm_f32),
+                                static_cast<const OrtCustomOp*>(&layer_norm_f16)}) {
+    if (OrtStatus* status = api->CustomOpDomain_Add(domain, op)) return status;
+  }
+  return api->AddCustomOpDomain(options, domain);
+}
+
+}  // extern "C"
