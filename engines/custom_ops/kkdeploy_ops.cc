@@ -87,6 +87,20 @@ std::string shape_text(const std::vector<int64_t>& dims) {
   return s + "]";
 }
 
+// The three inputs of either op and their shapes (x, then its two parameters).
+struct ThreeInputs {
+  Ort::ConstValue x, p, q;
+  std::vector<int64_t> xs, ps, qs;
+};
+
+static ThreeInputs read_inputs(Ort::KernelContext& ctx) {
+  ThreeInputs in{ctx.GetInput(0), ctx.GetInput(1), ctx.GetInput(2), {}, {}, {}};
+  in.xs = in.x.GetTensorTypeAndShapeInfo().GetShape();
+  in.ps = in.p.GetTensorTypeAndShapeInfo().GetShape();
+  in.qs = in.q.GetTensorTypeAndShapeInfo().GetShape();
+  return in;
+}
+
 // ---------------------------------------------------------------------------------------------- Linear
 template <typename T>
 struct LinearKernel {
@@ -96,10 +110,9 @@ struct LinearKernel {
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
-    auto x = ctx.GetInput(0), w = ctx.GetInput(1), b = ctx.GetInput(2);
-    const auto xs = x.GetTensorTypeAndShapeInfo().GetShape();
-    const auto ws = w.GetTensorTypeAndShapeInfo().GetShape();
-    const auto bs = b.GetTensorTypeAndShapeInfo().GetShape();
+    const ThreeInputs in = read_inputs(ctx);
+    const auto &x = in.x, &w = in.p, &b = in.q;
+    const auto &xs = in.xs, &ws = in.ps, &bs = in.qs;
     if (xs.empty() || ws.size() != 2 || bs.size() != 1 || ws[1] != xs.back() || bs[0] != ws[0])
       ORT_CXX_API_THROW("kkdeploy::Linear: expected x[..., K], W[N, K], b[N]; got x" + shape_text(xs) + ", W" +
                             shape_text(ws) + ", b" + shape_text(bs),
@@ -147,10 +160,9 @@ struct LayerNormKernel {
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
-    auto x = ctx.GetInput(0), w = ctx.GetInput(1), b = ctx.GetInput(2);
-    const auto xs = x.GetTensorTypeAndShapeInfo().GetShape();
-    const auto ws = w.GetTensorTypeAndShapeInfo().GetShape();
-    const auto bs = b.GetTensorTypeAndShapeInfo().GetShape();
+    const ThreeInputs in = read_inputs(ctx);
+    const auto &x = in.x, &w = in.p, &b = in.q;
+    const auto &xs = in.xs, &ws = in.ps, &bs = in.qs;
     if (xs.empty() || ws.size() != 1 || bs.size() != 1 || ws[0] != xs.back() || bs[0] != xs.back())
       ORT_CXX_API_THROW("kkdeploy::LayerNorm: expected x[..., D], weight[D], bias[D]; got x" + shape_text(xs) +
                             ", weight" + shape_text(ws) + ", bias" + shape_text(bs),
