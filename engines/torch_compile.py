@@ -45,15 +45,15 @@ from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS, AllValidMaskCache, gen
 from .base import (FINGERPRINT_PADDING, AllValidRouter, Backend, BuildContext, CandidateResult, Runner,
                    output_fingerprint, requested_variants)
 from .cuda_graph import CapturedCall
-from .recipe import parse as parse_recipe
+from .recipe import Recipe, parse as parse_recipe
 
 FAITHFUL = "torch-compile"
 KERNEL_ATTENTION = "torch-compile-faithful-attention"  # the faithful graph with kkdeploy.kernels' attention
-FUSED, FUSED_MIXED = "torch-compile-fused", "torch-compile-fused-mixed"
-FUSED_HALF_GEMM, FUSED_HALF_GEMM_MIXED = "torch-compile-fused-half-gemm", "torch-compile-fused-half-gemm-mixed"
-# fused variant -> (half_gemm, calibrated float16 blocks)
-FUSED_VARIANTS = {FUSED: (False, False), FUSED_MIXED: (False, True),
-                  FUSED_HALF_GEMM: (True, False), FUSED_HALF_GEMM_MIXED: (True, True)}
+# fused variant -> (half_gemm, calibrated float16 blocks), names derived from their recipes (engines.recipe)
+FUSED_VARIANTS = {Recipe("torch-compile", attention="fused", precision=p).name: (p.startswith("half-gemm"),
+                                                                                  p.endswith("fp16-blocks"))
+                  for p in ("model", "fp16-blocks", "half-gemm", "half-gemm+fp16-blocks")}
+FUSED = "torch-compile-fused"
 CACHE_SUFFIX = ".inductor-cache"
 RECOMPILE_LIMIT = 64  # graphs per compiled code object in one process (see CompiledModuleRunner)
 

@@ -150,7 +150,7 @@ def test_cpu_outputs_are_the_callers_in_and_out_of_inference_mode():
 
 
 def test_fused_variants_are_float32_judge_defaults_on_cuda_only():
-    from engines.torch_compile import FUSED, FUSED_HALF_GEMM, FUSED_MIXED, FUSED_VARIANTS, check_variant, default_variants
+    from engines.torch_compile import FUSED, FUSED_VARIANTS, check_variant, default_variants
 
     cuda = torch.device("cuda")
     assert default_variants(cuda, torch.float32, "judge")[-4:] == list(FUSED_VARIANTS)
@@ -158,7 +158,9 @@ def test_fused_variants_are_float32_judge_defaults_on_cuda_only():
     assert FUSED not in default_variants(cuda, torch.float32, "strict")
     assert default_variants(CPU, torch.float32, "judge") == ["torch-compile"]
     check_variant(FUSED, TINY, torch.float16)
-    for name in (FUSED_MIXED, FUSED_HALF_GEMM):
+    assert list(FUSED_VARIANTS) == ["torch-compile-fused", "torch-compile-fused-mixed", "torch-compile-fused-half-gemm",
+                                    "torch-compile-fused-half-gemm-mixed"]
+    for name in ("torch-compile-fused-mixed", "torch-compile-fused-half-gemm"):
         with pytest.raises(KKError, match="--dtype float32"):
             check_variant(name, TINY, torch.float16)
 
