@@ -8,6 +8,12 @@ list, lists and archive cache under our cache directory) and unpacked with ``dpk
 configuration and installed packages are never touched. The C API is versioned (``OrtApiBase::GetApi``), so
 a library built against 1.21 headers loads in a newer runtime (checked with 1.32: docs/custom-ops.md).
 
+For a CUDA build the library also carries the float16 CUDA EP kernels (``custom_ops/kkdeploy_ops_cuda.cu``),
+compiled by ``nvcc`` with its defaults (FMA contraction on, IEEE division and square root: PyTorch's own
+kernels are compiled so, and the kernels must contract as ATen's do to be bitwise) for this GPU's
+architecture, and linked against cuBLASLt. The process that loads it resolves ``libcublasLt.so.13`` to the
+copy already loaded (PyTorch's, in our processes), so the GEMM heuristics are PyTorch's.
+
 Cache layout (``$KKDEPLOY_CACHE_DIR`` or ``~/.cache/kkdeploy``):
 ``ort-headers/<deb version>/include`` and ``custom-ops/<key>/libkkdeploy_ops.so``, where ``key`` hashes the
 sources, the compiler's version, the flags, the header version and the platform. ``KKDEPLOY_ORT_INCLUDE``
@@ -34,13 +40,16 @@ from kkdeploy.errors import KKError
 
 SOURCE_DIR = Path(__file__).resolve().parent / "custom_ops"
 SOURCES = ("kkdeploy_ops.cc",)
+CUDA_SOURCES = ("kkdeploy_ops_cuda.cu", "kkdeploy_ops_cuda.h")
 LIBRARY_NAME = "libkkdeploy_ops.so"
 DOMAIN = "kkdeploy"
 DEBIAN_SUITE = "deb http://deb.debian.org/debian trixie main"
 DEBIAN_PACKAGE = "libonnxruntime-dev"
 # -ffp-contract=off: no fused multiply-add, so the kernels' documented summation order is what runs.
 CXX_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden")
-BUILDER_VERSION = "1"
+# nvcc: its defaults for floating point (no --use_fast_math, -fmad=true), as PyTorch's kernels are built.
+NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC")
+BUILDER_VERSION = "2"
 
 
 def cache_root() -> Path:
@@ -145,47 +154,133 @@ def _download_headers(root: Path) -> tuple[Path, str]:
     return target / "include", version
 
 
-def library_key(cxx: str, include: Path, header_version: str) -> str:
+NVCC_FALLBACK = "/usr/local/cuda/bin/nvcc"
+
+
+def nvcc() -> str:
+    """The CUDA compiler: ``$NVCC``, else nvcc on PATH, else /usr/local/cuda/bin/nvcc; KKError when none."""
+    override = os.environ.get("NVCC")
+    if override:
+        if not (Path(override).is_file() and os.access(override, os.X_OK)):
+            raise KKError(f"NVCC={override} is not an executable; point it at the CUDA toolkit's nvcc")
+        return override
+    for candidate in (shutil.which("nvcc"), NVCC_FALLBACK):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    raise KKError("the kkdeploy CUDA custom ops need nvcc (the CUDA toolkit) and none was found; install the "
+                  "toolkit, set NVCC, or build for --device cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_architecture(device: str) -> str:
+    """``sm_XY`` of the GPU the kernels are compiled for (they are proven per architecture)."""
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    return f"sm_{major}{minor}"
+
+
+def library_key(cxx: str, include: Path, header_version: str, cuda: dict | None = None) -> str:
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + (CUDA_SOURCES if cuda else ()):
         digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
     for name in sorted(p.name for p in include.glob("*.h")):  # the headers compiled in, byte for byte
         digest.update(name.encode() + b"\0" + (include / name).read_bytes())
     env = {"builder": BUILDER_VERSION, "compiler": compiler_version(cxx), "flags": CXX_FLAGS,
-           "headers": header_version, "platform": platform.platform(), "machine": platform.machine()}
+           "headers": header_version, "platform": platform.platform(), "machine": platform.machine(),
+           "cuda": cuda}
     digest.update(json.dumps(env, sort_keys=True).encode())
     return digest.hexdigest()[:32]
+
+
+def cublas_location() -> dict:
+    """Where cuBLASLt's header and library are: the pip package PyTorch itself loads (``nvidia-cublas``:
+    ``nvidia/cublas`` or, for CUDA 13 wheels, ``nvidia/cu13``), so the kernels link the very library the
+    reference runs; else the CUDA toolkit's (nvcc's default paths)."""
+    import importlib.util
+
+    toolkit = {"include": None, "lib_dir": None, "lib": "cublasLt"}
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        for root in sorted(Path(base).iterdir()):
+            libs = sorted((root / "lib").glob("libcublasLt.so*"))
+            if (root / "include" / "cublasLt.h").is_file() and libs:
+                return {"include": str(root / "include"), "lib_dir": str(root / "lib"), "lib": f":{libs[0].name}"}
+    return toolkit
+
+
+def cuda_toolchain(device: torch.device) -> dict | None:
+    """What a CUDA build compiles with (nvcc, its version, the flags, the architecture); None for the CPU."""
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        raise KKError("the kkdeploy CUDA custom ops are compiled for the GPU that runs them and this machine has "
+                      "none; build on the GPU machine (--device cuda there) or use --device cpu")
+    compiler_path = nvcc()
+    return {"nvcc": compiler_path, "version": compiler_version(compiler_path), "flags": list(NVCC_FLAGS),
+            "arch": cuda_architecture(str(device)), "cublas": cublas_location()}
+
+
+def compile_commands(cxx: str, include: Path, staged: Path, cuda: dict | None) -> list[list[str]]:
+    """The commands that build ``staged``: one g++ call for the CPU library; for CUDA, nvcc compiles the
+    kernels to an object, g++ compiles the ORT wrapper with the CUDA ops, and nvcc links both with cuBLASLt."""
+    cc = [str(SOURCE_DIR / s) for s in SOURCES]
+    if cuda is None:
+        return [[cxx, *CXX_FLAGS, f"-I{include}", *cc, "-o", str(staged)]]
+    arch = cuda["arch"]
+    gencode = f"arch=compute_{arch[3:]},code={arch}"
+    kernels, wrapper = staged.with_name("kernels.o"), staged.with_name("wrapper.o")
+    host_flags = [f for f in CXX_FLAGS if f != "-shared"]
+    cublas = cuda.get("cublas") or {"include": None, "lib_dir": None, "lib": "cublasLt"}
+    cublas_include = [f"-I{cublas['include']}"] if cublas["include"] else []
+    cublas_link = ([f"-L{cublas['lib_dir']}", "-Xlinker", f"-rpath={cublas['lib_dir']}"] if cublas["lib_dir"]
+                   else []) + [f"-l{cublas['lib']}"]
+    return [
+        [cuda["nvcc"], *NVCC_FLAGS, "-gencode", gencode, *cublas_include, "-c", str(SOURCE_DIR / CUDA_SOURCES[0]),
+         "-o", str(kernels)],
+        [cxx, *host_flags, "-DKKDEPLOY_WITH_CUDA", f"-I{include}", f"-I{SOURCE_DIR}", "-c", *cc, "-o", str(wrapper)],
+        [cuda["nvcc"], "-shared", "-Xcompiler", "-fPIC", "-gencode", gencode, str(kernels), str(wrapper),
+         *cublas_link, "-o", str(staged)],
+    ]
 
 
 def build_library(device: torch.device | str = "cpu") -> Path:
     """The cached ``libkkdeploy_ops.so`` for this environment, compiled first when missing.
 
-    ``device`` is accepted for the GPU kernels to come; today every device gets the CPU kernels (a CUDA
-    session runs them on the CPU EP). Raises a one-line ``KKError`` (missing compiler, headers unreachable,
+    ``device`` cpu: the CPU kernels. cuda: the CPU kernels plus the float16 CUDA EP kernels for this GPU's
+    architecture (nvcc required). Raises a one-line ``KKError`` (missing compiler, headers unreachable,
     compile error) that builders record as the candidate's ``unavailable: ...`` reason."""
-    torch.device(device)  # a bad device string fails here, in one line
+    device = torch.device(device)  # a bad device string fails here, in one line
     cxx = compiler()
+    cuda = cuda_toolchain(device)
     include, header_version = ort_headers()
-    key = library_key(cxx, include, header_version)
+    key = library_key(cxx, include, header_version, cuda)
     target_dir = cache_root() / "custom-ops" / key
     library = target_dir / LIBRARY_NAME
     if library.is_file():
         return library
     from kkdeploy.console import err_console
 
-    err_console.print(f"compiling the kkdeploy custom ops ({compiler_version(cxx)}, ORT headers {header_version})")
+    what = f"{compiler_version(cxx)}" + (f", {cuda['version']} for {cuda['arch']}" if cuda else "")
+    err_console.print(f"compiling the kkdeploy custom ops ({what}, ORT headers {header_version})")
     target_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="build-", dir=target_dir) as tmp:
         staged = Path(tmp) / LIBRARY_NAME
-        cmd = [cxx, *CXX_FLAGS, f"-I{include}", *(str(SOURCE_DIR / s) for s in SOURCES), "-o", str(staged)]
-        proc = _run(cmd)
-        if proc.returncode != 0:
-            raise KKError(f"compiling the kkdeploy custom ops failed: {_last_line(proc)}")
-        (target_dir / "build.json").write_text(json.dumps({"command": cmd, "compiler": compiler_version(cxx),
-                                                           "headers": header_version,
+        commands = compile_commands(cxx, include, staged, cuda)
+        for cmd in commands:
+            proc = _run(cmd, timeout=600)
+            if proc.returncode != 0:
+                raise KKError(f"compiling the kkdeploy custom ops failed ({Path(cmd[0]).name}): {_last_line(proc)}")
+        (target_dir / "build.json").write_text(json.dumps({"commands": commands, "compiler": compiler_version(cxx),
+                                                           "cuda": cuda, "headers": header_version,
                                                            "api_version": header_api_version(include)}, indent=1))
         os.replace(staged, library)
     return library
+
+
+def library_has_cuda(library: Path | str) -> bool:
+    """Whether a built library carries the CUDA EP kernels (asked through its exported C function)."""
+    import ctypes
+
+    return bool(ctypes.CDLL(str(library)).KKDeployOpsWithCuda())
 
 
 def register(session_options, library: Path | str) -> None:

@@ -82,14 +82,31 @@ def session_options(ort, level: str, optimized_path: Path | None = None, threads
     return options
 
 
-def providers_for(name: str, device: torch.device) -> list:
+def build_tf32() -> bool:
+    """The build's TF32 setting: the pipeline runs every builder inside ``config.tf32_mode(--tf32)``."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def providers_for(name: str, device: torch.device, use_tf32: bool | None = None) -> list:
+    """The provider list of a base candidate. ``use_tf32`` is the CUDA EP's ``use_tf32`` option: the build
+    sets it to its own ``--tf32`` and records it, so ORT's float32 GEMMs round as the reference's do
+    (ORT's default is on, PyTorch's is off). ``None`` (an artifact from before it was recorded) leaves
+    ORT's default."""
     spec = CANDIDATES[name]
     if spec["provider"] == "CPUExecutionProvider":
         return ["CPUExecutionProvider"]
     cuda_options = {"device_id": device.index or 0}
     if spec["cuda_graph"]:
         cuda_options["enable_cuda_graph"] = "1"
+    if use_tf32 is not None:
+        cuda_options["use_tf32"] = "1" if use_tf32 else "0"
     return [("CUDAExecutionProvider", cuda_options)]
+
+
+def recorded_tf32(options: dict) -> bool | None:
+    """The ``use_tf32`` a candidate was built and validated with (None: not recorded, or a CPU session)."""
+    value = options.get("cuda_ep_use_tf32")
+    return None if value is None else bool(value)
 
 
 class OrtRunner(Runner):
@@ -166,7 +183,8 @@ class OrtBackend(Backend):
     def _optimize(self, ort, candidate: str, device: torch.device, source: Path, optimized: Path, level: str,
                   disabled: list, library: Path | None = None):
         options = session_options(ort, level, optimized, custom_ops_library=library)
-        return ort.InferenceSession(str(source), sess_options=options, providers=providers_for(candidate, device),
+        return ort.InferenceSession(str(source), sess_options=options,
+                                    providers=providers_for(candidate, device, tf32_option(candidate)),
                                     disabled_optimizers=disabled)
 
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
@@ -198,6 +216,7 @@ class OrtBackend(Backend):
             name=candidate, backend=self.name, status=BUILT,
             files=[optimized.name],
             options={"provider": CANDIDATES[candidate]["provider"], "cuda_graph": CANDIDATES[candidate]["cuda_graph"],
+                     "cuda_ep_use_tf32": tf32_option(candidate),
                      "graph_optimization_level": level, "disabled_optimizers": disabled,
                      "model": optimized.name, "onnxruntime": ort.__version__},
         )
@@ -215,7 +234,8 @@ class OrtBackend(Backend):
         def build(source: Path, stem: Path) -> OrtRunner:
             optimized = stem.with_name(f"{stem.name}.optimized.onnx")
             self._optimize(ort, base, ctx.device, source, optimized, level, disabled, library)
-            return self._runner(ort, base, optimized, ctx.config, ctx.dtype, ctx.device, library)
+            return self._runner(ort, base, optimized, ctx.config, ctx.dtype, ctx.device, library,
+                                use_tf32=tf32_option(base))
 
         calibration, (source, optimized) = calibrate_graph(ctx, candidate, ("onnx", "optimized.onnx"), build)
         result = CandidateResult(
@@ -254,21 +274,27 @@ class OrtBackend(Backend):
         model = Path(artifact_dir) / entry["options"]["model"]
         library = entry["options"].get("custom_ops_library")
         runner = self._runner(import_ort(), base_candidate(entry["name"]), model, config, dtype, device,
-                              Path(artifact_dir) / library if library else None)
+                              Path(artifact_dir) / library if library else None,
+                              use_tf32=recorded_tf32(entry["options"]))
         runner.backend = entry["name"]
         return runner
 
     @staticmethod
     def _runner(ort, base: str, optimized: Path, config: TransformerConfig, dtype: torch.dtype,
-                device: torch.device, library: Path | None = None) -> OrtRunner:
-        """A session on a graph optimized at build time (so: no optimization now), on ``base``'s provider,
-        with the artifact's custom-op library registered when it has one."""
+                device: torch.device, library: Path | None = None, use_tf32: bool | None = None) -> OrtRunner:
+        """A session on a graph optimized at build time (so: no optimization now), on ``base``'s provider
+        with the TF32 setting it was built with, and the artifact's custom-op library when it has one."""
         options = session_options(ort, "disabled", custom_ops_library=library)
         session = ort.InferenceSession(str(optimized), sess_options=options,
-                                       providers=providers_for(base, device))
+                                       providers=providers_for(base, device, use_tf32))
         if device.type == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
             raise KKError(f"{optimized.name}: the CUDA EP did not load (providers {session.get_providers()})")
         return OrtRunner(session, config, dtype, device, cuda_graph=CANDIDATES[base]["cuda_graph"])
+
+
+def tf32_option(candidate: str) -> bool | None:
+    """What a CUDA candidate built now records and runs with: the build's TF32; None on the CPU EP."""
+    return None if CANDIDATES[candidate]["provider"] == "CPUExecutionProvider" else build_tf32()
 
 
 def custom_ops_library(ctx: BuildContext) -> Path | None:
@@ -296,8 +322,9 @@ def mixed_graph_options(ort, base: str, level: str, disabled: list, source: Path
     from .mixed_graph import graph_record
 
     return {"provider": CANDIDATES[base]["provider"], "cuda_graph": CANDIDATES[base]["cuda_graph"],
-            "graph_optimization_level": level, "disabled_optimizers": disabled, "model": optimized.name,
-            "onnxruntime": ort.__version__, **graph_record(source)}
+            "cuda_ep_use_tf32": tf32_option(base), "graph_optimization_level": level,
+            "disabled_optimizers": disabled, "model": optimized.name, "onnxruntime": ort.__version__,
+            **graph_record(source)}
 
 
 BACKEND = OrtBackend()

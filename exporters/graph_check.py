@@ -18,7 +18,7 @@ from .options import CUSTOM_DOMAIN
 # another library's ops) would need a runtime this project neither builds nor validates.
 ALLOWED_DOMAINS = ("", "ai.onnx", CUSTOM_DOMAIN)
 # kkdeploy ops: (inputs, required attributes); engines/custom_ops/kkdeploy_ops.cc implements exactly these.
-CUSTOM_OPS = {"Linear": (3, ()), "LayerNorm": (3, ("epsilon",))}
+CUSTOM_OPS = {"Linear": (3, ()), "LayerNorm": (3, ("epsilon",)), "Gelu": (1, ())}
 
 TYPE_NAMES = {v: k for k, v in TensorProto.DataType.items()}
 

@@ -175,6 +175,8 @@ class TransformerGraph:
 
     def gelu(self, x: str, name: str) -> str:
         g, t = self.g, self.pointwise_type()
+        if self.options.gelu == "custom":  # the op computes in FP32 and rounds once: no Casts around it
+            return g.custom_op("Gelu", [x], f"{name}/Gelu", [self.tokens, self.config.ffn_dim])
         np_t = np.float32 if t == TensorProto.FLOAT else self.model_np
         xt = g.cast(x, t, f"{name}/in", g.elem)
         mode = self.options.gelu

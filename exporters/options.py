@@ -33,6 +33,7 @@ QKV_MODES = {
 GELU_MODES = {
     "exact": "x*0.5*(1+erf(x*M_SQRT1_2)) written out with Erf, PyTorch's own formula and order",
     "exact_op": "one Gelu(approximate='none') node (opset >= 20)",
+    "custom": "one kkdeploy::Gelu node in the model dtype (our custom-op library): ATen's FP32 formula, one rounding",
     "tanh": "tanh approximation: UNFAITHFUL, exists only so tests can prove the graph check rejects it",
 }
 
@@ -90,7 +91,7 @@ class ExportOptions:
     @property
     def uses_custom_ops(self) -> bool:
         """Whether the graph holds kkdeploy-domain nodes, so a session needs our custom-op library."""
-        return self.linear == "custom" or self.layer_norm == "custom"
+        return self.linear == "custom" or self.layer_norm == "custom" or self.gelu == "custom"
 
     @classmethod
     def from_dict(cls, data: dict) -> "ExportOptions":

@@ -12,7 +12,9 @@
 #   summary-DT-CT.md scripts/bench_summary.py over those: best passing backend per shape, geomeans
 #   profile.tgz      scripts/profile_candidate.py per shape: kernel classes and top kernels, Chrome traces
 #   crashproof.tgz, fresh-process.json  issue 17's builds (manifests) and scripts/fresh_process_table.py
-# Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, bench, profile. A step's =SECONDS caps its wall time.
+#   custom-ops.json, ortstrict.md/json, ortjudge.md/json  issue 20: op table, FP16 strict ORT, float32 judge ORT
+# Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, bench, profile, customops, ortstrict,
+# ortjudge. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -114,6 +116,36 @@ step_profile() {
       || echo "profile shape $s: exit $?"
     [ -d "$WORK/profile" ] && (cd "$WORK" && tar czf "$OUT/profile.tgz" profile)  # a timeout keeps what finished
   done
+}
+
+step_customops() {
+  # Issue 20 Part B: the CUDA kernels of the kkdeploy custom ops against ATen, op by op, every official shape
+  # (needs nvcc and ONNX Runtime's C API headers: carry them and set KKDEPLOY_ORT_INCLUDE). --ort when
+  # onnxruntime-gpu is installed: one-node CUDA EP sessions of each op on shape 3's activations.
+  python3 scripts/custom_ops_gpu_selftest.py --out "$OUT/custom-ops.json" ${CUSTOMOPS_ARGS:-}
+}
+step_ortstrict() {
+  # Issue 20 Part B end to end: FP16 strict builds whose graph uses the kkdeploy ops for every Linear, LayerNorm
+  # and GELU (ORTSTRICT_SHAPES, ORTSTRICT_BACKENDS), then one table; the torch-compile rows are the yardstick.
+  for s in ${ORTSTRICT_SHAPES:-3 2 12}; do
+    python3 -m kkdeploy build --shape "$s" --device cuda --dtype float16 --force --linear custom --layer-norm custom \
+      --gelu custom --backends "${ORTSTRICT_BACKENDS:-ort-cuda,torch-compile}" --out "$WORK/strict-$s" \
+      || echo "ortstrict shape $s: exit $?"
+    python3 scripts/build_table.py "$WORK"/strict-* --md "$OUT/ortstrict.md" --json "$OUT/ortstrict.json" > /dev/null
+  done
+  cat "$OUT/ortstrict.md"
+}
+step_ortjudge() {
+  # Issue 20 Part A: float32 builds under the judge contract (TF32 on, as judged) with every ORT candidate next
+  # to the fused torch candidate, shape by shape (ORTJUDGE_SHAPES, ORTJUDGE_BACKENDS); the table is rewritten
+  # after every shape, so a timeout keeps what finished.
+  for s in ${ORTJUDGE_SHAPES:-3 2 12 1 4 7 9 10 5 11 8 13 6}; do
+    python3 -m kkdeploy build --shape "$s" --device cuda --dtype float32 --contract judge --force \
+      --backends "${ORTJUDGE_BACKENDS:-ort-cuda,torch-compile-fused-half-gemm-mixed}" --out "$WORK/judge-$s" \
+      || echo "ortjudge shape $s: exit $?"
+    python3 scripts/build_table.py "$WORK"/judge-* --md "$OUT/ortjudge.md" --json "$OUT/ortjudge.json" > /dev/null
+  done
+  cat "$OUT/ortjudge.md"
 }
 
 for arg in "$@"; do

@@ -21,7 +21,7 @@ from engines.custom_op_library import build_library, register
 from exporters import ExportOptions, GraphCheckError, build_graph, check_graph, export_onnx
 from kkdeploy.cli import main as cli_main
 from kkdeploy.errors import KKError
-from tests.conftest import SMALL, models_for
+from tests.conftest import SMALL, load_script, models_for
 
 ELEM = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
 
@@ -162,8 +162,8 @@ def test_export_writes_kkdeploy_nodes_and_the_check_accepts_exactly_that_domain(
         check_graph(other, SMALL, dtype)
     unknown = onnx.ModelProto()
     unknown.CopyFrom(graph)
-    next(n for n in unknown.graph.node if n.op_type == "Linear").op_type = "Gelu"
-    with pytest.raises(GraphCheckError, match=r"\(Gelu\) is not a kkdeploy op"):
+    next(n for n in unknown.graph.node if n.op_type == "Linear").op_type = "Softmax"
+    with pytest.raises(GraphCheckError, match=r"\(Softmax\) is not a kkdeploy op"):
         check_graph(unknown, SMALL, dtype)
 
 
@@ -190,6 +190,12 @@ def test_build_shape3_ships_the_library_in_the_artifact_and_load_serves_it(tmp_p
     assert "libkkdeploy_ops.so" in entry["files"] and len(manifest["files"]["libkkdeploy_ops.so"]) == 64
     assert entry["fresh_process"]["status"] == "ok"
     assert manifest["export"]["op_histogram"]["kkdeploy:Linear"] == 4 * 6
+    # scripts/build_table.py (issue 20's per-shape tables) reads the same manifest.
+    table = load_script("build_table")
+    rows = {r["candidate"]: r for r in table.rows_for(manifest)}
+    assert rows["ort-cpu"]["failed_elements"] == 0 and rows["ort-cpu"]["cuda_ep_use_tf32"] is None
+    assert rows["fallback (PyTorch)"]["status"] == "fallback" and sum(r["shipped"] for r in rows.values()) == 1
+    assert "| 3 | ort-cpu | passed | 0 |" in table.markdown(list(rows.values()))
     # Serve the engine (on this CPU the plain-loop kernels are slower than the fallback, so pin the choice).
     manifest["choice"] = {**manifest["choice"], "candidate": "ort-cpu", "backend": "ort", "all_valid_only": False}
     (out / "manifest.json").write_text(json.dumps(manifest))
@@ -243,3 +249,116 @@ def test_offline_optimization_keeps_the_custom_nodes_and_the_saved_graph_reloads
     with torch.inference_mode():
         expected = model(x, mask)
     torch.testing.assert_close(torch.from_numpy(y).float(), expected.float(), atol=5e-3, rtol=1e-2)
+
+
+def one_input_session(library, op: str, dtype: torch.dtype, shape: list):
+    import onnxruntime as ort
+
+    node = helper.make_node(op, ["x"], ["y"], domain="kkdeploy")
+    graph = helper.make_graph([node], op, [helper.make_tensor_value_info("x", ELEM[dtype], shape)],
+                              [helper.make_tensor_value_info("y", ELEM[dtype], shape)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("kkdeploy", 1)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    register(options, library)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return lambda x: torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gelu_is_atens_formula_in_fp32_rounded_once(library, dtype):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(6, 40, generator=g) * 3).to(dtype)
+    y = one_input_session(library, "Gelu", dtype, [6, 40])(x)
+    assert y.dtype == dtype
+    xf = x.float()
+    formula = xf * 0.5 * (1.0 + torch.erf(xf * (1 / 2 ** 0.5)))  # the CUDA kernel's expression (ATen's)
+    exact = torch.nn.functional.gelu(x.double(), approximate="none")
+    if dtype == torch.float32:  # libm's erff and torch's erf may differ in the last bits; the formula is ATen's
+        torch.testing.assert_close(y, formula, atol=2e-7, rtol=2e-6)
+    else:  # one rounding of a result accurate to a few FP32 ulps: the FP16 value of the exact GELU, or 1 ulp off
+        assert ulp_distance(y, exact.half()).max().item() <= 1
+        assert (y != formula.half()).float().mean().item() < 0.01
+
+
+def test_export_with_custom_gelu_runs_on_the_cpu_ep(tmp_path, library):
+    from engines.ort import import_ort, session_options
+
+    ort = import_ort()
+    model, _ = models_for(SMALL, torch.float16)
+    opts = ExportOptions(linear="custom", layer_norm="custom", gelu="custom")
+    assert opts.uses_custom_ops and ExportOptions(gelu="custom").uses_custom_ops
+    assert opts.label().endswith("-gelu-custom")
+    info = export_onnx(model, SMALL, torch.float16, tmp_path / "m.onnx", opts)
+    hist = info["op_histogram"]
+    assert hist["kkdeploy:Gelu"] == SMALL.num_layers and "Erf" not in hist
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), session_options(ort, "disabled", custom_ops_library=library),
+                                   providers=["CPUExecutionProvider"])
+    x, mask = kkdeploy.generate_case(SMALL, "cpu", torch.float16, 5, padding_ratio=0.25)
+    (y,) = session.run(["y"], {"x": x.numpy(), "valid_token_mask": mask.numpy()})
+    with torch.inference_mode():
+        expected = model(x, mask)
+    torch.testing.assert_close(torch.from_numpy(y).float(), expected.float(), atol=5e-3, rtol=1e-2)
+
+
+def test_cuda_library_commands_compile_the_kernels_with_nvcc_defaults_and_link_cublaslt(tmp_path, library):
+    from engines import custom_op_library as col
+
+    cuda = {"nvcc": "/opt/cuda/bin/nvcc", "version": "nvcc 13.0", "flags": list(col.NVCC_FLAGS), "arch": "sm_90"}
+    include = library.parent  # any directory: the commands are only formed here
+    kernels, wrapper, link = col.compile_commands("g++", include, tmp_path / col.LIBRARY_NAME, cuda)
+    assert kernels[0] == "/opt/cuda/bin/nvcc" and kernels[-3].endswith("kkdeploy_ops_cuda.cu")
+    assert "arch=compute_90,code=sm_90" in kernels
+    # Bitwise needs ATen's floating-point code generation: nvcc's defaults, no fast math, FMA contraction on.
+    assert not any("fast" in f or "fmad" in f or "prec" in f for f in kernels)
+    assert wrapper[0] == "g++" and "-DKKDEPLOY_WITH_CUDA" in wrapper and "-shared" not in wrapper
+    assert "-ffp-contract=off" in wrapper  # the CPU kernels' documented order still holds in the CUDA build
+    assert link[0] == "/opt/cuda/bin/nvcc" and "-lcublasLt" in link and link[-1].endswith(col.LIBRARY_NAME)
+    # With PyTorch's own cuBLAS wheel found, compile and link against exactly that library.
+    cuda["cublas"] = {"include": "/site/nvidia/cublas/include", "lib_dir": "/site/nvidia/cublas/lib",
+                      "lib": ":libcublasLt.so.13"}
+    kernels, _, link = col.compile_commands("g++", include, tmp_path / col.LIBRARY_NAME, cuda)
+    assert "-I/site/nvidia/cublas/include" in kernels
+    assert "-l:libcublasLt.so.13" in link and "-L/site/nvidia/cublas/lib" in link
+    (cpu_cmd,) = col.compile_commands("g++", include, tmp_path / col.LIBRARY_NAME, None)
+    assert "-DKKDEPLOY_WITH_CUDA" not in cpu_cmd and not any(a.endswith(".cu") for a in cpu_cmd)
+    # The CPU build carries no CUDA kernels, and the key separates the two builds.
+    assert ctypes.CDLL(str(library)).KKDeployOpsWithCuda() == 0 and not col.library_has_cuda(library)
+    headers = col.ort_headers()
+    assert col.library_key("g++", *headers) != col.library_key("g++", *headers, cuda)
+
+
+def test_a_cuda_build_without_a_gpu_or_nvcc_is_a_one_line_error(monkeypatch):
+    from engines import custom_op_library as col
+
+    if not torch.cuda.is_available():
+        with pytest.raises(KKError, match="this machine has none") as info:
+            build_library("cuda")
+        assert "\n" not in str(info.value)
+    monkeypatch.setenv("NVCC", "/nonexistent/nvcc")
+    with pytest.raises(KKError, match="NVCC=/nonexistent/nvcc is not an executable"):
+        col.nvcc()
+    monkeypatch.delenv("NVCC")
+    monkeypatch.setattr(col.shutil, "which", lambda name: None)
+    monkeypatch.setattr(col, "NVCC_FALLBACK", "/nonexistent/cuda/bin/nvcc")
+    with pytest.raises(KKError, match="need nvcc"):
+        col.nvcc()
+
+
+def test_cuda_sources_keep_atens_operand_order():
+    """The CUDA kernels are bitwise only if written as ATen writes them (nvcc contracts a*b+c by position);
+    pin the expressions the GPU self-test proved, so an edit that reorders them fails here first."""
+    from engines.custom_op_library import SOURCE_DIR
+
+    src = (SOURCE_DIR / "kkdeploy_ops_cuda.cu").read_text()
+    for expr in ("const float mean = s.mean + delta * (1.f / count);",
+                 "return {mean, s.m2 + delta * (value - mean), count};",
+                 "mean = n_other * other.mean + n_own * own.mean;",
+                 "m2 = other.m2 + own.m2 + delta * delta * other.count * n_own;",
+                 "mean_m2[1] = s.m2 / float(N);",
+                 "const float rstd = rsqrtf(mean_m2[1] + eps);",
+                 "__half2float(g.v[k]) * (rstd * (__half2float(data.v[k]) - mean)) +",
+                 "v * 0.5f * (1.0f + ::erff(v * kAlpha))",
+                 "CUBLASLT_EPILOGUE_BIAS", "CUBLAS_COMPUTE_32F, CUDA_R_32F"):
+        assert expr in src, expr

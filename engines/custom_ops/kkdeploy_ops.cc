@@ -7,8 +7,12 @@
 //
 //   kkdeploy::Linear(x[..., K], W[N, K], b[N]) -> y[..., N]      (torch.nn.functional.linear)
 //   kkdeploy::LayerNorm(x[..., D], weight[D], bias[D]) -> y[..., D], attribute epsilon (float)
+//   kkdeploy::Gelu(x) -> y                                       (torch.nn.functional.gelu, exact erf)
 //
-// Both exist for float32 and float16 (every input and the output of one node share the type).
+// Each exists for float32 and float16 on the CPU EP (every input and the output of one node share the type).
+// Built with KKDEPLOY_WITH_CUDA (engines/custom_op_library.py does that for a CUDA build), the library also
+// registers float16 kernels for the CUDA EP: kkdeploy_ops_cuda.cu, which reproduce ATen's CUDA kernels bit for
+// bit (cuBLASLt with the bias epilogue, the vectorized Welford layer norm, the opmath GELU).
 //
 // Arithmetic (the CPU kernels are plain loops: correctness and a reproducible order over speed):
 // * Linear: y[m, n] = round_T( (sum_{k=0..K-1} float(x[m,k]) * float(W[n,k])) + float(b[n]) ), the sum
@@ -17,6 +21,7 @@
 // * LayerNorm: FP32 statistics, two passes in index order: mean = (sum x) / D; var = (sum (x - mean)^2) / D
 //   (biased); rstd = 1 / sqrtf(var + eps); y = round_T((x - mean) * rstd * float(w) + float(b)).
 //   This is not ATen's CPU order (ATen uses a vectorised cascade Welford), so it is close, not bitwise.
+// * Gelu: y = round_T(x * 0.5f * (1.0f + erff(x * (float)M_SQRT1_2))), ATen's expression in FP32.
 // The library is built with -ffp-contract=off, so no multiply-add is fused and the order above is exact.
 //
 // The library links nothing: RegisterCustomOps receives ORT's API and the C++ wrapper is initialised with
@@ -28,11 +33,16 @@
 #undef ORT_API_MANUAL_INIT
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
+
+#ifdef KKDEPLOY_WITH_CUDA
+#include "kkdeploy_ops_cuda.h"
+#endif
 
 namespace {
 
@@ -201,11 +211,171 @@ struct LayerNormOp : OpBase<LayerNormOp<T>, LayerNormKernel<T>> {
   ONNXTensorElementDataType GetOutputType(size_t) const { return elem_type<T>(); }
 };
 
-// One instance per (op, type); ORT merges same-named ops of one domain into one schema with a type constraint.
+// ------------------------------------------------------------------------------------------------ Gelu
+template <typename T>
+struct GeluKernel {
+  GeluKernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) { return guarded([&] { Compute(raw); }); }
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    auto x = ctx.GetInput(0);
+    const auto xs = x.GetTensorTypeAndShapeInfo().GetShape();
+    auto y = ctx.GetOutput(0, xs);
+    const T* xp = x.GetTensorData<T>();
+    T* yp = y.GetTensorMutableData<T>();
+    const int64_t n = product(xs, 0, xs.size());
+    const float alpha = static_cast<float>(M_SQRT1_2);
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = load(xp[i]);
+      yp[i] = store<T>(v * 0.5f * (1.0f + std::erf(v * alpha)));
+    }
+  }
+};
+
+template <typename T>
+struct GeluOp : Ort::CustomOpBase<GeluOp<T>, GeluKernel<T>, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    return guarded([&] { *kernel = new GeluKernel<T>(api, info); });
+  }
+  const char* GetName() const { return "Gelu"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return elem_type<T>(); }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return elem_type<T>(); }
+};
+
+#ifdef KKDEPLOY_WITH_CUDA
+// ------------------------------------------------------------------------- CUDA EP kernels (float16)
+// The same three ops for ORT's CUDA EP: inputs and output in device memory, work queued on ORT's compute
+// stream. The arithmetic lives in kkdeploy_ops_cuda.cu.
+void cuda_check(int rc, const char* op) {
+  if (rc != 0) ORT_CXX_API_THROW(std::string("kkdeploy::") + op + " (CUDA): " + kk_cuda_last_error(), ORT_FAIL);
+}
+
+// $KKDEPLOY_CUDA_LINEAR = "fp32-out" selects KK_LINEAR_FP32_OUT (a diagnostic); the default is ATen's path.
+int linear_mode_from_env() {
+  const char* v = std::getenv("KKDEPLOY_CUDA_LINEAR");
+  return (v != nullptr && std::string(v) == "fp32-out") ? KK_LINEAR_FP32_OUT : KK_LINEAR_LT_BIAS;
+}
+
+struct CudaLinearKernel {
+  void* context = nullptr;
+  int mode = KK_LINEAR_LT_BIAS;
+
+  CudaLinearKernel(const OrtApi&, const OrtKernelInfo*) : mode(linear_mode_from_env()) {
+    context = kk_cuda_linear_create(0);  // ATen's workspace size, so cuBLASLt's heuristic sees what ATen's sees
+    if (context == nullptr) ORT_CXX_API_THROW(std::string("kkdeploy::Linear (CUDA): ") + kk_cuda_last_error(),
+                                              ORT_FAIL);
+  }
+  ~CudaLinearKernel() { kk_cuda_linear_destroy(context); }
+  CudaLinearKernel(const CudaLinearKernel&) = delete;
+  CudaLinearKernel& operator=(const CudaLinearKernel&) = delete;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) { return guarded([&] { Compute(raw); }); }
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    const ThreeInputs in = read_inputs(ctx);
+    const auto &xs = in.xs, &ws = in.ps, &bs = in.qs;
+    if (xs.empty() || ws.size() != 2 || bs.size() != 1 || ws[1] != xs.back() || bs[0] != ws[0])
+      ORT_CXX_API_THROW("kkdeploy::Linear: expected x[..., K], W[N, K], b[N]; got x" + shape_text(xs) + ", W" +
+                            shape_text(ws) + ", b" + shape_text(bs),
+                        ORT_INVALID_ARGUMENT);
+    const int64_t K = ws[1], N = ws[0], M = product(xs, 0, xs.size() - 1);
+    std::vector<int64_t> ys(xs);
+    ys.back() = N;
+    auto y = ctx.GetOutput(0, ys);
+    if (M == 0) return;
+    cuda_check(kk_cuda_linear_f16(context, in.x.GetTensorRawData(), in.p.GetTensorRawData(),
+                                  in.q.GetTensorRawData(), y.GetTensorMutableRawData(), M, N, K, mode,
+                                  ctx.GetGPUComputeStream()),
+               "Linear");
+  }
+};
+
+struct CudaLinearOp : OpBase<CudaLinearOp, CudaLinearKernel> {
+  const char* GetName() const { return "Linear"; }
+  const char* GetExecutionProviderType() const { return "CUDAExecutionProvider"; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
+};
+
+struct CudaLayerNormKernel {
+  float epsilon;
+
+  CudaLayerNormKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    epsilon = ki.GetAttribute<float>("epsilon");
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) { return guarded([&] { Compute(raw); }); }
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    const ThreeInputs in = read_inputs(ctx);
+    const auto &xs = in.xs, &ws = in.ps, &bs = in.qs;
+    if (xs.empty() || ws.size() != 1 || bs.size() != 1 || ws[0] != xs.back() || bs[0] != xs.back())
+      ORT_CXX_API_THROW("kkdeploy::LayerNorm: expected x[..., D], weight[D], bias[D]; got x" + shape_text(xs) +
+                            ", weight" + shape_text(ws) + ", bias" + shape_text(bs),
+                        ORT_INVALID_ARGUMENT);
+    auto y = ctx.GetOutput(0, xs);
+    cuda_check(kk_cuda_layer_norm_f16(in.x.GetTensorRawData(), in.p.GetTensorRawData(), in.q.GetTensorRawData(),
+                                      y.GetTensorMutableRawData(), product(xs, 0, xs.size() - 1), xs.back(),
+                                      epsilon, ctx.GetGPUComputeStream()),
+               "LayerNorm");
+  }
+};
+
+struct CudaLayerNormOp : OpBase<CudaLayerNormOp, CudaLayerNormKernel> {
+  const char* GetName() const { return "LayerNorm"; }
+  const char* GetExecutionProviderType() const { return "CUDAExecutionProvider"; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
+};
+
+struct CudaGeluKernel {
+  CudaGeluKernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) { return guarded([&] { Compute(raw); }); }
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    auto x = ctx.GetInput(0);
+    const auto xs = x.GetTensorTypeAndShapeInfo().GetShape();
+    auto y = ctx.GetOutput(0, xs);
+    cuda_check(kk_cuda_gelu_f16(x.GetTensorRawData(), y.GetTensorMutableRawData(), product(xs, 0, xs.size()),
+                                ctx.GetGPUComputeStream()),
+               "Gelu");
+  }
+};
+
+struct CudaGeluOp : Ort::CustomOpBase<CudaGeluOp, CudaGeluKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    return guarded([&] { *kernel = new CudaGeluKernel(api, info); });
+  }
+  const char* GetName() const { return "Gelu"; }
+  const char* GetExecutionProviderType() const { return "CUDAExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
+};
+
+const CudaLinearOp cuda_linear_f16;
+const CudaLayerNormOp cuda_layer_norm_f16;
+const CudaGeluOp cuda_gelu_f16;
+#endif  // KKDEPLOY_WITH_CUDA
+
+// One instance per (op, type, EP); ORT merges same-named ops of one domain into one schema with a type constraint.
 const LinearOp<float> linear_f32;
 const LinearOp<Ort::Float16_t> linear_f16;
 const LayerNormOp<float> layer_norm_f32;
 const LayerNormOp<Ort::Float16_t> layer_norm_f16;
+const GeluOp<float> gelu_f32;
+const GeluOp<Ort::Float16_t> gelu_f16;
 
 }  // namespace
 
@@ -213,6 +383,15 @@ extern "C" {
 
 // Exported for tools and tests that want to know what they loaded (ctypes): the C API version built against.
 __attribute__((visibility("default"))) int KKDeployOpsApiVersion() { return ORT_API_VERSION; }
+
+// Whether this build carries the CUDA EP kernels (1) or only the CPU ones (0).
+__attribute__((visibility("default"))) int KKDeployOpsWithCuda() {
+#ifdef KKDEPLOY_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
                                                                                 const OrtApiBase* api_base) {
@@ -227,10 +406,12 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   if (OrtStatus* status = api->CreateCustomOpDomain(kDomain, &domain)) return status;
   // The domain must outlive every session using it; ORT does not take ownership, so it is kept for the
   // lifetime of the process (one small object per registration).
-  for (const OrtCustomOp* op : {static_cast<const OrtCustomOp*>(&linear_f32),
-                                static_cast<const OrtCustomOp*>(&linear_f16),
-                                static_cast<const OrtCustomOp*>(&layer_norm_f32),
-                                static_cast<const OrtCustomOp*>(&layer_norm_f16)}) {
+  std::vector<const OrtCustomOp*> ops{&linear_f32, &linear_f16, &layer_norm_f32, &layer_norm_f16, &gelu_f32,
+                                      &gelu_f16};
+#ifdef KKDEPLOY_WITH_CUDA
+  ops.insert(ops.end(), {&cuda_linear_f16, &cuda_layer_norm_f16, &cuda_gelu_f16});
+#endif
+  for (const OrtCustomOp* op : ops) {
     if (OrtStatus* status = api->CustomOpDomain_Add(domain, op)) return status;
   }
   return api->AddCustomOpDomain(options, domain);

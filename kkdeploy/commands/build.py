@@ -38,6 +38,9 @@ def register(sub):
                         "compiled on demand and shipped in the artifact")
     p.add_argument("--layer-norm", choices=["onnx", "custom"],
                    help="how the exporter writes each LayerNorm (default onnx); custom: our kkdeploy::LayerNorm op")
+    p.add_argument("--gelu", choices=["exact", "custom"],
+                   help="how the exporter writes each GELU (default exact: the Erf chain in FP32); custom: our "
+                        "kkdeploy::Gelu op")
     p.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction, default=None,
                    help="also build '-mixed' ONNX candidates whose float16 blocks are calibrated per shape, and "
                         "'-autocast' ones converted by ModelOpt AutoCast when it is installed "
@@ -53,6 +56,8 @@ def request_options(args) -> dict:
         options.setdefault("export", {})["linear"] = args.linear
     if args.layer_norm:
         options.setdefault("export", {})["layer_norm"] = args.layer_norm
+    if args.gelu:
+        options.setdefault("export", {})["gelu"] = args.gelu
     if args.mixed_precision is not None:
         options["mixed_precision"] = args.mixed_precision
     return options
