@@ -21,14 +21,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except KKError as exc:
         from .console import err_console
 
         err_console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        return 2
+    except ModuleNotFoundError as exc:  # a dependency missing from this environment: name it, no traceback
+        from .console import err_console
+
+        package = (exc.name or "?").split(".")[0]
+        err_console.print(f"[bold red]error:[/] kkdeploy needs the Python package {package!r}, which is not "
+                          f"installed here; install it (pip install {package}) or the project's requirements "
+                          f"(pip install -e .)", soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
