@@ -276,6 +276,14 @@ def build_library(device: torch.device | str = "cpu") -> Path:
     return library
 
 
+def build_record(device: torch.device | str = "cpu") -> dict:
+    """What the manifest records of the library a candidate ships: the compilers, the CUDA toolchain
+    (architecture, nvcc, cuBLASLt location; None for a CPU build), the headers and the C API version."""
+    library = build_library(device)  # a cache lookup once built
+    info = json.loads((library.parent / "build.json").read_text())
+    return {k: info.get(k) for k in ("compiler", "cuda", "headers", "api_version")}
+
+
 def library_has_cuda(library: Path | str) -> bool:
     """Whether a built library carries the CUDA EP kernels (asked through its exported C function)."""
     import ctypes

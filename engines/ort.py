@@ -197,8 +197,11 @@ class OrtBackend(Backend):
             return CandidateResult(candidate, self.name, UNAVAILABLE, f"unavailable: {exc}")
         result = self._build(ort, ctx, candidate, library)
         if library is not None and result.status == BUILT:
+            from .custom_op_library import build_record
+
             result.files.append(library.name)
             result.options["custom_ops_library"] = library.name
+            result.options["custom_ops_build"] = build_record(ctx.device)
         return result
 
     def _build(self, ort, ctx: BuildContext, candidate: str, library: Path | None) -> CandidateResult:

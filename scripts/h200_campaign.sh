@@ -152,6 +152,7 @@ for arg in "$@"; do
   name=${arg%%=*}; limit=${arg#*=}; [ "$limit" = "$arg" ] && limit=540
   echo "=== step $name (limit ${limit}s) $(date -u +%T)" | tee -a "$log"
   start=$(date +%s)
-  ( export -f "step_$name"; timeout --signal=INT --kill-after=15 "$limit" bash -c "step_$name" ) 2>&1 | tee -a "$log"
+  # The step's shell stops at the INT too (trap), so a loop over shapes does not start the next one.
+  ( export -f "step_$name"; timeout --signal=INT --kill-after=15 "$limit" bash -c "trap 'exit 130' INT; step_$name" ) 2>&1 | tee -a "$log"
   echo "=== step $name done: exit ${PIPESTATUS[0]} in $(( $(date +%s) - start ))s" | tee -a "$log"
 done

@@ -187,6 +187,8 @@ def test_build_shape3_ships_the_library_in_the_artifact_and_load_serves_it(tmp_p
     entry = next(c for c in manifest["candidates"] if c["name"] == "ort-cpu")
     assert entry["status"] == "passed" and entry["validation"]["failed_elements"] == 0
     assert entry["options"]["custom_ops_library"] == "libkkdeploy_ops.so"
+    build = entry["options"]["custom_ops_build"]  # the manifest says how the shipped library was built
+    assert build["cuda"] is None and build["api_version"] == 21 and build["compiler"]
     assert "libkkdeploy_ops.so" in entry["files"] and len(manifest["files"]["libkkdeploy_ops.so"]) == 64
     assert entry["fresh_process"]["status"] == "ok"
     assert manifest["export"]["op_histogram"]["kkdeploy:Linear"] == 4 * 6
@@ -362,3 +364,12 @@ def test_cuda_sources_keep_atens_operand_order():
                  "v * 0.5f * (1.0f + ::erff(v * kAlpha))",
                  "CUBLASLT_EPILOGUE_BIAS", "CUBLAS_COMPUTE_32F, CUDA_R_32F"):
         assert expr in src, expr
+
+
+def test_gpu_selftest_says_it_needs_a_gpu_in_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script would run its op table")
+    selftest = load_script("custom_ops_gpu_selftest")
+    assert selftest.main(["--shapes", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["custom_ops_gpu_selftest: needs a CUDA GPU"]
