@@ -34,7 +34,8 @@ def library():
 def one_node_session(library, op: str, dtype: torch.dtype, shapes: dict, out_shape: list, **attrs):
     import onnxruntime as ort
 
-    node = helper.make_node(op, ["x", "w", "b"], ["y"], domain="kkdeploy", **attrs)
+    names = list(shapes)  # the node's inputs, in order (x, then its parameters)
+    node = helper.make_node(op, names, ["y"], domain="kkdeploy", **attrs)
     graph = helper.make_graph([node], op, [helper.make_tensor_value_info(n, ELEM[dtype], s) for n, s in shapes.items()],
                               [helper.make_tensor_value_info("y", ELEM[dtype], out_shape)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("kkdeploy", 1)])
@@ -43,7 +44,7 @@ def one_node_session(library, op: str, dtype: torch.dtype, shapes: dict, out_sha
     options.intra_op_num_threads = 1
     register(options, library)
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return lambda *ts: torch.from_numpy(session.run(None, dict(zip(("x", "w", "b"), (t.numpy() for t in ts))))[0])
+    return lambda *ts: torch.from_numpy(session.run(None, dict(zip(names, (t.numpy() for t in ts))))[0])
 
 
 def linear_inputs(dtype, m=(4, 33), k=96, n=80, seed=0):
@@ -253,26 +254,11 @@ def test_offline_optimization_keeps_the_custom_nodes_and_the_saved_graph_reloads
     torch.testing.assert_close(torch.from_numpy(y).float(), expected.float(), atol=5e-3, rtol=1e-2)
 
 
-def one_input_session(library, op: str, dtype: torch.dtype, shape: list):
-    import onnxruntime as ort
-
-    node = helper.make_node(op, ["x"], ["y"], domain="kkdeploy")
-    graph = helper.make_graph([node], op, [helper.make_tensor_value_info("x", ELEM[dtype], shape)],
-                              [helper.make_tensor_value_info("y", ELEM[dtype], shape)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("kkdeploy", 1)])
-    model.ir_version = 10
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    register(options, library)
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return lambda x: torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gelu_is_atens_formula_in_fp32_rounded_once(library, dtype):
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(6, 40, generator=g) * 3).to(dtype)
-    y = one_input_session(library, "Gelu", dtype, [6, 40])(x)
+    y = one_node_session(library, "Gelu", dtype, {"x": [6, 40]}, [6, 40])(x)
     assert y.dtype == dtype
     xf = x.float()
     formula = xf * 0.5 * (1.0 + torch.erf(xf * (1 / 2 ** 0.5)))  # the CUDA kernel's expression (ATen's)

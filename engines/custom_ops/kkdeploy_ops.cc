@@ -80,15 +80,26 @@ OrtStatus* guarded(Fn&& fn) {
   }
 }
 
-// The ORT plumbing shared by both ops: status-returning kernel creation and compute (WithStatus = true).
-template <typename TOp, typename TKernel>
+// The ORT plumbing shared by every op: status-returning kernel creation and compute (WithStatus = true),
+// `Inputs` inputs and one output, all of element type T, on the CPU EP.
+template <typename TOp, typename TKernel, typename T, size_t Inputs = 3>
 struct OpBase : Ort::CustomOpBase<TOp, TKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
     return guarded([&] { *kernel = new TKernel(api, info); });
   }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 3; }
+  size_t GetInputTypeCount() const { return Inputs; }
   size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return elem_type<T>(); }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return elem_type<T>(); }
+};
+
+// The kernel side: ORT calls ComputeV2, which runs the kernel's Compute and turns any exception into a status.
+template <typename TKernel>
+struct KernelBase {
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
+    return guarded([&] { static_cast<TKernel*>(this)->Compute(raw); });
+  }
 };
 
 std::string shape_text(const std::vector<int64_t>& dims) {
@@ -111,26 +122,65 @@ static ThreeInputs read_inputs(Ort::KernelContext& ctx) {
   return in;
 }
 
+// Linear's shapes, checked once for the CPU and CUDA kernels: x[..., K], W[N, K], b[N] -> y[..., N].
+struct LinearDims {
+  int64_t M, N, K;
+  std::vector<int64_t> ys;
+};
+
+static LinearDims linear_dims(const ThreeInputs& in) {
+  const auto &xs = in.xs, &ws = in.ps, &bs = in.qs;
+  if (xs.empty() || ws.size() != 2 || bs.size() != 1 || ws[1] != xs.back() || bs[0] != ws[0])
+    ORT_CXX_API_THROW("kkdeploy::Linear: expected x[..., K], W[N, K], b[N]; got x" + shape_text(xs) + ", W" +
+                          shape_text(ws) + ", b" + shape_text(bs),
+                      ORT_INVALID_ARGUMENT);
+  LinearDims d{product(xs, 0, xs.size() - 1), ws[0], ws[1], xs};
+  d.ys.back() = d.N;
+  return d;
+}
+
+// LayerNorm's shapes, checked once for both kernels: x[..., D], weight[D], bias[D]; returns the row count.
+static int64_t layer_norm_rows(const ThreeInputs& in) {
+  const auto &xs = in.xs, &ws = in.ps, &bs = in.qs;
+  if (xs.empty() || ws.size() != 1 || bs.size() != 1 || ws[0] != xs.back() || bs[0] != xs.back())
+    ORT_CXX_API_THROW("kkdeploy::LayerNorm: expected x[..., D], weight[D], bias[D]; got x" + shape_text(xs) +
+                          ", weight" + shape_text(ws) + ", bias" + shape_text(bs),
+                      ORT_INVALID_ARGUMENT);
+  return product(xs, 0, xs.size() - 1);
+}
+
+// Gelu's one input, its shape and element count, and the same-shaped output.
+struct Unary {
+  Ort::ConstValue x;
+  std::vector<int64_t> shape;
+  int64_t n;
+  Ort::UnownedValue y;
+};
+
+static Unary read_unary(Ort::KernelContext& ctx) {
+  auto x = ctx.GetInput(0);
+  auto shape = x.GetTensorTypeAndShapeInfo().GetShape();
+  const int64_t n = product(shape, 0, shape.size());
+  auto y = ctx.GetOutput(0, shape);
+  return {std::move(x), std::move(shape), n, std::move(y)};
+}
+
+static float epsilon_attribute(const OrtKernelInfo* info) {
+  return Ort::ConstKernelInfo(info).GetAttribute<float>("epsilon");
+}
+
 // ---------------------------------------------------------------------------------------------- Linear
 template <typename T>
-struct LinearKernel {
+struct LinearKernel : KernelBase<LinearKernel<T>> {
   LinearKernel(const OrtApi&, const OrtKernelInfo*) {}
-
-  OrtStatusPtr ComputeV2(OrtKernelContext* raw) { return guarded([&] { Compute(raw); }); }
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     const ThreeInputs in = read_inputs(ctx);
     const auto &x = in.x, &w = in.p, &b = in.q;
-    const auto &xs = in.xs, &ws = in.ps, &bs = in.qs;
-    if (xs.empty() || ws.size() != 2 || bs.size() != 1 || ws[1] != xs.back() || bs[0] != ws[0])
-      ORT_CXX_API_THROW("kkdeploy::Linear: expected x[..., K], W[N, K], b[N]; got x" + shape_text(xs) + ", W" +
-                            shape_text(ws) + ", b" + shape_text(bs),
-                        ORT_INVALID_ARGUMENT);
-    const int64_t K = ws[1], N = ws[0], M = product(xs, 0, xs.size() - 1);
-    std::vector<int64_t> ys(xs);
-    ys.back() = N;
-    auto y = ctx.GetOutput(0, ys);
+    const LinearDims dims = linear_dims(in);
+    const int64_t K = dims.K, N = dims.N, M = dims.M;
+    auto y = ctx.GetOutput(0, dims.ys);
     const T* xp = x.GetTensorData<T>();
     const T* wp = w.GetTensorData<T>();
     const T* bp = b.GetTensorData<T>();
@@ -150,34 +200,23 @@ struct LinearKernel {
 };
 
 template <typename T>
-struct LinearOp : OpBase<LinearOp<T>, LinearKernel<T>> {
+struct LinearOp : OpBase<LinearOp<T>, LinearKernel<T>, T> {
   const char* GetName() const { return "Linear"; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return elem_type<T>(); }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return elem_type<T>(); }
 };
 
 // ------------------------------------------------------------------------------------------- LayerNorm
 template <typename T>
-struct LayerNormKernel {
+struct LayerNormKernel : KernelBase<LayerNormKernel<T>> {
   float epsilon;
 
-  LayerNormKernel(const OrtApi&, const OrtKernelInfo* info) {
-    Ort::ConstKernelInfo ki(info);
-    epsilon = ki.GetAttribute<float>("epsilon");
-  }
-
-  OrtStatusPtr ComputeV2(OrtKernelContext* raw) { return guarded([&] { Compute(raw); }); }
+  LayerNormKernel(const OrtApi&, const OrtKernelInfo* info) : epsilon(epsilon_attribute(info)) {}
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     const ThreeInputs in = read_inputs(ctx);
     const auto &x = in.x, &w = in.p, &b = in.q;
-    const auto &xs = in.xs, &ws = in.ps, &bs = in.qs;
-    if (xs.empty() || ws.size() != 1 || bs.size() != 1 || ws[0] != xs.back() || bs[0] != xs.back())
-      ORT_CXX_API_THROW("kkdeploy::LayerNorm: expected x[..., D], weight[D], bias[D]; got x" + shape_text(xs) +
-                            ", weight" + shape_text(ws) + ", bias" + shape_text(bs),
-                        ORT_INVALID_ARGUMENT);
-    const int64_t D = xs.back(), M = product(xs, 0, xs.size() - 1);
+    const auto& xs = in.xs;
+    const int64_t D = xs.back(), M = layer_norm_rows(in);
     auto y = ctx.GetOutput(0, xs);
     const T* xp = x.GetTensorData<T>();
     const T* wp = w.GetTensorData<T>();
@@ -205,27 +244,21 @@ struct LayerNormKernel {
 };
 
 template <typename T>
-struct LayerNormOp : OpBase<LayerNormOp<T>, LayerNormKernel<T>> {
+struct LayerNormOp : OpBase<LayerNormOp<T>, LayerNormKernel<T>, T> {
   const char* GetName() const { return "LayerNorm"; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return elem_type<T>(); }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return elem_type<T>(); }
 };
 
 // ------------------------------------------------------------------------------------------------ Gelu
 template <typename T>
-struct GeluKernel {
+struct GeluKernel : KernelBase<GeluKernel<T>> {
   GeluKernel(const OrtApi&, const OrtKernelInfo*) {}
-
-  OrtStatusPtr ComputeV2(OrtKernelContext* raw) { return guarded([&] { Compute(raw); }); }
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
-    auto x = ctx.GetInput(0);
-    const auto xs = x.GetTensorTypeAndShapeInfo().GetShape();
-    auto y = ctx.GetOutput(0, xs);
-    const T* xp = x.GetTensorData<T>();
-    T* yp = y.GetTensorMutableData<T>();
-    const int64_t n = product(xs, 0, xs.size());
+    Unary io = read_unary(ctx);
+    const T* xp = io.x.GetTensorData<T>();
+    T* yp = io.y.GetTensorMutableData<T>();
+    const int64_t n = io.n;
     const float alpha = static_cast<float>(M_SQRT1_2);
     for (int64_t i = 0; i < n; ++i) {
       const float v = load(xp[i]);
@@ -235,16 +268,8 @@ struct GeluKernel {
 };
 
 template <typename T>
-struct GeluOp : Ort::CustomOpBase<GeluOp<T>, GeluKernel<T>, true> {
-  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    return guarded([&] { *kernel = new GeluKernel<T>(api, info); });
-  }
+struct GeluOp : OpBase<GeluOp<T>, GeluKernel<T>, T, 1> {
   const char* GetName() const { return "Gelu"; }
-  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 1; }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return elem_type<T>(); }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return elem_type<T>(); }
 };
 
 #ifdef KKDEPLOY_WITH_CUDA
@@ -261,7 +286,7 @@ int linear_mode_from_env() {
   return (v != nullptr && std::string(v) == "fp32-out") ? KK_LINEAR_FP32_OUT : KK_LINEAR_LT_BIAS;
 }
 
-struct CudaLinearKernel {
+struct CudaLinearKernel : KernelBase<CudaLinearKernel> {
   void* context = nullptr;
   int mode = KK_LINEAR_LT_BIAS;
 
@@ -274,94 +299,64 @@ struct CudaLinearKernel {
   CudaLinearKernel(const CudaLinearKernel&) = delete;
   CudaLinearKernel& operator=(const CudaLinearKernel&) = delete;
 
-  OrtStatusPtr ComputeV2(OrtKernelContext* raw) { return guarded([&] { Compute(raw); }); }
-
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     const ThreeInputs in = read_inputs(ctx);
-    const auto &xs = in.xs, &ws = in.ps, &bs = in.qs;
-    if (xs.empty() || ws.size() != 2 || bs.size() != 1 || ws[1] != xs.back() || bs[0] != ws[0])
-      ORT_CXX_API_THROW("kkdeploy::Linear: expected x[..., K], W[N, K], b[N]; got x" + shape_text(xs) + ", W" +
-                            shape_text(ws) + ", b" + shape_text(bs),
-                        ORT_INVALID_ARGUMENT);
-    const int64_t K = ws[1], N = ws[0], M = product(xs, 0, xs.size() - 1);
-    std::vector<int64_t> ys(xs);
-    ys.back() = N;
-    auto y = ctx.GetOutput(0, ys);
-    if (M == 0) return;
+    const LinearDims d = linear_dims(in);
+    auto y = ctx.GetOutput(0, d.ys);
+    if (d.M == 0) return;
     cuda_check(kk_cuda_linear_f16(context, in.x.GetTensorRawData(), in.p.GetTensorRawData(),
-                                  in.q.GetTensorRawData(), y.GetTensorMutableRawData(), M, N, K, mode,
+                                  in.q.GetTensorRawData(), y.GetTensorMutableRawData(), d.M, d.N, d.K, mode,
                                   ctx.GetGPUComputeStream()),
                "Linear");
   }
 };
 
-struct CudaLinearOp : OpBase<CudaLinearOp, CudaLinearKernel> {
-  const char* GetName() const { return "Linear"; }
+// The same plumbing for the CUDA EP (float16 only).
+template <typename TOp, typename TKernel, size_t Inputs = 3>
+struct CudaOp : OpBase<TOp, TKernel, Ort::Float16_t, Inputs> {
   const char* GetExecutionProviderType() const { return "CUDAExecutionProvider"; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
 };
 
-struct CudaLayerNormKernel {
+struct CudaLinearOp : CudaOp<CudaLinearOp, CudaLinearKernel> {
+  const char* GetName() const { return "Linear"; }
+};
+
+struct CudaLayerNormKernel : KernelBase<CudaLayerNormKernel> {
   float epsilon;
 
-  CudaLayerNormKernel(const OrtApi&, const OrtKernelInfo* info) {
-    Ort::ConstKernelInfo ki(info);
-    epsilon = ki.GetAttribute<float>("epsilon");
-  }
-
-  OrtStatusPtr ComputeV2(OrtKernelContext* raw) { return guarded([&] { Compute(raw); }); }
+  CudaLayerNormKernel(const OrtApi&, const OrtKernelInfo* info) : epsilon(epsilon_attribute(info)) {}
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     const ThreeInputs in = read_inputs(ctx);
-    const auto &xs = in.xs, &ws = in.ps, &bs = in.qs;
-    if (xs.empty() || ws.size() != 1 || bs.size() != 1 || ws[0] != xs.back() || bs[0] != xs.back())
-      ORT_CXX_API_THROW("kkdeploy::LayerNorm: expected x[..., D], weight[D], bias[D]; got x" + shape_text(xs) +
-                            ", weight" + shape_text(ws) + ", bias" + shape_text(bs),
-                        ORT_INVALID_ARGUMENT);
-    auto y = ctx.GetOutput(0, xs);
+    const int64_t rows = layer_norm_rows(in);
+    auto y = ctx.GetOutput(0, in.xs);
     cuda_check(kk_cuda_layer_norm_f16(in.x.GetTensorRawData(), in.p.GetTensorRawData(), in.q.GetTensorRawData(),
-                                      y.GetTensorMutableRawData(), product(xs, 0, xs.size() - 1), xs.back(),
-                                      epsilon, ctx.GetGPUComputeStream()),
+                                      y.GetTensorMutableRawData(), rows, in.xs.back(), epsilon,
+                                      ctx.GetGPUComputeStream()),
                "LayerNorm");
   }
 };
 
-struct CudaLayerNormOp : OpBase<CudaLayerNormOp, CudaLayerNormKernel> {
+struct CudaLayerNormOp : CudaOp<CudaLayerNormOp, CudaLayerNormKernel> {
   const char* GetName() const { return "LayerNorm"; }
-  const char* GetExecutionProviderType() const { return "CUDAExecutionProvider"; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
 };
 
-struct CudaGeluKernel {
+struct CudaGeluKernel : KernelBase<CudaGeluKernel> {
   CudaGeluKernel(const OrtApi&, const OrtKernelInfo*) {}
-
-  OrtStatusPtr ComputeV2(OrtKernelContext* raw) { return guarded([&] { Compute(raw); }); }
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
-    auto x = ctx.GetInput(0);
-    const auto xs = x.GetTensorTypeAndShapeInfo().GetShape();
-    auto y = ctx.GetOutput(0, xs);
-    cuda_check(kk_cuda_gelu_f16(x.GetTensorRawData(), y.GetTensorMutableRawData(), product(xs, 0, xs.size()),
+    Unary io = read_unary(ctx);
+    cuda_check(kk_cuda_gelu_f16(io.x.GetTensorRawData(), io.y.GetTensorMutableRawData(), io.n,
                                 ctx.GetGPUComputeStream()),
                "Gelu");
   }
 };
 
-struct CudaGeluOp : Ort::CustomOpBase<CudaGeluOp, CudaGeluKernel, true> {
-  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    return guarded([&] { *kernel = new CudaGeluKernel(api, info); });
-  }
+struct CudaGeluOp : CudaOp<CudaGeluOp, CudaGeluKernel, 1> {
   const char* GetName() const { return "Gelu"; }
-  const char* GetExecutionProviderType() const { return "CUDAExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 1; }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
 };
 
 const CudaLinearOp cuda_linear_f16;
