@@ -233,6 +233,27 @@ def test_ort_artifacts_get_a_native_onnxruntime_engine_model(built, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # no staging directory left
 
 
+def test_an_ort_engine_with_custom_ops_registers_its_library_in_the_native_config(tmp_path):
+    out = tmp_path / "artifacts"
+    assert cli(["build", *SHAPE_ARGS, *QUICK, "--linear", "custom", "--out", str(out)]) == 0
+    manifest = artifacts.read_json(out / artifacts.MANIFEST)
+    # Ship the custom-op engine whatever the CPU timing said (its plain-loop kernels may lose to the fallback).
+    manifest["choice"] = {**manifest["choice"], "candidate": "ort-cpu", "backend": "ort", "all_valid_only": False}
+    artifacts.write_json(out / artifacts.MANIFEST, manifest)
+    repo = tmp_path / "repo"
+    info = triton_repo.write_repository(out, repo, engine="native")
+    assert info.engine_backend == "onnxruntime"
+    engine = _parse_config(repo / "kkdeploy_engine" / "config.pbtxt")  # Triton's schema: the field must exist
+    (operation,) = engine.model_operations.op_library_filename
+    library = repo / "kkdeploy_engine" / "1" / "libkkdeploy_ops.so"
+    assert operation == str(library.resolve()) and library.is_file()
+    assert artifacts.file_sha256(library) == manifest["files"]["libkkdeploy_ops.so"]
+    # A stock graph's config names no library.
+    plain = _parse_text(triton_repo.engine_config("e", "onnxruntime", TransformerConfig(B, S, D, 2, 16, 4),
+                                                  "float32", "cpu", {"name": "ort-cpu", "options": {"model": "m.onnx"}}))
+    assert not plain.HasField("model_operations")
+
+
 def test_python_engine_repository_and_refusals(built, fallback_built, tmp_path):
     info = triton_repo.write_repository(built, tmp_path / "py", engine="python")
     engine = _parse_config(tmp_path / "py" / "kkdeploy_engine" / "config.pbtxt")

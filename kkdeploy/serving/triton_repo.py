@@ -139,7 +139,9 @@ def front_config(name: str, engine_model: str, config: TransformerConfig, dtype:
 
 
 def engine_config(name: str, backend: str, config: TransformerConfig, dtype: str, device_type: str,
-                  entry: dict | None) -> str:
+                  entry: dict | None, op_library: Path | None = None) -> str:
+    """The engine model's config.pbtxt. ``op_library``: where the repository will hold the candidate's
+    custom-op library (absolute: Triton's onnxruntime backend registers the path as given)."""
     t = TRITON_DTYPES[dtype]
     b, s, d = config.batch_size, config.seq_len, config.d_model
     kind = "KIND_GPU" if device_type == "cuda" else "KIND_CPU"
@@ -162,8 +164,16 @@ def engine_config(name: str, backend: str, config: TransformerConfig, dtype: str
         if options.get("cuda_graph"):
             notes += ("# The build captured CUDA graphs; Triton's onnxruntime backend binds new buffers per request,\n"
                       "# which ORT's CUDA-graph mode forbids, so it runs the same graph on the CUDA EP uncaptured.\n")
+        operations = ""
+        if options.get("custom_ops_library"):
+            if op_library is None:
+                raise KKError(f"{entry['name']} needs its custom-op library registered; pass where the repository "
+                              f"holds it")
+            notes += ("# The graph uses the kkdeploy custom ops: the backend registers their library (copied into\n"
+                      "# this version directory) by its absolute path, so a moved repository must be rewritten.\n")
+            operations = f'model_operations {{ op_library_filename: "{op_library}" }}\n'
         return (notes + head + f'default_model_filename: "{options["model"]}"\n' + body
-                + f"optimization {{ graph {{ level: {ORT_DISABLE_ALL} }} }}\n"
+                + f"optimization {{ graph {{ level: {ORT_DISABLE_ALL} }} }}\n" + operations
                 + _params({"kkdeploy_candidate": entry["name"]}))
     compatible = " (the plan is version compatible)" if options.get("version_compatible") else ""
     notes = (f"# {entry['name']}: a TensorRT {options.get('tensorrt')} plan for one GPU type; the backend's TensorRT "
@@ -293,7 +303,10 @@ def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: s
         shutil.copyfile(TEMPLATE, front / "1" / "model.py")
         eng = stage / engine_model
         (eng / "1").mkdir(parents=True)
-        (eng / "config.pbtxt").write_text(engine_config(engine_model, backend, config, dtype, device_type, entry))
+        library = (entry or {}).get("options", {}).get("custom_ops_library") if backend == "onnxruntime" else None
+        final_library = target / engine_model / "1" / library if library else None  # its path once renamed in
+        (eng / "config.pbtxt").write_text(engine_config(engine_model, backend, config, dtype, device_type, entry,
+                                                        final_library))
         if backend == "python":
             shutil.copyfile(TEMPLATE, eng / "1" / "model.py")
             copy = eng / "1" / "artifacts"
@@ -301,7 +314,7 @@ def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: s
                 (copy / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(root / rel, copy / rel)
         else:
-            for rel in _native_files(root, manifest, entry, backend):
+            for rel in _native_files(root, manifest, entry, backend) + ([library] if library else []):
                 shutil.copy2(root / rel, eng / "1" / Path(rel).name)
             if backend == "onnxruntime":
                 check_onnx_io(eng / "1" / Path(entry["options"]["model"]).name, config, dtype)
