@@ -13,8 +13,9 @@
 #   profile.tgz      scripts/profile_candidate.py per shape: kernel classes and top kernels, Chrome traces
 #   crashproof.tgz, fresh-process.json  issue 17's builds (manifests) and scripts/fresh_process_table.py
 #   custom-ops.json, ortstrict.md/json, ortjudge.md/json  issue 20: op table, FP16 strict ORT, float32 judge ORT
-# Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, bench, profile, customops, ortstrict,
-# ortjudge. A step's =SECONDS caps its wall time.
+#   shape14-tiles.json  scripts/shape14_tile_study.py (issue 19: shape 14's tile profile and bitwise skips)
+# Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, bench, profile,
+# customops, ortstrict, ortjudge. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -89,6 +90,10 @@ step_inductor() {
   env $best python3 scripts/inductor_h200.py --out "$OUT/inductor.json" ${INDUCTOR_ARGS:-}
 }
 step_shape14() { python3 scripts/shape14_h200.py --out "$OUT/shape14.json" ${SHAPE14_ARGS:-}; }
+step_shape14tiles() {
+  # Issue 19: where a reference-order shape-14 tile spends its time, and which skips of masked work are bitwise.
+  python3 scripts/shape14_tile_study.py --out "$OUT/shape14-tiles.json" ${SHAPE14TILES_ARGS:-}
+}
 step_setup() {
   # Carried wheels (.whl/*.whl), installed once per machine into /tmp/site without dependencies: polygraphy
   # (the validator needs it) and, when carried, ModelOpt AutoCast's set for the -autocast candidates.
