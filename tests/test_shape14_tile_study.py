@@ -22,10 +22,12 @@ def test_every_variant_is_counted_against_the_reference_tile(tmp_path):
     assert (last["t1"], last["visible_keys"]) == (200, 200)  # the last tile is cut at the sequence's end
     assert report["tiles"][1]["visible_keys"] == 160  # rows 100..147 see keys < 148, rounded up to 32s
     for tile in report["tiles"]:
-        assert set(tile["variants"]) == {"qk-visible", "pv-visible", "softmax-visible", "qk+pv-visible"}
+        assert set(tile["variants"]) == {"qk-visible", "pv-visible", "softmax-visible", "qk+pv-visible",
+                                         "all-visible"}
         assert all(isinstance(v["out"], int) and v["out"] >= 0 for v in tile["variants"].values())
         assert tile["variants"]["pv-visible"]["dropped_probs_nonzero"] == 0  # beyond kv every key is masked
-        assert set(tile["reference_ms"]) == set(study.STEPS) and tile["qk+pv-visible_total_ms"] > 0
+        assert set(tile["reference_ms"]) == set(study.STEPS) == set(tile["all-visible_ms"])
+        assert tile["reference_total_ms"] > 0 and tile["all-visible_total_ms"] > 0
     assert report["estimate_s"]["reference_attention"] >= 0 and report["weights"].startswith("seeded")
 
 
