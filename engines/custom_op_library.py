@@ -23,20 +23,20 @@ network: carry the cached ``include`` directory there).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import platform
 import re
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
 from kkdeploy.errors import KKError
+from kkdeploy.kernels.cuda_build import (NVCC_FLAGS, cache_root, compiler_version, cuda_architecture, last_line,
+                                         nvcc, require_gpu, run)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "custom_ops"
 SOURCES = ("kkdeploy_ops.cc",)
@@ -47,22 +47,7 @@ DEBIAN_SUITE = "deb http://deb.debian.org/debian trixie main"
 DEBIAN_PACKAGE = "libonnxruntime-dev"
 # -ffp-contract=off: no fused multiply-add, so the kernels' documented summation order is what runs.
 CXX_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden")
-# nvcc: its defaults for floating point (no --use_fast_math, -fmad=true), as PyTorch's kernels are built.
-NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC")
 BUILDER_VERSION = "2"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KKDEPLOY_CACHE_DIR") or "~/.cache/kkdeploy").expanduser()
-
-
-def _run(cmd: list[str], cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
-def _last_line(proc: subprocess.CompletedProcess) -> str:
-    lines = (proc.stderr or proc.stdout or "").strip().splitlines()
-    return lines[-1][:200] if lines else f"exit code {proc.returncode}"
 
 
 def compiler() -> str:
@@ -72,12 +57,6 @@ def compiler() -> str:
         raise KKError(f"the kkdeploy custom ops need a C++17 compiler and {cxx!r} is not on PATH; "
                       f"install one (apt-get install g++) or set CXX")
     return cxx
-
-
-@functools.lru_cache(maxsize=None)
-def compiler_version(cxx: str) -> str:
-    proc = _run([cxx, "--version"], timeout=30)
-    return proc.stdout.splitlines()[0].strip() if proc.returncode == 0 and proc.stdout else cxx
 
 
 def header_api_version(include: Path) -> int:
@@ -127,19 +106,19 @@ def _download_headers(root: Path) -> tuple[Path, str]:
         if os.geteuid() == 0:  # root: download as root into our directory (apt's _apt user cannot write there)
             apt += ["-o", "APT::Sandbox::User=root"]
         for step in (apt + ["update"], apt + ["download", DEBIAN_PACKAGE]):
-            proc = _run(step, cwd=tmp / "deb")
+            proc = run(step, cwd=tmp / "deb")
             if proc.returncode != 0:
                 raise KKError(f"could not fetch {DEBIAN_PACKAGE} from Debian trixie ({' '.join(step[-1:])}: "
-                              f"{_last_line(proc)}); check network access to deb.debian.org or set "
+                              f"{last_line(proc)}); check network access to deb.debian.org or set "
                               f"KKDEPLOY_ORT_INCLUDE to an include directory with onnxruntime_c_api.h")
         debs = sorted((tmp / "deb").glob(f"{DEBIAN_PACKAGE}_*.deb"))
         if not debs:
             raise KKError(f"apt-get download left no {DEBIAN_PACKAGE} package; set KKDEPLOY_ORT_INCLUDE instead")
         version = debs[0].name.split("_")[1].replace(":", "_").replace("+", "_")
-        proc = _run(["dpkg", "-x", str(debs[0]), str(tmp / "x")])
+        proc = run(["dpkg", "-x", str(debs[0]), str(tmp / "x")])
         include = tmp / "x" / "usr" / "include" / "onnxruntime"
         if proc.returncode != 0 or not (include / "onnxruntime_c_api.h").is_file():
-            raise KKError(f"unpacking {debs[0].name} gave no onnxruntime_c_api.h ({_last_line(proc)}); "
+            raise KKError(f"unpacking {debs[0].name} gave no onnxruntime_c_api.h ({last_line(proc)}); "
                           f"set KKDEPLOY_ORT_INCLUDE instead")
         staged = tmp / "staged"
         staged.mkdir()
@@ -152,30 +131,6 @@ def _download_headers(root: Path) -> tuple[Path, str]:
             if not (target / "include" / "onnxruntime_c_api.h").is_file():
                 raise
     return target / "include", version
-
-
-NVCC_FALLBACK = "/usr/local/cuda/bin/nvcc"
-
-
-def nvcc() -> str:
-    """The CUDA compiler: ``$NVCC``, else nvcc on PATH, else /usr/local/cuda/bin/nvcc; KKError when none."""
-    override = os.environ.get("NVCC")
-    if override:
-        if not (Path(override).is_file() and os.access(override, os.X_OK)):
-            raise KKError(f"NVCC={override} is not an executable; point it at the CUDA toolkit's nvcc")
-        return override
-    for candidate in (shutil.which("nvcc"), NVCC_FALLBACK):
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    raise KKError("the kkdeploy CUDA custom ops need nvcc (the CUDA toolkit) and none was found; install the "
-                  "toolkit, set NVCC, or build for --device cpu")
-
-
-@functools.lru_cache(maxsize=None)
-def cuda_architecture(device: str) -> str:
-    """``sm_XY`` of the GPU the kernels are compiled for (they are proven per architecture)."""
-    major, minor = torch.cuda.get_device_capability(torch.device(device))
-    return f"sm_{major}{minor}"
 
 
 def library_key(cxx: str, include: Path, header_version: str, cuda: dict | None = None) -> str:
@@ -211,9 +166,7 @@ def cuda_toolchain(device: torch.device) -> dict | None:
     """What a CUDA build compiles with (nvcc, its version, the flags, the architecture); None for the CPU."""
     if device.type != "cuda":
         return None
-    if not torch.cuda.is_available():
-        raise KKError("the kkdeploy CUDA custom ops are compiled for the GPU that runs them and this machine has "
-                      "none; build on the GPU machine (--device cuda there) or use --device cpu")
+    require_gpu("the kkdeploy CUDA custom ops")
     compiler_path = nvcc()
     return {"nvcc": compiler_path, "version": compiler_version(compiler_path), "flags": list(NVCC_FLAGS),
             "arch": cuda_architecture(str(device)), "cublas": cublas_location()}
@@ -266,9 +219,9 @@ def build_library(device: torch.device | str = "cpu") -> Path:
         staged = Path(tmp) / LIBRARY_NAME
         commands = compile_commands(cxx, include, staged, cuda)
         for cmd in commands:
-            proc = _run(cmd, timeout=600)
+            proc = run(cmd, timeout=600)
             if proc.returncode != 0:
-                raise KKError(f"compiling the kkdeploy custom ops failed ({Path(cmd[0]).name}): {_last_line(proc)}")
+                raise KKError(f"compiling the kkdeploy custom ops failed ({Path(cmd[0]).name}): {last_line(proc)}")
         (target_dir / "build.json").write_text(json.dumps({"commands": commands, "compiler": compiler_version(cxx),
                                                            "cuda": cuda, "headers": header_version,
                                                            "api_version": header_api_version(include)}, indent=1))

@@ -14,8 +14,9 @@
 #   crashproof.tgz, fresh-process.json  issue 17's builds (manifests) and scripts/fresh_process_table.py
 #   custom-ops.json, ortstrict.md/json, ortjudge.md/json  issue 20: op table, FP16 strict ORT, float32 judge ORT
 #   shape14-tiles.json  scripts/shape14_tile_study.py (issue 19: shape 14's tile profile and bitwise skips)
-# Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, bench, profile,
-# customops, ortstrict, ortjudge. A step's =SECONDS caps its wall time.
+#   block-softmax.json  scripts/block_softmax_selftest.py (issue 19: ATen's block softmax order, the fused kernel)
+# Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, bench,
+# profile, customops, ortstrict, ortjudge. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -90,6 +91,10 @@ step_inductor() {
   env $best python3 scripts/inductor_h200.py --out "$OUT/inductor.json" ${INDUCTOR_ARGS:-}
 }
 step_shape14() { python3 scripts/shape14_h200.py --out "$OUT/shape14.json" ${SHAPE14_ARGS:-}; }
+step_blocksoftmax() {
+  # Issue 19: ATen's block softmax order (emulation vs torch.softmax) and the fused causal kernel, bitwise.
+  python3 scripts/block_softmax_selftest.py --out "$OUT/block-softmax.json" ${BLOCKSOFTMAX_ARGS:-}
+}
 step_shape14tiles() {
   # Issue 19: where a reference-order shape-14 tile spends its time, and which skips of masked work are bitwise.
   python3 scripts/shape14_tile_study.py --out "$OUT/shape14-tiles.json" ${SHAPE14TILES_ARGS:-}

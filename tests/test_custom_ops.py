@@ -324,12 +324,14 @@ def test_a_cuda_build_without_a_gpu_or_nvcc_is_a_one_line_error(monkeypatch):
         with pytest.raises(KKError, match="this machine has none") as info:
             build_library("cuda")
         assert "\n" not in str(info.value)
+    from kkdeploy.kernels import cuda_build
+
     monkeypatch.setenv("NVCC", "/nonexistent/nvcc")
     with pytest.raises(KKError, match="NVCC=/nonexistent/nvcc is not an executable"):
         col.nvcc()
     monkeypatch.delenv("NVCC")
-    monkeypatch.setattr(col.shutil, "which", lambda name: None)
-    monkeypatch.setattr(col, "NVCC_FALLBACK", "/nonexistent/cuda/bin/nvcc")
+    monkeypatch.setattr(cuda_build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cuda_build, "NVCC_FALLBACK", "/nonexistent/cuda/bin/nvcc")
     with pytest.raises(KKError, match="need nvcc"):
         col.nvcc()
 

@@ -6,6 +6,10 @@ matmul``) on the GPU it was proven on, exposed as the custom op ``kkdeploy_faith
 The call is ``kkdeploy.kernels.faithful_attention.faithful_attention(q, k, v, mask, num_heads=H, causal=True)``
 (or ``torch.ops.kkdeploy_faithful.attention``); the name ``faithful_attention`` here stays the module.
 Importing this package imports only torch; Triton is imported lazily, on CUDA, when the kernel runs.
+
+``block_softmax`` describes and emulates ATen's block softmax for rows longer than 1024 (shape 14's 100,000
+keys) and holds a fused causal softmax kernel in CUDA C++ (``csrc/block_softmax.cu``, built by nvcc on demand
+through ``cuda_build``), not yet proven on a GPU and used by nothing until it is.
 """
 
 from .faithful_attention import (
