@@ -269,3 +269,28 @@ def test_fused_layers_are_confined_to_the_last_ones():
     assert "last 1 layer(s)" in path.last_attention_path
     with pytest.raises(KKError, match="sdpa_layers must be between 0 and num_layers=3"):
         LongContextTransformer(config, sdpa_layers=4)
+
+
+def test_aligned_key_extent_cuts_causal_tiles_at_4096_key_multiples():
+    from kkdeploy.models.long_context import key_end
+
+    assert key_end(100, 100000, True, "aligned") == 4096
+    assert key_end(4096, 100000, True, "aligned") == 4096 and key_end(4097, 100000, True, "aligned") == 8192
+    assert key_end(99000, 100000, True, "aligned") == 100000  # past the last multiple: the whole row
+    assert key_end(100, 100000, False, "aligned") == 100000  # not causal: every key
+    assert key_end(100, 100000, True, "full") == 100000 and key_end(100, 100000, True, "visible") == 100
+    with pytest.raises(KKError, match="key_extent must be one of full, visible, aligned"):
+        LongContextTransformer(TransformerConfig(1, 16, 32, 4, 32, 1), key_extent="half")
+
+
+def test_aligned_long_context_path_stays_with_the_reference_past_4096_keys():
+    """Rows longer than 4096 keys, so early tiles really are cut; whether the cut is bitwise is the GPU's
+    question (scripts/shape14_h200.py --path-key-extent aligned); here it must stay within float32 noise."""
+    config = TransformerConfig(1, 9000, 16, 2, 16, 1, causal=True)
+    reference, _, _ = models(config, torch.float32)
+    path = LongContextTransformer(config, query_tile=1024, sdpa_layers=0, key_extent="aligned")
+    path.load_state_dict(reference.state_dict(), strict=True)
+    path = path.eval()
+    x, mask = generate_case(config, "cpu", torch.float32, 5)
+    with torch.inference_mode():
+        torch.testing.assert_close(path(x, mask), reference(x, mask), rtol=1e-5, atol=1e-6)

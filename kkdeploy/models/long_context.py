@@ -76,6 +76,26 @@ def attend_tile(q_tile, k_head, v_head, scale: float, query_start: int, causal: 
     return torch.matmul(probs, v_head)
 
 
+KEY_EXTENTS = ("full", "visible", "aligned")
+#: ATen's block softmax folds a row in passes of 1024 threads x 4 elements (kkdeploy.kernels.block_softmax)
+ALIGNED_KEY_BLOCK = 4096
+
+
+def key_end(t1: int, limit: int, causal: bool, key_extent: str) -> int:
+    """The keys a query tile ending at row t1 - 1 reads.
+
+    "full": every key, like the reference (the same reduction lengths, so the same rounding). "visible": a
+    causal tile stops at its last query (half the work; it regroups the softmax, measured not bitwise).
+    "aligned": a causal tile stops at the next multiple of 4096 keys, where ATen's block softmax gives every
+    thread the same elements minus trailing -inf ones (bitwise for the softmax; the GEMMs' part is what
+    scripts/shape14_tile_study.py measures), or reads the whole row when that is shorter."""
+    if not causal or key_extent == "full":
+        return limit
+    if key_extent == "visible":
+        return t1
+    return min(limit, -(-t1 // ALIGNED_KEY_BLOCK) * ALIGNED_KEY_BLOCK)
+
+
 def tiled_attention(q, k, v, scale: float, causal: bool, valid_token_mask, query_tile: int,
                     key_extent: str = "full") -> torch.Tensor:
     """Query-tiled attention on [b,H,S,Dh]: the largest temporary is [b,H,query_tile,S].
@@ -93,9 +113,7 @@ def tiled_attention(q, k, v, scale: float, causal: bool, valid_token_mask, query
     pieces, context = [], None if grad else q.new_zeros(b, h, s, dh)
     for t0 in range(0, limit, query_tile):
         t1 = min(limit, t0 + query_tile)
-        # "full": every query row sees its whole key row, like the reference (same reduction lengths,
-        # so the same rounding); "visible" stops causal tiles at their last query (half the work).
-        k_end = t1 if (causal and key_extent == "visible") else limit
+        k_end = key_end(t1, limit, causal, key_extent)
         key_valid = query_valid = None
         if valid_token_mask is not None:
             key_valid = valid_token_mask[:, :k_end]
@@ -127,8 +145,8 @@ class LongContextTransformer(ReferenceTransformer):
                  backends: list[SDPBackend] | None = None, sdpa_layers: int | None = None,
                  key_extent: str = "full"):
         super().__init__(config)
-        if key_extent not in ("full", "visible"):
-            raise KKError(f"key_extent must be 'full' or 'visible', got {key_extent!r}")
+        if key_extent not in KEY_EXTENTS:
+            raise KKError(f"key_extent must be one of {', '.join(KEY_EXTENTS)}, got {key_extent!r}")
         self.key_extent = key_extent
         if sdpa_layers is None:
             sdpa_layers = config.num_layers
