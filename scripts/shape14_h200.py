@@ -60,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--path-key-extent", default="full", choices=["full", "visible", "aligned"],
                    help="the long-context path's tiled layers: every key, the tile's visible keys, or those rounded "
                         "up to 4096 (ATen's block-softmax stride; kkdeploy.models.long_context.key_end)")
+    p.add_argument("--path-softmax", default="aten", choices=["aten", "block-kernel"],
+                   help="the long-context path's tiled softmax: ATen's ops, or the fused kernel in ATen's block "
+                        "order (kkdeploy.kernels.block_softmax; run scripts/block_softmax_selftest.py first)")
     p.add_argument("--key-extent", default="full", choices=["full", "visible"],
                    help="tiled reference: every key row (bitwise-faithful) or only visible causal keys (half the work)")
     p.add_argument("--reduced-seq-len", type=int, default=4096)
@@ -110,7 +113,8 @@ def run_full_shape(args, config, device, dtype) -> dict:
     reference = TiledReferenceTransformer(config, query_tile=args.reference_tile, key_extent=args.key_extent)
     init_weights(reference)
     path = LongContextTransformer(config, micro_batch=args.micro_batch, query_tile=args.query_tile,
-                                  sdpa_layers=args.sdpa_layers, key_extent=args.path_key_extent)
+                                  sdpa_layers=args.sdpa_layers, key_extent=args.path_key_extent,
+                                  softmax=args.path_softmax)
     path.load_state_dict(reference.state_dict(), strict=True)
     reference = reference.to(device=device, dtype=dtype).eval()
     path = path.to(device=device, dtype=dtype).eval()
@@ -152,6 +156,7 @@ def run_full_shape(args, config, device, dtype) -> dict:
             del ref
     result["reference"] = {"class": "TiledReferenceTransformer", "query_tile": args.reference_tile,
                            "key_extent": args.key_extent, "path_key_extent": args.path_key_extent,
+                           "path_softmax": args.path_softmax,
                            "batch": "one sequence at a time"}
     result["comparisons"] = comparisons
     result["passed"] = all(c["passed"] for c in comparisons)

@@ -294,3 +294,22 @@ def test_aligned_long_context_path_stays_with_the_reference_past_4096_keys():
     x, mask = generate_case(config, "cpu", torch.float32, 5)
     with torch.inference_mode():
         torch.testing.assert_close(path(x, mask), reference(x, mask), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("key_extent", ["full", "aligned"])
+def test_block_kernel_softmax_path_is_wired_to_the_reference_composition(key_extent):
+    """Off the GPU the fused softmax is the reference composition over the whole row, so the path stays bitwise
+    with full key rows; padded calls keep ATen's ops. (The kernel itself: scripts/block_softmax_selftest.py.)"""
+    if not cpu_kernels_for(torch.float16):
+        pytest.skip("this CPU build has no float16 matmul/layer_norm kernels")
+    config = TransformerConfig(1, 300, 32, 4, 48, 2, causal=True)
+    reference, _, _ = models(config, torch.float16)
+    path = LongContextTransformer(config, query_tile=64, sdpa_layers=0, softmax="block-kernel", key_extent=key_extent)
+    path.load_state_dict(reference.state_dict(), strict=True)
+    path = path.to(torch.float16).eval()
+    for ratio in (0.0, 0.4):
+        x, mask = generate_case(config, "cpu", torch.float16, 9, padding_ratio=ratio)
+        with torch.inference_mode():
+            assert torch.equal(path(x, mask), reference(x, mask))
+    with pytest.raises(KKError, match="softmax must be one of aten, block-kernel"):
+        LongContextTransformer(config, softmax="fast")

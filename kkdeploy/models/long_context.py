@@ -53,15 +53,28 @@ def fused_attention(q, k, v, scale: float, causal: bool, backends) -> torch.Tens
         ) from None
 
 
+SOFTMAX_PATHS = ("aten", "block-kernel")
+
+
 def attend_tile(q_tile, k_head, v_head, scale: float, query_start: int, causal: bool,
-                key_valid, query_valid) -> torch.Tensor:
+                key_valid, query_valid, row_len: int | None = None, softmax: str = "aten") -> torch.Tensor:
     """One query tile against its keys with the reference's rounding points.
 
     ``key_valid`` [b,K] masks padded keys; ``query_valid`` [b,T] is given only for tiles holding
     invalid queries, which keep their keys so no row is empty (no NaN, also in backward) -- their
     outputs are zeroed after out_proj as in the reference.
+
+    ``softmax="block-kernel"`` (all-valid causal float16 tiles): the scale, roundings, mask, casts and softmax
+    as one kernel in ATen's block-softmax order over a row of ``row_len`` keys
+    (``kkdeploy.kernels.block_softmax.causal_block_softmax``; the reference composition off the GPU).
     """
     tile, keys = q_tile.shape[-2], k_head.shape[-2]
+    if softmax == "block-kernel" and causal and key_valid is None and query_valid is None:
+        from kkdeploy.kernels.block_softmax import causal_block_softmax
+
+        raw = torch.matmul(q_tile, k_head.transpose(-2, -1))  # [b,H,T,K]: row r is query query_start + r % T
+        probs = causal_block_softmax(raw.reshape(-1, keys), scale, row_len or keys, query_start, tile)
+        return torch.matmul(probs.view_as(raw), v_head)
     scores = torch.matmul(q_tile, k_head.transpose(-2, -1)) * scale
     if causal:
         query_index = torch.arange(query_start, query_start + tile, device=q_tile.device)
@@ -97,7 +110,7 @@ def key_end(t1: int, limit: int, causal: bool, key_extent: str) -> int:
 
 
 def tiled_attention(q, k, v, scale: float, causal: bool, valid_token_mask, query_tile: int,
-                    key_extent: str = "full") -> torch.Tensor:
+                    key_extent: str = "full", softmax: str = "aten") -> torch.Tensor:
     """Query-tiled attention on [b,H,S,Dh]: the largest temporary is [b,H,query_tile,S].
 
     Positions after the last valid token of the micro-batch are invalid for every sequence:
@@ -119,7 +132,8 @@ def tiled_attention(q, k, v, scale: float, causal: bool, valid_token_mask, query
             key_valid = valid_token_mask[:, :k_end]
             if not bool(all_valid_rows[t0:t1].all()):
                 query_valid = valid_token_mask[:, t0:t1]
-        args = (q[:, :, t0:t1], k[:, :, :k_end], v[:, :, :k_end], scale, t0, causal, key_valid, query_valid)
+        args = (q[:, :, t0:t1], k[:, :, :k_end], v[:, :, :k_end], scale, t0, causal, key_valid, query_valid, s,
+                softmax)
         if grad:
             pieces.append(checkpoint(attend_tile, *args, use_reentrant=False))
         else:
@@ -143,11 +157,15 @@ class LongContextTransformer(ReferenceTransformer):
     def __init__(self, config: TransformerConfig, micro_batch: int | None = None,
                  query_tile: int = DEFAULT_QUERY_TILE, activation_budget: int = DEFAULT_ACTIVATION_BUDGET,
                  backends: list[SDPBackend] | None = None, sdpa_layers: int | None = None,
-                 key_extent: str = "full"):
+                 key_extent: str = "full", softmax: str = "aten"):
         super().__init__(config)
         if key_extent not in KEY_EXTENTS:
             raise KKError(f"key_extent must be one of {', '.join(KEY_EXTENTS)}, got {key_extent!r}")
+        if softmax not in SOFTMAX_PATHS:
+            raise KKError(f"softmax must be one of {', '.join(SOFTMAX_PATHS)}, got {softmax!r}")
         self.key_extent = key_extent
+        # "block-kernel": the fused long-row softmax (float16, CUDA); opt-in until its GPU self-test passes.
+        self.softmax = softmax
         if sdpa_layers is None:
             sdpa_layers = config.num_layers
         if isinstance(sdpa_layers, bool) or not isinstance(sdpa_layers, int) or not 0 <= sdpa_layers <= config.num_layers:
@@ -193,7 +211,7 @@ class LongContextTransformer(ReferenceTransformer):
             context = fused_attention(q, k, v, attn.scale, attn.causal, self.backends or fused_backends(q.device))
         else:
             context = tiled_attention(q, k, v, attn.scale, attn.causal, valid_token_mask, self.query_tile,
-                                      self.key_extent)
+                                      self.key_extent, self.softmax)
         del q, k, v
         b, s, d = h.shape
         return zero_invalid_rows(attn.out_proj(context.transpose(1, 2).reshape(b, s, d)), valid_token_mask)
