@@ -361,3 +361,18 @@ def test_gpu_selftest_says_it_needs_a_gpu_in_one_line(capsys):
     assert selftest.main(["--shapes", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["custom_ops_gpu_selftest: needs a CUDA GPU"]
+
+
+def test_gpu_selftest_runs_long_shapes_through_the_long_context_model():
+    from kkdeploy import TransformerConfig
+    from kkdeploy.models.long_context import LongContextTransformer
+
+    selftest = load_script("custom_ops_gpu_selftest")
+    short, cases = selftest.model_and_cases(TransformerConfig(2, 64, 32, 4, 32, 1), "cpu")
+    assert not isinstance(short, LongContextTransformer) and cases == selftest.PADDING
+    long_model, cases = selftest.model_and_cases(TransformerConfig(1, 2048, 32, 4, 32, 1), "cpu")
+    assert isinstance(long_model, LongContextTransformer) and cases == (0.0,)
+    assert long_model.dtype == torch.float16
+    reference, _ = models_for(TransformerConfig(1, 2048, 32, 4, 32, 1))  # the same seeded weights
+    assert all(torch.equal(a.half(), b) for a, b in zip(reference.state_dict().values(),
+                                                        long_model.state_dict().values()))
