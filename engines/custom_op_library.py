@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from kkdeploy.errors import KKError
-from kkdeploy.kernels.cuda_build import (NVCC_FLAGS, cache_root, compiler_version, cuda_architecture, last_line,
-                                         nvcc, require_gpu, run)
+from kkdeploy.kernels.cuda_build import (NVCC_FLAGS, cache_root, compiler_version, cuda_architecture, gencode,
+                                         last_line, nvcc, require_gpu, run)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "custom_ops"
 SOURCES = ("kkdeploy_ops.cc",)
@@ -178,8 +178,7 @@ def compile_commands(cxx: str, include: Path, staged: Path, cuda: dict | None) -
     cc = [str(SOURCE_DIR / s) for s in SOURCES]
     if cuda is None:
         return [[cxx, *CXX_FLAGS, f"-I{include}", *cc, "-o", str(staged)]]
-    arch = cuda["arch"]
-    gencode = f"arch=compute_{arch[3:]},code={arch}"
+    arch = gencode(cuda["arch"])
     kernels, wrapper = staged.with_name("kernels.o"), staged.with_name("wrapper.o")
     host_flags = [f for f in CXX_FLAGS if f != "-shared"]
     cublas = cuda.get("cublas") or {"include": None, "lib_dir": None, "lib": "cublasLt"}
@@ -187,10 +186,10 @@ def compile_commands(cxx: str, include: Path, staged: Path, cuda: dict | None) -
     cublas_link = ([f"-L{cublas['lib_dir']}", "-Xlinker", f"-rpath={cublas['lib_dir']}"] if cublas["lib_dir"]
                    else []) + [f"-l{cublas['lib']}"]
     return [
-        [cuda["nvcc"], *NVCC_FLAGS, "-gencode", gencode, *cublas_include, "-c", str(SOURCE_DIR / CUDA_SOURCES[0]),
+        [cuda["nvcc"], *NVCC_FLAGS, "-gencode", arch, *cublas_include, "-c", str(SOURCE_DIR / CUDA_SOURCES[0]),
          "-o", str(kernels)],
         [cxx, *host_flags, "-DKKDEPLOY_WITH_CUDA", f"-I{include}", f"-I{SOURCE_DIR}", "-c", *cc, "-o", str(wrapper)],
-        [cuda["nvcc"], "-shared", "-Xcompiler", "-fPIC", "-gencode", gencode, str(kernels), str(wrapper),
+        [cuda["nvcc"], "-shared", "-Xcompiler", "-fPIC", "-gencode", arch, str(kernels), str(wrapper),
          *cublas_link, "-o", str(staged)],
     ]
 
@@ -229,19 +228,11 @@ def build_library(device: torch.device | str = "cpu") -> Path:
     return library
 
 
-def build_record(device: torch.device | str = "cpu") -> dict:
-    """What the manifest records of the library a candidate ships: the compilers, the CUDA toolchain
-    (architecture, nvcc, cuBLASLt location; None for a CPU build), the headers and the C API version."""
-    library = build_library(device)  # a cache lookup once built
-    info = json.loads((library.parent / "build.json").read_text())
+def build_record(library: Path) -> dict:
+    """What the manifest records of a built library (``build_library``'s path): the compilers, the CUDA
+    toolchain (architecture, nvcc, cuBLASLt location; None for a CPU build), the headers, the C API version."""
+    info = json.loads((Path(library).parent / "build.json").read_text())
     return {k: info.get(k) for k in ("compiler", "cuda", "headers", "api_version")}
-
-
-def library_has_cuda(library: Path | str) -> bool:
-    """Whether a built library carries the CUDA EP kernels (asked through its exported C function)."""
-    import ctypes
-
-    return bool(ctypes.CDLL(str(library)).KKDeployOpsWithCuda())
 
 
 def register(session_options, library: Path | str) -> None:

@@ -17,6 +17,7 @@ nodes) needs our custom-op library in every session: the builder compiles it on 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -80,11 +81,6 @@ def session_options(ort, level: str, optimized_path: Path | None = None, threads
 
         register(options, custom_ops_library)
     return options
-
-
-def build_tf32() -> bool:
-    """The build's TF32 setting: the pipeline runs every builder inside ``config.tf32_mode(--tf32)``."""
-    return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def providers_for(name: str, device: torch.device, use_tf32: bool | None = None) -> list:
@@ -197,11 +193,9 @@ class OrtBackend(Backend):
             return CandidateResult(candidate, self.name, UNAVAILABLE, f"unavailable: {exc}")
         result = self._build(ort, ctx, candidate, library)
         if library is not None and result.status == BUILT:
-            from .custom_op_library import build_record
-
             result.files.append(library.name)
             result.options["custom_ops_library"] = library.name
-            result.options["custom_ops_build"] = build_record(ctx.device)
+            result.options["custom_ops_build"] = json.loads(library_record_path(library).read_text())
         return result
 
     def _build(self, ort, ctx: BuildContext, candidate: str, library: Path | None) -> CandidateResult:
@@ -296,8 +290,11 @@ class OrtBackend(Backend):
 
 
 def tf32_option(candidate: str) -> bool | None:
-    """What a CUDA candidate built now records and runs with: the build's TF32; None on the CPU EP."""
-    return None if CANDIDATES[candidate]["provider"] == "CPUExecutionProvider" else build_tf32()
+    """What a CUDA candidate built now records and runs with: the build's TF32 (the pipeline runs every builder
+    inside ``config.tf32_mode(--tf32)``); None on the CPU EP."""
+    if CANDIDATES[candidate]["provider"] == "CPUExecutionProvider":
+        return None
+    return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def custom_ops_library(ctx: BuildContext) -> Path | None:
@@ -305,18 +302,25 @@ def custom_ops_library(ctx: BuildContext) -> Path | None:
 
     Compiled (or taken from the cache) once per build and copied next to the graph, so the artifact carries
     the exact bytes that were validated; raises a one-line ``KKError`` when it cannot be built here."""
-    from .custom_op_library import LIBRARY_NAME, build_library, graph_uses_custom_ops
+    from .custom_op_library import LIBRARY_NAME, build_library, build_record, graph_uses_custom_ops
 
     uses = (ctx.export_options.uses_custom_ops if ctx.export_options is not None
             else graph_uses_custom_ops(ctx.onnx_path))
     if not uses:
         return None
     target = ctx.out_dir / LIBRARY_NAME
-    if not target.is_file():
+    if not target.is_file():  # once per build; the record of how it was built goes beside it
         import shutil
 
-        shutil.copyfile(build_library(ctx.device), target)
+        built = build_library(ctx.device)
+        shutil.copyfile(built, target)
+        library_record_path(target).write_text(json.dumps(build_record(built), indent=1))
     return target
+
+
+def library_record_path(library: Path) -> Path:
+    """``<library>.build.json`` beside the artifact's copy: ``custom_op_library.build_record`` of it."""
+    return library.with_name(library.name + ".build.json")
 
 
 def mixed_graph_options(ort, base: str, level: str, disabled: list, source: Path, optimized: Path) -> dict:
