@@ -40,7 +40,7 @@ from kkdeploy.kernels.cuda_build import (NVCC_FLAGS, cache_root, compiler_versio
 
 SOURCE_DIR = Path(__file__).resolve().parent / "custom_ops"
 SOURCES = ("kkdeploy_ops.cc",)
-CUDA_SOURCES = ("kkdeploy_ops_cuda.cu", "kkdeploy_ops_cuda.h")
+CUDA_SOURCES = ("kkdeploy_ops_cuda.cu", "kkdeploy_ops_cuda.h", "../../kkdeploy/kernels/csrc/welford.cuh")
 LIBRARY_NAME = "libkkdeploy_ops.so"
 DOMAIN = "kkdeploy"
 DEBIAN_SUITE = "deb http://deb.debian.org/debian trixie main"

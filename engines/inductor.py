@@ -140,9 +140,11 @@ class AllValidSdpaForward(torch.nn.Module):
 
 
 def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: torch.dtype,
-                   device: torch.device, variant: str, kernel_attention: bool = False):
+                   device: torch.device, variant: str, kernel_attention: bool = False,
+                   kernel_layer_norm: bool = False):
     """ExportedProgram for one fixed shape, sensitive ops made opaque as the variant says; with
-    ``kernel_attention`` each attention core is one ``kkdeploy_faithful::attention`` op (no softmax left)."""
+    ``kernel_attention`` each attention core is one ``kkdeploy_faithful::attention`` op (no softmax left), with
+    ``kernel_layer_norm`` each LayerNorm is ``kkdeploy_faithful::layer_norm_rows`` (ATen's bits, our launch)."""
     from .inductor_ops import make_sensitive_ops_opaque
 
     opaque, sdpa_layers = parse_variant(variant, config)
@@ -158,7 +160,7 @@ def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: tor
     with torch.no_grad():
         exported = torch.export.export(module.eval(), (x, mask), strict=False)
     if opaque:
-        counts = make_sensitive_ops_opaque(exported, keep=opaque)
+        counts = make_sensitive_ops_opaque(exported, keep=opaque, layer_norm_kernel=kernel_layer_norm)
         expected = {"layer_norm": 2 * config.num_layers + 1, "gelu": config.num_layers,
                     "softmax": 0 if kernel_attention else config.num_layers - sdpa_layers}
         wrong = {op: (counts[op], expected[op]) for op in opaque if counts[op] != expected[op]}

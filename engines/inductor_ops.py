@@ -78,8 +78,11 @@ def _defaults(args: tuple, kwargs: dict, names: list[str], defaults: list) -> li
     return values
 
 
-def make_sensitive_ops_opaque(exported, keep=("layer_norm", "gelu", "softmax")) -> dict[str, int]:
+def make_sensitive_ops_opaque(exported, keep=("layer_norm", "gelu", "softmax"),
+                              layer_norm_kernel: bool = False) -> dict[str, int]:
     """Swap the LayerNorm / GELU / softmax nodes named in ``keep`` for opaque wrappers; count them.
+    ``layer_norm_kernel``: LayerNorms become ``kkdeploy_faithful::layer_norm_rows`` (``kkdeploy.kernels.layer_norm``:
+    the same schema and bits, one warp per row where it is proven; ATen's own kernel everywhere else).
 
     An unexpected form (a softmax with a dtype argument, a ``_softmax`` with half_to_float)
     raises: silently leaving it to Inductor would lose faithfulness without anyone noticing.
@@ -93,7 +96,10 @@ def make_sensitive_ops_opaque(exported, keep=("layer_norm", "gelu", "softmax")) 
             x, shape, w, b, eps, _ = _defaults(node.args, node.kwargs,
                                                ["input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"],
                                                [None, None, None, None, 1e-5, True])
-            target, args, key = torch.ops.kkdeploy_faithful.layer_norm.default, (x, list(shape), w, b, float(eps)), "layer_norm"
+            if layer_norm_kernel:
+                import kkdeploy.kernels.layer_norm  # noqa: F401  registers kkdeploy_faithful::layer_norm_rows
+            op = torch.ops.kkdeploy_faithful.layer_norm_rows if layer_norm_kernel else torch.ops.kkdeploy_faithful.layer_norm
+            target, args, key = op.default, (x, list(shape), w, b, float(eps)), "layer_norm"
         elif node.target is aten.gelu.default:
             x, approximate = _defaults(node.args, node.kwargs, ["self", "approximate"], [None, "none"])
             target, args, key = torch.ops.kkdeploy_faithful.gelu.default, (x, approximate), "gelu"

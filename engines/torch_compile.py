@@ -49,6 +49,7 @@ from .recipe import Recipe, parse as parse_recipe
 
 FAITHFUL = "torch-compile"
 KERNEL_ATTENTION = "torch-compile-faithful-attention"  # the faithful graph with kkdeploy.kernels' attention
+KERNELS = "torch-compile-faithful-kernels"  # ... and with kkdeploy.kernels' rows LayerNorm too
 # fused variant -> (half_gemm, calibrated float16 blocks), names derived from their recipes (engines.recipe)
 FUSED_VARIANTS = {Recipe("torch-compile", attention="fused", precision=p).name: (p.startswith("half-gemm"),
                                                                                   p.endswith("fp16-blocks"))
@@ -65,13 +66,34 @@ def inductor_variant(name: str) -> str:
     if recipe.backend == "torch-compile" and recipe.precision == "model":
         if recipe.attention in ("reference", "sdpa-last"):
             return replace(recipe, backend="inductor").name
-        if recipe.attention == "faithful-kernel":
+        if recipe.attention in ("faithful-kernel", "faithful-kernels"):
             return "inductor"
     raise KKError(f"unknown torch-compile variant {name!r}; use {FAITHFUL}, {FAITHFUL}-sdpa<k> or {KERNEL_ATTENTION}")
 
 
 def uses_kernel_attention(name: str) -> bool:
-    return parse_recipe(name).attention == "faithful-kernel"
+    return parse_recipe(name).attention in ("faithful-kernel", "faithful-kernels")
+
+
+def uses_kernel_layer_norm(name: str) -> bool:
+    return parse_recipe(name).attention == "faithful-kernels"
+
+
+def kernel_paths_record(name: str, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> dict:
+    """The manifest's record of which of our kernels this candidate's ops run here, and why."""
+    record = {}
+    if uses_kernel_attention(name):
+        record["attention_path"] = attention_path_record(config, dtype, device)
+    if uses_kernel_layer_norm(name):
+        from kkdeploy.kernels.layer_norm import MAX_ROW, layer_norm_path
+
+        path = layer_norm_path(device)
+        fits = dtype == torch.float16 and config.d_model <= MAX_ROW and config.d_model % 4 == 0
+        record["layer_norm_path"] = {"kernel": path.kernel if fits else "aten",
+                                     "reason": path.reason if fits else
+                                     f"{dtype_name(dtype)} rows of {config.d_model}: the rows kernel takes float16 "
+                                     f"rows of at most {MAX_ROW} (a multiple of 4); ATen's layer_norm runs"}
+    return record
 
 
 def attention_path_record(config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> dict:
@@ -91,7 +113,7 @@ def default_variants(device: torch.device, dtype: torch.dtype = torch.float16, c
     if torch.device(device).type == "cpu":
         return [FAITHFUL]
     fused = list(FUSED_VARIANTS) if dtype == torch.float32 and contract == "judge" else []
-    return [FAITHFUL, f"{FAITHFUL}-sdpa1", KERNEL_ATTENTION, *fused]
+    return [FAITHFUL, f"{FAITHFUL}-sdpa1", KERNEL_ATTENTION, KERNELS, *fused]
 
 
 def check_variant(name: str, config: TransformerConfig, dtype: torch.dtype) -> None:
@@ -171,7 +193,8 @@ class CompiledRunner(CompiledModuleRunner):
         variant = inductor_variant(name)
         start = time.perf_counter()
         exported = export_variant(model, config, dtype, torch.device(device), variant,
-                                  kernel_attention=uses_kernel_attention(name))
+                                  kernel_attention=uses_kernel_attention(name),
+                                  kernel_layer_norm=uses_kernel_layer_norm(name))
         export_seconds = time.perf_counter() - start
         super().__init__(exported.module(), config, dtype, device, name=name,
                          all_valid_only=bool(parse_variant(variant, config)[1]), options=faithful_inductor_configs(),
@@ -224,8 +247,7 @@ class TorchCompileBackend(Backend):
                       "half_gemm_kernel": fused.half_gemm_kernel, "calibration": calibration}
         else:
             runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)
-            if uses_kernel_attention(candidate):
-                recipe["attention_path"] = attention_path_record(ctx.config, ctx.dtype, device)
+            recipe.update(kernel_paths_record(candidate, ctx.config, ctx.dtype, device))
         ratios = FINGERPRINT_PADDING[:1] if runner.all_valid_only else FINGERPRINT_PADDING
         fingerprint = output_fingerprint(runner, ctx.config, ctx.dtype, device, padding_ratios=ratios)
         files = [WEIGHTS_FILE]

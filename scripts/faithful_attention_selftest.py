@@ -57,7 +57,13 @@ VARIANTS = {  # name -> launch options of triton_attention (the first is the op'
     "bm64": dict(block_m=64, sub=1),
     "bm64x2": dict(block_m=64, sub=2),
     "bm128x2": dict(block_m=128, sub=2),
+    "onepass": dict(block_m=64, one_pass=True),  # S <= 128: the whole row in one chunk (issue 19, shape 6)
 }
+
+
+def variants_for(seq_len: int, names=None) -> list[str]:
+    """The launch variants that apply to rows of ``seq_len`` (one pass holds at most 128 keys)."""
+    return [n for n in (names or VARIANTS) if not (VARIANTS[n].get("one_pass") and seq_len > 128)]
 
 
 def log(msg: str) -> None:
@@ -316,17 +322,19 @@ def main(argv=None) -> int:
                 mode = "padded" if padded else "all_valid"
                 (q, k, v), mask, attn, how = model_inputs(config, device, padded)
                 entry["weights"] = how
-                entry[f"model_{mode}"] = run_case(q, k, v, mask, h, True, list(VARIANTS), attn=attn)
+                entry[f"model_{mode}"] = run_case(q, k, v, mask, h, True, variants_for(config.seq_len), attn=attn)
                 entry[f"model_{mode}"]["stages"] = stage_report(q, k, v, mask, h, True, **VARIANTS["bm64"])
                 (rq, rk, rv), _ = random_inputs(config, device, mask)
-                entry[f"random_{mode}"] = run_case(rq, rk, rv, mask, h, True, ["bm64"])
+                entry[f"random_{mode}"] = run_case(rq, rk, rv, mask, h, True,
+                                                   variants_for(config.seq_len, ["bm64", "onepass"]))
                 entry[f"random_{mode}"]["stages"] = stage_report(rq, rk, rv, mask, h, True, **VARIANTS["bm64"])
                 if not args.no_bench:
                     tm = {"aten_ms": bench(lambda: reference_attention(q, k, v, mask, h, True)),
                           "op_ms": bench(lambda: faithful_attention(q, k, v, mask, num_heads=h, causal=True))}
                     from kkdeploy.kernels._faithful_attention_triton import triton_attention
 
-                    timed = VARIANTS if (padded and str(sid) in args.time_variants.split(",")) else ["bm64"]
+                    timed = variants_for(config.seq_len, list(VARIANTS) if (
+                        padded and str(sid) in args.time_variants.split(",")) else ["bm64", "onepass"])
                     for name in timed:
                         opts = VARIANTS[name]
                         tm[f"{name}_ms"] = bench(lambda opts=opts: triton_attention(q, k, v, mask, h, True, **opts))
@@ -497,6 +505,11 @@ def print_table(report: dict) -> None:
         best_s = f"{best} {variants[best]:.4f}" if best else "-"
         log(f"{head} | {worst('model_all_valid'):>11} {worst('model_padded'):>11} {worst('random_all_valid'):>11} "
             f"{worst('random_padded'):>11} | {times('time_all_valid'):>18} | {times('time_padded'):>18} | {best_s:>20}")
+        one = [e.get(k, {}).get("onepass", {}).get("differing", "-") for k in
+               ("model_all_valid", "model_padded", "random_all_valid", "random_padded")]
+        one_ms = [e.get(k, {}).get("onepass_ms") for k in ("time_all_valid", "time_padded")]
+        bm64_ms = [e.get(k, {}).get("bm64_ms") for k in ("time_all_valid", "time_padded")]
+        log(f"{'':>3} onepass differing {one} ms {one_ms} (bm64 ms {bm64_ms})")
 
 
 if __name__ == "__main__":

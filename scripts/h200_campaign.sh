@@ -15,8 +15,9 @@
 #   custom-ops.json, ortstrict.md/json, ortjudge.md/json  issue 20: op table, FP16 strict ORT, float32 judge ORT
 #   shape14-tiles.json  scripts/shape14_tile_study.py (issue 19: shape 14's tile profile and bitwise skips)
 #   block-softmax.json  scripts/block_softmax_selftest.py (issue 19: ATen's block softmax order, the fused kernel)
-# Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, bench,
-# profile, customops, ortstrict, ortjudge. A step's =SECONDS caps its wall time.
+#   layer-norm.json  scripts/layer_norm_selftest.py; faithful_attention_selftest.json (issue 19's kernels, bitwise)
+# Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm,
+# attention, bench, profile, customops, ortstrict, ortjudge. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -94,6 +95,14 @@ step_shape14() { python3 scripts/shape14_h200.py --out "$OUT/shape14.json" ${SHA
 step_blocksoftmax() {
   # Issue 19: ATen's block softmax order (emulation vs torch.softmax) and the fused causal kernel, bitwise.
   python3 scripts/block_softmax_selftest.py --out "$OUT/block-softmax.json" ${BLOCKSOFTMAX_ARGS:-}
+}
+step_layernorm() {
+  # Issue 19: the rows LayerNorm kernel against F.layer_norm, every official shape's LayerNorms, bitwise; timing.
+  python3 scripts/layer_norm_selftest.py --out "$OUT/layer-norm.json" ${LAYERNORM_ARGS:-}
+}
+step_attention() {
+  # Issue 19: the faithful attention kernel (every launch variant, one-pass included) against ATen, bitwise.
+  python3 scripts/faithful_attention_selftest.py --out "$OUT" --time-variants "${ATTENTION_TIME_VARIANTS:-6,1,5,11}"
 }
 step_shape14tiles() {
   # Issue 19: where a reference-order shape-14 tile spends its time, and which skips of masked work are bitwise.

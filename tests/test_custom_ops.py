@@ -340,9 +340,9 @@ def test_a_cuda_build_without_a_gpu_or_nvcc_is_a_one_line_error(monkeypatch):
 def test_cuda_sources_keep_atens_operand_order():
     """The CUDA kernels are bitwise only if written as ATen writes them (nvcc contracts a*b+c by position);
     pin the expressions the GPU self-test proved, so an edit that reorders them fails here first."""
-    from engines.custom_op_library import SOURCE_DIR
+    from engines.custom_op_library import CUDA_SOURCES, SOURCE_DIR
 
-    src = (SOURCE_DIR / "kkdeploy_ops_cuda.cu").read_text()
+    src = "".join((SOURCE_DIR / name).read_text() for name in CUDA_SOURCES)  # the kernels and the shared Welford
     for expr in ("const float mean = s.mean + delta * (1.f / count);",
                  "return {mean, s.m2 + delta * (value - mean), count};",
                  "mean = n_other * other.mean + n_own * own.mean;",

@@ -336,6 +336,10 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         (2, 33, 64, 2, False, True, 1, 64), (1, 100, 32, 1, True, True, 2, 64),
         (2, 130, 64, 2, True, True, 2, 64), (1, 1, 16, 2, True, False, 1, 64),
         (1, 70, 128, 8, True, True, 1, 32), (1, 96, 32, 2, False, False, 1, 128),
+        # one pass over the whole row (sub = "one"): 1, 2 and 4 lane iterations. (Its P.V is one tl.dot where the
+        # three passes chain several: numpy's sums differ there; on the GPU faithful_attention_selftest.py decides.)
+        (2, 128, 64, 2, True, True, "one", 64), (1, 50, 32, 2, False, True, "one", 64),
+        (2, 20, 32, 4, True, True, "one", 64), (1, 97, 64, 1, True, False, "one", 32),
     ]:
         dh = d // h
         # q.k exact in fp32 in any summation order (multiples of 1/256, |q.k| <= 64: 15 bits), so the
@@ -346,7 +350,9 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         if padded:
             lengths = torch.randint(max(1, s // 2), s + 1, (b,), generator=g)
             mask = torch.arange(s)[None, :] < lengths[:, None]
-        out, scores, probs = triton_attention(q, k, v, mask, h, causal, debug=True, sub=sub, block_m=block_m)
+        one = sub == "one"
+        out, scores, probs = triton_attention(q, k, v, mask, h, causal, debug=True, block_m=block_m,
+                                              **(dict(one_pass=True) if one else dict(sub=sub)))
         qh, kh, vh = (t.view(b, s, h, dh).transpose(1, 2) for t in (q, k, v))
         ref_scores = torch.matmul(qh, kh.transpose(-2, -1)) * dh ** -0.5
         if causal:
@@ -391,7 +397,7 @@ def test_triton_kernel_logic_under_the_interpreter():
     results = json.loads(line[len("RESULTS "):])
     assert results[-1] == {"case": "cuda impl", "same": True}
     results = results[:-1]
-    assert len(results) == 8
+    assert len(results) == 12
     for r in results:
         assert r["scores_diff"] == 0, r
         assert r["probs_diff"] == 0, r

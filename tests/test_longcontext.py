@@ -271,29 +271,58 @@ def test_fused_layers_are_confined_to_the_last_ones():
         LongContextTransformer(config, sdpa_layers=4)
 
 
-def test_aligned_key_extent_cuts_causal_tiles_at_4096_key_multiples():
-    from kkdeploy.models.long_context import key_end
+def test_aligned_key_extent_cuts_causal_tiles_at_4096_key_multiples_that_take_atens_regular_kernel():
+    from kkdeploy.kernels.block_softmax import block_softmax_layout
+    from kkdeploy.models.long_context import ALIGNED_MIN_KEYS, key_end
 
-    assert key_end(100, 100000, True, "aligned") == 4096
-    assert key_end(4096, 100000, True, "aligned") == 4096 and key_end(4097, 100000, True, "aligned") == 8192
+    # the shortest cut is the first 4096 multiple past ATen's shared-memory softmax (a different order)
+    assert block_softmax_layout(ALIGNED_MIN_KEYS)[0] == "regular"
+    assert block_softmax_layout(ALIGNED_MIN_KEYS - 4096)[0] == "smem"
+    assert key_end(100, 100000, True, "aligned") == 12288 and key_end(12288, 100000, True, "aligned") == 12288
+    assert key_end(12289, 100000, True, "aligned") == 16384 and key_end(50000, 100000, True, "aligned") == 53248
     assert key_end(99000, 100000, True, "aligned") == 100000  # past the last multiple: the whole row
+    assert key_end(100, 9000, True, "aligned") == 9000  # a row shorter than the shortest cut: whole
     assert key_end(100, 100000, False, "aligned") == 100000  # not causal: every key
     assert key_end(100, 100000, True, "full") == 100000 and key_end(100, 100000, True, "visible") == 100
     with pytest.raises(KKError, match="key_extent must be one of full, visible, aligned"):
         LongContextTransformer(TransformerConfig(1, 16, 32, 4, 32, 1), key_extent="half")
 
 
-def test_aligned_long_context_path_stays_with_the_reference_past_4096_keys():
-    """Rows longer than 4096 keys, so early tiles really are cut; whether the cut is bitwise is the GPU's
-    question (scripts/shape14_h200.py --path-key-extent aligned); here it must stay within float32 noise."""
-    config = TransformerConfig(1, 9000, 16, 2, 16, 1, causal=True)
-    reference, _, _ = models(config, torch.float32)
+def test_aligned_long_context_path_stays_with_the_reference_past_the_shortest_cut():
+    """Rows longer than 12,288 keys, so early tiles really are cut; whether the cut is bitwise is the GPU's
+    question (scripts/shape14_h200.py --path-key-extent aligned); here it must stay within float32 noise of
+    the tiled reference (full key rows)."""
+    config = TransformerConfig(1, 13000, 16, 2, 16, 1, causal=True)
+    _, tiled, _ = models(config, torch.float32, reference_tile=1024)
     path = LongContextTransformer(config, query_tile=1024, sdpa_layers=0, key_extent="aligned")
-    path.load_state_dict(reference.state_dict(), strict=True)
+    path.load_state_dict(tiled.state_dict(), strict=True)
     path = path.eval()
     x, mask = generate_case(config, "cpu", torch.float32, 5)
     with torch.inference_mode():
-        torch.testing.assert_close(path(x, mask), reference(x, mask), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(path(x, mask), tiled(x, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_block_kernel_branch_runs_only_for_rows_the_kernel_reproduces(monkeypatch):
+    """The fused softmax stands in for ATen's regular block softmax only (rows >= 12,256 keys); shorter rows,
+    which ATen gives its shared-memory kernel, stay with the composition. Off the GPU both are the composition,
+    so the outputs agree either way."""
+    if not cpu_kernels_for(torch.float16):
+        pytest.skip("this CPU build has no float16 matmul/layer_norm kernels")
+    import kkdeploy.kernels.block_softmax as bs
+    from kkdeploy.models.long_context import attend_tile
+
+    calls = []
+    real = bs.causal_block_softmax
+    monkeypatch.setattr(bs, "causal_block_softmax", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    g = torch.Generator().manual_seed(4)
+    q, k, v = ((torch.randn(1, 2, 13000, 8, generator=g)).half() for _ in range(3))
+    t0, t1 = 12000, 12016
+    for row_len, width in ((13000, 12288), (4096, 4096)):
+        fused = attend_tile(q[:, :, t0 - 12000:t1 - 12000] if row_len == 4096 else q[:, :, t0:t1],
+                            k[:, :, :width], v[:, :, :width], 0.125, t0 if row_len == 13000 else 0, True, None,
+                            None, row_len, "block-kernel")
+        assert fused.shape == (1, 2, 16, 8) and torch.isfinite(fused).all()
+    assert calls == [13000]  # the 4096-key row took ATen's ops
 
 
 @pytest.mark.parametrize("key_extent", ["full", "aligned"])

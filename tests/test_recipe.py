@@ -10,7 +10,7 @@ KNOWN = ["ort-cpu", "ort-cuda", "ort-cuda-graph", "ort-cpu-mixed", "ort-cuda-gra
          "trt-autocast", "torch-graph", "torch-graph-sdpa1", "torch-graph-nomask", "torch-compile",
          "torch-compile-sdpa1", "torch-compile-sdpa3", "torch-compile-fused", "torch-compile-fused-mixed",
          "torch-compile-fused-half-gemm", "torch-compile-fused-half-gemm-mixed", "torch-compile-faithful-attention",
-         "inductor", "inductor-fused", "inductor-sdpa1"]
+         "torch-compile-faithful-kernels", "inductor", "inductor-fused", "inductor-sdpa1"]
 
 
 @pytest.mark.parametrize("name", KNOWN)

@@ -253,3 +253,38 @@ def test_faithful_attention_variant_is_one_kernel_op_per_block_and_bitwise(dtype
     for x, mask in (generate_case(TINY, CPU, dtype, 3), padded_case(dtype, 4)):
         with torch.no_grad():
             assert torch.equal(runner(x, mask), reference(x, mask))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_faithful_kernels_variant_swaps_every_layer_norm_for_the_rows_op_and_stays_bitwise(dtype):
+    """torch-compile-faithful-kernels: the attention op of -faithful-attention plus every LayerNorm as
+    kkdeploy_faithful::layer_norm_rows (ATen's own layer_norm off the proven GPU path, so bitwise here)."""
+    from engines.inductor import export_variant
+    from engines.torch_compile import KERNELS, kernel_paths_record, uses_kernel_layer_norm
+
+    reason = BACKEND.unavailable_reason(CPU, dtype)
+    if reason:
+        pytest.skip(reason)
+    assert uses_kernel_layer_norm(KERNELS) and not uses_kernel_layer_norm("torch-compile-faithful-attention")
+    reference, _ = build_models(TINY, dtype, CPU)
+    exported = export_variant(reference, TINY, dtype, CPU, inductor_variant(KERNELS), kernel_attention=True,
+                              kernel_layer_norm=True)
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert sum("kkdeploy_faithful.layer_norm_rows" in t for t in targets) == 2 * TINY.num_layers + 1
+    assert sum("kkdeploy_faithful.attention" in t for t in targets) == TINY.num_layers
+    assert not any("layer_norm" in t and "kkdeploy" not in t for t in targets)
+    runner = CompiledRunner(reference, TINY, dtype, CPU, name=KERNELS)
+    for x, mask in (generate_case(TINY, CPU, dtype, 3), padded_case(dtype, 4)):
+        with torch.no_grad():
+            assert torch.equal(runner(x, mask), reference(x, mask))
+    record = kernel_paths_record(KERNELS, TINY, dtype, CPU)
+    assert record["layer_norm_path"]["kernel"] == "aten" and record["attention_path"]["kernel"] == "aten"
+
+
+def test_faithful_kernels_is_a_default_cuda_candidate_and_benchable():
+    from engines.torch_compile import KERNELS, default_variants
+    from kkdeploy.pipeline.bench import COMPILE_CANDIDATES
+
+    assert KERNELS in default_variants(torch.device("cuda"), torch.float16, "strict")
+    assert KERNELS not in default_variants(CPU, torch.float16, "strict")
+    assert KERNELS in COMPILE_CANDIDATES

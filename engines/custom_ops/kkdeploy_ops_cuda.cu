@@ -23,6 +23,8 @@
 #include <string>
 
 #include "kkdeploy_ops_cuda.h"
+// ATen's Welford steps, shared with the torch op's LayerNorm kernel (kkdeploy/kernels/csrc/layer_norm.cu)
+#include "../../kkdeploy/kernels/csrc/welford.cuh"
 
 namespace {
 
@@ -94,37 +96,7 @@ __global__ void add_bias_round_kernel(const float* __restrict__ acc, const __hal
 }
 
 // ------------------------------------------------------------------------------------------- LayerNorm
-struct Moments {
-  float mean;
-  float m2;
-  float count;
-};
-
-// One element into a running Welford state (ATen: cuWelfordOnlineSum, reciprocal times delta).
-__device__ __forceinline__ Moments welford_push(const float value, const Moments s) {
-  const float delta = value - s.mean;
-  const float count = s.count + 1.f;
-  const float mean = s.mean + delta * (1.f / count);
-  return {mean, s.m2 + delta * (value - mean), count};
-}
-
-// Merge `other` into `own` (ATen: cuWelfordCombine(dataB = own, dataA = other)); operand order kept.
-__device__ __forceinline__ Moments welford_merge(const Moments own, const Moments other) {
-  const float delta = own.mean - other.mean;
-  const float count = other.count + own.count;
-  float mean, m2;
-  if (count > 0.f) {
-    const float coef = 1.f / count;
-    const float n_other = other.count * coef;
-    const float n_own = own.count * coef;
-    mean = n_other * other.mean + n_own * own.mean;
-    m2 = other.m2 + own.m2 + delta * delta * other.count * n_own;
-  } else {
-    mean = 0.f;
-    m2 = 0.f;
-  }
-  return {mean, m2, count};
-}
+using kk_welford::Moments;
 
 struct alignas(8) Half4 {
   __half v[4];
@@ -146,13 +118,13 @@ __global__ void layer_norm_f16_kernel(const __half* __restrict__ X, const __half
   for (int i = tid; i < vectors; i += threads) {
     const Half4 data = row4[i];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) s = welford_push(__half2float(data.v[k]), s);
+    for (int k = 0; k < 4; ++k) s = kk_welford::push(__half2float(data.v[k]), s);
   }
   for (int offset = kWarp >> 1; offset > 0; offset >>= 1) {
     const Moments other{__shfl_down_sync(0xffffffffu, s.mean, offset, kWarp),
                         __shfl_down_sync(0xffffffffu, s.m2, offset, kWarp),
                         __shfl_down_sync(0xffffffffu, s.count, offset, kWarp)};
-    s = welford_merge(s, other);
+    s = kk_welford::merge(s, other);
   }
   float* mean_m2 = shared;
   float* counts = shared + blockDim.y;
@@ -166,7 +138,7 @@ __global__ void layer_norm_f16_kernel(const __half* __restrict__ X, const __half
     __syncthreads();
     if (threadIdx.x == 0 && threadIdx.y < offset) {
       const Moments other{mean_m2[2 * threadIdx.y], mean_m2[2 * threadIdx.y + 1], counts[threadIdx.y]};
-      s = welford_merge(s, other);
+      s = kk_welford::merge(s, other);
     }
     __syncthreads();
   }

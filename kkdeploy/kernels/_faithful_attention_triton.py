@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kkdeploy.errors import KKError
+
 from .faithful_attention import check_attention_inputs, fp32_scale, persistent_softmax_layout
 
 try:  # the CUDA libdevice wrappers (absent or unusable under the interpreter)
@@ -65,6 +67,41 @@ def _butterfly_step(x, BLOCK_M: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _lane_add(lane, e, BLOCK_M: tl.constexpr, LANES: tl.constexpr, SUB: tl.constexpr):
+    """lane [BLOCK_M, LANES] += e [BLOCK_M, SUB * LANES], one iteration at a time: column it * LANES + t is lane
+    t's element of iteration it, added in it order (ATen's per-lane sequential sum). SUB is 1, 2 or 4."""
+    if SUB == 1:
+        lane = lane + e
+    elif SUB == 2:
+        e_first, e_second = tl.split(tl.permute(tl.reshape(e, (BLOCK_M, 2, LANES)), (0, 2, 1)))
+        lane = lane + e_first
+        lane = lane + e_second
+    else:  # SUB == 4: it = 2 * hi + lo
+        x = tl.permute(tl.reshape(e, (BLOCK_M, 2, 2, LANES)), (0, 3, 1, 2))  # [M, LANES, hi, lo]
+        lo0, lo1 = tl.split(x)  # [M, LANES, hi]: it = 2 hi and it = 2 hi + 1
+        e0, e2 = tl.split(lo0)
+        e1, e3 = tl.split(lo1)
+        lane = lane + e0
+        lane = lane + e1
+        lane = lane + e2
+        lane = lane + e3
+    return lane
+
+
+@triton.jit
+def _row_sum(lane, BLOCK_M: tl.constexpr, LANES: tl.constexpr):
+    """The __shfl_xor butterfly over the lanes: offsets LANES/2, ..., 1 (LANES is 16 or 32; lanes >= WARP
+    hold +0); [BLOCK_M, LANES] -> [BLOCK_M]."""
+    if LANES == 32:
+        lane = _butterfly_step(lane, BLOCK_M, 16)
+    lane = _butterfly_step(lane, BLOCK_M, 8)
+    lane = _butterfly_step(lane, BLOCK_M, 4)
+    lane = _butterfly_step(lane, BLOCK_M, 2)
+    lane = _butterfly_step(lane, BLOCK_M, 1)
+    return tl.reshape(lane, (BLOCK_M, ))
+
+
+@triton.jit
 def _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d, S, scale,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
     """fp32 scores of one key chunk, holding fp16 values (or -inf), rounded where the reference rounds."""
@@ -91,6 +128,7 @@ def _faithful_attention_kernel(
     HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     LANES: tl.constexpr, SUB: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
+    ONE_PASS: tl.constexpr = False,
 ):
     CHUNK: tl.constexpr = LANES * SUB
     pid_m = tl.program_id(0)
@@ -114,55 +152,59 @@ def _faithful_attention_kernel(
     else:
         n_end = S
 
-    # pass 1: the row max (order-free)
-    run_max = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
-    for n0 in range(0, n_end, CHUNK):
-        s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
+    if ONE_PASS:  # one chunk holds the whole row (CHUNK >= S): scores, exps and probabilities computed once
+        s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_c, offs_d,
                          S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
-        run_max = tl.maximum(run_max, s)
-    row_max = tl.max(run_max, axis=1)
-
-    # pass 2: per-lane sequential sums of expf(s - max), in ATen's element order
-    lane = tl.zeros((BLOCK_M, LANES), tl.float32)
-    for n0 in range(0, n_end, CHUNK):
-        s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
-                         S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+        row_max = tl.max(s, axis=1)
         e = _exp(s - row_max[:, None], ACCURATE)
-        if SUB == 1:
-            lane = lane + e
-        else:  # SUB == 2: columns [0, LANES) are iteration it, [LANES, 2 LANES) iteration it + 1
-            e2 = tl.permute(tl.reshape(e, (BLOCK_M, 2, LANES)), (0, 2, 1))
-            e_first, e_second = tl.split(e2)
-            lane = lane + e_first
-            lane = lane + e_second
-    # the __shfl_xor butterfly: offsets LANES/2, ..., 1 (LANES is 16 or 32; lanes >= WARP hold +0)
-    if LANES == 32:
-        lane = _butterfly_step(lane, BLOCK_M, 16)
-    lane = _butterfly_step(lane, BLOCK_M, 8)
-    lane = _butterfly_step(lane, BLOCK_M, 4)
-    lane = _butterfly_step(lane, BLOCK_M, 2)
-    lane = _butterfly_step(lane, BLOCK_M, 1)
-    row_sum = tl.reshape(lane, (BLOCK_M, ))
-
-    # pass 3: probabilities (IEEE division, fp16) and P.V in key order
-    acc = tl.zeros((BLOCK_M, DH_PAD), tl.float32)
-    for n0 in range(0, n_end, CHUNK):
-        offs_n = n0 + offs_c
-        s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d,
-                         S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
-        e = _exp(s - row_max[:, None], ACCURATE)
+        row_sum = _row_sum(_lane_add(tl.zeros((BLOCK_M, LANES), tl.float32), e, BLOCK_M, LANES, SUB), BLOCK_M, LANES)
         p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
-        vmask = (offs_n[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
-        v = tl.load(V + v_row0 + offs_n[:, None] * stride_vs + offs_d[None, :], mask=vmask, other=0.0)
-        acc = tl.dot(p, v, acc)
-        if DEBUG:  # the reference's intermediate tensors, [B, H, S, S] fp16
-            dbg = ((b * H + h) * S + offs_m[:, None].to(tl.int64)) * S + offs_n[None, :]
-            dmask = (offs_m[:, None] < S) & (offs_n[None, :] < S)
+        vmask = (offs_c[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+        v = tl.load(V + v_row0 + offs_c[:, None] * stride_vs + offs_d[None, :], mask=vmask, other=0.0)
+        acc = tl.dot(p, v)
+        if DEBUG:
+            dbg = ((b * H + h) * S + offs_m[:, None].to(tl.int64)) * S + offs_c[None, :]
+            dmask = (offs_m[:, None] < S) & (offs_c[None, :] < S)
             tl.store(SCORES + dbg, s.to(tl.float16), mask=dmask)
             tl.store(PROBS + dbg, p, mask=dmask)
+        o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
+        tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
+    else:  # three passes over chunks of the row
+        # pass 1: the row max (order-free)
+        run_max = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
+        for n0 in range(0, n_end, CHUNK):
+            s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
+                             S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+            run_max = tl.maximum(run_max, s)
+        row_max = tl.max(run_max, axis=1)
 
-    o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
+        # pass 2: per-lane sequential sums of expf(s - max), in ATen's element order
+        lane = tl.zeros((BLOCK_M, LANES), tl.float32)
+        for n0 in range(0, n_end, CHUNK):
+            s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
+                             S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+            lane = _lane_add(lane, _exp(s - row_max[:, None], ACCURATE), BLOCK_M, LANES, SUB)
+        row_sum = _row_sum(lane, BLOCK_M, LANES)
+
+        # pass 3: probabilities (IEEE division, fp16) and P.V in key order
+        acc = tl.zeros((BLOCK_M, DH_PAD), tl.float32)
+        for n0 in range(0, n_end, CHUNK):
+            offs_n = n0 + offs_c
+            s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d,
+                             S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+            e = _exp(s - row_max[:, None], ACCURATE)
+            p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
+            vmask = (offs_n[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+            v = tl.load(V + v_row0 + offs_n[:, None] * stride_vs + offs_d[None, :], mask=vmask, other=0.0)
+            acc = tl.dot(p, v, acc)
+            if DEBUG:  # the reference's intermediate tensors, [B, H, S, S] fp16
+                dbg = ((b * H + h) * S + offs_m[:, None].to(tl.int64)) * S + offs_n[None, :]
+                dmask = (offs_m[:, None] < S) & (offs_n[None, :] < S)
+                tl.store(SCORES + dbg, s.to(tl.float16), mask=dmask)
+                tl.store(PROBS + dbg, p, mask=dmask)
+
+        o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
+        tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
 
 
 def kernel_lanes(seq_len: int) -> int:
@@ -172,10 +214,12 @@ def kernel_lanes(seq_len: int) -> int:
 
 
 def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=None, sub=None,
-                     num_warps=None, num_stages=None, debug=False, validate=True):
+                     num_warps=None, num_stages=None, debug=False, validate=True, one_pass=False):
     """Launch the kernel; returns the context [B, S, D] fp16 (and, with ``debug``, the fp16 scores and
     probabilities [B, H, S, S] as the reference computes them; causal-skipped entries are filled with
-    the reference's values -inf and 0). ``validate=False``: the caller already checked the inputs."""
+    the reference's values -inf and 0). ``validate=False``: the caller already checked the inputs.
+    ``one_pass`` (S <= 128): one chunk of ``lanes * sub`` >= S keys, so every score, exp
+    and probability is computed once instead of three times, and P.V is one tl.dot over the row."""
     if validate:
         check_attention_inputs(q, k, v, valid_token_mask, num_heads, causal)
         if q.dtype != torch.float16:
@@ -187,11 +231,16 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
     lanes = kernel_lanes(s)
     block_m = DEFAULT_BLOCK_M if block_m is None else block_m
     sub = DEFAULT_SUB if sub is None else sub
+    if one_pass:
+        if s > 4 * lanes:
+            raise KKError(f"one_pass takes S <= {4 * lanes} (S = {s})")
+        sub = 1 if s <= lanes else (2 if s <= 2 * lanes else 4)
+        block_m = 64 if block_m is None else block_m
     if lanes < 32:
         sub = 1  # one iteration per lane: S <= 32
     dh_pad = max(16, 1 << (dh - 1).bit_length())
     if num_warps is None:
-        num_warps = 8 if (dh_pad >= 256 or block_m >= 128) else 4
+        num_warps = 8 if (dh_pad >= 256 or block_m >= 128 or one_pass) else 4
     if num_stages is None and dh_pad >= 256:
         num_stages = 2  # 3 stages of [64, 256] K and V tiles pass the H200's 227 KiB of shared memory
     out = torch.empty((b, s, d), dtype=q.dtype, device=q.device)
@@ -216,7 +265,7 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         stride_mb, stride_ms,
         s, num_heads, scale,
         HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_M=block_m, LANES=lanes, SUB=sub,
-        CAUSAL=bool(causal), HAS_MASK=has_mask, ACCURATE=not INTERPRET, DEBUG=bool(debug),
+        CAUSAL=bool(causal), HAS_MASK=has_mask, ACCURATE=not INTERPRET, DEBUG=bool(debug), ONE_PASS=bool(one_pass),
         **launch,
     )
     if debug:

@@ -56,6 +56,17 @@ def block_softmax_layout(row_len: int, smem_per_block: int = DEFAULT_SMEM_PER_BL
     return "regular", row_len % CHUNK
 
 
+def kernel_covers(row_len: int, smem_per_block: int = DEFAULT_SMEM_PER_BLOCK) -> bool:
+    """Whether ``causal_block_softmax`` reproduces ATen for rows of ``row_len``: the regular kernel only.
+    Rows that take the shared-memory kernel are left to ATen: its order differs from the regular kernel's
+    (H200, torch 2.11: a causal row cut at 4096 keys moved 18 of 1M probabilities against the same row at
+    100,000 keys; scripts/shape14_tile_study.py)."""
+    try:
+        return block_softmax_layout(row_len, smem_per_block)[0] == "regular"
+    except KKError:
+        return False
+
+
 def thread_order(row_len: int, smem_per_block: int = DEFAULT_SMEM_PER_BLOCK) -> torch.Tensor:
     """[THREADS, steps] element indices: row t lists thread t's elements in the order it folds them
     (-1 pads threads with fewer elements)."""
@@ -146,7 +157,10 @@ def causal_block_softmax(raw: torch.Tensor, scale: float, row_len: int, first_qu
                       f"queries up to {last_query})")
     if raw.device.type != "cuda":
         return reference_causal_softmax(raw, scale, row_len, first_query, queries, causal)
-    _, tail = block_softmax_layout(row_len, smem_per_block)
+    kind, tail = block_softmax_layout(row_len, smem_per_block)
+    if kind != "regular":
+        raise KKError(f"causal_block_softmax: rows of {row_len} take ATen's shared-memory softmax, whose order "
+                      f"this kernel does not reproduce; use the reference composition")
     out = torch.empty_like(raw)
     lib = _load(str(raw.device))
     rc = lib.kk_causal_block_softmax_f16(raw.data_ptr(), out.data_ptr(), rows, width, raw.stride(0), out.stride(0),

@@ -66,15 +66,17 @@ def attend_tile(q_tile, k_head, v_head, scale: float, query_start: int, causal: 
 
     ``softmax="block-kernel"`` (all-valid causal float16 tiles): the scale, roundings, mask, casts and softmax
     as one kernel in ATen's block-softmax order over a row of ``row_len`` keys
-    (``kkdeploy.kernels.block_softmax.causal_block_softmax``; the reference composition off the GPU).
+    (``kkdeploy.kernels.block_softmax.causal_block_softmax``; the reference composition off the GPU, and for
+    rows that take ATen's shared-memory softmax, whose order the kernel does not reproduce).
     """
     tile, keys = q_tile.shape[-2], k_head.shape[-2]
     if softmax == "block-kernel" and causal and key_valid is None and query_valid is None:
-        from kkdeploy.kernels.block_softmax import causal_block_softmax
+        from kkdeploy.kernels.block_softmax import causal_block_softmax, kernel_covers
 
-        raw = torch.matmul(q_tile, k_head.transpose(-2, -1))  # [b,H,T,K]: row r is query query_start + r % T
-        probs = causal_block_softmax(raw.reshape(-1, keys), scale, row_len or keys, query_start, tile)
-        return torch.matmul(probs.view_as(raw), v_head)
+        if kernel_covers(row_len or keys):
+            raw = torch.matmul(q_tile, k_head.transpose(-2, -1))  # [b,H,T,K]: row r is query query_start + r % T
+            probs = causal_block_softmax(raw.reshape(-1, keys), scale, row_len or keys, query_start, tile)
+            return torch.matmul(probs.view_as(raw), v_head)
     scores = torch.matmul(q_tile, k_head.transpose(-2, -1)) * scale
     if causal:
         query_index = torch.arange(query_start, query_start + tile, device=q_tile.device)
@@ -92,6 +94,8 @@ def attend_tile(q_tile, k_head, v_head, scale: float, query_start: int, causal: 
 KEY_EXTENTS = ("full", "visible", "aligned")
 #: ATen's block softmax folds a row in passes of 1024 threads x 4 elements (kkdeploy.kernels.block_softmax)
 ALIGNED_KEY_BLOCK = 4096
+#: the shortest 4096-multiple row that takes ATen's regular block softmax (not the shared-memory one)
+ALIGNED_MIN_KEYS = 12288
 
 
 def key_end(t1: int, limit: int, causal: bool, key_extent: str) -> int:
@@ -100,13 +104,15 @@ def key_end(t1: int, limit: int, causal: bool, key_extent: str) -> int:
     "full": every key, like the reference (the same reduction lengths, so the same rounding). "visible": a
     causal tile stops at its last query (half the work; it regroups the softmax, measured not bitwise).
     "aligned": a causal tile stops at the next multiple of 4096 keys, where ATen's block softmax gives every
-    thread the same elements minus trailing -inf ones (bitwise for the softmax; the GEMMs' part is what
-    scripts/shape14_tile_study.py measures), or reads the whole row when that is shorter."""
+    thread the same elements minus trailing -inf ones (bitwise for the softmax; the GEMMs' cuts measured
+    bitwise on the H200 by scripts/shape14_tile_study.py), or reads the whole row when that is shorter. The cut
+    is never below ``ALIGNED_MIN_KEYS``: shorter rows take ATen's shared-memory softmax, whose order differs
+    (measured: a first tile cut at 4096 keys moved 18 probabilities of 1M)."""
     if not causal or key_extent == "full":
         return limit
     if key_extent == "visible":
         return t1
-    return min(limit, -(-t1 // ALIGNED_KEY_BLOCK) * ALIGNED_KEY_BLOCK)
+    return min(limit, max(ALIGNED_MIN_KEYS, -(-t1 // ALIGNED_KEY_BLOCK) * ALIGNED_KEY_BLOCK))
 
 
 def tiled_attention(q, k, v, scale: float, causal: bool, valid_token_mask, query_tile: int,

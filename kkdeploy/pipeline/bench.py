@@ -107,7 +107,8 @@ def _artifacts_dir(root: Path, job: ShapeJob) -> Path | None:
 
 # Candidates a bench can run; the defaults per device (and, for mixed precision, per dtype) follow.
 GRAPH_CANDIDATES = ["torch-graph", "torch-graph-sdpa1", "torch-graph-nomask"]
-COMPILE_CANDIDATES = ["torch-compile", "torch-compile-sdpa1", "torch-compile-faithful-attention"]
+COMPILE_CANDIDATES = ["torch-compile", "torch-compile-sdpa1", "torch-compile-faithful-attention",
+                      "torch-compile-faithful-kernels"]
 MIXED_CANDIDATES = {"cpu": ["mixed", "mixed-sdpa", "fused-mixed", "fused-half-gemm-mixed"],
                     "cuda": ["torch-graph-mixed", "torch-graph-mixed-sdpa", "torch-compile-mixed",
                              "torch-compile-mixed-sdpa", "torch-compile-fused-mixed",
@@ -169,15 +170,14 @@ def make_candidate(name: str, reference, config: TransformerConfig, dtype: torch
         return CudaGraphRunner(model, config, dtype, device, all_valid_only=variant["all_valid_only"]), \
             variant["all_valid_only"]
     if name in COMPILE_CANDIDATES:
-        from engines.torch_compile import BACKEND, CompiledRunner, attention_path_record, uses_kernel_attention
+        from engines.torch_compile import BACKEND, CompiledRunner, kernel_paths_record
 
         reason = BACKEND.unavailable_reason(device, dtype)
         if reason:
             raise KKError(reason)
         runner = CompiledRunner(reference, config, dtype, device, name=name)
         info["compile_seconds"] = runner.compile_seconds
-        if uses_kernel_attention(name):
-            info["attention_path"] = attention_path_record(config, dtype, device)
+        info.update(kernel_paths_record(name, config, dtype, device))
         return runner, runner.all_valid_only
     raise KKError(f"unknown bench candidate {name!r}")
 

@@ -1,0 +1,113 @@
+// ATen's float16 LayerNorm for rows of at most 128 elements, one warp per row instead of one block per row.
+//
+// Why: ATen's vectorized_layer_norm_kernel (aten/src/ATen/native/cuda/layer_norm_kernel.cu) launches one block
+// of 4 warps per row and gives thread t the 4-wide vectors t, t + 128, ...; a row of N <= 128 elements has at
+// most 32 vectors, so only warp 0 holds data and three warps idle. On shape 6 (1.28M rows of 128) ATen's kernel
+// took 1.41 ms per call, 40% of the compiled faithful graph (H200, scripts/profile_candidate.py).
+//
+// The arithmetic is ATen's, step for step (kk_welford: the same Welford push per element in vector order, the
+// same shuffle-down tree in the warp). ATen then merges the 4 warps' states through shared memory: warp 0 takes
+// warp 2's state, then warp 1's (which took warp 3's). Those warps hold no elements, so their states are
+// {0, 0, 0}; this kernel performs exactly those two merges with {0, 0, 0} instead of skipping them, so nothing
+// depends on an argument that the merges are identities. Then var = m2 / N, rstd = rsqrtf(var + eps), and
+// y = g * (rstd * (x - mean)) + b rounded once, written as in ATen (and in the ONNX Runtime custom op, proven
+// bit-identical to ATen on the H200). Compiled by nvcc with its floating-point defaults, as PyTorch's kernels are.
+// Proven op by op by scripts/layer_norm_selftest.py before the op uses it (kkdeploy/kernels/layer_norm.py).
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "welford.cuh"
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kRowsPerBlock = 8;  // 256 threads: 8 rows
+
+thread_local std::string g_error;
+
+struct alignas(8) Half4 {
+  __half v[4];
+};
+
+__global__ void layer_norm_rows_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
+                                           const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
+                                           int N, float eps) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
+  if (row >= M) return;  // the whole warp leaves together: the shuffles below see full warps
+  const int lane = threadIdx.x % kWarp;
+  const int vectors = N / 4;  // <= 32: lane t owns vector t, as ATen's thread t does
+  const Half4* row4 = reinterpret_cast<const Half4*>(X + row * N);
+
+  kk_welford::Moments s{0.f, 0.f, 0.f};
+  Half4 data;
+  if (lane < vectors) {
+    data = row4[lane];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s = kk_welford::push(__half2float(data.v[k]), s);
+  }
+  s = kk_welford::warp_merge_down(s);
+  // ATen's block step with warps 1..3 empty: warp 0 merges warp 2, then warp 1 (after warp 1 merged warp 3).
+  const kk_welford::Moments empty{0.f, 0.f, 0.f};
+  const kk_welford::Moments empty_pair = kk_welford::merge(empty, empty);
+  s = kk_welford::merge(s, empty);
+  s = kk_welford::merge(s, empty_pair);
+  const float mean = __shfl_sync(0xffffffffu, s.mean, 0, kWarp);
+  const float var = __shfl_sync(0xffffffffu, s.m2 / float(N), 0, kWarp);
+  const float rstd = rsqrtf(var + eps);
+
+  if (lane < vectors) {
+    const Half4 g = reinterpret_cast<const Half4*>(gamma)[lane];
+    const Half4 b = reinterpret_cast<const Half4*>(beta)[lane];
+    Half4 out;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      out.v[k] = __float2half_rn(__half2float(g.v[k]) * (rstd * (__half2float(data.v[k]) - mean)) +
+                                 __half2float(b.v[k]));
+    }
+    reinterpret_cast<Half4*>(Y + row * N)[lane] = out;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) const char* kk_layer_norm_last_error(void) { return g_error.c_str(); }
+
+// y[M, N] = LayerNorm(x[M, N]) * weight + bias (float16, contiguous rows, 8-byte aligned, N % 4 == 0, N <= 128).
+// Returns 0, or 1 with kk_layer_norm_last_error().
+__attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x, const void* weight,
+                                                                  const void* bias, void* y, int64_t M, int64_t N,
+                                                                  float eps, void* stream) {
+  if (M <= 0) return 0;
+  if (N <= 0 || N > 128 || N % 4 != 0) {
+    g_error = "kk_layer_norm_rows_f16: rows of 4..128 elements, a multiple of 4 (ATen's vector path, one warp)";
+    return 1;
+  }
+  for (const void* p : {x, weight, bias, static_cast<const void*>(y)})
+    if (reinterpret_cast<uintptr_t>(p) % 8 != 0) {
+      g_error = "kk_layer_norm_rows_f16: buffers must be 8-byte aligned (ATen's vector path)";
+      return 1;
+    }
+  const int64_t blocks = (M + kRowsPerBlock - 1) / kRowsPerBlock;
+  if (blocks > 2147483647LL) {
+    g_error = "kk_layer_norm_rows_f16: too many rows";
+    return 1;
+  }
+  layer_norm_rows_f16_kernel<<<static_cast<unsigned>(blocks), kRowsPerBlock * kWarp, 0,
+                               static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const __half*>(x), static_cast<const __half*>(weight), static_cast<const __half*>(bias),
+      static_cast<__half*>(y), M, static_cast<int>(N), eps);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    g_error = std::string("layer_norm_rows_f16_kernel: ") + cudaGetErrorString(err);
+    return 1;
+  }
+  return 0;
+}
+
+}  // extern "C"

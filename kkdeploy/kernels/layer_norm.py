@@ -1,0 +1,148 @@
+"""ATen's float16 LayerNorm for narrow rows (<= 128 elements) as one warp per row: the same bits, a launch that fits.
+
+Why: the compiled faithful graph keeps every LayerNorm as ATen's own kernel (Inductor's fused LayerNorm rounds
+differently, design.md §6). ATen's ``vectorized_layer_norm_kernel`` runs one 4-warp block per row, and a row of
+128 float16 values occupies one warp of it: on shape 6 the 9 LayerNorms took 12.7 of the graph's 31.8 ms
+(H200, torch 2.11, ``scripts/profile_candidate.py --shape 6 --candidate torch-compile-faithful-attention``).
+``csrc/layer_norm.cu`` computes each row with ATen's arithmetic in ATen's order (``csrc/welford.cuh``, shared with
+the ONNX Runtime custom op that was proven bit-identical) on one warp, 8 rows per block.
+
+* ``rows_kernel_reason(x, normalized_shape, weight, bias)``: None when the kernel computes this call (CUDA,
+  float16, a last dim of 4..128 that is a multiple of 4, weight and bias given, ATen's vector-path alignment),
+  else why ATen runs.
+* ``layer_norm_path(device)``: whether this platform was proven (``PROVEN_PLATFORMS``,
+  ``scripts/layer_norm_selftest.py``); ``$KKDEPLOY_LAYER_NORM=aten|kernel`` forces either (validate the result).
+* The custom op ``kkdeploy_faithful::layer_norm_rows`` has ``aten.layer_norm``'s schema: on the CPU, or where
+  the kernel does not apply, it *is* ``aten.layer_norm``; so a graph can swap it in without changing a bit
+  anywhere the kernel is not proven.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kkdeploy.errors import KKError
+
+OP_NAME = "kkdeploy_faithful::layer_norm_rows"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "layer_norm.cu"
+HEADER = SOURCE.with_name("welford.cuh")
+MAX_ROW = 128  # one warp of 4-wide vectors
+PATH_ENV = "KKDEPLOY_LAYER_NORM"
+#: (compute capability, torch, CUDA) on which scripts/layer_norm_selftest.py measured the kernel bit-identical
+#: to F.layer_norm on every official shape's LayerNorm inputs. Empty until a GPU run says so.
+PROVEN_PLATFORMS: set[tuple[tuple[int, int], str, str]] = set()
+
+
+@dataclass(frozen=True)
+class LayerNormPath:
+    kernel: str  # "rows" or "aten"
+    reason: str
+
+    @property
+    def fused(self) -> bool:
+        return self.kernel == "rows"
+
+
+def platform_key(device: torch.device) -> tuple[tuple[int, int], str, str]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuple(torch.cuda.get_device_capability(index)), torch.__version__, str(torch.version.cuda)
+
+
+def layer_norm_path(device: torch.device | str, platform: Optional[tuple] = None) -> LayerNormPath:
+    """Whether CUDA calls on ``device`` run the rows kernel, and why (recorded in build manifests)."""
+    device = torch.device(device)
+    mode = os.environ.get(PATH_ENV, "auto")
+    if mode not in ("auto", "aten", "kernel"):
+        raise KKError(f"{PATH_ENV}={mode!r}: use auto, aten or kernel")
+    if device.type != "cuda":
+        return LayerNormPath("aten", f"{device.type} device: ATen's layer_norm runs (the kernel is CUDA-only)")
+    if mode == "aten":
+        return LayerNormPath("aten", f"{PATH_ENV}=aten")
+    if mode == "kernel":
+        return LayerNormPath("rows", f"rows kernel (forced by {PATH_ENV}=kernel: validate the result)")
+    key = platform_key(device) if platform is None else tuple(platform)
+    if key not in PROVEN_PLATFORMS:
+        (major, minor), version, cuda = key
+        return LayerNormPath("aten", f"compute capability {major}.{minor}, torch {version}, CUDA {cuda}: the rows "
+                                     f"kernel was not measured bit-identical here; run scripts/layer_norm_selftest.py, "
+                                     f"or set {PATH_ENV}=kernel and validate")
+    return LayerNormPath("rows", "rows kernel (proven bit-identical to ATen on this platform)")
+
+
+def rows_kernel_reason(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
+                       bias: Optional[torch.Tensor]) -> Optional[str]:
+    """None when the rows kernel computes this call exactly as ATen's vectorized kernel would, else why not."""
+    n = x.shape[-1] if x.dim() else 0
+    if x.device.type != "cuda" or x.dtype != torch.float16:
+        return f"{x.device.type} {x.dtype}: the kernel is float16 CUDA only"
+    if list(normalized_shape) != [n] or not 4 <= n <= MAX_ROW or n % 4:
+        return f"normalized_shape {list(normalized_shape)}: the kernel takes one last dim of 4..{MAX_ROW}, a multiple of 4"
+    if weight is None or bias is None:
+        return "no weight or bias: the kernel always applies both"
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t.dtype != torch.float16 or not t.is_contiguous() or t.data_ptr() % 8:
+            return f"{name}: not a contiguous, 8-byte aligned float16 tensor (ATen would not take its vector path)"
+    if weight.shape != (n,) or bias.shape != (n,):
+        return f"weight/bias shapes {list(weight.shape)}/{list(bias.shape)} are not [{n}]"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _load(device: str):
+    from .cuda_build import build_kernel_library
+
+    lib = ctypes.CDLL(str(build_kernel_library("kkdeploy_layer_norm", [SOURCE, HEADER], device)))
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    lib.kk_layer_norm_last_error.restype = ctypes.c_char_p
+    lib.kk_layer_norm_rows_f16.argtypes = [vp, vp, vp, vp, i64, i64, ctypes.c_float, vp]
+    return lib
+
+
+def layer_norm_rows_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """The rows kernel itself (no fallback): what the self-test compares with ``F.layer_norm``."""
+    reason = rows_kernel_reason(x, [x.shape[-1]], weight, bias)
+    if reason:
+        raise KKError(f"layer_norm_rows_kernel: {reason}")
+    out = torch.empty_like(x)
+    lib = _load(str(x.device))
+    rc = lib.kk_layer_norm_rows_f16(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),
+                                    x.numel() // x.shape[-1], x.shape[-1], float(eps),
+                                    torch.cuda.current_stream(x.device).cuda_stream)
+    if rc != 0:
+        raise KKError(lib.kk_layer_norm_last_error().decode())
+    return out
+
+
+def _custom_op(name: str):
+    """custom_op with exact-stride inputs, like the opaque ATen wrappers (engines/inductor_ops.py)."""
+    try:
+        return torch.library.custom_op(name, mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
+    except (TypeError, AttributeError):  # older torch without tags= or the tag
+        return torch.library.custom_op(name, mutates_args=())
+
+
+@_custom_op(OP_NAME)
+def layer_norm_rows(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
+                    bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """Default (CPU and any non-CUDA device): ATen's layer_norm itself."""
+    return torch.ops.aten.layer_norm.default(x, normalized_shape, weight, bias, eps)
+
+
+@layer_norm_rows.register_kernel("cuda")
+def _layer_norm_rows_cuda(x, normalized_shape, weight, bias, eps):
+    """CUDA: the rows kernel where the platform is proven and the call fits it, else ATen's kernel."""
+    if layer_norm_path(x.device).fused and rows_kernel_reason(x, normalized_shape, weight, bias) is None:
+        return layer_norm_rows_kernel(x, weight, bias, eps)
+    return torch.ops.aten.layer_norm.default(x, normalized_shape, weight, bias, eps)
+
+
+@layer_norm_rows.register_fake
+def _layer_norm_rows_fake(x, normalized_shape, weight, bias, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

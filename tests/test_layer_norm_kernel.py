@@ -1,0 +1,89 @@
+"""kkdeploy.kernels.layer_norm: ATen's float16 LayerNorm, one warp per row (issue 19).
+
+CI has no GPU: here the op's CPU kernel (ATen itself), its schema and fake kernel, the dispatch rules, and the
+CUDA source compiling with nvcc's defaults. Bit-identity on the GPU is scripts/layer_norm_selftest.py's.
+"""
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kkdeploy.kernels.layer_norm as ln
+from kkdeploy.errors import KKError
+
+
+def test_the_op_is_atens_layer_norm_on_the_cpu_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(3, 5, 128, generator=g) * 7 + 1).to(dtype)
+        w, b = torch.randn(128, generator=g).to(dtype), torch.randn(128, generator=g).to(dtype)
+        got = torch.ops.kkdeploy_faithful.layer_norm_rows(x, [128], w, b, 1e-5)
+        assert torch.equal(got, F.layer_norm(x, (128,), w, b, 1e-5))
+
+
+def test_opcheck_schema_fake_and_dispatch():
+    x = torch.randn(4, 32)
+    torch.library.opcheck(torch.ops.kkdeploy_faithful.layer_norm_rows.default, (x, [32], torch.ones(32),
+                                                                                torch.zeros(32), 1e-5))
+
+
+def test_the_path_says_why_the_rows_kernel_runs_or_not(monkeypatch):
+    monkeypatch.delenv(ln.PATH_ENV, raising=False)
+    assert ln.layer_norm_path("cpu").kernel == "aten"
+    unproven = ((9, 0), "0.0.0+test", "13.0")
+    path = ln.layer_norm_path("cuda", platform=unproven)
+    assert path.kernel == "aten" and "layer_norm_selftest.py" in path.reason and "9.0" in path.reason
+    monkeypatch.setattr(ln, "PROVEN_PLATFORMS", {unproven})
+    assert ln.layer_norm_path("cuda", platform=unproven).fused
+    monkeypatch.setattr(ln, "PROVEN_PLATFORMS", set())
+    monkeypatch.setenv(ln.PATH_ENV, "kernel")
+    assert ln.layer_norm_path("cuda", platform=unproven).fused
+    monkeypatch.setenv(ln.PATH_ENV, "aten")
+    assert not ln.layer_norm_path("cuda", platform=unproven).fused
+    monkeypatch.setenv(ln.PATH_ENV, "fast")
+    with pytest.raises(KKError, match="KKDEPLOY_LAYER_NORM='fast': use auto, aten or kernel"):
+        ln.layer_norm_path("cuda", platform=unproven)
+
+
+def test_calls_the_kernel_does_not_cover_are_named():
+    x = torch.randn(4, 128).half()
+    assert "float16 CUDA only" in ln.rows_kernel_reason(x, [128], torch.ones(128).half(), torch.zeros(128).half())
+    with pytest.raises(KKError, match="layer_norm_rows_kernel: cpu torch.float16: the kernel is float16 CUDA only"):
+        ln.layer_norm_rows_kernel(x, torch.ones(128).half(), torch.zeros(128).half(), 1e-5)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH on this machine")
+def test_the_cuda_kernel_compiles_for_hopper_with_nvcc_defaults(tmp_path):
+    from kkdeploy.kernels.cuda_build import NVCC_FLAGS, gencode
+
+    cmd = ["nvcc", *NVCC_FLAGS, "-shared", "-gencode", gencode("sm_90"), str(ln.SOURCE), "-o", str(tmp_path / "k.so")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_ort_custom_op_and_the_torch_op_share_atens_welford_steps():
+    """One source for the arithmetic both kernels were (or will be) proven with; the ORT library's build key
+    hashes the shared header too, so a change to it rebuilds that library."""
+    from engines.custom_op_library import CUDA_SOURCES, SOURCE_DIR
+
+    ort = (SOURCE_DIR / CUDA_SOURCES[0]).read_text()
+    assert '#include "../../kkdeploy/kernels/csrc/welford.cuh"' in ort and "kk_welford::merge" in ort
+    assert (SOURCE_DIR / CUDA_SOURCES[-1]).resolve() == ln.HEADER
+    assert '#include "welford.cuh"' in ln.SOURCE.read_text()
+
+
+def test_the_gpu_selftest_says_it_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script would run")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "layer_norm_selftest.py"
+    spec = importlib.util.spec_from_file_location("layer_norm_selftest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--out", "/dev/null"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
