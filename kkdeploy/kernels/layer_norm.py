@@ -36,8 +36,10 @@ HEADER = SOURCE.with_name("welford.cuh")
 MAX_ROW = 128  # one warp of 4-wide vectors
 PATH_ENV = "KKDEPLOY_LAYER_NORM"
 #: (compute capability, torch, CUDA) on which scripts/layer_norm_selftest.py measured the kernel bit-identical
-#: to F.layer_norm on every official shape's LayerNorm inputs. Empty until a GPU run says so.
-PROVEN_PLATFORMS: set[tuple[tuple[int, int], str, str]] = set()
+#: to F.layer_norm: H200, torch 2.11.0+cu130 (commit 09f3635): 0 differing elements over the 18 LayerNorm calls of
+#: each official shape with D <= 128 (official input and 0.25-padded; 2.95e9 elements on shape 6) and 112 random
+#: cases (widths 4..128, scales 1e-3..1e3, weight/bias away from identity); docs/results.md, campaign 10.
+PROVEN_PLATFORMS: set[tuple[tuple[int, int], str, str]] = {((9, 0), "2.11.0+cu130", "13.0")}
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,8 @@ def tiled_attention(q, k, v, scale: float, causal: bool, valid_token_mask, query
     """
     b, h, s, dh = q.shape
     limit, all_valid_rows = s, None
+    if valid_token_mask is not None and bool(valid_token_mask.all()):
+        valid_token_mask = None  # masks nothing: the same bits, and the fused block softmax applies
     if valid_token_mask is not None:
         valid_positions = torch.nonzero(valid_token_mask.any(dim=0)).reshape(-1)
         limit = int(valid_positions.max()) + 1 if valid_positions.numel() else 0
