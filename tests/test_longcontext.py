@@ -284,7 +284,7 @@ def test_aligned_key_extent_cuts_causal_tiles_at_4096_key_multiples_that_take_at
     assert key_end(100, 9000, True, "aligned") == 9000  # a row shorter than the shortest cut: whole
     assert key_end(100, 100000, False, "aligned") == 100000  # not causal: every key
     assert key_end(100, 100000, True, "full") == 100000 and key_end(100, 100000, True, "visible") == 100
-    with pytest.raises(KKError, match="key_extent must be one of full, visible, aligned"):
+    with pytest.raises(KKError, match="key_extent must be one of auto, full, visible, aligned"):
         LongContextTransformer(TransformerConfig(1, 16, 32, 4, 32, 1), key_extent="half")
 
 
@@ -318,11 +318,14 @@ def test_block_kernel_branch_runs_only_for_rows_the_kernel_reproduces(monkeypatc
     q, k, v = ((torch.randn(1, 2, 13000, 8, generator=g)).half() for _ in range(3))
     t0, t1 = 12000, 12016
     for row_len, width in ((13000, 12288), (4096, 4096)):
-        fused = attend_tile(q[:, :, t0 - 12000:t1 - 12000] if row_len == 4096 else q[:, :, t0:t1],
-                            k[:, :, :width], v[:, :, :width], 0.125, t0 if row_len == 13000 else 0, True, None,
-                            None, row_len, "block-kernel")
+        with torch.no_grad():  # the kernel has no backward: with autograd on, ATen's ops run
+            fused = attend_tile(q[:, :, t0 - 12000:t1 - 12000] if row_len == 4096 else q[:, :, t0:t1],
+                                k[:, :, :width], v[:, :, :width], 0.125, t0 if row_len == 13000 else 0, True, None,
+                                None, row_len, "block-kernel")
         assert fused.shape == (1, 2, 16, 8) and torch.isfinite(fused).all()
     assert calls == [13000]  # the 4096-key row took ATen's ops
+    attend_tile(q[:, :, t0:t1], k[:, :, :12288], v[:, :, :12288], 0.125, t0, True, None, None, 13000, "block-kernel")
+    assert calls == [13000]  # autograd on: ATen's ops
 
 
 @pytest.mark.parametrize("key_extent", ["full", "aligned"])
@@ -340,5 +343,45 @@ def test_block_kernel_softmax_path_is_wired_to_the_reference_composition(key_ext
         x, mask = generate_case(config, "cpu", torch.float16, 9, padding_ratio=ratio)
         with torch.inference_mode():
             assert torch.equal(path(x, mask), reference(x, mask))
-    with pytest.raises(KKError, match="softmax must be one of aten, block-kernel"):
+    with pytest.raises(KKError, match="softmax must be one of auto, aten, block-kernel"):
         LongContextTransformer(config, softmax="fast")
+
+
+def test_auto_tiled_settings_take_the_proven_fast_path_only(monkeypatch):
+    """"auto" (the default) runs aligned key cuts with the block-softmax kernel where that kernel was proven
+    bit-identical (CUDA, float16, a listed platform) and full key rows with ATen's ops everywhere else; explicit
+    settings are kept; an all-valid mask is dropped so the kernel applies."""
+    import kkdeploy.kernels.block_softmax as bs
+    from kkdeploy.models.long_context import resolve_tiled_settings, tiled_attention
+
+    assert resolve_tiled_settings("auto", "auto", "cpu", torch.float16) == ("full", "aten")
+    assert resolve_tiled_settings("visible", "aten", "cpu", torch.float16) == ("visible", "aten")
+    assert "CUDA-only" in bs.fast_path_reason("cpu", torch.float16)
+    monkeypatch.setattr(bs, "fast_path_reason", lambda device, dtype: None)
+    assert resolve_tiled_settings("auto", "auto", "cpu", torch.float16) == ("aligned", "block-kernel")
+    assert resolve_tiled_settings("full", "auto", "cpu", torch.float16) == ("full", "block-kernel")
+    path = LongContextTransformer(TransformerConfig(1, 64, 16, 2, 16, 1))
+    assert (path.key_extent, path.softmax) == ("auto", "auto")
+    if not cpu_kernels_for(torch.float16):
+        pytest.skip("this CPU build has no float16 matmul/layer_norm kernels")
+    seen = []
+    real = bs.causal_block_softmax
+    monkeypatch.setattr(bs, "causal_block_softmax", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 12400, 8, generator=g).half() for _ in range(3))
+    with torch.no_grad():
+        masked = tiled_attention(q, k, v, 0.125, True, torch.ones(1, 12400, dtype=torch.bool), 4096, "auto", "auto")
+    assert seen and set(seen) == {12400}  # all-valid mask dropped: every tile took the kernel branch
+    with torch.no_grad():
+        assert torch.equal(masked, tiled_attention(q, k, v, 0.125, True, None, 4096, "auto", "auto"))
+
+
+def test_strict_builds_validate_the_bitwise_tiled_path_first_where_it_is_fast(monkeypatch):
+    import kkdeploy.kernels.block_softmax as bs
+    from kkdeploy.pipeline.long_context import calibration_order
+
+    config = TransformerConfig(32, 100000, 1024, 16, 1024, 2)
+    assert calibration_order(config, torch.float16, "cpu", "strict") == [2, 1, 0]  # most fused first
+    monkeypatch.setattr(bs, "fast_path_reason", lambda device, dtype: None)
+    assert calibration_order(config, torch.float16, "cpu", "strict") == [0, 2, 1]
+    assert calibration_order(config, torch.float16, "cpu", "judge") == [2, 1, 0]

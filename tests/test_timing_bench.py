@@ -224,3 +224,14 @@ def test_bench_judge_float32_calibrates_mixed_precision_and_compiles_on_request(
 def test_bench_rejects_unknown_candidates(capsys):
     assert main(["bench", *TINY, "--device", "cpu", "--candidates", "optimized-sdpa0,warp-drive"]) == 2
     assert "unknown bench candidate 'warp-drive'" in capsys.readouterr().err
+
+
+def test_aggregation_keeps_which_of_our_kernels_ran():
+    """A kernel candidate's record says which attention and LayerNorm kernels its ops ran in the processes."""
+    job = ShapeJob("custom", None, TransformerConfig(2, 8, 16, 2, 24, 2))
+    results = [_worker_result(p, "passed", [1.0, 1.0, 1.0]) for p in (0, 1)]
+    for r in results:
+        r["backends"]["engine"].update(attention_path={"kernel": "triton", "reason": "r"},
+                                       layer_norm_path={"kernel": "rows", "reason": "proven"})
+    engine = aggregate_shape(job, results, [])["backends"]["engine"]
+    assert engine["attention_path"]["kernel"] == "triton" and engine["layer_norm_path"]["kernel"] == "rows"

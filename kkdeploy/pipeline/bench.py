@@ -458,9 +458,10 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str]) -> di
         kernels = sorted({e["half_gemm_kernel"] for e in entries if "half_gemm_kernel" in e})
         if kernels:
             entry["half_gemm_kernel"] = " | ".join(kernels)  # one machine, one answer; both if processes differed
-        paths = [e["attention_path"] for e in entries if "attention_path" in e]
-        if paths:  # the same shape and machine in every process: one answer
-            entry["attention_path"] = paths[0]
+        for key in ("attention_path", "layer_norm_path"):  # which of our kernels ran (engines.torch_compile)
+            paths = [e[key] for e in entries if key in e]
+            if paths:  # the same shape and machine in every process: one answer
+                entry[key] = paths[0]
         latencies = [e["latency"] for e in entries if e.get("latency")]
         if latencies and status != FAILED and len(latencies) == len(entries):
             times = [t for lat in latencies for t in lat["times_ms"]]

@@ -137,8 +137,10 @@ def validate_long_context(config: TransformerConfig, dtype: torch.dtype, device,
             ref, reference_s = timed(lambda: reference(x, mask), device)
             report = compare_outputs(ref, out, atol, rtol)
             bitwise = bool(torch.equal(ref, out))
+        settings = candidate.last_tiled_settings
         entry = {"trial": t, "seed": seed + t, "mask_mode": mode, "padding_ratio": ratio,
                  "valid_tokens": int(mask.sum()), "attention_path": candidate.last_attention_path,
+                 "tiled_settings": None if settings is None else {"key_extent": settings[0], "softmax": settings[1]},
                  "candidate_seconds": round(candidate_s, 4), "reference_seconds": round(reference_s, 4),
                  "bitwise_equal": bitwise, **report.to_dict()}
         reports.append(entry)
@@ -177,6 +179,23 @@ def dense_refusals(config: TransformerConfig, dtype: torch.dtype) -> list[dict]:
             for name in DENSE_CANDIDATES]
 
 
+def calibration_order(config: TransformerConfig, dtype: torch.dtype, device, contract: str) -> list[int]:
+    """The ``sdpa_layers`` values the build validates, in order; the first that passes ships.
+
+    The most fused attention that still passes: every layer, then one fewer, ... down to none (reference-order
+    tiled attention everywhere). Except under the strict contract where the tiled layers run the proven fast path
+    (aligned key cuts + the block-softmax kernel, ``kkdeploy.kernels.block_softmax.fast_path_reason``): there
+    the tiled path goes first. Why: on the H200 it is bitwise at full size (0 of 204.8M elements on two
+    sequences, 24.5 s), while SDPA in both layers failed 242 elements at full size, a failure the reduced shape
+    cannot show (docs/long-context.md)."""
+    from ..kernels.block_softmax import fast_path_reason
+
+    order = list(range(config.num_layers, -1, -1))
+    if contract == "strict" and fast_path_reason(device, dtype) is None:
+        order = [0] + order[:-1]
+    return order
+
+
 def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *, weights=None,
                        seed: int = DEFAULT_SEED, trials: int = DEFAULT_TRIALS, seq_len: int | None = None,
                        contract: str = "strict", padding_ratio: float = DEFAULT_PADDING_RATIO,
@@ -193,9 +212,8 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
         raise KKError(f"seq_len must be a positive integer, got {seq_len!r}")
     validated = reduced_config(config, seq_len=seq_len)
     calibration = []
-    # The most fused attention that still passes: every layer, then one fewer, ... down to none
-    # (reference-order tiled attention everywhere).
-    for sdpa_layers in range(config.num_layers, -1, -1):
+    order = calibration_order(config, dtype, device, contract)
+    for sdpa_layers in order:
         validation = validate_long_context(
             validated, dtype, device, weights=weights, weight_seed=weight_seed, seed=seed, trials=trials,
             contract=contract, padding_ratio=padding_ratio, micro_batch=micro_batch, query_tile=query_tile,
@@ -212,7 +230,7 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
         "failed_trials": sum(not r["passed"] for r in validation["reports"]),
         "trial_count": len(validation["reports"]), "max_abs": validation["max_abs"], "max_rel": validation["max_rel"],
         "attention_paths": modes, "validated_shape": validated.to_dict(),
-        "sdpa_layers": sdpa_layers, "calibration": calibration,
+        "sdpa_layers": sdpa_layers, "calibration": calibration, "calibration_order": order,
     }
     score_bytes = config.dense_score_bytes(dtype)
     summary = (f"{validation['failed_elements']} of {validation['total_elements']} elements failed {contract} "
