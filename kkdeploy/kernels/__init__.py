@@ -9,7 +9,11 @@ Importing this package imports only torch; Triton is imported lazily, on CUDA, w
 
 ``block_softmax`` describes and emulates ATen's block softmax for rows longer than 1024 (shape 14's 100,000
 keys) and holds a fused causal softmax kernel in CUDA C++ (``csrc/block_softmax.cu``, built by nvcc on demand
-through ``cuda_build``), not yet proven on a GPU and used by nothing until it is.
+through ``cuda_build``), proven bit-identical on the H200 and the long-context path's default there.
+
+``layer_norm`` is ATen's float16 LayerNorm for rows of at most 128, one warp per row (``csrc/layer_norm.cu``,
+ATen's Welford steps from ``csrc/welford.cuh``), as the custom op ``kkdeploy_faithful::layer_norm_rows``;
+proven bit-identical on the H200 and used by the ``torch-compile-faithful-kernels`` candidate.
 """
 
 from .faithful_attention import (
