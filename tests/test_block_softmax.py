@@ -102,3 +102,13 @@ def test_the_gpu_selftest_says_it_needs_a_gpu(capsys):
 
     assert load_script("block_softmax_selftest").main([]) == 2
     assert capsys.readouterr().err.strip() == "block_softmax_selftest: needs a CUDA GPU"
+
+
+def test_the_kernel_is_a_custom_op_whose_cpu_kernel_is_the_composition():
+    """One opaque op with a fake kernel (torch.compile and FX see one node); on the CPU it is the reference."""
+    g = torch.Generator().manual_seed(8)
+    raw = (torch.randn(2 * 4, 12288, generator=g) * 20).half()
+    args = (raw, 0.125, 13000, 12000, 4, True, bs.DEFAULT_SMEM_PER_BLOCK)
+    torch.library.opcheck(torch.ops.kkdeploy_faithful.causal_block_softmax.default, args)
+    assert torch.equal(torch.ops.kkdeploy_faithful.causal_block_softmax(*args),
+                       bs.reference_causal_softmax(raw, 0.125, 13000, 12000, 4))

@@ -13,7 +13,9 @@ a cut elsewhere moves elements between threads.
   (scripts/block_softmax_selftest.py checks it); on the CPU it documents and tests the order.
 * ``causal_block_softmax(raw, ...)``: the reference's scale, fp16 roundings, causal mask, casts and softmax of a
   tile of raw fp16 Q.K^T scores, as one CUDA kernel (``csrc/block_softmax.cu``, built by nvcc on demand) that
-  reads only the keys each row can see; on the CPU, the reference composition itself.
+  reads only the keys each row can see; on the CPU, the reference composition itself. It goes through the
+  custom op ``kkdeploy_faithful::causal_block_softmax`` (fake kernel included), so FX and torch.compile see
+  one opaque node.
 
 Proven on the H200 (torch 2.11.0+cu130, commit 09f3635, scripts/block_softmax_selftest.py): the emulation equals
 ``torch.softmax`` bit for bit for every regular-kernel length tried (12,256..100,000, with and without a scalar
@@ -168,23 +170,25 @@ def _load(device: str):
     return lib
 
 
-def causal_block_softmax(raw: torch.Tensor, scale: float, row_len: int, first_query: int, queries: int,
-                         causal: bool = True, smem_per_block: int = DEFAULT_SMEM_PER_BLOCK) -> torch.Tensor:
-    """``reference_causal_softmax`` as one CUDA kernel on a GPU (the composition itself elsewhere). ``raw``
-    [rows, width] fp16 with unit column stride; every row's visible keys must lie within ``width``."""
-    if raw.dim() != 2 or raw.dtype != torch.float16 or raw.stride(1) != 1:
-        raise KKError("causal_block_softmax takes [rows, width] float16 scores with unit column stride")
-    rows, width = raw.shape
-    last_query = first_query + min(rows, queries) - 1
-    if width > row_len or (causal and width < min(row_len, last_query + 1)) or (not causal and width != row_len):
-        raise KKError(f"causal_block_softmax: width {width} must hold every visible key (row_len {row_len}, "
-                      f"queries up to {last_query})")
-    if raw.device.type != "cuda":
-        return reference_causal_softmax(raw, scale, row_len, first_query, queries, causal)
+OP_NAME = "kkdeploy_faithful::causal_block_softmax"
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def _causal_block_softmax_op(raw: torch.Tensor, scale: float, row_len: int, first_query: int, queries: int,
+                             causal: bool, smem_per_block: int) -> torch.Tensor:
+    """Default (CPU and any non-CUDA device): the reference composition itself (a contiguous copy of its first
+    ``width`` columns, laid out as the kernel's output is)."""
+    return reference_causal_softmax(raw, scale, row_len, first_query, queries, causal).contiguous()
+
+
+@_causal_block_softmax_op.register_kernel("cuda")
+def _causal_block_softmax_cuda(raw, scale, row_len, first_query, queries, causal, smem_per_block):
+    """CUDA: the fused kernel (``csrc/block_softmax.cu``) for rows that take ATen's regular block softmax."""
     kind, tail = block_softmax_layout(row_len, smem_per_block)
     if kind != "regular":
         raise KKError(f"causal_block_softmax: rows of {row_len} take ATen's shared-memory softmax, whose order "
                       f"this kernel does not reproduce; use the reference composition")
+    rows, width = raw.shape
     out = torch.empty_like(raw)
     lib = _load(str(raw.device))
     rc = lib.kk_causal_block_softmax_f16(raw.data_ptr(), out.data_ptr(), rows, width, raw.stride(0), out.stride(0),
@@ -193,3 +197,24 @@ def causal_block_softmax(raw: torch.Tensor, scale: float, row_len: int, first_qu
     if rc != 0:
         raise KKError(lib.kk_block_softmax_last_error().decode())
     return out
+
+
+@_causal_block_softmax_op.register_fake
+def _causal_block_softmax_fake(raw, scale, row_len, first_query, queries, causal, smem_per_block):
+    return torch.empty_like(raw)
+
+
+def causal_block_softmax(raw: torch.Tensor, scale: float, row_len: int, first_query: int, queries: int,
+                         causal: bool = True, smem_per_block: int = DEFAULT_SMEM_PER_BLOCK) -> torch.Tensor:
+    """``reference_causal_softmax`` as one CUDA kernel on a GPU (the composition itself elsewhere), through the
+    custom op ``kkdeploy_faithful::causal_block_softmax``. ``raw`` [rows, width] fp16 with unit column stride;
+    every row's visible keys must lie within ``width``."""
+    if raw.dim() != 2 or raw.dtype != torch.float16 or raw.stride(1) != 1:
+        raise KKError("causal_block_softmax takes [rows, width] float16 scores with unit column stride")
+    rows, width = raw.shape
+    last_query = first_query + min(rows, queries) - 1
+    if width > row_len or (causal and width < min(row_len, last_query + 1)) or (not causal and width != row_len):
+        raise KKError(f"causal_block_softmax: width {width} must hold every visible key (row_len {row_len}, "
+                      f"queries up to {last_query})")
+    return torch.ops.kkdeploy_faithful.causal_block_softmax(raw, float(scale), int(row_len), int(first_query),
+                                                            int(queries), bool(causal), int(smem_per_block))
