@@ -58,6 +58,10 @@ VARIANTS = {  # name -> launch options of triton_attention (the first is the op'
     "bm64x2": dict(block_m=64, sub=2),
     "bm128x2": dict(block_m=128, sub=2),
     "onepass": dict(block_m=64, one_pass=True),  # S <= 128: the whole row in one chunk (issue 19, shape 6)
+    # finer causal skipping (block i reads key chunks 0..i): fewer scores computed on shape 6; smaller tl.dot
+    # tiles may take other MMA instructions, so each needs its own bitwise proof
+    "bm32": dict(block_m=32, sub=1),
+    "bm16": dict(block_m=16, sub=1),
 }
 
 

@@ -340,6 +340,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         # three passes chain several: numpy's sums differ there; on the GPU faithful_attention_selftest.py decides.)
         (2, 128, 64, 2, True, True, "one", 64), (1, 50, 32, 2, False, True, "one", 64),
         (2, 20, 32, 4, True, True, "one", 64), (1, 97, 64, 1, True, False, "one", 32),
+        (2, 128, 128, 4, True, True, 1, 16),  # bm16: the finest causal skipping
     ]:
         dh = d // h
         # q.k exact in fp32 in any summation order (multiples of 1/256, |q.k| <= 64: 15 bits), so the
@@ -397,7 +398,7 @@ def test_triton_kernel_logic_under_the_interpreter():
     results = json.loads(line[len("RESULTS "):])
     assert results[-1] == {"case": "cuda impl", "same": True}
     results = results[:-1]
-    assert len(results) == 12
+    assert len(results) == 13
     for r in results:
         assert r["scores_diff"] == 0, r
         assert r["probs_diff"] == 0, r
