@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kkdeploy.errors import KKError  # noqa: E402
+from kkdeploy.kernels.timing import cuda_median_ms  # noqa: E402
 from kkdeploy.kernels.block_softmax import (CHUNK, block_softmax_layout, causal_block_softmax,  # noqa: E402
                                             emulate_block_softmax, reference_causal_softmax)
 
@@ -85,20 +86,9 @@ def check_kernel(device, generator, repeats: int) -> list[dict]:
 
 
 def timing(raw, scale, row_len, q0, queries, repeats) -> dict:
-    def median_ms(fn):
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return round(sorted(times)[len(times) // 2], 3)
-
-    causal_block_softmax(raw, scale, row_len, q0, queries)  # build and warm up
-    return {"kernel_ms": median_ms(lambda: causal_block_softmax(raw, scale, row_len, q0, queries)),
-            "reference_ms": median_ms(lambda: reference_causal_softmax(raw, scale, row_len, q0, queries))}
+    return {"kernel_ms": cuda_median_ms(lambda: causal_block_softmax(raw, scale, row_len, q0, queries), repeats, 3),
+            "reference_ms": cuda_median_ms(lambda: reference_causal_softmax(raw, scale, row_len, q0, queries),
+                                           repeats, 3)}
 
 
 def main(argv=None) -> int:

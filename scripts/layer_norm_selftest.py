@@ -28,6 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kkdeploy import OFFICIAL_SHAPES, generate_case  # noqa: E402
 from kkdeploy.kernels.layer_norm import MAX_ROW, layer_norm_rows_kernel, platform_key  # noqa: E402
+from kkdeploy.kernels.timing import cuda_median_ms  # noqa: E402
 from kkdeploy.models.weights import build_models  # noqa: E402
 
 
@@ -88,22 +89,9 @@ def timing(device, generator, repeats: int) -> dict:
     x = torch.randn(10000 * 128, 128, device=device, generator=generator).half()
     w = torch.ones(128, device=device, dtype=torch.float16)
     b = torch.zeros(128, device=device, dtype=torch.float16)
-
-    def median_ms(fn):
-        fn()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return round(sorted(times)[len(times) // 2], 4)
-
     return {"check": "timing", "rows": x.shape[0], "width": 128,
-            "kernel_ms": median_ms(lambda: layer_norm_rows_kernel(x, w, b, 1e-5)),
-            "aten_ms": median_ms(lambda: F.layer_norm(x, (128,), w, b, 1e-5)),
+            "kernel_ms": cuda_median_ms(lambda: layer_norm_rows_kernel(x, w, b, 1e-5), repeats),
+            "aten_ms": cuda_median_ms(lambda: F.layer_norm(x, (128,), w, b, 1e-5), repeats),
             "differing": differing(layer_norm_rows_kernel(x, w, b, 1e-5), F.layer_norm(x, (128,), w, b, 1e-5))}
 
 

@@ -33,6 +33,15 @@ def models(config, dtype, reference_tile=48, micro_batch=None, query_tile=32, se
     return tuple(m.to(dtype).eval() for m in (reference, tiled, path))
 
 
+def spy_block_softmax(monkeypatch) -> list[int]:
+    """Record the row length of every call the long-context path makes to the fused block softmax."""
+    import kkdeploy.kernels.block_softmax as bs
+
+    calls, real = [], bs.causal_block_softmax
+    monkeypatch.setattr(bs, "causal_block_softmax", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    return calls
+
+
 def cpu_kernels_for(dtype) -> bool:
     try:
         torch.matmul(torch.ones(2, 2, dtype=dtype), torch.ones(2, 2, dtype=dtype))
@@ -308,12 +317,9 @@ def test_block_kernel_branch_runs_only_for_rows_the_kernel_reproduces(monkeypatc
     so the outputs agree either way."""
     if not cpu_kernels_for(torch.float16):
         pytest.skip("this CPU build has no float16 matmul/layer_norm kernels")
-    import kkdeploy.kernels.block_softmax as bs
     from kkdeploy.models.long_context import attend_tile
 
-    calls = []
-    real = bs.causal_block_softmax
-    monkeypatch.setattr(bs, "causal_block_softmax", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    calls = spy_block_softmax(monkeypatch)
     g = torch.Generator().manual_seed(4)
     q, k, v = ((torch.randn(1, 2, 13000, 8, generator=g)).half() for _ in range(3))
     t0, t1 = 12000, 12016
@@ -364,9 +370,7 @@ def test_auto_tiled_settings_take_the_proven_fast_path_only(monkeypatch):
     assert (path.key_extent, path.softmax) == ("auto", "auto")
     if not cpu_kernels_for(torch.float16):
         pytest.skip("this CPU build has no float16 matmul/layer_norm kernels")
-    seen = []
-    real = bs.causal_block_softmax
-    monkeypatch.setattr(bs, "causal_block_softmax", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
+    seen = spy_block_softmax(monkeypatch)
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 12400, 8, generator=g).half() for _ in range(3))
     with torch.no_grad():

@@ -120,6 +120,23 @@ def _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_
 
 
 @triton.jit
+def _pv_step(p, acc, V, v_row0, stride_vs, offs_n, offs_d, S, HEAD_DIM: tl.constexpr):
+    """acc += p . V[offs_n] (fp32 accumulation, tensor cores), the keys in order."""
+    vmask = (offs_n[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+    v = tl.load(V + v_row0 + offs_n[:, None] * stride_vs + offs_d[None, :], mask=vmask, other=0.0)
+    return tl.dot(p, v, acc)
+
+
+@triton.jit
+def _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_n, s, p):
+    """The reference's intermediate tensors, [B, H, S, S] fp16 (debug launches only)."""
+    dbg = ((b * H + h) * S + offs_m[:, None].to(tl.int64)) * S + offs_n[None, :]
+    dmask = (offs_m[:, None] < S) & (offs_n[None, :] < S)
+    tl.store(SCORES + dbg, s.to(tl.float16), mask=dmask)
+    tl.store(PROBS + dbg, p, mask=dmask)
+
+
+@triton.jit
 def _faithful_attention_kernel(
     Q, K, V, MASK, OUT, SCORES, PROBS,
     stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_ob, stride_os,
@@ -159,16 +176,9 @@ def _faithful_attention_kernel(
         e = _exp(s - row_max[:, None], ACCURATE)
         row_sum = _row_sum(_lane_add(tl.zeros((BLOCK_M, LANES), tl.float32), e, BLOCK_M, LANES, SUB), BLOCK_M, LANES)
         p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
-        vmask = (offs_c[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
-        v = tl.load(V + v_row0 + offs_c[:, None] * stride_vs + offs_d[None, :], mask=vmask, other=0.0)
-        acc = tl.dot(p, v)
+        acc = _pv_step(p, tl.zeros((BLOCK_M, DH_PAD), tl.float32), V, v_row0, stride_vs, offs_c, offs_d, S, HEAD_DIM)
         if DEBUG:
-            dbg = ((b * H + h) * S + offs_m[:, None].to(tl.int64)) * S + offs_c[None, :]
-            dmask = (offs_m[:, None] < S) & (offs_c[None, :] < S)
-            tl.store(SCORES + dbg, s.to(tl.float16), mask=dmask)
-            tl.store(PROBS + dbg, p, mask=dmask)
-        o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
-        tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
+            _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_c, s, p)
     else:  # three passes over chunks of the row
         # pass 1: the row max (order-free)
         run_max = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
@@ -194,17 +204,12 @@ def _faithful_attention_kernel(
                              S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
             e = _exp(s - row_max[:, None], ACCURATE)
             p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
-            vmask = (offs_n[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
-            v = tl.load(V + v_row0 + offs_n[:, None] * stride_vs + offs_d[None, :], mask=vmask, other=0.0)
-            acc = tl.dot(p, v, acc)
-            if DEBUG:  # the reference's intermediate tensors, [B, H, S, S] fp16
-                dbg = ((b * H + h) * S + offs_m[:, None].to(tl.int64)) * S + offs_n[None, :]
-                dmask = (offs_m[:, None] < S) & (offs_n[None, :] < S)
-                tl.store(SCORES + dbg, s.to(tl.float16), mask=dmask)
-                tl.store(PROBS + dbg, p, mask=dmask)
+            acc = _pv_step(p, acc, V, v_row0, stride_vs, offs_n, offs_d, S, HEAD_DIM)
+            if DEBUG:
+                _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_n, s, p)
 
-        o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
-        tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
+    o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
 
 
 def kernel_lanes(seq_len: int) -> int:
