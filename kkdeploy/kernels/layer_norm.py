@@ -34,6 +34,9 @@ OP_NAME = "kkdeploy_faithful::layer_norm_rows"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "layer_norm.cu"
 HEADER = SOURCE.with_name("welford.cuh")
 MAX_ROW = 128  # one warp of 4-wide vectors
+#: rows per warp of the op's launch: 1 (proven) or 2 (two 16-lane halves, ATen's offset-16 step inside the lane;
+#: bitwise by construction, ~1/3 fewer instructions per row; to be proven by scripts/layer_norm_selftest.py)
+DEFAULT_ROWS_PER_WARP = 1
 PATH_ENV = "KKDEPLOY_LAYER_NORM"
 #: (compute capability, torch, CUDA) on which scripts/layer_norm_selftest.py measured the kernel bit-identical
 #: to F.layer_norm: H200, torch 2.11.0+cu130 (commit 09f3635): 0 differing elements over the 18 LayerNorm calls of
@@ -103,19 +106,22 @@ def _load(device: str):
     lib = ctypes.CDLL(str(build_kernel_library("kkdeploy_layer_norm", [SOURCE, HEADER], device)))
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     lib.kk_layer_norm_last_error.restype = ctypes.c_char_p
-    lib.kk_layer_norm_rows_f16.argtypes = [vp, vp, vp, vp, i64, i64, ctypes.c_float, vp]
+    lib.kk_layer_norm_rows_f16.argtypes = [vp, vp, vp, vp, i64, i64, ctypes.c_float, ctypes.c_int, vp]
     return lib
 
 
-def layer_norm_rows_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+def layer_norm_rows_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                           rows_per_warp: int = DEFAULT_ROWS_PER_WARP) -> torch.Tensor:
     """The rows kernel itself (no fallback): what the self-test compares with ``F.layer_norm``."""
+    if rows_per_warp not in (1, 2):
+        raise KKError(f"rows_per_warp is 1 or 2, got {rows_per_warp!r}")
     reason = rows_kernel_reason(x, [x.shape[-1]], weight, bias)
     if reason:
         raise KKError(f"layer_norm_rows_kernel: {reason}")
     out = torch.empty_like(x)
     lib = _load(str(x.device))
     rc = lib.kk_layer_norm_rows_f16(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),
-                                    x.numel() // x.shape[-1], x.shape[-1], float(eps),
+                                    x.numel() // x.shape[-1], x.shape[-1], float(eps), int(rows_per_warp),
                                     torch.cuda.current_stream(x.device).cuda_stream)
     if rc != 0:
         raise KKError(lib.kk_layer_norm_last_error().decode())

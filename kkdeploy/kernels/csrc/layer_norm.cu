@@ -72,6 +72,67 @@ __global__ void layer_norm_rows_f16_kernel(const __half* __restrict__ X, const _
   }
 }
 
+// The same rows, two per warp: lane t of a 16-lane half holds vectors t and t + 16 of its row, so ATen's first
+// shuffle step (offset 16: lane t merges lane t + 16) is a merge inside the lane, and the offsets 8..1 are
+// shuffles within the half. Every merge ATen's lane 0 depends on happens with the same operands in the same order;
+// half the instructions per row. Not proven on a GPU yet: the op uses it only once layer_norm_selftest.py has.
+__global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
+                                            const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
+                                            int N, float eps) {
+  constexpr int kHalf = kWarp / 2;
+  const int64_t warp_row = (static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp) * 2;
+  if (warp_row >= M) return;  // both rows of this warp are past the end: the whole warp leaves together
+  const int lane = threadIdx.x % kHalf;
+  const int64_t row = warp_row + (threadIdx.x % kWarp) / kHalf;
+  const bool live = row < M;  // a half past the end still takes part in the shuffles
+  const int vectors = N / 4;
+  const Half4* row4 = reinterpret_cast<const Half4*>(X + (live ? row : 0) * N);
+
+  kk_welford::Moments low{0.f, 0.f, 0.f}, high{0.f, 0.f, 0.f};
+  Half4 data_low, data_high;
+  if (live && lane < vectors) {
+    data_low = row4[lane];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) low = kk_welford::push(__half2float(data_low.v[k]), low);
+  }
+  if (live && lane + kHalf < vectors) {
+    data_high = row4[lane + kHalf];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) high = kk_welford::push(__half2float(data_high.v[k]), high);
+  }
+  kk_welford::Moments s = kk_welford::merge(low, high);  // ATen's offset-16 step
+  for (int offset = kHalf / 2; offset > 0; offset >>= 1) {
+    const kk_welford::Moments other{__shfl_down_sync(0xffffffffu, s.mean, offset, kHalf),
+                                    __shfl_down_sync(0xffffffffu, s.m2, offset, kHalf),
+                                    __shfl_down_sync(0xffffffffu, s.count, offset, kHalf)};
+    s = kk_welford::merge(s, other);
+  }
+  const kk_welford::Moments empty{0.f, 0.f, 0.f};
+  const kk_welford::Moments empty_pair = kk_welford::merge(empty, empty);
+  s = kk_welford::merge(s, empty);
+  s = kk_welford::merge(s, empty_pair);
+  const float mean = __shfl_sync(0xffffffffu, s.mean, 0, kHalf);
+  const float var = __shfl_sync(0xffffffffu, s.m2 / float(N), 0, kHalf);
+  const float rstd = rsqrtf(var + eps);
+  if (!live) return;
+
+  Half4* out4 = reinterpret_cast<Half4*>(Y + row * N);
+  for (int part = 0; part < 2; ++part) {
+    const int v = lane + part * kHalf;
+    if (v >= vectors) break;
+    const Half4 data = part ? data_high : data_low;
+    const Half4 g = reinterpret_cast<const Half4*>(gamma)[v];
+    const Half4 b = reinterpret_cast<const Half4*>(beta)[v];
+    Half4 out;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      out.v[k] = __float2half_rn(__half2float(g.v[k]) * (rstd * (__half2float(data.v[k]) - mean)) +
+                                 __half2float(b.v[k]));
+    }
+    out4[v] = out;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -80,9 +141,10 @@ __attribute__((visibility("default"))) const char* kk_layer_norm_last_error(void
 
 // y[M, N] = LayerNorm(x[M, N]) * weight + bias (float16, contiguous rows, 8-byte aligned, N % 4 == 0, N <= 128).
 // Returns 0, or 1 with kk_layer_norm_last_error().
+// rows_per_warp 1: layer_norm_rows_f16_kernel (proven); 2: layer_norm_rows2_f16_kernel (to be proven).
 __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x, const void* weight,
                                                                   const void* bias, void* y, int64_t M, int64_t N,
-                                                                  float eps, void* stream) {
+                                                                  float eps, int rows_per_warp, void* stream) {
   if (M <= 0) return 0;
   if (N <= 0 || N > 128 || N % 4 != 0) {
     g_error = "kk_layer_norm_rows_f16: rows of 4..128 elements, a multiple of 4 (ATen's vector path, one warp)";
@@ -93,13 +155,18 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
       g_error = "kk_layer_norm_rows_f16: buffers must be 8-byte aligned (ATen's vector path)";
       return 1;
     }
-  const int64_t blocks = (M + kRowsPerBlock - 1) / kRowsPerBlock;
+  if (rows_per_warp != 1 && rows_per_warp != 2) {
+    g_error = "kk_layer_norm_rows_f16: rows_per_warp is 1 or 2";
+    return 1;
+  }
+  const int64_t rows_per_block = kRowsPerBlock * rows_per_warp;
+  const int64_t blocks = (M + rows_per_block - 1) / rows_per_block;
   if (blocks > 2147483647LL) {
     g_error = "kk_layer_norm_rows_f16: too many rows";
     return 1;
   }
-  layer_norm_rows_f16_kernel<<<static_cast<unsigned>(blocks), kRowsPerBlock * kWarp, 0,
-                               static_cast<cudaStream_t>(stream)>>>(
+  auto kernel = rows_per_warp == 1 ? layer_norm_rows_f16_kernel : layer_norm_rows2_f16_kernel;
+  kernel<<<static_cast<unsigned>(blocks), kRowsPerBlock * kWarp, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const __half*>(x), static_cast<const __half*>(weight), static_cast<const __half*>(bias),
       static_cast<__half*>(y), M, static_cast<int>(N), eps);
   const cudaError_t err = cudaGetLastError();
