@@ -341,6 +341,9 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         (2, 128, 64, 2, True, True, "one", 64), (1, 50, 32, 2, False, True, "one", 64),
         (2, 20, 32, 4, True, True, "one", 64), (1, 97, 64, 1, True, False, "one", 32),
         (2, 128, 128, 4, True, True, 1, 16),  # bm16: the finest causal skipping
+        # cached chunks (sub = "cached"): 4, 3, 2 and 1 chunks, causal and not, padded and not
+        (2, 128, 128, 4, True, True, "cached", 64), (1, 80, 64, 2, False, True, "cached", 32),
+        (2, 64, 32, 1, True, False, "cached", 16), (1, 20, 32, 2, True, True, "cached", 64),
     ]:
         dh = d // h
         # q.k exact in fp32 in any summation order (multiples of 1/256, |q.k| <= 64: 15 bits), so the
@@ -351,9 +354,11 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         if padded:
             lengths = torch.randint(max(1, s // 2), s + 1, (b,), generator=g)
             mask = torch.arange(s)[None, :] < lengths[:, None]
-        one = sub == "one"
-        out, scores, probs = triton_attention(q, k, v, mask, h, causal, debug=True, block_m=block_m,
-                                              **(dict(one_pass=True) if one else dict(sub=sub)))
+        launch = {"one": dict(one_pass=True), "cached": dict(cached=True)}.get(sub, dict(sub=sub))
+        out, scores, probs = triton_attention(q, k, v, mask, h, causal, debug=True, block_m=block_m, **launch)
+        if sub == "cached":  # the same P.V chain as the three passes: the same bits, even under numpy
+            three = triton_attention(q, k, v, mask, h, causal, block_m=block_m)
+            assert torch.equal(out.view(torch.int16), three.view(torch.int16)), (b, s, d, h, causal, padded)
         qh, kh, vh = (t.view(b, s, h, dh).transpose(1, 2) for t in (q, k, v))
         ref_scores = torch.matmul(qh, kh.transpose(-2, -1)) * dh ** -0.5
         if causal:
@@ -398,7 +403,7 @@ def test_triton_kernel_logic_under_the_interpreter():
     results = json.loads(line[len("RESULTS "):])
     assert results[-1] == {"case": "cuda impl", "same": True}
     results = results[:-1]
-    assert len(results) == 13
+    assert len(results) == 17
     for r in results:
         assert r["scores_diff"] == 0, r
         assert r["probs_diff"] == 0, r

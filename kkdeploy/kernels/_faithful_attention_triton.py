@@ -145,7 +145,7 @@ def _faithful_attention_kernel(
     HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     LANES: tl.constexpr, SUB: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
-    ONE_PASS: tl.constexpr = False,
+    ONE_PASS: tl.constexpr = False, NCACHED: tl.constexpr = 0,
 ):
     CHUNK: tl.constexpr = LANES * SUB
     pid_m = tl.program_id(0)
@@ -179,6 +179,72 @@ def _faithful_attention_kernel(
         acc = _pv_step(p, tl.zeros((BLOCK_M, DH_PAD), tl.float32), V, v_row0, stride_vs, offs_c, offs_d, S, HEAD_DIM)
         if DEBUG:
             _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_c, s, p)
+    elif NCACHED > 0:  # up to 4 chunks of the row, each scored once and kept in registers (SUB == 1)
+        # The three-pass kernel's arithmetic in its order, without recomputing: chunk k exists iff
+        # k * CHUNK < n_end (the same chunks pass 1 visits), its exps are computed once and added to the lanes in
+        # chunk order, and P.V chains the chunks in key order.
+        s0 = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_c, offs_d,
+                          S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+        s1 = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
+        s2 = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
+        s3 = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
+        run_max = s0
+        if NCACHED > 1:
+            if n_end > CHUNK:
+                s1 = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, CHUNK + offs_c, offs_d,
+                                  S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+                run_max = tl.maximum(run_max, s1)
+        if NCACHED > 2:
+            if n_end > 2 * CHUNK:
+                s2 = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, 2 * CHUNK + offs_c,
+                                  offs_d, S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+                run_max = tl.maximum(run_max, s2)
+        if NCACHED > 3:
+            if n_end > 3 * CHUNK:
+                s3 = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, 3 * CHUNK + offs_c,
+                                  offs_d, S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+                run_max = tl.maximum(run_max, s3)
+        row_max = tl.max(run_max, axis=1)
+        e0 = _exp(s0 - row_max[:, None], ACCURATE)
+        lane = _lane_add(tl.zeros((BLOCK_M, LANES), tl.float32), e0, BLOCK_M, LANES, SUB)
+        e1 = tl.zeros((BLOCK_M, CHUNK), tl.float32)
+        e2 = tl.zeros((BLOCK_M, CHUNK), tl.float32)
+        e3 = tl.zeros((BLOCK_M, CHUNK), tl.float32)
+        if NCACHED > 1:
+            if n_end > CHUNK:
+                e1 = _exp(s1 - row_max[:, None], ACCURATE)
+                lane = _lane_add(lane, e1, BLOCK_M, LANES, SUB)
+        if NCACHED > 2:
+            if n_end > 2 * CHUNK:
+                e2 = _exp(s2 - row_max[:, None], ACCURATE)
+                lane = _lane_add(lane, e2, BLOCK_M, LANES, SUB)
+        if NCACHED > 3:
+            if n_end > 3 * CHUNK:
+                e3 = _exp(s3 - row_max[:, None], ACCURATE)
+                lane = _lane_add(lane, e3, BLOCK_M, LANES, SUB)
+        row_sum = _row_sum(lane, BLOCK_M, LANES)
+        p0 = tl.math.div_rn(e0, row_sum[:, None]).to(tl.float16)
+        acc = _pv_step(p0, tl.zeros((BLOCK_M, DH_PAD), tl.float32), V, v_row0, stride_vs, offs_c, offs_d, S, HEAD_DIM)
+        if DEBUG:
+            _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_c, s0, p0)
+        if NCACHED > 1:
+            if n_end > CHUNK:
+                p1 = tl.math.div_rn(e1, row_sum[:, None]).to(tl.float16)
+                acc = _pv_step(p1, acc, V, v_row0, stride_vs, CHUNK + offs_c, offs_d, S, HEAD_DIM)
+                if DEBUG:
+                    _store_debug(SCORES, PROBS, b, H, h, S, offs_m, CHUNK + offs_c, s1, p1)
+        if NCACHED > 2:
+            if n_end > 2 * CHUNK:
+                p2 = tl.math.div_rn(e2, row_sum[:, None]).to(tl.float16)
+                acc = _pv_step(p2, acc, V, v_row0, stride_vs, 2 * CHUNK + offs_c, offs_d, S, HEAD_DIM)
+                if DEBUG:
+                    _store_debug(SCORES, PROBS, b, H, h, S, offs_m, 2 * CHUNK + offs_c, s2, p2)
+        if NCACHED > 3:
+            if n_end > 3 * CHUNK:
+                p3 = tl.math.div_rn(e3, row_sum[:, None]).to(tl.float16)
+                acc = _pv_step(p3, acc, V, v_row0, stride_vs, 3 * CHUNK + offs_c, offs_d, S, HEAD_DIM)
+                if DEBUG:
+                    _store_debug(SCORES, PROBS, b, H, h, S, offs_m, 3 * CHUNK + offs_c, s3, p3)
     else:  # three passes over chunks of the row
         # pass 1: the row max (order-free)
         run_max = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
@@ -219,12 +285,14 @@ def kernel_lanes(seq_len: int) -> int:
 
 
 def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=None, sub=None,
-                     num_warps=None, num_stages=None, debug=False, validate=True, one_pass=False):
+                     num_warps=None, num_stages=None, debug=False, validate=True, one_pass=False, cached=False):
     """Launch the kernel; returns the context [B, S, D] fp16 (and, with ``debug``, the fp16 scores and
     probabilities [B, H, S, S] as the reference computes them; causal-skipped entries are filled with
     the reference's values -inf and 0). ``validate=False``: the caller already checked the inputs.
     ``one_pass`` (S <= 128): one chunk of ``lanes * sub`` >= S keys, so every score, exp
-    and probability is computed once instead of three times, and P.V is one tl.dot over the row."""
+    and probability is computed once instead of three times, and P.V is one tl.dot over the row.
+    ``cached`` (S <= 4 * lanes): the three-pass arithmetic with each chunk's scores and exps computed once and
+    kept in registers (at most 4 chunks), P.V chained chunk by chunk as in the third pass."""
     if validate:
         check_attention_inputs(q, k, v, valid_token_mask, num_heads, causal)
         if q.dtype != torch.float16:
@@ -243,6 +311,12 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         block_m = 64 if block_m is None else block_m
     if lanes < 32:
         sub = 1  # one iteration per lane: S <= 32
+    ncached = 0
+    if cached:
+        if one_pass or s > 4 * lanes:
+            raise KKError(f"cached takes S <= {4 * lanes} and not one_pass (S = {s})")
+        sub = 1
+        ncached = -(-s // lanes)
     dh_pad = max(16, 1 << (dh - 1).bit_length())
     if num_warps is None:
         num_warps = 8 if (dh_pad >= 256 or block_m >= 128 or one_pass) else 4
@@ -271,6 +345,7 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         s, num_heads, scale,
         HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_M=block_m, LANES=lanes, SUB=sub,
         CAUSAL=bool(causal), HAS_MASK=has_mask, ACCURATE=not INTERPRET, DEBUG=bool(debug), ONE_PASS=bool(one_pass),
+        NCACHED=ncached,
         **launch,
     )
     if debug:
