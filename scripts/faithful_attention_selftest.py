@@ -487,7 +487,7 @@ def summarize(entry: dict) -> str:
 def print_table(report: dict) -> None:
     """One line per shape: worst differing-element count over the op and every launch variant, per input."""
     log("")
-    log("differing elements = max over {op, " + ", ".join(VARIANTS) + "} (model) / {op, bm64} (random); "
+    log("differing elements = max over {op, " + ", ".join(VARIANTS) + "} (model) / {op, bm64, cached32} (random); "
         "times: do_bench median ms")
     log(f"{'id':>3} {'B':>6} {'S':>5} {'D':>5} {'H':>3} | {'model':>11} {'model':>11} {'random':>11} {'random':>11} | "
         f"{'all-valid ms':>18} | {'padded ms':>18} | {'best variant':>20}")
