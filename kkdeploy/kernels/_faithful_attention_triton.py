@@ -137,6 +137,17 @@ def _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_n, s, p):
 
 
 @triton.jit
+def _pv_chunk(e, row_sum, acc, s, V, v_row0, stride_vs, offs_m, offs_n, offs_d, S, HEAD_DIM: tl.constexpr,
+              SCORES, PROBS, b, H, h, DEBUG: tl.constexpr):
+    """One chunk's probabilities (IEEE division, fp16) into the P.V chain; returns acc."""
+    p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
+    acc = _pv_step(p, acc, V, v_row0, stride_vs, offs_n, offs_d, S, HEAD_DIM)
+    if DEBUG:
+        _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_n, s, p)
+    return acc
+
+
+@triton.jit
 def _faithful_attention_kernel(
     Q, K, V, MASK, OUT, SCORES, PROBS,
     stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_ob, stride_os,
@@ -175,10 +186,8 @@ def _faithful_attention_kernel(
         row_max = tl.max(s, axis=1)
         e = _exp(s - row_max[:, None], ACCURATE)
         row_sum = _row_sum(_lane_add(tl.zeros((BLOCK_M, LANES), tl.float32), e, BLOCK_M, LANES, SUB), BLOCK_M, LANES)
-        p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
-        acc = _pv_step(p, tl.zeros((BLOCK_M, DH_PAD), tl.float32), V, v_row0, stride_vs, offs_c, offs_d, S, HEAD_DIM)
-        if DEBUG:
-            _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_c, s, p)
+        acc = _pv_chunk(e, row_sum, tl.zeros((BLOCK_M, DH_PAD), tl.float32), s, V, v_row0, stride_vs, offs_m, offs_c,
+                        offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG)
     elif NCACHED > 0:  # up to 4 chunks of the row, each scored once and kept in registers (SUB == 1)
         # The three-pass kernel's arithmetic in its order, without recomputing: chunk k exists iff
         # k * CHUNK < n_end (the same chunks pass 1 visits), its exps are computed once and added to the lanes in
@@ -223,28 +232,20 @@ def _faithful_attention_kernel(
                 e3 = _exp(s3 - row_max[:, None], ACCURATE)
                 lane = _lane_add(lane, e3, BLOCK_M, LANES, SUB)
         row_sum = _row_sum(lane, BLOCK_M, LANES)
-        p0 = tl.math.div_rn(e0, row_sum[:, None]).to(tl.float16)
-        acc = _pv_step(p0, tl.zeros((BLOCK_M, DH_PAD), tl.float32), V, v_row0, stride_vs, offs_c, offs_d, S, HEAD_DIM)
-        if DEBUG:
-            _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_c, s0, p0)
+        acc = _pv_chunk(e0, row_sum, tl.zeros((BLOCK_M, DH_PAD), tl.float32), s0, V, v_row0, stride_vs, offs_m,
+                        offs_c, offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG)
         if NCACHED > 1:
             if n_end > CHUNK:
-                p1 = tl.math.div_rn(e1, row_sum[:, None]).to(tl.float16)
-                acc = _pv_step(p1, acc, V, v_row0, stride_vs, CHUNK + offs_c, offs_d, S, HEAD_DIM)
-                if DEBUG:
-                    _store_debug(SCORES, PROBS, b, H, h, S, offs_m, CHUNK + offs_c, s1, p1)
+                acc = _pv_chunk(e1, row_sum, acc, s1, V, v_row0, stride_vs, offs_m, CHUNK + offs_c, offs_d, S,
+                                HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG)
         if NCACHED > 2:
             if n_end > 2 * CHUNK:
-                p2 = tl.math.div_rn(e2, row_sum[:, None]).to(tl.float16)
-                acc = _pv_step(p2, acc, V, v_row0, stride_vs, 2 * CHUNK + offs_c, offs_d, S, HEAD_DIM)
-                if DEBUG:
-                    _store_debug(SCORES, PROBS, b, H, h, S, offs_m, 2 * CHUNK + offs_c, s2, p2)
+                acc = _pv_chunk(e2, row_sum, acc, s2, V, v_row0, stride_vs, offs_m, 2 * CHUNK + offs_c, offs_d, S,
+                                HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG)
         if NCACHED > 3:
             if n_end > 3 * CHUNK:
-                p3 = tl.math.div_rn(e3, row_sum[:, None]).to(tl.float16)
-                acc = _pv_step(p3, acc, V, v_row0, stride_vs, 3 * CHUNK + offs_c, offs_d, S, HEAD_DIM)
-                if DEBUG:
-                    _store_debug(SCORES, PROBS, b, H, h, S, offs_m, 3 * CHUNK + offs_c, s3, p3)
+                acc = _pv_chunk(e3, row_sum, acc, s3, V, v_row0, stride_vs, offs_m, 3 * CHUNK + offs_c, offs_d, S,
+                                HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG)
     else:  # three passes over chunks of the row
         # pass 1: the row max (order-free)
         run_max = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
@@ -268,11 +269,8 @@ def _faithful_attention_kernel(
             offs_n = n0 + offs_c
             s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d,
                              S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
-            e = _exp(s - row_max[:, None], ACCURATE)
-            p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
-            acc = _pv_step(p, acc, V, v_row0, stride_vs, offs_n, offs_d, S, HEAD_DIM)
-            if DEBUG:
-                _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_n, s, p)
+            acc = _pv_chunk(_exp(s - row_max[:, None], ACCURATE), row_sum, acc, s, V, v_row0, stride_vs, offs_m,
+                            offs_n, offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG)
 
     o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
     tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))

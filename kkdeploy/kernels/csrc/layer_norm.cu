@@ -51,6 +51,8 @@ __global__ void layer_norm_rows_f16_kernel(const __half* __restrict__ X, const _
   }
   s = kk_welford::warp_merge_down(s);
   // ATen's block step with warps 1..3 empty: warp 0 merges warp 2, then warp 1 (after warp 1 merged warp 3).
+  // (Written out, not through finish_stats/write_vector: this is the code measured bit-identical on the H200,
+  // and nvcc allocates the helpers' registers differently; its PTX stays as proven.)
   const kk_welford::Moments empty{0.f, 0.f, 0.f};
   const kk_welford::Moments empty_pair = kk_welford::merge(empty, empty);
   s = kk_welford::merge(s, empty);
@@ -70,6 +72,33 @@ __global__ void layer_norm_rows_f16_kernel(const __half* __restrict__ X, const _
     }
     reinterpret_cast<Half4*>(Y + row * N)[lane] = out;
   }
+}
+
+// ATen's block step with warps 1..3 empty (warp 0 merges warp 2, then warp 1 after warp 1 merged warp 3), then
+// mean and rstd broadcast from the row's first lane (`width`: the lanes that share the row).
+__device__ __forceinline__ void finish_stats(kk_welford::Moments s, int N, float eps, int width, float& mean,
+                                             float& rstd) {
+  const kk_welford::Moments empty{0.f, 0.f, 0.f};
+  const kk_welford::Moments empty_pair = kk_welford::merge(empty, empty);
+  s = kk_welford::merge(s, empty);
+  s = kk_welford::merge(s, empty_pair);
+  mean = __shfl_sync(0xffffffffu, s.mean, 0, width);
+  const float var = __shfl_sync(0xffffffffu, s.m2 / float(N), 0, width);
+  rstd = rsqrtf(var + eps);
+}
+
+// One output vector: y = g * (rstd * (x - mean)) + b, rounded once (ATen's expression and operand order).
+__device__ __forceinline__ void write_vector(const Half4 data, const __half* gamma, const __half* beta, Half4* out4,
+                                             int v, float mean, float rstd) {
+  const Half4 g = reinterpret_cast<const Half4*>(gamma)[v];
+  const Half4 b = reinterpret_cast<const Half4*>(beta)[v];
+  Half4 out;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    out.v[k] = __float2half_rn(__half2float(g.v[k]) * (rstd * (__half2float(data.v[k]) - mean)) +
+                               __half2float(b.v[k]));
+  }
+  out4[v] = out;
 }
 
 // The same rows, two per warp: lane t of a 16-lane half holds vectors t and t + 16 of its row, so ATen's first
@@ -107,30 +136,12 @@ __global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const 
                                     __shfl_down_sync(0xffffffffu, s.count, offset, kHalf)};
     s = kk_welford::merge(s, other);
   }
-  const kk_welford::Moments empty{0.f, 0.f, 0.f};
-  const kk_welford::Moments empty_pair = kk_welford::merge(empty, empty);
-  s = kk_welford::merge(s, empty);
-  s = kk_welford::merge(s, empty_pair);
-  const float mean = __shfl_sync(0xffffffffu, s.mean, 0, kHalf);
-  const float var = __shfl_sync(0xffffffffu, s.m2 / float(N), 0, kHalf);
-  const float rstd = rsqrtf(var + eps);
+  float mean, rstd;
+  finish_stats(s, N, eps, kHalf, mean, rstd);
   if (!live) return;
-
   Half4* out4 = reinterpret_cast<Half4*>(Y + row * N);
-  for (int part = 0; part < 2; ++part) {
-    const int v = lane + part * kHalf;
-    if (v >= vectors) break;
-    const Half4 data = part ? data_high : data_low;
-    const Half4 g = reinterpret_cast<const Half4*>(gamma)[v];
-    const Half4 b = reinterpret_cast<const Half4*>(beta)[v];
-    Half4 out;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      out.v[k] = __float2half_rn(__half2float(g.v[k]) * (rstd * (__half2float(data.v[k]) - mean)) +
-                                 __half2float(b.v[k]));
-    }
-    out4[v] = out;
-  }
+  if (lane < vectors) write_vector(data_low, gamma, beta, out4, lane, mean, rstd);
+  if (lane + kHalf < vectors) write_vector(data_high, gamma, beta, out4, lane + kHalf, mean, rstd);
 }
 
 }  // namespace
