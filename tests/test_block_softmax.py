@@ -112,3 +112,26 @@ def test_the_kernel_is_a_custom_op_whose_cpu_kernel_is_the_composition():
     torch.library.opcheck(torch.ops.kkdeploy_faithful.causal_block_softmax.default, args)
     assert torch.equal(torch.ops.kkdeploy_faithful.causal_block_softmax(*args),
                        bs.reference_causal_softmax(raw, 0.125, 13000, 12000, 4))
+
+
+def test_the_fast_path_needs_a_loadable_kernel(monkeypatch):
+    """Where the kernel cannot be built (no nvcc), the long-context default falls back to full key rows and
+    ATen's ops (the reference's bits), and says why."""
+    from kkdeploy.kernels import cuda_build
+    from kkdeploy.models.long_context import resolve_tiled_settings
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(bs, "PROVEN_PLATFORMS", {((9, 0), torch.__version__, str(torch.version.cuda))})
+    monkeypatch.setattr(bs, "_load", lambda device: (_ for _ in ()).throw(KKError("no nvcc here")))
+    cuda_build.load_problem.cache_clear()
+    try:
+        reason = bs.fast_path_reason("cuda", torch.float16)
+        assert reason == "the block-softmax kernel cannot be built or loaded here (no nvcc here)"
+        assert resolve_tiled_settings("auto", "auto", "cuda", torch.float16) == ("full", "aten")
+        monkeypatch.setattr(bs, "_load", lambda device: object())
+        cuda_build.load_problem.cache_clear()
+        assert bs.fast_path_reason("cuda", torch.float16) is None
+        assert resolve_tiled_settings("auto", "auto", "cuda", torch.float16) == ("aligned", "block-kernel")
+    finally:
+        cuda_build.load_problem.cache_clear()

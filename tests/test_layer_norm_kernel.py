@@ -37,7 +37,14 @@ def test_the_path_says_why_the_rows_kernel_runs_or_not(monkeypatch):
     path = ln.layer_norm_path("cuda", platform=unproven)
     assert path.kernel == "aten" and "layer_norm_selftest.py" in path.reason and "9.0" in path.reason
     monkeypatch.setattr(ln, "PROVEN_PLATFORMS", {unproven})
-    assert ln.layer_norm_path("cuda", platform=unproven).fused
+    monkeypatch.setattr(ln, "_load", lambda device: object())  # the library builds and loads
+    from kkdeploy.kernels import cuda_build
+
+    cuda_build.load_problem.cache_clear()
+    try:
+        assert ln.layer_norm_path("cuda", platform=unproven).fused
+    finally:
+        cuda_build.load_problem.cache_clear()
     monkeypatch.setattr(ln, "PROVEN_PLATFORMS", set())
     monkeypatch.setenv(ln.PATH_ENV, "kernel")
     assert ln.layer_norm_path("cuda", platform=unproven).fused
@@ -90,3 +97,28 @@ def test_the_gpu_selftest_says_it_needs_a_gpu(capsys):
     spec.loader.exec_module(module)
     assert module.main(["--out", "/dev/null"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_machine_that_cannot_build_the_kernel_runs_atens_layer_norm_and_says_why(monkeypatch):
+    """A serving image without nvcc: the proven platform still takes ATen's kernel (the same bits), the build
+    is tried once, and the path's reason names the problem."""
+    from kkdeploy.kernels import cuda_build
+
+    platform = ((9, 0), "0.0.0+test", "13.0")
+    monkeypatch.setattr(ln, "PROVEN_PLATFORMS", {platform})
+    monkeypatch.delenv(ln.PATH_ENV, raising=False)
+    tries = []
+
+    def no_nvcc(device):
+        tries.append(device)
+        raise KKError("the kkdeploy CUDA kernels need nvcc (the CUDA toolkit) and none was found")
+
+    monkeypatch.setattr(ln, "_load", no_nvcc)
+    cuda_build.load_problem.cache_clear()
+    try:
+        for _ in range(3):
+            path = ln.layer_norm_path("cuda", platform=platform)
+            assert path.kernel == "aten" and "cannot be built or loaded here" in path.reason and "nvcc" in path.reason
+        assert tries == ["cuda"]
+    finally:
+        cuda_build.load_problem.cache_clear()

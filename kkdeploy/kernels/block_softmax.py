@@ -61,6 +61,11 @@ def fast_path_reason(device: torch.device | str, dtype: torch.dtype) -> Optional
     if key not in PROVEN_PLATFORMS:
         return (f"compute capability {key[0][0]}.{key[0][1]}, torch {key[1]}, CUDA {key[2]}: the block-softmax kernel "
                 f"was not measured bit-identical here (scripts/block_softmax_selftest.py)")
+    from .cuda_build import load_problem
+
+    problem = load_problem(_load, str(device))
+    if problem:  # e.g. no nvcc where this runs: full key rows with ATen's ops give the reference's bits too
+        return f"the block-softmax kernel cannot be built or loaded here ({problem})"
     return None
 
 

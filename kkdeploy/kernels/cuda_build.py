@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -114,3 +115,14 @@ def build_kernel_library(name: str, sources: list[Path], device: torch.device | 
         (target_dir / "build.json").write_text(json.dumps({"command": cmd, **env}, indent=1))
         os.replace(staged, library)
     return library
+
+
+@functools.lru_cache(maxsize=None)
+def load_problem(load: Callable[[str], object], device: str) -> Optional[str]:
+    """None when ``load(device)`` (a kernel module's cached build-and-dlopen) succeeds, else its one-line reason.
+    Cached, so a machine without nvcc tries the build once, not on every call."""
+    try:
+        load(device)
+    except (KKError, OSError) as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None

@@ -78,6 +78,12 @@ def layer_norm_path(device: torch.device | str, platform: Optional[tuple] = None
         return LayerNormPath("aten", f"compute capability {major}.{minor}, torch {version}, CUDA {cuda}: the rows "
                                      f"kernel was not measured bit-identical here; run scripts/layer_norm_selftest.py, "
                                      f"or set {PATH_ENV}=kernel and validate")
+    from .cuda_build import load_problem
+
+    problem = load_problem(_load, str(device))
+    if problem:  # e.g. a serving image without nvcc: ATen's kernel gives the same bits, only slower
+        return LayerNormPath("aten", f"the rows kernel cannot be built or loaded here ({problem}); ATen's "
+                                     f"layer_norm runs (the same bits)")
     return LayerNormPath("rows", "rows kernel (proven bit-identical to ATen on this platform)")
 
 
