@@ -71,6 +71,7 @@ def attend_tile(q_tile, k_head, v_head, scale: float, query_start: int, causal: 
     """
     tile, keys = q_tile.shape[-2], k_head.shape[-2]
     if (softmax == "block-kernel" and causal and key_valid is None and query_valid is None
+            and q_tile.dtype == torch.float16  # the kernel reproduces the float16 reference only
             and not torch.is_grad_enabled()):  # the kernel has no backward: autograd calls keep ATen's ops
         from kkdeploy.kernels.block_softmax import causal_block_softmax, kernel_covers
 
