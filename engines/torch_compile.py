@@ -85,14 +85,14 @@ def kernel_paths_record(name: str, config: TransformerConfig, dtype: torch.dtype
     if uses_kernel_attention(name):
         record["attention_path"] = attention_path_record(config, dtype, device)
     if uses_kernel_layer_norm(name):
-        from kkdeploy.kernels.layer_norm import MAX_ROW, layer_norm_path
+        from kkdeploy.kernels.layer_norm import layer_norm_path, row_reason
 
-        path = layer_norm_path(device)
-        fits = dtype == torch.float16 and config.d_model <= MAX_ROW and config.d_model % 4 == 0
-        record["layer_norm_path"] = {"kernel": path.kernel if fits else "aten",
-                                     "reason": path.reason if fits else
-                                     f"{dtype_name(dtype)} rows of {config.d_model}: the rows kernel takes float16 "
-                                     f"rows of at most {MAX_ROW} (a multiple of 4); ATen's layer_norm runs"}
+        unfit = row_reason(config.d_model, dtype)
+        if unfit:
+            record["layer_norm_path"] = {"kernel": "aten", "reason": f"{unfit}; ATen's layer_norm runs"}
+        else:
+            path = layer_norm_path(device)
+            record["layer_norm_path"] = {"kernel": path.kernel, "reason": path.reason}
     return record
 
 

@@ -124,9 +124,9 @@ def run_full_shape(args, config, device, dtype) -> dict:
               "micro_batch": path.sequences_per_micro_batch(config.batch_size, config.seq_len),
               "dense_score_bytes": config.dense_score_bytes(dtype)}
     if args.path_softmax == "block-kernel" and device.type == "cuda":
-        from kkdeploy.kernels.block_softmax import _load
+        from kkdeploy.kernels.block_softmax import load_kernel
 
-        _load(str(device))  # nvcc builds the kernel on first use: not inside the timed run
+        load_kernel(device)  # nvcc builds the kernel on first use: not inside the timed run
     with torch.inference_mode():
         path(x[:1, : min(1024, config.seq_len)], mask[:1, : min(1024, config.seq_len)])  # warm-up
         sync(device)

@@ -122,3 +122,16 @@ def test_a_machine_that_cannot_build_the_kernel_runs_atens_layer_norm_and_says_w
         assert tries == ["cuda"]
     finally:
         cuda_build.load_problem.cache_clear()
+
+
+def test_rows_outside_the_kernel_are_named_once_for_calls_and_manifests():
+    from engines.torch_compile import KERNELS, kernel_paths_record
+    from kkdeploy import OFFICIAL_SHAPES
+
+    assert ln.row_reason(128, torch.float16) is None and ln.row_reason(32, torch.float16) is None
+    assert "rows of 1024" in ln.row_reason(1024, torch.float16)
+    assert "float16 only" in ln.row_reason(128, torch.float32)
+    # shape 8 (D = 1024) on a GPU: recorded as ATen's LayerNorm without asking the device anything
+    record = kernel_paths_record(KERNELS, OFFICIAL_SHAPES[8], torch.float16, torch.device("cuda"))["layer_norm_path"]
+    assert record == {"kernel": "aten", "reason": "rows of 1024: the kernel takes rows of 4..128 elements, a multiple "
+                                                  "of 4; ATen's layer_norm runs"}

@@ -36,6 +36,8 @@ import torch
 
 from kkdeploy.errors import KKError
 
+from .cuda_build import load_problem, platform_key
+
 THREADS = 1024  # ATen's block for rows of 1024 elements or more
 VEC = 4  # ILP = sizeof(float4) / sizeof(float)
 WARP = 32
@@ -56,13 +58,10 @@ def fast_path_reason(device: torch.device | str, dtype: torch.dtype) -> Optional
         return f"{device.type} device: the block-softmax kernel is CUDA-only"
     if dtype != torch.float16:
         return f"{dtype}: the block-softmax kernel reproduces the float16 reference only"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (tuple(torch.cuda.get_device_capability(index)), torch.__version__, str(torch.version.cuda))
+    key = platform_key(device)
     if key not in PROVEN_PLATFORMS:
         return (f"compute capability {key[0][0]}.{key[0][1]}, torch {key[1]}, CUDA {key[2]}: the block-softmax kernel "
                 f"was not measured bit-identical here (scripts/block_softmax_selftest.py)")
-    from .cuda_build import load_problem
-
     problem = load_problem(_load, str(device))
     if problem:  # e.g. no nvcc where this runs: full key rows with ATen's ops give the reference's bits too
         return f"the block-softmax kernel cannot be built or loaded here ({problem})"
@@ -173,6 +172,11 @@ def _load(device: str):
     lib.kk_causal_block_softmax_f16.argtypes = [vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                                                 ctypes.c_int, vp]
     return lib
+
+
+def load_kernel(device: torch.device | str) -> None:
+    """Build (nvcc, cached) and load the kernel now, e.g. before a timed run; a one-line KKError if it cannot."""
+    _load(str(torch.device(device)))
 
 
 OP_NAME = "kkdeploy_faithful::causal_block_softmax"

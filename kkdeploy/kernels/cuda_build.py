@@ -75,6 +75,14 @@ def cuda_architecture(device: str) -> str:
     return f"sm_{major}{minor}"
 
 
+def platform_key(device: torch.device | str) -> tuple[tuple[int, int], str, str]:
+    """(compute capability, torch, CUDA) of ``device``: what a kernel's bitwise proof is recorded against
+    (``PROVEN_PLATFORMS`` in ``layer_norm`` and ``block_softmax``)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuple(torch.cuda.get_device_capability(index)), torch.__version__, str(torch.version.cuda)
+
+
 def require_gpu(what: str) -> None:
     if not torch.cuda.is_available():
         raise KKError(f"{what} are compiled for the GPU that runs them and this machine has none; build on the "

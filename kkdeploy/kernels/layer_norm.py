@@ -30,6 +30,8 @@ import torch
 
 from kkdeploy.errors import KKError
 
+from .cuda_build import load_problem, platform_key
+
 OP_NAME = "kkdeploy_faithful::layer_norm_rows"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "layer_norm.cu"
 HEADER = SOURCE.with_name("welford.cuh")
@@ -55,11 +57,6 @@ class LayerNormPath:
         return self.kernel == "rows"
 
 
-def platform_key(device: torch.device) -> tuple[tuple[int, int], str, str]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return tuple(torch.cuda.get_device_capability(index)), torch.__version__, str(torch.version.cuda)
-
-
 def layer_norm_path(device: torch.device | str, platform: Optional[tuple] = None) -> LayerNormPath:
     """Whether CUDA calls on ``device`` run the rows kernel, and why (recorded in build manifests)."""
     device = torch.device(device)
@@ -78,13 +75,20 @@ def layer_norm_path(device: torch.device | str, platform: Optional[tuple] = None
         return LayerNormPath("aten", f"compute capability {major}.{minor}, torch {version}, CUDA {cuda}: the rows "
                                      f"kernel was not measured bit-identical here; run scripts/layer_norm_selftest.py, "
                                      f"or set {PATH_ENV}=kernel and validate")
-    from .cuda_build import load_problem
-
     problem = load_problem(_load, str(device))
     if problem:  # e.g. a serving image without nvcc: ATen's kernel gives the same bits, only slower
         return LayerNormPath("aten", f"the rows kernel cannot be built or loaded here ({problem}); ATen's "
                                      f"layer_norm runs (the same bits)")
     return LayerNormPath("rows", "rows kernel (proven bit-identical to ATen on this platform)")
+
+
+def row_reason(width: int, dtype: torch.dtype) -> Optional[str]:
+    """None when rows of ``width`` in ``dtype`` are the kernel's (float16, 4..128, a multiple of 4), else why not."""
+    if dtype != torch.float16:
+        return f"{dtype}: the kernel is float16 only"
+    if not 4 <= width <= MAX_ROW or width % 4:
+        return f"rows of {width}: the kernel takes rows of 4..{MAX_ROW} elements, a multiple of 4"
+    return None
 
 
 def rows_kernel_reason(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
@@ -93,8 +97,11 @@ def rows_kernel_reason(x: torch.Tensor, normalized_shape: list[int], weight: Opt
     n = x.shape[-1] if x.dim() else 0
     if x.device.type != "cuda" or x.dtype != torch.float16:
         return f"{x.device.type} {x.dtype}: the kernel is float16 CUDA only"
-    if list(normalized_shape) != [n] or not 4 <= n <= MAX_ROW or n % 4:
-        return f"normalized_shape {list(normalized_shape)}: the kernel takes one last dim of 4..{MAX_ROW}, a multiple of 4"
+    if list(normalized_shape) != [n]:
+        return f"normalized_shape {list(normalized_shape)}: the kernel normalizes the last dim only"
+    reason = row_reason(n, x.dtype)
+    if reason:
+        return reason
     if weight is None or bias is None:
         return "no weight or bias: the kernel always applies both"
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
