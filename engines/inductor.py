@@ -105,6 +105,26 @@ class KernelAttentionForward(ReferenceForward):
                 del attention.attend  # the instance attribute goes; the class's reference attend is back
 
 
+class KernelGemmForward(ReferenceForward):
+    """The reference's forward with every block as ``kkdeploy.kernels.fused_linear.fused_block_forward``: the
+    attention op, Q/K/V in one GEMM, and out_proj, ffn_in and ffn_out with their next elementwise ops (residual,
+    mask, GELU) in the GEMM's epilogue. The op's CPU kernel is the ATen composition, so on the CPU (and wherever the
+    GEMMs are not proven) this is the reference's arithmetic; the LayerNorms stay ``aten.layer_norm`` nodes for
+    ``make_sensitive_ops_opaque``."""
+
+    def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
+        from kkdeploy.kernels.fused_linear import fused_block_forward
+
+        layers = list(self.model.layers)
+        for layer in layers:
+            layer.forward = functools.partial(fused_block_forward, layer)
+        try:
+            return self.model.reference_forward(x, valid_token_mask)
+        finally:
+            for layer in layers:
+                del layer.forward  # the instance attribute goes; Block.forward is back
+
+
 def _kernel_attend(attention, q, k, v, valid_token_mask):
     """``Attention.attend`` on split heads [B,H,S,Dh] -> the op on the Linear outputs [B,S,D] (views only)."""
     from kkdeploy.kernels.faithful_attention import faithful_attention
@@ -141,10 +161,11 @@ class AllValidSdpaForward(torch.nn.Module):
 
 def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: torch.dtype,
                    device: torch.device, variant: str, kernel_attention: bool = False,
-                   kernel_layer_norm: bool = False):
+                   kernel_layer_norm: bool = False, kernel_linear: bool = False):
     """ExportedProgram for one fixed shape, sensitive ops made opaque as the variant says; with
     ``kernel_attention`` each attention core is one ``kkdeploy_faithful::attention`` op (no softmax left), with
-    ``kernel_layer_norm`` each LayerNorm is ``kkdeploy_faithful::layer_norm_rows`` (ATen's bits, our launch)."""
+    ``kernel_layer_norm`` each LayerNorm is ``kkdeploy_faithful::layer_norm_rows`` (ATen's bits, our launch), with
+    ``kernel_linear`` each block is ``fused_block_forward`` (GELU inside ``kkdeploy_faithful::linear``)."""
     from .inductor_ops import make_sensitive_ops_opaque
 
     opaque, sdpa_layers = parse_variant(variant, config)
@@ -152,7 +173,7 @@ def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: tor
         if sdpa_layers:
             raise KKError(f"{variant}: the faithful attention kernel replaces reference-order attention, not SDPA")
         opaque = tuple(op for op in opaque if op != "softmax")
-        module = KernelAttentionForward(model)
+        module = KernelGemmForward(model) if kernel_linear else KernelAttentionForward(model)
     else:
         module = AllValidSdpaForward(model, sdpa_layers) if sdpa_layers else ReferenceForward(model)
     x = torch.zeros(config.batch_size, config.seq_len, config.d_model, dtype=dtype, device=device)
@@ -161,7 +182,7 @@ def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: tor
         exported = torch.export.export(module.eval(), (x, mask), strict=False)
     if opaque:
         counts = make_sensitive_ops_opaque(exported, keep=opaque, layer_norm_kernel=kernel_layer_norm)
-        expected = {"layer_norm": 2 * config.num_layers + 1, "gelu": config.num_layers,
+        expected = {"layer_norm": 2 * config.num_layers + 1, "gelu": 0 if kernel_linear else config.num_layers,
                     "softmax": 0 if kernel_attention else config.num_layers - sdpa_layers}
         wrong = {op: (counts[op], expected[op]) for op in opaque if counts[op] != expected[op]}
         if wrong:

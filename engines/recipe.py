@@ -14,6 +14,7 @@ parsed by a regex in every engine. Here they are one small grammar over one smal
                 "-fused" Inductor's own fusion (torch-compile: SDPA in every block too, judge contract)
                 "-faithful-attention" our bitwise fused attention kernel (kkdeploy.kernels)
                 "-faithful-kernels" that kernel plus our bitwise rows LayerNorm kernel (kkdeploy.kernels.layer_norm)
+                "-faithful-gemms" both plus our GEMMs with fused epilogues (kkdeploy.kernels.fused_linear)
     precision   "" the model's dtype; "-mixed" calibrated float16 blocks; "-autocast" ModelOpt AutoCast;
                 "-half-gemm" float16 GEMM inputs with float32 accumulation; "-half-gemm-mixed" both
 
@@ -31,7 +32,8 @@ from kkdeploy.errors import KKError
 
 BACKENDS = ("ort", "trt", "torch-graph", "torch-compile", "inductor")
 ATTENTION_SUFFIX = {"reference": "", "reference-nomask": "-nomask", "sdpa-last": "-sdpa", "fused": "-fused",
-                    "faithful-kernel": "-faithful-attention", "faithful-kernels": "-faithful-kernels"}
+                    "faithful-kernel": "-faithful-attention", "faithful-kernels": "-faithful-kernels",
+                    "faithful-gemms": "-faithful-gemms"}
 PRECISION_SUFFIX = {"model": "", "fp16-blocks": "-mixed", "autocast": "-autocast", "half-gemm": "-half-gemm",
                     "half-gemm+fp16-blocks": "-half-gemm-mixed"}
 # What each backend can build: attention forms and precision plans (ONNX graphs cannot express half GEMMs:
@@ -40,13 +42,13 @@ ALLOWED = {
     "ort": ({"reference"}, {"model", "fp16-blocks", "autocast"}),
     "trt": ({"reference"}, {"model", "fp16-blocks", "autocast"}),
     "torch-graph": ({"reference", "reference-nomask", "sdpa-last"}, {"model"}),
-    "torch-compile": ({"reference", "sdpa-last", "fused", "faithful-kernel", "faithful-kernels"},
+    "torch-compile": ({"reference", "sdpa-last", "fused", "faithful-kernel", "faithful-kernels", "faithful-gemms"},
                       {"model", "fp16-blocks", "half-gemm", "half-gemm+fp16-blocks"}),
     "inductor": ({"reference", "sdpa-last", "fused"}, {"model"}),
 }
 _NAME = re.compile(
     r"^(?P<backend>ort|trt|torch-graph|torch-compile|inductor)(?:-(?P<provider>cpu|cuda))?(?P<graph>-graph)?"
-    r"(?P<attention>-nomask|-sdpa(?P<k>\d+)|-fused|-faithful-attention|-faithful-kernels)?"
+    r"(?P<attention>-nomask|-sdpa(?P<k>\d+)|-fused|-faithful-attention|-faithful-kernels|-faithful-gemms)?"
     r"(?P<precision>-half-gemm-mixed|-half-gemm|-mixed|-autocast)?$")
 
 
@@ -92,11 +94,12 @@ def parse(name: str) -> Recipe:
     match = _NAME.match(name)
     if match is None:
         raise KKError(f"unknown candidate {name!r}: names are <backend>[-cpu|-cuda][-graph][-nomask|-sdpa<k>|-fused|"
-                      f"-faithful-attention|-faithful-kernels][-half-gemm][-mixed|-autocast] with backend one of "
+                      f"-faithful-attention|-faithful-kernels|-faithful-gemms][-half-gemm][-mixed|-autocast] with backend one of "
                       f"{', '.join(BACKENDS)}")
     backend = match["backend"]
     attention = {None: "reference", "-nomask": "reference-nomask", "-fused": "fused",
-                 "-faithful-attention": "faithful-kernel", "-faithful-kernels": "faithful-kernels"}.get(
+                 "-faithful-attention": "faithful-kernel", "-faithful-kernels": "faithful-kernels",
+                 "-faithful-gemms": "faithful-gemms"}.get(
                      match["attention"], "sdpa-last")
     precision = {v: k for k, v in PRECISION_SUFFIX.items()}[match["precision"] or ""]
     recipe = Recipe(backend, match["provider"] or "", bool(match["graph"]), attention,

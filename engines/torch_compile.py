@@ -50,6 +50,8 @@ from .recipe import Recipe, parse as parse_recipe
 FAITHFUL = "torch-compile"
 KERNEL_ATTENTION = "torch-compile-faithful-attention"  # the faithful graph with kkdeploy.kernels' attention
 KERNELS = "torch-compile-faithful-kernels"  # ... and with kkdeploy.kernels' rows LayerNorm too
+GEMMS = "torch-compile-faithful-gemms"  # ... and with kkdeploy.kernels' GEMMs with fused epilogues too
+OUR_KERNEL_FORMS = ("faithful-kernel", "faithful-kernels", "faithful-gemms")
 # fused variant -> (half_gemm, calibrated float16 blocks), names derived from their recipes (engines.recipe)
 FUSED_VARIANTS = {Recipe("torch-compile", attention="fused", precision=p).name: (p.startswith("half-gemm"),
                                                                                   p.endswith("fp16-blocks"))
@@ -66,17 +68,21 @@ def inductor_variant(name: str) -> str:
     if recipe.backend == "torch-compile" and recipe.precision == "model":
         if recipe.attention in ("reference", "sdpa-last"):
             return replace(recipe, backend="inductor").name
-        if recipe.attention in ("faithful-kernel", "faithful-kernels"):
+        if recipe.attention in OUR_KERNEL_FORMS:
             return "inductor"
     raise KKError(f"unknown torch-compile variant {name!r}; use {FAITHFUL}, {FAITHFUL}-sdpa<k> or {KERNEL_ATTENTION}")
 
 
 def uses_kernel_attention(name: str) -> bool:
-    return parse_recipe(name).attention in ("faithful-kernel", "faithful-kernels")
+    return parse_recipe(name).attention in OUR_KERNEL_FORMS
 
 
 def uses_kernel_layer_norm(name: str) -> bool:
-    return parse_recipe(name).attention == "faithful-kernels"
+    return parse_recipe(name).attention in ("faithful-kernels", "faithful-gemms")
+
+
+def uses_kernel_linear(name: str) -> bool:
+    return parse_recipe(name).attention == "faithful-gemms"
 
 
 def kernel_paths_record(name: str, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> dict:
@@ -93,6 +99,11 @@ def kernel_paths_record(name: str, config: TransformerConfig, dtype: torch.dtype
         else:
             path = layer_norm_path(device)
             record["layer_norm_path"] = {"kernel": path.kernel, "reason": path.reason}
+    if uses_kernel_linear(name):
+        from kkdeploy.kernels.fused_linear import linear_path
+
+        path = linear_path(config.batch_size * config.seq_len, config.d_model, config.d_model, dtype, device)
+        record["linear_path"] = {"kernel": path.kernel, "reason": path.reason}
     return record
 
 
@@ -113,7 +124,7 @@ def default_variants(device: torch.device, dtype: torch.dtype = torch.float16, c
     if torch.device(device).type == "cpu":
         return [FAITHFUL]
     fused = list(FUSED_VARIANTS) if dtype == torch.float32 and contract == "judge" else []
-    return [FAITHFUL, f"{FAITHFUL}-sdpa1", KERNEL_ATTENTION, KERNELS, *fused]
+    return [FAITHFUL, f"{FAITHFUL}-sdpa1", KERNEL_ATTENTION, KERNELS, GEMMS, *fused]
 
 
 def check_variant(name: str, config: TransformerConfig, dtype: torch.dtype) -> None:
@@ -194,7 +205,8 @@ class CompiledRunner(CompiledModuleRunner):
         start = time.perf_counter()
         exported = export_variant(model, config, dtype, torch.device(device), variant,
                                   kernel_attention=uses_kernel_attention(name),
-                                  kernel_layer_norm=uses_kernel_layer_norm(name))
+                                  kernel_layer_norm=uses_kernel_layer_norm(name),
+                                  kernel_linear=uses_kernel_linear(name))
         export_seconds = time.perf_counter() - start
         super().__init__(exported.module(), config, dtype, device, name=name,
                          all_valid_only=bool(parse_variant(variant, config)[1]), options=faithful_inductor_configs(),

@@ -16,7 +16,8 @@
 #   shape14-tiles.json  scripts/shape14_tile_study.py (issue 19: shape 14's tile profile and bitwise skips)
 #   block-softmax.json  scripts/block_softmax_selftest.py (issue 19: ATen's block softmax order, the fused kernel)
 #   layer-norm.json  scripts/layer_norm_selftest.py; faithful_attention_selftest.json (issue 19's kernels, bitwise)
-# Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm,
+#   fused-linear.json  scripts/fused_linear_selftest.py (issue 19: the Triton GEMM with fused epilogues, bitwise)
+# Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
 # attention, bench, profile, customops, ortstrict, ortjudge. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
@@ -99,6 +100,10 @@ step_blocksoftmax() {
 step_layernorm() {
   # Issue 19: the rows LayerNorm kernel against F.layer_norm, every official shape's LayerNorms, bitwise; timing.
   python3 scripts/layer_norm_selftest.py --out "$OUT/layer-norm.json" ${LAYERNORM_ARGS:-}
+}
+step_linear() {
+  # Issue 19: kkdeploy_faithful::linear's Triton GEMM + epilogues against the reference's ATen ops, bitwise; timing.
+  python3 scripts/fused_linear_selftest.py --out "$OUT/fused-linear.json" ${LINEAR_ARGS:-}
 }
 step_attention() {
   # Issue 19: the faithful attention kernel (every launch variant, one-pass included) against ATen, bitwise.

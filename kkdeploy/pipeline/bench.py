@@ -108,7 +108,7 @@ def _artifacts_dir(root: Path, job: ShapeJob) -> Path | None:
 # Candidates a bench can run; the defaults per device (and, for mixed precision, per dtype) follow.
 GRAPH_CANDIDATES = ["torch-graph", "torch-graph-sdpa1", "torch-graph-nomask"]
 COMPILE_CANDIDATES = ["torch-compile", "torch-compile-sdpa1", "torch-compile-faithful-attention",
-                      "torch-compile-faithful-kernels"]
+                      "torch-compile-faithful-kernels", "torch-compile-faithful-gemms"]
 MIXED_CANDIDATES = {"cpu": ["mixed", "mixed-sdpa", "fused-mixed", "fused-half-gemm-mixed"],
                     "cuda": ["torch-graph-mixed", "torch-graph-mixed-sdpa", "torch-compile-mixed",
                              "torch-compile-mixed-sdpa", "torch-compile-fused-mixed",
@@ -458,7 +458,7 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str]) -> di
         kernels = sorted({e["half_gemm_kernel"] for e in entries if "half_gemm_kernel" in e})
         if kernels:
             entry["half_gemm_kernel"] = " | ".join(kernels)  # one machine, one answer; both if processes differed
-        for key in ("attention_path", "layer_norm_path"):  # which of our kernels ran (engines.torch_compile)
+        for key in ("attention_path", "layer_norm_path", "linear_path"):  # which of our kernels ran (engines.torch_compile)
             paths = [e[key] for e in entries if key in e]
             if paths:  # the same shape and machine in every process: one answer
                 entry[key] = paths[0]

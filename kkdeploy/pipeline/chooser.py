@@ -13,7 +13,7 @@ FALLBACK = "pytorch-fallback"
 # Simplest first: on a tie (within TIE_TOLERANCE) the simpler backend ships.
 SIMPLICITY_ORDER = [FALLBACK, "torch-graph", "torch-graph-nomask", "torch-graph-sdpa1", "ort-cpu", "ort-cuda",
                     "ort-cuda-graph", "torch-compile", "torch-compile-sdpa1", "torch-compile-faithful-attention",
-                    "torch-compile-faithful-kernels",
+                    "torch-compile-faithful-kernels", "torch-compile-faithful-gemms",
                     *FUSED_VARIANTS, "inductor",
                     "inductor-fused", "inductor-sdpa1", "trt"]
 TIE_TOLERANCE = 0.02

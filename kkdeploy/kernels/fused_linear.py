@@ -1,0 +1,188 @@
+"""The reference's Linear layers with their next elementwise ops in one launch, bit for bit.
+
+Why: on shape 6 the faithful graph moves every activation through memory once per op: a cuBLAS GEMM writes
+``ffn_in``'s output, ATen's GELU reads and writes it again, Inductor's pointwise kernels re-read each residual
+and mask, and ``h`` is read three times for Q, K and V. A GEMM whose epilogue does those ops saves the passes;
+it is admissible only if it is bit-identical (design.md §6), and a Triton ``tl.dot`` GEMM with the bias added to
+its float32 accumulator and rounded once was measured equal to ``F.linear`` (issue 19). The epilogues are exact
+elementwise arithmetic on the rounded float16 value (``_fused_linear_triton``).
+
+The custom op ``kkdeploy_faithful::linear(x, weights, biases, residual, mask, epilogue)``:
+
+* ``weights``/``biases`` are lists: the output is the concatenation of ``F.linear(x, w_i, b_i)`` over the last
+  dim, so Q, K and V come out of one launch that reads ``h`` once (``epilogue`` is then ``none``);
+* ``epilogue`` is ``none``, ``gelu``, ``add_masked`` (``residual + where(mask, y, 0)``) or ``masked_sum``
+  (``where(mask, residual + y, 0)``); ``reference_linear`` is that composition with ATen ops: the op's CPU
+  kernel, and its CUDA kernel wherever the Triton kernel is not proven (the same bits by definition);
+* ``linear_path(m, n, k, dtype, device)`` decides: the Triton kernel on a proven platform for the reference
+  GEMM shapes (M, N, K) that ``scripts/fused_linear_selftest.py`` measured bit-identical (``PROVEN_GEMMS``:
+  cuBLAS picks the reference's algorithm per problem size), else ATen. ``$KKDEPLOY_FUSED_LINEAR=aten|triton``
+  forces either (validate the result).
+
+``fused_block_forward`` is a reference ``Block``'s forward through this op, the attention op and the rows
+LayerNorm: what the ``torch-compile-faithful-gemms`` candidate exports.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kkdeploy.errors import KKError
+
+from .cuda_build import platform_key
+
+OP_NAME = "kkdeploy_faithful::linear"
+EPILOGUES = ("none", "gelu", "add_masked", "masked_sum")
+PATH_ENV = "KKDEPLOY_FUSED_LINEAR"
+#: (compute capability, torch, CUDA) on which the self-test measured the kernel bit-identical (none yet).
+PROVEN_PLATFORMS: set[tuple[tuple[int, int], str, str]] = set()
+#: the reference GEMMs (M = B*S, N, K) measured bit-identical with every epilogue (none yet).
+PROVEN_GEMMS: frozenset[tuple[int, int, int]] = frozenset()
+
+
+@dataclass(frozen=True)
+class LinearPath:
+    kernel: str  # "triton" or "aten"
+    reason: str
+
+    @property
+    def fused(self) -> bool:
+        return self.kernel == "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Optional[tuple] = None) -> LinearPath:
+    """Which kernel computes a reference GEMM of this size (``n`` per weight), and why. No device sync."""
+    mode = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "aten", "triton"):
+        raise KKError(f"{PATH_ENV} must be auto, aten or triton, got {mode!r}")
+    device = torch.device(device)
+    if device.type != "cuda":
+        return LinearPath("aten", f"{device.type} device: ATen's ops run (the kernel is CUDA-only)")
+    if mode == "aten":
+        return LinearPath("aten", f"{PATH_ENV}=aten")
+    if dtype != torch.float16:
+        return LinearPath("aten", f"dtype {dtype}: the kernel reproduces float16 GEMMs only")
+    if not _triton_importable():
+        return LinearPath("aten", "triton is not importable")
+    if mode == "triton":
+        return LinearPath("triton", f"Triton GEMM (forced by {PATH_ENV}=triton: validate the result)")
+    platform = platform_key(device) if platform is None else tuple(platform)
+    if platform not in PROVEN_PLATFORMS:
+        return LinearPath("aten", f"platform {platform} not proven: run scripts/fused_linear_selftest.py here, "
+                                  f"or set {PATH_ENV}=triton and validate")
+    if (m, n, k) not in PROVEN_GEMMS:
+        return LinearPath("aten", f"GEMM (M, N, K) = {(m, n, k)} was not measured bit-identical (cuBLAS picks the "
+                                  f"reference's algorithm per size)")
+    return LinearPath("triton", f"Triton GEMM with fused epilogue ((M, N, K) = {(m, n, k)} proven bit-identical)")
+
+
+def check_linear_inputs(x, weights, biases, residual, mask, epilogue) -> tuple[int, int, int]:
+    """A one-line KKError for a call outside the op's contract; returns (M, N per weight, K)."""
+    if epilogue not in EPILOGUES:
+        raise KKError(f"epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
+    if not weights or len(weights) != len(biases):
+        raise KKError(f"give one bias per weight (got {len(weights)} weights, {len(biases)} biases)")
+    if len(weights) > 1 and epilogue != "none":
+        raise KKError(f"several weights (packed projections) take epilogue 'none', got {epilogue!r}")
+    k = x.shape[-1]
+    n = weights[0].shape[0]
+    for w, b in zip(weights, biases):
+        if w.dim() != 2 or tuple(w.shape) != (n, k) or b is None or tuple(b.shape) != (n,):
+            raise KKError(f"every weight must be [{n}, {k}] with a bias [{n}] (x's last dim is {k}); got "
+                          f"{list(w.shape)} and {None if b is None else list(b.shape)}")
+    if epilogue in ("add_masked", "masked_sum"):
+        if residual is None or tuple(residual.shape) != (*x.shape[:-1], n):
+            raise KKError(f"epilogue {epilogue} needs a residual of shape {[*x.shape[:-1], n]}, got "
+                          f"{None if residual is None else list(residual.shape)}")
+        if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != tuple(x.shape[:-1])):
+            raise KKError(f"the mask must be bool of shape {list(x.shape[:-1])}, got {mask.dtype} "
+                          f"{list(mask.shape)}")
+    m = x.numel() // k if k else 0
+    return m, n, k
+
+
+def reference_linear(x, weights, biases, residual=None, mask=None, epilogue: str = "none") -> torch.Tensor:
+    """The ATen composition the op replaces (the reference's own ops, in its order)."""
+    y = torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1) if len(weights) > 1 else \
+        F.linear(x, weights[0], biases[0])
+    if epilogue == "gelu":
+        return F.gelu(y, approximate="none")
+    invalid = None if mask is None else ~mask[..., None]
+    if epilogue == "add_masked":
+        return residual + (y if invalid is None else y.masked_fill(invalid, 0))
+    if epilogue == "masked_sum":
+        total = residual + y
+        return total if invalid is None else total.masked_fill(invalid, 0)
+    return y
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def _linear_op(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
+               residual: Optional[torch.Tensor], mask: Optional[torch.Tensor], epilogue: str) -> torch.Tensor:
+    """Default (CPU and any non-CUDA device): the ATen composition itself."""
+    check_linear_inputs(x, weights, biases, residual, mask, epilogue)
+    return reference_linear(x, weights, biases, residual, mask, epilogue)
+
+
+@_linear_op.register_kernel("cuda")
+def _linear_cuda(x, weights, biases, residual, mask, epilogue):
+    """CUDA: the Triton GEMM where ``linear_path`` allows it, else the composition."""
+    m, n, k = check_linear_inputs(x, weights, biases, residual, mask, epilogue)
+    if linear_path(m, n, k, x.dtype, x.device).fused:
+        from ._fused_linear_triton import triton_linear
+
+        weight = weights[0] if len(weights) == 1 else torch.cat(list(weights), dim=0)
+        bias = biases[0] if len(biases) == 1 else torch.cat(list(biases), dim=0)
+        return triton_linear(x, weight, bias, residual, mask, epilogue)
+    return reference_linear(x, weights, biases, residual, mask, epilogue)
+
+
+@_linear_op.register_fake
+def _linear_fake(x, weights, biases, residual, mask, epilogue):
+    n = sum(w.shape[0] for w in weights)
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def fused_linear(x, weights, biases, residual=None, mask=None, epilogue: str = "none") -> torch.Tensor:
+    """``torch.ops.kkdeploy_faithful.linear`` with the contract checked first (one line on bad input)."""
+    weights, biases = list(weights), list(biases)
+    check_linear_inputs(x, weights, biases, residual, mask, epilogue)
+    return torch.ops.kkdeploy_faithful.linear(x, weights, biases, residual, mask, epilogue)
+
+
+def fused_block_forward(block, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``Block.forward`` (models/reference.py) with Q/K/V as one launch, the attention op, out_proj + residual +
+    mask, ffn_in + GELU, and ffn_out + residual + mask: the reference's ops and rounding points, 5 launches plus
+    the two LayerNorms."""
+    from .faithful_attention import attention_path_for, faithful_attention
+
+    attention = block.attention
+    d = x.shape[-1]
+    h = block.norm1(x)
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    if attention_path_for(x, attention.num_heads).fused:  # the kernel reads strided rows: Q, K, V in one launch
+        qkv = fused_linear(h, [p.weight for p in projections], [p.bias for p in projections])
+        q, k, v = qkv.split(d, dim=-1)
+    else:  # ATen's attention: contiguous Q, K, V as in the reference, so cuBLAS sees the reference's strides
+        q, k, v = (fused_linear(h, [p.weight], [p.bias]) for p in projections)
+    context = faithful_attention(q, k, v, valid_token_mask, num_heads=attention.num_heads, causal=attention.causal)
+    x = fused_linear(context, [attention.out_proj.weight], [attention.out_proj.bias], x, valid_token_mask,
+                     "add_masked")
+    g = fused_linear(block.norm2(x), [block.ffn_in.weight], [block.ffn_in.bias], epilogue="gelu")
+    return fused_linear(g, [block.ffn_out.weight], [block.ffn_out.bias], x, valid_token_mask, "masked_sum")

@@ -1,0 +1,201 @@
+"""kkdeploy_faithful::linear: the GEMM with fused epilogues (kkdeploy/kernels/fused_linear.py).
+
+On the CPU the op *is* the ATen composition, so these tests pin the composition to the reference's own ops (the
+block forward through the op equals ``Block.forward`` bit for bit), the op's contract and errors, its path rules,
+the ``torch-compile-faithful-gemms`` export, and (where Triton is importable) the Triton kernel's logic under
+TRITON_INTERPRET=1 on inputs whose sums are exact. Bit-identity of the compiled kernel with cuBLAS is a GPU
+fact: scripts/fused_linear_selftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kkdeploy import TransformerConfig, generate_case
+from kkdeploy.errors import KKError
+from kkdeploy.kernels import fused_linear as fl
+from kkdeploy.models.weights import build_models
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = TransformerConfig(batch_size=2, seq_len=16, d_model=32, num_heads=4, ffn_dim=32, num_layers=2, causal=True)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32),
+                                                                     b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio", [0.0, 0.25])
+def test_block_forward_through_the_op_is_the_reference_block(dtype, ratio):
+    model = build_models(CONFIG, dtype, "cpu")[0]
+    x, mask = generate_case(CONFIG, "cpu", dtype, 1234, padding_ratio=ratio)
+    mask = mask if ratio else None
+    with torch.no_grad():
+        for layer in model.layers:
+            want = layer(x, mask)
+            got = fl.fused_block_forward(layer, x, mask)
+            assert _bits_equal(got, want)
+            x = want
+
+
+def test_epilogues_are_the_reference_ops():
+    torch.manual_seed(0)
+    x, r = torch.randn(3, 5, 8), torch.randn(3, 5, 6)
+    w, b = torch.randn(6, 8), torch.randn(6)
+    mask = torch.tensor([[True, True, False, True, False]] * 3)
+    y = F.linear(x, w, b)
+    assert torch.equal(fl.fused_linear(x, [w], [b]), y)
+    assert torch.equal(fl.fused_linear(x, [w], [b], epilogue="gelu"), F.gelu(y))
+    assert torch.equal(fl.fused_linear(x, [w], [b], r, mask, "add_masked"), r + y.masked_fill(~mask[..., None], 0))
+    got = fl.fused_linear(x, [w], [b], r, mask, "masked_sum")
+    assert torch.equal(got, (r + y).masked_fill(~mask[..., None], 0))
+    assert (got[~mask] == 0).all() and not torch.signbit(got[~mask]).any()  # +0 rows, as masked_fill writes
+    assert torch.equal(fl.fused_linear(x, [w], [b], r, None, "masked_sum"), r + y)
+    packed = fl.fused_linear(x, [w, 2 * w, w], [b, b, -b])
+    assert torch.equal(packed, torch.cat([y, F.linear(x, 2 * w, b), F.linear(x, w, -b)], dim=-1))
+
+
+def test_op_registration_passes_opcheck():
+    x, r = torch.randn(4, 8), torch.randn(4, 6)
+    w, b = torch.randn(6, 8), torch.randn(6)
+    mask = torch.tensor([True, False, True, True])
+    for args in ((x, [w], [b], None, None, "none"), (x, [w, w], [b, b], None, None, "none"),
+                 (x, [w], [b], r, mask, "add_masked"), (x, [w], [b], r, mask, "masked_sum"),
+                 (x, [w], [b], None, None, "gelu")):
+        torch.library.opcheck(torch.ops.kkdeploy_faithful.linear.default, args)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w, b, r, m: fl.fused_linear(x, [w], [b], epilogue="relu"), "epilogue must be one of"),
+    (lambda x, w, b, r, m: fl.fused_linear(x, [w, w], [b], epilogue="none"), "one bias per weight"),
+    (lambda x, w, b, r, m: fl.fused_linear(x, [w, w], [b, b], epilogue="gelu"), r"\(packed projections\) take epilogue"),
+    (lambda x, w, b, r, m: fl.fused_linear(x, [w.t()], [b]), "every weight must be"),
+    (lambda x, w, b, r, m: fl.fused_linear(x, [w], [b], None, m, "add_masked"), "needs a residual of shape"),
+    (lambda x, w, b, r, m: fl.fused_linear(x, [w], [b], r, m.int(), "masked_sum"), "the mask must be bool"),
+])
+def test_bad_calls_get_one_line_errors(call, message):
+    x, r = torch.randn(4, 8), torch.randn(4, 6)
+    w, b = torch.randn(6, 8), torch.randn(6)
+    with pytest.raises(KKError, match=message) as info:
+        call(x, w, b, r, torch.ones(4, dtype=torch.bool))
+    assert "\n" not in str(info.value)
+
+
+def test_path_rules(monkeypatch):
+    monkeypatch.delenv(fl.PATH_ENV, raising=False)
+    assert fl.linear_path(8, 4, 4, torch.float16, "cpu").kernel == "aten"
+    monkeypatch.setattr(fl, "_triton_importable", lambda: True)
+    platform = ((9, 0), "2.11.0+cu130", "13.0")
+    monkeypatch.setattr(fl, "PROVEN_PLATFORMS", {platform})
+    monkeypatch.setattr(fl, "PROVEN_GEMMS", frozenset({(8192, 128, 128)}))
+    assert fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform).fused
+    path = fl.linear_path(8192, 128, 64, torch.float16, "cuda", platform)
+    assert not path.fused and "not measured bit-identical" in path.reason
+    path = fl.linear_path(8192, 128, 128, torch.float16, "cuda", ((8, 0), "2.11.0+cu130", "13.0"))
+    assert not path.fused and "not proven" in path.reason
+    assert "float16 GEMMs only" in fl.linear_path(8192, 128, 128, torch.float32, "cuda", platform).reason
+    monkeypatch.setenv(fl.PATH_ENV, "aten")
+    assert not fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform).fused
+    monkeypatch.setenv(fl.PATH_ENV, "triton")
+    assert fl.linear_path(8192, 128, 64, torch.float16, "cuda", platform).fused
+    monkeypatch.setenv(fl.PATH_ENV, "sometimes")
+    with pytest.raises(KKError, match="must be auto, aten or triton"):
+        fl.linear_path(8, 4, 4, torch.float16, "cuda", platform)
+
+
+def test_proven_gemms_are_reference_sizes():
+    for m, n, k in fl.PROVEN_GEMMS:
+        assert n == k and m > 0  # every official shape has D == F: the q/k/v/out/ffn GEMMs are all (B*S, D, D)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.25])
+def test_gemms_candidate_export_is_bitwise_on_the_cpu(ratio):
+    import engines.inductor_ops  # noqa: F401
+    from engines.inductor import export_variant
+
+    model = build_models(CONFIG, torch.float32, "cpu")[0]
+    exported = export_variant(model, CONFIG, torch.float32, torch.device("cpu"), "inductor", kernel_attention=True,
+                              kernel_layer_norm=True, kernel_linear=True)
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert targets.count("kkdeploy_faithful.linear.default") == 6 * CONFIG.num_layers  # CPU: Q, K, V one by one
+    assert targets.count("kkdeploy_faithful.attention.default") == CONFIG.num_layers
+    assert targets.count("kkdeploy_faithful.layer_norm_rows.default") == 2 * CONFIG.num_layers + 1
+    assert not any("gelu" in t or "addmm" in t or "softmax" in t for t in targets)
+    x, mask = generate_case(CONFIG, "cpu", torch.float32, 1234, padding_ratio=ratio)
+    with torch.no_grad():
+        assert torch.equal(exported.module()(x, mask), model(x, mask))
+
+
+def test_candidate_name_and_paths_record():
+    from engines.recipe import parse
+    from engines.torch_compile import GEMMS, default_variants, kernel_paths_record, uses_kernel_layer_norm
+
+    recipe = parse(GEMMS)
+    assert recipe.attention == "faithful-gemms" and recipe.name == GEMMS
+    assert uses_kernel_layer_norm(GEMMS)
+    assert GEMMS in default_variants(torch.device("cuda"))
+    record = kernel_paths_record(GEMMS, CONFIG, torch.float16, torch.device("cpu"))
+    assert record["linear_path"]["kernel"] == "aten" and "cpu device" in record["linear_path"]["reason"]
+    assert {"attention_path", "layer_norm_path", "linear_path"} <= set(record)
+
+
+INTERPRETER_SCRIPT = textwrap.dedent(
+    """
+    import json, math, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import numpy as np
+    import torch
+    from kkdeploy.kernels._fused_linear_triton import triton_linear
+
+    def exact(shape, denominator, gen):  # small multiples of 1/denominator: every GEMM sum is exact
+        return (torch.randint(-4, 5, shape, generator=gen).float() / denominator).half()
+
+    def erf32(t):  # the interpreter's tl.erf: math.erf in float64, rounded to float32
+        return torch.from_numpy(np.vectorize(math.erf, otypes=[np.float64])(t.double().numpy()).astype(np.float32))
+
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for m, n, k, overrides in ((70, 24, 40, {}), (130, 128, 128, {}), (64, 96, 32, {"BLOCK_N": 32}),
+                               (200, 40, 72, {"BLOCK_M": 64, "BLOCK_K": 16})):
+        x, w = exact((m, k), 4, gen), exact((n, k), 8, gen)
+        b, r = exact((n,), 32, gen), exact((m, n), 2, gen)
+        mask = torch.rand(m, generator=gen) > 0.3
+        y = (x.float() @ w.float().t() + b.float()).half()  # exact, so any order gives these bits
+        f = y.float()
+        want = {
+            "none": y,
+            "gelu": ((f * 0.5) * (1.0 + erf32(f * 0.7071067811865476))).half(),
+            "add_masked": (r.float() + torch.where(mask[:, None], y, torch.zeros_like(y)).float()).half(),
+            "masked_sum": torch.where(mask[:, None], (r.float() + y.float()).half(), torch.zeros_like(y)),
+        }
+        for epilogue, ref in want.items():
+            got = triton_linear(x, w, b, r, mask, epilogue, **overrides)
+            results.append({"m": m, "n": n, "k": k, "epilogue": epilogue,
+                            "differing": int((got.view(torch.int16) != ref.view(torch.int16)).sum())})
+    print("RESULTS " + json.dumps(results))
+    """
+)
+
+
+def test_triton_kernel_logic_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], capture_output=True, text=True,
+                         cwd=REPO, env=env, timeout=600)
+    if run.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in run.stderr:
+        pytest.skip("this triton's interpreter cannot run with this numpy (int() of a 1-element array)")
+    assert run.returncode == 0, run.stderr[-4000:]
+    line = next(l for l in run.stdout.splitlines() if l.startswith("RESULTS "))
+    results = json.loads(line[len("RESULTS "):])
+    assert len(results) == 16
+    assert all(r["differing"] == 0 for r in results), results
