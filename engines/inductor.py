@@ -105,19 +105,25 @@ class KernelAttentionForward(ReferenceForward):
                 del attention.attend  # the instance attribute goes; the class's reference attend is back
 
 
-class KernelGemmForward(ReferenceForward):
+class KernelGemmForward(KernelAttentionForward):
     """The reference's forward with every block as ``kkdeploy.kernels.fused_linear.fused_block_forward``: the
     attention op, Q/K/V in one GEMM, and out_proj, ffn_in and ffn_out with their next elementwise ops (residual,
-    mask, GELU) in the GEMM's epilogue. The op's CPU kernel is the ATen composition, so on the CPU (and wherever the
-    GEMMs are not proven) this is the reference's arithmetic; the LayerNorms stay ``aten.layer_norm`` nodes for
-    ``make_sensitive_ops_opaque``."""
+    mask, GELU where proven) in the GEMM's epilogue. Where our GEMMs do not run (``block_plan``: the CPU, an
+    unproven platform or size) it is ``KernelAttentionForward``, so Inductor keeps fusing the elementwise ops; the
+    LayerNorms (and a GELU outside the epilogue) stay ATen nodes for ``make_sensitive_ops_opaque``."""
+
+    def __init__(self, model: torch.nn.Module, plan: dict):
+        super().__init__(model)
+        self.plan = plan
 
     def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
         from kkdeploy.kernels.fused_linear import fused_block_forward
 
+        if not self.plan["gemms"]:
+            return super().forward(x, valid_token_mask)
         layers = list(self.model.layers)
         for layer in layers:
-            layer.forward = functools.partial(fused_block_forward, layer)
+            layer.forward = functools.partial(fused_block_forward, layer, plan=self.plan)
         try:
             return self.model.reference_forward(x, valid_token_mask)
         finally:
@@ -173,7 +179,13 @@ def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: tor
         if sdpa_layers:
             raise KKError(f"{variant}: the faithful attention kernel replaces reference-order attention, not SDPA")
         opaque = tuple(op for op in opaque if op != "softmax")
-        module = KernelGemmForward(model) if kernel_linear else KernelAttentionForward(model)
+        if kernel_linear:
+            from kkdeploy.kernels.fused_linear import block_plan
+
+            plan = block_plan(config, dtype, device)
+            module = KernelGemmForward(model, plan)
+        else:
+            module = KernelAttentionForward(model)
     else:
         module = AllValidSdpaForward(model, sdpa_layers) if sdpa_layers else ReferenceForward(model)
     x = torch.zeros(config.batch_size, config.seq_len, config.d_model, dtype=dtype, device=device)
@@ -182,7 +194,8 @@ def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: tor
         exported = torch.export.export(module.eval(), (x, mask), strict=False)
     if opaque:
         counts = make_sensitive_ops_opaque(exported, keep=opaque, layer_norm_kernel=kernel_layer_norm)
-        expected = {"layer_norm": 2 * config.num_layers + 1, "gelu": 0 if kernel_linear else config.num_layers,
+        gelu_fused = kernel_attention and kernel_linear and plan["gelu"]
+        expected = {"layer_norm": 2 * config.num_layers + 1, "gelu": 0 if gelu_fused else config.num_layers,
                     "softmax": 0 if kernel_attention else config.num_layers - sdpa_layers}
         wrong = {op: (counts[op], expected[op]) for op in opaque if counts[op] != expected[op]}
         if wrong:

@@ -37,7 +37,7 @@ from kkdeploy.kernels.timing import cuda_median_ms  # noqa: E402
 from kkdeploy.models.reference import zero_invalid_rows  # noqa: E402
 from kkdeploy.models.weights import build_models  # noqa: E402
 
-FORMS = ("q", "k", "v", "qkv_packed", "add_masked", "gelu", "masked_sum")
+FORMS = ("q", "k", "v", "qkv_packed", "add_masked", "gelu", "gelu_fpfusion", "masked_sum")
 
 
 def differing(ours: torch.Tensor, ref: torch.Tensor) -> int:
@@ -69,6 +69,8 @@ def block_checks(layer, x, mask, tally: dict) -> torch.Tensor:
     h2 = layer.norm2(x1)
     g = F.gelu(layer.ffn_in(h2), approximate="none")
     tally_add(tally, "gelu", triton_linear(h2, layer.ffn_in.weight, layer.ffn_in.bias, epilogue="gelu"), g)
+    tally_add(tally, "gelu_fpfusion", triton_linear(h2, layer.ffn_in.weight, layer.ffn_in.bias, epilogue="gelu",
+                                                    enable_fp_fusion=True), g)
     x2 = zero_invalid_rows(x1 + layer.ffn_out(g), mask)
     tally_add(tally, "masked_sum",
               triton_linear(g, layer.ffn_out.weight, layer.ffn_out.bias, x1, mask, "masked_sum"), x2)
@@ -99,7 +101,8 @@ def model_checks(shapes: list[int], device) -> list[dict]:
             torch.cuda.synchronize()
             m = config.batch_size * config.seq_len
             row = {"check": "model", "shape": shape, "padding_ratio": ratio, "gemm": [m, config.d_model, config.d_model],
-                   "forms": tally, "differing": sum(e["differing"] for e in tally.values())}
+                   "forms": tally, "differing": sum(e["differing"] for f, e in tally.items() if f != "gelu_fpfusion"),
+                   "differing_fpfusion": sum(e["differing"] for f, e in tally.items() if f != "gelu")}
             rows.append(row)
             print(f"shape {shape} padding {ratio}: " + ", ".join(f"{f} {e['differing']}/{e['elements']}"
                                                                   for f, e in tally.items()), flush=True)
@@ -125,14 +128,42 @@ def random_checks(gemms: list[tuple[int, int, int]], device) -> list[dict]:
                 tally_add(tally, "qkv_packed", triton_linear(x, torch.cat(ws), torch.cat(bs)),
                           torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], dim=-1))
                 tally_add(tally, "gelu", triton_linear(x, ws[0], bs[0], epilogue="gelu"), F.gelu(y))
+                tally_add(tally, "gelu_fpfusion", triton_linear(x, ws[0], bs[0], epilogue="gelu", enable_fp_fusion=True),
+                          F.gelu(y))
                 tally_add(tally, "add_masked", triton_linear(x, ws[0], bs[0], r, mask, "add_masked"),
                           r + y.masked_fill(~mask[:, None], 0))
                 tally_add(tally, "masked_sum", triton_linear(x, ws[0], bs[0], r, mask, "masked_sum"),
                           (r + y).masked_fill(~mask[:, None], 0))
             torch.cuda.synchronize()
             rows.append({"check": "random", "gemm": [m, n, k], "scale": scale, "forms": tally,
-                         "differing": sum(e["differing"] for e in tally.values())})
+                         "differing": sum(e["differing"] for f, e in tally.items() if f != "gelu_fpfusion"),
+                         "differing_fpfusion": sum(e["differing"] for f, e in tally.items() if f != "gelu")})
             print(f"random {(m, n, k)} scale {scale}: differing {rows[-1]['differing']}", flush=True)
+    return rows
+
+
+def gelu_exhaustive(device) -> list[dict]:
+    """Every finite float16 value through the GELU epilogue (an identity GEMM: x @ I + 0 is x exactly) against
+    F.gelu: the epilogue is a function of one float16 value, so this covers every input it can ever see."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32, device=device).to(torch.int16).view(torch.float16)
+    values = bits[torch.isfinite(bits) & (bits.view(torch.int16) != -32768)]  # -0 leaves a GEMM as +0 (0 + -0)
+    pad = (-values.numel()) % 16
+    x = torch.cat([values, values.new_zeros(pad)]).view(-1, 16)
+    eye, zero = torch.eye(16, device=device, dtype=torch.float16), torch.zeros(16, device=device, dtype=torch.float16)
+    rows = []
+    with torch.inference_mode():
+        assert torch.equal(triton_linear(x, eye, zero).view(torch.int16), x.view(torch.int16))  # the identity holds
+        ref = F.gelu(x, approximate="none")
+        for fusion in (False, True):
+            got = triton_linear(x, eye, zero, epilogue="gelu", enable_fp_fusion=fusion)
+            bad = (got.view(torch.int16) != ref.view(torch.int16)).flatten()[: values.numel()]
+            examples = [[float(v), float(g), float(r)] for v, g, r in zip(
+                x.flatten()[: values.numel()][bad][:5], got.flatten()[: values.numel()][bad][:5],
+                ref.flatten()[: values.numel()][bad][:5])]
+            rows.append({"check": "gelu_exhaustive", "enable_fp_fusion": fusion, "values": int(values.numel()),
+                         "differing": int(bad.sum()), "examples": examples})
+            print(f"gelu over every finite fp16 value, enable_fp_fusion={fusion}: {rows[-1]['differing']} differing "
+                  f"{examples}", flush=True)
     return rows
 
 
@@ -175,7 +206,8 @@ def main() -> int:
     device = torch.device("cuda")
     start = time.time()
     shapes = [int(s) for s in args.shapes.split(",") if s]
-    rows = model_checks(shapes, device)
+    rows = gelu_exhaustive(device)
+    rows += model_checks(shapes, device)
     gemms = sorted({tuple(r["gemm"]) for r in rows})
     rows += random_checks(gemms + [(65536, 1024, 1024)], device)
     rows += [timing(int(s), device, args.repeats) for s in args.timing_shapes.split(",") if s]
@@ -187,14 +219,17 @@ def main() -> int:
               "seconds": round(time.time() - start, 1)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
-    proven = sorted({tuple(r["gemm"]) for r in rows if r["check"] == "model"}
-                    - {tuple(r["gemm"]) for r in rows if r["check"] in ("model", "random") and r["differing"]})
-    total = sum(r.get("differing", 0) for r in rows)
+    checked = {tuple(r["gemm"]) for r in rows if r["check"] == "model"}
+    proven = sorted(checked - {tuple(r["gemm"]) for r in rows if r["check"] in ("model", "random") and r["differing"]})
+    proven_fusion = sorted(checked - {tuple(r["gemm"]) for r in rows
+                                      if r["check"] in ("model", "random") and r["differing_fpfusion"]})
+    total = sum(r.get("differing", 0) for r in rows if r["check"] != "gelu_exhaustive")
     print(f"\nfused linear vs ATen on {report['platform']}: {total} differing elements in all; "
-          f"GEMMs with 0 differing in every model and random check: {proven}")
+          f"GEMMs with 0 differing in every model and random check: {proven}; with the GELU compiled with fp "
+          f"fusion: {proven_fusion}")
     print(f"{'check':8} {'gemm':>22} {'pad/scale':>9} " + " ".join(f"{f:>10}" for f in FORMS))
     for r in rows:
-        if r["check"] == "timing":
+        if r["check"] in ("timing", "gelu_exhaustive"):
             continue
         extra = r.get("padding_ratio", r.get("scale"))
         cells = " ".join(f"{r['forms'][f]['differing'] if f in r['forms'] else '-':>10}" for f in FORMS)

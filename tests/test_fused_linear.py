@@ -34,18 +34,27 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                      b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32))
 
 
+FULL_PLAN = {"gemms": True, "packed_qkv": True, "gelu": True}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ratio", [0.0, 0.25])
-def test_block_forward_through_the_op_is_the_reference_block(dtype, ratio):
+@pytest.mark.parametrize("plan", [FULL_PLAN, {"gemms": True, "packed_qkv": False, "gelu": False}])
+def test_block_forward_through_the_op_is_the_reference_block(dtype, ratio, plan):
     model = build_models(CONFIG, dtype, "cpu")[0]
     x, mask = generate_case(CONFIG, "cpu", dtype, 1234, padding_ratio=ratio)
     mask = mask if ratio else None
     with torch.no_grad():
         for layer in model.layers:
             want = layer(x, mask)
-            got = fl.fused_block_forward(layer, x, mask)
+            got = fl.fused_block_forward(layer, x, mask, plan)
             assert _bits_equal(got, want)
             x = want
+
+
+def test_block_plan_on_the_cpu_is_the_reference_block():
+    assert fl.block_plan(CONFIG, torch.float16, torch.device("cpu")) == {"gemms": False, "packed_qkv": False,
+                                                                          "gelu": False}
 
 
 def test_epilogues_are_the_reference_ops():
@@ -99,6 +108,13 @@ def test_path_rules(monkeypatch):
     monkeypatch.setattr(fl, "PROVEN_PLATFORMS", {platform})
     monkeypatch.setattr(fl, "PROVEN_GEMMS", frozenset({(8192, 128, 128)}))
     assert fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform).fused
+    assert fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform, epilogue="masked_sum").fused
+    path = fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform, epilogue="gelu")
+    assert not path.fused and "gelu epilogue was not measured bit-identical" in path.reason
+    monkeypatch.setattr(fl, "SLOWER_GEMMS", frozenset({(8192, 128, 128)}))
+    path = fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform)
+    assert not path.fused and "slower than cuBLAS" in path.reason
+    monkeypatch.setattr(fl, "SLOWER_GEMMS", frozenset())
     path = fl.linear_path(8192, 128, 64, torch.float16, "cuda", platform)
     assert not path.fused and "not measured bit-identical" in path.reason
     path = fl.linear_path(8192, 128, 128, torch.float16, "cuda", ((8, 0), "2.11.0+cu130", "13.0"))
@@ -113,21 +129,27 @@ def test_path_rules(monkeypatch):
         fl.linear_path(8, 4, 4, torch.float16, "cuda", platform)
 
 
-def test_proven_gemms_are_reference_sizes():
-    for m, n, k in fl.PROVEN_GEMMS:
-        assert n == k and m > 0  # every official shape has D == F: the q/k/v/out/ffn GEMMs are all (B*S, D, D)
+def test_proven_gemms_are_the_official_reference_sizes():
+    from kkdeploy import OFFICIAL_SHAPES
+
+    official = {(c.batch_size * c.seq_len, c.d_model, c.d_model) for i, c in OFFICIAL_SHAPES.items() if i != 14}
+    assert fl.PROVEN_GEMMS == official  # every official shape has D == F: its GEMMs are all (B*S, D, D)
+    assert fl.SLOWER_GEMMS <= fl.PROVEN_GEMMS and fl.PROVEN_EPILOGUES <= set(fl.EPILOGUES)
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.25])
-def test_gemms_candidate_export_is_bitwise_on_the_cpu(ratio):
+def test_gemms_candidate_export_is_bitwise_on_the_cpu(ratio, monkeypatch):
     import engines.inductor_ops  # noqa: F401
     from engines.inductor import export_variant
 
+    # the GPU plan (our GEMMs, Q/K/V one by one as where ATen's attention runs, GELU in the epilogue), whose ops run
+    # their CPU kernels here: the ATen composition
+    monkeypatch.setattr(fl, "block_plan", lambda *a: {"gemms": True, "packed_qkv": False, "gelu": True})
     model = build_models(CONFIG, torch.float32, "cpu")[0]
     exported = export_variant(model, CONFIG, torch.float32, torch.device("cpu"), "inductor", kernel_attention=True,
                               kernel_layer_norm=True, kernel_linear=True)
     targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
-    assert targets.count("kkdeploy_faithful.linear.default") == 6 * CONFIG.num_layers  # CPU: Q, K, V one by one
+    assert targets.count("kkdeploy_faithful.linear.default") == 6 * CONFIG.num_layers
     assert targets.count("kkdeploy_faithful.attention.default") == CONFIG.num_layers
     assert targets.count("kkdeploy_faithful.layer_norm_rows.default") == 2 * CONFIG.num_layers + 1
     assert not any("gelu" in t or "addmm" in t or "softmax" in t for t in targets)
@@ -146,6 +168,7 @@ def test_candidate_name_and_paths_record():
     assert GEMMS in default_variants(torch.device("cuda"))
     record = kernel_paths_record(GEMMS, CONFIG, torch.float16, torch.device("cpu"))
     assert record["linear_path"]["kernel"] == "aten" and "cpu device" in record["linear_path"]["reason"]
+    assert record["linear_path"]["plan"]["gemms"] is False
     assert {"attention_path", "layer_norm_path", "linear_path"} <= set(record)
 
 

@@ -130,7 +130,10 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, res
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
     if not INTERPRET:
-        launch.update(COMPILE_FLAGS)
+        launch.update({key: config.pop(key, value) for key, value in COMPILE_FLAGS.items()})
+    else:
+        for key in COMPILE_FLAGS:
+            config.pop(key, None)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _fused_linear_kernel[grid](
         x2, weight, bias, r2, mask1, out2,

@@ -40,10 +40,22 @@ from .cuda_build import platform_key
 OP_NAME = "kkdeploy_faithful::linear"
 EPILOGUES = ("none", "gelu", "add_masked", "masked_sum")
 PATH_ENV = "KKDEPLOY_FUSED_LINEAR"
-#: (compute capability, torch, CUDA) on which the self-test measured the kernel bit-identical (none yet).
-PROVEN_PLATFORMS: set[tuple[tuple[int, int], str, str]] = set()
-#: the reference GEMMs (M = B*S, N, K) measured bit-identical with every epilogue (none yet).
-PROVEN_GEMMS: frozenset[tuple[int, int, int]] = frozenset()
+#: (compute capability, torch, CUDA) on which scripts/fused_linear_selftest.py measured the kernel bit-identical:
+#: H200, torch 2.11.0+cu130 (campaign 11, commit dcf24a4; docs/fused-linear.md).
+PROVEN_PLATFORMS: set[tuple[tuple[int, int], str, str]] = {((9, 0), "2.11.0+cu130", "13.0")}
+#: the reference GEMMs (M = B*S, N, K) of the official shapes 1-13, each measured bit-identical there with the
+#: epilogues in PROVEN_EPILOGUES and packed Q/K/V: every Linear of the seeded model on the official input, all-valid
+#: and padded, and random inputs at scales 0.1, 1 and 10 (0 differing elements in all).
+PROVEN_GEMMS: frozenset[tuple[int, int, int]] = frozenset({
+    (8192, 128, 128), (128, 128, 128), (512, 128, 128), (2048, 128, 128), (16384, 128, 128), (1280000, 128, 128),
+    (8192, 32, 32), (8192, 1024, 1024), (65536, 128, 128)})
+#: proven, but slower than cuBLAS on the H200 (CUDA events, median of 20): ATen keeps them. (8192, 1024, 1024):
+#: 0.1007 ms against cuBLAS's 0.0482 ms per Linear (shape 8).
+SLOWER_GEMMS: frozenset[tuple[int, int, int]] = frozenset({(8192, 1024, 1024)})
+#: the epilogues proven with PROVEN_GEMMS. "gelu" is not: compiled without fp contraction it differed from ATen's
+#: GELU in 9 of 655M elements on shape 6 (1 of 33.5M on shape 8; up to 4,662 on random inputs at scale 10), so
+#: the blocks keep ATen's GELU after a plain fused GEMM (docs/fused-linear.md).
+PROVEN_EPILOGUES: frozenset[str] = frozenset({"none", "add_masked", "masked_sum"})
 
 
 @dataclass(frozen=True)
@@ -66,8 +78,10 @@ def _triton_importable() -> bool:
         return False
 
 
-def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Optional[tuple] = None) -> LinearPath:
-    """Which kernel computes a reference GEMM of this size (``n`` per weight), and why. No device sync."""
+def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Optional[tuple] = None,
+                epilogue: str = "none") -> LinearPath:
+    """Which kernel computes a reference GEMM of this size (``n`` per weight) with ``epilogue``, and why. No device
+    sync."""
     mode = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
     if mode not in ("auto", "aten", "triton"):
         raise KKError(f"{PATH_ENV} must be auto, aten or triton, got {mode!r}")
@@ -82,6 +96,8 @@ def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Op
         return LinearPath("aten", "triton is not importable")
     if mode == "triton":
         return LinearPath("triton", f"Triton GEMM (forced by {PATH_ENV}=triton: validate the result)")
+    if epilogue not in PROVEN_EPILOGUES:
+        return LinearPath("aten", f"the {epilogue} epilogue was not measured bit-identical")
     platform = platform_key(device) if platform is None else tuple(platform)
     if platform not in PROVEN_PLATFORMS:
         return LinearPath("aten", f"platform {platform} not proven: run scripts/fused_linear_selftest.py here, "
@@ -89,6 +105,8 @@ def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Op
     if (m, n, k) not in PROVEN_GEMMS:
         return LinearPath("aten", f"GEMM (M, N, K) = {(m, n, k)} was not measured bit-identical (cuBLAS picks the "
                                   f"reference's algorithm per size)")
+    if (m, n, k) in SLOWER_GEMMS:
+        return LinearPath("aten", f"GEMM (M, N, K) = {(m, n, k)} is bit-identical but slower than cuBLAS here")
     return LinearPath("triton", f"Triton GEMM with fused epilogue ((M, N, K) = {(m, n, k)} proven bit-identical)")
 
 
@@ -144,7 +162,7 @@ def _linear_op(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.
 def _linear_cuda(x, weights, biases, residual, mask, epilogue):
     """CUDA: the Triton GEMM where ``linear_path`` allows it, else the composition."""
     m, n, k = check_linear_inputs(x, weights, biases, residual, mask, epilogue)
-    if linear_path(m, n, k, x.dtype, x.device).fused:
+    if linear_path(m, n, k, x.dtype, x.device, epilogue=epilogue).fused:
         from ._fused_linear_triton import triton_linear
 
         weight = weights[0] if len(weights) == 1 else torch.cat(list(weights), dim=0)
@@ -166,23 +184,43 @@ def fused_linear(x, weights, biases, residual=None, mask=None, epilogue: str = "
     return torch.ops.kkdeploy_faithful.linear(x, weights, biases, residual, mask, epilogue)
 
 
-def fused_block_forward(block, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """``Block.forward`` (models/reference.py) with Q/K/V as one launch, the attention op, out_proj + residual +
-    mask, ffn_in + GELU, and ffn_out + residual + mask: the reference's ops and rounding points, 5 launches plus
-    the two LayerNorms."""
-    from .faithful_attention import attention_path_for, faithful_attention
+def block_plan(config, dtype: torch.dtype, device) -> dict:
+    """What ``fused_block_forward`` fuses for a model of ``config`` here: ``gemms`` (our GEMMs at all: else the
+    reference block with the attention op, so Inductor keeps fusing the elementwise ops), ``packed_qkv`` (Q/K/V in
+    one launch: the attention kernel reads strided rows; ATen's attention keeps the reference's contiguous Q, K, V
+    so cuBLAS sees the reference's strides) and ``gelu`` (GELU in ffn_in's epilogue, where that is proven)."""
+    from .faithful_attention import select_attention_path
+
+    m, d = config.batch_size * config.seq_len, config.d_model
+    gemms = linear_path(m, d, d, dtype, device).fused and config.ffn_dim == d
+    attention = select_attention_path(config.seq_len, d // config.num_heads, dtype, device,
+                                      batch_heads=config.batch_size * config.num_heads)
+    return {"gemms": gemms, "packed_qkv": gemms and attention.fused,
+            "gelu": gemms and linear_path(m, d, d, dtype, device, epilogue="gelu").fused}
+
+
+def fused_block_forward(block, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor], plan: dict) -> torch.Tensor:
+    """``Block.forward`` (models/reference.py) with our GEMMs as ``block_plan`` says: Q/K/V in one launch, the
+    attention op, out_proj + residual + mask and ffn_out + residual + mask in the GEMMs' epilogues, ffn_in + GELU
+    (the GELU in the epilogue where proven, else ATen's GELU after the GEMM). The reference's ops and rounding
+    points throughout."""
+    from .faithful_attention import faithful_attention
 
     attention = block.attention
     d = x.shape[-1]
     h = block.norm1(x)
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-    if attention_path_for(x, attention.num_heads).fused:  # the kernel reads strided rows: Q, K, V in one launch
+    if plan["packed_qkv"]:
         qkv = fused_linear(h, [p.weight for p in projections], [p.bias for p in projections])
         q, k, v = qkv.split(d, dim=-1)
-    else:  # ATen's attention: contiguous Q, K, V as in the reference, so cuBLAS sees the reference's strides
+    else:
         q, k, v = (fused_linear(h, [p.weight], [p.bias]) for p in projections)
     context = faithful_attention(q, k, v, valid_token_mask, num_heads=attention.num_heads, causal=attention.causal)
     x = fused_linear(context, [attention.out_proj.weight], [attention.out_proj.bias], x, valid_token_mask,
                      "add_masked")
-    g = fused_linear(block.norm2(x), [block.ffn_in.weight], [block.ffn_in.bias], epilogue="gelu")
+    h2 = block.norm2(x)
+    if plan["gelu"]:
+        g = fused_linear(h2, [block.ffn_in.weight], [block.ffn_in.bias], epilogue="gelu")
+    else:
+        g = F.gelu(fused_linear(h2, [block.ffn_in.weight], [block.ffn_in.bias]), approximate="none")
     return fused_linear(g, [block.ffn_out.weight], [block.ffn_out.bias], x, valid_token_mask, "masked_sum")
