@@ -14,6 +14,11 @@ through ``cuda_build``), proven bit-identical on the H200 and the long-context p
 ``layer_norm`` is ATen's float16 LayerNorm for rows of at most 128, one warp per row (``csrc/layer_norm.cu``,
 ATen's Welford steps from ``csrc/welford.cuh``), as the custom op ``kkdeploy_faithful::layer_norm_rows``;
 proven bit-identical on the H200 and used by the ``torch-compile-faithful-kernels`` candidate.
+
+``fused_linear`` is the reference's Linear with its next elementwise ops (residual add, mask, GELU) in a Triton
+GEMM's epilogue, and Q/K/V in one launch, as the custom op ``kkdeploy_faithful::linear``; proven bit-identical on
+the H200 for the official GEMM sizes (not its GELU epilogue) and used by the ``torch-compile-faithful-gemms``
+candidate (``fused_block_forward``).
 """
 
 from .faithful_attention import (
