@@ -68,6 +68,10 @@ VARIANTS = {  # name -> launch options of triton_attention (the first is the op'
     # campaign 11: the 32- and 16-row launches (bm32, bm16, cached32, cached16) lower to mma.sync and differed under
     # padded masks; 64 rows keep wgmma. 4 warps: 183 registers, no spills (ptxas, Triton 3.6, sm_90a)
     "cached64w4": dict(block_m=64, cached=True, num_warps=4),
+    # the probabilities' division as one reciprocal per row and two fmas (Markstein; exact-rational and interpreter
+    # checks in tests/test_faithful_attention.py); ptxas: 130 and 171 registers, no spills
+    "bm64_mdiv": dict(block_m=64, sub=1, fast_div=True),
+    "cached64w4_mdiv": dict(block_m=64, cached=True, num_warps=4, fast_div=True),
     "cached32": dict(block_m=32, cached=True),
     "cached16": dict(block_m=16, cached=True),
 }
@@ -273,9 +277,19 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--ablation", action="store_true", help="also run with Triton's default fp-fusion / FTZ flags")
     ap.add_argument("--time-variants", default="8", help="shape ids whose launch variants are timed too")
+    ap.add_argument("--variants", default="", help="comma-separated launch variants to check (default: all); bm64, "
+                                                    "the op's launch, is always checked")
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="exercise this script on a CPU under TRITON_INTERPRET=1 (proves nothing about bits)")
     args = ap.parse_args(argv)
+    if args.variants:
+        chosen = ["bm64"] + [n for n in args.variants.split(",") if n and n != "bm64"]
+        unknown = [n for n in chosen if n not in VARIANTS]
+        if unknown:
+            ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+        for name in list(VARIANTS):
+            if name not in chosen:
+                del VARIANTS[name]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.dry_run_cpu:
@@ -338,8 +352,8 @@ def main(argv=None) -> int:
                 entry[f"model_{mode}"] = run_case(q, k, v, mask, h, True, variants_for(config.seq_len), attn=attn)
                 entry[f"model_{mode}"]["stages"] = stage_report(q, k, v, mask, h, True, **VARIANTS["bm64"])
                 (rq, rk, rv), _ = random_inputs(config, device, mask)
-                entry[f"random_{mode}"] = run_case(rq, rk, rv, mask, h, True,
-                                                   variants_for(config.seq_len, ["bm64", "cached64w4"]))
+                checked = [n for n in ("bm64", "cached64w4") if n in VARIANTS]
+                entry[f"random_{mode}"] = run_case(rq, rk, rv, mask, h, True, variants_for(config.seq_len, checked))
                 entry[f"random_{mode}"]["stages"] = stage_report(rq, rk, rv, mask, h, True, **VARIANTS["bm64"])
                 if not args.no_bench:
                     tm = {"aten_ms": bench(lambda: reference_attention(q, k, v, mask, h, True)),
@@ -347,7 +361,7 @@ def main(argv=None) -> int:
                     from kkdeploy.kernels._faithful_attention_triton import triton_attention
 
                     timed = variants_for(config.seq_len, list(VARIANTS) if (
-                        padded and str(sid) in args.time_variants.split(",")) else ["bm64", "cached64w4"])
+                        padded and str(sid) in args.time_variants.split(",")) else [n for n in ("bm64", "cached64w4") if n in VARIANTS])
                     for name in timed:
                         opts = VARIANTS[name]
                         tm[f"{name}_ms"] = bench(lambda opts=opts: triton_attention(q, k, v, mask, h, True, **opts))

@@ -107,7 +107,9 @@ step_linear() {
 }
 step_attention() {
   # Issue 19: the faithful attention kernel (every launch variant, one-pass included) against ATen, bitwise.
-  python3 scripts/faithful_attention_selftest.py --out "$OUT" --time-variants "${ATTENTION_TIME_VARIANTS:-6,1,5,11}"
+  # ATTENTION_VARIANTS (comma-separated launch variants; default all) keeps a run short.
+  python3 scripts/faithful_attention_selftest.py --out "$OUT" --time-variants "${ATTENTION_TIME_VARIANTS:-6,1,5,11}" \
+    ${ATTENTION_VARIANTS:+--variants "$ATTENTION_VARIANTS"} ${ATTENTION_ARGS:-}
 }
 step_shape14tiles() {
   # Issue 19: where a reference-order shape-14 tile spends its time, and which skips of masked work are bitwise.

@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -359,6 +360,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         if sub == "cached":  # the same P.V chain as the three passes: the same bits, even under numpy
             three = triton_attention(q, k, v, mask, h, causal, block_m=block_m)
             assert torch.equal(out.view(torch.int16), three.view(torch.int16)), (b, s, d, h, causal, padded)
+        # the division as a reciprocal and two fmas (Markstein): the same probabilities, so the same bits
+        fast = triton_attention(q, k, v, mask, h, causal, block_m=block_m, fast_div=True, **launch)
         qh, kh, vh = (t.view(b, s, h, dh).transpose(1, 2) for t in (q, k, v))
         ref_scores = torch.matmul(qh, kh.transpose(-2, -1)) * dh ** -0.5
         if causal:
@@ -375,6 +378,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
             probs_diff=int((probs.view(torch.int16) != ref_probs.view(torch.int16)).sum()),
             ctx_over_one_ulp=int(((out.double() - ctx64).abs() > ulp).sum()),
             finite=bool(torch.isfinite(out).all()),
+            fast_div_same=bool(torch.equal(fast.view(torch.int16), out.view(torch.int16))),
         ))
     # the custom op's CUDA implementation, made to take the kernel branch on CPU tensors
     import kkdeploy.kernels.faithful_attention as fa
@@ -409,3 +413,39 @@ def test_triton_kernel_logic_under_the_interpreter():
         assert r["probs_diff"] == 0, r
         assert r["ctx_over_one_ulp"] == 0, r
         assert r["finite"], r
+        assert r["fast_div_same"], r
+
+
+def _round_to_float32(value) -> float:
+    """The float32 nearest to an exact rational, ties to even (no double rounding through float64)."""
+    import struct
+    from fractions import Fraction
+
+    if value == 0:
+        return 0.0
+    near = np.float32(float(value))
+    best = None
+    for cand in (near, np.nextafter(near, np.float32(np.inf)), np.nextafter(near, np.float32(-np.inf))):
+        gap = abs(Fraction(float(cand)) - value)
+        even = struct.unpack("I", struct.pack("f", float(cand)))[0] % 2 == 0
+        if best is None or gap < best[0] or (gap == best[0] and even):
+            best = (gap, float(cand))
+    return best[1]
+
+
+def test_the_fast_division_is_the_correctly_rounded_quotient():
+    """``fast_div``'s arithmetic (kkdeploy/kernels/_faithful_attention_triton.py, ``_pv_chunk``) in exact rationals:
+    y = RN(1/sum), q = RN(e*y), r = RN(e - q*sum) (an fma), p = RN(q + r*y) (an fma) equals RN(e/sum) for the
+    softmax's operands: e = exp(s - max) in (0, 1] (down to float32's normal range), sum in [1, 1024]."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(11)
+    for i in range(20000):
+        kind = i % 4
+        e = np.float32([rng.random(), np.exp(-rng.random() * 80), 1.0, rng.random() * 1e-3][kind])
+        total = np.float32(1 + rng.random() * 1023) if i % 3 else np.float32(rng.integers(1, 1025))
+        y = np.float32(np.float32(1.0) / total)
+        q = np.float32(e * y)
+        r = _round_to_float32(Fraction(float(e)) - Fraction(float(total)) * Fraction(float(q)))
+        p = _round_to_float32(Fraction(float(q)) + Fraction(r) * Fraction(float(y)))
+        assert p == float(np.float32(e / total)), (e, total)

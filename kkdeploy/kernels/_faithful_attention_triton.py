@@ -138,9 +138,21 @@ def _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_n, s, p):
 
 @triton.jit
 def _pv_chunk(e, row_sum, acc, s, V, v_row0, stride_vs, offs_m, offs_n, offs_d, S, HEAD_DIM: tl.constexpr,
-              SCORES, PROBS, b, H, h, DEBUG: tl.constexpr):
-    """One chunk's probabilities (IEEE division, fp16) into the P.V chain; returns acc."""
-    p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
+              SCORES, PROBS, b, H, h, DEBUG: tl.constexpr, FAST_DIV: tl.constexpr = False):
+    """One chunk's probabilities (IEEE division, fp16) into the P.V chain; returns acc.
+
+    ``FAST_DIV``: e / sum correctly rounded without a division per element (Markstein): y = RN(1/sum) once per
+    row, q = RN(e * y), r = e - q * sum (exact, one fma), p = RN(q + r * y) (one fma). With y the correctly
+    rounded reciprocal and q within an ulp, p is RN(e / sum) for normal quotients; a quotient below float32's
+    normal range rounds to float16 zero either way. Checked against exact rationals on 200,000 (e, sum) pairs
+    (tests/test_faithful_attention.py); to be proven on the GPU before the op uses it."""
+    if FAST_DIV:
+        y = tl.math.div_rn(tl.full(row_sum.shape, 1.0, tl.float32), row_sum)
+        q = e * y[:, None]
+        r = tl.fma(-q, row_sum[:, None], e)
+        p = tl.fma(r, y[:, None], q).to(tl.float16)
+    else:
+        p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
     acc = _pv_step(p, acc, V, v_row0, stride_vs, offs_n, offs_d, S, HEAD_DIM)
     if DEBUG:
         _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_n, s, p)
@@ -156,7 +168,7 @@ def _faithful_attention_kernel(
     HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     LANES: tl.constexpr, SUB: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
-    ONE_PASS: tl.constexpr = False, NCACHED: tl.constexpr = 0,
+    ONE_PASS: tl.constexpr = False, NCACHED: tl.constexpr = 0, FAST_DIV: tl.constexpr = False,
 ):
     CHUNK: tl.constexpr = LANES * SUB
     pid_m = tl.program_id(0)
@@ -187,7 +199,7 @@ def _faithful_attention_kernel(
         e = _exp(s - row_max[:, None], ACCURATE)
         row_sum = _row_sum(_lane_add(tl.zeros((BLOCK_M, LANES), tl.float32), e, BLOCK_M, LANES, SUB), BLOCK_M, LANES)
         acc = _pv_chunk(e, row_sum, tl.zeros((BLOCK_M, DH_PAD), tl.float32), s, V, v_row0, stride_vs, offs_m, offs_c,
-                        offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG)
+                        offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG, FAST_DIV)
     elif NCACHED > 0:  # up to 4 chunks of the row, each scored once and kept in registers (SUB == 1)
         # The three-pass kernel's arithmetic in its order, without recomputing: chunk k exists iff
         # k * CHUNK < n_end (the same chunks pass 1 visits), its exps are computed once and added to the lanes in
@@ -233,19 +245,19 @@ def _faithful_attention_kernel(
                 lane = _lane_add(lane, e3, BLOCK_M, LANES, SUB)
         row_sum = _row_sum(lane, BLOCK_M, LANES)
         acc = _pv_chunk(e0, row_sum, tl.zeros((BLOCK_M, DH_PAD), tl.float32), s0, V, v_row0, stride_vs, offs_m,
-                        offs_c, offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG)
+                        offs_c, offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG, FAST_DIV)
         if NCACHED > 1:
             if n_end > CHUNK:
                 acc = _pv_chunk(e1, row_sum, acc, s1, V, v_row0, stride_vs, offs_m, CHUNK + offs_c, offs_d, S,
-                                HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG)
+                                HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG, FAST_DIV)
         if NCACHED > 2:
             if n_end > 2 * CHUNK:
                 acc = _pv_chunk(e2, row_sum, acc, s2, V, v_row0, stride_vs, offs_m, 2 * CHUNK + offs_c, offs_d, S,
-                                HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG)
+                                HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG, FAST_DIV)
         if NCACHED > 3:
             if n_end > 3 * CHUNK:
                 acc = _pv_chunk(e3, row_sum, acc, s3, V, v_row0, stride_vs, offs_m, 3 * CHUNK + offs_c, offs_d, S,
-                                HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG)
+                                HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG, FAST_DIV)
     else:  # three passes over chunks of the row
         # pass 1: the row max (order-free)
         run_max = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
@@ -270,7 +282,7 @@ def _faithful_attention_kernel(
             s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d,
                              S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
             acc = _pv_chunk(_exp(s - row_max[:, None], ACCURATE), row_sum, acc, s, V, v_row0, stride_vs, offs_m,
-                            offs_n, offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG)
+                            offs_n, offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG, FAST_DIV)
 
     o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
     tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
@@ -283,14 +295,16 @@ def kernel_lanes(seq_len: int) -> int:
 
 
 def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=None, sub=None,
-                     num_warps=None, num_stages=None, debug=False, validate=True, one_pass=False, cached=False):
+                     num_warps=None, num_stages=None, debug=False, validate=True, one_pass=False, cached=False,
+                     fast_div=False):
     """Launch the kernel; returns the context [B, S, D] fp16 (and, with ``debug``, the fp16 scores and
     probabilities [B, H, S, S] as the reference computes them; causal-skipped entries are filled with
     the reference's values -inf and 0). ``validate=False``: the caller already checked the inputs.
     ``one_pass`` (S <= 128): one chunk of ``lanes * sub`` >= S keys, so every score, exp
     and probability is computed once instead of three times, and P.V is one tl.dot over the row.
     ``cached`` (S <= 4 * lanes): the three-pass arithmetic with each chunk's scores and exps computed once and
-    kept in registers (at most 4 chunks), P.V chained chunk by chunk as in the third pass."""
+    kept in registers (at most 4 chunks), P.V chained chunk by chunk as in the third pass.
+    ``fast_div``: the probabilities' division as one reciprocal per row and two fmas per element (``_pv_chunk``)."""
     if validate:
         check_attention_inputs(q, k, v, valid_token_mask, num_heads, causal)
         if q.dtype != torch.float16:
@@ -343,7 +357,7 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         s, num_heads, scale,
         HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_M=block_m, LANES=lanes, SUB=sub,
         CAUSAL=bool(causal), HAS_MASK=has_mask, ACCURATE=not INTERPRET, DEBUG=bool(debug), ONE_PASS=bool(one_pass),
-        NCACHED=ncached,
+        NCACHED=ncached, FAST_DIV=bool(fast_div),
         **launch,
     )
     if debug:
