@@ -117,10 +117,12 @@ class KernelGemmForward(KernelAttentionForward):
         self.plan = plan
 
     def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
-        from kkdeploy.kernels.fused_linear import fused_block_forward
+        from kkdeploy.kernels.fused_linear import fused_block_forward, fused_model_forward
 
         if not self.plan["gemms"]:
             return super().forward(x, valid_token_mask)
+        if self.plan.get("layer_norm"):
+            return fused_model_forward(self.model, x, valid_token_mask, self.plan)
         layers = list(self.model.layers)
         for layer in layers:
             layer.forward = functools.partial(fused_block_forward, layer, plan=self.plan)
@@ -194,8 +196,10 @@ def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: tor
         exported = torch.export.export(module.eval(), (x, mask), strict=False)
     if opaque:
         counts = make_sensitive_ops_opaque(exported, keep=opaque, layer_norm_kernel=kernel_layer_norm)
-        gelu_fused = kernel_attention and kernel_linear and plan["gelu"]
-        expected = {"layer_norm": 2 * config.num_layers + 1, "gelu": 0 if gelu_fused else config.num_layers,
+        gelu_fused = kernel_attention and kernel_linear and plan["gemms"] and plan["gelu"]
+        norms_fused = kernel_attention and kernel_linear and plan["gemms"] and plan.get("layer_norm", False)
+        expected = {"layer_norm": 1 if norms_fused else 2 * config.num_layers + 1,
+                    "gelu": 0 if gelu_fused else config.num_layers,
                     "softmax": 0 if kernel_attention else config.num_layers - sdpa_layers}
         wrong = {op: (counts[op], expected[op]) for op in opaque if counts[op] != expected[op]}
         if wrong:

@@ -15,6 +15,11 @@ Then one epilogue, each the reference's next elementwise ops on the rounded floa
 * ``add_masked``  ``r + where(mask, y, 0)``: the attention block's residual (``x + zero_invalid_rows(out_proj)``)
 * ``masked_sum``  ``where(mask, r + y, 0)``: the feed-forward residual and the block's ``zero_invalid_rows``
 
+``triton_linear_layer_norm`` runs a residual epilogue and then the next LayerNorm of the rows it wrote (N = 128, a
+tile holds whole rows), in ATen's order as ``kkdeploy.kernels.layer_norm.emulate_layer_norm_rows`` spells it out
+(Welford pushes, the shuffle-down tree by reshape/split, nvcc's fmas as explicit ``tl.fma``). Written after
+campaign 11; equal to the emulation under the interpreter, not yet proven on a GPU.
+
 A float16 add is ``float(a) + float(b)`` rounded once, as ATen's and Inductor's adds compute it. Compiled with
 ``enable_fp_fusion=False``: no multiply is contracted into an add anywhere in the epilogue.
 Under ``TRITON_INTERPRET=1`` (CPU) libdevice does not exist: the kernel then uses ``tl.erf`` so that its *logic*
@@ -37,6 +42,9 @@ except ImportError:  # pragma: no cover - older layouts
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 EPILOGUE_CODES = {"none": 0, "gelu": 1, "add_masked": 2, "masked_sum": 3}
+#: the residual epilogues followed by the next LayerNorm over the tile's rows (N == BLOCK_N == 128)
+LN_EPILOGUE_CODES = {"add_masked": 4, "masked_sum": 5}
+LN_WIDTH = 128
 #: compile options that keep the arithmetic IEEE: no fmul+fadd contraction, libdevice without FTZ.
 COMPILE_FLAGS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
 
@@ -51,12 +59,94 @@ def _erf(x, ACCURATE: tl.constexpr):
 
 
 @triton.jit
+def _reciprocal(t):
+    return tl.math.div_rn(tl.full(t.shape, 1.0, tl.float32), t)  # RN(1/t): nvcc's rcp.rn.f32 for ATen's 1.f / n
+
+
+@triton.jit
+def _welford_push(value, mean, m2, count):
+    """ATen's per-element Welford step as nvcc compiles it: mean = fma(delta, RN(1/count), mean), m2 = fma(delta,
+    value - mean, m2)."""
+    delta = value - mean
+    count = count + 1.0
+    mean = tl.fma(delta, _reciprocal(count), mean)
+    m2 = tl.fma(delta, value - mean, m2)
+    return mean, m2, count
+
+
+@triton.jit
+def _welford_merge(own_mean, own_m2, own_count, other_mean, other_m2, other_count):
+    """kk_welford::merge (csrc/welford.cuh) as nvcc compiles it (zeros where the merged count is 0)."""
+    total = other_count + own_count
+    coef = _reciprocal(total)
+    n_own = own_count * coef
+    delta = own_mean - other_mean
+    mean = tl.fma(coef * other_count, other_mean, own_mean * n_own)
+    m2 = tl.fma(delta * delta * other_count, n_own, own_m2 + other_m2)
+    live = total > 0.0
+    return tl.where(live, mean, 0.0), tl.where(live, m2, 0.0), total
+
+
+@triton.jit
+def _lane_halves(t, BLOCK_M: tl.constexpr, W: tl.constexpr):
+    """[BLOCK_M, 2W] -> (lanes 0..W-1, lanes W..2W-1), each [BLOCK_M, W]."""
+    return tl.split(tl.permute(tl.reshape(t, (BLOCK_M, 2, W)), (0, 2, 1)))
+
+
+@triton.jit
+def _shuffle_down_step(mean, m2, count, BLOCK_M: tl.constexpr, W: tl.constexpr):
+    """One level of ATen's shuffle-down tree: lane i (< W) merges lane i + W."""
+    mean_lo, mean_hi = _lane_halves(mean, BLOCK_M, W)
+    m2_lo, m2_hi = _lane_halves(m2, BLOCK_M, W)
+    count_lo, count_hi = _lane_halves(count, BLOCK_M, W)
+    return _welford_merge(mean_lo, m2_lo, count_lo, mean_hi, m2_hi, count_hi)
+
+
+@triton.jit
+def _rows_layer_norm(v, G, B, offs_n, eps, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr):
+    """ATen's float16 LayerNorm of each row of v [BLOCK_M, 128] (float32 holding float16 values), in the order of
+    ``kkdeploy.kernels.layer_norm.emulate_layer_norm_rows``: lane t holds elements 4t..4t+3, a Welford push per
+    element, the shuffle-down tree over 32 lanes, two merges with empty states, var = m2 / 128, rstd =
+    rsqrt(var + eps), y = fma(g, rstd * (x - mean), b); returns float16 [BLOCK_M, 128]."""
+    x4 = tl.reshape(v, (BLOCK_M, 32, 2, 2))  # [row, lane t, hi, lo]: element 4t + 2 hi + lo
+    lo0, lo1 = tl.split(x4)
+    e0, e2 = tl.split(lo0)
+    e1, e3 = tl.split(lo1)
+    zero = tl.zeros((BLOCK_M, 32), tl.float32)
+    mean, m2, count = _welford_push(e0, zero, zero, zero)
+    mean, m2, count = _welford_push(e1, mean, m2, count)
+    mean, m2, count = _welford_push(e2, mean, m2, count)
+    mean, m2, count = _welford_push(e3, mean, m2, count)
+    mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 16)
+    mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 8)
+    mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 4)
+    mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 2)
+    mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 1)
+    mean = tl.reshape(mean, (BLOCK_M, ))
+    m2 = tl.reshape(m2, (BLOCK_M, ))
+    count = tl.reshape(count, (BLOCK_M, ))
+    empty = tl.zeros((BLOCK_M, ), tl.float32)
+    mean, m2, count = _welford_merge(mean, m2, count, empty, empty, empty)  # ATen's idle warps, as ATen merges them
+    pair_mean, pair_m2, pair_count = _welford_merge(empty, empty, empty, empty, empty, empty)
+    mean, m2, count = _welford_merge(mean, m2, count, pair_mean, pair_m2, pair_count)
+    var = tl.math.div_rn(m2, tl.full((BLOCK_M, ), 128.0, tl.float32))
+    if ACCURATE:
+        rstd = _libdevice.rsqrt(var + eps)  # rsqrt.approx.f32, as nvcc's rsqrtf
+    else:
+        rstd = tl.math.rsqrt(var + eps)  # interpreter only
+    g = tl.load(G + offs_n).to(tl.float32)
+    b = tl.load(B + offs_n).to(tl.float32)
+    return tl.fma(g[None, :], rstd[:, None] * (v - mean[:, None]), b[None, :]).to(tl.float16)
+
+
+@triton.jit
 def _fused_linear_kernel(
     X, W, B, R, MASK, OUT,
     M, N, K,
     stride_xm, stride_wn, stride_rm, stride_om,
     EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LN_G=None, LN_B=None, OUT2=None, eps=0.0,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -87,13 +177,16 @@ def _fused_linear_kernel(
         else:
             valid = row_ok
         zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float16)
-        if EPILOGUE == 2:  # r + where(mask, y, 0)
+        if EPILOGUE == 2 or EPILOGUE == 4:  # r + where(mask, y, 0)
             out = (r.to(tl.float32) + tl.where(valid[:, None], y, zero).to(tl.float32)).to(tl.float16)
         else:  # where(mask, r + y, 0)
             out = tl.where(valid[:, None], (r.to(tl.float32) + y.to(tl.float32)).to(tl.float16), zero)
     else:
         out = y
     tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+    if EPILOGUE >= 4:  # the next LayerNorm of the rows just written (BLOCK_N == N == 128: whole rows in the tile)
+        normed = _rows_layer_norm(out.to(tl.float32), LN_G, LN_B, offs_n, eps, BLOCK_M, ACCURATE)
+        tl.store(OUT2 + offs_m[:, None] * stride_om + offs_n[None, :], normed, mask=row_ok[:, None])
 
 
 def launch_config(n: int, k: int) -> dict:
@@ -142,3 +235,46 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, res
         EPILOGUE=code, HAS_MASK=has_mask, ACCURATE=not INTERPRET, **config, **launch,
     )
     return out
+
+
+def triton_linear_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                             mask, ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
+                             epilogue: str = "add_masked", **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual epilogue and then the next LayerNorm of each row: returns (sum, LayerNorm(sum)), both
+    [..., 128] float16. N must be 128 (one tile holds whole rows)."""
+    code = LN_EPILOGUE_CODES[epilogue]
+    n, k = weight.shape
+    if n != LN_WIDTH:
+        raise ValueError(f"the LayerNorm epilogue takes rows of {LN_WIDTH}, got {n}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((*lead, n), dtype=torch.float16, device=x.device)
+    normed = torch.empty_like(out)
+    out2, normed2 = out.view(-1, n), normed.view(-1, n)
+    r2 = residual.reshape(-1, n)
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    has_mask = mask is not None
+    mask1 = mask.reshape(-1).contiguous() if has_mask else out2
+    # 64 rows x 8 warps: the fewest spills offline (Triton 3.6, sm_90a: 736 bytes, against 2,152 at 128 x 8)
+    config = {**launch_config(n, k), "BLOCK_M": 64, "num_warps": 8, **overrides}
+    config["BLOCK_N"] = LN_WIDTH
+    launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
+    if not INTERPRET:
+        launch.update({key: config.pop(key, value) for key, value in COMPILE_FLAGS.items()})
+    else:
+        for key in COMPILE_FLAGS:
+            config.pop(key, None)
+    grid = (triton.cdiv(m, config["BLOCK_M"]), 1)
+    _fused_linear_kernel[grid](
+        x2, weight, bias, r2, mask1, out2,
+        m, n, k,
+        x2.stride(0), weight.stride(0), r2.stride(0), out2.stride(0),
+        EPILOGUE=code, HAS_MASK=has_mask, ACCURATE=not INTERPRET, **config,
+        LN_G=ln_weight.contiguous(), LN_B=ln_bias.contiguous(), OUT2=normed2, eps=float(eps), **launch,
+    )
+    return out, normed

@@ -54,8 +54,12 @@ PROVEN_GEMMS: frozenset[tuple[int, int, int]] = frozenset({
 SLOWER_GEMMS: frozenset[tuple[int, int, int]] = frozenset({(8192, 1024, 1024)})
 #: the epilogues proven with PROVEN_GEMMS. "gelu" is not: compiled without fp contraction it differed from ATen's
 #: GELU in 9 of 655M elements on shape 6 (1 of 33.5M on shape 8; up to 4,662 on random inputs at scale 10), so
-#: the blocks keep ATen's GELU after a plain fused GEMM (docs/fused-linear.md).
+#: the blocks keep ATen's GELU after a plain fused GEMM (docs/fused-linear.md). "add_masked+layer_norm" and
+#: "masked_sum+layer_norm" (the residual epilogue, then the next LayerNorm of the rows in the same tile) are
+#: written and checked against ``layer_norm.emulate_layer_norm_rows`` under the interpreter, not yet on a GPU.
 PROVEN_EPILOGUES: frozenset[str] = frozenset({"none", "add_masked", "masked_sum"})
+LN_EPILOGUES = ("add_masked", "masked_sum")
+LN_OP_NAME = "kkdeploy_faithful::linear_layer_norm"
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,58 @@ def _linear_fake(x, weights, biases, residual, mask, epilogue):
     return x.new_empty((*x.shape[:-1], n))
 
 
+def check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue) -> tuple[int, int, int]:
+    """The contract of ``linear_layer_norm``: a residual epilogue and a LayerNorm over the output's last dim."""
+    if epilogue not in LN_EPILOGUES:
+        raise KKError(f"the LayerNorm epilogue follows {' or '.join(LN_EPILOGUES)}, got {epilogue!r}")
+    m, n, k = check_linear_inputs(x, [weight], [bias], residual, mask, epilogue)
+    for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        if t is None or tuple(t.shape) != (n,):
+            raise KKError(f"{name} must be [{n}] (the LayerNorm over the Linear's {n} outputs), got "
+                          f"{None if t is None else list(t.shape)}")
+    return m, n, k
+
+
+def reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps: float, epilogue: str):
+    """The ATen composition: the residual epilogue's sum, and ``F.layer_norm`` of it (what nn.LayerNorm runs)."""
+    total = reference_linear(x, [weight], [bias], residual, mask, epilogue)
+    return total, F.layer_norm(total, (total.shape[-1],), ln_weight, ln_bias, eps)
+
+
+@torch.library.custom_op(LN_OP_NAME, mutates_args=())
+def _linear_layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                          mask: Optional[torch.Tensor], ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
+                          epilogue: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default (CPU and any non-CUDA device): the ATen composition itself."""
+    check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue)
+    return reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue)
+
+
+@_linear_layer_norm_op.register_kernel("cuda")
+def _linear_layer_norm_cuda(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue):
+    """CUDA: the Triton GEMM with both epilogues where ``linear_path`` allows it, else the composition."""
+    m, n, k = check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue)
+    if n == 128 and linear_path(m, n, k, x.dtype, x.device, epilogue=f"{epilogue}+layer_norm").fused:
+        from ._fused_linear_triton import triton_linear_layer_norm
+
+        return triton_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue)
+    return reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue)
+
+
+@_linear_layer_norm_op.register_fake
+def _linear_layer_norm_fake(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue):
+    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return out, torch.empty_like(out)
+
+
+def linear_layer_norm(x, weight, bias, residual, mask, norm: torch.nn.LayerNorm, epilogue: str):
+    """(``sum``, ``norm(sum)``) with ``sum`` the residual epilogue of ``F.linear(x, weight, bias)``: one launch where
+    proven (``kkdeploy_faithful::linear_layer_norm``)."""
+    check_layer_norm_epilogue(x, weight, bias, residual, mask, norm.weight, norm.bias, epilogue)
+    return torch.ops.kkdeploy_faithful.linear_layer_norm(x, weight, bias, residual, mask, norm.weight, norm.bias,
+                                                         float(norm.eps), epilogue)
+
+
 def fused_linear(x, weights, biases, residual=None, mask=None, epilogue: str = "none") -> torch.Tensor:
     """``torch.ops.kkdeploy_faithful.linear`` with the contract checked first (one line on bad input)."""
     weights, biases = list(weights), list(biases)
@@ -188,15 +244,20 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
     """What ``fused_block_forward`` fuses for a model of ``config`` here: ``gemms`` (our GEMMs at all: else the
     reference block with the attention op, so Inductor keeps fusing the elementwise ops), ``packed_qkv`` (Q/K/V in
     one launch: the attention kernel reads strided rows; ATen's attention keeps the reference's contiguous Q, K, V
-    so cuBLAS sees the reference's strides) and ``gelu`` (GELU in ffn_in's epilogue, where that is proven)."""
+    so cuBLAS sees the reference's strides), ``gelu`` (GELU in ffn_in's epilogue, where that is proven) and
+    ``layer_norm`` (each residual GEMM also writes the next LayerNorm of its rows, where proven:
+    ``fused_model_forward``)."""
     from .faithful_attention import select_attention_path
 
     m, d = config.batch_size * config.seq_len, config.d_model
     gemms = linear_path(m, d, d, dtype, device).fused and config.ffn_dim == d
     attention = select_attention_path(config.seq_len, d // config.num_heads, dtype, device,
                                       batch_heads=config.batch_size * config.num_heads)
+    layer_norm = gemms and d == 128 and all(linear_path(m, d, d, dtype, device, epilogue=f"{e}+layer_norm").fused
+                                            for e in LN_EPILOGUES)
     return {"gemms": gemms, "packed_qkv": gemms and attention.fused,
-            "gelu": gemms and linear_path(m, d, d, dtype, device, epilogue="gelu").fused}
+            "gelu": gemms and linear_path(m, d, d, dtype, device, epilogue="gelu").fused,
+            "layer_norm": layer_norm}
 
 
 def fused_block_forward(block, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor], plan: dict) -> torch.Tensor:
@@ -224,3 +285,35 @@ def fused_block_forward(block, x: torch.Tensor, valid_token_mask: Optional[torch
     else:
         g = F.gelu(fused_linear(h2, [block.ffn_in.weight], [block.ffn_in.bias]), approximate="none")
     return fused_linear(g, [block.ffn_out.weight], [block.ffn_out.bias], x, valid_token_mask, "masked_sum")
+
+
+def fused_model_forward(model, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor], plan: dict) -> torch.Tensor:
+    """``ReferenceTransformer.reference_forward`` with every LayerNorm after the first inside the GEMM before it:
+    out_proj's epilogue writes ``x`` and ``norm2(x)``, ffn_out's writes ``x`` and the next block's ``norm1(x)`` (the
+    last one's ``final_norm(x)``), then the reference's final ``zero_invalid_rows``. The reference's ops and rounding
+    points throughout; ``plan`` as ``block_plan`` gives it."""
+    from kkdeploy.models.reference import zero_invalid_rows
+
+    from .faithful_attention import faithful_attention
+
+    layers = list(model.layers)
+    h = layers[0].norm1(x)
+    for i, block in enumerate(layers):
+        attention = block.attention
+        d = x.shape[-1]
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        if plan["packed_qkv"]:
+            q, k, v = fused_linear(h, [p.weight for p in projections], [p.bias for p in projections]).split(d, dim=-1)
+        else:
+            q, k, v = (fused_linear(h, [p.weight], [p.bias]) for p in projections)
+        context = faithful_attention(q, k, v, valid_token_mask, num_heads=attention.num_heads, causal=attention.causal)
+        x, h2 = linear_layer_norm(context, attention.out_proj.weight, attention.out_proj.bias, x, valid_token_mask,
+                                  block.norm2, "add_masked")
+        if plan["gelu"]:
+            g = fused_linear(h2, [block.ffn_in.weight], [block.ffn_in.bias], epilogue="gelu")
+        else:
+            g = F.gelu(fused_linear(h2, [block.ffn_in.weight], [block.ffn_in.bias]), approximate="none")
+        next_norm = layers[i + 1].norm1 if i + 1 < len(layers) else model.final_norm
+        x, h = linear_layer_norm(g, block.ffn_out.weight, block.ffn_out.bias, x, valid_token_mask, next_norm,
+                                 "masked_sum")
+    return zero_invalid_rows(h, valid_token_mask)

@@ -24,7 +24,7 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -112,6 +112,91 @@ def rows_kernel_reason(x: torch.Tensor, normalized_shape: list[int], weight: Opt
     if weight.shape != (n,) or bias.shape != (n,):
         return f"weight/bias shapes {list(weight.shape)}/{list(bias.shape)} are not [{n}]"
     return None
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c) -> torch.Tensor:
+    """float32 ``fma(a, b, c)`` rounded once, on any device: the product is exact in float64 (24 + 24 bits), the
+    sum's float64 rounding error is recovered (TwoSum), and an inexact sum is rounded to odd before the float32
+    rounding, which then equals the single rounding of the exact value (53 >= 24 + 2 bits)."""
+    a, b = a.double(), b.double()
+    c = c.double() if isinstance(c, torch.Tensor) else torch.tensor(float(c), dtype=torch.float64, device=a.device)
+    p = a * b
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    bits = s.view(torch.int64) if s.dim() else s.reshape(1).view(torch.int64)[0]
+    even = (bits & 1) == 0
+    towards = torch.nextafter(s, s + torch.where(err > 0, torch.full_like(s, float("inf")),
+                                                 torch.full_like(s, float("-inf"))))
+    s = torch.where((err != 0) & even & torch.isfinite(s), towards, s)
+    return s.float()
+
+
+def emulate_layer_norm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                            rsqrt: Optional[Callable] = None) -> torch.Tensor:
+    """ATen's float16 vectorized LayerNorm on rows of 4..128 (a multiple of 4), as plain float32 tensor ops in the
+    order of nvcc's code for ``csrc/layer_norm.cu`` (read in its PTX, nvcc 13.0, sm_90): what a fused kernel must
+    reproduce, and a check of that reading against ``F.layer_norm`` on a GPU (``rsqrt``: ``torch.rsqrt``, which
+    on CUDA is the same ``rsqrt.approx.f32``; elsewhere the caller's).
+
+    Lane t of a 32-lane warp holds elements 4t..4t+3 (lanes past the row hold nothing); per lane a Welford push per
+    element, ``mean = fma(delta, RN(1/count), mean)``, ``m2 = fma(delta, x - mean, m2)``; then ATen's
+    shuffle-down tree (offsets 16..1: lane i merges lane i + offset), the two merges with the idle warps' empty
+    states, ``var = m2 / N``, ``rstd = rsqrt(var + eps)`` and ``y = fma(g, rstd * (x - mean), b)``. A merge of
+    ``own`` with ``other``: ``count = other.count + own.count``, ``coef = RN(1/count)``, ``mean =
+    fma(coef * other.count, other.mean, own.mean * (own.count * coef))``, ``m2 = fma(delta * delta * other.count,
+    own.count * coef, own.m2 + other.m2)`` with ``delta = own.mean - other.mean`` (zeros where count is 0)."""
+    rsqrt = rsqrt or torch.rsqrt
+    n = x.shape[-1]
+    reason = row_reason(n, x.dtype)
+    if reason:
+        raise KKError(f"emulate_layer_norm_rows: {reason}")
+    rows = x.reshape(-1, n).float()
+    m = rows.shape[0]
+    lanes = torch.zeros(m, 32, 4, dtype=torch.float32, device=x.device)
+    lanes[:, : n // 4] = rows.view(m, n // 4, 4)
+    has = torch.zeros(32, dtype=torch.bool, device=x.device)
+    has[: n // 4] = True
+    mean = torch.zeros(m, 32, device=x.device)
+    m2 = torch.zeros(m, 32, device=x.device)
+    count = torch.zeros(m, 32, device=x.device)
+    for k in range(4):
+        value = lanes[:, :, k]
+        delta = value - mean
+        new_count = count + 1
+        new_mean = fma32(delta, torch.ones_like(new_count) / new_count, mean)
+        new_m2 = fma32(delta, value - new_mean, m2)
+        mean, m2, count = (torch.where(has, new, old) for new, old in ((new_mean, mean), (new_m2, m2),
+                                                                     (new_count, count)))
+
+    def merge(own, other):
+        (om, o2, oc), (tm, t2, tc) = own, other
+        total = tc + oc
+        coef = torch.ones_like(total) / total
+        n_own = oc * coef
+        delta = om - tm
+        merged_mean = fma32(coef * tc, tm, om * n_own)
+        merged_m2 = fma32(delta * delta * tc, n_own, o2 + t2)
+        live = total > 0
+        return (torch.where(live, merged_mean, torch.zeros_like(total)),
+                torch.where(live, merged_m2, torch.zeros_like(total)), total)
+
+    state = (mean, m2, count)
+    width = 32
+    while width > 1:  # lane i (< width / 2) merges lane i + width / 2: lane 0 ends with ATen's warp state
+        half = width // 2
+        state = merge(tuple(t[:, :half] for t in state), tuple(t[:, half:width] for t in state))
+        width = half
+    state = tuple(t[:, 0] for t in state)
+    empty = tuple(torch.zeros(m, device=x.device) for _ in range(3))
+    state = merge(state, empty)
+    state = merge(state, merge(empty, empty))
+    mean, m2, _ = state
+    var = m2 / float(n)
+    rstd = rsqrt(var + torch.tensor(eps, dtype=torch.float32))
+    g, b = weight.float(), bias.float()
+    y = fma32(g.expand(m, n), rstd[:, None] * (rows - mean[:, None]), b.expand(m, n))
+    return y.to(x.dtype).view(x.shape)
 
 
 @functools.lru_cache(maxsize=None)
