@@ -106,7 +106,7 @@ class KernelAttentionForward(ReferenceForward):
 
 
 class KernelGemmForward(KernelAttentionForward):
-    """The reference's forward with every block as ``kkdeploy.kernels.fused_linear.fused_block_forward``: the
+    """The reference's forward with every block as ``kkdeploy.kernels.fused_blocks.fused_block_forward``: the
     attention op, Q/K/V in one GEMM, and out_proj, ffn_in and ffn_out with their next elementwise ops (residual,
     mask, GELU where proven) in the GEMM's epilogue. Where our GEMMs do not run (``block_plan``: the CPU, an
     unproven platform or size) it is ``KernelAttentionForward``, so Inductor keeps fusing the elementwise ops; the
@@ -117,7 +117,7 @@ class KernelGemmForward(KernelAttentionForward):
         self.plan = plan
 
     def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
-        from kkdeploy.kernels.fused_linear import fused_block_forward, fused_model_forward
+        from kkdeploy.kernels.fused_blocks import fused_block_forward, fused_model_forward
 
         if not self.plan["gemms"]:
             return super().forward(x, valid_token_mask)
@@ -182,7 +182,7 @@ def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: tor
             raise KKError(f"{variant}: the faithful attention kernel replaces reference-order attention, not SDPA")
         opaque = tuple(op for op in opaque if op != "softmax")
         if kernel_linear:
-            from kkdeploy.kernels.fused_linear import block_plan
+            from kkdeploy.kernels.fused_blocks import block_plan
 
             plan = block_plan(config, dtype, device)
             module = KernelGemmForward(model, plan)

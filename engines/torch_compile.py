@@ -100,10 +100,12 @@ def kernel_paths_record(name: str, config: TransformerConfig, dtype: torch.dtype
             path = layer_norm_path(device)
             record["layer_norm_path"] = {"kernel": path.kernel, "reason": path.reason}
     if uses_kernel_linear(name):
-        from kkdeploy.kernels.fused_linear import block_plan, linear_path
+        from kkdeploy.kernels.fused_blocks import block_plan
+        from kkdeploy.kernels.fused_linear import linear_path
 
         path = linear_path(config.batch_size * config.seq_len, config.d_model, config.d_model, dtype, device)
-        record["linear_path"] = {"kernel": path.kernel, "reason": path.reason, "plan": block_plan(config, dtype, device)}
+        plan = block_plan(config, dtype, device)
+        record["linear_path"] = {"kernel": path.kernel, "reason": path.reason, "plan": plan}
     return record
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from kkdeploy import TransformerConfig, generate_case
 from kkdeploy.errors import KKError
+from kkdeploy.kernels import fused_blocks as fb
 from kkdeploy.kernels import fused_linear as fl
 from kkdeploy.models.weights import build_models
 
@@ -30,8 +31,10 @@ CONFIG = TransformerConfig(batch_size=2, seq_len=16, d_model=32, num_heads=4, ff
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32),
-                                                                     b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32))
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = torch.int16 if a.element_size() == 2 else torch.int32
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
 
 
 FULL_PLAN = {"gemms": True, "packed_qkv": True, "gelu": True, "layer_norm": True}
@@ -47,7 +50,7 @@ def test_block_forward_through_the_op_is_the_reference_block(dtype, ratio, plan)
     with torch.no_grad():
         for layer in model.layers:
             want = layer(x, mask)
-            got = fl.fused_block_forward(layer, x, mask, plan)
+            got = fb.fused_block_forward(layer, x, mask, plan)
             assert _bits_equal(got, want)
             x = want
 
@@ -59,7 +62,7 @@ def test_model_forward_with_the_norms_in_the_epilogues_is_the_reference(dtype, r
     x, mask = generate_case(CONFIG, "cpu", dtype, 1234, padding_ratio=ratio)
     mask = mask if ratio else None
     with torch.no_grad():
-        assert _bits_equal(fl.fused_model_forward(model, x, mask, FULL_PLAN), model(x, mask))
+        assert _bits_equal(fb.fused_model_forward(model, x, mask, FULL_PLAN), model(x, mask))
 
 
 def test_the_layer_norm_epilogue_op():
@@ -88,7 +91,7 @@ def test_the_layer_norm_epilogue_is_not_proven_yet():
 
 
 def test_block_plan_on_the_cpu_is_the_reference_block():
-    assert fl.block_plan(CONFIG, torch.float16, torch.device("cpu")) == {"gemms": False, "packed_qkv": False,
+    assert fb.block_plan(CONFIG, torch.float16, torch.device("cpu")) == {"gemms": False, "packed_qkv": False,
                                                                           "gelu": False, "layer_norm": False}
 
 
@@ -122,7 +125,8 @@ def test_op_registration_passes_opcheck():
 @pytest.mark.parametrize("call, message", [
     (lambda x, w, b, r, m: fl.fused_linear(x, [w], [b], epilogue="relu"), "epilogue must be one of"),
     (lambda x, w, b, r, m: fl.fused_linear(x, [w, w], [b], epilogue="none"), "one bias per weight"),
-    (lambda x, w, b, r, m: fl.fused_linear(x, [w, w], [b, b], epilogue="gelu"), r"\(packed projections\) take epilogue"),
+    (lambda x, w, b, r, m: fl.fused_linear(x, [w, w], [b, b], epilogue="gelu"),
+     r"\(packed projections\) take epilogue"),
     (lambda x, w, b, r, m: fl.fused_linear(x, [w.t()], [b]), "every weight must be"),
     (lambda x, w, b, r, m: fl.fused_linear(x, [w], [b], None, m, "add_masked"), "needs a residual of shape"),
     (lambda x, w, b, r, m: fl.fused_linear(x, [w], [b], r, m.int(), "masked_sum"), "the mask must be bool"),
@@ -179,7 +183,7 @@ def test_gemms_candidate_export_is_bitwise_on_the_cpu(ratio, monkeypatch):
 
     # the GPU plan (our GEMMs, Q/K/V one by one as where ATen's attention runs, GELU in the epilogue), whose ops run
     # their CPU kernels here: the ATen composition
-    monkeypatch.setattr(fl, "block_plan", lambda *a: {"gemms": True, "packed_qkv": False, "gelu": True})
+    monkeypatch.setattr(fb, "block_plan", lambda *a: {"gemms": True, "packed_qkv": False, "gelu": True})
     model = build_models(CONFIG, torch.float32, "cpu")[0]
     exported = export_variant(model, CONFIG, torch.float32, torch.device("cpu"), "inductor", kernel_attention=True,
                               kernel_layer_norm=True, kernel_linear=True)
@@ -198,7 +202,7 @@ def test_export_with_the_norms_in_the_epilogues_is_bitwise_on_the_cpu(ratio, mon
     import engines.inductor_ops  # noqa: F401
     from engines.inductor import export_variant
 
-    monkeypatch.setattr(fl, "block_plan", lambda *a: dict(FULL_PLAN))
+    monkeypatch.setattr(fb, "block_plan", lambda *a: dict(FULL_PLAN))
     model = build_models(CONFIG, torch.float32, "cpu")[0]
     exported = export_variant(model, CONFIG, torch.float32, torch.device("cpu"), "inductor", kernel_attention=True,
                               kernel_layer_norm=True, kernel_linear=True)

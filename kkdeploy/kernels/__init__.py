@@ -18,7 +18,7 @@ proven bit-identical on the H200 and used by the ``torch-compile-faithful-kernel
 ``fused_linear`` is the reference's Linear with its next elementwise ops (residual add, mask, GELU) in a Triton
 GEMM's epilogue, and Q/K/V in one launch, as the custom op ``kkdeploy_faithful::linear``; proven bit-identical on
 the H200 for the official GEMM sizes (not its GELU epilogue) and used by the ``torch-compile-faithful-gemms``
-candidate (``fused_block_forward``).
+candidate through ``fused_blocks`` (the reference's blocks composed of these ops).
 """
 
 from .faithful_attention import (
