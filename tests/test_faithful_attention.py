@@ -7,8 +7,6 @@ under TRITON_INTERPRET=1 against an emulation of ATen's softmax order (scores an
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -27,6 +25,7 @@ from kkdeploy.kernels import (
 )
 from kkdeploy.kernels import faithful_attention as fa
 from kkdeploy.kernels.faithful_attention import faithful_attention
+from tests.conftest import round_to_float32, run_interpreter_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -394,17 +393,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 
 
 def test_triton_kernel_logic_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], capture_output=True, text=True,
-                         cwd=REPO, env=env, timeout=600)
-    if run.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in run.stderr:
-        # triton 3.6's interpreter indexes with int(np.array([n])), an error since numpy 2.4 (fixed upstream
-        # by squeezing); the compiled kernel is unaffected. Any other failure fails the test.
-        pytest.skip("this triton's interpreter cannot run with this numpy (int() of a 1-element array)")
-    assert run.returncode == 0, run.stderr[-4000:]
-    line = next(l for l in run.stdout.splitlines() if l.startswith("RESULTS "))
-    results = json.loads(line[len("RESULTS "):])
+    results = run_interpreter_script(INTERPRETER_SCRIPT)
     assert results[-1] == {"case": "cuda impl", "same": True}
     results = results[:-1]
     assert len(results) == 17
@@ -414,23 +403,6 @@ def test_triton_kernel_logic_under_the_interpreter():
         assert r["ctx_over_one_ulp"] == 0, r
         assert r["finite"], r
         assert r["fast_div_same"], r
-
-
-def _round_to_float32(value) -> float:
-    """The float32 nearest to an exact rational, ties to even (no double rounding through float64)."""
-    import struct
-    from fractions import Fraction
-
-    if value == 0:
-        return 0.0
-    near = np.float32(float(value))
-    best = None
-    for cand in (near, np.nextafter(near, np.float32(np.inf)), np.nextafter(near, np.float32(-np.inf))):
-        gap = abs(Fraction(float(cand)) - value)
-        even = struct.unpack("I", struct.pack("f", float(cand)))[0] % 2 == 0
-        if best is None or gap < best[0] or (gap == best[0] and even):
-            best = (gap, float(cand))
-    return best[1]
 
 
 def test_the_fast_division_is_the_correctly_rounded_quotient():
@@ -446,6 +418,6 @@ def test_the_fast_division_is_the_correctly_rounded_quotient():
         total = np.float32(1 + rng.random() * 1023) if i % 3 else np.float32(rng.integers(1, 1025))
         y = np.float32(np.float32(1.0) / total)
         q = np.float32(e * y)
-        r = _round_to_float32(Fraction(float(e)) - Fraction(float(total)) * Fraction(float(q)))
-        p = _round_to_float32(Fraction(float(q)) + Fraction(r) * Fraction(float(y)))
+        r = round_to_float32(Fraction(float(e)) - Fraction(float(total)) * Fraction(float(q)))
+        p = round_to_float32(Fraction(float(q)) + Fraction(r) * Fraction(float(y)))
         assert p == float(np.float32(e / total)), (e, total)

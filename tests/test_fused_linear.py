@@ -9,12 +9,7 @@ fact: scripts/fused_linear_selftest.py.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +20,8 @@ from kkdeploy.errors import KKError
 from kkdeploy.kernels import fused_blocks as fb
 from kkdeploy.kernels import fused_linear as fl
 from kkdeploy.models.weights import build_models
+from tests.conftest import round_to_float32, run_interpreter_script
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = TransformerConfig(batch_size=2, seq_len=16, d_model=32, num_heads=4, ffn_dim=32, num_layers=2, causal=True)
 
 
@@ -142,7 +137,7 @@ def test_bad_calls_get_one_line_errors(call, message):
 def test_path_rules(monkeypatch):
     monkeypatch.delenv(fl.PATH_ENV, raising=False)
     assert fl.linear_path(8, 4, 4, torch.float16, "cpu").kernel == "aten"
-    monkeypatch.setattr(fl, "_triton_importable", lambda: True)
+    monkeypatch.setattr(fl, "triton_available", lambda: True)
     platform = ((9, 0), "2.11.0+cu130", "13.0")
     monkeypatch.setattr(fl, "PROVEN_PLATFORMS", {platform})
     monkeypatch.setattr(fl, "PROVEN_GEMMS", frozenset({(8192, 128, 128)}))
@@ -282,44 +277,24 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 
 
 def test_triton_kernel_logic_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], capture_output=True, text=True,
-                         cwd=REPO, env=env, timeout=600)
-    if run.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in run.stderr:
-        pytest.skip("this triton's interpreter cannot run with this numpy (int() of a 1-element array)")
-    assert run.returncode == 0, run.stderr[-4000:]
-    line = next(l for l in run.stdout.splitlines() if l.startswith("RESULTS "))
-    results = json.loads(line[len("RESULTS "):])
+    results = run_interpreter_script(INTERPRETER_SCRIPT)
     assert len(results) == 18
     assert all(r["differing"] == 0 for r in results), results
 
 
 def test_fma32_rounds_once():
     """``layer_norm.fma32`` (the emulation's fma) against exact rationals rounded to float32, ties to even."""
-    import struct
     from fractions import Fraction
 
-    import numpy as np
-
     from kkdeploy.kernels.layer_norm import fma32
-
-    def rn32(value: Fraction) -> float:
-        near = np.float32(float(value))
-        best = None
-        for cand in (near, np.nextafter(near, np.float32(np.inf)), np.nextafter(near, np.float32(-np.inf))):
-            gap = abs(Fraction(float(cand)) - value)
-            even = struct.unpack("I", struct.pack("f", float(cand)))[0] % 2 == 0
-            if best is None or gap < best[0] or (gap == best[0] and even):
-                best = (gap, float(cand))
-        return best[1]
 
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(3000, generator=g), torch.randn(3000, generator=g)
     c = torch.randn(3000, generator=g) * torch.logspace(-8, 2, 3000)
     got = fma32(a, b, c)
     for i in range(3000):
-        assert float(got[i]) == rn32(Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))), i
+        exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+        assert float(got[i]) == round_to_float32(exact), i
 
 
 def test_the_layer_norm_emulation_is_a_layer_norm():

@@ -197,44 +197,49 @@ def launch_config(n: int, k: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8 if block_n >= 128 else 4, num_stages=3)
 
 
-def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual=None, mask=None,
-                  epilogue: str = "none", **overrides) -> torch.Tensor:
-    """Launch the kernel on x [..., K] (unit last stride), weight [N, K], bias [N]; returns [..., N] float16.
-    ``residual`` [..., N] and ``mask`` [...] (bool, the rows' validity) for the residual epilogues."""
-    code = EPILOGUE_CODES[epilogue]
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t [..., width] as [rows, width] with unit last stride (a view where it can be)."""
+    t2 = t.reshape(-1, width)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm=None):
+    """One launch of ``_fused_linear_kernel``; returns the [..., N] output and, with ``layer_norm`` = (weight, bias,
+    eps), the rows' LayerNorm too. ``config``: tile sizes, warps, stages and compile-flag overrides."""
     n, k = weight.shape
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    weight = weight.contiguous()
+    x2, weight = _rows(x, k), weight.contiguous()
     m = x2.shape[0]
-    out = torch.empty((*lead, n), dtype=torch.float16, device=x.device)
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.float16, device=x.device)
     out2 = out.view(-1, n)
-    if code >= 2:
-        r2 = residual.reshape(-1, n)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
-    else:
-        r2 = out2  # never read
+    r2 = _rows(residual, n) if code >= 2 else out2  # out2: never read
     has_mask = mask is not None and code >= 2
     mask1 = mask.reshape(-1).contiguous() if has_mask else out2
-    config = {**launch_config(n, k), **overrides}
-    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    config = dict(config)
     launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
+    flags = {key: config.pop(key, value) for key, value in COMPILE_FLAGS.items()}
     if not INTERPRET:
-        launch.update({key: config.pop(key, value) for key, value in COMPILE_FLAGS.items()})
-    else:
-        for key in COMPILE_FLAGS:
-            config.pop(key, None)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        launch.update(flags)
+    extra, normed = {}, None
+    if layer_norm is not None:
+        ln_weight, ln_bias, eps = layer_norm
+        normed = torch.empty_like(out)
+        extra = dict(LN_G=ln_weight.contiguous(), LN_B=ln_bias.contiguous(), OUT2=normed.view(-1, n), eps=float(eps))
+    grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
     _fused_linear_kernel[grid](
         x2, weight, bias, r2, mask1, out2,
         m, n, k,
         x2.stride(0), weight.stride(0), r2.stride(0), out2.stride(0),
-        EPILOGUE=code, HAS_MASK=has_mask, ACCURATE=not INTERPRET, **config, **launch,
+        EPILOGUE=code, HAS_MASK=has_mask, ACCURATE=not INTERPRET, **config, **extra, **launch,
     )
-    return out
+    return out, normed
+
+
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual=None, mask=None,
+                  epilogue: str = "none", **overrides) -> torch.Tensor:
+    """Launch the kernel on x [..., K] (unit last stride), weight [N, K], bias [N]; returns [..., N] float16.
+    ``residual`` [..., N] and ``mask`` [...] (bool, the rows' validity) for the residual epilogues."""
+    n, k = weight.shape
+    return _launch(x, weight, bias, residual, mask, EPILOGUE_CODES[epilogue], {**launch_config(n, k), **overrides})[0]
 
 
 def triton_linear_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
@@ -242,39 +247,9 @@ def triton_linear_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              epilogue: str = "add_masked", **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual epilogue and then the next LayerNorm of each row: returns (sum, LayerNorm(sum)), both
     [..., 128] float16. N must be 128 (one tile holds whole rows)."""
-    code = LN_EPILOGUE_CODES[epilogue]
     n, k = weight.shape
     if n != LN_WIDTH:
         raise ValueError(f"the LayerNorm epilogue takes rows of {LN_WIDTH}, got {n}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    weight = weight.contiguous()
-    m = x2.shape[0]
-    out = torch.empty((*lead, n), dtype=torch.float16, device=x.device)
-    normed = torch.empty_like(out)
-    out2, normed2 = out.view(-1, n), normed.view(-1, n)
-    r2 = residual.reshape(-1, n)
-    if r2.stride(-1) != 1:
-        r2 = r2.contiguous()
-    has_mask = mask is not None
-    mask1 = mask.reshape(-1).contiguous() if has_mask else out2
     # 64 rows x 8 warps: the fewest spills offline (Triton 3.6, sm_90a: 736 bytes, against 2,152 at 128 x 8)
-    config = {**launch_config(n, k), "BLOCK_M": 64, "num_warps": 8, **overrides}
-    config["BLOCK_N"] = LN_WIDTH
-    launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
-    if not INTERPRET:
-        launch.update({key: config.pop(key, value) for key, value in COMPILE_FLAGS.items()})
-    else:
-        for key in COMPILE_FLAGS:
-            config.pop(key, None)
-    grid = (triton.cdiv(m, config["BLOCK_M"]), 1)
-    _fused_linear_kernel[grid](
-        x2, weight, bias, r2, mask1, out2,
-        m, n, k,
-        x2.stride(0), weight.stride(0), r2.stride(0), out2.stride(0),
-        EPILOGUE=code, HAS_MASK=has_mask, ACCURATE=not INTERPRET, **config,
-        LN_G=ln_weight.contiguous(), LN_B=ln_bias.contiguous(), OUT2=normed2, eps=float(eps), **launch,
-    )
-    return out, normed
+    config = {**launch_config(n, k), "BLOCK_M": 64, "num_warps": 8, **overrides, "BLOCK_N": LN_WIDTH}
+    return _launch(x, weight, bias, residual, mask, LN_EPILOGUE_CODES[epilogue], config, (ln_weight, ln_bias, eps))

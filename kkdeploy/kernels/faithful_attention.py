@@ -39,10 +39,8 @@ Triton is imported lazily, on CUDA, when the kernel actually runs.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import struct
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -50,6 +48,8 @@ import torch
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import check_mask
 from kkdeploy.models.reference import attention_core
+
+from .paths import KernelPath, triton_available  # noqa: F401  (triton_available: the tests patch it here)
 
 OP_NAMESPACE = "kkdeploy_faithful"
 OP_NAME = f"{OP_NAMESPACE}::attention"
@@ -190,25 +190,8 @@ def emulate_persistent_softmax(x: torch.Tensor, exp: Optional[Callable] = None) 
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class AttentionPath:
+class AttentionPath(KernelPath):
     """The path a call takes: ``kernel`` is ``"triton"`` (the fused kernel) or ``"aten"``; ``reason`` says why."""
-
-    kernel: str
-    reason: str
-
-    @property
-    def fused(self) -> bool:
-        return self.kernel == "triton"
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """Whether Triton can be imported, without importing it (cached: asked on every CUDA call)."""
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def platform_versions() -> tuple[str, str | None]:

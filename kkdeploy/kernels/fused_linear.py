@@ -25,9 +25,7 @@ The custom op ``kkdeploy_faithful::linear(x, weights, biases, residual, mask, ep
 
 from __future__ import annotations
 
-import functools
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -36,6 +34,7 @@ import torch.nn.functional as F
 from kkdeploy.errors import KKError
 
 from .cuda_build import platform_key
+from .paths import KernelPath, triton_available
 
 OP_NAME = "kkdeploy_faithful::linear"
 EPILOGUES = ("none", "gelu", "add_masked", "masked_sum")
@@ -62,24 +61,8 @@ LN_EPILOGUES = ("add_masked", "masked_sum")
 LN_OP_NAME = "kkdeploy_faithful::linear_layer_norm"
 
 
-@dataclass(frozen=True)
-class LinearPath:
-    kernel: str  # "triton" or "aten"
-    reason: str
-
-    @property
-    def fused(self) -> bool:
-        return self.kernel == "triton"
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_importable() -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):
-        return False
+class LinearPath(KernelPath):
+    """``kernel`` is ``"triton"`` (our GEMM with its epilogue) or ``"aten"``; ``reason`` says why."""
 
 
 def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Optional[tuple] = None,
@@ -96,7 +79,7 @@ def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Op
         return LinearPath("aten", f"{PATH_ENV}=aten")
     if dtype != torch.float16:
         return LinearPath("aten", f"dtype {dtype}: the kernel reproduces float16 GEMMs only")
-    if not _triton_importable():
+    if not triton_available():
         return LinearPath("aten", "triton is not importable")
     if mode == "triton":
         return LinearPath("triton", f"Triton GEMM (forced by {PATH_ENV}=triton: validate the result)")

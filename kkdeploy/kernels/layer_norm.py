@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -31,6 +30,7 @@ import torch
 from kkdeploy.errors import KKError
 
 from .cuda_build import load_problem, platform_key
+from .paths import KernelPath
 
 OP_NAME = "kkdeploy_faithful::layer_norm_rows"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "layer_norm.cu"
@@ -49,14 +49,8 @@ PATH_ENV = "KKDEPLOY_LAYER_NORM"
 PROVEN_PLATFORMS: set[tuple[tuple[int, int], str, str]] = {((9, 0), "2.11.0+cu130", "13.0")}
 
 
-@dataclass(frozen=True)
-class LayerNormPath:
-    kernel: str  # "rows" or "aten"
-    reason: str
-
-    @property
-    def fused(self) -> bool:
-        return self.kernel == "rows"
+class LayerNormPath(KernelPath):
+    """``kernel`` is ``"rows"`` (our rows kernel) or ``"aten"``; ``reason`` says why."""
 
 
 def layer_norm_path(device: torch.device | str, platform: Optional[tuple] = None) -> LayerNormPath:

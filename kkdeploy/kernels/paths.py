@@ -1,0 +1,33 @@
+"""Which kernel a call takes, and why: the one record every kernel op's path rule returns.
+
+``faithful_attention.select_attention_path``, ``layer_norm.layer_norm_path`` and ``fused_linear.linear_path`` each
+answer with a ``KernelPath`` (their own subclass, so a manifest reader and a test can tell them apart): ``kernel`` is
+``"aten"`` (the reference's own ops run: the same bits, only slower) or the name of our kernel, and ``reason`` is the
+sentence a manifest records.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    kernel: str  # "aten", or our kernel's name ("triton", "rows")
+    reason: str
+
+    @property
+    def fused(self) -> bool:
+        """Whether our kernel computes the call (else ATen's ops do)."""
+        return self.kernel != "aten"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether Triton can be imported, without importing it (cached: asked on every CUDA call)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
