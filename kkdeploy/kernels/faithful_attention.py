@@ -39,7 +39,6 @@ Triton is imported lazily, on CUDA, when the kernel actually runs.
 from __future__ import annotations
 
 import functools
-import os
 import struct
 from typing import Callable, Optional
 
@@ -49,7 +48,8 @@ from kkdeploy.errors import KKError
 from kkdeploy.inputs import check_mask
 from kkdeploy.models.reference import attention_core
 
-from .paths import KernelPath, triton_available  # noqa: F401  (triton_available: the tests patch it here)
+# triton_available is looked up here at call time, so tests can patch it on this module
+from .paths import KernelPath, float16_cuda_refusal, path_mode, triton_available
 
 OP_NAMESPACE = "kkdeploy_faithful"
 OP_NAME = f"{OP_NAMESPACE}::attention"
@@ -207,16 +207,13 @@ def select_attention_path(seq_len: int, head_dim: int, dtype: torch.dtype, devic
     ``versions`` (torch major.minor, CUDA) default to this process's GPU and torch; pass them to ask about
     another platform.
     """
-    mode = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "aten", "triton"):
-        raise KKError(f"{PATH_ENV} must be auto, aten or triton, got {mode!r}")
+    mode = path_mode(PATH_ENV)
+    refused = float16_cuda_refusal(AttentionPath, device, mode, PATH_ENV, dtype,
+                                   "the reference composition runs (the kernel is CUDA-only)",
+                                   "the kernel reproduces the float16 reference only")
+    if refused:
+        return refused
     device = torch.device(device)
-    if device.type != "cuda":
-        return AttentionPath("aten", f"{device.type} device: the reference composition runs (the kernel is CUDA-only)")
-    if mode == "aten":
-        return AttentionPath("aten", f"{PATH_ENV}=aten")
-    if dtype != torch.float16:
-        return AttentionPath("aten", f"dtype {dtype}: the kernel reproduces the float16 reference only")
     if not 1 <= seq_len <= MAX_FUSED_SEQ_LEN:
         return AttentionPath(
             "aten",

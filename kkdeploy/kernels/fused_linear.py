@@ -25,7 +25,6 @@ The custom op ``kkdeploy_faithful::linear(x, weights, biases, residual, mask, ep
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from kkdeploy.errors import KKError
 
 from .cuda_build import platform_key
-from .paths import KernelPath, triton_available
+from .paths import KernelPath, float16_cuda_refusal, path_mode, triton_available
 
 OP_NAME = "kkdeploy_faithful::linear"
 EPILOGUES = ("none", "gelu", "add_masked", "masked_sum")
@@ -69,16 +68,12 @@ def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Op
                 epilogue: str = "none") -> LinearPath:
     """Which kernel computes a reference GEMM of this size (``n`` per weight) with ``epilogue``, and why. No device
     sync."""
-    mode = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "aten", "triton"):
-        raise KKError(f"{PATH_ENV} must be auto, aten or triton, got {mode!r}")
+    mode = path_mode(PATH_ENV)
+    refused = float16_cuda_refusal(LinearPath, device, mode, PATH_ENV, dtype, "ATen's ops run (the kernel is CUDA-only)",
+                                   "the kernel reproduces float16 GEMMs only")
+    if refused:
+        return refused
     device = torch.device(device)
-    if device.type != "cuda":
-        return LinearPath("aten", f"{device.type} device: ATen's ops run (the kernel is CUDA-only)")
-    if mode == "aten":
-        return LinearPath("aten", f"{PATH_ENV}=aten")
-    if dtype != torch.float16:
-        return LinearPath("aten", f"dtype {dtype}: the kernel reproduces float16 GEMMs only")
     if not triton_available():
         return LinearPath("aten", "triton is not importable")
     if mode == "triton":

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kkdeploy.errors import KKError
 
 
 @dataclass(frozen=True)
@@ -31,3 +37,25 @@ def triton_available() -> bool:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):
         return False
+
+
+def path_mode(env: str) -> str:
+    """``$env`` (auto, aten or triton: a Triton kernel's path override), checked with a one-line error."""
+    mode = os.environ.get(env, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "aten", "triton"):
+        raise KKError(f"{env} must be auto, aten or triton, got {mode!r}")
+    return mode
+
+
+def float16_cuda_refusal(path: type, device, mode: str, env: str, dtype: torch.dtype, off_cuda: str,
+                         other_dtype: str) -> Optional[KernelPath]:
+    """The refusals a Triton kernel's path rule starts with (not CUDA, forced to ATen, not float16, no Triton),
+    as a ``path`` record; None when none applies."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return path("aten", f"{device.type} device: {off_cuda}")
+    if mode == "aten":
+        return path("aten", f"{env}=aten")
+    if dtype != torch.float16:
+        return path("aten", f"dtype {dtype}: {other_dtype}")
+    return None
