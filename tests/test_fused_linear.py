@@ -107,6 +107,18 @@ def test_epilogues_are_the_reference_ops():
     assert torch.equal(packed, torch.cat([y, F.linear(x, 2 * w, b), F.linear(x, w, -b)], dim=-1))
 
 
+def test_packed_weights_are_made_once_and_follow_in_place_updates():
+    w = [torch.randn(4, 3) for _ in range(3)]
+    b = [torch.randn(4) for _ in range(3)]
+    first = fl.packed(w, b)
+    assert torch.equal(first[0], torch.cat(w)) and torch.equal(first[1], torch.cat(b))
+    assert fl.packed(w, b)[0] is first[0]  # reused: no concatenation per call
+    with torch.no_grad():
+        w[1].add_(1.0)  # an in-place update (load_state_dict, copy_) bumps the version counter
+    again = fl.packed(w, b)
+    assert again[0] is not first[0] and torch.equal(again[0], torch.cat(w))
+
+
 def test_op_registration_passes_opcheck():
     x, r = torch.randn(4, 8), torch.randn(4, 6)
     w, b = torch.randn(6, 8), torch.randn(6)

@@ -147,10 +147,29 @@ def _linear_cuda(x, weights, biases, residual, mask, epilogue):
     if linear_path(m, n, k, x.dtype, x.device, epilogue=epilogue).fused:
         from ._fused_linear_triton import triton_linear
 
-        weight = weights[0] if len(weights) == 1 else torch.cat(list(weights), dim=0)
-        bias = biases[0] if len(biases) == 1 else torch.cat(list(biases), dim=0)
+        weight, bias = (weights[0], biases[0]) if len(weights) == 1 else packed(weights, biases)
         return triton_linear(x, weight, bias, residual, mask, epilogue)
     return reference_linear(x, weights, biases, residual, mask, epilogue)
+
+
+_PACKED: "dict[tuple, tuple[torch.Tensor, torch.Tensor]]" = {}
+PACKED_CACHE_SIZE = 64
+
+
+def packed(weights, biases) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights and biases concatenated (Q, K, V side by side), made once per set of tensors and reused.
+
+    Why cached: a model's projections do not change between calls, and a ``torch.cat`` per call would put two
+    more kernels per block into every CUDA graph (the launch-bound shapes feel each one). The key holds each
+    tensor's storage address and version counter, so an in-place update of a weight (``load_state_dict``,
+    ``copy_``) makes a new entry instead of serving stale values."""
+    key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype, str(t.device)) for t in (*weights, *biases))
+    hit = _PACKED.get(key)
+    if hit is None:
+        if len(_PACKED) >= PACKED_CACHE_SIZE:
+            _PACKED.pop(next(iter(_PACKED)))  # the oldest entry
+        hit = _PACKED[key] = (torch.cat(list(weights), dim=0), torch.cat(list(biases), dim=0))
+    return hit
 
 
 @_linear_op.register_fake
