@@ -47,6 +47,10 @@ LN_EPILOGUE_CODES = {"add_masked": 4, "masked_sum": 5}
 LN_WIDTH = 128
 #: compile options that keep the arithmetic IEEE: no fmul+fadd contraction, libdevice without FTZ.
 COMPILE_FLAGS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
+#: per-epilogue departures from COMPILE_FLAGS, each one proven first. Empty: the GELU epilogue with contraction on
+#: (as nvcc builds ATen's GELU) is checked over every float16 value by scripts/fused_linear_selftest.py and goes here
+#: ({"gelu": {"enable_fp_fusion": True}}) only if that check shows 0 differing.
+EPILOGUE_FLAGS: dict[str, dict] = {}
 
 
 @triton.jit
@@ -239,7 +243,8 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, res
     """Launch the kernel on x [..., K] (unit last stride), weight [N, K], bias [N]; returns [..., N] float16.
     ``residual`` [..., N] and ``mask`` [...] (bool, the rows' validity) for the residual epilogues."""
     n, k = weight.shape
-    return _launch(x, weight, bias, residual, mask, EPILOGUE_CODES[epilogue], {**launch_config(n, k), **overrides})[0]
+    config = {**launch_config(n, k), **EPILOGUE_FLAGS.get(epilogue, {}), **overrides}
+    return _launch(x, weight, bias, residual, mask, EPILOGUE_CODES[epilogue], config)[0]
 
 
 def triton_linear_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
