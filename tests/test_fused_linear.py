@@ -117,6 +117,9 @@ def test_packed_weights_are_made_once_and_follow_in_place_updates():
         w[1].add_(1.0)  # an in-place update (load_state_dict, copy_) bumps the version counter
     again = fl.packed(w, b)
     assert again[0] is not first[0] and torch.equal(again[0], torch.cat(w))
+    with torch.inference_mode():  # weights made in inference mode have no version counter: no cache, same values
+        wi, bi = [t.clone() for t in w], [t.clone() for t in b]
+    assert torch.equal(fl.packed(wi, bi)[0], torch.cat(w)) and fl.packed(wi, bi)[0] is not fl.packed(wi, bi)[0]
 
 
 def test_op_registration_passes_opcheck():

@@ -162,8 +162,12 @@ def packed(weights, biases) -> tuple[torch.Tensor, torch.Tensor]:
     Why cached: a model's projections do not change between calls, and a ``torch.cat`` per call would put two
     more kernels per block into every CUDA graph (the launch-bound shapes feel each one). The key holds each
     tensor's storage address and version counter, so an in-place update of a weight (``load_state_dict``,
-    ``copy_``) makes a new entry instead of serving stale values."""
-    key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype, str(t.device)) for t in (*weights, *biases))
+    ``copy_``) makes a new entry instead of serving stale values. Inference tensors have no version counter: they
+    are concatenated per call."""
+    tensors = (*weights, *biases)
+    if any(t.is_inference() for t in tensors):  # no version counter to key on: concatenate per call
+        return torch.cat(list(weights), dim=0), torch.cat(list(biases), dim=0)
+    key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype, str(t.device)) for t in tensors)
     hit = _PACKED.get(key)
     if hit is None:
         if len(_PACKED) >= PACKED_CACHE_SIZE:
