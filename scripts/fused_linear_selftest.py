@@ -235,10 +235,10 @@ def timing(shape: int, device, repeats: int) -> dict:
             t["separate_masked_sum_then_ln_ms"] = cuda_median_ms(
                 lambda: layer_norm_rows_kernel(triton_linear(x, w, b, r, mask, "masked_sum"), ln_w, ln_b, 1e-5),
                 repeats)
-            for bm, warps in ((128, 8), (64, 8), (64, 4)):
-                t[f"kernel_masked_sum_ln_bm{bm}_w{warps}_ms"] = cuda_median_ms(
+            for bm, warps, reload in ((64, 8, True), (128, 8, True), (64, 8, False), (128, 8, False)):
+                t[f"kernel_masked_sum_ln_bm{bm}_w{warps}{'_reload' if reload else ''}_ms"] = cuda_median_ms(
                     lambda: triton_linear_layer_norm(x, w, b, r, mask, ln_w, ln_b, 1e-5, "masked_sum", BLOCK_M=bm,
-                                                     num_warps=warps), repeats)
+                                                     num_warps=warps, LN_RELOAD=reload), repeats)
         for bm, bk, warps in ((64, 64, 4), (128, 128, 8), (256, 64, 8)):
             if bk <= d:
                 key = f"kernel_linear_bm{bm}_bk{bk}_w{warps}_ms"

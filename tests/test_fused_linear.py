@@ -280,12 +280,14 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     mask = torch.rand(m, generator=gen) > 0.3
     lw, lb = (torch.rand(128, generator=gen) + 0.5).half(), (torch.randn(128, generator=gen) * 0.1).half()
     for epilogue in ("add_masked", "masked_sum"):
-        total, normed = triton_linear_layer_norm(x, w, b, r, mask, lw, lb, 1e-5, epilogue, BLOCK_M=64)
-        want_total = triton_linear(x, w, b, r, mask, epilogue)
-        want = emulate_layer_norm_rows(want_total, lw, lb, 1e-5, rsqrt=lambda t: 1 / torch.sqrt(t))
-        results.append({"m": m, "n": 128, "k": k, "epilogue": epilogue + "+layer_norm",
-                        "differing": int((total.view(torch.int16) != want_total.view(torch.int16)).sum())
-                        + int((normed.view(torch.int16) != want.view(torch.int16)).sum())})
+        for reload in (True, False):  # the rows read back (the launch's default) or taken from the accumulator
+            total, normed = triton_linear_layer_norm(x, w, b, r, mask, lw, lb, 1e-5, epilogue, BLOCK_M=64,
+                                                     LN_RELOAD=reload)
+            want_total = triton_linear(x, w, b, r, mask, epilogue)
+            want = emulate_layer_norm_rows(want_total, lw, lb, 1e-5, rsqrt=lambda t: 1 / torch.sqrt(t))
+            results.append({"m": m, "n": 128, "k": k, "epilogue": epilogue + "+layer_norm", "reload": reload,
+                            "differing": int((total.view(torch.int16) != want_total.view(torch.int16)).sum())
+                            + int((normed.view(torch.int16) != want.view(torch.int16)).sum())})
     print("RESULTS " + json.dumps(results))
     """
 )
@@ -293,7 +295,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 
 def test_triton_kernel_logic_under_the_interpreter():
     results = run_interpreter_script(INTERPRETER_SCRIPT)
-    assert len(results) == 18
+    assert len(results) == 20
     assert all(r["differing"] == 0 for r in results), results
 
 

@@ -107,11 +107,11 @@ def _shuffle_down_step(mean, m2, count, BLOCK_M: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _rows_layer_norm(v, G, B, offs_n, eps, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr):
-    """ATen's float16 LayerNorm of each row of v [BLOCK_M, 128] (float32 holding float16 values), in the order of
-    ``kkdeploy.kernels.layer_norm.emulate_layer_norm_rows``: lane t holds elements 4t..4t+3, a Welford push per
-    element, the shuffle-down tree over 32 lanes, two merges with empty states, var = m2 / 128, rstd =
-    rsqrt(var + eps), y = fma(g, rstd * (x - mean), b); returns float16 [BLOCK_M, 128]."""
+def _rows_layer_norm(v, G, B, eps, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr):
+    """ATen's float16 LayerNorm of each row of v [BLOCK_M, 32, 4] (float32 holding float16 values; [row, lane t,
+    k] is element 4t + k), in the order of ``kkdeploy.kernels.layer_norm.emulate_layer_norm_rows``: a Welford push
+    per element, the shuffle-down tree over the 32 lanes, two merges with empty states, var = m2 / 128, rstd =
+    rsqrt(var + eps), y = fma(g, rstd * (x - mean), b); returns float16 [BLOCK_M, 32, 4]."""
     x4 = tl.reshape(v, (BLOCK_M, 32, 2, 2))  # [row, lane t, hi, lo]: element 4t + 2 hi + lo
     lo0, lo1 = tl.split(x4)
     e0, e2 = tl.split(lo0)
@@ -138,9 +138,10 @@ def _rows_layer_norm(v, G, B, offs_n, eps, BLOCK_M: tl.constexpr, ACCURATE: tl.c
         rstd = _libdevice.rsqrt(var + eps)  # rsqrt.approx.f32, as nvcc's rsqrtf
     else:
         rstd = tl.math.rsqrt(var + eps)  # interpreter only
-    g = tl.load(G + offs_n).to(tl.float32)
-    b = tl.load(B + offs_n).to(tl.float32)
-    return tl.fma(g[None, :], rstd[:, None] * (v - mean[:, None]), b[None, :]).to(tl.float16)
+    offs = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    g = tl.load(G + offs).to(tl.float32)
+    b = tl.load(B + offs).to(tl.float32)
+    return tl.fma(g[None, :, :], rstd[:, None, None] * (v - mean[:, None, None]), b[None, :, :]).to(tl.float16)
 
 
 @triton.jit
@@ -150,7 +151,7 @@ def _fused_linear_kernel(
     stride_xm, stride_wn, stride_rm, stride_om,
     EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    LN_G=None, LN_B=None, OUT2=None, eps=0.0,
+    LN_G=None, LN_B=None, OUT2=None, eps=0.0, LN_RELOAD: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -189,8 +190,17 @@ def _fused_linear_kernel(
         out = y
     tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
     if EPILOGUE >= 4:  # the next LayerNorm of the rows just written (BLOCK_N == N == 128: whole rows in the tile)
-        normed = _rows_layer_norm(out.to(tl.float32), LN_G, LN_B, offs_n, eps, BLOCK_M, ACCURATE)
-        tl.store(OUT2 + offs_m[:, None] * stride_om + offs_n[None, :], normed, mask=row_ok[:, None])
+        if LN_RELOAD:  # read the rows back as [row, lane, 4]: the accumulator's registers are free by then
+            tl.debug_barrier()  # this block's stores are visible to all its threads after the barrier
+            lane_k = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [lane, k]: column 4 lane + k
+            offs3 = offs_m[:, None, None] * stride_om + lane_k[None, :, :]
+            v3 = tl.load(OUT + offs3, mask=row_ok[:, None, None], other=0.0).to(tl.float32)
+            normed = _rows_layer_norm(v3, LN_G, LN_B, eps, BLOCK_M, ACCURATE)
+            tl.store(OUT2 + offs3, normed, mask=row_ok[:, None, None])
+        else:
+            v3 = tl.reshape(out.to(tl.float32), (BLOCK_M, 32, 4))
+            normed = tl.reshape(_rows_layer_norm(v3, LN_G, LN_B, eps, BLOCK_M, ACCURATE), (BLOCK_M, 128))
+            tl.store(OUT2 + offs_m[:, None] * stride_om + offs_n[None, :], normed, mask=row_ok[:, None])
 
 
 def launch_config(n: int, k: int) -> dict:
@@ -255,6 +265,8 @@ def triton_linear_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     n, k = weight.shape
     if n != LN_WIDTH:
         raise ValueError(f"the LayerNorm epilogue takes rows of {LN_WIDTH}, got {n}")
-    # 64 rows x 8 warps: the fewest spills offline (Triton 3.6, sm_90a: 736 bytes, against 2,152 at 128 x 8)
-    config = {**launch_config(n, k), "BLOCK_M": 64, "num_warps": 8, **overrides, "BLOCK_N": LN_WIDTH}
+    # 64 rows x 8 warps, the rows read back for the LayerNorm: no spills offline (Triton 3.6, sm_90a: 246 registers;
+    # in registers straight from the accumulator: 664 bytes of spills at 64 x 8, 2,088 at 128 x 8)
+    config = {**launch_config(n, k), "BLOCK_M": 64, "num_warps": 8, "LN_RELOAD": True, **overrides,
+              "BLOCK_N": LN_WIDTH}
     return _launch(x, weight, bias, residual, mask, LN_EPILOGUE_CODES[epilogue], config, (ln_weight, ln_bias, eps))
