@@ -196,7 +196,7 @@ def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: tor
         exported = torch.export.export(module.eval(), (x, mask), strict=False)
     if opaque:
         counts = make_sensitive_ops_opaque(exported, keep=opaque, layer_norm_kernel=kernel_layer_norm)
-        gelu_fused = kernel_attention and kernel_linear and plan["gemms"] and plan["gelu"]
+        gelu_fused = kernel_attention and kernel_linear and plan["gemms"] and (plan["gelu"] or plan["gelu_prologue"])
         norms_fused = kernel_attention and kernel_linear and plan["gemms"] and plan.get("layer_norm", False)
         expected = {"layer_norm": 1 if norms_fused else 2 * config.num_layers + 1,
                     "gelu": 0 if gelu_fused else config.num_layers,

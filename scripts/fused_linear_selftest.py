@@ -43,10 +43,11 @@ from kkdeploy.kernels.timing import cuda_median_ms  # noqa: E402
 from kkdeploy.models.reference import zero_invalid_rows  # noqa: E402
 from kkdeploy.models.weights import build_models  # noqa: E402
 
-FORMS = ("q", "k", "v", "qkv_packed", "add_masked", "gelu", "gelu_fpfusion", "masked_sum", "ln_emulation",
-         "add_masked_ln", "masked_sum_ln")
-#: written after campaign 11, reported apart from the proven forms (their own columns): not part of "differing"
-EXPERIMENTAL = ("gelu_fpfusion", "ln_emulation", "add_masked_ln", "masked_sum_ln")
+FORMS = ("q", "k", "v", "qkv_packed", "add_masked", "gelu", "gelu_fpfusion", "masked_sum", "gelu_prologue",
+         "gelu_prologue_fpfusion", "ln_emulation", "add_masked_ln", "masked_sum_ln")
+#: not proven (each has its own column): not part of "differing"
+EXPERIMENTAL = ("gelu", "gelu_fpfusion", "gelu_prologue", "gelu_prologue_fpfusion", "ln_emulation", "add_masked_ln",
+                "masked_sum_ln")
 
 
 def differing(ours: torch.Tensor, ref: torch.Tensor) -> int:
@@ -91,6 +92,11 @@ def block_checks(layer, x, mask, tally: dict, next_norm=None) -> torch.Tensor:
     x2 = zero_invalid_rows(x1 + layer.ffn_out(g), mask)
     tally_add(tally, "masked_sum",
               triton_linear(g, layer.ffn_out.weight, layer.ffn_out.bias, x1, mask, "masked_sum"), x2)
+    f = layer.ffn_in(h2)  # ffn_out reading ffn_in's output, GELU on the way in
+    for fusion in (False, True):
+        tally_add(tally, "gelu_prologue" + ("_fpfusion" if fusion else ""),
+                  triton_linear(f, layer.ffn_out.weight, layer.ffn_out.bias, x1, mask, "masked_sum", prologue="gelu",
+                                enable_fp_fusion=fusion), x2)
     if x.shape[-1] == LN_WIDTH and next_norm is not None:
         total, normed = triton_linear_layer_norm(g, layer.ffn_out.weight, layer.ffn_out.bias, x1, mask,
                                                  next_norm.weight, next_norm.bias, next_norm.eps, "masked_sum")
@@ -99,14 +105,16 @@ def block_checks(layer, x, mask, tally: dict, next_norm=None) -> torch.Tensor:
 
 
 def summary(tally: dict) -> dict:
-    """Differing elements: the proven forms (``differing``); with the GELU compiled with fp contraction instead
-    (``differing_fpfusion``); the LayerNorm emulation and the LayerNorm epilogues (``differing_ln``)."""
+    """Differing elements: the proven forms (``differing``); the GELU epilogue and prologue compiled without fp
+    contraction (``differing_gelu``, the op's flags) and with it (``differing_fpfusion``); the LayerNorm emulation
+    and the LayerNorm epilogues (``differing_ln``)."""
     def total(forms):
         return sum(e["differing"] for f, e in tally.items() if f in forms)
 
     proven = [f for f in FORMS if f not in EXPERIMENTAL]
     return {"differing": total(proven),
-            "differing_fpfusion": total([f for f in proven if f != "gelu"] + ["gelu_fpfusion"]),
+            "differing_gelu": total(["gelu", "gelu_prologue"]),
+            "differing_fpfusion": total(["gelu_fpfusion", "gelu_prologue_fpfusion"]),
             "differing_ln": total(["ln_emulation", "add_masked_ln", "masked_sum_ln"])}
 
 
@@ -169,6 +177,12 @@ def random_checks(gemms: list[tuple[int, int, int]], device) -> list[dict]:
                           r + y.masked_fill(~mask[:, None], 0))
                 tally_add(tally, "masked_sum", triton_linear(x, ws[0], bs[0], r, mask, "masked_sum"),
                           (r + y).masked_fill(~mask[:, None], 0))
+                if n == k:  # ffn_out's shape: GELU on the way in
+                    want = (r + F.linear(F.gelu(x), ws[0], bs[0])).masked_fill(~mask[:, None], 0)
+                    for fusion in (False, True):
+                        tally_add(tally, "gelu_prologue" + ("_fpfusion" if fusion else ""),
+                                  triton_linear(x, ws[0], bs[0], r, mask, "masked_sum", prologue="gelu",
+                                                enable_fp_fusion=fusion), want)
                 if n == LN_WIDTH:  # trained-like LayerNorm: weight and bias away from identity
                     lw = (1 + 0.5 * torch.randn(n, generator=gen, device=device)).half()
                     lb = (0.2 * torch.randn(n, generator=gen, device=device)).half()
@@ -206,6 +220,14 @@ def gelu_exhaustive(device) -> list[dict]:
                          "differing": int(bad.sum()), "examples": examples})
             print(f"gelu over every finite fp16 value, enable_fp_fusion={fusion}: {rows[-1]['differing']} differing "
                   f"{examples}", flush=True)
+            # the prologue: GELU on the GEMM's input, then x @ I + 0. A GELU of -0 (or a tiny negative value) comes
+            # back +0 through the identity GEMM, as through any GEMM's +0 accumulator: zeros compare by value.
+            got = triton_linear(x, eye, zero, prologue="gelu", enable_fp_fusion=fusion)
+            bad = ((got.view(torch.int16) != ref.view(torch.int16)) & ~((got == 0) & (ref == 0))).flatten()
+            rows.append({"check": "gelu_exhaustive", "prologue": True, "enable_fp_fusion": fusion,
+                         "values": int(values.numel()), "differing": int(bad[: values.numel()].sum())})
+            print(f"gelu prologue over every finite fp16 value, enable_fp_fusion={fusion}: {rows[-1]['differing']} "
+                  f"differing", flush=True)
     return rows
 
 
@@ -230,6 +252,12 @@ def timing(shape: int, device, repeats: int) -> dict:
         t["aten_masked_sum_ms"] = cuda_median_ms(
             lambda: (r + F.linear(x, w, b)).masked_fill(~mask[:, None], 0), repeats)
         t["kernel_masked_sum_ms"] = cuda_median_ms(lambda: triton_linear(x, w, b, r, mask, "masked_sum"), repeats)
+        # the whole feed-forward half: ATen (GEMM, GELU, GEMM, residual + mask) against ffn_in, then ffn_out with the
+        # GELU as its prologue and the residual + mask as its epilogue
+        t["aten_ffn_ms"] = cuda_median_ms(
+            lambda: (r + F.linear(F.gelu(F.linear(x, w, b)), w, b)).masked_fill(~mask[:, None], 0), repeats)
+        t["kernel_ffn_gelu_prologue_ms"] = cuda_median_ms(
+            lambda: triton_linear(triton_linear(x, w, b), w, b, r, mask, "masked_sum", prologue="gelu"), repeats)
         ln_w, ln_b = torch.ones(d, device=device).half(), torch.zeros(d, device=device).half()
         if d == LN_WIDTH:
             t["separate_masked_sum_then_ln_ms"] = cuda_median_ms(

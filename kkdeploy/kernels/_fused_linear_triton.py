@@ -63,6 +63,13 @@ def _erf(x, ACCURATE: tl.constexpr):
 
 
 @triton.jit
+def _gelu16(v, ACCURATE: tl.constexpr):
+    """ATen's exact GELU of float16 values v: (f * 0.5) * (1 + erf(f * M_SQRT1_2)) in float32, rounded to float16."""
+    f = v.to(tl.float32)
+    return ((f * 0.5) * (1.0 + _erf(f * 0.7071067811865476, ACCURATE))).to(tl.float16)
+
+
+@triton.jit
 def _reciprocal(t):
     return tl.math.div_rn(tl.full(t.shape, 1.0, tl.float32), t)  # RN(1/t): nvcc's rcp.rn.f32 for ATen's 1.f / n
 
@@ -151,7 +158,7 @@ def _fused_linear_kernel(
     stride_xm, stride_wn, stride_rm, stride_om,
     EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    LN_G=None, LN_B=None, OUT2=None, eps=0.0, LN_RELOAD: tl.constexpr = False,
+    LN_G=None, LN_B=None, OUT2=None, eps=0.0, LN_RELOAD: tl.constexpr = False, A_GELU: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -165,6 +172,8 @@ def _fused_linear_kernel(
     for k0 in range(0, K, BLOCK_K):  # K in order, one accumulator
         kk = k0 + offs_k
         a = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < K), other=0.0)
+        if A_GELU:  # the GELU prologue: the input is ffn_in's output and the GEMM reads GELU(it), rounded to float16
+            a = _gelu16(a, ACCURATE)
         w = tl.load(W + offs_n[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & (kk[None, :] < K), other=0.0)
         acc = tl.dot(a, tl.trans(w), acc)
 
@@ -172,8 +181,7 @@ def _fused_linear_kernel(
     y = (acc + bias[None, :]).to(tl.float16)  # the bias inside the float32 accumulator, one rounding
 
     if EPILOGUE == 1:  # exact GELU, ATen's expression order
-        f = y.to(tl.float32)
-        out = ((f * 0.5) * (1.0 + _erf(f * 0.7071067811865476, ACCURATE))).to(tl.float16)
+        out = _gelu16(y, ACCURATE)
     elif EPILOGUE >= 2:
         r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :],
                     other=0.0)
@@ -248,18 +256,30 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
     return out, normed
 
 
+def _flags(*parts: str) -> dict:
+    """The compile-flag departures of a launch's parts (EPILOGUE_FLAGS), merged in order."""
+    merged: dict = {}
+    for part in parts:
+        merged.update(EPILOGUE_FLAGS.get(part, {}))
+    return merged
+
+
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual=None, mask=None,
-                  epilogue: str = "none", **overrides) -> torch.Tensor:
+                  epilogue: str = "none", prologue: str = "none", **overrides) -> torch.Tensor:
     """Launch the kernel on x [..., K] (unit last stride), weight [N, K], bias [N]; returns [..., N] float16.
-    ``residual`` [..., N] and ``mask`` [...] (bool, the rows' validity) for the residual epilogues."""
+    ``residual`` [..., N] and ``mask`` [...] (bool, the rows' validity) for the residual epilogues; ``prologue``
+    "gelu": the GEMM's input is GELU(x) (ffn_out reading ffn_in's output)."""
     n, k = weight.shape
-    config = {**launch_config(n, k), **EPILOGUE_FLAGS.get(epilogue, {}), **overrides}
+    gelu_in = prologue == "gelu"
+    config = {**launch_config(n, k), **_flags(*(["gelu_prologue"] if gelu_in else []), epilogue), "A_GELU": gelu_in,
+              **overrides}
     return _launch(x, weight, bias, residual, mask, EPILOGUE_CODES[epilogue], config)[0]
 
 
 def triton_linear_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
                              mask, ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
-                             epilogue: str = "add_masked", **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+                             epilogue: str = "add_masked", prologue: str = "none",
+                             **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual epilogue and then the next LayerNorm of each row: returns (sum, LayerNorm(sum)), both
     [..., 128] float16. N must be 128 (one tile holds whole rows)."""
     n, k = weight.shape
@@ -267,6 +287,8 @@ def triton_linear_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         raise ValueError(f"the LayerNorm epilogue takes rows of {LN_WIDTH}, got {n}")
     # 64 rows x 8 warps, the rows read back for the LayerNorm: no spills offline (Triton 3.6, sm_90a: 246 registers;
     # in registers straight from the accumulator: 664 bytes of spills at 64 x 8, 2,088 at 128 x 8)
-    config = {**launch_config(n, k), "BLOCK_M": 64, "num_warps": 8, "LN_RELOAD": True, **overrides,
+    gelu_in = prologue == "gelu"
+    config = {**launch_config(n, k), "BLOCK_M": 64, "num_warps": 8, "LN_RELOAD": True, "A_GELU": gelu_in,
+              **_flags(*(["gelu_prologue"] if gelu_in else []), epilogue, "layer_norm"), **overrides,
               "BLOCK_N": LN_WIDTH}
     return _launch(x, weight, bias, residual, mask, LN_EPILOGUE_CODES[epilogue], config, (ln_weight, ln_bias, eps))

@@ -18,50 +18,65 @@ from .fused_linear import LN_EPILOGUES, fused_linear, linear_layer_norm, linear_
 
 
 def block_plan(config, dtype: torch.dtype, device) -> dict:
-    """What ``fused_block_forward`` fuses for a model of ``config`` here: ``gemms`` (our GEMMs at all: else the
-    reference block with the attention op, so Inductor keeps fusing the elementwise ops), ``packed_qkv`` (Q/K/V in
-    one launch: the attention kernel reads strided rows; ATen's attention keeps the reference's contiguous Q, K, V
-    so cuBLAS sees the reference's strides), ``gelu`` (GELU in ffn_in's epilogue, where that is proven) and
-    ``layer_norm`` (each residual GEMM also writes the next LayerNorm of its rows, where proven:
-    ``fused_model_forward``)."""
+    """What ``fused_block_forward`` fuses for a model of ``config`` here, each where ``linear_path`` says it is proven:
+    ``gemms`` (our GEMMs at all: else the reference block with the attention op, so Inductor keeps fusing the
+    elementwise ops), ``packed_qkv`` (Q/K/V in one launch: the attention kernel reads strided rows; ATen's attention
+    keeps the reference's contiguous Q, K, V so cuBLAS sees the reference's strides), ``gelu_prologue`` (ffn_out
+    computes GELU on its input: the GELU's output never reaches memory), ``gelu`` (else GELU in ffn_in's epilogue)
+    and ``layer_norm`` (each residual GEMM also writes the next LayerNorm of its rows: ``fused_model_forward``)."""
     from .faithful_attention import select_attention_path
 
     m, d = config.batch_size * config.seq_len, config.d_model
-    gemms = linear_path(m, d, d, dtype, device).fused and config.ffn_dim == d
+
+    def proven(*parts: str) -> bool:
+        return linear_path(m, d, d, dtype, device, epilogue="+".join(parts)).fused
+
+    gemms = proven("none") and config.ffn_dim == d
     attention = select_attention_path(config.seq_len, d // config.num_heads, dtype, device,
                                       batch_heads=config.batch_size * config.num_heads)
-    layer_norm = gemms and d == 128 and all(linear_path(m, d, d, dtype, device, epilogue=f"{e}+layer_norm").fused
-                                            for e in LN_EPILOGUES)
-    return {"gemms": gemms, "packed_qkv": gemms and attention.fused,
-            "gelu": gemms and linear_path(m, d, d, dtype, device, epilogue="gelu").fused,
-            "layer_norm": layer_norm}
+    layer_norm = gemms and d == 128 and all(proven(e, "layer_norm") for e in LN_EPILOGUES)
+    gelu_prologue = gemms and proven("gelu_prologue", "masked_sum", *(["layer_norm"] if layer_norm else []))
+    return {"gemms": gemms, "packed_qkv": gemms and attention.fused, "gelu_prologue": gelu_prologue,
+            "gelu": gemms and not gelu_prologue and proven("gelu"), "layer_norm": layer_norm}
+
+
+def _projections(attention, h: torch.Tensor, plan: dict):
+    """Q, K and V of the normalized rows h: one launch where packed."""
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    if plan["packed_qkv"]:
+        qkv = fused_linear(h, [p.weight for p in projections], [p.bias for p in projections])
+        return qkv.split(h.shape[-1], dim=-1)
+    return tuple(fused_linear(h, [p.weight], [p.bias]) for p in projections)
+
+
+def _attention(attention, h: torch.Tensor, valid_token_mask, plan: dict) -> torch.Tensor:
+    """The attention op's context for the normalized rows h (before out_proj)."""
+    from .faithful_attention import faithful_attention
+
+    q, k, v = _projections(attention, h, plan)
+    return faithful_attention(q, k, v, valid_token_mask, num_heads=attention.num_heads, causal=attention.causal)
+
+
+def _ffn_input(block, h2: torch.Tensor, plan: dict) -> tuple[torch.Tensor, str]:
+    """ffn_out's input and prologue: ffn_in's output with ffn_out computing the GELU, or GELU(ffn_in) already."""
+    weights, biases = [block.ffn_in.weight], [block.ffn_in.bias]
+    if plan.get("gelu_prologue"):
+        return fused_linear(h2, weights, biases), "gelu"
+    if plan["gelu"]:
+        return fused_linear(h2, weights, biases, epilogue="gelu"), "none"
+    return F.gelu(fused_linear(h2, weights, biases), approximate="none"), "none"
 
 
 def fused_block_forward(block, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor], plan: dict) -> torch.Tensor:
     """``Block.forward`` (models/reference.py) with our GEMMs as ``block_plan`` says: Q/K/V in one launch, the
-    attention op, out_proj + residual + mask and ffn_out + residual + mask in the GEMMs' epilogues, ffn_in + GELU
-    (the GELU in the epilogue where proven, else ATen's GELU after the GEMM). The reference's ops and rounding
-    points throughout."""
-    from .faithful_attention import faithful_attention
-
+    attention op, out_proj + residual + mask and ffn_out + residual + mask in the GEMMs' epilogues, the GELU where
+    proven (ffn_out's prologue, ffn_in's epilogue) or ATen's. The reference's ops and rounding points throughout."""
     attention = block.attention
-    d = x.shape[-1]
-    h = block.norm1(x)
-    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-    if plan["packed_qkv"]:
-        qkv = fused_linear(h, [p.weight for p in projections], [p.bias for p in projections])
-        q, k, v = qkv.split(d, dim=-1)
-    else:
-        q, k, v = (fused_linear(h, [p.weight], [p.bias]) for p in projections)
-    context = faithful_attention(q, k, v, valid_token_mask, num_heads=attention.num_heads, causal=attention.causal)
+    context = _attention(attention, block.norm1(x), valid_token_mask, plan)
     x = fused_linear(context, [attention.out_proj.weight], [attention.out_proj.bias], x, valid_token_mask,
                      "add_masked")
-    h2 = block.norm2(x)
-    if plan["gelu"]:
-        g = fused_linear(h2, [block.ffn_in.weight], [block.ffn_in.bias], epilogue="gelu")
-    else:
-        g = F.gelu(fused_linear(h2, [block.ffn_in.weight], [block.ffn_in.bias]), approximate="none")
-    return fused_linear(g, [block.ffn_out.weight], [block.ffn_out.bias], x, valid_token_mask, "masked_sum")
+    g, prologue = _ffn_input(block, block.norm2(x), plan)
+    return fused_linear(g, [block.ffn_out.weight], [block.ffn_out.bias], x, valid_token_mask, "masked_sum", prologue)
 
 
 def fused_model_forward(model, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor], plan: dict) -> torch.Tensor:
@@ -71,26 +86,15 @@ def fused_model_forward(model, x: torch.Tensor, valid_token_mask: Optional[torch
     points throughout; ``plan`` as ``block_plan`` gives it."""
     from kkdeploy.models.reference import zero_invalid_rows
 
-    from .faithful_attention import faithful_attention
-
     layers = list(model.layers)
     h = layers[0].norm1(x)
     for i, block in enumerate(layers):
         attention = block.attention
-        d = x.shape[-1]
-        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-        if plan["packed_qkv"]:
-            q, k, v = fused_linear(h, [p.weight for p in projections], [p.bias for p in projections]).split(d, dim=-1)
-        else:
-            q, k, v = (fused_linear(h, [p.weight], [p.bias]) for p in projections)
-        context = faithful_attention(q, k, v, valid_token_mask, num_heads=attention.num_heads, causal=attention.causal)
+        context = _attention(attention, h, valid_token_mask, plan)
         x, h2 = linear_layer_norm(context, attention.out_proj.weight, attention.out_proj.bias, x, valid_token_mask,
                                   block.norm2, "add_masked")
-        if plan["gelu"]:
-            g = fused_linear(h2, [block.ffn_in.weight], [block.ffn_in.bias], epilogue="gelu")
-        else:
-            g = F.gelu(fused_linear(h2, [block.ffn_in.weight], [block.ffn_in.bias]), approximate="none")
+        g, prologue = _ffn_input(block, h2, plan)
         next_norm = layers[i + 1].norm1 if i + 1 < len(layers) else model.final_norm
         x, h = linear_layer_norm(g, block.ffn_out.weight, block.ffn_out.bias, x, valid_token_mask, next_norm,
-                                 "masked_sum")
+                                 "masked_sum", prologue)
     return zero_invalid_rows(h, valid_token_mask)

@@ -57,6 +57,9 @@ SLOWER_GEMMS: frozenset[tuple[int, int, int]] = frozenset({(8192, 1024, 1024)})
 #: written and checked against ``layer_norm.emulate_layer_norm_rows`` under the interpreter, not yet on a GPU.
 PROVEN_EPILOGUES: frozenset[str] = frozenset({"none", "add_masked", "masked_sum"})
 LN_EPILOGUES = ("add_masked", "masked_sum")
+#: what the GEMM may do to its input first: "gelu" (ffn_out reading ffn_in's output and computing GELU on the way
+#: in, so the GELU's output never reaches memory); proven as the part "gelu_prologue" of PROVEN_EPILOGUES
+PROLOGUES = ("none", "gelu")
 LN_OP_NAME = "kkdeploy_faithful::linear_layer_norm"
 
 
@@ -78,8 +81,9 @@ def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Op
         return LinearPath("aten", "triton is not importable")
     if mode == "triton":
         return LinearPath("triton", f"Triton GEMM (forced by {PATH_ENV}=triton: validate the result)")
-    if epilogue not in PROVEN_EPILOGUES:
-        return LinearPath("aten", f"the {epilogue} epilogue was not measured bit-identical")
+    unproven = [part for part in epilogue.split("+") if part not in PROVEN_EPILOGUES]
+    if unproven:
+        return LinearPath("aten", f"the {' and '.join(unproven)} epilogue was not measured bit-identical")
     platform = platform_key(device) if platform is None else tuple(platform)
     if platform not in PROVEN_PLATFORMS:
         return LinearPath("aten", f"platform {platform} not proven: run scripts/fused_linear_selftest.py here, "
@@ -92,10 +96,12 @@ def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Op
     return LinearPath("triton", f"Triton GEMM with fused epilogue ((M, N, K) = {(m, n, k)} proven bit-identical)")
 
 
-def check_linear_inputs(x, weights, biases, residual, mask, epilogue) -> tuple[int, int, int]:
+def check_linear_inputs(x, weights, biases, residual, mask, epilogue, prologue: str = "none") -> tuple[int, int, int]:
     """A one-line KKError for a call outside the op's contract; returns (M, N per weight, K)."""
     if epilogue not in EPILOGUES:
         raise KKError(f"epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
+    if prologue not in PROLOGUES:
+        raise KKError(f"prologue must be one of {', '.join(PROLOGUES)}, got {prologue!r}")
     if not weights or len(weights) != len(biases):
         raise KKError(f"give one bias per weight (got {len(weights)} weights, {len(biases)} biases)")
     if len(weights) > 1 and epilogue != "none":
@@ -117,8 +123,11 @@ def check_linear_inputs(x, weights, biases, residual, mask, epilogue) -> tuple[i
     return m, n, k
 
 
-def reference_linear(x, weights, biases, residual=None, mask=None, epilogue: str = "none") -> torch.Tensor:
+def reference_linear(x, weights, biases, residual=None, mask=None, epilogue: str = "none",
+                     prologue: str = "none") -> torch.Tensor:
     """The ATen composition the op replaces (the reference's own ops, in its order)."""
+    if prologue == "gelu":
+        x = F.gelu(x, approximate="none")
     y = torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1) if len(weights) > 1 else \
         F.linear(x, weights[0], biases[0])
     if epilogue == "gelu":
@@ -134,22 +143,29 @@ def reference_linear(x, weights, biases, residual=None, mask=None, epilogue: str
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def _linear_op(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
-               residual: Optional[torch.Tensor], mask: Optional[torch.Tensor], epilogue: str) -> torch.Tensor:
+               residual: Optional[torch.Tensor], mask: Optional[torch.Tensor], epilogue: str,
+               prologue: str = "none") -> torch.Tensor:
     """Default (CPU and any non-CUDA device): the ATen composition itself."""
-    check_linear_inputs(x, weights, biases, residual, mask, epilogue)
-    return reference_linear(x, weights, biases, residual, mask, epilogue)
+    check_linear_inputs(x, weights, biases, residual, mask, epilogue, prologue)
+    return reference_linear(x, weights, biases, residual, mask, epilogue, prologue)
+
+
+def form(epilogue: str, prologue: str = "none", layer_norm: bool = False) -> str:
+    """A launch's parts as ``linear_path`` checks them against PROVEN_EPILOGUES: "gelu_prologue+masked_sum+..."."""
+    parts = (["gelu_prologue"] if prologue == "gelu" else []) + [epilogue] + (["layer_norm"] if layer_norm else [])
+    return "+".join(parts)
 
 
 @_linear_op.register_kernel("cuda")
-def _linear_cuda(x, weights, biases, residual, mask, epilogue):
+def _linear_cuda(x, weights, biases, residual, mask, epilogue, prologue="none"):
     """CUDA: the Triton GEMM where ``linear_path`` allows it, else the composition."""
-    m, n, k = check_linear_inputs(x, weights, biases, residual, mask, epilogue)
-    if linear_path(m, n, k, x.dtype, x.device, epilogue=epilogue).fused:
+    m, n, k = check_linear_inputs(x, weights, biases, residual, mask, epilogue, prologue)
+    if linear_path(m, n, k, x.dtype, x.device, epilogue=form(epilogue, prologue)).fused:
         from ._fused_linear_triton import triton_linear
 
         weight, bias = (weights[0], biases[0]) if len(weights) == 1 else packed(weights, biases)
-        return triton_linear(x, weight, bias, residual, mask, epilogue)
-    return reference_linear(x, weights, biases, residual, mask, epilogue)
+        return triton_linear(x, weight, bias, residual, mask, epilogue, prologue)
+    return reference_linear(x, weights, biases, residual, mask, epilogue, prologue)
 
 
 _PACKED: "dict[tuple, tuple[torch.Tensor, torch.Tensor]]" = {}
@@ -177,16 +193,17 @@ def packed(weights, biases) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @_linear_op.register_fake
-def _linear_fake(x, weights, biases, residual, mask, epilogue):
+def _linear_fake(x, weights, biases, residual, mask, epilogue, prologue="none"):
     n = sum(w.shape[0] for w in weights)
     return x.new_empty((*x.shape[:-1], n))
 
 
-def check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue) -> tuple[int, int, int]:
+def check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue,
+                              prologue: str = "none") -> tuple[int, int, int]:
     """The contract of ``linear_layer_norm``: a residual epilogue and a LayerNorm over the output's last dim."""
     if epilogue not in LN_EPILOGUES:
         raise KKError(f"the LayerNorm epilogue follows {' or '.join(LN_EPILOGUES)}, got {epilogue!r}")
-    m, n, k = check_linear_inputs(x, [weight], [bias], residual, mask, epilogue)
+    m, n, k = check_linear_inputs(x, [weight], [bias], residual, mask, epilogue, prologue)
     for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
         if t is None or tuple(t.shape) != (n,):
             raise KKError(f"{name} must be [{n}] (the LayerNorm over the Linear's {n} outputs), got "
@@ -194,48 +211,51 @@ def check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bia
     return m, n, k
 
 
-def reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps: float, epilogue: str):
+def reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps: float, epilogue: str,
+                                prologue: str = "none"):
     """The ATen composition: the residual epilogue's sum, and ``F.layer_norm`` of it (what nn.LayerNorm runs)."""
-    total = reference_linear(x, [weight], [bias], residual, mask, epilogue)
+    total = reference_linear(x, [weight], [bias], residual, mask, epilogue, prologue)
     return total, F.layer_norm(total, (total.shape[-1],), ln_weight, ln_bias, eps)
 
 
 @torch.library.custom_op(LN_OP_NAME, mutates_args=())
 def _linear_layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
                           mask: Optional[torch.Tensor], ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
-                          epilogue: str) -> tuple[torch.Tensor, torch.Tensor]:
+                          epilogue: str, prologue: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
     """Default (CPU and any non-CUDA device): the ATen composition itself."""
-    check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue)
-    return reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue)
+    check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue, prologue)
+    return reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue)
 
 
 @_linear_layer_norm_op.register_kernel("cuda")
-def _linear_layer_norm_cuda(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue):
+def _linear_layer_norm_cuda(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue="none"):
     """CUDA: the Triton GEMM with both epilogues where ``linear_path`` allows it, else the composition."""
-    m, n, k = check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue)
-    if n == 128 and linear_path(m, n, k, x.dtype, x.device, epilogue=f"{epilogue}+layer_norm").fused:
+    m, n, k = check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue, prologue)
+    if n == 128 and linear_path(m, n, k, x.dtype, x.device, epilogue=form(epilogue, prologue, True)).fused:
         from ._fused_linear_triton import triton_linear_layer_norm
 
-        return triton_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue)
-    return reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue)
+        return triton_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue)
+    return reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue)
 
 
 @_linear_layer_norm_op.register_fake
-def _linear_layer_norm_fake(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue):
+def _linear_layer_norm_fake(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue="none"):
     out = x.new_empty((*x.shape[:-1], weight.shape[0]))
     return out, torch.empty_like(out)
 
 
-def linear_layer_norm(x, weight, bias, residual, mask, norm: torch.nn.LayerNorm, epilogue: str):
-    """(``sum``, ``norm(sum)``) with ``sum`` the residual epilogue of ``F.linear(x, weight, bias)``: one launch where
-    proven (``kkdeploy_faithful::linear_layer_norm``)."""
-    check_layer_norm_epilogue(x, weight, bias, residual, mask, norm.weight, norm.bias, epilogue)
+def linear_layer_norm(x, weight, bias, residual, mask, norm: torch.nn.LayerNorm, epilogue: str,
+                      prologue: str = "none"):
+    """(``sum``, ``norm(sum)``) with ``sum`` the residual epilogue of ``F.linear(x, weight, bias)`` (of GELU(x) with
+    ``prologue="gelu"``): one launch where proven (``kkdeploy_faithful::linear_layer_norm``)."""
+    check_layer_norm_epilogue(x, weight, bias, residual, mask, norm.weight, norm.bias, epilogue, prologue)
     return torch.ops.kkdeploy_faithful.linear_layer_norm(x, weight, bias, residual, mask, norm.weight, norm.bias,
-                                                         float(norm.eps), epilogue)
+                                                         float(norm.eps), epilogue, prologue)
 
 
-def fused_linear(x, weights, biases, residual=None, mask=None, epilogue: str = "none") -> torch.Tensor:
+def fused_linear(x, weights, biases, residual=None, mask=None, epilogue: str = "none",
+                 prologue: str = "none") -> torch.Tensor:
     """``torch.ops.kkdeploy_faithful.linear`` with the contract checked first (one line on bad input)."""
     weights, biases = list(weights), list(biases)
-    check_linear_inputs(x, weights, biases, residual, mask, epilogue)
-    return torch.ops.kkdeploy_faithful.linear(x, weights, biases, residual, mask, epilogue)
+    check_linear_inputs(x, weights, biases, residual, mask, epilogue, prologue)
+    return torch.ops.kkdeploy_faithful.linear(x, weights, biases, residual, mask, epilogue, prologue)
