@@ -72,8 +72,8 @@ def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Op
     """Which kernel computes a reference GEMM of this size (``n`` per weight) with ``epilogue``, and why. No device
     sync."""
     mode = path_mode(PATH_ENV)
-    refused = float16_cuda_refusal(LinearPath, device, mode, PATH_ENV, dtype, "ATen's ops run (the kernel is CUDA-only)",
-                                   "the kernel reproduces float16 GEMMs only")
+    refused = float16_cuda_refusal(LinearPath, device, mode, PATH_ENV, dtype,
+                                   "ATen's ops run (the kernel is CUDA-only)", "the kernel reproduces float16 GEMMs only")
     if refused:
         return refused
     device = torch.device(device)
