@@ -50,11 +50,12 @@ PROVEN_GEMMS: frozenset[tuple[int, int, int]] = frozenset({
 #: proven, but slower than cuBLAS on the H200 (CUDA events, median of 20): ATen keeps them. (8192, 1024, 1024):
 #: 0.1007 ms against cuBLAS's 0.0482 ms per Linear (shape 8).
 SLOWER_GEMMS: frozenset[tuple[int, int, int]] = frozenset({(8192, 1024, 1024)})
-#: the epilogues proven with PROVEN_GEMMS. "gelu" is not: compiled without fp contraction it differed from ATen's
-#: GELU in 9 of 655M elements on shape 6 (1 of 33.5M on shape 8; up to 4,662 on random inputs at scale 10), so
-#: the blocks keep ATen's GELU after a plain fused GEMM (docs/fused-linear.md). "add_masked+layer_norm" and
-#: "masked_sum+layer_norm" (the residual epilogue, then the next LayerNorm of the rows in the same tile) are
-#: written and checked against ``layer_norm.emulate_layer_norm_rows`` under the interpreter, not yet on a GPU.
+#: the parts of a launch proven with PROVEN_GEMMS (a launch runs our kernel only if every part is here: ``form``).
+#: Not yet: "gelu" (the epilogue; compiled without fp contraction it differed from ATen's GELU in 9 of 655M elements
+#: on shape 6, 1 of 33.5M on shape 8, up to 4,662 on random inputs at scale 10, so the blocks keep ATen's GELU after
+#: a plain fused GEMM), "gelu_prologue" (the same GELU on ffn_out's input) and "layer_norm" (the next LayerNorm of the
+#: rows in the same tile, equal to ``layer_norm.emulate_layer_norm_rows`` under the interpreter): written after
+#: campaign 11, checked by scripts/fused_linear_selftest.py on the next GPU run (docs/fused-linear.md).
 PROVEN_EPILOGUES: frozenset[str] = frozenset({"none", "add_masked", "masked_sum"})
 LN_EPILOGUES = ("add_masked", "masked_sum")
 #: what the GEMM may do to its input first: "gelu" (ffn_out reading ffn_in's output and computing GELU on the way
