@@ -7,17 +7,20 @@ it is admissible only if it is bit-identical (design.md §6), and a Triton ``tl.
 its float32 accumulator and rounded once was measured equal to ``F.linear`` (issue 19). The epilogues are exact
 elementwise arithmetic on the rounded float16 value (``_fused_linear_triton``).
 
-The custom op ``kkdeploy_faithful::linear(x, weights, biases, residual, mask, epilogue)``:
+The custom op ``kkdeploy_faithful::linear(x, weights, biases, residual, mask, epilogue, prologue="none")``:
 
 * ``weights``/``biases`` are lists: the output is the concatenation of ``F.linear(x, w_i, b_i)`` over the last
   dim, so Q, K and V come out of one launch that reads ``h`` once (``epilogue`` is then ``none``);
 * ``epilogue`` is ``none``, ``gelu``, ``add_masked`` (``residual + where(mask, y, 0)``) or ``masked_sum``
-  (``where(mask, residual + y, 0)``); ``reference_linear`` is that composition with ATen ops: the op's CPU
-  kernel, and its CUDA kernel wherever the Triton kernel is not proven (the same bits by definition);
-* ``linear_path(m, n, k, dtype, device)`` decides: the Triton kernel on a proven platform for the reference
-  GEMM shapes (M, N, K) that ``scripts/fused_linear_selftest.py`` measured bit-identical (``PROVEN_GEMMS``:
-  cuBLAS picks the reference's algorithm per problem size), else ATen. ``$KKDEPLOY_FUSED_LINEAR=aten|triton``
-  forces either (validate the result).
+  (``where(mask, residual + y, 0)``); ``prologue="gelu"`` makes the GEMM's input GELU(x) (ffn_out reading ffn_in's
+  output); ``reference_linear`` is that composition with ATen ops: the op's CPU kernel, and its CUDA kernel wherever
+  the Triton kernel is not proven (the same bits by definition);
+* ``kkdeploy_faithful::linear_layer_norm`` is a residual epilogue followed by the next LayerNorm of the rows it
+  wrote, returning both (``linear_layer_norm``);
+* ``linear_path(m, n, k, dtype, device, epilogue=form(...))`` decides: the Triton kernel on a proven platform for
+  the reference GEMM shapes (M, N, K) that ``scripts/fused_linear_selftest.py`` measured bit-identical
+  (``PROVEN_GEMMS``: cuBLAS picks the reference's algorithm per problem size) when every part of the launch is in
+  ``PROVEN_EPILOGUES``, else ATen. ``$KKDEPLOY_FUSED_LINEAR=aten|triton`` forces either (validate the result).
 
 ``kkdeploy.kernels.fused_blocks`` composes these ops into the reference's blocks: what the
 ``torch-compile-faithful-gemms`` candidate exports.
