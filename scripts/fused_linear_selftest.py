@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kkdeploy import OFFICIAL_SHAPES, generate_case  # noqa: E402
 from kkdeploy.kernels._fused_linear_triton import (  # noqa: E402
-    LN_WIDTH,
+    LN_WIDTHS,
     launch_config,
     triton_linear,
     triton_linear_layer_norm,
@@ -59,12 +59,13 @@ def first_index(ours: torch.Tensor, ref: torch.Tensor):
     return bad[0].tolist() if len(bad) else None
 
 
-def block_checks(layer, x, mask, tally: dict, next_norm=None) -> torch.Tensor:
+def block_checks(layer, x, mask, tally: dict, next_norm=None, last: bool = False) -> torch.Tensor:
     """One reference block, op by op; returns the block's output (the reference's values). ``next_norm``: the
-    LayerNorm that follows the block (the next block's norm1, or final_norm), for the LayerNorm epilogue."""
+    LayerNorm that follows the block (the next block's norm1, or final_norm when ``last``, whose invalid rows the
+    model then zeroes), for the LayerNorm epilogue."""
     att = layer.attention
     h = layer.norm1(x)
-    if x.shape[-1] <= LN_WIDTH:  # the emulation's scope: rows of 4..128
+    if x.shape[-1] <= max(LN_WIDTHS):  # the emulation's scope: rows of 4..128
         tally_add(tally, "ln_emulation", emulate_layer_norm_rows(x, layer.norm1.weight, layer.norm1.bias,
                                                                  layer.norm1.eps), h)
     ref = {}
@@ -81,7 +82,7 @@ def block_checks(layer, x, mask, tally: dict, next_norm=None) -> torch.Tensor:
     tally_add(tally, "add_masked",
               triton_linear(context, att.out_proj.weight, att.out_proj.bias, x, mask, "add_masked"), x1)
     h2 = layer.norm2(x1)
-    if x.shape[-1] == LN_WIDTH:
+    if x.shape[-1] in LN_WIDTHS:
         total, normed = triton_linear_layer_norm(context, att.out_proj.weight, att.out_proj.bias, x, mask,
                                                  layer.norm2.weight, layer.norm2.bias, layer.norm2.eps, "add_masked")
         tally_add(tally, "add_masked_ln", torch.cat([total, normed], dim=-1), torch.cat([x1, h2], dim=-1))
@@ -97,10 +98,12 @@ def block_checks(layer, x, mask, tally: dict, next_norm=None) -> torch.Tensor:
         tally_add(tally, "gelu_prologue" + ("_fpfusion" if fusion else ""),
                   triton_linear(f, layer.ffn_out.weight, layer.ffn_out.bias, x1, mask, "masked_sum", prologue="gelu",
                                 enable_fp_fusion=fusion), x2)
-    if x.shape[-1] == LN_WIDTH and next_norm is not None:
+    if x.shape[-1] in LN_WIDTHS and next_norm is not None:
         total, normed = triton_linear_layer_norm(g, layer.ffn_out.weight, layer.ffn_out.bias, x1, mask,
-                                                 next_norm.weight, next_norm.bias, next_norm.eps, "masked_sum")
-        tally_add(tally, "masked_sum_ln", torch.cat([total, normed], dim=-1), torch.cat([x2, next_norm(x2)], dim=-1))
+                                                 next_norm.weight, next_norm.bias, next_norm.eps, "masked_sum",
+                                                 zero_invalid=last)
+        want = zero_invalid_rows(next_norm(x2), mask) if last else next_norm(x2)
+        tally_add(tally, "masked_sum_ln", torch.cat([total, normed], dim=-1), torch.cat([x2, want], dim=-1))
     return x2
 
 
@@ -140,7 +143,7 @@ def model_checks(shapes: list[int], device) -> list[dict]:
                 layers = list(model.layers)
                 for i, layer in enumerate(layers):
                     after = layers[i + 1].norm1 if i + 1 < len(layers) else model.final_norm
-                    x = block_checks(layer, x, mask if ratio > 0 else None, tally, after)
+                    x = block_checks(layer, x, mask if ratio > 0 else None, tally, after, i + 1 == len(layers))
             torch.cuda.synchronize()
             m = config.batch_size * config.seq_len
             gemm = [m, config.d_model, config.d_model]
@@ -183,7 +186,7 @@ def random_checks(gemms: list[tuple[int, int, int]], device) -> list[dict]:
                         tally_add(tally, "gelu_prologue" + ("_fpfusion" if fusion else ""),
                                   triton_linear(x, ws[0], bs[0], r, mask, "masked_sum", prologue="gelu",
                                                 enable_fp_fusion=fusion), want)
-                if n == LN_WIDTH:  # trained-like LayerNorm: weight and bias away from identity
+                if n in LN_WIDTHS:  # trained-like LayerNorm: weight and bias away from identity
                     lw = (1 + 0.5 * torch.randn(n, generator=gen, device=device)).half()
                     lb = (0.2 * torch.randn(n, generator=gen, device=device)).half()
                     for epilogue in ("add_masked", "masked_sum"):
@@ -259,7 +262,7 @@ def timing(shape: int, device, repeats: int) -> dict:
         t["kernel_ffn_gelu_prologue_ms"] = cuda_median_ms(
             lambda: triton_linear(triton_linear(x, w, b), w, b, r, mask, "masked_sum", prologue="gelu"), repeats)
         ln_w, ln_b = torch.ones(d, device=device).half(), torch.zeros(d, device=device).half()
-        if d == LN_WIDTH:
+        if d in LN_WIDTHS:
             t["separate_masked_sum_then_ln_ms"] = cuda_median_ms(
                 lambda: layer_norm_rows_kernel(triton_linear(x, w, b, r, mask, "masked_sum"), ln_w, ln_b, 1e-5),
                 repeats)
@@ -305,7 +308,7 @@ def main() -> int:
     proven_fusion = sorted(checked - {tuple(r["gemm"]) for r in rows
                                       if r["check"] in ("model", "random") and r["differing_fpfusion"]})
     ln_failed = {tuple(r["gemm"]) for r in rows if r["check"] in ("model", "random") and r["differing_ln"]}
-    with_ln = sorted({g for g in checked if g[1] == LN_WIDTH} - ln_failed)
+    with_ln = sorted({g for g in checked if g[1] in LN_WIDTHS} - ln_failed)
     total = sum(r.get("differing", 0) for r in rows if r["check"] != "gelu_exhaustive")
     print(f"\nfused linear vs ATen on {report['platform']}: {total} differing elements in all; "
           f"GEMMs with 0 differing in every model and random check: {proven}; with the GELU compiled with fp "

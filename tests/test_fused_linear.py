@@ -283,19 +283,29 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     from kkdeploy.kernels._fused_linear_triton import triton_linear_layer_norm
     from kkdeploy.kernels.layer_norm import emulate_layer_norm_rows
     m, k = 200, 64
-    x, w = exact((m, k), 4, gen), exact((128, k), 8, gen)
-    b, r = exact((128,), 32, gen), (torch.randn(m, 128, generator=gen) * 2).half()
     mask = torch.rand(m, generator=gen) > 0.3
-    lw, lb = (torch.rand(128, generator=gen) + 0.5).half(), (torch.randn(128, generator=gen) * 0.1).half()
-    for epilogue in ("add_masked", "masked_sum"):
-        for reload in (True, False):  # the rows read back (the launch's default) or taken from the accumulator
+    x = exact((m, k), 4, gen)
+    for n in (128, 32):  # a whole warp of lanes, and 8 lanes with 24 empty ones (shape 7's rows)
+        w, b = exact((n, k), 8, gen), exact((n,), 32, gen)
+        r = (torch.randn(m, n, generator=gen) * 2).half()
+        lw, lb = (torch.rand(n, generator=gen) + 0.5).half(), (torch.randn(n, generator=gen) * 0.1).half()
+        for epilogue, reload, zero_invalid in (("add_masked", True, False), ("add_masked", False, False),
+                                               ("masked_sum", True, False), ("masked_sum", False, False),
+                                               ("masked_sum", True, True)):
+            if n < 128 and not reload:
+                continue  # rows under 128 are always read back
             total, normed = triton_linear_layer_norm(x, w, b, r, mask, lw, lb, 1e-5, epilogue, BLOCK_M=64,
-                                                     LN_RELOAD=reload)
+                                                     LN_RELOAD=reload, zero_invalid=zero_invalid)
             want_total = triton_linear(x, w, b, r, mask, epilogue)
             want = emulate_layer_norm_rows(want_total, lw, lb, 1e-5, rsqrt=lambda t: 1 / torch.sqrt(t))
-            results.append({"m": m, "n": 128, "k": k, "epilogue": epilogue + "+layer_norm", "reload": reload,
+            if zero_invalid:
+                want = want.masked_fill(~mask[:, None], 0)
+            results.append({"m": m, "n": n, "k": k, "epilogue": epilogue + "+layer_norm", "reload": reload,
+                            "zero_invalid": zero_invalid,
                             "differing": int((total.view(torch.int16) != want_total.view(torch.int16)).sum())
                             + int((normed.view(torch.int16) != want.view(torch.int16)).sum())})
+    n = 128
+    r = (torch.randn(m, n, generator=gen) * 2).half()
     # the GELU prologue: the GEMM of GELU(x), against the same GEMM on GELU(x) computed apart (interpreter's erf)
     x = (torch.randn(96, 64, generator=gen) * 2).half()
     w, b = exact((128, 64), 8, gen), exact((128,), 32, gen)
@@ -313,7 +323,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 
 def test_triton_kernel_logic_under_the_interpreter():
     results = run_interpreter_script(INTERPRETER_SCRIPT)
-    assert len(results) == 22
+    assert len(results) == 26
     assert all(r["differing"] == 0 for r in results), results
 
 

@@ -39,12 +39,13 @@ try:  # the CUDA libdevice wrappers (absent or unusable under the interpreter)
 except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra import libdevice as _libdevice
 
+from .fused_linear import LN_WIDTHS  # the row widths the LayerNorm epilogue takes
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 EPILOGUE_CODES = {"none": 0, "gelu": 1, "add_masked": 2, "masked_sum": 3}
-#: the residual epilogues followed by the next LayerNorm over the tile's rows (N == BLOCK_N == 128)
+#: the residual epilogues followed by the next LayerNorm over the tile's rows (N == BLOCK_N: whole rows)
 LN_EPILOGUE_CODES = {"add_masked": 4, "masked_sum": 5}
-LN_WIDTH = 128
 #: compile options that keep the arithmetic IEEE: no fmul+fadd contraction, libdevice without FTZ.
 COMPILE_FLAGS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
 #: per-epilogue departures from COMPILE_FLAGS, each one proven first. Empty: the GELU epilogue with contraction on
@@ -114,11 +115,12 @@ def _shuffle_down_step(mean, m2, count, BLOCK_M: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _rows_layer_norm(v, G, B, eps, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr):
+def _rows_layer_norm(v, G, B, eps, LN_N: tl.constexpr, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr):
     """ATen's float16 LayerNorm of each row of v [BLOCK_M, 32, 4] (float32 holding float16 values; [row, lane t,
-    k] is element 4t + k), in the order of ``kkdeploy.kernels.layer_norm.emulate_layer_norm_rows``: a Welford push
-    per element, the shuffle-down tree over the 32 lanes, two merges with empty states, var = m2 / 128, rstd =
-    rsqrt(var + eps), y = fma(g, rstd * (x - mean), b); returns float16 [BLOCK_M, 32, 4]."""
+    k] is element 4t + k of a row of LN_N; lanes t >= LN_N / 4 hold nothing), in the order of
+    ``kkdeploy.kernels.layer_norm.emulate_layer_norm_rows``: a Welford push per element, the shuffle-down tree over
+    the 32 lanes, two merges with empty states, var = m2 / LN_N, rstd = rsqrt(var + eps), y = fma(g, rstd * (x -
+    mean), b); returns float16 [BLOCK_M, 32, 4] (lanes past the row: don't care)."""
     x4 = tl.reshape(v, (BLOCK_M, 32, 2, 2))  # [row, lane t, hi, lo]: element 4t + 2 hi + lo
     lo0, lo1 = tl.split(x4)
     e0, e2 = tl.split(lo0)
@@ -128,6 +130,11 @@ def _rows_layer_norm(v, G, B, eps, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr
     mean, m2, count = _welford_push(e1, mean, m2, count)
     mean, m2, count = _welford_push(e2, mean, m2, count)
     mean, m2, count = _welford_push(e3, mean, m2, count)
+    if LN_N < 128:  # lanes past the row pushed nothing: their states stay {0, 0, 0}
+        has = (tl.arange(0, 32) < LN_N // 4)[None, :]
+        mean = tl.where(has, mean, 0.0)
+        m2 = tl.where(has, m2, 0.0)
+        count = tl.where(has, count, 0.0)
     mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 16)
     mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 8)
     mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 4)
@@ -140,14 +147,14 @@ def _rows_layer_norm(v, G, B, eps, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr
     mean, m2, count = _welford_merge(mean, m2, count, empty, empty, empty)  # ATen's idle warps, as ATen merges them
     pair_mean, pair_m2, pair_count = _welford_merge(empty, empty, empty, empty, empty, empty)
     mean, m2, count = _welford_merge(mean, m2, count, pair_mean, pair_m2, pair_count)
-    var = tl.math.div_rn(m2, tl.full((BLOCK_M, ), 128.0, tl.float32))
+    var = tl.math.div_rn(m2, tl.full((BLOCK_M, ), LN_N, tl.float32))
     if ACCURATE:
         rstd = _libdevice.rsqrt(var + eps)  # rsqrt.approx.f32, as nvcc's rsqrtf
     else:
         rstd = tl.math.rsqrt(var + eps)  # interpreter only
     offs = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
-    g = tl.load(G + offs).to(tl.float32)
-    b = tl.load(B + offs).to(tl.float32)
+    g = tl.load(G + offs, mask=offs < LN_N, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=offs < LN_N, other=0.0).to(tl.float32)
     return tl.fma(g[None, :, :], rstd[:, None, None] * (v - mean[:, None, None]), b[None, :, :]).to(tl.float16)
 
 
@@ -159,6 +166,7 @@ def _fused_linear_kernel(
     EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LN_G=None, LN_B=None, OUT2=None, eps=0.0, LN_RELOAD: tl.constexpr = False, A_GELU: tl.constexpr = False,
+    LN_ZERO_INVALID: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -197,17 +205,22 @@ def _fused_linear_kernel(
     else:
         out = y
     tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
-    if EPILOGUE >= 4:  # the next LayerNorm of the rows just written (BLOCK_N == N == 128: whole rows in the tile)
+    if EPILOGUE >= 4:  # the next LayerNorm of the rows just written (BLOCK_N == N: whole rows in the tile)
         if LN_RELOAD:  # read the rows back as [row, lane, 4]: the accumulator's registers are free by then
             tl.debug_barrier()  # this block's stores are visible to all its threads after the barrier
             lane_k = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [lane, k]: column 4 lane + k
             offs3 = offs_m[:, None, None] * stride_om + lane_k[None, :, :]
-            v3 = tl.load(OUT + offs3, mask=row_ok[:, None, None], other=0.0).to(tl.float32)
-            normed = _rows_layer_norm(v3, LN_G, LN_B, eps, BLOCK_M, ACCURATE)
-            tl.store(OUT2 + offs3, normed, mask=row_ok[:, None, None])
-        else:
+            in_row = row_ok[:, None, None] & (lane_k < N)[None, :, :]
+            v3 = tl.load(OUT + offs3, mask=in_row, other=0.0).to(tl.float32)
+            normed = _rows_layer_norm(v3, LN_G, LN_B, eps, BLOCK_N, BLOCK_M, ACCURATE)
+            if LN_ZERO_INVALID:  # the model's last LayerNorm: zero_invalid_rows after final_norm
+                normed = tl.where(valid[:, None, None], normed, 0.0)
+            tl.store(OUT2 + offs3, normed, mask=in_row)
+        else:  # BLOCK_N == 128: the accumulator's tile regrouped in registers
             v3 = tl.reshape(out.to(tl.float32), (BLOCK_M, 32, 4))
-            normed = tl.reshape(_rows_layer_norm(v3, LN_G, LN_B, eps, BLOCK_M, ACCURATE), (BLOCK_M, 128))
+            normed = tl.reshape(_rows_layer_norm(v3, LN_G, LN_B, eps, BLOCK_N, BLOCK_M, ACCURATE), (BLOCK_M, 128))
+            if LN_ZERO_INVALID:
+                normed = tl.where(valid[:, None], normed, 0.0)
             tl.store(OUT2 + offs_m[:, None] * stride_om + offs_n[None, :], normed, mask=row_ok[:, None])
 
 
@@ -278,17 +291,21 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, res
 
 def triton_linear_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
                              mask, ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
-                             epilogue: str = "add_masked", prologue: str = "none",
+                             epilogue: str = "add_masked", prologue: str = "none", zero_invalid: bool = False,
                              **overrides) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual epilogue and then the next LayerNorm of each row: returns (sum, LayerNorm(sum)), both
-    [..., 128] float16. N must be 128 (one tile holds whole rows)."""
+    """The residual epilogue and then the next LayerNorm of each row: returns (sum, LayerNorm(sum)), both [..., N]
+    float16, N one of LN_WIDTHS (one tile holds whole rows). ``zero_invalid``: the LayerNorm's rows of invalid
+    tokens are zeroed too (the model's final_norm, then zero_invalid_rows)."""
     n, k = weight.shape
-    if n != LN_WIDTH:
-        raise ValueError(f"the LayerNorm epilogue takes rows of {LN_WIDTH}, got {n}")
+    if n not in LN_WIDTHS:
+        raise ValueError(f"the LayerNorm epilogue takes rows of {', '.join(map(str, LN_WIDTHS))}, got {n}")
     # 64 rows x 8 warps, the rows read back for the LayerNorm: no spills offline (Triton 3.6, sm_90a: 246 registers;
-    # in registers straight from the accumulator: 664 bytes of spills at 64 x 8, 2,088 at 128 x 8)
+    # in registers straight from the accumulator: 664 bytes of spills at 64 x 8, 2,088 at 128 x 8). Rows under 128
+    # are always read back (the lanes past the row are masked there).
     gelu_in = prologue == "gelu"
     config = {**launch_config(n, k), "BLOCK_M": 64, "num_warps": 8, "LN_RELOAD": True, "A_GELU": gelu_in,
               **_flags(*(["gelu_prologue"] if gelu_in else []), epilogue, "layer_norm"), **overrides,
-              "BLOCK_N": LN_WIDTH}
+              "BLOCK_N": n, "LN_ZERO_INVALID": bool(zero_invalid)}
+    if n < 128:
+        config["LN_RELOAD"] = True
     return _launch(x, weight, bias, residual, mask, LN_EPILOGUE_CODES[epilogue], config, (ln_weight, ln_bias, eps))

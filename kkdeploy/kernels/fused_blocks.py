@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .fused_linear import LN_EPILOGUES, fused_linear, linear_layer_norm, linear_path
+from .fused_linear import LN_EPILOGUES, LN_WIDTHS, fused_linear, linear_layer_norm, linear_path
 
 
 def block_plan(config, dtype: torch.dtype, device) -> dict:
@@ -34,7 +34,7 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
     gemms = proven("none") and config.ffn_dim == d
     attention = select_attention_path(config.seq_len, d // config.num_heads, dtype, device,
                                       batch_heads=config.batch_size * config.num_heads)
-    layer_norm = gemms and d == 128 and all(proven(e, "layer_norm") for e in LN_EPILOGUES)
+    layer_norm = gemms and d in LN_WIDTHS and all(proven(e, "layer_norm") for e in LN_EPILOGUES)
     gelu_prologue = gemms and proven("gelu_prologue", "masked_sum", *(["layer_norm"] if layer_norm else []))
     return {"gemms": gemms, "packed_qkv": gemms and attention.fused, "gelu_prologue": gelu_prologue,
             "gelu": gemms and not gelu_prologue and proven("gelu"), "layer_norm": layer_norm}
@@ -82,10 +82,8 @@ def fused_block_forward(block, x: torch.Tensor, valid_token_mask: Optional[torch
 def fused_model_forward(model, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor], plan: dict) -> torch.Tensor:
     """``ReferenceTransformer.reference_forward`` with every LayerNorm after the first inside the GEMM before it:
     out_proj's epilogue writes ``x`` and ``norm2(x)``, ffn_out's writes ``x`` and the next block's ``norm1(x)`` (the
-    last one's ``final_norm(x)``), then the reference's final ``zero_invalid_rows``. The reference's ops and rounding
+    last one's ``final_norm(x)`` with the reference's final ``zero_invalid_rows``). The reference's ops and rounding
     points throughout; ``plan`` as ``block_plan`` gives it."""
-    from kkdeploy.models.reference import zero_invalid_rows
-
     layers = list(model.layers)
     h = layers[0].norm1(x)
     for i, block in enumerate(layers):
@@ -94,7 +92,8 @@ def fused_model_forward(model, x: torch.Tensor, valid_token_mask: Optional[torch
         x, h2 = linear_layer_norm(context, attention.out_proj.weight, attention.out_proj.bias, x, valid_token_mask,
                                   block.norm2, "add_masked")
         g, prologue = _ffn_input(block, h2, plan)
-        next_norm = layers[i + 1].norm1 if i + 1 < len(layers) else model.final_norm
+        last = i + 1 == len(layers)
+        next_norm = model.final_norm if last else layers[i + 1].norm1
         x, h = linear_layer_norm(g, block.ffn_out.weight, block.ffn_out.bias, x, valid_token_mask, next_norm,
-                                 "masked_sum", prologue)
-    return zero_invalid_rows(h, valid_token_mask)
+                                 "masked_sum", prologue, zero_invalid=last)
+    return h

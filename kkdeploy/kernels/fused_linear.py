@@ -61,6 +61,8 @@ SLOWER_GEMMS: frozenset[tuple[int, int, int]] = frozenset({(8192, 1024, 1024)})
 #: campaign 11, checked by scripts/fused_linear_selftest.py on the next GPU run (docs/fused-linear.md).
 PROVEN_EPILOGUES: frozenset[str] = frozenset({"none", "add_masked", "masked_sum"})
 LN_EPILOGUES = ("add_masked", "masked_sum")
+#: the row widths the LayerNorm epilogue takes (ATen's one-warp rows, whole in one tile)
+LN_WIDTHS = (16, 32, 64, 128)
 #: what the GEMM may do to its input first: "gelu" (ffn_out reading ffn_in's output and computing GELU on the way
 #: in, so the GELU's output never reaches memory); proven as the part "gelu_prologue" of PROVEN_EPILOGUES
 PROLOGUES = ("none", "gelu")
@@ -216,45 +218,56 @@ def check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bia
 
 
 def reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps: float, epilogue: str,
-                                prologue: str = "none"):
-    """The ATen composition: the residual epilogue's sum, and ``F.layer_norm`` of it (what nn.LayerNorm runs)."""
+                                prologue: str = "none", zero_invalid: bool = False):
+    """The ATen composition: the residual epilogue's sum, and ``F.layer_norm`` of it (what nn.LayerNorm runs), its
+    invalid rows zeroed with ``zero_invalid`` (the model's ``zero_invalid_rows(final_norm(x))``)."""
     total = reference_linear(x, [weight], [bias], residual, mask, epilogue, prologue)
-    return total, F.layer_norm(total, (total.shape[-1],), ln_weight, ln_bias, eps)
+    normed = F.layer_norm(total, (total.shape[-1],), ln_weight, ln_bias, eps)
+    if zero_invalid and mask is not None:
+        normed = normed.masked_fill(~mask[..., None], 0)
+    return total, normed
 
 
 @torch.library.custom_op(LN_OP_NAME, mutates_args=())
 def _linear_layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
                           mask: Optional[torch.Tensor], ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
-                          epilogue: str, prologue: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+                          epilogue: str, prologue: str = "none",
+                          zero_invalid: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Default (CPU and any non-CUDA device): the ATen composition itself."""
     check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue, prologue)
-    return reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue)
+    return reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue,
+                                       zero_invalid)
 
 
 @_linear_layer_norm_op.register_kernel("cuda")
-def _linear_layer_norm_cuda(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue="none"):
+def _linear_layer_norm_cuda(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue="none",
+                            zero_invalid=False):
     """CUDA: the Triton GEMM with both epilogues where ``linear_path`` allows it, else the composition."""
     m, n, k = check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue, prologue)
-    if n == 128 and linear_path(m, n, k, x.dtype, x.device, epilogue=form(epilogue, prologue, True)).fused:
+    if n in LN_WIDTHS and linear_path(m, n, k, x.dtype, x.device, epilogue=form(epilogue, prologue, True)).fused:
         from ._fused_linear_triton import triton_linear_layer_norm
 
-        return triton_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue)
-    return reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue)
+        return triton_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue,
+                                        zero_invalid)
+    return reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue,
+                                       zero_invalid)
 
 
 @_linear_layer_norm_op.register_fake
-def _linear_layer_norm_fake(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue="none"):
+def _linear_layer_norm_fake(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue="none",
+                            zero_invalid=False):
     out = x.new_empty((*x.shape[:-1], weight.shape[0]))
     return out, torch.empty_like(out)
 
 
 def linear_layer_norm(x, weight, bias, residual, mask, norm: torch.nn.LayerNorm, epilogue: str,
-                      prologue: str = "none"):
+                      prologue: str = "none", zero_invalid: bool = False):
     """(``sum``, ``norm(sum)``) with ``sum`` the residual epilogue of ``F.linear(x, weight, bias)`` (of GELU(x) with
-    ``prologue="gelu"``): one launch where proven (``kkdeploy_faithful::linear_layer_norm``)."""
+    ``prologue="gelu"``; ``zero_invalid``: ``norm(sum)``'s invalid rows zeroed): one launch where proven
+    (``kkdeploy_faithful::linear_layer_norm``)."""
     check_layer_norm_epilogue(x, weight, bias, residual, mask, norm.weight, norm.bias, epilogue, prologue)
     return torch.ops.kkdeploy_faithful.linear_layer_norm(x, weight, bias, residual, mask, norm.weight, norm.bias,
-                                                         float(norm.eps), epilogue, prologue)
+                                                         float(norm.eps), epilogue, prologue, bool(zero_invalid))
 
 
 def fused_linear(x, weights, biases, residual=None, mask=None, epilogue: str = "none",
