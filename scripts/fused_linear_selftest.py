@@ -31,27 +31,21 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kkdeploy import OFFICIAL_SHAPES, generate_case  # noqa: E402
-from kkdeploy.kernels._fused_linear_triton import (  # noqa: E402
-    LN_WIDTHS,
-    launch_config,
-    triton_linear,
-    triton_linear_layer_norm,
-)
+from kkdeploy.kernels.fused_linear import LN_WIDTHS  # noqa: E402
 from kkdeploy.kernels.layer_norm import emulate_layer_norm_rows, layer_norm_rows_kernel  # noqa: E402
 from kkdeploy.kernels.cuda_build import platform_key  # noqa: E402
-from kkdeploy.kernels.timing import cuda_median_ms  # noqa: E402
+from kkdeploy.kernels.timing import cuda_median_ms, differing_bits as differing  # noqa: E402
 from kkdeploy.models.reference import zero_invalid_rows  # noqa: E402
 from kkdeploy.models.weights import build_models  # noqa: E402
+
+# the Triton kernels: imported by main() once a GPU is there (they need Triton, which a CPU machine may lack)
+launch_config = triton_linear = triton_linear_layer_norm = None
 
 FORMS = ("q", "k", "v", "qkv_packed", "add_masked", "gelu", "gelu_fpfusion", "masked_sum", "gelu_prologue",
          "gelu_prologue_fpfusion", "ln_emulation", "add_masked_ln", "masked_sum_ln")
 #: not proven (each has its own column): not part of "differing"
 EXPERIMENTAL = ("gelu", "gelu_fpfusion", "gelu_prologue", "gelu_prologue_fpfusion", "ln_emulation", "add_masked_ln",
                 "masked_sum_ln")
-
-
-def differing(ours: torch.Tensor, ref: torch.Tensor) -> int:
-    return int((ours.contiguous().view(torch.int16) != ref.contiguous().view(torch.int16)).sum())
 
 
 def first_index(ours: torch.Tensor, ref: torch.Tensor):
@@ -279,13 +273,18 @@ def timing(shape: int, device, repeats: int) -> dict:
             **{k: round(v, 4) for k, v in t.items()}}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="1,2,3,4,5,6,7,8,9,10,11,12,13")
     ap.add_argument("--timing-shapes", default="6,8")
     ap.add_argument("--repeats", type=int, default=20)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fused_linear_selftest: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    global launch_config, triton_linear, triton_linear_layer_norm
+    from kkdeploy.kernels._fused_linear_triton import launch_config, triton_linear, triton_linear_layer_norm
     device = torch.device("cuda")
     start = time.time()
     shapes = [int(s) for s in args.shapes.split(",") if s]

@@ -31,12 +31,8 @@ import torch.nn.functional as F  # noqa: E402
 from kkdeploy import OFFICIAL_SHAPES, generate_case  # noqa: E402
 from kkdeploy.kernels.cuda_build import platform_key  # noqa: E402
 from kkdeploy.kernels.layer_norm import MAX_ROW, layer_norm_rows_kernel  # noqa: E402
-from kkdeploy.kernels.timing import cuda_median_ms  # noqa: E402
+from kkdeploy.kernels.timing import cuda_median_ms, differing_bits as differing  # noqa: E402
 from kkdeploy.models.weights import build_models  # noqa: E402
-
-
-def differing(ours: torch.Tensor, ref: torch.Tensor) -> int:
-    return int((ours.view(torch.int16) != ref.view(torch.int16)).sum())
 
 
 def model_checks(shapes: list[int], device) -> list[dict]:

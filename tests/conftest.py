@@ -39,6 +39,14 @@ def load_script(name: str):
     return module
 
 
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads and signed zeros included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    view = {torch.float16: torch.int16, torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
 def run_interpreter_script(script: str) -> list:
     """Run ``script`` (it prints ``RESULTS <json>``) in a fresh process under TRITON_INTERPRET=1 and return the
     results; skips where Triton is not importable or its interpreter cannot run with this numpy."""

@@ -25,17 +25,9 @@ from kkdeploy.kernels import (
 )
 from kkdeploy.kernels import faithful_attention as fa
 from kkdeploy.kernels.faithful_attention import faithful_attention
-from tests.conftest import round_to_float32, run_interpreter_script
+from tests.conftest import bits_equal, round_to_float32, run_interpreter_script
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN payloads and signed zeros included)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    view = {torch.float16: torch.int16, torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
-    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
 
 
 def padded_mask(b: int, s: int, seed: int = 0, padding_ratio: float = 0.25) -> torch.Tensor:

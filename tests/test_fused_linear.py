@@ -20,16 +20,9 @@ from kkdeploy.errors import KKError
 from kkdeploy.kernels import fused_blocks as fb
 from kkdeploy.kernels import fused_linear as fl
 from kkdeploy.models.weights import build_models
-from tests.conftest import round_to_float32, run_interpreter_script
+from tests.conftest import bits_equal, load_script, round_to_float32, run_interpreter_script
 
 CONFIG = TransformerConfig(batch_size=2, seq_len=16, d_model=32, num_heads=4, ffn_dim=32, num_layers=2, causal=True)
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    bits = torch.int16 if a.element_size() == 2 else torch.int32
-    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
 
 
 FULL_PLAN = {"gemms": True, "packed_qkv": True, "gelu_prologue": True, "gelu": False, "layer_norm": True}
@@ -49,7 +42,7 @@ def test_block_forward_through_the_op_is_the_reference_block(dtype, ratio, plan)
         for layer in model.layers:
             want = layer(x, mask)
             got = fb.fused_block_forward(layer, x, mask, plan)
-            assert _bits_equal(got, want)
+            assert bits_equal(got, want)
             x = want
 
 
@@ -60,7 +53,7 @@ def test_model_forward_with_the_norms_in_the_epilogues_is_the_reference(dtype, r
     x, mask = generate_case(CONFIG, "cpu", dtype, 1234, padding_ratio=ratio)
     mask = mask if ratio else None
     with torch.no_grad():
-        assert _bits_equal(fb.fused_model_forward(model, x, mask, FULL_PLAN), model(x, mask))
+        assert bits_equal(fb.fused_model_forward(model, x, mask, FULL_PLAN), model(x, mask))
 
 
 def test_the_layer_norm_epilogue_op():
@@ -358,3 +351,10 @@ def test_the_layer_norm_emulation_is_a_layer_norm():
         ref = F.layer_norm(x.double(), (width,), w.double(), b.double(), 1e-5)
         ulp = torch.finfo(torch.float16).eps * ref.abs().clamp_min(2 ** -14)
         assert ((got.double() - ref).abs() <= ulp).all()
+
+
+def test_the_gpu_selftest_says_it_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script would run")
+    assert load_script("fused_linear_selftest").main(["--out", "/dev/null"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

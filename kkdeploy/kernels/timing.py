@@ -1,6 +1,7 @@
-"""CUDA-event timing for the kernels' GPU self-tests (scripts/*_selftest.py): one call, median of repeats.
+"""What the kernels' GPU self-tests (scripts/*_selftest.py) measure, the same way in each: CUDA-event timing (one call,
+median of repeats) and the count of elements whose bits differ.
 
-Why here: every self-test reports its kernel's time beside ATen's on the same tensors, the same way.
+Why here: every self-test reports its kernel's time and bits beside ATen's on the same tensors.
 """
 
 from __future__ import annotations
@@ -23,3 +24,8 @@ def cuda_median_ms(fn: Callable[[], object], repeats: int, digits: int = 4) -> f
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return round(sorted(times)[len(times) // 2], digits)
+
+
+def differing_bits(ours: torch.Tensor, ref: torch.Tensor) -> int:
+    """Elements whose bits differ (float16 tensors; signed zeros and NaN payloads count)."""
+    return int((ours.contiguous().view(torch.int16) != ref.contiguous().view(torch.int16)).sum())
