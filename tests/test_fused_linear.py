@@ -358,3 +358,26 @@ def test_the_gpu_selftest_says_it_needs_a_gpu(capsys):
         pytest.skip("this machine has a GPU: the script would run")
     assert load_script("fused_linear_selftest").main(["--out", "/dev/null"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_offline_compile_script_names_bad_input_in_one_line(tmp_path, capsys):
+    script = load_script("offline_ptx")
+    assert script.main(["linear", "--triton", str(tmp_path)]) == 2
+    assert "no Triton with a bundled ptxas" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="give NAME=VALUE with NAME one of EPILOGUE"):
+        script.parse_constexprs(["FOO=1"], script.KERNELS["linear"][3])
+    values = script.parse_constexprs(["EPILOGUE=5", "LN_RELOAD=1"], script.KERNELS["linear"][3])
+    assert values["EPILOGUE"] == 5 and values["LN_RELOAD"] is True and values["BLOCK_M"] == 128
+
+
+def test_the_offline_compile_script_knows_every_kernel_argument():
+    """Its signatures follow the kernels' parameter lists (read from the source: no Triton needed)."""
+    import ast
+    from pathlib import Path
+
+    script = load_script("offline_ptx")
+    repo = Path(__file__).resolve().parents[1]
+    for module, name, runtime, constexprs in script.KERNELS.values():
+        tree = ast.parse((repo / (module.replace(".", "/") + ".py")).read_text())
+        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+        assert sorted(a.arg for a in fn.args.args) == sorted([*runtime, *constexprs]), name

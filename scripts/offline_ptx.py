@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Compile one of our Triton kernels for the H200 (sm_90a) without a GPU: registers, spills, instruction counts.
+
+Why: a launch variant's registers, spills and MMA instruction (wgmma or mma.sync) decide whether it is worth a
+device run, and whether a refactor left a proven kernel's code unchanged (``--ptx`` writes the PTX to diff). Triton
+compiles for a GPU target offline, and its wheel bundles ptxas. Use the Triton the GPU runs (3.6.0 with torch
+2.11.0+cu130 on our H200), unpacked anywhere (``pip download triton==3.6.0`` and unzip):
+
+    python3 scripts/offline_ptx.py --triton /tmp/triton36 linear EPILOGUE=5 BLOCK_M=64 BLOCK_N=128 BLOCK_K=64 \\
+        LN_RELOAD=1 --num-warps 8 --num-stages 3
+    python3 scripts/offline_ptx.py --triton /tmp/triton36 attention BLOCK_M=64 NCACHED=4 --num-warps 4
+
+Constexprs not given take the defaults below (the op's launch on shape 6); ``--fp-fusion`` compiles with Triton's
+default fp contraction instead of the kernels' ``enable_fp_fusion=False``. Prints one line of counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The kernels' runtime arguments and their types (the launchers pass int32 strides for the official shapes).
+KERNELS = {
+    "attention": ("kkdeploy.kernels._faithful_attention_triton", "_faithful_attention_kernel", {
+        **{name: "*fp16" for name in ("Q", "K", "V", "OUT", "SCORES", "PROBS")}, "MASK": "*i1",
+        **{name: "i32" for name in ("stride_qb", "stride_qs", "stride_kb", "stride_ks", "stride_vb", "stride_vs",
+                                    "stride_ob", "stride_os", "stride_mb", "stride_ms", "S", "H")},
+        "scale": "fp32"},
+        {"HEAD_DIM": 32, "DH_PAD": 32, "BLOCK_M": 64, "LANES": 32, "SUB": 1, "CAUSAL": 1, "HAS_MASK": 1,
+         "ACCURATE": 1, "DEBUG": 0, "ONE_PASS": 0, "NCACHED": 0, "FAST_DIV": 0}),
+    "linear": ("kkdeploy.kernels._fused_linear_triton", "_fused_linear_kernel", {
+        **{name: "*fp16" for name in ("X", "W", "B", "R", "OUT", "LN_G", "LN_B", "OUT2")}, "MASK": "*i1",
+        **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")},
+        "eps": "fp32"},
+        {"EPILOGUE": 3, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
+         "LN_RELOAD": 0, "A_GELU": 0, "LN_ZERO_INVALID": 0}),
+}
+COUNTED = {"wgmma": r"wgmma\.mma_async", "mma.sync": r"\bmma\.sync", "fma.rn": r"fma\.rn\.f32",
+           "div.rn": r"div\.rn\.f32", "rsqrt": r"rsqrt\.approx", "ex2": r"ex2\.approx", "bar.sync": r"bar\.sync"}
+
+
+def parse_constexprs(pairs: list[str], defaults: dict) -> dict:
+    values = dict(defaults)
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or name not in defaults:
+            raise SystemExit(f"offline_ptx: {pair!r}: give NAME=VALUE with NAME one of {', '.join(defaults)}")
+        values[name] = int(value)
+    return {k: bool(v) if k in ("CAUSAL", "HAS_MASK", "ACCURATE", "DEBUG", "ONE_PASS", "FAST_DIV", "LN_RELOAD",
+                                "A_GELU", "LN_ZERO_INVALID") else v for k, v in values.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernel", choices=sorted(KERNELS))
+    ap.add_argument("constexprs", nargs="*", help="NAME=VALUE (integers; 0/1 for flags)")
+    ap.add_argument("--triton", type=Path, required=True, help="folder holding the unpacked Triton package")
+    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--num-stages", type=int, default=3)
+    ap.add_argument("--fp-fusion", action="store_true", help="Triton's default fp contraction (the kernels: off)")
+    ap.add_argument("--ptx", type=Path, help="also write the PTX here")
+    args = ap.parse_args(argv)
+    ptxas = args.triton / "triton" / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.is_file():
+        print(f"offline_ptx: no Triton with a bundled ptxas under {args.triton} (unpack the triton wheel there)",
+              file=sys.stderr)
+        return 2
+    sys.path[:0] = [str(args.triton), str(REPO)]
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, name, runtime, defaults = KERNELS[args.kernel]
+    fn = getattr(importlib.import_module(module), name)
+    constexprs = parse_constexprs(args.constexprs, defaults)
+    signature = {**runtime, **{k: "constexpr" for k in constexprs}}
+    options = {"num_warps": args.num_warps, "num_stages": args.num_stages, "enable_fp_fusion": args.fp_fusion,
+               "enable_reflect_ftz": False}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = compiled.asm["ptx"]
+    if args.ptx:
+        args.ptx.write_text(ptx)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp, "k.ptx")
+        source.write_text(ptx)
+        run = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(source), "-o", str(Path(tmp, "k.cubin"))],
+                             capture_output=True, text=True)
+    registers = re.search(r"Used (\d+) registers", run.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
+    counts = " ".join(f"{label} {len(re.findall(pattern, ptx))}" for label, pattern in COUNTED.items())
+    print(f"{args.kernel} triton {triton.__version__} sm_90a warps {args.num_warps} stages {args.num_stages}"
+          f"{' fp-fusion' if args.fp_fusion else ''}: registers {registers.group(1) if registers else '?'}, "
+          f"spill stores/loads {spills.group(1) if spills else '?'}/{spills.group(2) if spills else '?'} bytes; "
+          f"{counts}")
+    return 0 if run.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
