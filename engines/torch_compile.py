@@ -112,11 +112,14 @@ def kernel_paths_record(name: str, config: TransformerConfig, dtype: torch.dtype
 def attention_path_record(config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> dict:
     """Which attention the kernel op runs for this shape here (the fused kernel, or the ATen composition where
     bit-identity was not measured) and why: the manifest says whether the candidate is the kernel at all."""
-    from kkdeploy.kernels.faithful_attention import select_attention_path
+    from kkdeploy.kernels.faithful_attention import launch_for, select_attention_path
 
     path = select_attention_path(config.seq_len, config.d_model // config.num_heads, dtype, device,
                                  batch_heads=config.batch_size * config.num_heads)
-    return {"kernel": path.kernel, "reason": path.reason}
+    record = {"kernel": path.kernel, "reason": path.reason}
+    if path.fused:  # which launch of the kernel ($KKDEPLOY_FAITHFUL_ATTENTION_LAUNCH, else the default)
+        record["launch"] = launch_for(config.seq_len)
+    return record
 
 
 def default_variants(device: torch.device, dtype: torch.dtype = torch.float16, contract: str = "strict") -> list[str]:

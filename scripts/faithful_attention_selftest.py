@@ -44,43 +44,23 @@ import torch  # noqa: E402
 
 from kkdeploy import OFFICIAL_SHAPES, ReferenceTransformer, TransformerConfig, generate_case  # noqa: E402
 from kkdeploy.kernels.faithful_attention import (  # noqa: E402
+    LAUNCHES,
     PROVEN_SHAPES,
     emulate_persistent_softmax,
     faithful_attention,
+    launch_fits,
     reference_attention,
     select_attention_path,
 )
 
 SEED = 1234
 PADDING_RATIO = 0.25
-VARIANTS = {  # name -> launch options of triton_attention (the first is the op's default)
-    "bm64": dict(block_m=64, sub=1),
-    "bm64x2": dict(block_m=64, sub=2),
-    "bm128x2": dict(block_m=128, sub=2),
-    "onepass": dict(block_m=64, one_pass=True),  # S <= 128: the whole row in one chunk (issue 19, shape 6)
-    # finer causal skipping (block i reads key chunks 0..i): fewer scores computed on shape 6; smaller tl.dot
-    # tiles may take other MMA instructions, so each needs its own bitwise proof
-    "bm32": dict(block_m=32, sub=1),
-    "bm16": dict(block_m=16, sub=1),
-    # S <= 128: each chunk scored once and kept in registers (the three-pass arithmetic without recomputing);
-    # ptxas (Triton 3.6, sm_90a): 100 registers at 64 rows / 8 warps, 119 at 32 rows, 80 at 16 rows, no spills
-    "cached64w8": dict(block_m=64, cached=True, num_warps=8),
-    # campaign 11: the 32- and 16-row launches (bm32, bm16, cached32, cached16) lower to mma.sync and differed under
-    # padded masks; 64 rows keep wgmma. 4 warps: 183 registers, no spills (ptxas, Triton 3.6, sm_90a)
-    "cached64w4": dict(block_m=64, cached=True, num_warps=4),
-    # the probabilities' division as one reciprocal per row and two fmas (Markstein; exact-rational and interpreter
-    # checks in tests/test_faithful_attention.py); ptxas: 130 and 171 registers, no spills
-    "bm64_mdiv": dict(block_m=64, sub=1, fast_div=True),
-    "cached64w4_mdiv": dict(block_m=64, cached=True, num_warps=4, fast_div=True),
-    "cached32": dict(block_m=32, cached=True),
-    "cached16": dict(block_m=16, cached=True),
-}
+VARIANTS = dict(LAUNCHES)  # name -> launch options of triton_attention (the first is the op's default)
 
 
 def variants_for(seq_len: int, names=None) -> list[str]:
     """The launch variants that apply to rows of ``seq_len`` (one pass holds at most 128 keys)."""
-    return [n for n in (names or VARIANTS)
-            if not ((VARIANTS[n].get("one_pass") or VARIANTS[n].get("cached")) and seq_len > 128)]
+    return [n for n in (names or VARIANTS) if launch_fits(n, seq_len)]
 
 
 def log(msg: str) -> None:
@@ -352,7 +332,8 @@ def main(argv=None) -> int:
                 entry[f"model_{mode}"] = run_case(q, k, v, mask, h, True, variants_for(config.seq_len), attn=attn)
                 entry[f"model_{mode}"]["stages"] = stage_report(q, k, v, mask, h, True, **VARIANTS["bm64"])
                 (rq, rk, rv), _ = random_inputs(config, device, mask)
-                checked = [n for n in ("bm64", "cached64w4") if n in VARIANTS]
+                # random inputs: every chosen launch with --variants, else the op's and cached64w4
+                checked = list(VARIANTS) if args.variants else [n for n in ("bm64", "cached64w4") if n in VARIANTS]
                 entry[f"random_{mode}"] = run_case(rq, rk, rv, mask, h, True, variants_for(config.seq_len, checked))
                 entry[f"random_{mode}"]["stages"] = stage_report(rq, rk, rv, mask, h, True, **VARIANTS["bm64"])
                 if not args.no_bench:

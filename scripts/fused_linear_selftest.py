@@ -42,10 +42,12 @@ from kkdeploy.models.weights import build_models  # noqa: E402
 launch_config = triton_linear = triton_linear_layer_norm = None
 
 FORMS = ("q", "k", "v", "qkv_packed", "add_masked", "gelu", "gelu_fpfusion", "masked_sum", "gelu_prologue",
-         "gelu_prologue_fpfusion", "ln_emulation", "add_masked_ln", "masked_sum_ln")
-#: not proven (each has its own column): not part of "differing"
+         "gelu_prologue_fpfusion", "ln_emulation", "add_masked_ln", "masked_sum_ln", "gelu_prologue_ln",
+         "gelu_prologue_ln_fpfusion")
+#: not proven (each has its own column): not part of "differing". gelu_prologue_ln[_fpfusion]: ffn_out's whole
+#: launch in fused_model_forward (GELU prologue, residual + mask, the next LayerNorm), as one kernel compiles it
 EXPERIMENTAL = ("gelu", "gelu_fpfusion", "gelu_prologue", "gelu_prologue_fpfusion", "ln_emulation", "add_masked_ln",
-                "masked_sum_ln")
+                "masked_sum_ln", "gelu_prologue_ln", "gelu_prologue_ln_fpfusion")
 
 
 def first_index(ours: torch.Tensor, ref: torch.Tensor):
@@ -98,6 +100,12 @@ def block_checks(layer, x, mask, tally: dict, next_norm=None, last: bool = False
                                                  zero_invalid=last)
         want = zero_invalid_rows(next_norm(x2), mask) if last else next_norm(x2)
         tally_add(tally, "masked_sum_ln", torch.cat([total, normed], dim=-1), torch.cat([x2, want], dim=-1))
+        for fusion in (False, True):
+            got = triton_linear_layer_norm(f, layer.ffn_out.weight, layer.ffn_out.bias, x1, mask, next_norm.weight,
+                                           next_norm.bias, next_norm.eps, "masked_sum", prologue="gelu",
+                                           zero_invalid=last, enable_fp_fusion=fusion)
+            tally_add(tally, "gelu_prologue_ln" + ("_fpfusion" if fusion else ""), torch.cat(got, dim=-1),
+                      torch.cat([x2, want], dim=-1))
     return x2
 
 
@@ -255,6 +263,12 @@ def timing(shape: int, device, repeats: int) -> dict:
             lambda: (r + F.linear(F.gelu(F.linear(x, w, b)), w, b)).masked_fill(~mask[:, None], 0), repeats)
         t["kernel_ffn_gelu_prologue_ms"] = cuda_median_ms(
             lambda: triton_linear(triton_linear(x, w, b), w, b, r, mask, "masked_sum", prologue="gelu"), repeats)
+        t["kernel_ffn_gelu_prologue_fpfusion_ms"] = cuda_median_ms(
+            lambda: triton_linear(triton_linear(x, w, b), w, b, r, mask, "masked_sum", prologue="gelu",
+                                  enable_fp_fusion=True), repeats)
+        # what the blocks ran before the prologue: our GEMM, ATen's GELU, our GEMM with residual + mask
+        t["kernel_ffn_aten_gelu_ms"] = cuda_median_ms(
+            lambda: triton_linear(F.gelu(triton_linear(x, w, b)), w, b, r, mask, "masked_sum"), repeats)
         ln_w, ln_b = torch.ones(d, device=device).half(), torch.zeros(d, device=device).half()
         if d in LN_WIDTHS:
             t["separate_masked_sum_then_ln_ms"] = cuda_median_ms(

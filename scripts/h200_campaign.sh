@@ -17,8 +17,9 @@
 #   block-softmax.json  scripts/block_softmax_selftest.py (issue 19: ATen's block softmax order, the fused kernel)
 #   layer-norm.json  scripts/layer_norm_selftest.py; faithful_attention_selftest.json (issue 19's kernels, bitwise)
 #   fused-linear.json  scripts/fused_linear_selftest.py (issue 19: the Triton GEMM with fused epilogues, bitwise)
+#   proven.env       scripts/proven_parts.py over those two self-tests: what the bench step then uses
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
-# attention, bench, profile, customops, ortstrict, ortjudge. A step's =SECONDS caps its wall time.
+# attention, promote, bench, profile, customops, ortstrict, ortjudge. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -123,8 +124,19 @@ step_setup() {
   python3 -c "import polygraphy; print('polygraphy', polygraphy.__version__)"
   python3 -c "import modelopt.onnx.autocast, modelopt; print('modelopt', modelopt.__version__)" 2>/dev/null || true
 }
+step_promote() {
+  # Issue 19: what the linear and attention self-tests of this run proved bit-identical and faster, as the
+  # environment the kernels read (scripts/proven_parts.py); the bench step of this machine then uses it.
+  args=""
+  [ -f "$OUT/fused-linear.json" ] && args="$args --linear $OUT/fused-linear.json"
+  [ -f "$OUT/faithful_attention_selftest.json" ] && args="$args --attention $OUT/faithful_attention_selftest.json"
+  python3 scripts/proven_parts.py $args > "$WORK/proven.env" && cp "$WORK/proven.env" "$OUT/proven.env"
+  cat "$WORK/proven.env"
+}
 step_bench() {
-  # BENCH_DTYPE float16|float32, BENCH_CONTRACT strict|judge, BENCH_PROCESSES (3), BENCH_ARGS (extra flags)
+  # BENCH_DTYPE float16|float32, BENCH_CONTRACT strict|judge, BENCH_PROCESSES (3), BENCH_ARGS (extra flags).
+  # $WORK/proven.env (the promote step's output on this machine), when there, sets what the kernels may use.
+  if [ -f "$WORK/proven.env" ]; then . "$WORK/proven.env"; grep -v '^#' "$WORK/proven.env" | sed 's/^/bench with: /'; fi
   dt=${BENCH_DTYPE:-float16}; ct=${BENCH_CONTRACT:-strict}
   for s in ${BENCH_SHAPES:-2 3 12 1 4 5 7 9 10 11 8 13 6}; do
     python3 -m kkdeploy bench --shape "$s" --dtype "$dt" --contract "$ct" --processes "${BENCH_PROCESSES:-3}" \

@@ -25,7 +25,7 @@ from kkdeploy.kernels import (
 )
 from kkdeploy.kernels import faithful_attention as fa
 from kkdeploy.kernels.faithful_attention import faithful_attention
-from tests.conftest import bits_equal, round_to_float32, run_interpreter_script
+from tests.conftest import bits_equal, load_script, round_to_float32, run_interpreter_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -413,3 +413,24 @@ def test_the_fast_division_is_the_correctly_rounded_quotient():
         r = round_to_float32(Fraction(float(e)) - Fraction(float(total)) * Fraction(float(q)))
         p = round_to_float32(Fraction(float(q)) + Fraction(r) * Fraction(float(y)))
         assert p == float(np.float32(e / total)), (e, total)
+
+
+def test_the_op_launch_comes_from_the_environment_where_it_fits(monkeypatch):
+    # scripts/proven_parts.py names a launch the self-test just measured bit-identical and faster; the op takes it
+    # for rows it fits and keeps its default elsewhere
+    monkeypatch.delenv(fa.LAUNCH_ENV, raising=False)
+    assert fa.launch_for(128) == fa.DEFAULT_LAUNCH == "bm64"
+    monkeypatch.setenv(fa.LAUNCH_ENV, "cached64w4")
+    assert fa.launch_for(128) == "cached64w4"
+    assert fa.launch_for(1024) == "bm64"  # a cached launch holds at most 128 keys
+    monkeypatch.setenv(fa.LAUNCH_ENV, "bm128x2")
+    assert fa.launch_for(1024) == "bm128x2"
+    monkeypatch.setenv(fa.LAUNCH_ENV, "bm48")
+    with pytest.raises(KKError, match="unknown launch 'bm48'"):
+        fa.launch_for(128)
+
+
+def test_the_self_test_checks_the_op_launches():
+    script = load_script("faithful_attention_selftest")
+    assert script.VARIANTS == fa.LAUNCHES and next(iter(fa.LAUNCHES)) == fa.DEFAULT_LAUNCH
+    assert script.variants_for(1024, ["bm64", "cached64w4", "onepass", "bm64x2"]) == ["bm64", "bm64x2"]

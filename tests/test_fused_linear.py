@@ -82,6 +82,47 @@ def test_the_unproven_parts_stay_out_until_a_gpu_proves_them():
     assert not {"gelu", "gelu_prologue", "layer_norm"} & fl.PROVEN_EPILOGUES
 
 
+def test_parts_a_gpu_run_just_proved_come_from_the_environment(monkeypatch):
+    # scripts/proven_parts.py prints this line after the self-test; the kernels then take those parts, with the
+    # flags they were proven with, in this process only
+    monkeypatch.setattr(fl, "triton_available", lambda: True)
+    platform = ((9, 0), "2.11.0+cu130", "13.0")
+    monkeypatch.setattr(fl, "PROVEN_PLATFORMS", {platform})
+    monkeypatch.setattr(fl, "PROVEN_GEMMS", frozenset({(8192, 128, 128)}))
+    monkeypatch.delenv(fl.PARTS_ENV, raising=False)
+    assert fl.proven_parts() == fl.PROVEN_EPILOGUES and fl.part_flags("gelu_prologue", "masked_sum") == {}
+    assert not fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform, epilogue="masked_sum+layer_norm").fused
+    monkeypatch.setenv(fl.PARTS_ENV, "layer_norm, gelu_prologue:fp_fusion")
+    assert fl.extra_parts() == {"layer_norm": {}, "gelu_prologue": {"enable_fp_fusion": True}}
+    assert {"layer_norm", "gelu_prologue"} <= fl.proven_parts()
+    assert fl.part_flags("gelu_prologue", "masked_sum", "layer_norm") == {"enable_fp_fusion": True}
+    assert fl.part_flags("masked_sum", "layer_norm") == {}
+    path = fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform, epilogue="gelu_prologue+masked_sum")
+    assert path.fused and f"gelu_prologue from {fl.PARTS_ENV}" in path.reason
+    assert fl.PARTS_ENV not in fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform).reason
+    # the GELU epilogue was not named: still ATen's
+    assert not fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform, epilogue="gelu").fused
+    # and the plan follows: norms in the epilogues, GELU as ffn_out's prologue
+    monkeypatch.setattr(fb, "linear_path", fl.linear_path)
+    monkeypatch.setattr(fl, "platform_key", lambda device: platform)
+    from kkdeploy.kernels import faithful_attention as fa
+
+    monkeypatch.setattr(fa, "select_attention_path", lambda *a, **k: fa.AttentionPath("triton", "test"))
+    config = TransformerConfig(batch_size=64, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=1)
+    assert fb.block_plan(config, torch.float16, torch.device("cuda")) == {
+        "gemms": True, "packed_qkv": True, "gelu_prologue": True, "gelu": False, "layer_norm": True}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("layer_norm,gelu_epilogue", "unknown part 'gelu_epilogue'"),
+    ("gelu:fast", "unknown flag 'fast' on gelu"),
+])
+def test_bad_parts_in_the_environment_get_one_line_errors(monkeypatch, text, message):
+    monkeypatch.setenv(fl.PARTS_ENV, text)
+    with pytest.raises(KKError, match=message):
+        fl.extra_parts()
+
+
 def test_block_plan_on_the_cpu_is_the_reference_block():
     assert fb.block_plan(CONFIG, torch.float16, torch.device("cpu")) == {
         "gemms": False, "packed_qkv": False, "gelu_prologue": False, "gelu": False, "layer_norm": False}
@@ -309,6 +350,16 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         ref = triton_linear(gx, w, b, r[:96], mask[:96], epilogue, BLOCK_M=64)
         results.append({"m": 96, "n": 128, "k": 64, "epilogue": "gelu_prologue+" + epilogue,
                         "differing": int((got.view(torch.int16) != ref.view(torch.int16)).sum())})
+    # ffn_out's whole launch in fused_model_forward: the GELU prologue, residual + mask, the next LayerNorm
+    lw, lb = (torch.rand(128, generator=gen) + 0.5).half(), (torch.randn(128, generator=gen) * 0.1).half()
+    total, normed = triton_linear_layer_norm(x, w, b, r[:96], mask[:96], lw, lb, 1e-5, "masked_sum", prologue="gelu",
+                                             BLOCK_M=64, zero_invalid=True)
+    want_total = triton_linear(gx, w, b, r[:96], mask[:96], "masked_sum", BLOCK_M=64)
+    want = emulate_layer_norm_rows(want_total, lw, lb, 1e-5, rsqrt=lambda t: 1 / torch.sqrt(t))
+    want = want.masked_fill(~mask[:96, None], 0)
+    results.append({"m": 96, "n": 128, "k": 64, "epilogue": "gelu_prologue+masked_sum+layer_norm",
+                    "differing": int((total.view(torch.int16) != want_total.view(torch.int16)).sum())
+                    + int((normed.view(torch.int16) != want.view(torch.int16)).sum())})
     print("RESULTS " + json.dumps(results))
     """
 )
@@ -316,7 +367,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 
 def test_triton_kernel_logic_under_the_interpreter():
     results = run_interpreter_script(INTERPRETER_SCRIPT)
-    assert len(results) == 26
+    assert len(results) == 27
     assert all(r["differing"] == 0 for r in results), results
 
 

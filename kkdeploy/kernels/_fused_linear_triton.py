@@ -39,7 +39,7 @@ try:  # the CUDA libdevice wrappers (absent or unusable under the interpreter)
 except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra import libdevice as _libdevice
 
-from .fused_linear import LN_WIDTHS  # the row widths the LayerNorm epilogue takes
+from .fused_linear import LN_WIDTHS, part_flags  # the LayerNorm epilogue's row widths; compile flags
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -48,10 +48,7 @@ EPILOGUE_CODES = {"none": 0, "gelu": 1, "add_masked": 2, "masked_sum": 3}
 LN_EPILOGUE_CODES = {"add_masked": 4, "masked_sum": 5}
 #: compile options that keep the arithmetic IEEE: no fmul+fadd contraction, libdevice without FTZ.
 COMPILE_FLAGS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
-#: per-epilogue departures from COMPILE_FLAGS, each one proven first. Empty: the GELU epilogue with contraction on
-#: (as nvcc builds ATen's GELU) is checked over every float16 value by scripts/fused_linear_selftest.py and goes here
-#: ({"gelu": {"enable_fp_fusion": True}}) only if that check shows 0 differing.
-EPILOGUE_FLAGS: dict[str, dict] = {}
+#: per-part departures from COMPILE_FLAGS: ``fused_linear.EPILOGUE_FLAGS`` (``part_flags``)
 
 
 @triton.jit
@@ -269,14 +266,6 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
     return out, normed
 
 
-def _flags(*parts: str) -> dict:
-    """The compile-flag departures of a launch's parts (EPILOGUE_FLAGS), merged in order."""
-    merged: dict = {}
-    for part in parts:
-        merged.update(EPILOGUE_FLAGS.get(part, {}))
-    return merged
-
-
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual=None, mask=None,
                   epilogue: str = "none", prologue: str = "none", **overrides) -> torch.Tensor:
     """Launch the kernel on x [..., K] (unit last stride), weight [N, K], bias [N]; returns [..., N] float16.
@@ -284,7 +273,8 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, res
     "gelu": the GEMM's input is GELU(x) (ffn_out reading ffn_in's output)."""
     n, k = weight.shape
     gelu_in = prologue == "gelu"
-    config = {**launch_config(n, k), **_flags(*(["gelu_prologue"] if gelu_in else []), epilogue), "A_GELU": gelu_in,
+    config = {**launch_config(n, k), **part_flags(*(["gelu_prologue"] if gelu_in else []), epilogue),
+              "A_GELU": gelu_in,
               **overrides}
     return _launch(x, weight, bias, residual, mask, EPILOGUE_CODES[epilogue], config)[0]
 
@@ -304,7 +294,7 @@ def triton_linear_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     # are always read back (the lanes past the row are masked there).
     gelu_in = prologue == "gelu"
     config = {**launch_config(n, k), "BLOCK_M": 64, "num_warps": 8, "LN_RELOAD": True, "A_GELU": gelu_in,
-              **_flags(*(["gelu_prologue"] if gelu_in else []), epilogue, "layer_norm"), **overrides,
+              **part_flags(*(["gelu_prologue"] if gelu_in else []), epilogue, "layer_norm"), **overrides,
               "BLOCK_N": n, "LN_ZERO_INVALID": bool(zero_invalid)}
     if n < 128:
         config["LN_RELOAD"] = True

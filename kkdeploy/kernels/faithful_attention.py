@@ -82,6 +82,53 @@ PROVEN_SHAPES = frozenset({
     (4, 1, 32), (6, 5, 32), (4, 16, 8), (8, 17, 16), (8, 45, 32), (9, 100, 32), (2, 1000, 64),
     (2, 128, 256), (64, 128, 256), (8, 128, 256),
 })
+#: The kernel's launches (name -> ``triton_attention`` options), proven or not: scripts/faithful_attention_selftest.py
+#: checks each one bit for bit. The op launches ``DEFAULT_LAUNCH``; ``$KKDEPLOY_FAITHFUL_ATTENTION_LAUNCH`` names
+#: another one the self-test has just measured bit-identical and faster here (``scripts/proven_parts.py`` prints
+#: the line): rows the launch does not fit (``launch_fits``) keep the default. Validate the result.
+LAUNCHES = {
+    "bm64": dict(block_m=64, sub=1),
+    "bm64x2": dict(block_m=64, sub=2),
+    "bm128x2": dict(block_m=128, sub=2),
+    "onepass": dict(block_m=64, one_pass=True),  # S <= 128: the whole row in one chunk (issue 19, shape 6)
+    # finer causal skipping (block i reads key chunks 0..i): fewer scores computed on shape 6; smaller tl.dot
+    # tiles may take other MMA instructions, so each needs its own bitwise proof
+    "bm32": dict(block_m=32, sub=1),
+    "bm16": dict(block_m=16, sub=1),
+    # S <= 128: each chunk scored once and kept in registers (the three-pass arithmetic without recomputing);
+    # ptxas (Triton 3.6, sm_90a): 100 registers at 64 rows / 8 warps, 119 at 32 rows, 80 at 16 rows, no spills
+    "cached64w8": dict(block_m=64, cached=True, num_warps=8),
+    # campaign 11: the 32- and 16-row launches (bm32, bm16, cached32, cached16) lower to mma.sync and differed under
+    # padded masks; 64 rows keep wgmma. 4 warps: 183 registers, no spills (ptxas, Triton 3.6, sm_90a)
+    "cached64w4": dict(block_m=64, cached=True, num_warps=4),
+    # the probabilities' division as one reciprocal per row and two fmas (Markstein; exact-rational and interpreter
+    # checks in tests/test_faithful_attention.py); ptxas: 130 and 171 registers, no spills
+    "bm64_mdiv": dict(block_m=64, sub=1, fast_div=True),
+    "cached64w4_mdiv": dict(block_m=64, cached=True, num_warps=4, fast_div=True),
+    "cached32": dict(block_m=32, cached=True),
+    "cached16": dict(block_m=16, cached=True),
+}
+DEFAULT_LAUNCH = "bm64"
+LAUNCH_ENV = "KKDEPLOY_FAITHFUL_ATTENTION_LAUNCH"
+
+
+def launch_fits(name: str, seq_len: int) -> bool:
+    """Whether a launch takes rows of ``seq_len`` keys (one-pass and cached launches hold at most 128)."""
+    opts = LAUNCHES[name]
+    return not ((opts.get("one_pass") or opts.get("cached")) and seq_len > 128)
+
+
+def launch_for(seq_len: int) -> str:
+    """The launch the op takes for rows of ``seq_len``: ``$KKDEPLOY_FAITHFUL_ATTENTION_LAUNCH`` where it fits,
+    else DEFAULT_LAUNCH. A one-line KKError names an unknown launch."""
+    import os
+
+    name = os.environ.get(LAUNCH_ENV, "").strip() or DEFAULT_LAUNCH
+    if name not in LAUNCHES:
+        raise KKError(f"{LAUNCH_ENV}: unknown launch {name!r}; the launches are {', '.join(LAUNCHES)}")
+    return name if launch_fits(name, seq_len) else DEFAULT_LAUNCH
+
+
 #: ``auto`` (default): the rules above; ``aten``: never the kernel; ``triton``: the kernel wherever it can
 #: run (CUDA, fp16, S <= 1024, head_dim <= 256, Triton importable), proven or not: validate before shipping.
 PATH_ENV = "KKDEPLOY_FAITHFUL_ATTENTION"
@@ -291,7 +338,8 @@ def _attention_cuda(q, k, v, valid_token_mask, num_heads, causal):
     if path.fused:
         from ._faithful_attention_triton import triton_attention
 
-        return triton_attention(q, k, v, valid_token_mask, num_heads, causal, validate=False)
+        return triton_attention(q, k, v, valid_token_mask, num_heads, causal, validate=False,
+                                **LAUNCHES[launch_for(s)])
     return reference_attention(q, k, v, valid_token_mask, num_heads, causal)
 
 

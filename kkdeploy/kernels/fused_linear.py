@@ -21,6 +21,10 @@ The custom op ``kkdeploy_faithful::linear(x, weights, biases, residual, mask, ep
   the reference GEMM shapes (M, N, K) that ``scripts/fused_linear_selftest.py`` measured bit-identical
   (``PROVEN_GEMMS``: cuBLAS picks the reference's algorithm per problem size) when every part of the launch is in
   ``PROVEN_EPILOGUES``, else ATen. ``$KKDEPLOY_FUSED_LINEAR=aten|triton`` forces either (validate the result).
+* ``$KKDEPLOY_FUSED_LINEAR_PARTS`` adds parts that ``scripts/fused_linear_selftest.py`` has just measured
+  bit-identical on this machine (``scripts/proven_parts.py`` prints the line), with their compile flags:
+  ``layer_norm,gelu_prologue:fp_fusion``. Why: a GPU session can prove a part and benchmark with it in one run,
+  before the part is committed to ``PROVEN_EPILOGUES`` (validate the result, as the bench and build do).
 
 ``kkdeploy.kernels.fused_blocks`` composes these ops into the reference's blocks: what the
 ``torch-compile-faithful-gemms`` candidate exports.
@@ -28,6 +32,7 @@ The custom op ``kkdeploy_faithful::linear(x, weights, biases, residual, mask, ep
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -67,6 +72,49 @@ LN_WIDTHS = (16, 32, 64, 128)
 #: in, so the GELU's output never reaches memory); proven as the part "gelu_prologue" of PROVEN_EPILOGUES
 PROLOGUES = ("none", "gelu")
 LN_OP_NAME = "kkdeploy_faithful::linear_layer_norm"
+#: every part a launch can have (``form``), and the compile flags a part may be proven with
+PARTS = ("none", "gelu", "add_masked", "masked_sum", "gelu_prologue", "layer_norm")
+PART_FLAGS = {"fp_fusion": {"enable_fp_fusion": True}}
+PARTS_ENV = "KKDEPLOY_FUSED_LINEAR_PARTS"
+
+
+def extra_parts() -> dict[str, dict]:
+    """``$KKDEPLOY_FUSED_LINEAR_PARTS`` as {part: compile flags}: "layer_norm,gelu_prologue:fp_fusion" gives
+    {"layer_norm": {}, "gelu_prologue": {"enable_fp_fusion": True}}. A one-line KKError names a bad entry."""
+    text = os.environ.get(PARTS_ENV, "").strip()
+    parts: dict[str, dict] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        name, _, flag = entry.partition(":")
+        if name not in PARTS:
+            raise KKError(f"{PARTS_ENV}: unknown part {name!r}; the parts are {', '.join(PARTS)}")
+        if flag and flag not in PART_FLAGS:
+            raise KKError(f"{PARTS_ENV}: unknown flag {flag!r} on {name}; the flags are {', '.join(PART_FLAGS)}")
+        parts[name] = dict(PART_FLAGS[flag]) if flag else {}
+    return parts
+
+
+#: per-part departures from the kernel's IEEE compile flags (``_fused_linear_triton.COMPILE_FLAGS``), each proven
+#: first. Empty: the GELU epilogue with contraction on (as nvcc builds ATen's GELU) is checked over every float16
+#: value by scripts/fused_linear_selftest.py and goes here ({"gelu": {"enable_fp_fusion": True}}) only if that
+#: check shows 0 differing.
+EPILOGUE_FLAGS: dict[str, dict] = {}
+
+
+def part_flags(*parts: str) -> dict:
+    """The compile-flag departures of a launch's parts, merged in order: EPILOGUE_FLAGS, then the flags
+    ``$KKDEPLOY_FUSED_LINEAR_PARTS`` gives a part (the flags it was just proven with here)."""
+    extra = extra_parts()
+    merged: dict = {}
+    for part in parts:
+        merged.update(EPILOGUE_FLAGS.get(part, {}))
+        merged.update(extra.get(part, {}))
+    return merged
+
+
+def proven_parts() -> frozenset[str]:
+    """PROVEN_EPILOGUES and the parts ``$KKDEPLOY_FUSED_LINEAR_PARTS`` adds in this process."""
+    extra = extra_parts()
+    return PROVEN_EPILOGUES | frozenset(extra) if extra else PROVEN_EPILOGUES
 
 
 class LinearPath(KernelPath):
@@ -87,7 +135,8 @@ def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Op
         return LinearPath("aten", "triton is not importable")
     if mode == "triton":
         return LinearPath("triton", f"Triton GEMM (forced by {PATH_ENV}=triton: validate the result)")
-    unproven = [part for part in epilogue.split("+") if part not in PROVEN_EPILOGUES]
+    proven = proven_parts()
+    unproven = [part for part in epilogue.split("+") if part not in proven]
     if unproven:
         return LinearPath("aten", f"the {' and '.join(unproven)} epilogue was not measured bit-identical")
     platform = platform_key(device) if platform is None else tuple(platform)
@@ -99,7 +148,9 @@ def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, platform: Op
                                   f"reference's algorithm per size)")
     if (m, n, k) in SLOWER_GEMMS:
         return LinearPath("aten", f"GEMM (M, N, K) = {(m, n, k)} is bit-identical but slower than cuBLAS here")
-    return LinearPath("triton", f"Triton GEMM with fused epilogue ((M, N, K) = {(m, n, k)} proven bit-identical)")
+    added = [part for part in epilogue.split("+") if part not in PROVEN_EPILOGUES]
+    return LinearPath("triton", f"Triton GEMM with fused epilogue ((M, N, K) = {(m, n, k)} proven bit-identical"
+                                + (f"; {', '.join(added)} from {PARTS_ENV}" if added else "") + ")")
 
 
 def check_linear_inputs(x, weights, biases, residual, mask, epilogue, prologue: str = "none") -> tuple[int, int, int]:
