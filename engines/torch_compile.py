@@ -118,7 +118,8 @@ def attention_path_record(config: TransformerConfig, dtype: torch.dtype, device:
                                  batch_heads=config.batch_size * config.num_heads)
     record = {"kernel": path.kernel, "reason": path.reason}
     if path.fused:  # which launch of the kernel ($KKDEPLOY_FAITHFUL_ATTENTION_LAUNCH, else the default)
-        record["launch"] = launch_for(config.seq_len)
+        record["launch"] = launch_for(config.seq_len, (config.batch_size * config.num_heads, config.seq_len,
+                                                       config.d_model // config.num_heads))
     return record
 
 

@@ -374,11 +374,13 @@ def main(argv=None) -> int:
                 cfg = TransformerConfig(b, s, d, h, d, 1, causal=causal)
                 try:
                     (q, k, v), mask, _, _ = model_inputs(cfg, device, padded)
-                    rep = run_case(q, k, v, mask, h, causal, ["bm64", "bm64x2"])
+                    # every chosen launch that fits with --variants, else the op's default and bm64x2
+                    names = variants_for(s, list(VARIANTS) if args.variants else ["bm64", "bm64x2"])
+                    rep = run_case(q, k, v, mask, h, causal, names)
                     row = {"B": b, "S": s, "D": d, "H": h, "causal": causal, "padded": padded,
                            "op_path": select_attention_path(s, d // h, torch.float16, device, batch_heads=b * h).kernel,
                            **{key: val["differing"] for key, val in rep.items()}}
-                    if any(row[key] for key in ("op", "bm64", "bm64x2")):
+                    if any(row[key] for key in ("op", *names)):
                         st = stage_report(q, k, v, mask, h, causal, **VARIANTS["bm64"])
                         row["stages"] = {key: st[key]["differing"] for key in ("scores", "probs", "context")}
                         row["stages_first"] = {key: st[key].get("first_index") for key in ("scores", "probs", "context")}
@@ -389,7 +391,7 @@ def main(argv=None) -> int:
                                    "error": f"{type(exc).__name__}: {exc}"})
     report["extra_cases"] = extras
     log(f"[extra] {len(extras)} cases, not bitwise: "
-        f"{[e for e in extras if e.get('error') or any(v for k, v in e.items() if k in ('op', 'bm64', 'bm64x2'))]}")
+        f"{[e for e in extras if e.get('error') or any(v for k, v in e.items() if k == 'op' or k in VARIANTS)]}")
 
     # CUDA-graph capture of the op (what a serving runner would do)
     try:
@@ -449,7 +451,7 @@ def main(argv=None) -> int:
         keys[key] = keys.get(key, True) and ok
     for x in extras:
         key = (x["B"] * x["H"], x["S"], x["D"] // x["H"])
-        ok = "error" not in x and not any(x.get(k) for k in ("op", "bm64", "bm64x2"))
+        ok = "error" not in x and not any(x.get(k) for k in ("op", *VARIANTS))
         keys[key] = keys.get(key, True) and ok
     report["bit_identical_keys"] = [{"key": list(k), "bit_identical": v, "in_PROVEN_SHAPES": k in PROVEN_SHAPES}
                                     for k, v in keys.items()]

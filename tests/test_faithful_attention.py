@@ -420,6 +420,10 @@ def test_the_op_launch_comes_from_the_environment_where_it_fits(monkeypatch):
     # for rows it fits and keeps its default elsewhere
     monkeypatch.delenv(fa.LAUNCH_ENV, raising=False)
     assert fa.launch_for(128) == fa.DEFAULT_LAUNCH == "bm64"
+    # unset: the fast launch where it was proven (shape 6's key), the default on the kernel's edge cases
+    assert fa.launch_for(128, (40000, 128, 32)) == "cached64w4_mdiv"
+    assert fa.launch_for(17, (8, 17, 16)) == "bm64"
+    assert fa.launch_for(1024, (256, 1024, 32)) == "bm64"
     monkeypatch.setenv(fa.LAUNCH_ENV, "cached64w4")
     assert fa.launch_for(128) == "cached64w4"
     assert fa.launch_for(1024) == "bm64"  # a cached launch holds at most 128 keys
@@ -434,3 +438,12 @@ def test_the_self_test_checks_the_op_launches():
     script = load_script("faithful_attention_selftest")
     assert script.VARIANTS == fa.LAUNCHES and next(iter(fa.LAUNCHES)) == fa.DEFAULT_LAUNCH
     assert script.variants_for(1024, ["bm64", "cached64w4", "onepass", "bm64x2"]) == ["bm64", "bm64x2"]
+
+
+def test_the_fast_launch_covers_the_official_shapes_it_fits():
+    # proven in campaign 12 on the official shapes only: every one whose rows it holds, and nothing else
+    official = {(c.batch_size * c.num_heads, c.seq_len, c.head_dim) for c in OFFICIAL_SHAPES.values()
+                if c.seq_len <= fa.MAX_FUSED_SEQ_LEN}
+    for name, keys in fa.FAST_LAUNCHES.items():
+        assert keys == {k for k in official if fa.launch_fits(name, k[1])}
+        assert keys <= fa.PROVEN_SHAPES and name in fa.LAUNCHES
