@@ -59,11 +59,10 @@ PROVEN_GEMMS: frozenset[tuple[int, int, int]] = frozenset({
 #: 0.1007 ms against cuBLAS's 0.0482 ms per Linear (shape 8).
 SLOWER_GEMMS: frozenset[tuple[int, int, int]] = frozenset({(8192, 1024, 1024)})
 #: the parts of a launch proven with PROVEN_GEMMS (a launch runs our kernel only if every part is here: ``form``).
-#: Not yet: "gelu" (the epilogue; compiled without fp contraction it differed from ATen's GELU in 9 of 655M elements
-#: on shape 6, 1 of 33.5M on shape 8, up to 4,662 on random inputs at scale 10, so the blocks keep ATen's GELU after
-#: a plain fused GEMM), "gelu_prologue" (the same GELU on ffn_out's input) and "layer_norm" (the next LayerNorm of the
-#: rows in the same tile, equal to ``layer_norm.emulate_layer_norm_rows`` under the interpreter): written after
-#: campaign 11, checked by scripts/fused_linear_selftest.py on the next GPU run (docs/fused-linear.md).
+#: Out, measured in campaign 12 (commit f779cd9, docs/fused-linear.md): "layer_norm" (the next LayerNorm of the rows
+#: in the same tile) is bit-identical everywhere but slower on shape 6 (1.002 ms against 0.624 for masked_sum and the
+#: rows LayerNorm kernel); "gelu" and "gelu_prologue" differ from ATen's GELU in 151 of 63,486 float16 values with
+#: Triton's bundled libdevice (0 with CUDA 13.0's, TRITON_LIBDEVICE_PATH) and are not faster on shape 6 either.
 PROVEN_EPILOGUES: frozenset[str] = frozenset({"none", "add_masked", "masked_sum"})
 LN_EPILOGUES = ("add_masked", "masked_sum")
 #: the row widths the LayerNorm epilogue takes (ATen's one-warp rows, whole in one tile)
