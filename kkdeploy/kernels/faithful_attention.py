@@ -39,6 +39,7 @@ Triton is imported lazily, on CUDA, when the kernel actually runs.
 from __future__ import annotations
 
 import functools
+import os
 import struct
 from typing import Callable, Optional
 
@@ -133,8 +134,6 @@ def launch_for(seq_len: int, key: Optional[tuple] = None) -> str:
     """The launch the op takes for rows of ``seq_len`` keys and the shape ``key`` (B*H, S, Dh):
     ``$KKDEPLOY_FAITHFUL_ATTENTION_LAUNCH`` where set and it fits, else a FAST_LAUNCHES entry proven for ``key``,
     else DEFAULT_LAUNCH. A one-line KKError names an unknown launch."""
-    import os
-
     name = os.environ.get(LAUNCH_ENV, "").strip()
     if name:
         if name not in LAUNCHES:

@@ -32,6 +32,7 @@ The custom op ``kkdeploy_faithful::linear(x, weights, biases, residual, mask, ep
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -79,8 +80,13 @@ PARTS_ENV = "KKDEPLOY_FUSED_LINEAR_PARTS"
 
 def extra_parts() -> dict[str, dict]:
     """``$KKDEPLOY_FUSED_LINEAR_PARTS`` as {part: compile flags}: "layer_norm,gelu_prologue:fp_fusion" gives
-    {"layer_norm": {}, "gelu_prologue": {"enable_fp_fusion": True}}. A one-line KKError names a bad entry."""
-    text = os.environ.get(PARTS_ENV, "").strip()
+    {"layer_norm": {}, "gelu_prologue": {"enable_fp_fusion": True}}. A one-line KKError names a bad entry.
+    Asked on every CUDA call, so the parse is cached per value of the variable (do not mutate the result)."""
+    return _parse_parts(os.environ.get(PARTS_ENV, "").strip())
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_parts(text: str) -> dict[str, dict]:
     parts: dict[str, dict] = {}
     for entry in filter(None, (e.strip() for e in text.split(","))):
         name, _, flag = entry.partition(":")
