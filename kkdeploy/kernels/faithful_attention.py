@@ -84,9 +84,9 @@ PROVEN_SHAPES = frozenset({
     (2, 128, 256), (64, 128, 256), (8, 128, 256),
 })
 #: The kernel's launches (name -> ``triton_attention`` options), proven or not: scripts/faithful_attention_selftest.py
-#: checks each one bit for bit. The op launches ``DEFAULT_LAUNCH``; ``$KKDEPLOY_FAITHFUL_ATTENTION_LAUNCH`` names
-#: another one the self-test has just measured bit-identical and faster here (``scripts/proven_parts.py`` prints
-#: the line): rows the launch does not fit (``launch_fits``) keep the default. Validate the result.
+#: checks each one bit for bit. The op takes ``launch_for``'s pick: a FAST_LAUNCHES entry where it was proven, else
+#: ``DEFAULT_LAUNCH``; ``$KKDEPLOY_FAITHFUL_ATTENTION_LAUNCH`` names another one the self-test has just measured
+#: bit-identical and faster here (``scripts/proven_parts.py`` prints the line; validate the result).
 LAUNCHES = {
     "bm64": dict(block_m=64, sub=1),
     "bm64x2": dict(block_m=64, sub=2),
