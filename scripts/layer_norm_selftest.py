@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue 19 on the GPU: is the rows LayerNorm kernel (kkdeploy/kernels/csrc/layer_norm.cu) bit-identical to ATen?
 
-Both launches are checked: one row per warp (the op's) and two rows per warp (16-lane halves, to be proven).
+Both launches are checked: one row per warp and two rows per warp (16-lane halves: the op's launch since campaign 11).
 
 A. Every nn.LayerNorm of the seeded FP16 ReferenceTransformer on each official shape whose rows it covers
    (D <= 128: shapes 1-7 and 9-13), official input (seed 1234) all-valid and padded 0.25: a forward hook feeds

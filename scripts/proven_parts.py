@@ -110,8 +110,8 @@ def attention_launch(report: dict) -> tuple[str | None, list[str]]:
     if not set(OFFICIAL) <= set(shapes):
         return None, [f"attention: the report covers shapes {sorted(shapes)}, not 1-13: nothing taken"]
     base_key = f"{DEFAULT_LAUNCH}_ms"
-    names = sorted({n for e in shapes.values() for key in ("model_padded",) for n in e.get(key, {})
-                    if isinstance(e[key][n], dict) and "differing" in e[key][n] and n not in ("op", DEFAULT_LAUNCH)})
+    names = sorted({n for e in shapes.values() for n, cell in e.get("model_padded", {}).items()
+                    if isinstance(cell, dict) and "differing" in cell and n not in ("op", DEFAULT_LAUNCH)})
     best, best_ms, notes = None, None, []
     for name in names:
         bad, missing, slower = [], [], []
