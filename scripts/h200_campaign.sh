@@ -19,7 +19,7 @@
 #   fused-linear.json  scripts/fused_linear_selftest.py (issue 19: the Triton GEMM with fused epilogues, bitwise)
 #   proven.env       scripts/proven_parts.py over those two self-tests: what the bench step then uses
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
-# attention, promote, bench, profile, customops, ortstrict, ortjudge. A step's =SECONDS caps its wall time.
+# attention, promote, bench, profile, customops, ortstrict, ortjudge, shape14build. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -97,6 +97,27 @@ step_shape14() { python3 scripts/shape14_h200.py --out "$OUT/shape14.json" ${SHA
 step_blocksoftmax() {
   # Issue 19: ATen's block softmax order (emulation vs torch.softmax) and the fused causal kernel, bitwise.
   python3 scripts/block_softmax_selftest.py --out "$OUT/block-softmax.json" ${BLOCKSOFTMAX_ARGS:-}
+}
+step_shape14build() {
+  # Issue 29: `kkdeploy build --shape 14` as a user runs it (kernel proof, reduced + full-length validation), then
+  # `kkdeploy run` on the artifact, all-valid and padded 0.25, full size (B32/S100000), 2 sequences checked against
+  # the tiled reference. SHAPE14_WEIGHTS: "seeded" and/or "trained" (scripts/make_weights.py, seed 77).
+  for w in ${SHAPE14_WEIGHTS:-seeded trained}; do
+    wargs=""
+    if [ "$w" = trained ]; then
+      [ -f "$WORK/w14-trained.safetensors" ] || python3 scripts/make_weights.py --shape 14 --seed 77 \
+        --out "$WORK/w14-trained.safetensors"
+      wargs="--weights $WORK/w14-trained.safetensors"
+    fi
+    python3 -m kkdeploy build --shape 14 --force $wargs ${SHAPE14_BUILD_ARGS:-} \
+      --out "$WORK/s14-$w" || echo "shape14 build $w: exit $?"
+    cp "$WORK/s14-$w/manifest.json" "$OUT/s14-$w-manifest.json" 2>/dev/null
+    for r in ${SHAPE14_RUN_PADDING:-0 0.25}; do
+      python3 -m kkdeploy run --artifacts "$WORK/s14-$w" --padding-ratio "$r" --json "$WORK/s14-$w-run-$r.json" \
+        || echo "shape14 run $w padding $r: exit $?"
+    done
+    (cd "$WORK" && tar czf "$OUT/shape14-runs.tgz" s14-*-run-*.json s14-*/long-context-validation.json 2>/dev/null)
+  done
 }
 step_layernorm() {
   # Issue 19: the rows LayerNorm kernel against F.layer_norm, every official shape's LayerNorms, bitwise; timing.

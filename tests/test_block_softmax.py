@@ -114,24 +114,82 @@ def test_the_kernel_is_a_custom_op_whose_cpu_kernel_is_the_composition():
                        bs.reference_causal_softmax(raw, 0.125, 13000, 12000, 4))
 
 
-def test_the_fast_path_needs_a_loadable_kernel(monkeypatch):
+def test_the_fast_path_needs_a_loadable_kernel_and_a_proof_here(monkeypatch, tmp_path):
     """Where the kernel cannot be built (no nvcc), the long-context default falls back to full key rows and
-    ATen's ops (the reference's bits), and says why."""
-    from kkdeploy.kernels import cuda_build
+    ATen's ops (the reference's bits), and says why; where it can, it still runs only once a proof made in this
+    environment found a bit-identical launch for the op shape."""
+    from kkdeploy.kernels import cuda_build, proof
     from kkdeploy.models.long_context import resolve_tiled_settings
 
+    monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Test GPU")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(bs, "PROVEN_PLATFORMS", {((9, 0), torch.__version__, str(torch.version.cuda))})
     monkeypatch.setattr(bs, "_load", lambda device: (_ for _ in ()).throw(KKError("no nvcc here")))
     cuda_build.load_problem.cache_clear()
+    proof.forget_proofs()
     try:
-        reason = bs.fast_path_reason("cuda", torch.float16)
+        reason = bs.fast_path_reason("cuda", torch.float16, 100000, 2048)
         assert reason == "the block-softmax kernel cannot be built or loaded here (no nvcc here)"
-        assert resolve_tiled_settings("auto", "auto", "cuda", torch.float16) == ("full", "aten")
+        assert resolve_tiled_settings("auto", "auto", "cuda", torch.float16, 100000, 2048) == ("full", "aten")
         monkeypatch.setattr(bs, "_load", lambda device: object())
         cuda_build.load_problem.cache_clear()
-        assert bs.fast_path_reason("cuda", torch.float16) is None
-        assert resolve_tiled_settings("auto", "auto", "cuda", torch.float16) == ("aligned", "block-kernel")
+        assert bs.fast_path_reason("cuda", torch.float16) is None  # the kernel can run here...
+        assert "no proof in this environment" in bs.fast_path_reason("cuda", torch.float16, 100000, 2048)
+        assert resolve_tiled_settings("auto", "auto", "cuda", torch.float16, 100000, 2048) == ("full", "aten")
+        record = proof.ProofRecord(op=bs.OP, shape=bs.proof_shape(100000, 2048),
+                                   environment=bs.proof_environment("cuda"), chosen="raw-max", reason="test")
+        proof.remember_proof(record)  # ...and may, once proven
+        assert bs.proven_launch("cuda", torch.float16, 100000, 2048) == "raw-max"
+        assert resolve_tiled_settings("auto", "auto", "cuda", torch.float16, 100000, 2048) == ("aligned",
+                                                                                                 "block-kernel")
+        assert bs.proven_launch("cuda", torch.float16, 100000, 4096) is None  # another op shape: not proven
+        proof.forget_proofs()  # a new process of the same environment finds it on disk
+        assert bs.proven_launch("cuda", torch.float16, 100000, 2048) == "raw-max"
     finally:
         cuda_build.load_problem.cache_clear()
+        proof.forget_proofs()
+
+
+def test_padded_rows_mask_keys_past_each_sequence_for_every_query():
+    """With ``lengths``, the composition masks keys at or past each sequence's length in every row, valid query
+    or not, exactly as the reference masks invalid keys; the CPU op is that composition."""
+    g = torch.Generator().manual_seed(11)
+    heads, queries, row_len, width = 2, 4, 13000, 12288
+    raw = (torch.randn(2 * heads * queries, width, generator=g) * 20).half()
+    lengths = torch.tensor([12001, 9000])
+    out = bs.causal_block_softmax(raw, 0.125, row_len, 12000, queries, lengths=lengths,
+                                  rows_per_sequence=heads * queries)
+    manual = torch.full((raw.shape[0], row_len), float("-inf"), dtype=torch.float16)
+    manual[:, :width] = raw * 0.125
+    query = 12000 + torch.arange(raw.shape[0]) % queries
+    valid = lengths[torch.arange(raw.shape[0]) // (heads * queries)]
+    keys = torch.arange(row_len)[None, :]
+    manual = manual.masked_fill((keys > query[:, None]) | (keys >= valid[:, None]), float("-inf"))
+    assert torch.equal(out, torch.softmax(manual.float(), -1).half()[:, :width])
+    assert (out[heads * queries:, 9000:] == 0).all() and (out[:heads * queries, 12001:] == 0).all()
+    with pytest.raises(KKError, match="one length per 4 rows"):
+        bs.causal_block_softmax(raw, 0.125, row_len, 12000, queries, lengths=lengths, rows_per_sequence=4)
+    narrow = raw[:, :9216].contiguous()  # keys past every length need not be stored, but keys before it must
+    bs.causal_block_softmax(narrow[heads * queries:], 0.125, row_len, 12000, queries, lengths=lengths[1:],
+                            rows_per_sequence=heads * queries)
+    with pytest.raises(KKError, match="must hold every visible key"):
+        bs.causal_block_softmax(narrow, 0.125, row_len, 12000, queries, lengths=lengths,
+                                rows_per_sequence=heads * queries)
+    with pytest.raises(KKError, match=r"launch must be one of exact, raw-max, markstein, raw-max\+markstein"):
+        bs.causal_block_softmax(raw, 0.125, row_len, 12000, queries, launch="fast")
+
+
+def test_a_cut_at_the_padding_regroups_atens_gpu_sums_and_a_4096_multiple_does_not():
+    """Why padded calls cut only at 4096-key multiples (kkdeploy.models.long_context.key_end): in ATen's GPU order
+    (emulated), a row cut where the padding starts moves elements between threads and changes probabilities, a row
+    cut at the next multiple of 4096 leaves every thread its elements."""
+    g = torch.Generator().manual_seed(21)
+    length, padding_starts = 100000, 75123
+    x = (torch.randn(4, length, generator=g) * 4).half().float()
+    x[:, padding_starts:] = float("-inf")
+    full = bs.emulate_block_softmax(x)
+    aligned = -(-padding_starts // bs.CHUNK) * bs.CHUNK
+    assert torch.equal(bs.emulate_block_softmax(x[:, :aligned].contiguous()), full[:, :aligned])
+    at_padding = bs.emulate_block_softmax(x[:, :padding_starts + 1].contiguous())  # not a multiple of 4
+    assert not torch.equal(at_padding, full[:, :padding_starts + 1])

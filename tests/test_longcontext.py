@@ -354,18 +354,19 @@ def test_block_kernel_softmax_path_is_wired_to_the_reference_composition(key_ext
 
 
 def test_auto_tiled_settings_take_the_proven_fast_path_only(monkeypatch):
-    """"auto" (the default) runs aligned key cuts with the block-softmax kernel where that kernel was proven
-    bit-identical (CUDA, float16, a listed platform) and full key rows with ATen's ops everywhere else; explicit
-    settings are kept; an all-valid mask is dropped so the kernel applies."""
+    """"auto" (the default) runs aligned key cuts with the block-softmax kernel only where a proof made in this
+    environment holds for the op shape, and full key rows with ATen's ops everywhere else; explicit settings are
+    kept; an all-valid mask is dropped so the kernel applies."""
     import kkdeploy.kernels.block_softmax as bs
     from kkdeploy.models.long_context import resolve_tiled_settings, tiled_attention
 
-    assert resolve_tiled_settings("auto", "auto", "cpu", torch.float16) == ("full", "aten")
+    assert resolve_tiled_settings("auto", "auto", "cpu", torch.float16, 12400, 8) == ("full", "aten")
     assert resolve_tiled_settings("visible", "aten", "cpu", torch.float16) == ("visible", "aten")
     assert "CUDA-only" in bs.fast_path_reason("cpu", torch.float16)
-    monkeypatch.setattr(bs, "fast_path_reason", lambda device, dtype: None)
-    assert resolve_tiled_settings("auto", "auto", "cpu", torch.float16) == ("aligned", "block-kernel")
-    assert resolve_tiled_settings("full", "auto", "cpu", torch.float16) == ("full", "block-kernel")
+    monkeypatch.setattr(bs, "fast_path_reason", lambda device, dtype, row_len=None, rows=None: None)
+    assert resolve_tiled_settings("auto", "auto", "cpu", torch.float16, 12400, 8) == ("aligned", "block-kernel")
+    assert resolve_tiled_settings("auto", "auto", "cpu", torch.float16) == ("full", "aten")  # no op shape: no proof
+    assert resolve_tiled_settings("full", "auto", "cpu", torch.float16, 12400, 8) == ("full", "block-kernel")
     path = LongContextTransformer(TransformerConfig(1, 64, 16, 2, 16, 1))
     assert (path.key_extent, path.softmax) == ("auto", "auto")
     if not cpu_kernels_for(torch.float16):
@@ -386,6 +387,191 @@ def test_strict_builds_validate_the_bitwise_tiled_path_first_where_it_is_fast(mo
 
     config = TransformerConfig(32, 100000, 1024, 16, 1024, 2)
     assert calibration_order(config, torch.float16, "cpu", "strict") == [2, 1, 0]  # most fused first
-    monkeypatch.setattr(bs, "fast_path_reason", lambda device, dtype: None)
+    monkeypatch.setattr(bs, "fast_path_reason", lambda device, dtype, row_len=None, rows=None: None)
     assert calibration_order(config, torch.float16, "cpu", "strict") == [0, 2, 1]
     assert calibration_order(config, torch.float16, "cpu", "judge") == [2, 1, 0]
+
+
+# -- issue 29: padded calls cut where unpadded ones may, and the build validates what ships --------------------
+def test_padded_tiles_are_cut_only_where_an_unpadded_tile_may_be_cut():
+    """Every cut drops only keys that are -inf in every row, and lands on the whole row or a 4096-key multiple past
+    ATen's shared-memory rows, padding or not (a cut at the padding itself regroups ATen's GPU sums: see
+    tests/test_block_softmax.py). "full" reads whole rows in padded calls too."""
+    from kkdeploy.models.long_context import ALIGNED_KEY_BLOCK, ALIGNED_MIN_KEYS, key_end
+
+    for seq_len in (100000, 13000, 12400, 4096):
+        for limit in (1, 777, 4096, 9001, 12289, 75123, 98305, 99999, 100000):
+            if limit > seq_len:
+                continue
+            for t1 in range(128, seq_len + 128, 4999):
+                t1 = min(t1, seq_len)
+                cut = key_end(t1, limit, True, "aligned", seq_len)
+                assert cut >= min(t1, limit) and cut <= seq_len
+                assert cut == seq_len or (cut % ALIGNED_KEY_BLOCK == 0 and cut >= ALIGNED_MIN_KEYS), (seq_len, limit, t1)
+                assert key_end(t1, limit, True, "full", seq_len) == seq_len
+                assert key_end(t1, limit, False, "aligned", seq_len) >= limit
+    assert key_end(50000, 75123, True, "aligned", 100000) == 53248  # the all-valid cut: padding past it
+    assert key_end(90000, 75123, True, "aligned", 100000) == 77824  # padding first: the next multiple past it
+    assert key_end(99000, 98305, True, "aligned", 100000) == 100000  # past the last multiple: the whole row
+
+
+def test_padded_calls_keep_the_all_valid_tile_boundaries():
+    from kkdeploy.models.long_context import tile_schedule
+
+    full = tile_schedule(13000, 13000, 1024, True, "aligned", "aten", False, dtype=torch.float32)
+    padded = tile_schedule(13000, 9100, 1024, True, "aligned", "aten", True, dtype=torch.float32)
+    assert [(t.t0, t.t1) for t in padded] == [(t.t0, t.t1) for t in full][:len(padded)]
+    assert padded[-1].t1 == 9216  # the tile holding the last valid query keeps its 1024 rows (same GEMM shapes)
+    assert {t.k_end for t in padded} == {12288} and full[-1].k_end == 13000
+    kernel = tile_schedule(13000, 13000, 1024, True, "aligned", "block-kernel", True, prefix_mask=False)
+    assert {t.softmax for t in kernel} == {"aten"}  # a mask that is not a prefix: ATen's ops
+    assert {t.softmax for t in tile_schedule(13000, 13000, 1024, True, "aligned", "block-kernel", True)} == \
+        {"block-kernel"}
+
+
+@pytest.mark.parametrize("dtype, softmax, ratio", [(torch.float32, "aten", 0.25), (torch.float32, "aten", 0.001),
+                                                   (torch.float16, "block-kernel", 0.001)])
+def test_padded_aligned_path_is_bitwise_the_tiled_reference_past_one_4096_block(dtype, softmax, ratio):
+    """Rows of 12,400 keys: early tiles are cut at 12,288, the last read whole rows; padded masks (0.25: every
+    tile cut; 0.001: sequences end in the last block, so both kinds) against full key rows, bit for bit. On the
+    CPU the block-softmax kernel is the reference composition, with each sequence's length masking its keys."""
+    if not cpu_kernels_for(dtype):
+        pytest.skip(f"this CPU build has no {dtype} matmul/layer_norm kernels")
+    config = TransformerConfig(1, 12400, 8, 1, 8, 1)
+    _, tiled, _ = models(config, dtype, reference_tile=1024)
+    path = LongContextTransformer(config, query_tile=1024, sdpa_layers=0, key_extent="aligned", softmax=softmax)
+    path.load_state_dict(tiled.state_dict(), strict=True)
+    path = path.to(dtype).eval()
+    x, mask = generate_case(config, "cpu", dtype, 3, padding_ratio=ratio)
+    assert not mask.all()
+    with torch.inference_mode():
+        assert torch.equal(path(x, mask), tiled(x, mask))
+    expected = {f"padded/tiled/cut-rows/{softmax}"} | ({f"padded/tiled/full-rows/{softmax}"} if ratio < 0.01 else set())
+    assert path.last_path_features == expected
+
+
+def test_validation_plan_adds_full_length_trials_only_for_paths_the_reduced_shape_misses(monkeypatch):
+    import kkdeploy.kernels.block_softmax as bs
+    from kkdeploy.pipeline.long_context_plan import plan_validation
+
+    config = TransformerConfig(32, 100000, 1024, 16, 1024, 2)
+    reduced = TransformerConfig(2, 4096, 1024, 16, 1024, 2)
+    tiled = plan_validation(config, reduced, 0, torch.float16, "cpu", query_tile=128, rate=1e10)
+    assert tiled.full_length is None and tiled.feasible  # full rows with ATen's ops: the reduced shape runs them
+    sdpa = plan_validation(config, reduced, 2, torch.float16, "cpu", query_tile=128, rate=1e10)
+    assert sdpa.uncovered == ["all-valid/sdpa@100000"] and not sdpa.feasible  # SDPA rounds anew at every length
+    assert "would take" in sdpa.reason and sdpa.full_length.batch_size == 2
+    monkeypatch.setattr(bs, "fast_path_reason", lambda device, dtype, row_len=None, rows=None: None)
+    fast = plan_validation(config, reduced, 0, torch.float16, "cuda", query_tile=128, rate=5e14)
+    assert set(fast.uncovered) == {f"{m}/tiled/{r}/block-kernel" for m in ("all-valid", "padded")
+                                   for r in ("cut-rows", "full-rows")}
+    assert fast.feasible and fast.full_length.seq_len == 100000 and fast.estimated_seconds < 900
+    assert not plan_validation(config, reduced, 0, torch.float16, "cuda", query_tile=128, rate=1e12,
+                               budget_s=1).feasible
+
+
+def test_build_runs_full_length_trials_where_the_reduced_shape_misses_the_cut_rows(monkeypatch):
+    """With a fast path (here: aligned cuts, float32 so ATen's softmax), rows of 12,400 keys are cut and the
+    reduced shape (S1024) cannot reach the cuts: the build validates at full length, checks every planned path
+    ran, and records it all."""
+    import kkdeploy.kernels.block_softmax as bs
+
+    monkeypatch.setattr(bs, "fast_path_reason", lambda device, dtype, row_len=None, rows=None: None)
+    config = TransformerConfig(2, 12400, 8, 1, 8, 1)
+    result = build_long_context(config, torch.float32, "cpu", seq_len=1024, trials=1, padding_ratio=0.5,
+                                query_tile=1024)
+    chosen = next(c for c in result["candidates"] if c["name"] == "torch-long-context")
+    assert chosen["status"] == "passed" and chosen["sdpa_layers"] == 0 and result["choice"]["validated"]
+    shipped = chosen["calibration"][0]
+    stages = [s["stage"] for s in shipped["stages"]]
+    assert stages == ["reduced", "full-length"]  # ATen's whole padded rows: the reduced shape runs them too
+    assert shipped["not_exercised"] == [] and set(shipped["plan"]["full_features"]) <= set(shipped["exercised_features"])
+    assert "padded/tiled/cut-rows/aten" in shipped["stages"][1]["exercised_features"]
+    assert {r["stage"] for r in result["validation"]["reports"]} == set(stages)
+    assert all(r["bitwise_equal"] for r in result["validation"]["reports"])
+    assert chosen["validated_shapes"][1]["seq_len"] == 12400
+    assert result["kernel_proofs"][0]["chosen"] is None  # the CPU cannot prove the CUDA kernel: it says why
+    assert "CUDA-only" in result["kernel_proofs"][0]["reason"]
+
+
+def test_build_does_not_ship_a_path_no_trial_can_exercise(monkeypatch):
+    """SDPA at the full length cannot be validated within the budget: that candidate is skipped with the reason,
+    and the tiled path, which the reduced shape covers, ships."""
+    config = TransformerConfig(2, 2048, 16, 2, 16, 2)
+    result = build_long_context(config, torch.float32, "cpu", seq_len=256, trials=1, full_length_budget_s=0.0)
+    chosen = next(c for c in result["candidates"] if c["name"] == "torch-long-context")
+    statuses = {c["sdpa_layers"]: c["status"] for c in chosen["calibration"]}
+    assert statuses == {2: "skipped", 1: "skipped", 0: "passed"} and chosen["sdpa_layers"] == 0
+    assert "all-valid/sdpa@2048" in chosen["calibration"][0]["reason"]
+
+
+def test_run_on_a_long_context_artifact_checks_sequences_with_the_tiled_reference(tmp_path, capsys):
+    out = tmp_path / "lc"
+    argv = ["build", "--batch-size", "3", "--seq-len", "600", "--d-model", "16", "--heads", "2", "--ffn-dim", "16",
+            "--layers", "1", "--long-context", "--seq-len-validate", "256", "--device", "cpu", "--trials", "1",
+            "--out", str(out)]
+    assert main(argv) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["choice"]["backend"] == "long_context" and manifest["kernel_proofs"]
+    assert manifest["validation"]["exercised_features"] and "build_seconds" in manifest
+    capsys.readouterr()
+    report = tmp_path / "run.json"
+    assert main(["run", "--artifacts", str(out), "--padding-ratio", "0.25", "--check-sequences", "2",
+                 "--json", str(report)]) == 0
+    text = capsys.readouterr().out
+    assert "against the tiled reference" in text and "peak GPU memory n/a on the CPU" in text
+    result = json.loads(report.read_text())
+    assert [c["sequence"] for c in result["checks"]] == [0, 2] and result["passed"]
+    assert result["shape"]["batch_size"] == 3 and result["path_features"]
+    assert main(["run", "--artifacts", str(out), "--batch-size", "1", "--seq-len", "300", "--check-sequences",
+                 "1"]) == 0
+    assert main(["run", "--artifacts", str(out), "--check-sequences", "-1"]) == 2
+    assert "--check-sequences must be >= 0" in capsys.readouterr().err
+
+
+def test_checked_sequences_spread_over_the_batch():
+    from kkdeploy.pipeline.long_context_run import checked_sequences
+
+    assert checked_sequences(32, 2) == [0, 31] and checked_sequences(32, 3) == [0, 16, 31]
+    assert checked_sequences(1, 2) == [0] and checked_sequences(5, 0) == [] and checked_sequences(3, 9) == [0, 1, 2]
+
+
+def test_calibration_adds_a_tail_trial_for_padded_paths_the_official_inputs_miss_and_refuses_unexercised_ones():
+    """The calibration's logic with a stand-in validation: a padded path the full-length trial did not reach gets
+    one padded trial whose sequences end in the last 4096-key block; a path still not run fails the candidate."""
+    import kkdeploy.pipeline.long_context_plan as plan_module
+    from kkdeploy.pipeline.long_context import calibrate, tail_padding_ratio
+    from kkdeploy.pipeline.long_context_plan import ValidationPlan
+
+    full = ["all-valid/tiled/cut-rows/block-kernel", "padded/tiled/cut-rows/block-kernel",
+            "padded/tiled/full-rows/block-kernel"]
+    config, reduced = TransformerConfig(2, 100000, 64, 4, 64, 1), TransformerConfig(2, 4096, 64, 4, 64, 1)
+
+    def fake_plan(config, validated, sdpa_layers, dtype, device, **kw):
+        return ValidationPlan(sdpa_layers, full, [], full, config)
+
+    def run(reaches_tail):
+        calls = []
+
+        def validate(shape, sdpa_layers, stage, trials, modes):
+            calls.append((stage, modes))
+            ran = {"reduced": [], "full-length": full[:2], "full-length-tail": full[2:] if reaches_tail else []}
+            return {"passed": True, "failed_elements": 0, "seconds": 0.1, "exercised_features": ran[stage]}
+
+        return calls, calibrate(config, reduced, torch.float16, "cpu", [0], validate=validate, query_tile=128,
+                                full_length_batch=2, full_length_trials=1, full_length_budget_s=900)
+
+    original = plan_module.plan_validation
+    plan_module.plan_validation = fake_plan
+    try:
+        calls, (layers, _, calibration) = run(True)
+        assert calls == [("reduced", None), ("full-length", None), ("full-length-tail", ("padded",))]
+        assert calibration[0]["passed"] and calibration[0]["not_exercised"] == []
+        calls, (layers, _, calibration) = run(False)
+        assert not calibration[0]["passed"] and calibration[0]["not_exercised"] == full[2:]
+        assert "not exercised by any trial: padded/tiled/full-rows/block-kernel" in calibration[0]["reason"]
+    finally:
+        plan_module.plan_validation = original
+    ratio = tail_padding_ratio(100000)
+    lowest = max(1, round(100000 * (1 - ratio)))
+    assert lowest > 98304  # every generated length ends in the last block: the last tiles read whole rows

@@ -29,8 +29,19 @@ def register(sub):
     p.add_argument("--warmups", type=int, default=20)
     p.add_argument("--repeats", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--seq-len-validate", dest="validate_seq_len", type=int,
-                   help="shape 14: sequence length of the reduced validation shape (default 4096)")
+    lc = p.add_argument_group("long context (shape 14, or a custom shape with --long-context)")
+    lc.add_argument("--long-context", action="store_true",
+                    help="build a custom shape on the bounded-memory long-context path (shape 14 always takes it)")
+    lc.add_argument("--seq-len-validate", dest="validate_seq_len", type=int,
+                    help="sequence length of the reduced validation shape (default 4096)")
+    lc.add_argument("--full-length-batch", type=int, default=None,
+                    help="sequences of the full-length trials, run where the reduced shape misses a path the "
+                         "full shape runs (default 2)")
+    lc.add_argument("--full-length-trials", type=int, default=None,
+                    help="full-length trials per mask mode (default 1)")
+    lc.add_argument("--full-length-budget", type=float, default=None, metavar="S",
+                    help="full-length trials estimated to take longer than this are not run, and the paths only "
+                         "they would check are not shipped (default 900)")
     p.add_argument("--ort-level", choices=["disabled", "basic", "extended", "all"],
                    help="ONNX Runtime graph optimization level (default: extended on CPU, basic on CUDA)")
     p.add_argument("--linear", choices=["gemm", "matmul_add", "fp32", "bias_in_k", "custom"],
@@ -67,6 +78,14 @@ def run(args) -> int:
     device, dtype = resolve_runtime(args)
     if not 0 < args.padding_ratio < 1:
         raise KKError(f"--padding-ratio must be in (0, 1), got {args.padding_ratio}")
+    for flag, value in (("--full-length-batch", args.full_length_batch), ("--full-length-trials",
+                                                                         args.full_length_trials)):
+        if value is not None and value < 1:
+            raise KKError(f"{flag} must be at least 1, got {value}")
+    if args.full_length_budget is not None and args.full_length_budget < 0:
+        raise KKError(f"--full-length-budget must be >= 0 seconds, got {args.full_length_budget}")
+    if args.long_context and args.shape is not None and args.shape not in LONG_CONTEXT_SHAPES:
+        raise KKError(f"--long-context applies to custom shapes; shape {args.shape} is dense (drop --long-context)")
     if args.all:
         if args.shape is not None or args.out:
             raise KKError("--all builds every official shape into its default directory; drop --shape/--out")
@@ -77,7 +96,7 @@ def run(args) -> int:
     status = 0
     for shape_id, config in targets:
         out = Path(args.out) if args.out else default_out_dir(shape_id, config, dtype, device)
-        if shape_id in LONG_CONTEXT_SHAPES:
+        if shape_id in LONG_CONTEXT_SHAPES or args.long_context:
             from ..pipeline.long_context import build_long_context_artifacts
 
             status = max(status, build_long_context_artifacts(args, shape_id, config, dtype, device, out))

@@ -25,7 +25,13 @@ def register(sub):
     p.add_argument("--padding-ratio", type=float, default=0.0)
     p.add_argument("--contract", default=None, choices=["strict", "judge"],
                    help="default: the contract the artifacts were validated under (manifest)")
-    p.add_argument("--repeats", type=int, default=20, help="timed calls (default 20)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls (default 20; 1 for long-context artifacts)")
+    lc = p.add_argument_group("long-context artifacts (shape 14)")
+    lc.add_argument("--check-sequences", type=int, default=None,
+                    help="sequences compared with the tiled reference, spread over the batch (default 2)")
+    lc.add_argument("--batch-size", type=int, help="serve this many sequences instead of the artifact's batch")
+    lc.add_argument("--seq-len", type=int, help="serve sequences of this length instead of the artifact's")
+    lc.add_argument("--json", help="also write the result as JSON here")
     p.set_defaults(func=run)
 
 
@@ -36,7 +42,19 @@ def run(args) -> int:
 
     if not 0 <= args.padding_ratio < 1:
         raise KKError(f"--padding-ratio must be in [0, 1), got {args.padding_ratio}")
+    if args.repeats is not None and args.repeats < 1:
+        raise KKError(f"--repeats must be at least 1, got {args.repeats}")
     runner = kkdeploy.load(args.artifacts, device=args.device)
+    from ..pipeline.long_context_run import is_long_context, run_long_context
+
+    if is_long_context(runner):
+        args.repeats = args.repeats or 1
+        return run_long_context(args, runner)
+    for flag in ("check_sequences", "batch_size", "seq_len", "json"):
+        if getattr(args, flag) is not None:
+            raise KKError(f"--{flag.replace('_', '-')} applies to long-context artifacts; {args.artifacts} holds "
+                          f"a dense engine of a fixed shape")
+    args.repeats = args.repeats or 20
     config, model = runner.config, runner.fallback
     device, dtype = model.device, model.dtype
     reference = ReferenceTransformer(config)

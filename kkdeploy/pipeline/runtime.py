@@ -120,6 +120,43 @@ def load_fallback(root: Path, manifest: dict, config: TransformerConfig, dtype: 
     return model.to(device=device, dtype=dtype).eval()
 
 
+def adopt_long_context_proofs(root: Path, manifest: dict, model, config: TransformerConfig, dtype: torch.dtype,
+                              device: torch.device) -> str:
+    """The long-context model runs our block-softmax kernel only where a proof holds here. A proof the build made
+    in this same environment (manifest) is adopted; elsewhere (another GPU, torch, CUDA, compiler or kernel source)
+    the kernel is proven again now, on the artifact's own weights, and the answer cached beside the artifacts
+    (``proofs/``). Without a bit-identical launch the tiled layers read full key rows with ATen's ops: the
+    reference's bits, slower. Returns the sentence for the runner's reason ("" when the kernel cannot run here)."""
+    from ..kernels.block_softmax import OP, kernel_refusal, proof_environment, proof_shape
+    from ..kernels.proof import ProofCache, ProofRecord, lookup_proof, remember_proof
+
+    if kernel_refusal(device, dtype) or not config.causal:
+        return ""
+    shape = proof_shape(config.seq_len, config.num_heads * model.query_tile)
+    environment = proof_environment(device)
+    for recorded in manifest.get("kernel_proofs") or []:
+        if recorded.get("op") == OP and recorded.get("environment") == environment and recorded.get("shape") == shape:
+            try:
+                record = ProofRecord.from_dict({k: v for k, v in recorded.items() if k != "wall_seconds"})
+            except TypeError:
+                break
+            remember_proof(record)
+            return f"block-softmax kernel: {record.chosen or 'unproven'} (the build's proof holds here)"
+    local = ProofCache(root / "proofs")
+    record = lookup_proof(environment, OP, shape, cache=local)
+    if record is None:
+        from .long_context_plan import prove_long_context_kernels
+
+        validation = manifest.get("validation") or {}
+        proof = prove_long_context_kernels(model, config, dtype, device, seed=int(validation.get("seed", 1234)),
+                                           padding_ratio=float(validation.get("padding_ratio") or 0.25))
+        record = ProofRecord.from_dict({k: v for k, v in proof.items() if k != "wall_seconds"})
+        local.put(record)
+    if record.chosen:
+        return f"block-softmax kernel proven again here at load: {record.chosen}"
+    return f"block-softmax kernel not bit-identical here ({record.reason}): full key rows with ATen's ops"
+
+
 def read_manifest(root: Path) -> dict:
     if not root.is_dir():
         raise KKError(f"{root} is not a directory; pass the artifact directory written by `kkdeploy build`")
@@ -155,7 +192,12 @@ def load(path, device=None) -> ServedRunner:
             log.warning("kkdeploy: serving the PyTorch fallback for %s: %s", root, reason)
         return ServedRunner(fallback, backend=FALLBACK, reason=reason, manifest=manifest)
 
-    if choice["candidate"] == FALLBACK or choice.get("backend") == "long_context":
+    if choice.get("backend") == "long_context":
+        note = adopt_long_context_proofs(root, manifest, fallback, config, dtype, device)
+        served = serve_fallback(choice["reason"] + (f"; {note}" if note else ""))
+        served.backend = choice["candidate"]
+        return served
+    if choice["candidate"] == FALLBACK:
         served = serve_fallback(choice["reason"])
         served.backend = choice["candidate"]
         return served

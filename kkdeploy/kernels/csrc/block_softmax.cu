@@ -76,44 +76,149 @@ __device__ float block_max(float v, float* shared) {
   return m;
 }
 
+// Launch variants. None changes what is computed, only how; each is proven bitwise against the reference
+// composition on the GPU before it runs (kkdeploy.kernels.block_softmax.prove_block_softmax):
+//  * kRawMax: pass 1 takes the max of the raw fp16 scores and scales it once. The score map
+//    raw -> fp16(fp16(raw) * scale) is monotone for scale > 0 (a product by a positive number, then
+//    round-to-nearest), so the max of the scores is the score of the max raw value: max is exact in any order.
+//  * kMarkstein: p = e / sum as one correctly rounded reciprocal per row and two fmas (Markstein's
+//    correction: q = e * r, rem = fma(-q, sum, e) is exact, p = fma(rem, r, q)), instead of IEEE division per
+//    element. It is exact for normal quotients; the probabilities it could differ on are far below the
+//    smallest float16, so the cast gives the same bits. Proven, not assumed.
+//  * vector IO (chosen at launch when pointers and strides allow): 4 halfs per load and store.
+constexpr int kRawMax = 1;
+constexpr int kMarkstein = 2;
+
+__device__ __forceinline__ float score_of(float raw, float scale) {
+  return __half2float(__float2half_rn(raw * scale));  // ATen: fp16 tensor * Python float, in fp32 opmath
+}
+
+__device__ __forceinline__ void load4(const __half* row, int64_t v, float (&x)[kVec]) {
+  const uint2 packed = *reinterpret_cast<const uint2*>(row + v * kVec);
+  const __half2 lo = *reinterpret_cast<const __half2*>(&packed.x);
+  const __half2 hi = *reinterpret_cast<const __half2*>(&packed.y);
+  x[0] = __low2float(lo);
+  x[1] = __high2float(lo);
+  x[2] = __low2float(hi);
+  x[3] = __high2float(hi);
+}
+
 // One block per row. `row_len` is the logical row length L (what the reference's softmax sees), `tail` its
 // scalar tail (L mod 4096 for cunn_SoftMaxForward, 0 for the Smem kernel), `first_query` the query index of
-// row 0 and `queries` the rows per query tile (row r is query first_query + r % queries).
-__global__ void causal_block_softmax_kernel(const __half* __restrict__ raw, __half* __restrict__ out,
-                                            int64_t width, int64_t ld_in, int64_t ld_out, int64_t row_len,
-                                            int64_t tail, int64_t first_query, int64_t queries, float scale,
-                                            int causal) {
+// row 0 and `queries` the rows per query tile (row r is query first_query + r % queries). With `lengths`
+// (padded calls, one valid-prefix length per sequence; row r belongs to sequence r / rows_per_sequence), keys
+// at or past the sequence's length are masked too, for every query, as the reference masks invalid keys.
+template <int kVariant, bool kVecIO>
+__global__ void __launch_bounds__(kThreads) causal_block_softmax_kernel(
+    const __half* __restrict__ raw, __half* __restrict__ out, int64_t width, int64_t ld_in, int64_t ld_out,
+    int64_t row_len, int64_t tail, int64_t first_query, int64_t queries, float scale, int causal,
+    const int64_t* __restrict__ lengths, int64_t rows_per_sequence) {
   __shared__ float shared[kThreads];
   const int64_t r = blockIdx.x;
   const __half* row = raw + r * ld_in;
   __half* orow = out + r * ld_out;
   const int64_t query = first_query + r % queries;
-  const int64_t visible = causal ? (query + 1 < row_len ? query + 1 : row_len) : row_len;
+  int64_t visible = causal ? (query + 1 < row_len ? query + 1 : row_len) : row_len;
+  if (lengths != nullptr) {
+    const int64_t valid = lengths[r / rows_per_sequence];
+    visible = valid < visible ? valid : visible;
+  }
   const int64_t main_end = row_len - tail;  // vector-owned elements [0, main_end)
   const int t = threadIdx.x;
 
   // pass 1: the thread's max over its elements (ATen starts from -FLT_MAX)
   float m = -FLT_MAX;
-  for (int64_t v = t; v * kVec < main_end && v * kVec < visible; v += kThreads)
+  if (kVariant & kRawMax) {
+    __half hm = __float2half_rn(-INFINITY);
+    bool any = false;
+    for (int64_t v = t; v * kVec < main_end && v * kVec < visible; v += kThreads) {
+      if (kVecIO && v * kVec + kVec <= visible) {
+        const uint2 packed = *reinterpret_cast<const uint2*>(row + v * kVec);
+        const __half2 pair = __hmax2(*reinterpret_cast<const __half2*>(&packed.x),
+                                     *reinterpret_cast<const __half2*>(&packed.y));
+        hm = __hmax(hm, __hmax(__low2half(pair), __high2half(pair)));
+      } else {
+        for (int j = 0; j < kVec && v * kVec + j < visible; ++j) hm = __hmax(hm, row[v * kVec + j]);
+      }
+      any = true;
+    }
+    for (int64_t e = main_end + t; e < row_len && e < visible; e += kThreads) {
+      hm = __hmax(hm, row[e]);
+      any = true;
+    }
+    if (any) m = fmaxf(m, score_of(__half2float(hm), scale));
+  } else {
+    for (int64_t v = t; v * kVec < main_end && v * kVec < visible; v += kThreads)
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) m = fmaxf(m, score(row, v * kVec + j, visible, scale));
-  for (int64_t e = main_end + t; e < row_len && e < visible; e += kThreads) m = fmaxf(m, score(row, e, visible, scale));
+      for (int j = 0; j < kVec; ++j) m = fmaxf(m, score(row, v * kVec + j, visible, scale));
+    for (int64_t e = main_end + t; e < row_len && e < visible; e += kThreads)
+      m = fmaxf(m, score(row, e, visible, scale));
+  }
   const float row_max = block_max(m, shared);
 
   // pass 2: the thread's sum, element by element in ATen's order
   float s = 0.f;
-  for (int64_t v = t; v * kVec < main_end && v * kVec < visible; v += kThreads)
+  for (int64_t v = t; v * kVec < main_end && v * kVec < visible; v += kThreads) {
+    if (kVecIO) {
+      float x[kVec];
+      load4(row, v, x);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) s = s + expf(score(row, v * kVec + j, visible, scale) - row_max);
+      for (int j = 0; j < kVec; ++j)
+        s = s + expf((v * kVec + j < visible ? score_of(x[j], scale) : -INFINITY) - row_max);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) s = s + expf(score(row, v * kVec + j, visible, scale) - row_max);
+    }
+  }
   for (int64_t e = main_end + t; e < row_len && e < visible; e += kThreads)
     s = s + expf(score(row, e, visible, scale) - row_max);
   const float row_sum = block_sum(s, shared);
+  const float inverse = (kVariant & kMarkstein) ? __frcp_rn(row_sum) : 0.f;
 
-  // pass 3: the probabilities of the stored columns (0 past the query, as exp(-inf) / sum is)
-  for (int64_t e = t; e < width; e += kThreads) {
-    const float p = e < visible ? expf(score(row, e, visible, scale) - row_max) / row_sum : 0.f;
-    orow[e] = __float2half_rn(p);
+  // pass 3: the probabilities of the stored columns (0 past the visible keys, as exp(-inf) / sum is)
+  auto probability = [&](float x, int64_t e) -> float {
+    if (e >= visible) return 0.f;
+    const float ex = expf(score_of(x, scale) - row_max);
+    if (kVariant & kMarkstein) {
+      const float q = __fmul_rn(ex, inverse);
+      return __fmaf_rn(__fmaf_rn(-q, row_sum, ex), inverse, q);
+    }
+    return ex / row_sum;
+  };
+  if (kVecIO) {
+    for (int64_t v = t; v * kVec < width; v += kThreads) {
+      const int64_t e0 = v * kVec;
+      uint2 packed = make_uint2(0u, 0u);  // all zero halfs: the masked keys' probabilities
+      if (e0 < visible) {
+        float x[kVec];
+        load4(row, v, x);
+        const __half2 lo = __floats2half2_rn(probability(x[0], e0), probability(x[1], e0 + 1));
+        const __half2 hi = __floats2half2_rn(probability(x[2], e0 + 2), probability(x[3], e0 + 3));
+        packed.x = *reinterpret_cast<const unsigned*>(&lo);
+        packed.y = *reinterpret_cast<const unsigned*>(&hi);
+      }
+      *reinterpret_cast<uint2*>(orow + e0) = packed;
+    }
+  } else {
+    for (int64_t e = t; e < width; e += kThreads)
+      orow[e] = __float2half_rn(e < visible ? probability(__half2float(row[e]), e) : 0.f);
   }
+}
+
+template <int kVariant>
+cudaError_t launch_variant(bool vec_io, unsigned rows, cudaStream_t stream, const __half* raw, __half* out,
+                           int64_t width, int64_t ld_in, int64_t ld_out, int64_t row_len, int64_t tail,
+                           int64_t first_query, int64_t queries, float scale, int causal, const int64_t* lengths,
+                           int64_t rows_per_sequence) {
+  if (vec_io)
+    causal_block_softmax_kernel<kVariant, true><<<rows, kThreads, 0, stream>>>(
+        raw, out, width, ld_in, ld_out, row_len, tail, first_query, queries, scale, causal, lengths,
+        rows_per_sequence);
+  else
+    causal_block_softmax_kernel<kVariant, false><<<rows, kThreads, 0, stream>>>(
+        raw, out, width, ld_in, ld_out, row_len, tail, first_query, queries, scale, causal, lengths,
+        rows_per_sequence);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -122,20 +227,39 @@ extern "C" {
 
 __attribute__((visibility("default"))) const char* kk_block_softmax_last_error(void) { return g_error.c_str(); }
 
-// probs[r, :width] for rows r < rows; see the kernel. Returns 0, or 1 with kk_block_softmax_last_error().
+// probs[r, :width] for rows r < rows; see the kernel. `variant` is a sum of kRawMax (1) and kMarkstein (2);
+// `vector_io` allows 4-half loads and stores (taken only when pointers and strides are 8-byte aligned).
+// `lengths` may be null (no padding). Returns 0, or 1 with kk_block_softmax_last_error().
 __attribute__((visibility("default"))) int kk_causal_block_softmax_f16(
     const void* raw, void* out, int64_t rows, int64_t width, int64_t ld_in, int64_t ld_out, int64_t row_len,
-    int64_t tail, int64_t first_query, int64_t queries, float scale, int causal, void* stream) {
+    int64_t tail, int64_t first_query, int64_t queries, float scale, int causal, const void* lengths,
+    int64_t rows_per_sequence, int variant, int vector_io, void* stream) {
   if (rows <= 0 || width <= 0) return 0;
-  if (row_len <= 1024 || width > row_len || queries <= 0 || tail < 0 || tail >= 4096 || rows > 2147483647LL) {
+  if (row_len <= 1024 || width > row_len || queries <= 0 || tail < 0 || tail >= 4096 || rows > 2147483647LL ||
+      (lengths != nullptr && rows_per_sequence <= 0) || variant < 0 || variant > 3 ||
+      ((variant & kRawMax) && !(scale > 0.f))) {
     g_error = "kk_causal_block_softmax_f16: needs rows longer than 1024, width <= row_len, queries > 0, "
-              "0 <= tail < 4096";
+              "0 <= tail < 4096, rows_per_sequence > 0 with lengths, variant 0..3, and scale > 0 for the raw max";
     return 1;
   }
-  causal_block_softmax_kernel<<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const __half*>(raw), static_cast<__half*>(out), width, ld_in, ld_out, row_len, tail, first_query,
-      queries, scale, causal);
-  const cudaError_t err = cudaGetLastError();
+  const bool vec = vector_io && width % kVec == 0 && ld_in % kVec == 0 && ld_out % kVec == 0 &&
+                   reinterpret_cast<uintptr_t>(raw) % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
+  const auto* in = static_cast<const __half*>(raw);
+  auto* o = static_cast<__half*>(out);
+  const auto* len = static_cast<const int64_t*>(lengths);
+  const auto st = static_cast<cudaStream_t>(stream);
+  const auto n = static_cast<unsigned>(rows);
+  cudaError_t err;
+  switch (variant) {
+    case 0: err = launch_variant<0>(vec, n, st, in, o, width, ld_in, ld_out, row_len, tail, first_query, queries,
+                                    scale, causal, len, rows_per_sequence); break;
+    case 1: err = launch_variant<1>(vec, n, st, in, o, width, ld_in, ld_out, row_len, tail, first_query, queries,
+                                    scale, causal, len, rows_per_sequence); break;
+    case 2: err = launch_variant<2>(vec, n, st, in, o, width, ld_in, ld_out, row_len, tail, first_query, queries,
+                                    scale, causal, len, rows_per_sequence); break;
+    default: err = launch_variant<3>(vec, n, st, in, o, width, ld_in, ld_out, row_len, tail, first_query,
+                                     queries, scale, causal, len, rows_per_sequence); break;
+  }
   if (err != cudaSuccess) {
     g_error = std::string("causal_block_softmax_kernel: ") + cudaGetErrorString(err);
     return 1;

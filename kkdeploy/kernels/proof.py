@@ -1,0 +1,273 @@
+"""Proof that a kernel of ours may stand in for the ATen op it replaces, here, now, at this op shape.
+
+Why: strict FP16 is bitwise in practice (design.md §6): one differing bit inside the model grows past the rule at
+the output. So a kernel runs only where it was shown bit-identical to the op it replaces on this device, with this
+torch/CUDA/compiler, at the model's own op shape, and not because a table of past measurements says so.
+
+A proof runs every launch variant of one op on a list of cases (real activations of the model being built, padded
+and all-valid, and random inputs), counts the elements whose bits differ from the reference op's output, keeps the
+variants with 0 differing, times them on one case and picks the fastest. It is bounded in time (``budget_s``: the
+cases left when it runs out are not run, and a variant with a case not run is not proven) and says what it spent.
+
+The record (``ProofRecord.to_dict``) goes into the build's manifest. ``ProofCache`` keeps records on disk keyed by
+environment, op and op shape, so a process that finds a proof made in the same environment reuses it; an
+environment that differs (another GPU, torch, CUDA, compiler, or kernel source) finds none and proves again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from kkdeploy.errors import KKError
+
+#: bump when the record's meaning changes: older cached records are then ignored
+PROOF_SCHEMA = "kkdeploy-proof/1"
+
+
+def differing_elements(ours: torch.Tensor, ref: torch.Tensor) -> int:
+    """Elements whose bits differ (any dtype: compared as raw bytes per element; signed zeros and NaN payloads
+    count). A shape or dtype mismatch counts every element."""
+    if ours.shape != ref.shape or ours.dtype != ref.dtype:
+        return max(ours.numel(), ref.numel())
+    width = ref.element_size()
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+    return int((ours.contiguous().view(view) != ref.contiguous().view(view)).sum())
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_version() -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version("triton")
+    except Exception:  # not installed: kernels that need it are not proven here
+        return None
+
+
+def environment_key(device: torch.device | str, extra: Optional[dict] = None) -> dict:
+    """What a proof holds for: the device, its capability, torch, CUDA and Triton, plus ``extra`` (e.g. a kernel's
+    source hash and compiler). Two environments with equal keys run the same machine code."""
+    device = torch.device(device)
+    key = {"device_type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda,
+           "triton": _triton_version()}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key.update({"device_name": torch.cuda.get_device_name(index),
+                    "capability": list(torch.cuda.get_device_capability(index))})
+    key.update(extra or {})
+    return key
+
+
+def key_digest(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+@dataclass
+class ProofCase:
+    """One input set at the op's shape: ``run(launch)`` computes our kernel's output with that launch variant and
+    ``reference()`` the ATen op's output on the same inputs."""
+    label: str
+    reference: Callable[[], torch.Tensor]
+    run: Callable[[str], torch.Tensor]
+
+
+@dataclass
+class LaunchResult:
+    launch: str
+    elements: int = 0
+    differing: int = 0
+    cases: int = 0
+    ms: Optional[float] = None
+    status: str = "unproven"  # "proven" (0 differing on every case), "differs", "error", "unproven"
+    detail: str = ""
+
+
+@dataclass
+class ProofRecord:
+    op: str
+    shape: dict
+    environment: dict
+    launches: list[LaunchResult] = field(default_factory=list)
+    chosen: Optional[str] = None
+    reason: str = ""
+    seconds: float = 0.0
+    cases: list[str] = field(default_factory=list)
+    schema: str = PROOF_SCHEMA
+
+    @property
+    def proven(self) -> bool:
+        return self.chosen is not None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ProofRecord":
+        data = dict(data)
+        data["launches"] = [LaunchResult(**r) for r in data.get("launches", [])]
+        return cls(**data)
+
+    def summary(self) -> str:
+        if self.proven:
+            return f"{self.op} {self.shape}: {self.chosen} ({self.reason})"
+        return f"{self.op} {self.shape}: unproven ({self.reason})"
+
+
+def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median wall milliseconds of ``fn()`` (CUDA events on a GPU), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return round(sorted(times)[len(times) // 2], 4)
+
+
+def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequence[ProofCase],
+                   device: torch.device | str, *, environment: Optional[dict] = None,
+                   timing_case: Optional[int] = None, repeats: int = 5, budget_s: float = 30.0,
+                   clock: Callable[[], float] = time.perf_counter) -> ProofRecord:
+    """Run every launch on every case, compare bits with the reference, time the survivors, choose the fastest.
+
+    A launch is proven only if it ran every case with 0 differing elements; an exception in a launch is recorded
+    as ``error`` (never raised). When ``budget_s`` runs out, the remaining cases are not run, and no launch that
+    missed a case is proven. ``timing_case`` (default: the last case) is the case the survivors are timed on."""
+    device = torch.device(device)
+    start = clock()
+    record = ProofRecord(op=op, shape=dict(shape), environment=environment or environment_key(device))
+    results = {name: LaunchResult(name) for name in launches}
+    if not launches:
+        raise KKError(f"proof of {op}: no launch variants to prove")
+    for case in cases:
+        if clock() - start > budget_s:
+            record.reason = f"budget of {budget_s:g} s spent before case {case.label!r}"
+            break
+        record.cases.append(case.label)
+        try:
+            expected = case.reference()
+        except Exception as exc:  # the reference itself cannot run: nothing is proven on this case
+            for result in results.values():
+                result.status, result.detail = "error", f"reference failed on {case.label}: {type(exc).__name__}"
+            continue
+        for name, result in results.items():
+            if result.status in ("error",):
+                continue
+            try:
+                got = case.run(name)
+            except Exception as exc:
+                result.status = "error"
+                result.detail = f"{case.label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                continue
+            differing = differing_elements(got, expected)
+            result.elements += expected.numel()
+            result.differing += differing
+            result.cases += 1
+            if differing and not result.detail:
+                result.detail = f"first difference on {case.label}"
+            del got
+        del expected
+    survivors = []
+    for result in results.values():
+        if result.status == "error":
+            continue
+        if result.cases == len(cases) and result.differing == 0:
+            result.status = "proven"
+            survivors.append(result)
+        elif result.differing:
+            result.status = "differs"
+    if survivors:
+        chosen_case = cases[len(cases) - 1 if timing_case is None else timing_case]
+        for result in survivors:
+            result.ms = median_ms(lambda: chosen_case.run(result.launch), repeats, device)
+        best = min(survivors, key=lambda r: r.ms)
+        record.chosen = best.launch
+        record.reason = (f"{len(survivors)} of {len(results)} launches bit-identical on {len(cases)} cases "
+                         f"({best.elements} elements each); fastest {best.launch} at {best.ms} ms on "
+                         f"{chosen_case.label}")
+    elif not record.reason:
+        record.reason = "no launch was bit-identical on every case: " + "; ".join(
+            f"{r.launch} {r.status}{f' ({r.differing} differing)' if r.differing else ''}"
+            f"{f' {r.detail}' if r.status == 'error' else ''}" for r in results.values())
+    record.launches = list(results.values())
+    record.seconds = round(clock() - start, 3)
+    return record
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KKDEPLOY_CACHE_DIR") or "~/.cache/kkdeploy").expanduser() / "proofs"
+
+
+class ProofCache:
+    """Proof records on disk, one JSON file per (environment, op, op shape); written atomically."""
+
+    def __init__(self, root: Optional[Path] = None):
+        self.root = Path(root) if root is not None else cache_root()
+
+    def path(self, environment: dict, op: str, shape: dict) -> Path:
+        return self.root / f"{op}-{key_digest(environment, op, shape)}.json"
+
+    def get(self, environment: dict, op: str, shape: dict) -> Optional[ProofRecord]:
+        path = self.path(environment, op, shape)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if data.get("schema") != PROOF_SCHEMA or data.get("environment") != environment:
+            return None
+        try:
+            return ProofRecord.from_dict(data)
+        except TypeError:
+            return None
+
+    def put(self, record: ProofRecord) -> Path:
+        from kkdeploy.artifacts import write_json
+
+        path = self.path(record.environment, record.op, record.shape)
+        try:
+            write_json(path, record.to_dict())
+        except OSError:  # a read-only cache only costs a re-proof next time
+            pass
+        return path
+
+
+_REMEMBERED: dict[str, ProofRecord] = {}
+
+
+def remember_proof(record: ProofRecord, cache: Optional[ProofCache] = None) -> None:
+    """Keep ``record`` for this process and in the on-disk cache (an environment fact, like a compiled kernel)."""
+    _REMEMBERED[key_digest(record.environment, record.op, record.shape)] = record
+    (cache or ProofCache()).put(record)
+
+
+def lookup_proof(environment: dict, op: str, shape: dict, cache: Optional[ProofCache] = None) -> Optional[ProofRecord]:
+    """The proof of ``op`` at ``shape`` made in ``environment`` (this process first, then the disk cache)."""
+    digest = key_digest(environment, op, shape)
+    if digest not in _REMEMBERED:
+        record = (cache or ProofCache()).get(environment, op, shape)
+        if record is None:
+            return None
+        _REMEMBERED[digest] = record
+    return _REMEMBERED[digest]
+
+
+def forget_proofs() -> None:
+    """Drop this process's remembered proofs (tests; the disk cache stays)."""
+    _REMEMBERED.clear()

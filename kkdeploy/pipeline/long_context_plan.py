@@ -1,0 +1,189 @@
+"""What the long-context build proves and validates before it ships, so that what ships is what was checked.
+
+Two steps come before the strict validation decides:
+
+* **The kernel proof.** Where the block-softmax kernel can run (CUDA, float16), its launch variants are checked bit
+  for bit against the reference's composition on tiles of the model's own layer-0 attention (the build's weights,
+  an official-style input, all-valid and padded, at the full sequence length) and on random tiles, then timed; the
+  fastest bit-identical launch is what the model runs (``kkdeploy.kernels.block_softmax.prove_block_softmax``).
+  No bit-identical launch: the tiled layers read full key rows with ATen's ops.
+* **The validation plan.** The reduced shape (B2/S4096) is cheap, but its rows are too short to reach the key cuts
+  and the block-softmax kernel (rows of 12,288 keys and more), and SDPA rounds differently at every length. So the
+  plan compares the code paths a full-size call runs (``LongContextTransformer.path_features``) with those the
+  reduced trials run; whatever the reduced shape misses is validated at the full sequence length on a few
+  sequences. A path that no trial can exercise here (full-length trials too slow for this device) is not shipped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..config import TransformerConfig
+from ..inputs import generate_case
+from ..models.long_context import LongContextTransformer, key_end
+
+#: sequences of the full-length trials (two: the micro-batch loop runs more than once)
+DEFAULT_FULL_LENGTH_BATCH = 2
+#: full-length trials per mask mode
+DEFAULT_FULL_LENGTH_TRIALS = 1
+#: full-length trials estimated to take longer than this on this device are not run (the paths they would
+#: exercise are then not shipped)
+DEFAULT_FULL_LENGTH_BUDGET_S = 900.0
+#: the reference's attention costs about this many times the path's (full key rows, unfused ATen ops)
+REFERENCE_COST_FACTOR = 3.0
+
+
+def full_length_config(config: TransformerConfig, batch: int = DEFAULT_FULL_LENGTH_BATCH) -> TransformerConfig:
+    """The full-length validation shape: the logical sequence length on ``batch`` sequences."""
+    return replace(config, batch_size=min(batch, config.batch_size))
+
+
+def planned_features(model: LongContextTransformer, seq_len: int, device, dtype) -> set[str]:
+    """Every code path a call on rows of ``seq_len`` may run, all-valid and padded (every tile)."""
+    return (model.path_features(seq_len, False, device, dtype) | model.path_features(seq_len, True, device, dtype))
+
+
+@dataclass
+class ValidationPlan:
+    """Which trials the build runs for one ``sdpa_layers`` choice, and why."""
+    sdpa_layers: int
+    full_features: list[str]
+    reduced_features: list[str]
+    uncovered: list[str]  # full-size paths the reduced trials do not run
+    full_length: TransformerConfig | None  # the full-length trial shape, None when not needed
+    feasible: bool = True
+    reason: str = ""
+    estimated_seconds: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"sdpa_layers": self.sdpa_layers, "full_features": self.full_features,
+                "reduced_features": self.reduced_features, "uncovered_by_reduced": self.uncovered,
+                "full_length_shape": None if self.full_length is None else self.full_length.to_dict(),
+                "feasible": self.feasible, "reason": self.reason, "estimated_seconds": self.estimated_seconds}
+
+
+def trial_flops(config: TransformerConfig, runs: int) -> float:
+    from .long_context import model_flops
+
+    return model_flops(config) * runs * (1 + REFERENCE_COST_FACTOR) / 2
+
+
+def plan_validation(config: TransformerConfig, validated: TransformerConfig, sdpa_layers: int, dtype, device, *,
+                    query_tile: int, full_length_batch: int = DEFAULT_FULL_LENGTH_BATCH,
+                    full_length_trials: int = DEFAULT_FULL_LENGTH_TRIALS,
+                    budget_s: float = DEFAULT_FULL_LENGTH_BUDGET_S, rate=None) -> ValidationPlan:
+    """The plan for one ``sdpa_layers``: the reduced trials, plus full-length trials when the reduced shape misses
+    a path the full shape runs. ``rate`` (FLOP/s; default measured now) prices the full-length trials."""
+    probe = LongContextTransformer(config, query_tile=query_tile, sdpa_layers=sdpa_layers)
+    full = planned_features(probe, config.seq_len, device, dtype)
+    reduced = planned_features(probe, validated.seq_len, device, dtype)
+    uncovered = sorted(full - reduced)
+    plan = ValidationPlan(sdpa_layers, sorted(full), sorted(reduced), uncovered, None)
+    if not uncovered:
+        plan.reason = f"the reduced shape (S{validated.seq_len}) runs every path the full shape runs"
+        return plan
+    plan.full_length = full_length_config(config, full_length_batch)
+    if rate is None:
+        from .long_context import measured_matmul_flops
+
+        rate = measured_matmul_flops(torch.device(device), dtype)
+    runs = 2 * full_length_trials  # all-valid and padded
+    plan.estimated_seconds = round(trial_flops(plan.full_length, runs) / max(rate, 1.0), 1)
+    if plan.estimated_seconds > budget_s:
+        plan.feasible = False
+        plan.reason = (f"the full-size call runs {', '.join(uncovered)}, which the reduced shape does not reach, and "
+                       f"full-length trials ({plan.full_length.describe()}) would take ~{plan.estimated_seconds:.0f} s "
+                       f"here (budget {budget_s:.0f} s)")
+    else:
+        plan.reason = (f"the reduced shape (S{validated.seq_len}) does not reach {', '.join(uncovered)}: validated "
+                       f"at full length on {plan.full_length.batch_size} sequence(s)")
+    return plan
+
+
+# -- the kernel proof -----------------------------------------------------------------------------------------
+def layer0_heads(model: LongContextTransformer, x: torch.Tensor):
+    """Layer 0's q and k [b,H,S,Dh] for input ``x``: the scores the first tiled layer computes."""
+    layer = model.layers[0]
+    with torch.inference_mode():
+        h = layer.norm1(x)
+        attn = layer.attention
+        return attn.split_heads(attn.q_proj(h)), attn.split_heads(attn.k_proj(h)), attn.scale
+
+
+def tile_starts(seq_len: int, query_tile: int, limit: int | None = None) -> list[int]:
+    """Tiles worth proving on: the first, the first past the shortest key cut, the middle, the last, and (padded)
+    the one holding the last valid query."""
+    from ..models.long_context import ALIGNED_MIN_KEYS
+
+    last = (seq_len - 1) // query_tile * query_tile
+    starts = {0, min(last, ALIGNED_MIN_KEYS // query_tile * query_tile), seq_len // 2 // query_tile * query_tile,
+              last}
+    if limit is not None:
+        starts.add((limit - 1) // query_tile * query_tile)
+    return sorted(starts)
+
+
+def proof_cases(model: LongContextTransformer, config: TransformerConfig, dtype, device, *, seed: int,
+                padding_ratio: float, query_tile: int):
+    """Tiles of the model's layer-0 attention on one full-length sequence (all-valid and padded) and random tiles,
+    as ``tile_case``s; the timed case is the all-valid middle tile."""
+    from ..kernels.block_softmax import tile_case
+
+    one = replace(config, batch_size=1)
+    seq_len = config.seq_len
+    cases = []
+    x, _ = generate_case(one, device, dtype, seed)
+    q, k, scale = layer0_heads(model, x)
+    for t0 in tile_starts(seq_len, query_tile):
+        t1 = min(seq_len, t0 + query_tile)
+        cases.append(tile_case(f"model all-valid tile {t0}", q, k, scale, t0, query_tile,
+                               key_end(t1, seq_len, True, "aligned", seq_len), None))
+    timing_case = next(i for i, c in enumerate(cases) if c.label.endswith(f" {seq_len // 2 // query_tile * query_tile}"))
+    x, mask = generate_case(one, device, dtype, seed + 1, padding_ratio=padding_ratio)
+    q, k, _ = layer0_heads(model, x)
+    lengths = mask.sum(dim=1)
+    limit = int(lengths.max())
+    for t0 in tile_starts(seq_len, query_tile, limit):
+        if t0 >= limit:
+            continue
+        t1 = min(seq_len, t0 + query_tile)
+        cases.append(tile_case(f"model padded (length {limit}) tile {t0}", q, k, scale, t0, query_tile,
+                               key_end(t1, limit, True, "aligned", seq_len), lengths))
+    generator = torch.Generator(device=device).manual_seed(seed + 2)
+    rq, rk = (torch.randn(q.shape, generator=generator, device=device, dtype=dtype) for _ in range(2))
+    t0 = seq_len // 2 // query_tile * query_tile
+    t1 = min(seq_len, t0 + query_tile)
+    cases.append(tile_case(f"random tile {t0}", rq, rk, scale, t0, query_tile, key_end(t1, seq_len, True, "aligned",
+                                                                                       seq_len), None))
+    cases.append(tile_case(f"random padded tile {t0}", rq, rk, scale, t0, query_tile,
+                           key_end(t1, t1 - 7, True, "aligned", seq_len),
+                           torch.tensor([t1 - 7], device=device)))
+    return cases, timing_case
+
+
+def prove_long_context_kernels(model: LongContextTransformer, config: TransformerConfig, dtype, device, *,
+                               seed: int, padding_ratio: float, budget_s: float = 60.0) -> dict:
+    """The block-softmax proof at this model's op shape (rows of S keys, heads x query tile per launch), made now
+    on its own weights. Returns the record (``ProofRecord.to_dict``); where the kernel cannot run, the record's
+    reason says why and nothing is proven."""
+    from ..kernels.block_softmax import kernel_refusal, prove_block_softmax
+
+    device = torch.device(device)
+    start = time.perf_counter()
+    rows = config.num_heads * model.query_tile
+    if kernel_refusal(device, dtype) or not config.causal:
+        record = prove_block_softmax(device, [], config.seq_len, rows) if config.causal else None
+        if record is None:
+            return {"op": "block_softmax", "chosen": None, "reason": "not causal: the kernel is for causal tiles"}
+        return record.to_dict()
+    cases, timing_case = proof_cases(model, config, dtype, device, seed=seed, padding_ratio=padding_ratio,
+                                     query_tile=model.query_tile)
+    record = prove_block_softmax(device, cases, config.seq_len, rows, budget_s=budget_s, timing_case=timing_case)
+    del cases
+    result = record.to_dict()
+    result["wall_seconds"] = round(time.perf_counter() - start, 3)
+    return result

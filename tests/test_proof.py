@@ -1,0 +1,99 @@
+"""kkdeploy.kernels.proof: a kernel runs only where a proof made here found it bit-identical (fake ops on the CPU;
+the real kernels' arithmetic is the GPU's and the interpreter tests')."""
+
+import torch
+
+from kkdeploy.kernels import proof
+
+
+def fake_cases(n=3, bad_on=None, crash_on=None):
+    """Cases whose reference is x * 2; launch 'exact' doubles, 'off-by-one-ulp' perturbs case ``bad_on``,
+    'slow' doubles slowly, 'crash' raises on case ``crash_on``."""
+    cases = []
+    for i in range(n):
+        x = torch.arange(16, dtype=torch.float16) + i
+
+        def run(launch, x=x, i=i):
+            y = x * 2
+            if launch == "off-by-one-ulp" and i == bad_on:
+                y = y.clone()
+                y.view(torch.int16)[3] += 1
+            if launch == "crash" and i == crash_on:
+                raise RuntimeError("launch failed\nsecond line")
+            if launch == "slow":
+                for _ in range(20000):
+                    pass
+            return y
+
+        cases.append(proof.ProofCase(f"case {i}", lambda x=x: x * 2, run))
+    return cases
+
+
+def test_only_launches_with_zero_differing_bits_on_every_case_are_proven_and_the_fastest_is_chosen():
+    record = proof.prove_launches("fake", {"n": 16}, ["slow", "off-by-one-ulp", "exact", "crash"],
+                                  fake_cases(bad_on=2, crash_on=1), "cpu", environment={"k": 1}, repeats=3)
+    status = {r.launch: r for r in record.launches}
+    assert status["off-by-one-ulp"].status == "differs" and status["off-by-one-ulp"].differing == 1
+    assert status["off-by-one-ulp"].detail == "first difference on case 2"
+    assert status["crash"].status == "error" and status["crash"].detail == "case 1: RuntimeError: launch failed"
+    assert status["exact"].status == status["slow"].status == "proven"
+    assert status["exact"].elements == 48 and status["exact"].cases == 3
+    assert record.chosen == "exact" and status["exact"].ms <= status["slow"].ms
+    assert "2 of 4 launches bit-identical on 3 cases" in record.reason
+    assert record.to_dict()["launches"][2]["launch"] == "exact"
+    assert proof.ProofRecord.from_dict(record.to_dict()) == record
+
+
+def test_no_bit_identical_launch_proves_nothing_and_says_why():
+    record = proof.prove_launches("fake", {}, ["off-by-one-ulp"], fake_cases(bad_on=0), "cpu", environment={})
+    assert record.chosen is None and not record.proven
+    assert record.reason == "no launch was bit-identical on every case: off-by-one-ulp differs (1 differing)"
+
+
+def test_a_spent_budget_leaves_launches_unproven():
+    ticks = iter([0.0, 0.0, 5.0, 100.0, 100.0, 100.0])
+    record = proof.prove_launches("fake", {}, ["exact"], fake_cases(n=3), "cpu", environment={}, budget_s=10,
+                                  clock=lambda: next(ticks))
+    assert record.cases == ["case 0", "case 1"] and record.chosen is None
+    assert record.reason == "budget of 10 s spent before case 'case 2'"
+    assert record.launches[0].status == "unproven"
+
+
+def test_bits_not_values_decide():
+    a = torch.tensor([0.0, 1.0], dtype=torch.float16)
+    assert proof.differing_elements(a, torch.tensor([-0.0, 1.0], dtype=torch.float16)) == 1  # +0, -0: other bits
+    assert proof.differing_elements(a, a.float()) == 2  # another dtype: every element
+    assert proof.differing_elements(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == 0
+
+
+def test_the_cache_is_keyed_by_environment_op_and_shape(tmp_path):
+    cache = proof.ProofCache(tmp_path)
+    record = proof.ProofRecord(op="fake", shape={"n": 16}, environment={"torch": "a"}, chosen="exact", reason="r")
+    cache.put(record)
+    assert cache.get({"torch": "a"}, "fake", {"n": 16}) == record
+    assert cache.get({"torch": "b"}, "fake", {"n": 16}) is None  # another environment proves again
+    assert cache.get({"torch": "a"}, "fake", {"n": 32}) is None  # another op shape too
+    assert cache.get({"torch": "a"}, "other", {"n": 16}) is None
+    cache.path({"torch": "a"}, "fake", {"n": 16}).write_text("{not json")
+    assert cache.get({"torch": "a"}, "fake", {"n": 16}) is None  # a damaged file is no proof
+
+
+def test_remembered_proofs_are_found_in_process_then_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path))
+    proof.forget_proofs()
+    try:
+        record = proof.ProofRecord(op="fake", shape={"n": 1}, environment={"e": 1}, chosen="exact")
+        assert proof.lookup_proof({"e": 1}, "fake", {"n": 1}) is None
+        proof.remember_proof(record)
+        assert proof.lookup_proof({"e": 1}, "fake", {"n": 1}) is record
+        proof.forget_proofs()
+        assert proof.lookup_proof({"e": 1}, "fake", {"n": 1}) == record  # from $KKDEPLOY_CACHE_DIR/proofs
+        assert proof.lookup_proof({"e": 2}, "fake", {"n": 1}) is None
+    finally:
+        proof.forget_proofs()
+
+
+def test_the_environment_key_names_what_the_machine_code_depends_on():
+    key = proof.environment_key("cpu", {"kernel": "k", "source": "abc"})
+    assert key["device_type"] == "cpu" and key["torch"] == torch.__version__ and key["source"] == "abc"
+    assert "triton" in key and "cuda" in key
