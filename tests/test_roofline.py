@@ -3,6 +3,7 @@ limits measured on the CPU, the launch count's plumbing, and bench.json / bench.
 
 from __future__ import annotations
 
+import struct
 from types import SimpleNamespace
 
 import pytest
@@ -12,8 +13,16 @@ from kkdeploy import TransformerConfig
 from kkdeploy.config import official_config
 from kkdeploy.pipeline import launches as launches_module
 from kkdeploy.pipeline import machine_limits
-from kkdeploy.pipeline.roofline import (fraction_of_limit, gemm_flops, minimal_bytes, parameter_count,
+from kkdeploy.pipeline.bench import ShapeJob, aggregate_shape, markdown_table, plot_speedups
+from kkdeploy.pipeline.roofline import (call_work, fraction_of_limit, gemm_flops, minimal_bytes, parameter_count,
                                         pool_launches, pool_limits, roofline_record, time_terms_ms)
+from kkdeploy.pipeline.timing import LatencyStats
+
+# The contract of bench.json's per-backend ``roofline`` record: key -> allowed types.
+NUMBER = (int, float)
+ROOFLINE_SCHEMA = {"fraction": NUMBER, "bound": (str,), "bound_ms": NUMBER, "terms_ms": (dict,), "measured_ms": NUMBER,
+                   "flops": (int,), "bytes": (int,), "launches": (int, type(None)),
+                   "launches_counted_by": (str, type(None)), "achieved_tflop_s": NUMBER, "achieved_gb_s": NUMBER}
 
 LIMITS = {"device": "cuda:0", "dtype": "float16", "tf32": False,
           "gemm": {"tflop_s": 100.0, "n": 8192, "ms": 11.0},
@@ -209,3 +218,70 @@ def test_launches_are_not_counted_on_the_cpu_and_profiler_events_are_tallied():
                 SimpleNamespace(key="aten::addmm", count=8, device_type=DeviceType.CPU)]
     assert tally_device_events(averages) == {"kernel": 8, "memcpy": 2, "memset": 1}
     assert launches_module.device_event_kind("triton_poi_fused_0") == "kernel"
+
+
+# -- bench.json, bench.md, bench.png -----------------------------------------------------------------------------------
+def _worker(limits, launches_count):
+    eager = LatencyStats.from_times([4.0, 4.0, 4.0], [4.0]).to_dict(include_times=True)
+    engine = LatencyStats.from_times([0.09, 0.09, 0.09], [0.09]).to_dict(include_times=True)
+    return {"dtype": "float16", "limits": limits, "backends": {
+        "eager": {"status": "reference", "reason": "", "latency": eager,
+                  "launches": {"count": None, "reason": "an uncaptured call: counted in the first process only"}},
+        "engine": {"status": "passed", "reason": "", "all_valid_only": False, "latency": engine,
+                   "failed_elements": {"all-valid": 0, "padded": 0}, "max_abs": 0.0,
+                   "launches": {"count": launches_count, "method": "CUDA-graph nodes"}},
+        "broken": {"status": "failed", "reason": "3 elements", "failed_elements": {"all-valid": 3}, "max_abs": 1.0}}}
+
+
+def _png_size(path) -> tuple[int, int]:
+    return struct.unpack(">II", path.read_bytes()[16:24])
+
+
+def _data(shapes):
+    return {"created": "now", "command": "kkdeploy bench", "shapes": shapes,
+            "protocol": {"dtype": "float16", "device": "cuda", "contract": "strict", "atol": 0.001, "rtol": 0.01,
+                         "trials": 5, "seed": 1234, "padding_ratio": 0.25, "warmups": 20, "repeats": 100,
+                         "rounds": 3, "processes": 2, "timer": "CUDA events"},
+            "environment": {"device": "cuda", "gpu": "test GPU", "versions": {"torch": "x"}}}
+
+
+def test_aggregated_shape_carries_the_roofline_per_timed_backend_in_bench_md_and_png(tmp_path):
+    config = official_config(3)
+    shape = aggregate_shape(ShapeJob("shape-03", 3, config), [_worker(LIMITS, 41), _worker(None, 41)], [])
+    work = shape["roofline"]["work"]
+    assert work == call_work(config, torch.float16) and work["flops"]["total"] == 470_286_336
+    assert shape["roofline"]["limits"]["processes"] == 1 and shape["roofline"]["limits_per_process"][1] is None
+    engine = shape["backends"]["engine"]["roofline"]
+    for key, types in ROOFLINE_SCHEMA.items():  # the JSON contract of the record
+        assert isinstance(engine[key], types), (key, engine[key])
+    assert set(engine["terms_ms"]) == {"compute", "memory", "launch"}
+    assert engine["launches"] == 41 and engine["bound"] == "launch"
+    assert engine["fraction"] == pytest.approx(0.045 / 0.09)
+    eager = shape["backends"]["eager"]["roofline"]  # uncounted: the floor of one call (0.005 ms > compute's 0.0047)
+    assert eager["launches"] is None and "first process" in eager["launches_reason"]
+    assert eager["terms_ms"]["compute"] == pytest.approx(470_286_336 / 100e12 * 1e3)
+    assert eager["bound"] == "launch" and eager["fraction"] == pytest.approx(0.005 / 4.0)
+    assert "roofline" not in shape["backends"]["broken"]  # not timed, no fraction
+    md = markdown_table(_data([shape]))
+    assert "| fraction of limit (bound) |" in md and "| 0.50 launch |" in md
+    assert "## Roofline" in md and "0.4703 GFLOP" in md and "GEMM 100 TFLOP/s (n=8192)" in md
+    assert "| shape-03 | engine | 0.09 | 41 |" in md
+    plot_speedups(_data([shape]), tmp_path / "bench.png")
+    assert _png_size(tmp_path / "bench.png")[1] == 1100  # two panels: speedup, fraction of the limit
+
+
+def test_old_bench_results_without_a_roofline_still_read():
+    """A bench.json written before the roofline: no section, '-' in the column, one panel in the chart."""
+    shape = aggregate_shape(ShapeJob("shape-03", 3, official_config(3)), [_worker(None, 41)], [])
+    for b in shape["backends"].values():
+        b.pop("roofline", None)
+    shape.pop("roofline")
+    md = markdown_table(_data([shape]))
+    assert "## Roofline" not in md and md.count("| - |") >= 1
+
+
+def test_old_bench_png_has_one_panel(tmp_path):
+    shape = aggregate_shape(ShapeJob("shape-03", 3, official_config(3)), [_worker(None, 41)], [])
+    assert shape["backends"]["engine"]["roofline"]["fraction"] is None  # no limits: nothing to draw
+    plot_speedups(_data([shape]), tmp_path / "bench.png")
+    assert _png_size(tmp_path / "bench.png")[1] == 605
