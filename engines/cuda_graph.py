@@ -2,6 +2,9 @@
 
 Static input buffers are filled by copy before each replay; the caller gets a clone of the static
 output, because the next replay overwrites it (design.md §7: the caller owns every output).
+
+The graph keeps its ``cudaGraph_t`` after capture (``keep_graph``, torch >= 2.8) so that the bench can count its
+nodes (``kkdeploy.pipeline.launches``); the executable graph it replays is the same either way.
 """
 
 from __future__ import annotations
@@ -11,6 +14,14 @@ from typing import Callable
 import torch
 
 WARMUP_CALLS = 3
+
+
+def new_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
+    """(graph, kept): a graph that keeps its cudaGraph_t for inspection where this torch can, else a plain one."""
+    try:
+        return torch.cuda.CUDAGraph(keep_graph=True), True
+    except TypeError:  # torch < 2.8: no keep_graph; nodes cannot be counted, replay is unchanged
+        return torch.cuda.CUDAGraph(), False
 
 
 class CapturedCall:
@@ -33,10 +44,22 @@ class CapturedCall:
             for _ in range(warmups):
                 fn(self.x, self.mask)
         torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph, self.graph_kept = new_graph()
         with torch.inference_mode(), torch.cuda.graph(self.graph):
             self.y = fn(self.x, self.mask)
+        if self.graph_kept:
+            self.graph.instantiate()  # a kept graph is not instantiated at capture end; do it now, not on first replay
         torch.cuda.synchronize(device)
+
+    @property
+    def ops_outside_graph(self) -> int:
+        """Stream operations a call issues besides the replay: the input copy, the mask copy (unless
+        all-valid-only) and the output clone."""
+        return 2 if self.all_valid_only else 3
+
+    def raw_graph(self) -> int | None:
+        """The captured cudaGraph_t (an address), or None where this torch cannot keep it."""
+        return self.graph.raw_cuda_graph() if self.graph_kept else None
 
     def __call__(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         self.x.copy_(x)

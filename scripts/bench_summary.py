@@ -11,6 +11,10 @@ of those speedups over the shapes present.
 
 Next to the protocol's speedup (over the pooled eager median) it gives the conservative one, over
 eager's fastest round median in the same processes (``kkdeploy.pipeline.bench.eager_floor_ms`` says why).
+
+Where the runs recorded a roofline (``kkdeploy.pipeline.roofline``), the fastest fully passing backend's fraction of
+the limit and the term that binds it are a column, followed by their geometric mean and the three shapes furthest from
+their limit. Older bench.json files without it read as before.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kkdeploy.pipeline.bench import EAGER, eager_floor_ms, geometric_mean, plot_speedups  # noqa: E402
+from kkdeploy.pipeline.roofline import format_fraction  # noqa: E402
+
+FURTHEST = 3  # shapes listed as furthest from their limit
 
 PASSED, PASSED_ALL_VALID_ONLY = "passed", "passed-all-valid-only"
 
@@ -47,7 +54,7 @@ def best(shape: dict, statuses: tuple[str, ...]) -> tuple[str, dict] | None:
 
 
 def summarize(shapes: list[dict]) -> dict:
-    rows, full, valid, floor = [], [], [], []
+    rows, full, valid, floor, fractions = [], [], [], [], []
     for s in shapes:
         eager_entry = s["backends"].get(EAGER, {})
         eager, eager_floor = eager_entry.get("median_ms"), eager_floor_ms(eager_entry)
@@ -58,16 +65,23 @@ def summarize(shapes: list[dict]) -> dict:
                      "eager_floor_ms": eager_floor,
                      "best_full": b_full and (b_full[0], b_full[1]["median_ms"], b_full[1]["speedup"]),
                      "best_all_valid": b_valid and (b_valid[0], b_valid[1]["median_ms"], b_valid[1]["speedup"]),
+                     "best_full_roofline": b_full and b_full[1].get("roofline"),
                      "failed": failed, "errors": s["errors"]})
         if b_full:
             full.append(b_full[1]["speedup"])
+            roofline = b_full[1].get("roofline") or {}
+            if roofline.get("fraction") is not None:
+                fractions.append((roofline["fraction"], s["label"], b_full[0], roofline.get("bound")))
             if eager_floor:
                 floor.append(eager_floor / b_full[1]["median_ms"])
         if b_valid:
             valid.append(b_valid[1]["speedup"])
     return {"rows": rows, "geomean_full": geometric_mean(full), "geomean_all_valid": geometric_mean(valid),
             "min_full": min(full) if full else None, "shapes": len(shapes),
-            "geomean_full_over_eager_floor": geometric_mean(floor), "min_full_over_eager_floor": min(floor, default=None)}
+            "geomean_full_over_eager_floor": geometric_mean(floor),
+            "min_full_over_eager_floor": min(floor, default=None),
+            "geomean_fraction_full": geometric_mean([f[0] for f in fractions]), "fraction_shapes": len(fractions),
+            "furthest_from_limit": sorted(fractions)[:FURTHEST]}
 
 
 def markdown(summary: dict, runs: list[dict]) -> str:
@@ -75,16 +89,17 @@ def markdown(summary: dict, runs: list[dict]) -> str:
     proto = runs[0]["protocol"] if runs else {}
     lines = [f"device {env.get('gpu', env.get('cpu', '?'))}, versions {env.get('versions')}, dtype {proto.get('dtype')}, "
              f"contract {proto.get('contract')}, processes {sorted({r['protocol']['processes'] for r in runs})}", "",
-             "| shape | procs | eager ms (fastest round) | best fully passing (ms, x) | best for all-valid calls (ms, x) "
-             "| failed candidates |",
-             "|---|---|---|---|---|---|"]
+             "| shape | procs | eager ms (fastest round) | best fully passing (ms, x) | its fraction of limit (bound) "
+             "| best for all-valid calls (ms, x) | failed candidates |",
+             "|---|---|---|---|---|---|---|"]
     fmt = lambda b: f"{b[0]} {b[1]:.4g} ms, {b[2]:.2f}x" if b else "none"  # noqa: E731
     for r in summary["rows"]:
         failed = "; ".join(f"{n} {v}" for n, v in r["failed"].items()) or "-"
         eager = f"{r['eager_ms']:.4g} ({r['eager_floor_ms']:.4g})" if r["eager_ms"] else "-"
         errors = f" **errors: {r['errors']}**" if r["errors"] else ""
         lines.append(f"| {r['label']} | {r['processes']} | {eager} | {fmt(r['best_full'])} | "
-                     f"{fmt(r['best_all_valid'])} | {failed}{errors} |")
+                     f"{format_fraction(r.get('best_full_roofline'))} | {fmt(r['best_all_valid'])} | "
+                     f"{failed}{errors} |")
     g_full, g_valid = summary["geomean_full"], summary["geomean_all_valid"]
     lines += ["", f"geomean over {summary['shapes']} shape(s): fully passing "
               f"{g_full:.2f}x, all-valid calls {g_valid:.2f}x; slowest fully passing "
@@ -93,6 +108,11 @@ def markdown(summary: dict, runs: list[dict]) -> str:
         lines.append(f"over eager's fastest round median instead (conservative): fully passing geomean "
                      f"{summary['geomean_full_over_eager_floor']:.2f}x, slowest "
                      f"{summary['min_full_over_eager_floor']:.2f}x")
+    if summary.get("geomean_fraction_full"):
+        furthest = ", ".join(f"{label} {frac:.2g} ({name}, {bound} bound)"
+                             for frac, label, name, bound in summary["furthest_from_limit"])
+        lines.append(f"fraction of the roofline limit, fastest fully passing: geomean "
+                     f"{summary['geomean_fraction_full']:.3g} over {summary['fraction_shapes']} shape(s); furthest from it: {furthest}")
     return "\n".join(lines) + "\n"
 
 

@@ -157,6 +157,8 @@ step_promote() {
 step_bench() {
   # BENCH_DTYPE float16|float32, BENCH_CONTRACT strict|judge, BENCH_PROCESSES (3), BENCH_ARGS (extra flags).
   # $WORK/proven.env (the promote step's output on this machine), when there, sets what the kernels may use.
+  # Every bench.json carries each timed backend's roofline (fraction of the limit measured in its processes), and
+  # the summary its column, geomean and the three shapes furthest from their limit (docs/benchmark.md, Roofline).
   if [ -f "$WORK/proven.env" ]; then . "$WORK/proven.env"; grep -v '^#' "$WORK/proven.env" | sed 's/^/bench with: /'; fi
   dt=${BENCH_DTYPE:-float16}; ct=${BENCH_CONTRACT:-strict}
   for s in ${BENCH_SHAPES:-2 3 12 1 4 5 7 9 10 11 8 13 6}; do

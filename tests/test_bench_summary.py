@@ -38,3 +38,27 @@ def test_conservative_speedup_divides_eager_fastest_round_by_the_best_passing_me
     text = bench_summary.markdown(bench_summary.summarize(loaded), runs)
     assert "| shape-01 | 3 | 4 (2) | a 0.5 ms, 8.00x |" in text
     assert "conservative): fully passing geomean 6.00x, slowest 4.00x" in text
+
+
+def test_the_fraction_of_the_limit_follows_the_best_fully_passing_backend(bench_summary, tmp_path):
+    """Issue 31: the fastest fully passing backend's roofline fraction is a column, then its geomean and the shapes
+    furthest from their limit; a shape from an older bench.json (no roofline) reads '-'."""
+    shapes = [shape(1, [4.0], 4.0, {"a": ("passed", 0.5), "b": ("passed", 1.0)}),
+              shape(2, [9.0], 9.0, {"a": ("passed", 1.0)}),
+              shape(3, [2.0], 2.0, {"a": ("passed", 1.0)}),
+              shape(4, [2.0], 2.0, {"a": ("passed", 1.0)})]
+    for s, fraction, bound in ((shapes[0], 0.5, "launch"), (shapes[1], 0.02, "compute"), (shapes[2], 0.08, "memory")):
+        s["backends"]["a"]["roofline"] = {"fraction": fraction, "bound": bound}
+    shapes[0]["backends"]["b"]["roofline"] = {"fraction": 0.9, "bound": "launch"}  # slower: not the one reported
+    summary = bench_summary.summarize(shapes)
+    assert summary["geomean_fraction_full"] == pytest.approx((0.5 * 0.02 * 0.08) ** (1 / 3))
+    assert [(f, label) for f, label, _, _ in summary["furthest_from_limit"]] == [
+        (0.02, "shape-02"), (0.08, "shape-03"), (0.5, "shape-01")]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"protocol": {"dtype": "float16", "contract": "strict", "processes": 3},
+                                "environment": {"gpu": "test"}, "shapes": shapes}))
+    loaded, runs = bench_summary.load_shapes([str(tmp_path)])
+    text = bench_summary.markdown(bench_summary.summarize(loaded), runs)
+    assert "| shape-01 | 3 | 4 (4) | a 0.5 ms, 8.00x | 0.50 launch |" in text
+    assert "| shape-04 | 3 | 2 (2) | a 1 ms, 2.00x | - |" in text
+    assert "geomean 0.0928 over 3 shape(s); furthest from it: shape-02 0.02 (a, compute bound)" in text

@@ -113,8 +113,24 @@ def test_bench_command_writes_json_markdown_and_png(tmp_path, capsys):
         assert backends[name]["status"] == "passed"
         assert backends[name]["failed_elements"] == {"all-valid": 0, "padded": 0}
     assert backends["torch-graph"]["status"] == "skipped" and "CUDA" in backends["torch-graph"]["reason"]
+    # the roofline (issue 31): the shape's work, the limits measured in the worker, a fraction per timed backend
+    roofline = shape["roofline"]
+    # 2 layers x (projections 8·T·D² + FFN 4·T·D·F + attention 2 GEMMs x 2·B·D·S(S+1)/2), T = 16, B 2, S 8 (36 pairs)
+    assert roofline["work"]["flops"]["total"] == 2 * (8 * 16 * 16 * 16 + 4 * 16 * 16 * 24 + 2 * 2 * 2 * 16 * 36)
+    worker_limits = roofline["limits_per_process"][0]
+    assert worker_limits["device"] == "cpu" and worker_limits["gemm"]["tflop_s"] > 0 and worker_limits["copy"]["gb_s"] > 0
+    assert roofline["limits"]["launch"]["floor_ms"] == worker_limits["launch"]["floor_ms"] > 0
+    for name in ("eager", "optimized-sdpa0", "optimized-sdpa1"):
+        r = backends[name]["roofline"]
+        assert r["launches"] is None and "not counted on the CPU" in r["launches_reason"]
+        assert r["bound"] in ("compute", "memory", "launch") and r["measured_ms"] == backends[name]["median_ms"]
+        assert r["fraction"] == pytest.approx(r["bound_ms"] / r["measured_ms"]) and r["fraction"] > 0
+        assert r["bound_ms"] == max(v for v in r["terms_ms"].values() if v is not None)
+    assert "roofline" not in backends["torch-graph"]  # skipped: nothing measured
     md = (out / "bench.md").read_text()
     assert "| shape | backend | status |" in md and "| custom | optimized-sdpa1 | passed |" in md
+    assert "fraction of limit (bound) |" in md and "## Roofline" in md
+    assert "roofline custom: " in capsys.readouterr().out  # the printed summary: work and limits per shape
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     validation = json.loads((out / "logs" / "validation-custom-p0.json").read_text())
     assert validation["statuses"] == {"optimized-sdpa0": "passed", "optimized-sdpa1": "passed"}

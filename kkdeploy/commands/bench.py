@@ -76,7 +76,8 @@ def run(args) -> int:
 
 
 def print_summary(data: dict) -> None:
-    from ..pipeline.bench import EAGER, geometric_mean
+    from ..pipeline.bench import EAGER, _limits_text, geometric_mean
+    from ..pipeline.roofline import format_fraction
 
     rows = []
     speedups: dict[str, list[float]] = {}
@@ -89,13 +90,20 @@ def print_summary(data: dict) -> None:
                          f"{b['p90_ms']:.4g}" if "p90_ms" in b else "-",
                          f"{peak / 2**20:.1f}" if peak else "-",
                          f"{b['tokens_per_s']:,.0f}" if b.get("tokens_per_s") else "-",
-                         f"{b['speedup']:.2f}x" if b.get("speedup") else "-"])
+                         f"{b['speedup']:.2f}x" if b.get("speedup") else "-",
+                         format_fraction(b.get("roofline"))])
             if b.get("speedup") and name != EAGER:
                 speedups.setdefault(name, []).append(b["speedup"])
         for err in shape["errors"]:
             console.print(f"[red]{shape['label']}: {err}[/]")
     console.print(table("Benchmark", ["shape", "backend", "status", "failed (valid/padded)", "median ms", "p90 ms",
-                                      "peak MiB", "tokens/s", "speedup"], rows))
+                                      "peak MiB", "tokens/s", "speedup", "fraction of limit"], rows))
+    for shape in data["shapes"]:
+        roofline = shape.get("roofline")
+        if roofline:
+            work = roofline["work"]
+            console.print(f"roofline {shape['label']}: {work['flops']['total'] / 1e9:.4g} GFLOP, "
+                          f"{work['bytes']['total'] / 1e6:.4g} MB per call; {_limits_text(roofline['limits'])}")
     if len(data["shapes"]) > 1:
         for name, values in speedups.items():
             console.print(f"{name}: geometric-mean speedup {geometric_mean(values):.2f}x over "

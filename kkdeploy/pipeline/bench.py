@@ -29,6 +29,9 @@ from engines.base import PASSED, PASSED_ALL_VALID_ONLY
 from ..config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES, TransformerConfig, dtype_name, official_config
 from ..errors import KKError
 from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
+from .launches import count_launches
+from .machine_limits import measure_limits
+from .roofline import attach_roofline, call_work, format_fraction
 from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS, LatencyStats, measure_latency
 
 BENCH_FORMAT = "kkdeploy-bench/1"
@@ -340,6 +343,7 @@ def run_worker(job: ShapeJob, options: BenchOptions, process_index: int, log_dir
     dtype = parse_dtype(options.dtype)
     started = time.perf_counter()
     tf32 = set_process_tf32(options, device, dtype)
+    limits = measure_limits(device, dtype)  # before any model: the machine as it is, with TF32 as the process has it
     reference, _ = build_models(job.config, dtype, device, weights=options.weights, sdpa_layers=0)
     runners, all_valid_only, skipped, info = bench_candidates(job, options, reference, device, dtype)
     report = validate_candidates(reference, runners, job.config, dtype, device, seed=options.seed,
@@ -372,10 +376,13 @@ def run_worker(job: ShapeJob, options: BenchOptions, process_index: int, log_dir
             calls[name] = (lambda r=runner: r(x, mask))
         stats = measure_latency(calls, device, warmups=options.warmups, repeats=options.repeats,
                                 rounds=options.rounds) if calls else {}
+        for name in stats:  # after the timing, so that counting (CUPTI) cannot disturb it
+            backends[name]["launches"] = count_launches(timed[name], calls[name], device,
+                                                        profile_uncaptured=process_index == 0)
     for name, s in stats.items():
         backends[name]["latency"] = s.to_dict(include_times=True)
     return {"label": job.label, "shape_id": job.shape_id, "config": job.config.to_dict(), "process": process_index,
-            "pid": os.getpid(), "device": str(device), "dtype": dtype_name(dtype), "tf32": tf32,
+            "pid": os.getpid(), "device": str(device), "dtype": dtype_name(dtype), "tf32": tf32, "limits": limits,
             "validation_seconds": round(report.seconds, 3), "seconds": round(time.perf_counter() - started, 3),
             "backends": backends}
 
@@ -429,8 +436,11 @@ def _combine_status(statuses: list[str]) -> str:
     return FAILED
 
 
-def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str]) -> dict:
-    """Pool every process's samples per backend; a backend passes only if it passed in every process."""
+def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str], dtype: str | None = None) -> dict:
+    """Pool every process's samples per backend; a backend passes only if it passed in every process.
+
+    Every timed backend also gets its ``roofline`` record (``kkdeploy.pipeline.roofline``): the shape's work in
+    ``dtype`` (default: the workers' dtype) against the limits the processes measured."""
     config = job.config
     tokens = config.batch_size * config.seq_len
     names: list[str] = []
@@ -478,8 +488,16 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str]) -> di
         if eager and entry.get("median_ms"):
             entry["speedup"] = eager / entry["median_ms"]
             entry["speedup_over_eager_floor"] = floor / entry["median_ms"]
-    return {"label": job.label, "shape_id": job.shape_id, "config": config.to_dict(), "tokens": tokens,
-            "processes": len(results), "errors": errors, "backends": backends}
+    shape = {"label": job.label, "shape_id": job.shape_id, "config": config.to_dict(), "tokens": tokens,
+             "processes": len(results), "errors": errors, "backends": backends}
+    dtype = dtype or next((r["dtype"] for r in results if "dtype" in r), None)
+    if dtype is not None:
+        from ..config import parse_dtype
+
+        launches = {name: [r["backends"].get(name, {}).get("launches") for r in results] for name in names}
+        shape["roofline"] = attach_roofline(backends, call_work(config, parse_dtype(dtype)),
+                                            [r.get("limits") for r in results], launches)
+    return shape
 
 
 def eager_floor_ms(eager: dict) -> float | None:
@@ -535,8 +553,8 @@ def markdown_table(data: dict) -> str:
         f"timing by {p['timer']}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), "",
         "| shape | backend | status | failed elements | median ms | p90 ms | peak MiB (extra) | tokens/s | speedup "
-        "| over eager's fastest round |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| over eager's fastest round | fraction of limit (bound) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for shape in data["shapes"]:
         for name, b in shape["backends"].items():
@@ -548,9 +566,10 @@ def markdown_table(data: dict) -> str:
                 f"| {shape['label']} | {name} | {status} | {failed} | {_fmt(b.get('median_ms'), '.4g')} | "
                 f"{_fmt(b.get('p90_ms'), '.4g')} | {memory} | "
                 f"{_fmt(b.get('tokens_per_s'), ',.0f')} | {_fmt(b.get('speedup'), '.2f')}x | "
-                f"{_fmt(b.get('speedup_over_eager_floor'), '.2f')}x |".replace("-x |", "- |"))
+                f"{_fmt(b.get('speedup_over_eager_floor'), '.2f')}x |".replace("-x |", "- |")
+                + f" {format_fraction(b.get('roofline'))} |")
         for err in shape["errors"]:
-            lines.append(f"| {shape['label']} | (process) | **error** | {err.replace('|', '/')} | | | | | | |")
+            lines.append(f"| {shape['label']} | (process) | **error** | {err.replace('|', '/')} | | | | | | | |")
     notes = [f"- {shape['label']} {n}: {b['reason']}" for shape in data["shapes"] for n, b in shape["backends"].items()
              if b["status"] in (FAILED, SKIPPED)]
     if notes:
@@ -564,7 +583,59 @@ def markdown_table(data: dict) -> str:
             for n, b in shape["backends"].items() if "half_gemm_kernel" in b]
     if half:
         lines += ["", "Half-GEMM blocks ran their GEMMs as:", ""] + half
+    lines += roofline_lines(data["shapes"])
     return "\n".join(lines) + "\n"
+
+
+def _limits_text(limits: dict | None) -> str:
+    """One line of the limits a shape's fractions are measured against."""
+    if not limits:
+        return "no limits measured"
+    gemm, copy, launch = limits.get("gemm", {}), limits.get("copy", {}), limits.get("launch", {})
+    parts = [f"GEMM {gemm['tflop_s']:.4g} TFLOP/s (n={gemm['n']})" if "tflop_s" in gemm
+             else f"GEMM: {gemm.get('error')}",
+             f"copy {copy['gb_s']:.4g} GB/s" if "gb_s" in copy else f"copy: {copy.get('error')}"]
+    if "floor_ms" in launch:
+        per = launch.get("per_launch_ms")
+        parts.append(f"call floor {launch['floor_ms'] * 1e3:.3g} us"
+                     + (f" + {per * 1e3:.3g} us per further launch" if per is not None else " (launches not counted)"))
+    else:
+        parts.append(f"launch floor: {launch.get('error')}")
+    return ", ".join(parts) + f" (best of {limits.get('processes', 1)} process(es))"
+
+
+def roofline_lines(shapes: list[dict]) -> list[str]:
+    """bench.md's roofline section: per shape the work and limits, per timed backend its three terms."""
+    with_roofline = [s for s in shapes if s.get("roofline")]
+    if not with_roofline:
+        return []
+    lines = ["", "## Roofline", "",
+             "fraction = max(compute, memory, launch) / median; compute = GEMM FLOPs / measured GEMM peak, memory = "
+             "minimal bytes (weights + input + output) / measured copy bandwidth, launch = call floor + (launches - 1) "
+             "x per-launch cost (docs/benchmark.md, Roofline).", ""]
+    for shape in with_roofline:
+        work, limits = shape["roofline"]["work"], shape["roofline"]["limits"]
+        flops, nbytes = work["flops"], work["bytes"]
+        lines += [f"- {shape['label']}: {flops['total'] / 1e9:.4g} GFLOP (projections "
+                  f"{flops['projections'] / 1e9:.4g}, FFN {flops['ffn'] / 1e9:.4g}, attention "
+                  f"{flops['attention'] / 1e9:.4g}{', causal' if work.get('causal') else ''}), "
+                  f"{nbytes['total'] / 1e6:.4g} MB (weights {nbytes['weights'] / 1e6:.4g}, in "
+                  f"{nbytes['inputs'] / 1e6:.4g}, out {nbytes['outputs'] / 1e6:.4g}); {_limits_text(limits)}"]
+    lines += ["", "| shape | backend | median ms | launches | compute ms | memory ms | launch ms | bound | fraction |"
+              " TFLOP/s | GB/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for shape in with_roofline:
+        for name, b in shape["backends"].items():
+            r = b.get("roofline")
+            if not r:
+                continue
+            terms = r.get("terms_ms") or {}
+            launches = r["launches"] if r.get("launches") is not None else "not counted"
+            lines.append(f"| {shape['label']} | {name} | {_fmt(r['measured_ms'], '.4g')} | {launches} | "
+                         f"{_fmt(terms.get('compute'), '.3g')} | {_fmt(terms.get('memory'), '.3g')} | "
+                         f"{_fmt(terms.get('launch'), '.3g')} | {r.get('bound') or '-'} | "
+                         f"{_fmt(r.get('fraction'), '.3g')} | "
+                         f"{_fmt(r.get('achieved_tflop_s'), '.3g')} | {_fmt(r.get('achieved_gb_s'), '.4g')} |")
+    return lines
 
 
 def shape_tick_labels(shapes: list[dict]) -> list[str]:
@@ -574,8 +645,13 @@ def shape_tick_labels(shapes: list[dict]) -> list[str]:
     return [s["label"] + (f" ({s['processes']} proc)" if s.get("processes", most) < most else "") for s in shapes]
 
 
+def _has_fractions(shapes: list[dict]) -> bool:
+    return any((b.get("roofline") or {}).get("fraction") is not None for s in shapes for b in s["backends"].values())
+
+
 def plot_speedups(data: dict, path: Path) -> None:
-    """Speedup over eager per shape per backend; failed backends get a red x at 0, skipped ones nothing."""
+    """Speedup over eager per shape per backend; failed backends get a red x at 0, skipped ones nothing. Where the
+    backends carry a roofline, a second panel shows each one's fraction of the limit and the term that binds it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -587,9 +663,34 @@ def plot_speedups(data: dict, path: Path) -> None:
         names += [n for n, b in s["backends"].items() if n not in names and n != EAGER
                   and (b.get("speedup") is not None or b["status"] == FAILED)]
     skipped = sorted({n for s in shapes for n, b in s["backends"].items() if b["status"] == SKIPPED})
-    width = 0.8 / max(1, len(names))
-    fig, ax = plt.subplots(figsize=(min(20, max(6, 0.25 * len(shapes) * max(1, len(names)) + 2)), 5.5))
+    fractions = _has_fractions(shapes)
+    fig, axes = plt.subplots(2 if fractions else 1, 1, squeeze=False,
+                             figsize=(min(20, max(6, 0.25 * len(shapes) * max(1, len(names)) + 2)),
+                                      10 if fractions else 5.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color_of = {name: colors[i % len(colors)] for i, name in enumerate(names)}
+    ax = axes[0][0]
+    _draw_speedups(ax, shapes, names, color_of)
+    p = data["protocol"]
+    ax.set_title(f"kkdeploy bench: {p['dtype']} on {data['environment'].get('gpu', p['device'])}, "
+                 f"contract {p['contract']}")
+    if fractions:
+        _draw_fractions(axes[1][0], shapes, color_of)
+    if skipped:
+        fig.text(0.01, 0.01, "not run here: " + ", ".join(skipped), fontsize="x-small", color="gray")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _shape_axis(ax, shapes: list[dict]) -> None:
+    ax.set_xticks(range(len(shapes)))
+    crowded = len(shapes) > 6
+    ax.set_xticklabels(shape_tick_labels(shapes), rotation=45 if crowded else 0, ha="right" if crowded else "center")
+
+
+def _draw_speedups(ax, shapes: list[dict], names: list[str], color_of: dict) -> None:
+    width = 0.8 / max(1, len(names))
     failed_label_used = False
     for i, name in enumerate(names):
         xs, ys, fails = [], [], []
@@ -603,7 +704,7 @@ def plot_speedups(data: dict, path: Path) -> None:
             elif b.get("speedup") is not None:
                 xs.append(x)
                 ys.append(b["speedup"])
-        ax.bar(xs, ys, width, label=name, color=colors[i % len(colors)])
+        ax.bar(xs, ys, width, label=name, color=color_of[name])
         for x, y in zip(xs, ys):
             ax.annotate(f"{y:.2f}x", (x, y), ha="center", va="bottom", fontsize="x-small")
         if fails:
@@ -611,23 +712,44 @@ def plot_speedups(data: dict, path: Path) -> None:
                        label=None if failed_label_used else "failed (not timed)")
             for x in fails:  # in the backend's colour, so the legend says which one failed
                 ax.annotate("FAIL", (x, 0), ha="center", va="bottom", fontsize="x-small", rotation=90,
-                            color=colors[i % len(colors)], xytext=(0, 6), textcoords="offset points")
+                            color=color_of[name], xytext=(0, 6), textcoords="offset points")
             failed_label_used = True
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(shapes)))
-    crowded = len(shapes) > 6
-    ax.set_xticklabels(shape_tick_labels(shapes), rotation=45 if crowded else 0, ha="right" if crowded else "center")
+    _shape_axis(ax, shapes)
     ax.set_ylabel("speedup over eager (median)")
-    p = data["protocol"]
-    ax.set_title(f"kkdeploy bench: {p['dtype']} on {data['environment'].get('gpu', p['device'])}, "
-                 f"contract {p['contract']}")
     if names:
         ax.legend(fontsize="small")
-    if skipped:
-        fig.text(0.01, 0.01, "not run here: " + ", ".join(skipped), fontsize="x-small", color="gray")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+
+def _draw_fractions(ax, shapes: list[dict], color_of: dict) -> None:
+    """Fraction of the roofline limit per shape and backend (eager included, in grey); each bar is labelled with
+    its value and the binding term's initial (C compute, M memory, L launch)."""
+    names = []
+    for s in shapes:
+        names += [n for n, b in s["backends"].items()
+                  if n not in names and (b.get("roofline") or {}).get("fraction") is not None]
+    width = 0.8 / max(1, len(names))
+    top = 1.0
+    for i, name in enumerate(names):
+        xs, ys, tags = [], [], []
+        for j, s in enumerate(shapes):
+            r = (s["backends"].get(name) or {}).get("roofline") or {}
+            if r.get("fraction") is not None:
+                xs.append(j - 0.4 + width * (i + 0.5))
+                ys.append(r["fraction"])
+                value, bound = format_fraction(r).split()
+                tags.append(f"{value}{bound[0].upper()}")
+        ax.bar(xs, ys, width, label=name, color=color_of.get(name, "0.6"))
+        for x, y, tag in zip(xs, ys, tags):
+            ax.annotate(tag, (x, y), ha="center", va="bottom", fontsize="x-small", rotation=90)
+        top = max([top] + ys)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_ylim(0, top * 1.15)
+    _shape_axis(ax, shapes)
+    ax.set_ylabel("fraction of the roofline limit")
+    ax.set_title("fraction of the limit measured on the spot (bound: C compute, M memory, L launch)", fontsize="small")
+    if names:
+        ax.legend(fontsize="small")
 
 
 def run_bench(jobs: list[ShapeJob], options: BenchOptions, out_dir: Path, command: str | None = None,
@@ -643,7 +765,7 @@ def run_bench(jobs: list[ShapeJob], options: BenchOptions, out_dir: Path, comman
     shapes = []
     for job in jobs:
         results, errors = run_processes(job, options, out_dir, progress)
-        shapes.append(aggregate_shape(job, results, errors))
+        shapes.append(aggregate_shape(job, results, errors, options.dtype))
     data = {
         "format": BENCH_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": command or " ".join(shlex.quote(a) for a in sys.argv),
