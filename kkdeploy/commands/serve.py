@@ -19,6 +19,7 @@ from ..errors import KKError
 
 def register(sub):
     from ..serving.triton_server import DEFAULT_PORTS
+    from .triton_repo import add_topology_args
 
     p = sub.add_parser("serve", help="serve artifacts on Triton Inference Server (HTTP, gRPC, metrics)")
     p.add_argument("--artifacts", help="artifact directory written by `kkdeploy build`")
@@ -27,9 +28,7 @@ def register(sub):
     p.add_argument("--address", default="127.0.0.1",
                    help="address the endpoints listen on (default 127.0.0.1; 0.0.0.0 to serve other machines)")
     p.add_argument("--model-name", default="kkdeploy", help="model name clients call (default kkdeploy)")
-    p.add_argument("--engine", choices=["auto", "native", "python"], default="auto",
-                   help="auto (default): a native backend where the server has one for the shipped engine, "
-                        "else kkdeploy.load in the Python backend")
+    add_topology_args(p)
     p.add_argument("--max-queue-delay-us", type=int, default=0,
                    help="dynamic batcher: how long a request may wait to fill a batch (default 0)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness (default 300)")
@@ -69,12 +68,17 @@ def run(args) -> int:
     try:
         info = write_repository(args.artifacts, workdir / "repository", model_name=args.model_name,
                                 engine=args.engine, max_queue_delay_us=args.max_queue_delay_us,
-                                available_backends=install.backends())
+                                available_backends=install.backends(), topology=args.topology,
+                                instances=args.instances)
         if info.device_type == "cuda" and not Path("/dev/nvidiactl").exists():
             raise KKError(f"{args.artifacts} was built for CUDA ({info.candidate}); serve it on a machine with "
                           f"that GPU, or build CPU artifacts with --device cpu")
-        console.print(f"repository {info.path}: {info.model} (python front, 1..{info.batch_size} sequences) -> "
-                      f"{info.engine_model} ({info.engine_backend}: {info.engine_reason})", soft_wrap=True)
+        if info.topology == "one-hop":
+            console.print(f"repository {info.path}: {info.model} (one hop, 1..{info.max_batch} sequences, buckets "
+                          f"{info.buckets}: {info.engine_reason})", soft_wrap=True)
+        else:
+            console.print(f"repository {info.path}: {info.model} (python front, 1..{info.batch_size} sequences) -> "
+                          f"{info.engine_model} ({info.engine_backend}: {info.engine_reason})", soft_wrap=True)
         server = triton_server.TritonServer(install, Path(info.path), workdir, address=args.address, **{
             f"{k}_port": v for k, v in ports.items()})
         server.start()
