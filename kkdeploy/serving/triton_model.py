@@ -43,6 +43,8 @@ ROLE = "kkdeploy_role"
 ENGINE_MODEL = "kkdeploy_engine_model"
 ARTIFACTS = "kkdeploy_artifacts"
 DEVICE_TYPE = "kkdeploy_device_type"
+CANARY_FILE = "kkdeploy_canary_file"  # written by `kkdeploy serve`: where the model records its canary answers
+CANARY_SEED = 4242
 INPUT_X, INPUT_MASK, OUTPUT_Y = "x", "valid_token_mask", "y"
 
 
@@ -66,6 +68,48 @@ def chunks(sizes: list[int], batch: int) -> list[list[int]]:
     if current:
         groups.append(current)
     return groups
+
+
+def canary_case(seq_len: int, d_model: int, dtype):
+    """The watchdog's tiny request: one sequence, a quarter of it padding, from a fixed seed (torch on the CPU,
+    so ``kkdeploy serve`` makes the same bytes)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(CANARY_SEED)
+    x = torch.randn((1, seq_len, d_model), generator=generator).to(dtype)
+    mask = (torch.arange(seq_len) < seq_len - seq_len // 4)[None, :]
+    x[~mask] = 0
+    return x, mask
+
+
+def tensor_digest(t) -> str:
+    """blake2b-128 of a tensor's bytes (as ``loadtest.digest`` of the same array's ``tobytes()``); no numpy."""
+    import hashlib
+
+    data = bytes(t.detach().cpu().contiguous().clone().untyped_storage())
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def write_canary(path: str, model: str, answers: dict) -> None:
+    """``{bucket: digest}`` of the canary's answer at each bucket, written atomically for the watchdog."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"model": model, "pid": os.getpid(), "buckets": {str(k): v for k, v in answers.items()}}, f)
+    os.replace(tmp, path)
+
+
+def canary_answers(run_bucket, sizes, seq_len: int, d_model: int, dtype, device) -> dict:
+    """The canary in row 0 of each bucket, the other rows zero and fully masked, as a gathered batch holds it."""
+    import torch
+
+    x1, m1 = canary_case(seq_len, d_model, dtype)
+    answers = {}
+    for size in sizes:
+        x = torch.zeros((size, seq_len, d_model), dtype=dtype, device=device)
+        mask = torch.zeros((size, seq_len), dtype=torch.bool, device=device)
+        x[:1], mask[:1] = x1.to(device), m1.to(device)
+        answers[size] = tensor_digest(run_bucket(size, x, mask)[:1])
+    return answers
 
 
 def pad_batch(xs: list, masks: list, batch: int):
@@ -133,6 +177,16 @@ def _to_triton(name: str, value, keep_device: bool = False):
     if not keep_device:
         value = value.cpu()
     return pb_utils.Tensor.from_dlpack(name, to_dlpack(value.contiguous()))
+
+
+def _code(exc: BaseException):
+    """A caller's mistake (a batch past the largest bucket, a shape the engine refuses) is INVALID_ARGUMENT (HTTP
+    400); anything else is the server's (INTERNAL, 500)."""
+    import triton_python_backend_utils as pb_utils
+
+    from kkdeploy.errors import KKError
+
+    return pb_utils.TritonError.INVALID_ARGUMENT if isinstance(exc, (KKError, ValueError)) else None
 
 
 def _error(message: str, code=None):
@@ -209,6 +263,11 @@ class _Engine:
         with torch.inference_mode():  # first call outside the clock: lazy session/graph set-up
             x = torch.zeros(self.shape, dtype=_dtype(config), device=self.device)
             self.runner(x, torch.ones(self.shape[:2], dtype=torch.bool, device=self.device))
+            canary = parameter(config, CANARY_FILE)
+            if canary:
+                write_canary(canary, config["name"], canary_answers(
+                    lambda size, x_, m_: self.runner(x_, m_), [self.shape[0]], self.shape[1], self.shape[2],
+                    _dtype(config), self.device))
 
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
@@ -330,6 +389,11 @@ class _Batched:
                 self.runner.run_bucket(size, x, mask)
                 mask[:, -1] = False
                 self.runner.run_bucket(size, x, mask)
+            canary = parameter(config, CANARY_FILE)
+            if canary:
+                write_canary(canary, self.name, canary_answers(self.runner.run_bucket, self.runner.sizes,
+                                                               self.row_shape[0], self.row_shape[1], self.dtype,
+                                                               self.device))
             if self.cuda:
                 torch.cuda.synchronize(self.device)
 
@@ -351,7 +415,7 @@ class _Batched:
                 self.clock.record(gathered - start, ran - gathered, time.perf_counter_ns() - ran, size, n)
             except Exception as exc:  # noqa: BLE001 - the engine's error goes back to each caller
                 for i in group:
-                    responses[i] = _error(f"{self.name}: {type(exc).__name__}: {exc}")
+                    responses[i] = _error(f"{self.name}: {type(exc).__name__}: {exc}", _code(exc))
             start = time.perf_counter_ns()
         return responses
 

@@ -338,9 +338,10 @@ def render_readme(info: RepositoryInfo, manifest: dict) -> str:
 def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: str = "auto",
                      max_queue_delay_us: int = 0, available_backends: set[str] | None = None,
                      force: bool = False, topology: str = "auto", instances: int = 1,
-                     kubernetes: bool = False) -> RepositoryInfo:
+                     kubernetes: bool = False, parameters: dict[str, str] | None = None) -> RepositoryInfo:
     """Write the repository for ``artifacts_dir`` to ``out`` (atomically) and return what it serves.
-    ``kubernetes``: also write ``kubernetes/`` manifests for a cluster (``serving.kubernetes``)."""
+    ``kubernetes``: also write ``kubernetes/`` manifests for a cluster (``serving.kubernetes``). ``parameters``:
+    more ``config.pbtxt`` parameters for every model (``kkdeploy serve`` adds its token and canary file)."""
     import re
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", model_name or ""):
@@ -370,23 +371,24 @@ def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: s
                           config=config.to_dict(), dtype=dtype, device_type=device_type,
                           max_queue_delay_us=int(max_queue_delay_us), topology=layout, buckets=buckets,
                           instances=int(instances))
+    extra = _params(parameters or {})
     with artifacts.staged_directory(target, force=force) as stage:
         front = stage / model_name
         (front / "1").mkdir(parents=True)
         shutil.copyfile(TEMPLATE, front / "1" / "model.py")
         if layout == "one-hop":
             (front / "config.pbtxt").write_text(batched_config(model_name, config, dtype, device_type, buckets,
-                                                               max_queue_delay_us, instances))
+                                                               max_queue_delay_us, instances) + extra)
             _copy_artifacts(root, manifest, front / "1" / "artifacts")
         else:
             (front / "config.pbtxt").write_text(front_config(model_name, engine_model, config, dtype,
-                                                             max_queue_delay_us))
+                                                             max_queue_delay_us) + extra)
             eng = stage / engine_model
             (eng / "1").mkdir(parents=True)
             library = (entry or {}).get("options", {}).get("custom_ops_library") if backend == "onnxruntime" else None
             final_library = target / engine_model / "1" / library if library else None  # its path once renamed in
             (eng / "config.pbtxt").write_text(engine_config(engine_model, backend, config, dtype, device_type, entry,
-                                                            final_library))
+                                                            final_library) + extra)
             if backend == "python":
                 shutil.copyfile(TEMPLATE, eng / "1" / "model.py")
                 _copy_artifacts(root, manifest, eng / "1" / "artifacts")
