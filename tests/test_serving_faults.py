@@ -326,3 +326,83 @@ def test_malformed_http_bodies_get_triton_s_status_and_the_server_keeps_answerin
         assert serve.proc.wait(timeout=30) == 0
     finally:
         serve.close()
+
+
+def test_a_model_that_cannot_be_healed_makes_serve_exit_3_with_the_reason(small, install):
+    ports = free_ports()
+    serve = Serve(small, ports, "--heal-timeout", "6")
+    try:
+        assert serve.wait_for(r"^ready in", 120), serve.text
+        workdir = serve.workdir
+        model_py = Path(workdir) / "repository" / "kkdeploy" / "1" / "model.py"
+        model_py.write_text("raise RuntimeError('broken on purpose')\n")  # no reload can succeed
+        killed_at = time.monotonic()
+        os.kill(serve.stub_pid(), signal.SIGKILL)
+        time.sleep(2.0)
+        assert readiness(ports["http"]) != 200  # not ready while broken
+        code = serve.proc.wait(timeout=60)
+        assert code == 3, serve.text
+        assert time.monotonic() - killed_at <= 30
+        assert re.search(r"could not be healed within 6 s: .*", serve.text), serve.text
+        assert len(re.findall(r"watchdog: .* broken", serve.text)) == 1
+        assert triton_server.processes_mentioning(workdir) == [] and not Path(workdir).exists()
+    finally:
+        serve.close()
+
+
+class FakeServer:
+    """What the watchdog asks of a server, scripted."""
+
+    http_url = "127.0.0.1:1"
+
+    def __init__(self, stubs: dict, load_ok: bool = True):
+        self.stubs, self.load_ok = stubs, load_ok
+        self.calls: list[str] = []
+
+    def stub_pids(self):
+        return self.stubs
+
+    def unload(self, model, timeout_s=10.0):
+        self.calls.append(f"unload {model}")
+        return True
+
+    def load(self, model, timeout_s=300.0):
+        self.calls.append(f"load {model}")
+        return self.load_ok
+
+    def model_states(self):
+        return {}
+
+    def failure_reason(self):
+        return "model.py raised"
+
+
+def test_watchdog_logic_with_a_scripted_server():
+    from kkdeploy.serving.watchdog import HealFailed, Watchdog, pid_alive
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert pid_alive(os.getpid()) and not pid_alive(dead.pid)
+    lines: list[str] = []
+    server = FakeServer({"kk": [os.getpid()], "kk_engine": [dead.pid]})
+    dog = Watchdog(server, ["kk", "kk_engine"], None, lines.append, heal_timeout_s=5)
+    dog.baseline(timeout_s=0.1)
+    assert dog.problem() == (["kk_engine"], f"the Python-backend stub of kk_engine (pid {dead.pid}) died")
+    server.stubs = {"kk": [os.getpid()], "kk_engine": [os.getpid()]}  # the reload starts a new stub
+    dog.step()
+    assert server.calls == ["unload kk_engine", "load kk_engine"]
+    assert len(lines) == 2 and "broken" in lines[0] and "healed" in lines[1] and dog.healed == 1
+    assert dog.problem() is None
+
+    class WrongCanary:
+        def ask(self, url):
+            return "the canary's answer differs from the validated answer"
+
+    lines.clear()
+    failing = FakeServer({"kk": [os.getpid()]}, load_ok=True)
+    dog = Watchdog(failing, ["kk"], WrongCanary(), lines.append, probe_every_s=0.0, heal_timeout_s=1.0)
+    dog.baseline(timeout_s=0.1)
+    with pytest.raises(HealFailed, match="could not be healed within 1 s: the canary's answer differs"):
+        dog.step()
+    assert failing.calls[-1] == "unload kk"  # left unready for the supervisor
+    assert len(lines) == 1 and "broken" in lines[0]
