@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -185,3 +186,26 @@ def test_kubernetes_manifests_match_the_kubernetes_schemas(shape3, tmp_path):
     (folder / "deployment.yaml").write_text(yaml.safe_dump(deployment))
     with pytest.raises(KKError, match="does not match the Kubernetes"):
         kubernetes.check_manifests(folder)
+
+
+def test_stage_clock_pushes_at_most_every_interval_and_on_close():
+    from kkdeploy.serving.triton_model import StageClock
+
+    pushed: list[dict] = []
+    clock = StageClock(pushed.append, interval_s=0.3)
+    clock.record(1000, 2000, 3000, bucket=4, real=3)
+    assert pushed == []  # not yet: the interval has not passed
+    time.sleep(0.35)
+    clock.record(1000, 1000, 1000, bucket=1, real=1)
+    assert len(pushed) == 1
+    assert pushed[0][("executions", "4")] == 1 and pushed[0][("executions", "1")] == 1
+    assert pushed[0][("rows", "real")] == 4 and pushed[0][("rows", "padding")] == 1
+    assert pushed[0][("stage_us", "engine")] == 3.0
+    clock.record(5000, 0, 0, bucket=1, real=1)
+    clock.close()  # what is left goes out when the model unloads
+    assert len(pushed) == 2 and pushed[1][("stage_us", "gather")] == 5.0
+    background = StageClock(pushed.append, interval_s=0.1, background=True)
+    background.record(1, 1, 1, bucket=2, real=2)
+    time.sleep(0.4)  # no more traffic: the background thread pushes it
+    background.stopped.set()
+    assert pushed[-1][("executions", "2")] == 1

@@ -421,12 +421,14 @@ def test_one_hop_runs_the_smallest_bucket_and_counts_its_stages(served, referenc
         rng = np.random.default_rng(23)
         time.sleep(0.6)  # stage counters are pushed at most every 0.5 s: this request pushes everything pending
         infer("grpc", client, info.model, *make_case(rng, 1, False))
+        time.sleep(0.7)
         before = kk_metrics()
         x3, m3 = make_case(rng, 3, True)
         assert_strict(reference.expect(x3, m3), infer("grpc", client, info.model, x3, m3), "3 in bucket 4")
         time.sleep(0.6)
         x1, m1 = make_case(rng, 1, True)
         assert_strict(reference.expect(x1, m1), infer("grpc", client, info.model, x1, m1), "1 in bucket 1")
+    time.sleep(0.7)  # pushed by the model's background flush at the latest
     after = kk_metrics()
 
     def delta(name: str, **labels) -> float:

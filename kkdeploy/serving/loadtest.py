@@ -455,6 +455,7 @@ def run_load(plan: LoadPlan, answers: list[dict] | None, progress=None) -> dict:
                 raise KKError(f"client process {index} failed before the load: {error}")
             if pool_answers is not None:
                 warm_bad += sum(1 for k, d in warm if d not in pool_answers[k].values())
+        time.sleep(0.6)  # the warm-up's stage counters are pushed (at most every 0.5 s) before the snapshot
         before = read_metrics(metrics_url, plan.model)
         start_at.value = time.time()
         go.set()

@@ -43,6 +43,7 @@ ROLE = "kkdeploy_role"
 ENGINE_MODEL = "kkdeploy_engine_model"
 ARTIFACTS = "kkdeploy_artifacts"
 DEVICE_TYPE = "kkdeploy_device_type"
+OUTPUT_DEVICE = "kkdeploy_output_device"  # gpu (default on CUDA) | cpu
 CANARY_FILE = "kkdeploy_canary_file"  # written by `kkdeploy serve`: where the model records its canary answers
 CANARY_SEED = 4242
 INPUT_X, INPUT_MASK, OUTPUT_Y = "x", "valid_token_mask", "y"
@@ -155,7 +156,7 @@ class TritonPythonModel:
         clock = getattr(self.impl, "clock", None)
         if clock is not None:
             try:
-                clock.maybe_flush(force=True)
+                clock.close()
             except Exception:  # noqa: BLE001 - the server is unloading the model: the last half second is lost
                 pass
         self.impl = None
@@ -292,31 +293,51 @@ STAGES = ("gather", "engine", "respond")
 
 class StageClock:
     """Per-stage time, rows and bucket runs, summed locally and pushed to Triton's custom metrics at most every
-    ``interval_s`` (each push is a message to the server: a push per request would cost more than it measures).
-    ``sink(totals)`` does the push; the counters are cumulative, as Prometheus counters are."""
+    ``interval_s`` (each push is a message to the server: a push per request would cost more than it measures),
+    by the request that finds the interval over or, when traffic stops, by a background thread, so /metrics
+    lags by at most about ``interval_s``. ``sink(totals)`` does the push; the counters are cumulative."""
 
-    def __init__(self, sink=None, interval_s: float = 0.5):
+    def __init__(self, sink=None, interval_s: float = 0.5, background: bool = False):
+        import threading
+
         self.sink, self.interval_s = sink, interval_s
         self.pending: dict[tuple, float] = {}
         self.last = time.monotonic()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        if background and sink is not None:
+            threading.Thread(target=self._loop, name="kkdeploy-stage-metrics", daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            try:
+                self.maybe_flush()
+            except Exception:  # noqa: BLE001 - metrics must never take the model down
+                pass
 
     def add(self, key: tuple, value: float) -> None:
         self.pending[key] = self.pending.get(key, 0.0) + value
 
     def record(self, gather_ns: int, engine_ns: int, respond_ns: int, bucket: int, real: int) -> None:
-        for stage, ns in zip(STAGES, (gather_ns, engine_ns, respond_ns)):
-            self.add(("stage_us", stage), ns / 1000.0)
-        self.add(("executions", str(bucket)), 1)
-        self.add(("rows", "real"), real)
-        self.add(("rows", "padding"), bucket - real)
+        with self.lock:
+            for stage, ns in zip(STAGES, (gather_ns, engine_ns, respond_ns)):
+                self.add(("stage_us", stage), ns / 1000.0)
+            self.add(("executions", str(bucket)), 1)
+            self.add(("rows", "real"), real)
+            self.add(("rows", "padding"), bucket - real)
         self.maybe_flush()
 
     def maybe_flush(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.sink is None or not self.pending or (not force and now - self.last < self.interval_s):
-            return
-        pending, self.pending, self.last = self.pending, {}, now
-        self.sink(pending)
+        with self.lock:
+            now = time.monotonic()
+            if self.sink is None or not self.pending or (not force and now - self.last < self.interval_s):
+                return
+            pending, self.pending, self.last = self.pending, {}, now
+            self.sink(pending)
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.maybe_flush(force=True)
 
 
 class _TritonMetrics:
@@ -374,12 +395,15 @@ class _Batched:
         self.row_shape = [int(d) for d in next(i["dims"] for i in config["input"] if i["name"] == INPUT_X)]
         self.dtype = _dtype(config)
         self.cuda = self.device.type == "cuda"
+        # Outputs stay on the GPU (Triton copies them into the response) unless the repository says "cpu" or the
+        # backend turns a GPU DLPack tensor down (then: copied here, said once in the log).
+        self.gpu_outputs = self.cuda and parameter(config, OUTPUT_DEVICE, "gpu") != "cpu"
         try:
             sink = _TritonMetrics(self.name, self.runner.sizes)
         except Exception as exc:  # noqa: BLE001 - an older backend without custom metrics still serves
             pb_utils.Logger.log_warn(f"{self.name}: no stage metrics ({type(exc).__name__}: {exc})")
             sink = None
-        self.clock = StageClock(sink)
+        self.clock = StageClock(sink, background=True)
         described = ", ".join(f"{b}: {r.backend}" for b, r in self.runner.buckets.items())
         pb_utils.Logger.log_info(f"{self.name}: one hop on {device}, buckets {described}; {self.runner.reason}")
         with torch.inference_mode():  # every bucket's first call outside the clock, on both mask routes
@@ -411,13 +435,25 @@ class _Batched:
             try:
                 outputs, size, n, gathered, ran = self._run([xs[i] for i in group], [masks[i] for i in group])
                 for i, y in zip(group, outputs):
-                    responses[i] = pb_utils.InferenceResponse(output_tensors=[_to_triton(OUTPUT_Y, y, self.cuda)])
+                    responses[i] = pb_utils.InferenceResponse(output_tensors=[self._output(y)])
                 self.clock.record(gathered - start, ran - gathered, time.perf_counter_ns() - ran, size, n)
             except Exception as exc:  # noqa: BLE001 - the engine's error goes back to each caller
                 for i in group:
                     responses[i] = _error(f"{self.name}: {type(exc).__name__}: {exc}", _code(exc))
             start = time.perf_counter_ns()
         return responses
+
+    def _output(self, y):
+        if self.gpu_outputs:
+            try:
+                return _to_triton(OUTPUT_Y, y, keep_device=True)
+            except Exception as exc:  # noqa: BLE001 - a backend built without GPU tensor support
+                import triton_python_backend_utils as pb_utils
+
+                self.gpu_outputs = False
+                pb_utils.Logger.log_warn(f"{self.name}: GPU outputs refused ({type(exc).__name__}: {exc}); "
+                                         f"copying outputs to the CPU in model.py from now on")
+        return _to_triton(OUTPUT_Y, y)
 
     def _run(self, xs, masks):
         import torch
