@@ -388,6 +388,11 @@ class _Batched:
             torch.cuda.set_device(torch.device(device))
         self.device = torch.device(device)
         self.runner = bucketed(kkdeploy.load(artifacts, device=device))
+        if self.device.type == "cpu" and all(getattr(r, "engine", None) is not None and r.backend.startswith("ort")
+                                             for r in self.runner.buckets.values()):
+            # torch only copies rows here; its idle pool spinning beside ONNX Runtime's on the same cores made
+            # every engine run slower (docs/serving.md, CPU benchmark).
+            torch.set_num_threads(1)
         self.max_batch = int(config["max_batch_size"])
         if self.max_batch > self.runner.max_batch:
             raise ValueError(f"{self.name}: max_batch_size {self.max_batch} exceeds the largest validated bucket "
