@@ -197,7 +197,21 @@ def _error(message: str, code=None):
         message, pb_utils.TritonError.INTERNAL if code is None else code))
 
 
+def _stage_clock(name: str, buckets: list[int]) -> StageClock:
+    try:
+        sink = _TritonMetrics(name, buckets)
+    except Exception as exc:  # noqa: BLE001 - an older backend without custom metrics still serves
+        import triton_python_backend_utils as pb_utils
+
+        pb_utils.Logger.log_warn(f"{name}: no stage metrics ({type(exc).__name__}: {exc})")
+        sink = None
+    return StageClock(sink, background=True)
+
+
 class _Front:
+    """Two hops: its stage metrics call the BLS round trip to the engine model "engine", so that a before/after
+    comparison with the one-hop model shows what the second hop costs."""
+
     def __init__(self, config: dict):
         import torch
 
@@ -208,10 +222,12 @@ class _Front:
         self.engine_model = parameter(config, ENGINE_MODEL)
         if not self.engine_model:
             raise ValueError(f"{self.name}: config.pbtxt lacks the {ENGINE_MODEL} parameter")
+        self.clock = _stage_clock(self.name, [self.batch])
 
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
 
+        start = time.perf_counter_ns()
         responses = [None] * len(requests)
         xs, masks = [], []
         for request in requests:
@@ -221,19 +237,24 @@ class _Front:
             masks.append(None if mask is None else _to_torch(mask))
         for group in chunks([int(x.shape[0]) for x in xs], self.batch):
             try:
-                outputs = self._run([xs[i] for i in group], [masks[i] for i in group])
+                outputs, gathered, ran = self._run([xs[i] for i in group], [masks[i] for i in group])
             except Exception as exc:  # noqa: BLE001 - the engine's error goes back to each caller
                 for i in group:
                     responses[i] = _error(f"{self.name}: {exc}")
+                start = time.perf_counter_ns()
                 continue
             for i, y in zip(group, outputs):
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[_to_triton(OUTPUT_Y, y)])
+            self.clock.record(gathered - start, ran - gathered, time.perf_counter_ns() - ran, self.batch,
+                              sum(int(xs[i].shape[0]) for i in group))
+            start = time.perf_counter_ns()
         return responses
 
     def _run(self, xs, masks):
         import triton_python_backend_utils as pb_utils
 
         x, mask, bounds = pad_batch(xs, masks, self.batch)
+        gathered = time.perf_counter_ns()
         request = pb_utils.InferenceRequest(
             model_name=self.engine_model, requested_output_names=[OUTPUT_Y],
             inputs=[_to_triton(INPUT_X, x), _to_triton(INPUT_MASK, mask)])
@@ -241,7 +262,8 @@ class _Front:
         if response.has_error():
             raise RuntimeError(f"engine model {self.engine_model}: {response.error().message()}")
         y = _to_torch(pb_utils.get_output_tensor_by_name(response, OUTPUT_Y))
-        return [y[a:b].clone() for a, b in bounds]
+        ran = time.perf_counter_ns()
+        return [y[a:b].clone() for a, b in bounds], gathered, ran
 
 
 class _Engine:
@@ -403,12 +425,7 @@ class _Batched:
         # Outputs stay on the GPU (Triton copies them into the response) unless the repository says "cpu" or the
         # backend turns a GPU DLPack tensor down (then: copied here, said once in the log).
         self.gpu_outputs = self.cuda and parameter(config, OUTPUT_DEVICE, "gpu") != "cpu"
-        try:
-            sink = _TritonMetrics(self.name, self.runner.sizes)
-        except Exception as exc:  # noqa: BLE001 - an older backend without custom metrics still serves
-            pb_utils.Logger.log_warn(f"{self.name}: no stage metrics ({type(exc).__name__}: {exc})")
-            sink = None
-        self.clock = StageClock(sink, background=True)
+        self.clock = _stage_clock(self.name, self.runner.sizes)
         described = ", ".join(f"{b}: {r.backend}" for b, r in self.runner.buckets.items())
         pb_utils.Logger.log_info(f"{self.name}: one hop on {device}, buckets {described}; {self.runner.reason}")
         with torch.inference_mode():  # every bucket's first call outside the clock, on both mask routes
