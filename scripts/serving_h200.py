@@ -3,7 +3,7 @@
 fault. Run by scripts/serving_h200.sh on the H200 (one device call); runs on the CPU too (--device cpu --quick) as
 a dry run of the whole path.
 
-    python3 scripts/serving_h200.py --out OUT [--device cuda] [--budget 480] [--only 3,6,13,faults] [--quick]
+    python3 scripts/serving_h200.py --out OUT [--device cuda] [--budget 480] [--only 3,6,faults,13] [--quick]
 
 Steps, in order of importance, each skipped (and said so) when the remaining budget is too small:
   shape 3 (FP16 strict, weights of our own, buckets 1,2,4): direct engine; one hop: batch-1 gRPC c=1 (p50 against
@@ -11,9 +11,9 @@ Steps, in order of importance, each skipped (and said so) when the remaining bud
     at bucket 4) and with batch-1 requests, 12,000 mixed requests (batch 1-4, padding 0/0.25/0.5) checked bit for
     bit, the same batch-1 run through system shared memory; two hops (before): the same batch-1 and saturation runs;
   shape 6 (buckets 1 and 10000): batch-1 gRPC latency (target: p50 <= 5 ms);
-  shape 13 (buckets 1,8,64): batch-1 latency, saturation at bucket 64, mixed requests;
   faults (issue 33) on the shape-3 artifact: `kkdeploy serve` under gRPC load, kill -9 of the stub (time to not-ready,
-    to healed, wrong answers), then SIGINT under load (stop time, exit code, processes left).
+    to healed, wrong answers), then SIGINT under load (stop time, exit code, processes left);
+  shape 13 (buckets 1,8,64): batch-1 latency, saturation at bucket 64, mixed requests.
 Writes OUT/serving-h200.json and prints the tables last.
 """
 
@@ -329,7 +329,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out")
     p.add_argument("--device", default="cuda")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for everything (default 480)")
-    p.add_argument("--only", default="3,6,13,faults")
+    p.add_argument("--only", default="3,6,faults,13")
     p.add_argument("--backends", default="torch-compile-faithful-gemms,torch-graph")
     p.add_argument("--quick", action="store_true", help="a small custom shape instead of the official ones (CPU)")
     args = p.parse_args(argv)
