@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issues 30 and 33 on the lent H200, in ONE device call (carry [".whl"], staged by scripts/serving_carry.sh):
-#   bash scripts/serving_h200.sh            (BUDGET=seconds for the Python part, default 480)
+#   bash scripts/serving_h200.sh            (BUDGET=seconds for the Python part, default 420)
 # Installs the carried server and gRPC client (checked against SHA256SUMS) into /tmp, then runs
 # scripts/serving_h200.py, which builds, serves, loads and measures, writes $OUT/serving-h200.json and prints its
 # table last.
@@ -16,4 +16,4 @@ python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site "
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export KKDEPLOY_TRITONSERVER=/tmp/kk-triton/pytriton/tritonserver KKDEPLOY_CACHE_DIR=/tmp/kk-cache
 python3 -c "import sysconfig,sys; assert sysconfig.get_config_var('Py_ENABLE_SHARED'), 'no shared libpython: the Python-backend stub cannot embed this Python'; print(sys.version.split()[0], 'shared libpython ok')"
-exec python3 scripts/serving_h200.py --out "$OUT" --budget "${BUDGET:-480}" "$@"
+exec python3 scripts/serving_h200.py --out "$OUT" --budget "${BUDGET:-420}" "$@"

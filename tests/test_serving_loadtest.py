@@ -140,7 +140,7 @@ def test_http_and_grpc_open_loop_mixed_batches_through_system_shared_memory(shap
     for _ in range(3):
         taken.add(triton_server.free_port(avoid=taken))
     ports = dict(zip(("http", "grpc", "metrics"), sorted(taken)))
-    with local_server(args, ports) as (server, info):
+    with local_server(args, ports) as (server, info, _):
         for protocol, shm in (("http", "system"), ("grpc", "system"), ("http", "none")):
             p = loadtest.LoadPlan(model="kkdeploy", seq_len=128, d_model=128, dtype="float32", protocol=protocol,
                                   http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"],

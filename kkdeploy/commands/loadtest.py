@@ -53,8 +53,10 @@ def register(sub):
 
 
 @contextlib.contextmanager
-def local_server(args, ports: dict):
-    """The bundled server on ``args.artifacts`` (as ``kkdeploy serve`` runs it), stopped and removed afterwards."""
+def local_server(args, ports: dict | None = None):
+    """The bundled server on ``args.artifacts`` (as ``kkdeploy serve`` runs it), stopped and removed afterwards;
+    yields ``(server, info, ports)``. Without ``ports`` it picks free loopback ports, and picks again (3 tries) if
+    another process took one between the pick and the server's bind."""
     from ..serving import triton_server
     from ..serving.triton_repo import write_repository
 
@@ -66,16 +68,33 @@ def local_server(args, ports: dict):
                                 engine=args.engine, max_queue_delay_us=args.max_queue_delay_us,
                                 available_backends=install.backends(), topology=args.topology,
                                 instances=args.instances)
-        server = triton_server.TritonServer(install, Path(info.path), workdir, address=args.host,
-                                            **{f"{k}_port": v for k, v in ports.items()})
-        server.start()
-        server.wait_ready(300)
+        for attempt in range(1 if ports else 3):
+            chosen = dict(ports) if ports else _free_ports(args.host)
+            server = triton_server.TritonServer(install, Path(info.path), workdir, address=args.host,
+                                                **{f"{k}_port": v for k, v in chosen.items()})
+            try:
+                server.start()
+                server.wait_ready(300)
+                break
+            except KKError as exc:
+                server.stop()
+                if ports or attempt == 2 or "already in use" not in str(exc):
+                    raise
         console.print(f"server: {info.topology}, buckets {info.buckets}, {info.engine_reason}", soft_wrap=True)
-        yield server, info
+        yield server, info, chosen
     finally:
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _free_ports(host: str) -> dict:
+    from ..serving import triton_server
+
+    taken: set[int] = set()
+    for _ in range(3):
+        taken.add(triton_server.free_port(host if host not in ("0.0.0.0", "") else "127.0.0.1", avoid=taken))
+    return dict(zip(("http", "grpc", "metrics"), sorted(taken)))
 
 
 def run(args) -> int:
@@ -84,7 +103,7 @@ def run(args) -> int:
     import kkdeploy
 
     from ..pipeline.runtime import bucketed
-    from ..serving import loadtest, triton_server
+    from ..serving import loadtest
     from ..serving.triton_repo import read_artifacts
 
     manifest = read_artifacts(Path(args.artifacts))
@@ -119,16 +138,11 @@ def run(args) -> int:
     if args.direct:
         direct = loadtest.direct_engine(runner)
     results = []
-    ports = None
-    if args.serve:
-        taken: set[int] = set()
-        for _ in range(3):
-            taken.add(triton_server.free_port(args.host, avoid=taken))
-        ports = dict(zip(("http", "grpc", "metrics"), sorted(taken)))
+    with (local_server(args) if args.serve else contextlib.nullcontext()) as served:
         for plan in plans:
-            plan.http_port, plan.grpc_port, plan.metrics_port = ports["http"], ports["grpc"], ports["metrics"]
-    with (local_server(args, ports) if args.serve else contextlib.nullcontext()):
-        for plan in plans:
+            if served is not None:
+                ports = served[2]
+                plan.http_port, plan.grpc_port, plan.metrics_port = ports["http"], ports["grpc"], ports["metrics"]
             with progress_bar(f"load {plan.protocol} {plan.loop} loop", plan.processes) as bar:
                 summary = loadtest.run_load(plan, answers, progress=lambda n: bar.advance())
             results.append(summary)

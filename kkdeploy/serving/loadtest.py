@@ -460,12 +460,24 @@ def run_load(plan: LoadPlan, answers: list[dict] | None, progress=None) -> dict:
         start_at.value = time.time()
         go.set()
         records: list = []
-        expected = plan.requests
-        for _ in procs:
+        reported: set[int] = set()
+        while len(reported) < len(procs):
             try:
-                _, mine = results.get(timeout=(plan.duration_s or 0) + plan.timeout_s * max(1, (expected or 1)) + 600)
-            except queue.Empty:
-                raise KKError("a client process did not report back in time") from None
+                index, mine = results.get(timeout=1.0)
+            except queue.Empty:  # still loading, unless a client process died without its records
+                dead = [i for i, p in enumerate(procs) if i not in reported and p.exitcode is not None]
+                if dead:
+                    time.sleep(1.0)  # a last report may still be in the pipe
+                    while not results.empty():
+                        index, mine = results.get()
+                        reported.add(index)
+                        records.extend(mine)
+                    lost = [i for i in dead if i not in reported]
+                    if lost:
+                        raise KKError(f"client process {lost[0]} died (exit code {procs[lost[0]].exitcode}) before "
+                                      f"reporting its requests") from None
+                continue
+            reported.add(index)
             records.extend(mine)
             if progress:
                 progress(len(records))
@@ -574,14 +586,22 @@ def direct_engine(runner, sizes=None, warmups: int = 20, repeats: int = 200) -> 
         mask = torch.ones((size, config.seq_len), dtype=torch.bool, device=device)
         times = []
         with torch.inference_mode():
-            for i in range(warmups + repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            runner.run_bucket(size, x, mask)  # one call to size the run: about 2 s per bucket at most
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            once = max(time.perf_counter() - t, 1e-6)
+            count = max(10, min(repeats, int(2.0 / once)))
+            for i in range(min(warmups, count) + count):
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t = time.perf_counter()
                 runner.run_bucket(size, x, mask)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                if i >= warmups:
+                if i >= min(warmups, count):
                     times.append(time.perf_counter() - t)
         median = percentile([t * 1000 for t in times], 50)
         out[str(size)] = {"median_ms": _r(median, 4), "seq_per_s": _r(size / (median / 1000), 1)}
