@@ -161,6 +161,12 @@ def test_loadtest_bad_input_is_one_line(shape3, tmp_path):
                            "--no-check"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "at most 4" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    port = triton_server.free_port()  # nothing listens there: said at once, not after gRPC's minute of retries
+    done = subprocess.run([sys.executable, "-m", "kkdeploy", "loadtest", "--artifacts", str(shape3), "--no-check",
+                           "--grpc-port", str(port), "--metrics-port", str(port)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and f"nothing answers on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_kubernetes_manifests_match_the_kubernetes_schemas(shape3, tmp_path):

@@ -432,9 +432,24 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
+def reachable(plan: LoadPlan) -> None:
+    """A one-line error at once when nothing listens where the clients would connect (gRPC would retry for a
+    minute before saying so)."""
+    import socket
+
+    port = plan.grpc_port if plan.protocol == "grpc" else plan.http_port
+    for name, number in ((plan.protocol, port), ("metrics", plan.metrics_port)):
+        try:
+            socket.create_connection((plan.host, number), timeout=3).close()
+        except OSError as exc:
+            raise KKError(f"nothing answers on {plan.host}:{number} ({name}: {exc.strerror or exc}); start "
+                          f"`kkdeploy serve` there, pass its ports, or add --serve") from None
+
+
 def run_load(plan: LoadPlan, answers: list[dict] | None, progress=None) -> dict:
     """Run ``plan`` against a running server; ``answers`` from ``expected_answers`` (None: not checked)."""
     plan.check()
+    reachable(plan)
     metrics_url = f"http://{plan.host}:{plan.metrics_port}/metrics"
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
