@@ -47,9 +47,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # -- fixtures -------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    """Artifacts of a small custom shape, built through the CLI; the CPU build ships ort-cpu."""
+    """Artifacts of a small custom shape with batch buckets 1, 2 and 4, built through the CLI; the CPU build ships
+    ort-cpu at the artifact's batch."""
     out = tmp_path_factory.mktemp("serving") / "artifacts"
-    assert cli(["build", *SHAPE_ARGS, *QUICK, "--out", str(out)]) == 0
+    assert cli(["build", *SHAPE_ARGS, *QUICK, "--batch-buckets", "1,2", "--out", str(out)]) == 0
     assert artifacts.read_json(out / artifacts.MANIFEST)["choice"]["candidate"] == "ort-cpu"
     return out
 
@@ -148,11 +149,12 @@ def wait_for_count(server, key, target: float, timeout_s: float = 10.0) -> dict:
 
 @pytest.fixture(scope="module")
 def served(built, install, tmp_path_factory):
-    """The ORT artifact behind the bundled server (it has only the Python backend, so the shipped ort-cpu engine
-    runs through kkdeploy.load), on free loopback ports."""
+    """The bucketed ORT artifact behind the bundled server, one hop (one Python model runs the shipped ort-cpu
+    engines through kkdeploy.load), on free loopback ports."""
     work = tmp_path_factory.mktemp("served")
     info = triton_repo.write_repository(built, work / "repository", available_backends=install.backends())
     assert info.engine_backend == "python" and info.candidate == "ort-cpu"
+    assert (info.topology, info.buckets) == ("one-hop", [1, 2, 4])
     ports: set[int] = set()
     for _ in range(3):
         ports.add(triton_server.free_port(avoid=ports))
@@ -208,7 +210,8 @@ def _parse_config(path: Path):
 
 def test_ort_artifacts_get_a_native_onnxruntime_engine_model(built, tmp_path):
     repo = tmp_path / "repo"
-    assert cli(["triton-repo", "--artifacts", str(built), "--out", str(repo), "--model-name", "kk"]) == 0
+    assert cli(["triton-repo", "--artifacts", str(built), "--out", str(repo), "--model-name", "kk",
+                "--engine", "native"]) == 0  # a native engine model: the two-hop layout
     manifest = artifacts.read_json(built / artifacts.MANIFEST)
     entry = next(c for c in manifest["candidates"] if c["name"] == manifest["choice"]["candidate"])
     front = _parse_config(repo / "kk" / "config.pbtxt")  # Triton's own schema: a typo would not parse
@@ -254,10 +257,33 @@ def test_an_ort_engine_with_custom_ops_registers_its_library_in_the_native_confi
     assert not plain.HasField("model_operations")
 
 
+def test_one_hop_repository_is_one_model_on_the_buckets(built, tmp_path):
+    info = triton_repo.write_repository(built, tmp_path / "one", max_queue_delay_us=50, instances=2)
+    assert (info.topology, info.engine_backend, info.buckets, info.engine_model) == ("one-hop", "python", [1, 2, 4],
+                                                                                     "kkdeploy")
+    assert sorted(p.name for p in (tmp_path / "one").iterdir() if p.is_dir()) == ["kkdeploy"]  # no second model
+    config = _parse_config(tmp_path / "one" / "kkdeploy" / "config.pbtxt")  # Triton's own schema
+    assert (config.backend, config.max_batch_size) == ("python", 4)
+    assert list(config.dynamic_batching.preferred_batch_size) == [1, 2, 4]
+    assert config.dynamic_batching.max_queue_delay_microseconds == 50
+    assert config.instance_group[0].count == 2
+    assert config.parameters["kkdeploy_role"].string_value == "batched"
+    assert [(i.name, list(i.dims), i.optional) for i in config.input] == [("x", [S, D], False),
+                                                                           ("valid_token_mask", [S], True)]
+    copied = kkdeploy.load(tmp_path / "one" / "kkdeploy" / "1" / "artifacts")  # every check kkdeploy.load makes
+    assert copied.sizes == [1, 2, 4] and copied.buckets[4].backend == "ort-cpu"
+    assert triton_repo.load_info(tmp_path / "one")["topology"] == "one-hop"
+    assert "one hop" in (tmp_path / "one" / "README.md").read_text()
+    with pytest.raises(KKError, match="needs the two-hop layout"):
+        triton_repo.write_repository(built, tmp_path / "x", engine="native", topology="one-hop")
+    with pytest.raises(KKError, match="--instances"):
+        triton_repo.write_repository(built, tmp_path / "x", instances=0)
+
+
 def test_python_engine_repository_and_refusals(built, fallback_built, tmp_path):
-    info = triton_repo.write_repository(built, tmp_path / "py", engine="python")
+    info = triton_repo.write_repository(built, tmp_path / "py", engine="python", topology="two-hop")
     engine = _parse_config(tmp_path / "py" / "kkdeploy_engine" / "config.pbtxt")
-    assert (info.engine_backend, engine.backend) == ("python", "python")
+    assert (info.engine_backend, engine.backend, info.topology) == ("python", "python", "two-hop")
     copied = tmp_path / "py" / "kkdeploy_engine" / "1" / "artifacts"
     assert kkdeploy.load(copied).backend == "ort-cpu"  # the copy passes every check kkdeploy.load makes
     fb = triton_repo.write_repository(fallback_built, tmp_path / "fb")
@@ -288,6 +314,12 @@ def test_engine_choice_and_gpu_engine_configs_follow_the_manifest():
     backend, why = triton_repo.plan_engine(manifest("trt", "trt", all_valid_only=True))
     assert backend == "python" and "all-valid" in why
     assert triton_repo.plan_engine(manifest("trt", "trt"), "python")[0] == "python"
+    # One hop unless a native engine model (or the old layout) is asked for.
+    assert triton_repo.plan_topology(manifest("trt", "trt"))[:2] == ("one-hop", "python")
+    assert triton_repo.plan_topology(manifest("trt", "trt"), "native")[:2] == ("two-hop", "tensorrt")
+    assert triton_repo.plan_topology(manifest("ort", "ort-cuda"), topology="two-hop")[:2] == ("two-hop", "onnxruntime")
+    with pytest.raises(KKError, match="--topology must be one of"):
+        triton_repo.plan_topology(manifest("ort", "ort-cpu"), topology="three-hop")
     with pytest.raises(KKError, match="--engine must be one of"):
         triton_repo.plan_engine(manifest("ort", "ort-cpu"), "fast")
     config = TransformerConfig(B, S, D, 2, 16, 4)
@@ -339,16 +371,76 @@ def test_all_valid_and_padded_requests_match_the_reference(served, reference, pr
         assert not y[1].any()
 
 
-def test_engine_model_serves_exactly_its_fixed_batch(served, reference):
+def _start(install, repository: Path, work: Path) -> triton_server.TritonServer:
+    ports: set[int] = set()
+    for _ in range(3):
+        ports.add(triton_server.free_port(avoid=ports))
+    http, grpc, metrics_port = sorted(ports)
+    server = triton_server.TritonServer(install, repository, work, http_port=http, grpc_port=grpc,
+                                        metrics_port=metrics_port)
+    server.start()
+    return server
+
+
+def test_two_hop_layout_still_serves_exactly(built, reference, install, tmp_path):
+    """The layout before issue 30 (front + engine model at its fixed batch B): still served exactly, and the engine
+    model takes exactly B sequences."""
     from tritonclient.utils import InferenceServerException
 
+    info = triton_repo.write_repository(built, tmp_path / "repository", engine="python", topology="two-hop")
+    server = _start(install, Path(info.path), tmp_path)
+    try:
+        server.wait_ready(240)
+        with client_for("grpc", server) as client:
+            rng = np.random.default_rng(17)
+            for n in range(1, B + 1):
+                x, mask = make_case(rng, n, n % 2 == 0)
+                assert_strict(reference.expect(x, mask), infer("grpc", client, info.model, x, mask), f"two-hop n={n}")
+        with client_for("http", server) as client:
+            x, mask = make_case(np.random.default_rng(3), B, True)
+            assert_strict(reference.expect(x, mask), infer("http", client, info.engine_model, x, mask), "engine")
+            with pytest.raises(InferenceServerException) as err:
+                infer("http", client, info.engine_model, x[:2], mask[:2])
+            assert err.value.status() == "400"
+        members = server.group_members()
+        assert len(members) >= 3  # the server and the two models' Python stubs
+    finally:
+        assert server.stop() == 0
+    assert server.group_members() == []
+
+
+def test_one_hop_runs_the_smallest_bucket_and_counts_its_stages(served, reference):
     server, info = served
-    with client_for("http", server) as client:
-        x, mask = make_case(np.random.default_rng(3), B, True)
-        assert_strict(reference.expect(x, mask), infer("http", client, info.engine_model, x, mask), "engine model")
-        with pytest.raises(InferenceServerException) as err:
-            infer("http", client, info.engine_model, x[:2], mask[:2])
-        assert err.value.status() == "400"
+
+    def kk_metrics() -> dict:
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
+            text = reply.read().decode()
+        return {f"{n}{{{l}}}": float(v) for n, l, v in re.findall(r"^(kkdeploy_\w+)\{([^}]*)\} (\S+)$", text, re.M)}
+
+    with client_for("grpc", server) as client:
+        rng = np.random.default_rng(23)
+        time.sleep(0.6)  # stage counters are pushed at most every 0.5 s: this request pushes everything pending
+        infer("grpc", client, info.model, *make_case(rng, 1, False))
+        time.sleep(0.7)
+        before = kk_metrics()
+        x3, m3 = make_case(rng, 3, True)
+        assert_strict(reference.expect(x3, m3), infer("grpc", client, info.model, x3, m3), "3 in bucket 4")
+        time.sleep(0.6)
+        x1, m1 = make_case(rng, 1, True)
+        assert_strict(reference.expect(x1, m1), infer("grpc", client, info.model, x1, m1), "1 in bucket 1")
+    time.sleep(0.7)  # pushed by the model's background flush at the latest
+    after = kk_metrics()
+
+    def delta(name: str, **labels) -> float:
+        key = next(k for k in after if k.startswith(name + "{") and all(f'{a}="{b}"' in k for a, b in labels.items()))
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("kkdeploy_bucket_executions_total", bucket="4") == 1  # 3 sequences: the smallest bucket is 4
+    assert delta("kkdeploy_bucket_executions_total", bucket="1") == 1  # 1 sequence: bucket 1, no padding
+    assert delta("kkdeploy_bucket_executions_total", bucket="2") == 0
+    assert delta("kkdeploy_rows_total", kind="real") == 4 and delta("kkdeploy_rows_total", kind="padding") == 1
+    for stage in ("gather", "engine", "respond"):
+        assert delta("kkdeploy_stage_us_total", stage=stage) > 0
 
 
 def test_concurrent_clients_lose_nothing_and_get_their_own_rows(served, reference):
@@ -439,7 +531,7 @@ def test_metrics_count_the_requests(served):
 def test_server_stops_and_leaves_no_process(served):
     server, info = served
     members = server.group_members()
-    assert server.pid in members and len(members) >= 3  # the server and the two models' Python stubs
+    assert server.pid in members and len(members) >= 2  # the server and the one model's Python stub (one hop)
     assert triton_server.processes_mentioning(info.path)
     assert server.stop() == 0  # a clean shutdown
     assert not server.alive() and server.group_members() == []

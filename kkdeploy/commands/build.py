@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..pipeline.build import BACKEND_CHOICES, BuildRequest, default_out_dir, parse_backends, print_summary, run_build
+from ..pipeline.build import (BACKEND_CHOICES, BuildRequest, default_out_dir, parse_backends, parse_batch_buckets,
+                              print_summary, run_build)
 from ..config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES
 from ..console import console
 from ..errors import KKError
@@ -25,6 +26,10 @@ def register(sub):
                    help="seconds a candidate with a native loader (inductor, trt) may take to load and answer once "
                         "in a fresh process before it is recorded as load-hung (default 600)")
     add_tf32_arg(p)
+    p.add_argument("--batch-buckets", metavar="N,N,...",
+                   help="also build and validate engines at these smaller batch sizes (the artifact's batch is "
+                        "always the largest): kkdeploy.load then takes any batch up to it and runs the smallest "
+                        "bucket that holds it; each bucket passes the strict gate on its own")
     p.add_argument("--padding-ratio", type=float, default=0.25, help="padding ratio of the padded trials (default 0.25)")
     p.add_argument("--warmups", type=int, default=20)
     p.add_argument("--repeats", type=int, default=100)
@@ -96,7 +101,10 @@ def run(args) -> int:
     status = 0
     for shape_id, config in targets:
         out = Path(args.out) if args.out else default_out_dir(shape_id, config, dtype, device)
+        buckets = parse_batch_buckets(args.batch_buckets, config.batch_size)
         if shape_id in LONG_CONTEXT_SHAPES or args.long_context:
+            if buckets:
+                raise KKError("--batch-buckets does not apply to the long-context path; drop it")
             from ..pipeline.long_context import build_long_context_artifacts
 
             status = max(status, build_long_context_artifacts(args, shape_id, config, dtype, device, out))
@@ -107,7 +115,8 @@ def run(args) -> int:
                                backends=backends, weights=args.weights, force=args.force, seed=args.seed,
                                trials=args.trials, padding_ratio=args.padding_ratio, contract=args.contract,
                                warmups=args.warmups, repeats=args.repeats, rounds=args.rounds,
-                               tf32=args.tf32, options=request_options(args), probe_timeout_s=args.probe_timeout)
+                               tf32=args.tf32, options=request_options(args), probe_timeout_s=args.probe_timeout,
+                               batch_buckets=buckets)
         manifest = run_build(request)
         print_summary(manifest, out)
     return status

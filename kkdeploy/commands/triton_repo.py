@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def register(sub):
     p = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository for built artifacts")
@@ -9,19 +11,39 @@ def register(sub):
     p.add_argument("--out", required=True, help="repository directory to write (replaced only with --force)")
     p.add_argument("--model-name", default="kkdeploy",
                    help="name clients call (default kkdeploy); the engine model is <name>_engine")
-    p.add_argument("--engine", choices=["auto", "native", "python"], default="auto",
-                   help="auto (default): onnxruntime/tensorrt backend where an ORT/TensorRT engine shipped, else "
-                        "the Python backend through kkdeploy.load; python: always kkdeploy.load")
+    add_topology_args(p)
     p.add_argument("--max-queue-delay-us", type=int, default=0,
                    help="how long the dynamic batcher may hold a request to fill a batch (default 0)")
+    p.add_argument("--kubernetes", action="store_true",
+                   help="also write kubernetes/ manifests (Deployment, Service, HorizontalPodAutoscaler on Triton's "
+                        "queue time, the Prometheus adapter rule), checked against the Kubernetes schemas when "
+                        "kubernetes-validate is installed")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=run)
+
+
+def add_topology_args(p) -> None:
+    """--engine, --topology, --instances: shared with `kkdeploy serve`."""
+    p.add_argument("--engine", choices=["auto", "native", "python"], default="auto",
+                   help="auto (default): one hop, the engine inside the batching Python model through kkdeploy.load; "
+                        "native: an onnxruntime/tensorrt engine model behind a Python front (two hops, batch B "
+                        "only); python: kkdeploy.load")
+    p.add_argument("--topology", choices=["auto", "one-hop", "two-hop"], default="auto",
+                   help="auto (default): one-hop unless --engine native; two-hop: the front + engine layout of "
+                        "before issue 30 (to compare against it)")
+    p.add_argument("--instances", type=int, default=1,
+                   help="model instances (instance_group count; each loads the engine; default 1)")
 
 
 def run(args) -> int:
     from ..serving.triton_repo import print_summary, write_repository
 
     info = write_repository(args.artifacts, args.out, model_name=args.model_name, engine=args.engine,
-                            max_queue_delay_us=args.max_queue_delay_us, force=args.force)
+                            max_queue_delay_us=args.max_queue_delay_us, force=args.force, topology=args.topology,
+                            instances=args.instances, kubernetes=args.kubernetes)
     print_summary(info)
+    if args.kubernetes:
+        from ..console import console
+
+        console.print(f"  kubernetes/: {', '.join(sorted(p.name for p in (Path(info.path) / 'kubernetes').iterdir()))}")
     return 0

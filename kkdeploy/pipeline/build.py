@@ -66,6 +66,7 @@ class BuildRequest:
     tf32: bool | None = None  # None: config.tf32_default (on for float32 CUDA under the judge contract)
     options: dict = field(default_factory=dict)  # backend/exporter options, recorded in the manifest
     probe_timeout_s: float | None = None  # fresh-process load check; None: engines.fresh_process.DEFAULT_TIMEOUT_S
+    batch_buckets: list[int] | None = None  # smaller batch sizes built and validated beside B (issue 30)
 
 
 def default_out_dir(shape_id: int | None, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> Path:
@@ -213,11 +214,76 @@ def time_contenders(request: BuildRequest, contenders: dict) -> dict:
     return {name: s.to_dict() for name, s in stats.items()}
 
 
+BUCKETS_DIR = "buckets"
+
+
+def parse_batch_buckets(text: str | None, batch: int) -> list[int] | None:
+    """``--batch-buckets 1,2,4`` -> the sorted sizes, the artifact's batch B always the largest; None if absent.
+
+    B itself is the artifact's top level (its own build); the smaller sizes are built beside it."""
+    if text is None:
+        return None
+    try:
+        sizes = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise KKError(f"--batch-buckets takes batch sizes separated by commas, such as 1,2,4; got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise KKError(f"--batch-buckets sizes must be positive integers, such as 1,2,4; got {text!r}")
+    if sizes[-1] > batch:
+        raise KKError(f"--batch-buckets {sizes[-1]} exceeds the artifact's batch {batch}; raise --batch-size or "
+                      f"drop the larger sizes")
+    return sorted(set(sizes) | {batch})
+
+
+def bucket_dir(batch: int) -> str:
+    return f"{BUCKETS_DIR}/b{batch}"
+
+
 def run_build(request: BuildRequest) -> dict:
-    """The whole pipeline; returns the manifest written to ``request.out``."""
+    """The whole pipeline; returns the manifest written to ``request.out``.
+
+    With ``batch_buckets``, each smaller size is a complete build of its own (candidates, fresh-process probes,
+    validation at that batch, timing, choice) written to ``buckets/b<N>/`` inside the same staging directory, so
+    every bucket passes the strict gate on its own and the whole set is renamed into place at once."""
+    if request.batch_buckets:
+        request.batch_buckets = parse_batch_buckets(",".join(map(str, request.batch_buckets)),
+                                                    request.config.batch_size)
+    with artifacts.staged_directory(request.out, force=request.force) as stage:
+        buckets = []
+        for size in (request.batch_buckets or [])[:-1]:
+            from dataclasses import replace
+
+            console.print(f"[bold]bucket[/] batch {size} of {request.config.batch_size}")
+            sub = replace(request, config=replace(request.config, batch_size=size), batch_buckets=None,
+                          backends=list(request.backends) if request.backends else None,
+                          options=dict(request.options))
+            manifest = build_into(sub, stage / bucket_dir(size))
+            buckets.append((size, bucket_dir(size), manifest))
+        manifest = build_into(request, stage, buckets)
+    return manifest
+
+
+def bucket_record(size: int, rel: str, manifest: dict, stage: Path) -> dict:
+    """One bucket in the top manifest: where it is, what it shipped, its verdict and its latency."""
+    choice = manifest["choice"]
+    chosen = next((c for c in manifest["candidates"] if c["name"] == choice["candidate"]), None)
+    verdict = (chosen or {}).get("validation") or manifest["fallback"].get("validation") or {}
+    latency = (chosen or {}).get("latency") or manifest["fallback"].get("latency") or {}
+    record = {"batch": size, "dir": rel, "candidate": choice["candidate"], "backend": choice.get("backend"),
+              "all_valid_only": bool(choice.get("all_valid_only")), "status": verdict.get("status"),
+              "failed_elements": verdict.get("failed_elements"), "median_ms": latency.get("median_ms"),
+              "weights_sha256": manifest["weights"]["sha256"]}
+    if rel != ".":
+        record["manifest_sha256"] = artifacts.file_sha256(stage / rel / artifacts.MANIFEST)
+    return record
+
+
+def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) -> dict:
+    """Build, validate, time and choose into ``stage`` (created here); returns the manifest written there."""
     from validation import contract as contract_tolerances
     from validation.validator import validate_candidates
 
+    stage.mkdir(parents=True, exist_ok=True)
     atol, rtol = contract_tolerances(request.contract)
     request.backends = request.backends or list(DEFAULT_BACKENDS[request.device.type])
     request.tf32 = tf32_default(request.device, request.dtype, request.contract, request.tf32)
@@ -230,7 +296,7 @@ def run_build(request: BuildRequest) -> dict:
                       "drop it or use --dtype float32")
     started = time.perf_counter()
     # The reference, every candidate and the timing run under one TF32 setting, recorded for kkdeploy.load.
-    with tf32_mode(request.tf32), artifacts.staged_directory(request.out, force=request.force) as stage:
+    with tf32_mode(request.tf32):
         steps = 5 + len(request.backends)
         with progress_bar("build", steps) as bar:
             bar.describe("load weights")
@@ -294,6 +360,12 @@ def run_build(request: BuildRequest) -> dict:
             plot_latency(stage / "latency.png", latencies, choice["candidate"])
             manifest = make_manifest(request, reference, results, report, latencies, choice, sdpa_layers,
                                      export_info, stage, atol, rtol, time.perf_counter() - started)
+            if buckets:
+                top = [*buckets, (request.config.batch_size, ".", manifest)]
+                records = [bucket_record(size, rel, m, stage) for size, rel, m in top]
+                if len({r["weights_sha256"] for r in records}) != 1:
+                    raise KKError("the batch buckets were built with different weights; rebuild with --weights FILE")
+                manifest["batch_buckets"] = {"sizes": [r["batch"] for r in records], "buckets": records}
             artifacts.write_json(stage / artifacts.MANIFEST, manifest)
             bar.advance()
     return manifest
@@ -420,4 +492,13 @@ def print_summary(manifest: dict, out: Path) -> None:
     console.print(summary_table(manifest))
     choice = manifest["choice"]
     console.print(f"shipped: [bold]{choice['candidate']}[/] — {choice['reason']}", soft_wrap=True)
-    console.print(f"artifacts: {out}  ({', '.join(sorted(manifest.get('files', {})))})", soft_wrap=True)
+    buckets = (manifest.get("batch_buckets") or {}).get("buckets")
+    if buckets:
+        rows = [[b["batch"], b["dir"], b["candidate"], b["status"], b["failed_elements"],
+                 "-" if b["median_ms"] is None else f"{b['median_ms']:.3f}",
+                 "-" if b["median_ms"] is None else f"{b['median_ms'] / b['batch']:.3f}"] for b in buckets]
+        console.print(table("Batch buckets (each validated on its own)", ["batch", "dir", "shipped", "status",
+                                                                         "failed elements", "median ms",
+                                                                         "ms per sequence"], rows))
+    names = sorted({rel.split("/")[0] + ("/" if "/" in rel else "") for rel in manifest.get("files", {})})
+    console.print(f"artifacts: {out}  ({', '.join(names)})", soft_wrap=True)

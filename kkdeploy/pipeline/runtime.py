@@ -175,9 +175,113 @@ def read_manifest(root: Path) -> dict:
     return manifest
 
 
-def load(path, device=None) -> ServedRunner:
+class BucketedRunner:
+    """``runner(x, valid_token_mask=None)`` for any batch of 1..max(buckets) sequences (issue 30).
+
+    Each bucket is a runner loaded from its own validated artifacts (``buckets/b<N>/``, the top level for the
+    largest). A call runs on the smallest bucket that holds its batch; a batch smaller than that bucket is padded
+    inside it with zero rows whose mask is all False (the model sets those rows to zeros, and every row is
+    computed on its own), and only the caller's rows are returned. ``buckets[b]`` is each bucket's own runner,
+    with its ``backend`` and ``reason``; ``run_bucket`` lets a server that already padded skip the copy."""
+
+    def __init__(self, buckets: dict[int, object], manifest: dict | None = None):
+        if not buckets:
+            raise KKError("a bucketed runner needs at least one bucket")
+        self.buckets = dict(sorted(buckets.items()))
+        self.sizes = list(self.buckets)
+        self.manifest = manifest or {}
+        largest = self.buckets[self.sizes[-1]]
+        self.backend = largest.backend
+        self.reason = largest.reason
+
+    @property
+    def config(self) -> TransformerConfig:
+        return self.buckets[self.sizes[-1]].config
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def bucket_for(self, n: int) -> int:
+        """The smallest bucket holding ``n`` sequences; a one-line error past the largest."""
+        for size in self.sizes:
+            if n <= size:
+                return size
+        raise KKError(f"a batch of {n} sequences exceeds the largest validated bucket ({self.sizes[-1]}); split "
+                      f"the call or rebuild with a larger --batch-size")
+
+    def run_bucket(self, size: int, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``x`` already holds exactly ``size`` rows (padding rows masked out)."""
+        return self.buckets[size](x, mask)
+
+    def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[0] < 1:
+            raise KKError(f"x must be [batch, seq_len, d_model] with batch >= 1, got {list(x.shape)}")
+        n = int(x.shape[0])
+        size = self.bucket_for(n)
+        if n == size:
+            return self.run_bucket(size, x, valid_token_mask)
+        if valid_token_mask is not None and tuple(valid_token_mask.shape) != (n, x.shape[1]):
+            raise KKError(f"valid_token_mask must be [{n}, {x.shape[1]}] for x of shape {list(x.shape)}, "
+                          f"got {list(valid_token_mask.shape)}")
+        padded = torch.zeros((size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        padded[:n] = x
+        mask = torch.zeros((size, x.shape[1]), dtype=torch.bool, device=x.device)
+        mask[:n] = True if valid_token_mask is None else valid_token_mask
+        return self.run_bucket(size, padded, mask)[:n]
+
+    def __repr__(self) -> str:
+        return f"BucketedRunner({', '.join(f'{b}: {r.backend}' for b, r in self.buckets.items())})"
+
+
+def bucketed(runner, batch: int | None = None) -> BucketedRunner:
+    """``runner`` as a BucketedRunner: itself, or an artifact without buckets as its one bucket B."""
+    if isinstance(runner, BucketedRunner):
+        return runner
+    return BucketedRunner({int(batch or runner.config.batch_size): runner}, getattr(runner, "manifest", None))
+
+
+def load(path, device=None):
+    """The runner for the artifacts at ``path``: a ``ServedRunner`` at the artifact's batch, or, for artifacts built
+    with ``--batch-buckets``, a ``BucketedRunner`` over every bucket (each loaded, checked and, if need be, falling
+    back on its own)."""
     root = Path(path)
     manifest = read_manifest(root)
+    record = manifest.get("batch_buckets") or {}
+    if len(record.get("buckets") or []) > 1:
+        return load_buckets(root, manifest, device)
+    return load_one(root, manifest, device)
+
+
+def load_buckets(root: Path, manifest: dict, device=None) -> BucketedRunner:
+    """Every bucket through ``load_one`` (its own hashes, environment checks and fallback). A bucket manifest whose
+    sha256 is not the one the top manifest recorded is not trusted: that bucket serves the PyTorch fallback."""
+    runners = {}
+    for entry in manifest["batch_buckets"]["buckets"]:
+        size, rel = int(entry["batch"]), entry["dir"]
+        if rel == ".":
+            runner = load_one(root, manifest, device)
+        else:
+            sub = root / rel
+            sub_manifest = read_manifest(sub)
+            if TransformerConfig.from_dict(sub_manifest["config"]).batch_size != size:
+                raise KKError(f"{sub}: its batch is not the bucket's {size}; rebuild the artifacts")
+            if artifacts.file_sha256(sub / artifacts.MANIFEST) != entry.get("manifest_sha256"):
+                sub_manifest = {**sub_manifest, "choice": {**sub_manifest["choice"], "candidate": FALLBACK,
+                                                           "backend": None, "all_valid_only": False}}
+                reason = f"{rel}/{artifacts.MANIFEST} differs from the one the build recorded; rebuild the artifacts"
+                log.warning("kkdeploy: bucket %d serves the PyTorch fallback for %s: %s", size, root, reason)
+                runner = load_one(sub, sub_manifest, device)
+                runner.reason = reason
+            else:
+                runner = load_one(sub, sub_manifest, device)
+        if runner.manifest.get("weights", {}).get("sha256") != manifest["weights"]["sha256"]:
+            raise KKError(f"{root / rel}: weights differ from the artifact's; rebuild the artifacts")
+        runners[size] = runner
+    return BucketedRunner(runners, manifest)
+
+
+def load_one(root: Path, manifest: dict, device=None) -> ServedRunner:
     config = TransformerConfig.from_dict(manifest["config"])
     dtype = parse_dtype(manifest["dtype"])
     recorded_type = manifest["environment"]["device"]["type"]

@@ -1,16 +1,22 @@
 """The Python-backend model of a kkdeploy Triton repository; ``triton_repo`` copies this file as ``1/model.py``.
 
-One file, two roles, chosen by the ``kkdeploy_role`` parameter of the model's ``config.pbtxt``:
+One file, three roles, chosen by the ``kkdeploy_role`` parameter of the model's ``config.pbtxt``:
 
-``front`` (the model clients call). Triton's dynamic batcher gathers requests of 1..B sequences (``max_batch_size``
-is the engine's fixed batch B, so Triton itself rejects a request of more than B sequences, a wrong width, dtype
-or mask shape with a 400). ``execute`` concatenates them, pads the batch to exactly B with zero rows whose mask is
-all False (fully masked rows: the model sets them to zeros, and every row is computed independently of the
-others), calls the fixed-batch engine model once through BLS, and splits the result back, request by request.
-Padding rows are never returned. A missing ``valid_token_mask`` means every token is valid, as in the model.
+``batched`` (one hop, the default repository; issue 30). Triton's dynamic batcher gathers requests of 1..N
+sequences (``max_batch_size`` = the largest validated batch bucket, so Triton itself rejects more, a wrong width,
+dtype or mask shape with a 400) and hands them to this model, which runs the engine in-process:
+``kkdeploy.load(<version>/artifacts)`` (every check it makes: hashes, environment, versions, its fallback). The
+gathered rows are copied straight into a buffer of the smallest bucket that holds them, on the engine's device
+(padding rows zero with an all-False mask), that bucket runs once, and each request gets a DLPack view of its own
+rows. On a CUDA artifact the output stays on the GPU until Triton copies it into the response, and inputs a
+client sent through CUDA shared memory arrive on the GPU (``FORCE_CPU_ONLY_INPUT_TENSORS: no``). Where the time
+goes (gather, engine, respond; real and padding rows; runs per bucket) is exported as custom metrics on Triton's
+``/metrics``, flushed at most every half second so that no request pays for a metrics round trip.
 
-``engine`` (``<name>_engine``, fixed batch B). Serves ``kkdeploy.load(<version>/artifacts)``: the chosen engine
-or the validated PyTorch fallback, with every check ``kkdeploy.load`` makes (hashes, environment, versions).
+``front`` and ``engine`` (the two-hop layout, for native engine models). The front gathers, pads to the engine's
+fixed batch B with fully masked rows, calls ``<name>_engine`` once through BLS and splits the result back; the
+engine role serves ``kkdeploy.load`` at B. Padding rows are never returned. A missing ``valid_token_mask`` means
+every token is valid, as in the model.
 
 Every tensor crosses the stub boundary as DLPack (``to_dlpack``/``from_dlpack``), never through ``as_numpy()``
 or ``Tensor(name, ndarray)``: the stub's numpy bridge is compiled against numpy 1.x and, under numpy 2, silently
@@ -25,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import site
+import time
 
 # A kkdeploy environment that is a virtualenv (or has user site-packages) is not the stub's default sys.path:
 # ``kkdeploy serve`` names its site dirs here; addsitedir also runs their .pth files (editable installs).
@@ -36,6 +43,9 @@ ROLE = "kkdeploy_role"
 ENGINE_MODEL = "kkdeploy_engine_model"
 ARTIFACTS = "kkdeploy_artifacts"
 DEVICE_TYPE = "kkdeploy_device_type"
+OUTPUT_DEVICE = "kkdeploy_output_device"  # gpu (default on CUDA) | cpu
+CANARY_FILE = "kkdeploy_canary_file"  # written by `kkdeploy serve`: where the model records its canary answers
+CANARY_SEED = 4242
 INPUT_X, INPUT_MASK, OUTPUT_Y = "x", "valid_token_mask", "y"
 
 
@@ -59,6 +69,48 @@ def chunks(sizes: list[int], batch: int) -> list[list[int]]:
     if current:
         groups.append(current)
     return groups
+
+
+def canary_case(seq_len: int, d_model: int, dtype):
+    """The watchdog's tiny request: one sequence, a quarter of it padding, from a fixed seed (torch on the CPU,
+    so ``kkdeploy serve`` makes the same bytes)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(CANARY_SEED)
+    x = torch.randn((1, seq_len, d_model), generator=generator).to(dtype)
+    mask = (torch.arange(seq_len) < seq_len - seq_len // 4)[None, :]
+    x[~mask] = 0
+    return x, mask
+
+
+def tensor_digest(t) -> str:
+    """blake2b-128 of a tensor's bytes (as ``loadtest.digest`` of the same array's ``tobytes()``); no numpy."""
+    import hashlib
+
+    data = bytes(t.detach().cpu().contiguous().clone().untyped_storage())
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def write_canary(path: str, model: str, answers: dict) -> None:
+    """``{bucket: digest}`` of the canary's answer at each bucket, written atomically for the watchdog."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"model": model, "pid": os.getpid(), "buckets": {str(k): v for k, v in answers.items()}}, f)
+    os.replace(tmp, path)
+
+
+def canary_answers(run_bucket, sizes, seq_len: int, d_model: int, dtype, device) -> dict:
+    """The canary in row 0 of each bucket, the other rows zero and fully masked, as a gathered batch holds it."""
+    import torch
+
+    x1, m1 = canary_case(seq_len, d_model, dtype)
+    answers = {}
+    for size in sizes:
+        x = torch.zeros((size, seq_len, d_model), dtype=dtype, device=device)
+        mask = torch.zeros((size, seq_len), dtype=torch.bool, device=device)
+        x[:1], mask[:1] = x1.to(device), m1.to(device)
+        answers[size] = tensor_digest(run_bucket(size, x, mask)[:1])
+    return answers
 
 
 def pad_batch(xs: list, masks: list, batch: int):
@@ -88,17 +140,25 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         role = parameter(config, ROLE)
-        if role == "front":
+        if role == "batched":
+            self.impl = _Batched(config, args)
+        elif role == "front":
             self.impl = _Front(config)
         elif role == "engine":
             self.impl = _Engine(config, args)
         else:
-            raise ValueError(f"config.pbtxt parameter {ROLE} must be 'front' or 'engine', got {role!r}")
+            raise ValueError(f"config.pbtxt parameter {ROLE} must be 'batched', 'front' or 'engine', got {role!r}")
 
     def execute(self, requests):
         return self.impl.execute(requests)
 
     def finalize(self):
+        clock = getattr(self.impl, "clock", None)
+        if clock is not None:
+            try:
+                clock.close()
+            except Exception:  # noqa: BLE001 - the server is unloading the model: the last half second is lost
+                pass
         self.impl = None
 
 
@@ -108,11 +168,26 @@ def _to_torch(tensor):
     return from_dlpack(tensor.to_dlpack())
 
 
-def _to_triton(name: str, value):
+def _to_triton(name: str, value, keep_device: bool = False):
+    """A Triton tensor sharing ``value``'s memory (DLPack). ``keep_device``: a GPU tensor stays on the GPU (Triton
+    copies it into the response itself); otherwise it is brought to the CPU first."""
     import triton_python_backend_utils as pb_utils
     from torch.utils.dlpack import to_dlpack
 
-    return pb_utils.Tensor.from_dlpack(name, to_dlpack(value.detach().cpu().contiguous()))
+    value = value.detach()
+    if not keep_device:
+        value = value.cpu()
+    return pb_utils.Tensor.from_dlpack(name, to_dlpack(value.contiguous()))
+
+
+def _code(exc: BaseException):
+    """A caller's mistake (a batch past the largest bucket, a shape the engine refuses) is INVALID_ARGUMENT (HTTP
+    400); anything else is the server's (INTERNAL, 500)."""
+    import triton_python_backend_utils as pb_utils
+
+    from kkdeploy.errors import KKError
+
+    return pb_utils.TritonError.INVALID_ARGUMENT if isinstance(exc, (KKError, ValueError)) else None
 
 
 def _error(message: str, code=None):
@@ -122,7 +197,21 @@ def _error(message: str, code=None):
         message, pb_utils.TritonError.INTERNAL if code is None else code))
 
 
+def _stage_clock(name: str, buckets: list[int]) -> StageClock:
+    try:
+        sink = _TritonMetrics(name, buckets)
+    except Exception as exc:  # noqa: BLE001 - an older backend without custom metrics still serves
+        import triton_python_backend_utils as pb_utils
+
+        pb_utils.Logger.log_warn(f"{name}: no stage metrics ({type(exc).__name__}: {exc})")
+        sink = None
+    return StageClock(sink, background=True)
+
+
 class _Front:
+    """Two hops: its stage metrics call the BLS round trip to the engine model "engine", so that a before/after
+    comparison with the one-hop model shows what the second hop costs."""
+
     def __init__(self, config: dict):
         import torch
 
@@ -133,10 +222,12 @@ class _Front:
         self.engine_model = parameter(config, ENGINE_MODEL)
         if not self.engine_model:
             raise ValueError(f"{self.name}: config.pbtxt lacks the {ENGINE_MODEL} parameter")
+        self.clock = _stage_clock(self.name, [self.batch])
 
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
 
+        start = time.perf_counter_ns()
         responses = [None] * len(requests)
         xs, masks = [], []
         for request in requests:
@@ -146,19 +237,24 @@ class _Front:
             masks.append(None if mask is None else _to_torch(mask))
         for group in chunks([int(x.shape[0]) for x in xs], self.batch):
             try:
-                outputs = self._run([xs[i] for i in group], [masks[i] for i in group])
+                outputs, gathered, ran = self._run([xs[i] for i in group], [masks[i] for i in group])
             except Exception as exc:  # noqa: BLE001 - the engine's error goes back to each caller
                 for i in group:
                     responses[i] = _error(f"{self.name}: {exc}")
+                start = time.perf_counter_ns()
                 continue
             for i, y in zip(group, outputs):
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[_to_triton(OUTPUT_Y, y)])
+            self.clock.record(gathered - start, ran - gathered, time.perf_counter_ns() - ran, self.batch,
+                              sum(int(xs[i].shape[0]) for i in group))
+            start = time.perf_counter_ns()
         return responses
 
     def _run(self, xs, masks):
         import triton_python_backend_utils as pb_utils
 
         x, mask, bounds = pad_batch(xs, masks, self.batch)
+        gathered = time.perf_counter_ns()
         request = pb_utils.InferenceRequest(
             model_name=self.engine_model, requested_output_names=[OUTPUT_Y],
             inputs=[_to_triton(INPUT_X, x), _to_triton(INPUT_MASK, mask)])
@@ -166,7 +262,8 @@ class _Front:
         if response.has_error():
             raise RuntimeError(f"engine model {self.engine_model}: {response.error().message()}")
         y = _to_torch(pb_utils.get_output_tensor_by_name(response, OUTPUT_Y))
-        return [y[a:b].clone() for a, b in bounds]
+        ran = time.perf_counter_ns()
+        return [y[a:b].clone() for a, b in bounds], gathered, ran
 
 
 class _Engine:
@@ -189,6 +286,11 @@ class _Engine:
         with torch.inference_mode():  # first call outside the clock: lazy session/graph set-up
             x = torch.zeros(self.shape, dtype=_dtype(config), device=self.device)
             self.runner(x, torch.ones(self.shape[:2], dtype=torch.bool, device=self.device))
+            canary = parameter(config, CANARY_FILE)
+            if canary:
+                write_canary(canary, config["name"], canary_answers(
+                    lambda size, x_, m_: self.runner(x_, m_), [self.shape[0]], self.shape[1], self.shape[2],
+                    _dtype(config), self.device))
 
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
@@ -206,6 +308,202 @@ class _Engine:
             except Exception as exc:  # noqa: BLE001 - one bad call must not take the model down
                 responses.append(_error(f"engine: {type(exc).__name__}: {exc}"))
         return responses
+
+
+STAGES = ("gather", "engine", "respond")
+
+
+class StageClock:
+    """Per-stage time, rows and bucket runs, summed locally and pushed to Triton's custom metrics at most every
+    ``interval_s`` (each push is a message to the server: a push per request would cost more than it measures),
+    by the request that finds the interval over or, when traffic stops, by a background thread, so /metrics
+    lags by at most about ``interval_s``. ``sink(totals)`` does the push; the counters are cumulative."""
+
+    def __init__(self, sink=None, interval_s: float = 0.5, background: bool = False):
+        import threading
+
+        self.sink, self.interval_s = sink, interval_s
+        self.pending: dict[tuple, float] = {}
+        self.last = time.monotonic()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        if background and sink is not None:
+            threading.Thread(target=self._loop, name="kkdeploy-stage-metrics", daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            try:
+                self.maybe_flush()
+            except Exception:  # noqa: BLE001 - metrics must never take the model down
+                pass
+
+    def add(self, key: tuple, value: float) -> None:
+        self.pending[key] = self.pending.get(key, 0.0) + value
+
+    def record(self, gather_ns: int, engine_ns: int, respond_ns: int, bucket: int, real: int) -> None:
+        with self.lock:
+            for stage, ns in zip(STAGES, (gather_ns, engine_ns, respond_ns)):
+                self.add(("stage_us", stage), ns / 1000.0)
+            self.add(("executions", str(bucket)), 1)
+            self.add(("rows", "real"), real)
+            self.add(("rows", "padding"), bucket - real)
+        self.maybe_flush()
+
+    def maybe_flush(self, force: bool = False) -> None:
+        with self.lock:
+            now = time.monotonic()
+            if self.sink is None or not self.pending or (not force and now - self.last < self.interval_s):
+                return
+            pending, self.pending, self.last = self.pending, {}, now
+            self.sink(pending)
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.maybe_flush(force=True)
+
+
+class _TritonMetrics:
+    """Custom metric families (``pb_utils.MetricFamily``, Triton >= 23.05): kkdeploy_stage_us_total{stage},
+    kkdeploy_rows_total{kind=real|padding}, kkdeploy_bucket_executions_total{bucket}."""
+
+    def __init__(self, model: str, buckets: list[int]):
+        import triton_python_backend_utils as pb_utils
+
+        counter = pb_utils.MetricFamily.COUNTER
+        self.families = {
+            "stage_us": pb_utils.MetricFamily(name="kkdeploy_stage_us_total", kind=counter,
+                                              description="microseconds inside model.py by stage"),
+            "rows": pb_utils.MetricFamily(name="kkdeploy_rows_total", kind=counter,
+                                          description="rows run by the engine: real (requested) and padding"),
+            "executions": pb_utils.MetricFamily(name="kkdeploy_bucket_executions_total", kind=counter,
+                                                description="engine runs per batch bucket"),
+        }
+        label = {"stage_us": "stage", "rows": "kind", "executions": "bucket"}
+        values = {"stage_us": STAGES, "rows": ("real", "padding"), "executions": [str(b) for b in buckets]}
+        self.metrics = {(family, value): self.families[family].Metric(labels={"model": model, label[family]: value})
+                        for family in self.families for value in values[family]}
+
+    def __call__(self, totals: dict) -> None:
+        for key, value in totals.items():
+            metric = self.metrics.get(key)
+            if metric is not None:
+                metric.increment(value)
+
+
+class _Batched:
+    """One hop: the gathered requests run on the smallest validated bucket that holds them, in this process."""
+
+    def __init__(self, config: dict, args: dict):
+        import triton_python_backend_utils as pb_utils
+
+        import torch
+
+        import kkdeploy
+        from kkdeploy.pipeline.runtime import bucketed
+
+        self.name = config["name"]
+        version_dir = os.path.join(args["model_repository"], args["model_version"])
+        artifacts = os.path.join(version_dir, parameter(config, ARTIFACTS, "artifacts"))
+        device = "cpu"
+        if parameter(config, DEVICE_TYPE, "cpu") == "cuda":
+            device = f"cuda:{int(args.get('model_instance_device_id') or 0)}"
+            torch.cuda.set_device(torch.device(device))
+        self.device = torch.device(device)
+        self.runner = bucketed(kkdeploy.load(artifacts, device=device))
+        if self.device.type == "cpu" and all(getattr(r, "engine", None) is not None and r.backend.startswith("ort")
+                                             for r in self.runner.buckets.values()):
+            # torch only copies rows here; its idle pool spinning beside ONNX Runtime's on the same cores made
+            # every engine run slower (docs/serving.md, CPU benchmark).
+            torch.set_num_threads(1)
+        self.max_batch = int(config["max_batch_size"])
+        if self.max_batch > self.runner.max_batch:
+            raise ValueError(f"{self.name}: max_batch_size {self.max_batch} exceeds the largest validated bucket "
+                             f"{self.runner.max_batch}; rewrite the repository")
+        self.row_shape = [int(d) for d in next(i["dims"] for i in config["input"] if i["name"] == INPUT_X)]
+        self.dtype = _dtype(config)
+        self.cuda = self.device.type == "cuda"
+        # Outputs stay on the GPU (Triton copies them into the response) unless the repository says "cpu" or the
+        # backend turns a GPU DLPack tensor down (then: copied here, said once in the log).
+        self.gpu_outputs = self.cuda and parameter(config, OUTPUT_DEVICE, "gpu") != "cpu"
+        self.clock = _stage_clock(self.name, self.runner.sizes)
+        described = ", ".join(f"{b}: {r.backend}" for b, r in self.runner.buckets.items())
+        pb_utils.Logger.log_info(f"{self.name}: one hop on {device}, buckets {described}; {self.runner.reason}")
+        with torch.inference_mode():  # every bucket's first call outside the clock, on both mask routes
+            for size in self.runner.sizes:
+                x = torch.zeros([size, *self.row_shape], dtype=self.dtype, device=self.device)
+                mask = torch.ones([size, self.row_shape[0]], dtype=torch.bool, device=self.device)
+                self.runner.run_bucket(size, x, mask)
+                mask[:, -1] = False
+                self.runner.run_bucket(size, x, mask)
+            canary = parameter(config, CANARY_FILE)
+            if canary:
+                write_canary(canary, self.name, canary_answers(self.runner.run_bucket, self.runner.sizes,
+                                                               self.row_shape[0], self.row_shape[1], self.dtype,
+                                                               self.device))
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+
+    def execute(self, requests):
+        import triton_python_backend_utils as pb_utils
+
+        start = time.perf_counter_ns()
+        responses = [None] * len(requests)
+        xs, masks = [], []
+        for request in requests:
+            xs.append(_to_torch(pb_utils.get_input_tensor_by_name(request, INPUT_X)))
+            mask = pb_utils.get_input_tensor_by_name(request, INPUT_MASK)
+            masks.append(None if mask is None else _to_torch(mask))
+        for group in chunks([int(x.shape[0]) for x in xs], self.max_batch):
+            try:
+                outputs, size, n, gathered, ran = self._run([xs[i] for i in group], [masks[i] for i in group])
+                for i, y in zip(group, outputs):
+                    responses[i] = pb_utils.InferenceResponse(output_tensors=[self._output(y)])
+                self.clock.record(gathered - start, ran - gathered, time.perf_counter_ns() - ran, size, n)
+            except Exception as exc:  # noqa: BLE001 - the engine's error goes back to each caller
+                for i in group:
+                    responses[i] = _error(f"{self.name}: {type(exc).__name__}: {exc}", _code(exc))
+            start = time.perf_counter_ns()
+        return responses
+
+    def _output(self, y):
+        if self.gpu_outputs:
+            try:
+                return _to_triton(OUTPUT_Y, y, keep_device=True)
+            except Exception as exc:  # noqa: BLE001 - a backend built without GPU tensor support
+                import triton_python_backend_utils as pb_utils
+
+                self.gpu_outputs = False
+                pb_utils.Logger.log_warn(f"{self.name}: GPU outputs refused ({type(exc).__name__}: {exc}); "
+                                         f"copying outputs to the CPU in model.py from now on")
+        return _to_triton(OUTPUT_Y, y)
+
+    def _run(self, xs, masks):
+        import torch
+
+        n = sum(int(x.shape[0]) for x in xs)
+        size = self.runner.bucket_for(n)
+        x = torch.empty([size, *self.row_shape], dtype=self.dtype, device=self.device)
+        mask = torch.empty([size, self.row_shape[0]], dtype=torch.bool, device=self.device)
+        bounds, row = [], 0
+        for xi, mi in zip(xs, masks):
+            k = int(xi.shape[0])
+            x[row:row + k].copy_(xi, non_blocking=True)
+            if mi is None:
+                mask[row:row + k] = True
+            else:
+                mask[row:row + k].copy_(mi, non_blocking=True)
+            bounds.append((row, row + k))
+            row += k
+        if n < size:  # padding rows: zeros, fully masked, never returned
+            x[n:].zero_()
+            mask[n:] = False
+        gathered = time.perf_counter_ns()
+        with torch.inference_mode():
+            y = self.runner.run_bucket(size, x, mask)
+        if self.cuda:  # the responses read y: it must be complete (and the clock honest)
+            torch.cuda.current_stream(self.device).synchronize()
+        ran = time.perf_counter_ns()
+        return [y[a:b] for a, b in bounds], size, n, gathered, ran
 
 
 def _dtype(config: dict):

@@ -1,29 +1,30 @@
 """Write a Triton model repository for what ``kkdeploy build`` shipped.
 
-Layout (``<name>`` is ``--model-name``, default ``kkdeploy``)::
+Two topologies (``topology``):
+
+``one-hop`` (the default; issue 30)::
 
     REPO/
       README.md  manifest.json  validation.json  serving.json     (Triton ignores top-level files)
-      <name>/config.pbtxt   1/model.py                             the front: what clients call
+      <name>/config.pbtxt   1/model.py   1/artifacts/...          the only model: what clients call
+
+  Triton's dynamic batcher gathers requests (``max_batch_size`` = the largest batch bucket, ``preferred_batch_size``
+  = the buckets) into ONE Python-backend model that runs the engine in-process through ``kkdeploy.load``: the
+  gathered batch is written straight into the smallest validated bucket that holds it (padding rows fully masked:
+  zeros by the model's semantics, never returned), run once, and split back. There is no second model and no BLS
+  hop, and on a CUDA artifact the tensors stay on the GPU (DLPack) from the request buffers to the engine and back.
+
+``two-hop`` (``--engine native``, or asked for; what every repository was before issue 30)::
+
+      <name>/config.pbtxt   1/model.py                             the front: gathers, pads to B, one BLS call
       <name>_engine/config.pbtxt   1/<engine files>                the engine at its fixed batch B
 
-Why two models. Engines are built for one fixed batch B, while clients send 1..B sequences. Triton cannot pad a
-batch for an ONNX Runtime or TensorRT model (its batcher concatenates requests; it never pads to a fixed size),
-and an ensemble cannot compute. So the front is a Python-backend model with dynamic batching and
-``max_batch_size: B``: it gathers requests, pads the batch to B with fully masked rows (zeros by the model's
-semantics, never returned), calls the engine model once through BLS, and splits the result back. The same front
-serves every engine kind, so the path tested on the CPU (front -> Python engine) is the path an ORT or
-TensorRT repository takes, up to the engine model itself.
-
-The engine model, by what was shipped (``engine="auto"``):
-  * an ONNX Runtime candidate -> ``backend: "onnxruntime"`` on the graph the build optimized and validated, with
-    the session options ``engines.ort`` loads it with (optimizations off: the saved graph is already optimized);
-  * a TensorRT candidate -> ``backend: "tensorrt"`` on the plan;
-  * anything else (the PyTorch fallback, compiled PyTorch, CUDA graphs, an all-valid-only choice whose padded
-    calls need another runner) -> a Python-backend model that serves ``kkdeploy.load`` on a copy of the
-    artifacts, with every check ``kkdeploy.load`` makes.
-``engine="python"`` forces the last form for any artifact (``kkdeploy serve`` does this when the server has no
-backend for the native engine, as with the nvidia-pytriton server, which has only the Python backend).
+  Engines are built for one fixed batch, and Triton cannot pad a batch for an ONNX Runtime or TensorRT model (its
+  batcher concatenates requests; it never pads to a fixed size) and an ensemble cannot compute. So serving a
+  native engine model needs the Python front. The engine model, by what was shipped (``engine="auto"``): an ONNX
+  Runtime candidate -> ``backend: "onnxruntime"`` on the graph the build optimized and validated; a TensorRT
+  candidate -> ``backend: "tensorrt"`` on the plan; anything else -> a Python-backend model on ``kkdeploy.load``.
+  Native engine models serve the artifact's batch B only (batch buckets are for the one-hop model).
 
 The repository is written to a staging directory and renamed into place: never half a repository.
 """
@@ -44,6 +45,7 @@ from ..errors import KKError
 INPUT_X, INPUT_MASK, OUTPUT_Y = "x", "valid_token_mask", "y"
 REPO_SCHEMA = "kkdeploy.triton-repo/1"
 ENGINE_CHOICES = ("auto", "native", "python")
+TOPOLOGIES = ("auto", "one-hop", "two-hop")
 NATIVE_BACKENDS = {"ort": "onnxruntime", "trt": "tensorrt"}  # kkdeploy backend -> Triton backend
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
 ORT_DISABLE_ALL = 2  # the onnxruntime backend's ``optimization { graph { level } }``: 2 = ORT_DISABLE_ALL
@@ -65,10 +67,17 @@ class RepositoryInfo:
     dtype: str
     device_type: str
     max_queue_delay_us: int
+    topology: str = "two-hop"  # one-hop | two-hop
+    buckets: list = None  # the batch sizes the served model runs (the artifact's batch only, without buckets)
+    instances: int = 1
 
     @property
     def batch_size(self) -> int:
         return int(self.config["batch_size"])
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.buckets or [self.batch_size])
 
 
 # -- reading the artifacts -------------------------------------------------------------------------------------
@@ -113,6 +122,31 @@ def plan_engine(manifest: dict, engine: str = "auto", available: set[str] | None
     return native, f"the shipped {choice['candidate']} engine, natively on Triton's {native} backend"
 
 
+def plan_topology(manifest: dict, engine: str = "auto", topology: str = "auto",
+                  available: set[str] | None = None) -> tuple[str, str, str]:
+    """``(topology, engine_backend, reason)``. One hop unless a native engine model is asked for (``--engine
+    native``) or the two-hop layout is (``--topology two-hop``, e.g. to compare against it)."""
+    if topology not in TOPOLOGIES:
+        raise KKError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
+    if engine not in ENGINE_CHOICES:
+        raise KKError(f"--engine must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}")
+    if topology == "one-hop" and engine == "native":
+        raise KKError("--engine native needs the two-hop layout (a native engine has a fixed batch and needs the "
+                      "Python front to pad to it); drop --topology one-hop or use --engine auto")
+    if topology == "two-hop" or (topology == "auto" and engine == "native"):
+        backend, reason = plan_engine(manifest, engine, available)
+        return "two-hop", backend, reason
+    return "one-hop", "python", (f"one hop: Triton's batcher feeds one Python-backend model that runs the shipped "
+                                 f"{manifest['choice']['candidate']} through kkdeploy.load, on the smallest batch "
+                                 f"bucket holding each gathered batch")
+
+
+def artifact_buckets(manifest: dict) -> list[int]:
+    """The batch sizes the artifacts were validated at: the buckets, or the artifact's one batch."""
+    record = manifest.get("batch_buckets") or {}
+    return [int(b) for b in record.get("sizes") or []] or [int(manifest["config"]["batch_size"])]
+
+
 # -- config.pbtxt -----------------------------------------------------------------------------------------------
 def _tensor(name: str, dtype: str, dims: list[int], optional: bool = False) -> str:
     extra = " optional: true" if optional else ""
@@ -135,6 +169,31 @@ def front_config(name: str, engine_model: str, config: TransformerConfig, dtype:
         f"dynamic_batching {{ max_queue_delay_microseconds: {int(delay_us)} }}\n"
         f"instance_group [ {{ kind: KIND_CPU count: 1 }} ]\n"
         + _params({"kkdeploy_role": "front", "kkdeploy_engine_model": engine_model})
+    )
+
+
+def batched_config(name: str, config: TransformerConfig, dtype: str, device_type: str, buckets: list[int],
+                   delay_us: int, instances: int = 1) -> str:
+    """The one-hop model: dynamic batching up to the largest bucket, the buckets as preferred sizes, and the
+    engine in the same Python model (``kkdeploy_role: batched``)."""
+    t = TRITON_DTYPES[dtype]
+    s, d = config.seq_len, config.d_model
+    kind = "KIND_GPU" if device_type == "cuda" else "KIND_CPU"
+    params = {"kkdeploy_role": "batched", "kkdeploy_artifacts": "artifacts", "kkdeploy_device_type": device_type}
+    if device_type == "cuda":
+        # Inputs that arrive in GPU memory (CUDA shared memory from a client) reach model.py on the GPU, uncopied.
+        params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
+    return (
+        f"# One hop: Triton's batcher gathers 1..{max(buckets)} sequences into this model, which runs kkdeploy.load on\n"
+        f"# the smallest validated batch bucket that holds them ({', '.join(map(str, buckets))}), padding inside it\n"
+        f"# with fully masked rows, and returns each request its own rows (see model.py).\n"
+        f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max(buckets)}\n'
+        f"input [\n{_tensor(INPUT_X, t, [s, d])},\n{_tensor(INPUT_MASK, 'TYPE_BOOL', [s], optional=True)}\n]\n"
+        f"output [\n{_tensor(OUTPUT_Y, t, [s, d])}\n]\n"
+        f"dynamic_batching {{ preferred_batch_size: [ {', '.join(map(str, buckets))} ] "
+        f"max_queue_delay_microseconds: {int(delay_us)} }}\n"
+        f"instance_group [ {{ kind: {kind} count: {int(instances)} }} ]\n"
+        + _params(params)
     )
 
 
@@ -213,6 +272,7 @@ def render_readme(info: RepositoryInfo, manifest: dict) -> str:
     verdict = (chosen.get("validation") or manifest.get("fallback", {}).get("validation") or {})
     versions = env.get("versions", {})
     shape = f"shape {manifest['shape_id']}" if manifest.get("shape_id") else "a custom shape"
+    one_hop = info.topology == "one-hop"
     lines = [
         f"# Triton model repository: `{info.model}`",
         "",
@@ -222,10 +282,12 @@ def render_readme(info: RepositoryInfo, manifest: dict) -> str:
         "",
         "| model | backend | batch | inputs | output |",
         "|---|---|---|---|---|",
-        f"| `{info.model}` (call this one) | python (front) | 1..{b} sequences per request, dynamic batching | "
+        f"| `{info.model}` (call this one) | python ({'one hop: the engine runs in it' if one_hop else 'front'}) | "
+        f"1..{info.max_batch} sequences per request, dynamic batching | "
         f"`x` [n,{s},{d}] {info.dtype}, `valid_token_mask` [n,{s}] bool (optional: all valid) | `y` [n,{s},{d}] |",
-        f"| `{info.engine_model}` | {info.engine_backend} | exactly {b} | `x` [{b},{s},{d}], `valid_token_mask` "
-        f"[{b},{s}] | `y` [{b},{s},{d}] |",
+        *([] if one_hop else [
+            f"| `{info.engine_model}` | {info.engine_backend} | exactly {b} | `x` [{b},{s},{d}], `valid_token_mask` "
+            f"[{b},{s}] | `y` [{b},{s},{d}] |"]),
         "",
         f"* Shipped candidate: **{info.candidate}** ({info.choice_reason}).",
         f"* Engine model: {info.engine_reason}.",
@@ -237,10 +299,16 @@ def render_readme(info: RepositoryInfo, manifest: dict) -> str:
         "",
         "## Batching",
         "",
-        f"The front gathers requests until they hold at most {b} sequences, pads the batch to exactly {b} with zero "
-        "rows whose mask is all False (the model outputs zeros there; every row is computed on its own), calls the "
-        "engine once and returns each request its own rows. Triton answers 400 to a request of more than "
-        f"{b} sequences, a wrong width, a wrong dtype or a mask of the wrong shape.",
+        (f"Triton's dynamic batcher gathers requests until they hold at most {info.max_batch} sequences (preferring "
+         f"the validated batch buckets {info.buckets}); the model writes them into the smallest bucket that holds "
+         "them, padding with zero rows whose mask is all False (the model outputs zeros there; every row is computed "
+         "on its own), runs that bucket's engine once in the same process and returns each request its own rows."
+         if one_hop else
+         f"The front gathers requests until they hold at most {b} sequences, pads the batch to exactly {b} with zero "
+         "rows whose mask is all False (the model outputs zeros there; every row is computed on its own), calls the "
+         "engine once and returns each request its own rows.")
+        + f" Triton answers 400 to a request of more than {info.max_batch} sequences, a wrong width, a wrong dtype "
+        "or a mask of the wrong shape.",
         "",
         "## Serving it",
         "",
@@ -269,8 +337,11 @@ def render_readme(info: RepositoryInfo, manifest: dict) -> str:
 
 def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: str = "auto",
                      max_queue_delay_us: int = 0, available_backends: set[str] | None = None,
-                     force: bool = False) -> RepositoryInfo:
-    """Write the repository for ``artifacts_dir`` to ``out`` (atomically) and return what it serves."""
+                     force: bool = False, topology: str = "auto", instances: int = 1,
+                     kubernetes: bool = False, parameters: dict[str, str] | None = None) -> RepositoryInfo:
+    """Write the repository for ``artifacts_dir`` to ``out`` (atomically) and return what it serves.
+    ``kubernetes``: also write ``kubernetes/`` manifests for a cluster (``serving.kubernetes``). ``parameters``:
+    more ``config.pbtxt`` parameters for every model (``kkdeploy serve`` adds its token and canary file)."""
     import re
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", model_name or ""):
@@ -278,9 +349,11 @@ def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: s
                       f"starting with a letter or digit")
     if int(max_queue_delay_us) < 0:
         raise KKError(f"--max-queue-delay-us must be >= 0, got {max_queue_delay_us}")
+    if int(instances) < 1:
+        raise KKError(f"--instances must be at least 1, got {instances}")
     root = Path(artifacts_dir).resolve()
     manifest = read_artifacts(root)
-    backend, reason = plan_engine(manifest, engine, available_backends)
+    layout, backend, reason = plan_topology(manifest, engine, topology, available_backends)
     config = TransformerConfig.from_dict(manifest["config"])
     dtype = str(manifest["dtype"])
     device_type = manifest["environment"]["device"].get("type", "cpu")
@@ -288,36 +361,42 @@ def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: s
     entry = next((c for c in manifest["candidates"] if c.get("name") == choice["candidate"]), None)
     if backend != "python" and entry is None:
         raise KKError(f"the chosen candidate {choice['candidate']!r} is not in the manifest; rebuild the artifacts")
-    engine_model = f"{model_name}_engine"
+    engine_model = model_name if layout == "one-hop" else f"{model_name}_engine"
+    buckets = artifact_buckets(manifest) if layout == "one-hop" else [config.batch_size]
     target = Path(out).resolve()
     if target == root or root in target.parents:
         raise KKError(f"--out {target} is inside the artifact directory; write the repository elsewhere")
     info = RepositoryInfo(path=str(target), model=model_name, engine_model=engine_model, engine_backend=backend,
                           candidate=choice["candidate"], engine_reason=reason, choice_reason=choice.get("reason", ""),
                           config=config.to_dict(), dtype=dtype, device_type=device_type,
-                          max_queue_delay_us=int(max_queue_delay_us))
+                          max_queue_delay_us=int(max_queue_delay_us), topology=layout, buckets=buckets,
+                          instances=int(instances))
+    extra = _params(parameters or {})
     with artifacts.staged_directory(target, force=force) as stage:
         front = stage / model_name
         (front / "1").mkdir(parents=True)
-        (front / "config.pbtxt").write_text(front_config(model_name, engine_model, config, dtype, max_queue_delay_us))
         shutil.copyfile(TEMPLATE, front / "1" / "model.py")
-        eng = stage / engine_model
-        (eng / "1").mkdir(parents=True)
-        library = (entry or {}).get("options", {}).get("custom_ops_library") if backend == "onnxruntime" else None
-        final_library = target / engine_model / "1" / library if library else None  # its path once renamed in
-        (eng / "config.pbtxt").write_text(engine_config(engine_model, backend, config, dtype, device_type, entry,
-                                                        final_library))
-        if backend == "python":
-            shutil.copyfile(TEMPLATE, eng / "1" / "model.py")
-            copy = eng / "1" / "artifacts"
-            for rel in [*manifest["files"], artifacts.MANIFEST]:
-                (copy / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(root / rel, copy / rel)
+        if layout == "one-hop":
+            (front / "config.pbtxt").write_text(batched_config(model_name, config, dtype, device_type, buckets,
+                                                               max_queue_delay_us, instances) + extra)
+            _copy_artifacts(root, manifest, front / "1" / "artifacts")
         else:
-            for rel in _native_files(root, manifest, entry, backend) + ([library] if library else []):
-                shutil.copy2(root / rel, eng / "1" / Path(rel).name)
-            if backend == "onnxruntime":
-                check_onnx_io(eng / "1" / Path(entry["options"]["model"]).name, config, dtype)
+            (front / "config.pbtxt").write_text(front_config(model_name, engine_model, config, dtype,
+                                                             max_queue_delay_us) + extra)
+            eng = stage / engine_model
+            (eng / "1").mkdir(parents=True)
+            library = (entry or {}).get("options", {}).get("custom_ops_library") if backend == "onnxruntime" else None
+            final_library = target / engine_model / "1" / library if library else None  # its path once renamed in
+            (eng / "config.pbtxt").write_text(engine_config(engine_model, backend, config, dtype, device_type, entry,
+                                                            final_library) + extra)
+            if backend == "python":
+                shutil.copyfile(TEMPLATE, eng / "1" / "model.py")
+                _copy_artifacts(root, manifest, eng / "1" / "artifacts")
+            else:
+                for rel in _native_files(root, manifest, entry, backend) + ([library] if library else []):
+                    shutil.copy2(root / rel, eng / "1" / Path(rel).name)
+                if backend == "onnxruntime":
+                    check_onnx_io(eng / "1" / Path(entry["options"]["model"]).name, config, dtype)
         shutil.copy2(root / artifacts.MANIFEST, stage / "manifest.json")
         report = (manifest.get("validation") or {}).get("report")
         if report and (root / report).is_file():
@@ -329,12 +408,27 @@ def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: s
                                                       "kkdeploy": __version__, "created": artifacts.utc_now(),
                                                       "source": source})
         (stage / "README.md").write_text(render_readme(info, manifest))
+        if kubernetes:
+            from .kubernetes import write_manifests
+
+            write_manifests(stage / "kubernetes", info, manifest)
     return info
 
 
+def _copy_artifacts(root: Path, manifest: dict, copy: Path) -> None:
+    """A full copy of the artifacts (every hashed file and the manifest) for ``kkdeploy.load`` in the stub."""
+    for rel in [*manifest["files"], artifacts.MANIFEST]:
+        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / rel, copy / rel)
+
+
 def print_summary(info: RepositoryInfo) -> None:
-    b = info.batch_size
     console.print(f"repository [bold]{info.path}[/]")
+    if info.topology == "one-hop":
+        console.print(f"  {info.model}: one hop, python backend, dynamic batching of 1..{info.max_batch} sequences "
+                      f"on buckets {info.buckets} — {info.engine_reason}", soft_wrap=True)
+        return
+    b = info.batch_size
     console.print(f"  {info.model}: python front, dynamic batching of 1..{b} sequences, padded to {b}")
     console.print(f"  {info.engine_model}: {info.engine_backend} — {info.engine_reason}", soft_wrap=True)
 

@@ -314,6 +314,7 @@ class TritonServer:
         self.log_path = self.workdir / "tritonserver.log"
         self.process: subprocess.Popen | None = None
         self._shm_regions: set[str] = set()
+        self.killed = False  # whether the last stop needed SIGKILL
 
     # endpoints
     @property
@@ -402,21 +403,76 @@ class TritonServer:
         return self.process is not None and self.process.poll() is None
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as reply:
-                return reply.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return self.http_status("/v2/health/ready") == 200
 
-    def wait_ready(self, timeout_s: float = 300.0) -> "TritonServer":
-        """Until the server reports ready; a server that exits or a timeout is a one-line error (and stops it)."""
+    def http_status(self, path: str, method: str = "GET", timeout_s: float = 2.0) -> int | None:
+        """The HTTP status of ``path`` on this server's HTTP endpoint; None when nothing answers."""
+        request = urllib.request.Request(f"http://{self.http_url}{path}", method=method,
+                                         data=b"{}" if method == "POST" else None)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+                reply.read()
+                return reply.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except (urllib.error.URLError, OSError):
+            return None
+
+    def http_json(self, path: str, method: str = "GET", timeout_s: float = 2.0):
+        """The JSON body of ``path`` (None when nothing answers or the status is not 200)."""
+        import json
+
+        request = urllib.request.Request(f"http://{self.http_url}{path}", method=method,
+                                         data=b"{}" if method == "POST" else None)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+                return json.loads(reply.read() or b"null")
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    # explicit model control (the server must run with --model-control-mode=explicit)
+    def unload(self, model: str, timeout_s: float = 10.0) -> bool:
+        return self.http_status(f"/v2/repository/models/{model}/unload", "POST", timeout_s) == 200
+
+    def load(self, model: str, timeout_s: float = 300.0) -> bool:
+        """Load (or reload) ``model``; returns when Triton has loaded it or failed to."""
+        return self.http_status(f"/v2/repository/models/{model}/load", "POST", timeout_s) == 200
+
+    def model_states(self) -> dict[str, str]:
+        """``{model: state}`` from the repository index (READY, UNLOADING, UNAVAILABLE, LOADING)."""
+        index = self.http_json("/v2/repository/index", "POST") or []
+        return {m.get("name"): m.get("state", "") for m in index if isinstance(m, dict)}
+
+    def model_ready(self, model: str) -> bool:
+        return self.http_status(f"/v2/models/{model}/ready") == 200
+
+    def stub_pids(self) -> dict[str, list[int]]:
+        """``{model: [pid]}`` of the live Python-backend stubs serving from this repository."""
+        found: dict[str, list[int]] = {}
+        if self.process is None:
+            return found
+        prefix = f"{self.repository}/"
+        for pid, pgid, state, cmd in _process_table():
+            if pgid != self.process.pid or state == "Z" or "triton_python_backend_stub" not in cmd:
+                continue
+            for word in cmd.split():
+                if word.startswith(prefix) and word.endswith("model.py"):
+                    found.setdefault(word[len(prefix):].split("/")[0], []).append(pid)
+        return found
+
+    def wait_ready(self, timeout_s: float = 300.0, owner=None) -> "TritonServer":
+        """Until the server reports ready; a server that exits or a timeout is a one-line error (and stops it).
+
+        ``owner()``: True when the server answering on our ports is this one (``kkdeploy serve`` asks for its own
+        token in a model's config). Another server on the same ports answers ready too; this one's readiness
+        is only believed while its process is alive and ``owner()`` holds."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
                 code = self.process.returncode if self.process else None
                 self.stop()
                 raise KKError(f"tritonserver exited (code {code}) before it was ready: {self.failure_reason()}")
-            if self.ready():
+            if self.ready() and (owner is None or owner()) and self.alive():
                 self._note_shm_regions()
                 return self
             time.sleep(0.25)
@@ -466,6 +522,7 @@ class TritonServer:
             return None
         self._note_shm_regions()
         grace = (self.exit_timeout_s + 5) if timeout_s is None else timeout_s
+        self.killed = False
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signal.SIGTERM)
@@ -473,11 +530,15 @@ class TritonServer:
                 self.process.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
+        settle = time.monotonic() + 1.0  # an exited server's stubs end by themselves a moment later
+        while self.process.poll() is not None and self.group_members() and time.monotonic() < settle:
+            time.sleep(0.05)
         deadline = time.monotonic() + 10
         while True:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 if self.group_members() or self.process.poll() is None:
                     os.killpg(self.process.pid, signal.SIGKILL)
+                    self.killed = True
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=1)
             if (self.process.poll() is not None and not self.group_members()) or time.monotonic() > deadline:

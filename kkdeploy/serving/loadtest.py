@@ -1,0 +1,623 @@
+"""`kkdeploy loadtest`: a load generator that is not the bottleneck, and that checks every answer bit for bit.
+
+Why our own. Triton's ``perf_analyzer`` is the reference load generator, but it cannot be installed here: the
+``perf-analyzer`` name on PyPI resolves on these machines to a 2 KB placeholder (0.1.0, a ``hello()`` function),
+the tritonclient wheels stopped shipping the binary, and the real one comes only in NVIDIA's SDK container or
+from a C++ build that fetches its dependencies from GitHub. ``perf_analyzer_command`` prints the equivalent
+command for a machine that has it. And perf_analyzer does not check answers, which is half of this tool's job.
+
+How. Clients run in ``processes`` spawned processes (gRPC and forks do not mix; one GIL per process), each with
+threads, each thread with its own client:
+
+* closed loop: ``concurrency`` clients in all, each sending its next request when the last one is answered;
+* open loop: ``rate`` requests per second in all, scheduled in advance (evenly or Poisson), sent by a pool of
+  ``concurrency`` senders; latency counts from the scheduled time, so a server that falls behind cannot hide it.
+
+Requests come from a pool of ``pool`` payloads made from ``seed`` (batch sizes from ``mix``, padding ratios
+from ``padding``; ratio 0 sends no mask). Before the load, the direct engine (``kkdeploy.load`` on the same
+artifacts, in this process) computes each payload's answer at every batch bucket that could hold it (the server
+runs a request inside whichever bucket its gathered batch needed, and each bucket is its own validated engine);
+every response's bytes are hashed and must equal one of those answers exactly. Triton's own queue and compute
+times, and kkdeploy's per-stage times (``triton_model``), are read from ``/metrics`` before and after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import math
+import multiprocessing as mp
+import queue
+import random
+import re
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..errors import KKError
+
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+TRITON_NAMES = {"float32": "FP32", "float16": "FP16"}
+PROTOCOLS = ("grpc", "http")
+SHARED_MEMORY = ("none", "system", "cuda")
+
+
+@dataclass
+class LoadPlan:
+    """One load: who is called, how hard, with what. ``requests`` or ``duration_s`` bounds it (both: first hit)."""
+
+    model: str
+    seq_len: int
+    d_model: int
+    dtype: str
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    protocol: str = "grpc"
+    processes: int = 2
+    concurrency: int = 2
+    rate: float | None = None  # open loop: requests per second in all
+    arrival: str = "uniform"  # uniform | poisson (open loop)
+    requests: int | None = 1000
+    duration_s: float | None = None
+    warmup: int = 5  # requests per client before the clock starts (not counted, still checked)
+    mix: list = field(default_factory=lambda: [[1, 1.0]])  # [[batch size, weight], ...]
+    padding: list = field(default_factory=lambda: [0.0])  # padding ratios, taken in turn through the pool
+    pool: int = 64
+    seed: int = 1234
+    shared_memory: str = "none"
+    timeout_s: float = 60.0
+
+    def check(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise KKError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        if self.shared_memory not in SHARED_MEMORY:
+            raise KKError(f"--shared-memory must be one of {', '.join(SHARED_MEMORY)}, got {self.shared_memory!r}")
+        if self.processes < 1 or self.concurrency < self.processes:
+            raise KKError(f"--concurrency ({self.concurrency}) must be at least --processes ({self.processes}), "
+                          f"which must be at least 1")
+        if self.rate is not None and self.rate <= 0:
+            raise KKError(f"--rate must be positive, got {self.rate}")
+        if self.requests is None and self.duration_s is None:
+            raise KKError("give --requests N or --duration S (or both: the first reached ends the load)")
+        if self.requests is not None and self.requests < self.concurrency:
+            raise KKError(f"--requests ({self.requests}) must be at least --concurrency ({self.concurrency})")
+        if self.pool < 1:
+            raise KKError(f"--pool must be at least 1, got {self.pool}")
+        if self.dtype not in NUMPY_DTYPES:
+            raise KKError(f"dtype {self.dtype} cannot be sent; the artifacts must be float32 or float16")
+        if not self.mix or any(int(n) < 1 or float(w) <= 0 for n, w in self.mix):
+            raise KKError(f"--mix needs batch sizes >= 1 with positive weights, such as 1:0.7,2:0.2,4:0.1; "
+                          f"got {self.mix}")
+        if any(not 0 <= float(p) < 1 for p in self.padding):
+            raise KKError(f"--padding ratios must be in [0, 1), got {self.padding}")
+        if self.arrival not in ("uniform", "poisson"):
+            raise KKError(f"--arrival must be uniform or poisson, got {self.arrival!r}")
+
+    @property
+    def loop(self) -> str:
+        return "open" if self.rate else "closed"
+
+
+def parse_mix(text: str) -> list:
+    """``"1:0.7,2:0.2,4"`` -> ``[[1, 0.7], [2, 0.2], [4, 1.0]]``."""
+    mix = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        size, _, weight = part.partition(":")
+        try:
+            mix.append([int(size), float(weight) if weight else 1.0])
+        except ValueError:
+            raise KKError(f"--mix takes batch:weight pairs such as 1:0.7,2:0.2,4:0.1; got {text!r}") from None
+    if not mix:
+        raise KKError(f"--mix takes batch:weight pairs such as 1:0.7,2:0.2,4:0.1; got {text!r}")
+    return mix
+
+
+def parse_ratios(text: str) -> list:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()] or [0.0]
+    except ValueError:
+        raise KKError(f"--padding takes ratios separated by commas, such as 0,0.25; got {text!r}") from None
+
+
+# -- the payloads -------------------------------------------------------------------------------------------------
+def make_pool(plan: LoadPlan) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """``plan.pool`` payloads ``(x [n,S,D], mask [n,S] or None)``, the same in every process for one seed."""
+    rng = np.random.default_rng(plan.seed)
+    sizes = [int(n) for n, _ in plan.mix]
+    weights = np.array([float(w) for _, w in plan.mix])
+    dtype = NUMPY_DTYPES[plan.dtype]
+    pool = []
+    for i in range(plan.pool):
+        n = sizes[int(rng.choice(len(sizes), p=weights / weights.sum()))]
+        ratio = float(plan.padding[i % len(plan.padding)])
+        x = rng.standard_normal((n, plan.seq_len, plan.d_model), dtype=np.float32).astype(dtype)
+        mask = None
+        if ratio > 0:
+            min_valid = max(1, round(plan.seq_len * (1 - ratio)))
+            lengths = rng.integers(min_valid, plan.seq_len + 1, size=n)
+            mask = np.arange(plan.seq_len)[None, :] < lengths[:, None]
+            x[~mask] = 0
+        pool.append((x, mask))
+    return pool
+
+
+def runner_device(runner):
+    """(device, dtype) a loaded runner computes on: its fallback model's, which every engine shares."""
+    first = next(iter(runner.buckets.values()))
+    parameter = next(first.fallback.parameters())
+    return parameter.device, parameter.dtype
+
+
+def digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def expected_answers(runner, pool, device=None) -> list[dict[int, str]]:
+    """For each payload, ``{bucket: digest}`` of the direct engine's answer at every bucket that holds it: the
+    payload's rows first, padding rows zero and fully masked, as the server lays out a batch."""
+    import torch
+
+    from ..pipeline.runtime import bucketed
+
+    runner = bucketed(runner)
+    device, dtype = runner_device(runner)
+    answers = []
+    with torch.inference_mode():
+        for x, mask in pool:
+            n = x.shape[0]
+            found = {}
+            for size in runner.sizes:
+                if size < n:
+                    continue
+                xb = torch.zeros((size, *x.shape[1:]), dtype=dtype, device=device)
+                xb[:n] = torch.from_numpy(x).to(device)
+                mb = torch.zeros((size, x.shape[1]), dtype=torch.bool, device=device)
+                mb[:n] = True if mask is None else torch.from_numpy(mask).to(device)
+                y = runner.run_bucket(size, xb, mb)[:n]
+                found[size] = digest(y.detach().cpu().contiguous().numpy().tobytes())
+            answers.append(found)
+    return answers
+
+
+# -- one client thread --------------------------------------------------------------------------------------------
+class Client:
+    """One connection and, with shared memory, its own regions; ``send(payload_index) -> digest``."""
+
+    def __init__(self, plan: LoadPlan, pool, inputs_cache: dict, tag: str):
+        self.plan, self.pool, self.cache, self.tag = plan, pool, inputs_cache, tag
+        self.lib = importlib.import_module(f"tritonclient.{plan.protocol}")
+        if plan.protocol == "http":
+            self.client = self.lib.InferenceServerClient(f"{plan.host}:{plan.http_port}", connection_timeout=10.0,
+                                                         network_timeout=plan.timeout_s)
+        else:
+            self.client = self.lib.InferenceServerClient(f"{plan.host}:{plan.grpc_port}")
+        # gRPC takes a per-call deadline; the HTTP client's is its network_timeout
+        self.timeout = {"client_timeout": plan.timeout_s} if plan.protocol == "grpc" else {}
+        self.shm = None
+        if plan.shared_memory != "none":
+            self.shm = _SharedMemory(self, plan, pool, tag)
+
+    def inputs(self, index: int):
+        """The request's inputs, built once per payload and process (they are only read while sending)."""
+        found = self.cache.get(index)
+        if found is None:
+            x, mask = self.pool[index]
+            found = [self.lib.InferInput("x", list(x.shape), TRITON_NAMES[self.plan.dtype])]
+            found[0].set_data_from_numpy(x)
+            if mask is not None:
+                found.append(self.lib.InferInput("valid_token_mask", list(mask.shape), "BOOL"))
+                found[1].set_data_from_numpy(mask)
+            self.cache[index] = found
+        return found
+
+    def send(self, index: int) -> str:
+        if self.shm is not None:
+            return self.shm.send(index)
+        result = self.client.infer(self.plan.model, self.inputs(index), **self.timeout)
+        return digest(result.as_numpy("y").tobytes())
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+        self.client.close()
+
+
+class _SharedMemory:
+    """Inputs and output through a system (POSIX) or CUDA shared-memory region registered with the server."""
+
+    def __init__(self, client: Client, plan: LoadPlan, pool, tag: str):
+        self.client, self.plan, self.pool = client, plan, pool
+        largest = max(x.shape[0] for x, _ in pool)
+        item = np.dtype(NUMPY_DTYPES[plan.dtype]).itemsize
+        self.x_bytes = largest * plan.seq_len * plan.d_model * item
+        self.m_bytes = largest * plan.seq_len
+        self.name = f"kkdeploy_lt_{tag}"
+        if plan.shared_memory == "system":
+            import tritonclient.utils.shared_memory as shm
+
+            self.mod = shm
+            self.inp = shm.create_shared_memory_region(f"{self.name}_in", f"/{self.name}_in",
+                                                       self.x_bytes + self.m_bytes)
+            self.out = shm.create_shared_memory_region(f"{self.name}_out", f"/{self.name}_out", self.x_bytes)
+            c = client.client
+            c.register_system_shared_memory(f"{self.name}_in", f"/{self.name}_in", self.x_bytes + self.m_bytes)
+            c.register_system_shared_memory(f"{self.name}_out", f"/{self.name}_out", self.x_bytes)
+        else:
+            try:
+                import tritonclient.utils.cuda_shared_memory as shm
+            except (ImportError, RuntimeError) as exc:
+                raise KKError(f"--shared-memory cuda needs tritonclient's CUDA support (pip install "
+                              f"'tritonclient[cuda]', which brings cuda-python): {exc}") from None
+            self.mod = shm
+            self.inp = shm.create_shared_memory_region(f"{self.name}_in", self.x_bytes + self.m_bytes, 0)
+            self.out = shm.create_shared_memory_region(f"{self.name}_out", self.x_bytes, 0)
+            c = client.client
+            c.register_cuda_shared_memory(f"{self.name}_in", shm.get_raw_handle(self.inp), 0,
+                                          self.x_bytes + self.m_bytes)
+            c.register_cuda_shared_memory(f"{self.name}_out", shm.get_raw_handle(self.out), 0, self.x_bytes)
+
+    def send(self, index: int) -> str:
+        x, mask = self.pool[index]
+        lib = self.client.lib
+        arrays = [x] if mask is None else [x, mask]
+        self.mod.set_shared_memory_region(self.inp, arrays)
+        inputs = [lib.InferInput("x", list(x.shape), TRITON_NAMES[self.plan.dtype])]
+        inputs[0].set_shared_memory(f"{self.name}_in", x.nbytes, 0)
+        if mask is not None:
+            inputs.append(lib.InferInput("valid_token_mask", list(mask.shape), "BOOL"))
+            inputs[1].set_shared_memory(f"{self.name}_in", mask.nbytes, x.nbytes)
+        output = lib.InferRequestedOutput("y")
+        output.set_shared_memory(f"{self.name}_out", x.nbytes)
+        self.client.client.infer(self.plan.model, inputs, outputs=[output], **self.client.timeout)
+        y = self.mod.get_contents_as_numpy(self.out, NUMPY_DTYPES[self.plan.dtype], list(x.shape))
+        return digest(np.ascontiguousarray(y).tobytes())
+
+    def close(self) -> None:
+        c = self.client.client
+        for region in (f"{self.name}_in", f"{self.name}_out"):
+            try:
+                (c.unregister_system_shared_memory if self.plan.shared_memory == "system"
+                 else c.unregister_cuda_shared_memory)(region)
+            except Exception:  # noqa: BLE001 - a stopped server forgot them anyway
+                pass
+        for handle in (self.inp, self.out):
+            self.mod.destroy_shared_memory_region(handle)
+
+
+# -- one worker process -------------------------------------------------------------------------------------------
+def _share(total: int, parts: int, index: int) -> int:
+    return total // parts + (1 if index < total % parts else 0)
+
+
+def worker_main(plan_dict: dict, index: int, ready, go, start_at, results) -> None:
+    """A client process: each thread makes its own client (the HTTP client is gevent-based and must stay on the
+    thread that made it) and warms up; the process reports ready, waits for ``go``, loads, and sends back its
+    records ``(payload, sent_s, latency_s, digest or None, error or None)``."""
+    plan = LoadPlan(**plan_dict)
+    try:
+        pool = make_pool(plan)
+    except Exception as exc:  # noqa: BLE001 - reported as one line by the parent
+        ready.put((index, _one_line(exc), []))
+        return
+    threads = _share(plan.concurrency, plan.processes, index)
+    budget = None if plan.requests is None else _share(plan.requests, plan.processes, index)
+    cache: dict = {}
+    lock = threading.Lock()
+    warm: list = []
+    failures: list = []
+    records: list = []
+    warmed = threading.Barrier(threads + 1)
+    tickets: queue.Queue = queue.Queue()
+
+    def thread_main(i: int):
+        client = None
+        try:
+            client = Client(plan, pool, cache, f"{index}_{i}_{random.getrandbits(32):08x}")
+            pick = random.Random(plan.seed * 1_000_003 + index * 1000 + i)
+            mine = [(k, client.send(k)) for k in (pick.randrange(len(pool)) for _ in range(plan.warmup))]
+            with lock:
+                warm.extend(mine)
+        except Exception as exc:  # noqa: BLE001
+            with lock:
+                failures.append(_one_line(exc))
+        warmed.wait()
+        go.wait()
+        if client is None or failures:
+            return
+        t0 = start_at.value  # set by the parent before ``go``
+        deadline = None if plan.duration_s is None else t0 + plan.duration_s
+        mine = []
+        if plan.rate is None:
+            count = None if budget is None else _share(budget, threads, i)
+            while (count is None or len(mine) < count) and (deadline is None or time.time() < deadline):
+                k = pick.randrange(len(pool))
+                mine.append(_timed(client, k, time.time() - t0, time.perf_counter()))
+        else:
+            while True:
+                ticket = tickets.get()
+                if ticket is None:
+                    break
+                k, scheduled_s, scheduled_perf = ticket
+                mine.append(_timed(client, k, scheduled_s, scheduled_perf))
+        with lock:
+            records.extend(mine)
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    workers = [threading.Thread(target=thread_main, args=(i,), daemon=True) for i in range(threads)]
+    for w in workers:
+        w.start()
+    warmed.wait()
+    ready.put((index, failures[0] if failures else None, warm))
+    go.wait()
+    t0 = start_at.value
+    deadline = None if plan.duration_s is None else t0 + plan.duration_s
+    if plan.rate is not None and not failures:
+        rate = plan.rate / plan.processes
+        pick = random.Random(plan.seed * 31 + index)
+        count = budget if budget is not None else math.inf
+        base_perf = time.perf_counter() - (time.time() - t0)  # perf_counter at t0
+        offset, i = 0.0, 0
+        while i < count:
+            offset += pick.expovariate(rate) if plan.arrival == "poisson" else (1.0 / rate if i else 0.0)
+            if deadline is not None and t0 + offset >= deadline:
+                break
+            delay = base_perf + offset - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            tickets.put((pick.randrange(len(pool)), offset, base_perf + offset))
+            i += 1
+    for _ in workers:
+        tickets.put(None)
+    for w in workers:
+        w.join()
+    results.put((index, records))
+
+
+def _timed(client: Client, k: int, sent_s: float, began_perf: float) -> tuple:
+    """One request: its latency counts from ``began_perf`` (the send, or the scheduled time in an open loop)."""
+    try:
+        answer = client.send(k)
+        return (k, sent_s, time.perf_counter() - began_perf, answer, None)
+    except Exception as exc:  # noqa: BLE001 - counted, reported
+        return (k, sent_s, time.perf_counter() - began_perf, None, _one_line(exc))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+# -- metrics ------------------------------------------------------------------------------------------------------
+_METRIC_LINE = re.compile(r"^(\w+)\{([^}]*)\} (\S+)$", re.M)
+
+
+def read_metrics(url: str, model: str) -> dict[str, float]:
+    """Triton's counters for ``model`` and kkdeploy's stage counters, keyed ``name`` or ``name{label}``."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError as exc:
+        raise KKError(f"cannot read {url}: {exc}; is the server running with metrics on that port?") from None
+    found: dict[str, float] = {}
+    for name, labels, value in _METRIC_LINE.findall(text):
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if pairs.get("model") != model:
+            continue
+        extra = [f"{k}={v}" for k, v in sorted(pairs.items()) if k not in ("model", "version")]
+        key = name + (f"{{{','.join(extra)}}}" if extra else "")
+        try:
+            found[key] = found.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
+    return found
+
+
+def metrics_delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+# -- the whole run ------------------------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def reachable(plan: LoadPlan) -> None:
+    """A one-line error at once when nothing listens where the clients would connect (gRPC would retry for a
+    minute before saying so)."""
+    import socket
+
+    port = plan.grpc_port if plan.protocol == "grpc" else plan.http_port
+    for name, number in ((plan.protocol, port), ("metrics", plan.metrics_port)):
+        try:
+            socket.create_connection((plan.host, number), timeout=3).close()
+        except OSError as exc:
+            raise KKError(f"nothing answers on {plan.host}:{number} ({name}: {exc.strerror or exc}); start "
+                          f"`kkdeploy serve` there, pass its ports, or add --serve") from None
+
+
+def run_load(plan: LoadPlan, answers: list[dict] | None, progress=None) -> dict:
+    """Run ``plan`` against a running server; ``answers`` from ``expected_answers`` (None: not checked)."""
+    plan.check()
+    reachable(plan)
+    metrics_url = f"http://{plan.host}:{plan.metrics_port}/metrics"
+    ctx = mp.get_context("spawn")
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    start_at = ctx.Value("d", 0.0)
+    procs = [ctx.Process(target=worker_main, args=(asdict(plan), i, ready, go, start_at, results), daemon=True)
+             for i in range(plan.processes)]
+    for p in procs:
+        p.start()
+    pool_answers = answers
+    warm_bad = 0
+    try:
+        for _ in procs:
+            try:
+                index, error, warm = ready.get(timeout=plan.timeout_s + 120)
+            except queue.Empty:
+                raise KKError(f"a client process did not start within {plan.timeout_s + 120:.0f} s") from None
+            if error:
+                raise KKError(f"client process {index} failed before the load: {error}")
+            if pool_answers is not None:
+                warm_bad += sum(1 for k, d in warm if d not in pool_answers[k].values())
+        time.sleep(0.6)  # the warm-up's stage counters are pushed (at most every 0.5 s) before the snapshot
+        before = read_metrics(metrics_url, plan.model)
+        start_at.value = time.time()
+        go.set()
+        records: list = []
+        reported: set[int] = set()
+        while len(reported) < len(procs):
+            try:
+                index, mine = results.get(timeout=1.0)
+            except queue.Empty:  # still loading, unless a client process died without its records
+                dead = [i for i, p in enumerate(procs) if i not in reported and p.exitcode is not None]
+                if dead:
+                    time.sleep(1.0)  # a last report may still be in the pipe
+                    while not results.empty():
+                        index, mine = results.get()
+                        reported.add(index)
+                        records.extend(mine)
+                    lost = [i for i in dead if i not in reported]
+                    if lost:
+                        raise KKError(f"client process {lost[0]} died (exit code {procs[lost[0]].exitcode}) before "
+                                      f"reporting its requests") from None
+                continue
+            reported.add(index)
+            records.extend(mine)
+            if progress:
+                progress(len(records))
+        ended = time.time()
+        time.sleep(0.6)  # kkdeploy's stage counters are pushed at most every 0.5 s
+        after = read_metrics(metrics_url, plan.model)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    return summarize(plan, records, pool_answers, metrics_delta(before, after), ended - start_at.value, warm_bad)
+
+
+def summarize(plan: LoadPlan, records: list, answers: list[dict] | None, delta: dict, wall_s: float,
+              warm_bad: int = 0) -> dict:
+    pool = make_pool(plan) if answers is not None else None
+    ok = [r for r in records if r[4] is None]
+    errors = [r for r in records if r[4] is not None]
+    latencies = [r[2] * 1000 for r in ok]
+    sizes = {}
+    if pool is not None:
+        for r in ok:
+            sizes.setdefault(pool[r[0]][0].shape[0], []).append(r[2] * 1000)
+    wrong, buckets_matched = [], {}
+    if answers is not None:
+        for r in ok:
+            match = [b for b, d in answers[r[0]].items() if d == r[3]]
+            if not match:
+                wrong.append(r)
+            else:
+                buckets_matched[match[0]] = buckets_matched.get(match[0], 0) + 1
+    sequences = sum(pool[r[0]][0].shape[0] for r in ok) if pool is not None else None
+    span = max((r[1] + r[2] for r in ok), default=0.0) if ok else wall_s
+    summary = {
+        "plan": asdict(plan), "loop": plan.loop,
+        "requests": len(records), "answered": len(ok), "errors": len(errors),
+        "first_errors": sorted({r[4] for r in errors})[:5],
+        "checked": answers is not None, "bitwise_equal": len(ok) - len(wrong) if answers is not None else None,
+        "wrong": len(wrong), "warmup_wrong": warm_bad,
+        "matched_buckets": {str(k): v for k, v in sorted(buckets_matched.items())},
+        "wall_s": round(span, 3),
+        "req_per_s": round(len(ok) / span, 1) if span else None,
+        "seq_per_s": round(sequences / span, 1) if span and sequences is not None else None,
+        "latency_ms": {f"p{q}": _r(percentile(latencies, q)) for q in (50, 90, 99)}
+                      | {"mean": _r(sum(latencies) / len(latencies)) if latencies else None,
+                         "max": _r(max(latencies, default=None))},
+        "latency_ms_by_batch": {str(n): {f"p{q}": _r(percentile(v, q)) for q in (50, 90, 99)} | {"count": len(v)}
+                                for n, v in sorted(sizes.items())},
+        "server": server_breakdown(delta),
+    }
+    return summary
+
+
+def _r(v, digits: int = 3):
+    return None if v is None else round(v, digits)
+
+
+def server_breakdown(delta: dict) -> dict:
+    """Per request (Triton's counters) and per engine run (kkdeploy's), in microseconds."""
+    requests = delta.get("nv_inference_request_success", 0.0)
+    execs = delta.get("nv_inference_exec_count", 0.0)
+    out = {"requests": requests, "executions": execs, "sequences": delta.get("nv_inference_count"),
+           "avg_batch_sequences": _r(delta.get("nv_inference_count", 0) / execs, 2) if execs else None}
+    for name in ("request_duration", "queue_duration", "compute_input_duration", "compute_infer_duration",
+                 "compute_output_duration"):
+        value = delta.get(f"nv_inference_{name}_us")
+        out[f"{name}_us_per_request"] = _r(value / requests, 1) if value is not None and requests else None
+    runs = sum(v for k, v in delta.items() if k.startswith("kkdeploy_bucket_executions_total"))
+    out["engine_runs"] = runs
+    for stage in ("gather", "engine", "respond"):
+        value = delta.get(f"kkdeploy_stage_us_total{{stage={stage}}}")
+        out[f"{stage}_us_per_run"] = _r(value / runs, 1) if value is not None and runs else None
+    real, padding = delta.get("kkdeploy_rows_total{kind=real}"), delta.get("kkdeploy_rows_total{kind=padding}")
+    out["padding_rows_fraction"] = _r(padding / (real + padding), 4) if real and padding is not None else None
+    out["runs_by_bucket"] = {k.split("bucket=")[1].rstrip("}"): v for k, v in delta.items()
+                             if k.startswith("kkdeploy_bucket_executions_total") and v}
+    return out
+
+
+def perf_analyzer_command(plan: LoadPlan) -> str:
+    """The perf_analyzer call closest to ``plan`` (for a machine with NVIDIA's SDK container)."""
+    port = plan.grpc_port if plan.protocol == "grpc" else plan.http_port
+    load = (f"--request-rate-range={plan.rate}" if plan.rate else f"--concurrency-range={plan.concurrency}")
+    sizes = sorted({int(n) for n, _ in plan.mix})
+    return (f"perf_analyzer -m {plan.model} -i {plan.protocol} -u {plan.host}:{port} {load} -b {sizes[0]} "
+            f"--shape x:{plan.seq_len},{plan.d_model} --measurement-mode=count_windows "
+            f"--measurement-request-count={plan.requests or 1000}"
+            + (f" --shared-memory={plan.shared_memory}" if plan.shared_memory != "none" else ""))
+
+
+def direct_engine(runner, sizes=None, warmups: int = 20, repeats: int = 200) -> dict:
+    """The engine alone, in this process: median latency per bucket (one full bucket per call) and the
+    throughput it implies (sequences per second at that bucket)."""
+    import torch
+
+    from ..pipeline.runtime import bucketed
+
+    runner = bucketed(runner)
+    device, dtype = runner_device(runner)
+    config = runner.config
+    out = {}
+    for size in sizes or runner.sizes:
+        x = torch.randn((size, config.seq_len, config.d_model), dtype=dtype, device=device)
+        mask = torch.ones((size, config.seq_len), dtype=torch.bool, device=device)
+        times = []
+        with torch.inference_mode():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            runner.run_bucket(size, x, mask)  # one call to size the run: about 2 s per bucket at most
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            once = max(time.perf_counter() - t, 1e-6)
+            count = max(10, min(repeats, int(2.0 / once)))
+            for i in range(min(warmups, count) + count):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t = time.perf_counter()
+                runner.run_bucket(size, x, mask)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= min(warmups, count):
+                    times.append(time.perf_counter() - t)
+        median = percentile([t * 1000 for t in times], 50)
+        out[str(size)] = {"median_ms": _r(median, 4), "seq_per_s": _r(size / (median / 1000), 1)}
+    return out

@@ -1,0 +1,385 @@
+"""Issues 30 and 33, measured: builds with batch buckets, the engine alone, the server before (two hops) and after
+(one hop) under the same load generator, every answer checked bit for bit, and the watchdog and stop on a real
+fault. Run by scripts/serving_h200.sh on the H200 (one device call); runs on the CPU too (--device cpu --quick) as
+a dry run of the whole path.
+
+    python3 scripts/serving_h200.py --out OUT [--device cuda] [--budget 480] [--only 3,6,faults,13] [--quick]
+
+Steps, in order of importance, each skipped (and said so) when the remaining budget is too small:
+  shape 3 (FP16 strict, weights of our own, buckets 1,2,4): direct engine; one hop: batch-1 gRPC c=1 (p50 against
+    the engine's bucket-1 latency + 0.4 ms), saturation with full-bucket requests (against the engine's throughput
+    at bucket 4) and with batch-1 requests, 12,000 mixed requests (batch 1-4, padding 0/0.25/0.5) checked bit for
+    bit, the same batch-1 run through system shared memory; two hops (before): the same batch-1 and saturation runs;
+  shape 6 (buckets 1 and 10000): batch-1 gRPC latency (target: p50 <= 5 ms);
+  faults (issue 33) on the shape-3 artifact: `kkdeploy serve` under gRPC load, kill -9 of the stub (time to not-ready,
+    to healed, wrong answers), then SIGINT under load (stop time, exit code, processes left);
+  shape 13 (buckets 1,8,64): batch-1 latency, saturation at bucket 64, mixed requests.
+Writes OUT/serving-h200.json and prints the tables last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+STEPS = {"3": 200, "6": 100, "13": 120, "faults": 60}  # seconds each needs at least
+
+
+def log(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def own_weights(path: Path, seed: int = 4711) -> Path:
+    """Weights the project never saw (another seed; LayerNorm affine away from identity, trained-like Linear
+    scales); shapes 3, 6 and 13 share D=128 H=4 F=128 L=4, so one file serves all three."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kkdeploy import ReferenceTransformer, official_config
+
+    model = ReferenceTransformer(official_config(3))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
+
+def build(shape: str, buckets: str, args, work: Path, weights: Path | None, timeout_s: float) -> Path | None:
+    out = work / f"shape-{shape}"
+    cmd = [sys.executable, "-m", "kkdeploy", "build", *(["--shape", shape] if not args.quick else
+                                                        ["--batch-size", str(QUICK_B[shape]), "--seq-len", "32",
+                                                         "--d-model", "32", "--heads", "2", "--ffn-dim", "32",
+                                                         "--layers", "2"]),
+           "--device", args.device, "--batch-buckets", buckets, "--out", str(out), "--force",
+           "--warmups", "5", "--repeats", "30", "--rounds", "1"]
+    if args.device != "cpu":
+        cmd += ["--dtype", "float16", "--backends", args.backends]
+    if weights is not None and not args.quick:
+        cmd += ["--weights", str(weights)]
+    if args.quick:
+        cmd += ["--trials", "2"]
+    log(f"build shape {shape} buckets {buckets}: {' '.join(cmd[3:])}")
+    began = time.monotonic()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        log(f"build shape {shape}: not done in {timeout_s:.0f} s")
+        return None
+    tail = "\n".join(done.stdout.splitlines()[-14:])
+    log(f"build shape {shape}: exit {done.returncode} in {time.monotonic() - began:.0f} s\n{tail}\n{done.stderr[-800:]}")
+    return out if done.returncode == 0 else None
+
+
+QUICK_B = {"3": 4, "6": 16, "13": 8}
+
+
+class Server:
+    """The bundled server on one artifact and topology, on free loopback ports."""
+
+    def __init__(self, artifacts: Path, topology: str, engine: str = "auto", delay_us: int = 0):
+        from kkdeploy.serving import triton_repo, triton_server
+
+        self.work = Path(tempfile.mkdtemp(prefix="kk-h200-"))
+        install = triton_server.locate_server()
+        self.info = triton_repo.write_repository(artifacts, self.work / "repository", engine=engine,
+                                                 topology=topology, available_backends=install.backends(),
+                                                 max_queue_delay_us=delay_us)
+        taken: set[int] = set()
+        for _ in range(3):
+            taken.add(triton_server.free_port(avoid=taken))
+        self.ports = dict(zip(("http", "grpc", "metrics"), sorted(taken)))
+        self.server = triton_server.TritonServer(install, Path(self.info.path), self.work, exit_timeout_s=2,
+                                                 **{f"{k}_port": v for k, v in self.ports.items()})
+
+    def __enter__(self):
+        began = time.monotonic()
+        self.server.start()
+        self.server.wait_ready(400)
+        log(f"server {self.info.topology} ready in {time.monotonic() - began:.0f} s")
+        return self
+
+    def __exit__(self, *exc):
+        self.server.stop(timeout_s=5)
+        import shutil
+
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def run_plan(server: Server, runner, name: str, **kw) -> dict:
+    from kkdeploy.serving import loadtest
+
+    cfg = server.info.config
+    plan = loadtest.LoadPlan(model=server.info.model, seq_len=cfg["seq_len"], d_model=cfg["d_model"],
+                             dtype=server.info.dtype, http_port=server.ports["http"], grpc_port=server.ports["grpc"],
+                             metrics_port=server.ports["metrics"], **kw)
+    answers = loadtest.expected_answers(runner, loadtest.make_pool(plan))
+    summary = loadtest.run_load(plan, answers)
+    summary["name"] = name
+    summary["topology"] = server.info.topology
+    lat = summary["latency_ms"]
+    log(f"{name} [{server.info.topology}]: {summary['answered']}/{summary['requests']} answered, "
+        f"{summary['bitwise_equal']} bitwise, {summary['errors']} errors, {summary['req_per_s']} req/s, "
+        f"{summary['seq_per_s']} seq/s, p50 {lat['p50']} p90 {lat['p90']} p99 {lat['p99']} ms; "
+        f"server {json.dumps(summary['server'])}")
+    return summary
+
+
+def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
+    import kkdeploy
+    from kkdeploy.pipeline.runtime import bucketed
+    from kkdeploy.serving import loadtest
+
+    runner = bucketed(kkdeploy.load(artifacts, device=args.device))
+    result = {"buckets": runner.sizes, "backends": {str(b): r.backend for b, r in runner.buckets.items()},
+              "direct": loadtest.direct_engine(runner), "runs": []}
+    log(f"shape {shape} direct engine: {result['direct']} ({result['backends']})")
+    big = runner.sizes[-1]
+    n = (lambda full: max(200, full // 20)) if args.quick else (lambda full: full)
+    cfg = runner.config
+    row_bytes = cfg.seq_len * cfg.d_model * (2 if args.device != "cpu" else 4)
+    # 64 clients for small requests; fewer when one request is megabytes (the Python backend's /dev/shm pool holds
+    # a whole gathered batch, in and out)
+    sat_conc = 8 if args.quick or row_bytes * min(big, 64) > (1 << 20) else 64
+    if shape == "6":
+        plans = [("batch-1 c=1", dict(processes=1, concurrency=1, requests=n(1000), mix=[[1, 1.0]], pool=16))]
+        topologies = ["one-hop"]
+    else:
+        full = min(big, 64)
+        plans = [
+            ("batch-1 c=1", dict(processes=1, concurrency=1, requests=n(3000), mix=[[1, 1.0]], pool=64)),
+            (f"saturation, batch-{full} requests", dict(processes=4, concurrency=sat_conc, requests=n(8000 if big <= 8 else 2000),
+                                                       mix=[[full, 1.0]], pool=16)),
+            ("saturation, batch-1 requests", dict(processes=4, concurrency=sat_conc, requests=n(20000),
+                                                  mix=[[1, 1.0]], pool=64)),
+            ("mixed, padded", dict(processes=4, concurrency=16, requests=n(12000 if shape == "3" else 3000),
+                                   mix=[[b, w] for b, w in ((1, 0.5), (2, 0.2), (3, 0.15), (big, 0.15)) if b <= big],
+                                   padding=[0.0, 0.25, 0.5], pool=256)),
+        ]
+        if shape == "3":
+            plans.append(("batch-1 c=1, system shared memory", dict(processes=1, concurrency=1, requests=n(2000),
+                                                                   mix=[[1, 1.0]], pool=16, shared_memory="system")))
+        topologies = ["one-hop", "two-hop"] if shape == "3" else ["one-hop"]
+    for topology in topologies:
+        if time.monotonic() > deadline:
+            result["runs"].append({"skipped": f"{topology}: out of budget"})
+            continue
+        with Server(artifacts, topology, engine="auto" if topology == "one-hop" else "python") as server:
+            for name, kw in plans:
+                if topology == "two-hop" and ("mixed" in name or "shared" in name):
+                    continue  # before/after compares the batch-1 and saturation runs
+                if time.monotonic() > deadline:
+                    result["runs"].append({"name": name, "topology": topology, "skipped": "out of budget"})
+                    continue
+                result["runs"].append(run_plan(server, runner, name, protocol="grpc", warmup=20, **kw))
+    return result
+
+
+def faults(artifacts: Path, args) -> dict:
+    """Issue 33 on this machine: kill -9 of the stub under gRPC load, then SIGINT under load."""
+    import kkdeploy
+    from kkdeploy.serving import loadtest, triton_server
+
+    taken: set[int] = set()
+    for _ in range(3):
+        taken.add(triton_server.free_port(avoid=taken))
+    http, grpc, metrics = sorted(taken)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "kkdeploy", "serve", "--artifacts", str(artifacts),
+                             "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+                             "--probe-interval", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    lines: list[tuple[float, str]] = []
+    threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in iter(proc.stdout.readline, "")],
+                     daemon=True).start()
+    out: dict = {}
+
+    def seen(pattern, timeout):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and proc.poll() is None:
+            hit = next((t for t, ln in lines if re.search(pattern, ln)), None)
+            if hit:
+                return hit
+            time.sleep(0.05)
+        return next((t for t, ln in lines if re.search(pattern, ln)), None)
+
+    try:
+        if not seen(r"^ready in", 400):
+            out["error"] = "serve not ready: " + "".join(ln for _, ln in lines)[-1500:]
+            return out
+        cfg = json.loads((artifacts / "manifest.json").read_text())["config"]
+        dtype = json.loads((artifacts / "manifest.json").read_text())["dtype"]
+        plan = loadtest.LoadPlan(model="kkdeploy", seq_len=cfg["seq_len"], d_model=cfg["d_model"], dtype=dtype,
+                                 grpc_port=grpc, http_port=http, mix=[[1, 1.0], [2, 1.0]], pool=16, timeout_s=20)
+        pool = loadtest.make_pool(plan)
+        answers = loadtest.expected_answers(kkdeploy.load(artifacts, device=args.device), pool)
+        events, ready, stop = [], [], threading.Event()
+
+        def client(seed):
+            c = loadtest.Client(plan, pool, {}, f"f{seed}")
+            import random
+
+            pick = random.Random(seed)
+            while not stop.is_set():
+                k = pick.randrange(len(pool))
+                try:
+                    events.append((time.monotonic(), "ok" if c.send(k) in answers[k].values() else "wrong"))
+                except Exception:  # noqa: BLE001
+                    events.append((time.monotonic(), "error"))
+                    time.sleep(0.02)
+            c.close()
+
+        def poll():
+            import urllib.error
+            import urllib.request
+
+            while not stop.is_set():
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as r:
+                        ready.append((time.monotonic(), r.status))
+                except urllib.error.HTTPError as e:
+                    ready.append((time.monotonic(), e.code))
+                except OSError:
+                    ready.append((time.monotonic(), None))
+                time.sleep(0.1)
+
+        threads = [threading.Thread(target=client, args=(s,), daemon=True) for s in (1, 2)]
+        threads.append(threading.Thread(target=poll, daemon=True))
+        for t in threads:
+            t.start()
+        time.sleep(3)
+        workdir = re.search(r"repository (\S+)/repository", "".join(ln for _, ln in lines)).group(1)
+        stub = next(pid for pid, _, st, cmd in triton_server._process_table()
+                    if "triton_python_backend_stub" in cmd and workdir in cmd and st != "Z")
+        killed = time.monotonic()
+        os.kill(stub, signal.SIGKILL)
+        healed = seen(r"watchdog: .* healed in", 60)
+        time.sleep(2)
+        not_ready = next((t for t, s in ready if t >= killed and s != 200), None)
+        out["kill9"] = {
+            "not_ready_after_s": None if not_ready is None else round(not_ready - killed, 2),
+            "healed_after_s": None if healed is None else round(healed - killed, 2),
+            "wrong_answers": sum(1 for _, k in events if k == "wrong"),
+            "errors_during": sum(1 for t, k in events if k == "error" and t >= killed),
+            "correct_after_heal": sum(1 for t, k in events if k == "ok" and healed and t > healed),
+            "lines": [ln.strip() for _, ln in lines if "watchdog" in ln]}
+        began = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        out["sigint_under_load"] = {"stop_s": round(time.monotonic() - began, 2), "exit_code": code,
+                                    "left": triton_server.processes_mentioning(workdir),
+                                    "lines": [ln.strip() for _, ln in lines if "stop" in ln]}
+        out["wrong_answers_total"] = sum(1 for _, k in events if k == "wrong")
+        log(f"faults: {json.dumps(out)}")
+        return out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def table(results: dict) -> str:
+    rows = ["| shape | topology | run | answered | bitwise | req/s | seq/s | p50 ms | p99 ms | engine ms (bucket) | "
+            "engine seq/s (largest) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for shape, res in results.get("shapes", {}).items():
+        if "error" in res:
+            rows.append(f"| {shape} | - | {res['error']} | | | | | | | | |")
+            continue
+        direct = res["direct"]
+        largest = str(res["buckets"][-1])
+        for run in res["runs"]:
+            if "skipped" in run:
+                rows.append(f"| {shape} | {run.get('topology', '-')} | {run.get('name', '')} skipped: "
+                            f"{run['skipped']} | | | | | | | | |")
+                continue
+            sizes = sorted({int(n) for n, _ in run["plan"]["mix"]})
+            bucket = str(next(b for b in res["buckets"] if b >= sizes[-1]))
+            lat = run["latency_ms"]
+            rows.append(f"| {shape} | {run['topology']} | {run['name']} | {run['answered']}/{run['requests']} | "
+                        f"{run['bitwise_equal']} | {run['req_per_s']} | {run['seq_per_s']} | {lat['p50']} | "
+                        f"{lat['p99']} | {direct[bucket]['median_ms']} ({bucket}) | {direct[largest]['seq_per_s']} |")
+    f = results.get("faults") or {}
+    if f.get("kill9"):
+        k, s = f["kill9"], f["sigint_under_load"]
+        rows.append("")
+        rows.append(f"faults: kill -9 stub -> not ready after {k['not_ready_after_s']} s, healed after "
+                    f"{k['healed_after_s']} s, wrong answers {f['wrong_answers_total']}; SIGINT under load -> "
+                    f"stopped in {s['stop_s']} s, exit {s['exit_code']}, left {s['left']}")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="out")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--budget", type=float, default=480.0, help="seconds for everything (default 480)")
+    p.add_argument("--only", default="3,6,faults,13")
+    p.add_argument("--backends", default="torch-compile-faithful-gemms,torch-graph")
+    p.add_argument("--quick", action="store_true", help="a small custom shape instead of the official ones (CPU)")
+    args = p.parse_args(argv)
+    started = time.monotonic()
+    deadline = started + args.budget
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kk-serving-h200-"))
+    only = [s.strip() for s in args.only.split(",")]
+    results: dict = {"device": args.device, "shapes": {}, "skipped": []}
+    try:
+        import torch
+
+        results["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        results["torch"] = torch.__version__
+        weights = own_weights(work / "weights.safetensors")
+        buckets = {"3": "1,2,4", "6": "1", "13": "1,8,64"} if not args.quick else {"3": "1,2,4", "6": "1", "13": "1,8"}
+        artifacts = {}
+        for step in only:
+            left = deadline - time.monotonic()
+            if left < STEPS.get(step, 60):
+                results["skipped"].append(f"{step}: {left:.0f} s left")
+                log(f"skip {step}: {left:.0f} s left")
+                continue
+            if step == "faults":
+                if "3" in artifacts:
+                    results["faults"] = faults(artifacts["3"], args)
+                continue
+            built = build(step, buckets[step], args, work, weights, timeout_s=min(left - 30, 300))
+            if built is None:
+                results["shapes"][step] = {"error": "build failed or timed out"}
+                continue
+            artifacts[step] = built
+            manifest = json.loads((built / "manifest.json").read_text())
+            results.setdefault("builds", {})[step] = manifest.get("batch_buckets") or manifest["choice"]
+            try:
+                results["shapes"][step] = measure_shape(step, built, args, deadline - 20)
+            except Exception as exc:  # noqa: BLE001 - the next step still runs
+                results["shapes"][step] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                log(f"shape {step}: {results['shapes'][step]['error']}")
+    finally:
+        results["seconds"] = round(time.monotonic() - started, 1)
+        (out / "serving-h200.json").write_text(json.dumps(results, indent=1, default=str))
+        print("\n" + table(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

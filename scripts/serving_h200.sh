@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Issues 30 and 33 on the lent H200, in ONE device call (carry [".whl"], staged by scripts/serving_carry.sh):
+#   bash scripts/serving_h200.sh            (BUDGET=seconds for the Python part, default 420)
+# Installs the carried server and gRPC client (checked against SHA256SUMS) into /tmp, then runs
+# scripts/serving_h200.py, which builds, serves, loads and measures, writes $OUT/serving-h200.json and prints its
+# table last.
+set -euo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+carried=.whl/serving
+[ -f "$carried/SHA256SUMS" ] || { echo "nothing carried: run scripts/serving_carry.sh here first, carry [\".whl\"]" >&2; exit 2; }
+(cd "$carried" && sha256sum --quiet -c SHA256SUMS)
+mkdir -p /tmp/kk-triton /tmp/site
+[ -x /tmp/kk-triton/pytriton/tritonserver/bin/tritonserver ] || tar -C /tmp/kk-triton -xJf "$carried/tritonserver.tar.xz"
+python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site "$carried"/*.whl 2>&1 | grep -v WARNING || true
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export KKDEPLOY_TRITONSERVER=/tmp/kk-triton/pytriton/tritonserver KKDEPLOY_CACHE_DIR=/tmp/kk-cache
+python3 -c "import sysconfig,sys; assert sysconfig.get_config_var('Py_ENABLE_SHARED'), 'no shared libpython: the Python-backend stub cannot embed this Python'; print(sys.version.split()[0], 'shared libpython ok')"
+exec python3 scripts/serving_h200.py --out "$OUT" --budget "${BUDGET:-420}" "$@"

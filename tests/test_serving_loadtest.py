@@ -1,0 +1,217 @@
+"""`kkdeploy loadtest` (issue 30): the load generator's arithmetic, and the CPU target with a real server: a shape-3
+build with --batch-buckets 1,2,4 serving batch-1 gRPC requests from two client processes, every answer bitwise
+equal to the direct engine, whose answers are strict-equal to the reference."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kkdeploy
+from kkdeploy import artifacts
+from kkdeploy.cli import main as cli
+from kkdeploy.config import TransformerConfig
+from kkdeploy.errors import KKError
+from kkdeploy.serving import loadtest, triton_server
+from validation import CONTRACTS, compare_outputs
+
+pytestmark = pytest.mark.slow
+QUICK = ["--trials", "2", "--warmups", "2", "--repeats", "5", "--rounds", "1"]
+
+
+@pytest.fixture(scope="module")
+def shape3(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("lt") / "shape-03"
+    assert cli(["build", "--shape", "3", "--device", "cpu", *QUICK, "--batch-buckets", "1,2,4", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def install():
+    return triton_server.find_server() or triton_server.install_server()
+
+
+def plan(**kw) -> loadtest.LoadPlan:
+    base = dict(model="kkdeploy", seq_len=8, d_model=4, dtype="float32", requests=10, processes=1, concurrency=1)
+    return loadtest.LoadPlan(**{**base, **kw})
+
+
+# -- arithmetic, no server ------------------------------------------------------------------------------------------
+def test_mix_padding_and_plan_checks():
+    assert loadtest.parse_mix("1:0.7,2:0.2,4") == [[1, 0.7], [2, 0.2], [4, 1.0]]
+    assert loadtest.parse_ratios("0,0.25") == [0.0, 0.25]
+    for text in ("a", ",", "1:x"):
+        with pytest.raises(KKError, match="--mix"):
+            loadtest.parse_mix(text)
+    for bad, message in [(dict(protocol="udp"), "--protocol"), (dict(concurrency=1, processes=2), "--concurrency"),
+                         (dict(rate=-1), "--rate"), (dict(requests=None), "--requests N or --duration"),
+                         (dict(mix=[[0, 1.0]]), "--mix"), (dict(padding=[1.0]), "--padding"),
+                         (dict(shared_memory="nvme"), "--shared-memory"), (dict(dtype="int8"), "float32 or float16")]:
+        with pytest.raises(KKError, match=message):
+            plan(**bad).check()
+
+
+def test_pool_is_deterministic_and_follows_the_mix():
+    p = plan(mix=[[1, 3.0], [3, 1.0]], padding=[0.0, 0.5], pool=200, seed=9)
+    a, b = loadtest.make_pool(p), loadtest.make_pool(p)
+    assert all(np.array_equal(x1, x2) and (m1 is None) == (m2 is None) for (x1, m1), (x2, m2) in zip(a, b))
+    sizes = [x.shape[0] for x, _ in a]
+    assert set(sizes) == {1, 3} and 0.6 < sizes.count(1) / len(sizes) < 0.9
+    assert all(m is None for _, m in a[0::2])  # ratio 0: no mask sent
+    for x, m in a[1::2]:  # ratio 0.5: at least half the tokens valid, invalid rows zero
+        assert m.sum(axis=1).min() >= 4 and not x[~m].any()
+
+
+def test_percentiles_breakdown_and_a_wrong_answer_is_counted():
+    assert loadtest.percentile([5, 1, 3, 2, 4], 50) == 3 and loadtest.percentile([], 50) is None
+    assert loadtest.percentile(list(range(1, 101)), 99) == 99
+    delta = {"nv_inference_request_success": 10, "nv_inference_exec_count": 4, "nv_inference_count": 12,
+             "nv_inference_queue_duration_us": 500, "nv_inference_request_duration_us": 3000,
+             "kkdeploy_bucket_executions_total{bucket=4}": 3, "kkdeploy_bucket_executions_total{bucket=1}": 1,
+             "kkdeploy_stage_us_total{stage=engine}": 800, "kkdeploy_rows_total{kind=real}": 12,
+             "kkdeploy_rows_total{kind=padding}": 1}
+    s = loadtest.server_breakdown(delta)
+    assert s["queue_duration_us_per_request"] == 50 and s["request_duration_us_per_request"] == 300
+    assert s["engine_us_per_run"] == 200 and s["avg_batch_sequences"] == 3 and s["padding_rows_fraction"] == 0.0769
+    assert s["runs_by_bucket"] == {"4": 3, "1": 1}
+    p = plan(pool=3)
+    answers = [{1: "a"}, {1: "b"}, {1: "c", 2: "d"}]
+    records = [(0, 0.0, 0.01, "a", None), (2, 0.1, 0.02, "d", None), (1, 0.2, 0.03, "zz", None),
+               (1, 0.3, 0.04, None, "InferenceServerException: down")]
+    summary = loadtest.summarize(p, records, answers, delta, 1.0)
+    assert (summary["answered"], summary["bitwise_equal"], summary["wrong"], summary["errors"]) == (3, 2, 1, 1)
+    assert summary["matched_buckets"] == {"1": 1, "2": 1}
+    assert summary["first_errors"] == ["InferenceServerException: down"]
+    assert "--concurrency-range=1" in loadtest.perf_analyzer_command(p)
+
+
+# -- the CPU target, with a real server -----------------------------------------------------------------------------
+def test_cpu_target_batch1_grpc_from_two_processes_every_answer_exact(shape3, install, tmp_path):
+    out = tmp_path / "lt.json"
+    done = subprocess.run([sys.executable, "-m", "kkdeploy", "loadtest", "--artifacts", str(shape3), "--serve",
+                           "--protocol", "grpc", "--processes", "2", "--concurrency", "2", "--requests", "120",
+                           "--mix", "1", "--padding", "0,0.25", "--pool", "16", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Where the time goes" in done.stdout and "bitwise" in done.stdout
+    data = json.loads(out.read_text())
+    assert data["buckets"] == [1, 2, 4]
+    (run,) = data["runs"]
+    assert run["plan"]["processes"] == 2 and run["plan"]["protocol"] == "grpc"
+    assert run["requests"] == run["answered"] == run["bitwise_equal"] == 120
+    assert run["errors"] == run["wrong"] == run["warmup_wrong"] == 0
+    server = run["server"]
+    assert server["requests"] == 120 and set(server["runs_by_bucket"]) <= {"1", "2"}  # batch-1 requests, gathered
+    assert run["latency_ms"]["p50"] > 0 and run["req_per_s"] > 0
+    # The direct engine's answers (what every response equalled bit for bit) are strict-equal to the reference.
+    p = loadtest.LoadPlan(**run["plan"])
+    pool = loadtest.make_pool(p)
+    runner = kkdeploy.load(shape3)
+    manifest = artifacts.read_json(shape3 / artifacts.MANIFEST)
+    from safetensors.torch import load_file
+
+    reference = kkdeploy.ReferenceTransformer(TransformerConfig.from_dict(manifest["config"]))
+    reference.load_state_dict(load_file(str(shape3 / manifest["weights"]["file"])))
+    answers = loadtest.expected_answers(runner, pool)
+    with torch.inference_mode():
+        for (x, mask), found in zip(pool, answers):
+            xt = torch.from_numpy(x)
+            mt = None if mask is None else torch.from_numpy(mask)
+            y = runner(xt, mt)
+            assert loadtest.digest(y.numpy().tobytes()) == found[1]
+            assert compare_outputs(reference.eval()(xt, mt), y, *CONTRACTS["strict"]).passed
+
+
+def test_http_and_grpc_open_loop_mixed_batches_through_system_shared_memory(shape3, install):
+    from kkdeploy.commands.loadtest import local_server
+
+    runner = kkdeploy.load(shape3)
+    args = types.SimpleNamespace(artifacts=str(shape3), model_name="kkdeploy", engine="auto", topology="auto",
+                                 instances=1, max_queue_delay_us=200, host="127.0.0.1")
+    taken: set[int] = set()
+    for _ in range(3):
+        taken.add(triton_server.free_port(avoid=taken))
+    ports = dict(zip(("http", "grpc", "metrics"), sorted(taken)))
+    with local_server(args, ports) as (server, info, _):
+        for protocol, shm in (("http", "system"), ("grpc", "system"), ("http", "none")):
+            p = loadtest.LoadPlan(model="kkdeploy", seq_len=128, d_model=128, dtype="float32", protocol=protocol,
+                                  http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"],
+                                  processes=1, concurrency=3, rate=40.0, requests=30, warmup=1,
+                                  mix=[[1, 0.5], [2, 0.3], [3, 0.2]], padding=[0.0, 0.25], pool=8, seed=3,
+                                  shared_memory=shm)
+            answers = loadtest.expected_answers(runner, loadtest.make_pool(p))
+            summary = loadtest.run_load(p, answers)
+            assert summary["loop"] == "open"
+            assert (summary["answered"], summary["bitwise_equal"], summary["errors"]) == (30, 30, 0), \
+                (protocol, shm, summary["first_errors"])
+            assert set(summary["latency_ms_by_batch"]) <= {"1", "2", "3"}
+    assert not list(Path("/dev/shm").glob("kkdeploy_lt_*"))  # every client region destroyed
+
+
+def test_loadtest_bad_input_is_one_line(shape3, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "kkdeploy", "loadtest", "--artifacts", str(shape3), "--mix", "8",
+                           "--no-check"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "at most 4" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    port = triton_server.free_port()  # nothing listens there: said at once, not after gRPC's minute of retries
+    done = subprocess.run([sys.executable, "-m", "kkdeploy", "loadtest", "--artifacts", str(shape3), "--no-check",
+                           "--grpc-port", str(port), "--metrics-port", str(port)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and f"nothing answers on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_kubernetes_manifests_match_the_kubernetes_schemas(shape3, tmp_path):
+    from kkdeploy.serving import kubernetes
+
+    assert cli(["triton-repo", "--artifacts", str(shape3), "--out", str(tmp_path / "repo"), "--kubernetes"]) == 0
+    folder = tmp_path / "repo" / "kubernetes"
+    checked = kubernetes.check_manifests(folder)  # strict: an unknown field fails
+    assert [c.split(": ")[1].split("/")[0] for c in checked] == ["Deployment", "HorizontalPodAutoscaler", "ConfigMap",
+                                                                 "Service"]
+    import yaml
+
+    deployment = yaml.safe_load((folder / "deployment.yaml").read_text())
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/models/kkdeploy/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    hpa = yaml.safe_load((folder / "hpa.yaml").read_text())
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == kubernetes.QUEUE_METRIC
+    rules = yaml.safe_load(yaml.safe_load((folder / "prometheus-adapter-rules.yaml").read_text())["data"]["config.yaml"])
+    assert "nv_inference_queue_duration_us" in rules["rules"][0]["metricsQuery"]
+    # A typo is caught by the schema, with a one-line error.
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = container.pop("readinessProbe")
+    (folder / "deployment.yaml").write_text(yaml.safe_dump(deployment))
+    with pytest.raises(KKError, match="does not match the Kubernetes"):
+        kubernetes.check_manifests(folder)
+
+
+def test_stage_clock_pushes_at_most_every_interval_and_on_close():
+    from kkdeploy.serving.triton_model import StageClock
+
+    pushed: list[dict] = []
+    clock = StageClock(pushed.append, interval_s=0.3)
+    clock.record(1000, 2000, 3000, bucket=4, real=3)
+    assert pushed == []  # not yet: the interval has not passed
+    time.sleep(0.35)
+    clock.record(1000, 1000, 1000, bucket=1, real=1)
+    assert len(pushed) == 1
+    assert pushed[0][("executions", "4")] == 1 and pushed[0][("executions", "1")] == 1
+    assert pushed[0][("rows", "real")] == 4 and pushed[0][("rows", "padding")] == 1
+    assert pushed[0][("stage_us", "engine")] == 3.0
+    clock.record(5000, 0, 0, bucket=1, real=1)
+    clock.close()  # what is left goes out when the model unloads
+    assert len(pushed) == 2 and pushed[1][("stage_us", "gather")] == 5.0
+    background = StageClock(pushed.append, interval_s=0.1, background=True)
+    background.record(1, 1, 1, bucket=2, real=2)
+    time.sleep(0.4)  # no more traffic: the background thread pushes it
+    background.stopped.set()
+    assert pushed[-1][("executions", "2")] == 1
