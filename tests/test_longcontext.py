@@ -235,8 +235,10 @@ def test_check_refusals_are_one_line(capsys):
 
 def test_build_long_context_refuses_dense_and_reports_validation(tmp_path):
     logical = TransformerConfig(32, 100000, 64, 4, 64, 2)
-    result = build_long_context(logical, "float32", "cpu", tmp_path, trials=1, seq_len=192)
+    result = build_long_context(logical, "float32", "cpu", tmp_path, trials=1, seq_len=192, full_length_budget_s=30)
     names = [c["name"] for c in result["candidates"]]
+    skipped = result["candidates"][-1]["calibration"][0]  # SDPA at 100,000 keys: full-length trials take hours here
+    assert skipped["sdpa_layers"] == 2 and skipped["status"] == "skipped" and "would take" in skipped["reason"]
     assert names == list(DENSE_CANDIDATES) + ["torch-long-context"]
     for dense in result["candidates"][:-1]:
         assert dense["status"] == "skipped" and dense["estimated_bytes"] == logical.dense_score_bytes(torch.float32)
@@ -246,7 +248,7 @@ def test_build_long_context_refuses_dense_and_reports_validation(tmp_path):
     assert result["choice"]["backend"] == "torch-long-context" and result["choice"]["validated"]
     assert result["validated_shape"]["seq_len"] == 192 and result["validated_shape"]["batch_size"] == 2
     modes = [(r["mask_mode"], r["attention_path"]) for r in result["validation"]["reports"]]
-    assert modes == [("all-valid", "sdpa-flash_attention"), ("padded", "tiled")]
+    assert modes == [("all-valid", "tiled"), ("padded", "tiled")]  # the tiled path: the reduced shape covers it
     written = json.loads(Path(result["validation_file"]).read_text())
     assert written["passed"] and written["weights_sha256"] == result["validation"]["weights_sha256"]
 
@@ -456,18 +458,18 @@ def test_validation_plan_adds_full_length_trials_only_for_paths_the_reduced_shap
 
     config = TransformerConfig(32, 100000, 1024, 16, 1024, 2)
     reduced = TransformerConfig(2, 4096, 1024, 16, 1024, 2)
-    tiled = plan_validation(config, reduced, 0, torch.float16, "cpu", query_tile=128, rate=1e10)
+    tiled = plan_validation(config, reduced, 0, torch.float16, "cpu", query_tile=128, rate=1e10, bandwidth=1e10)
     assert tiled.full_length is None and tiled.feasible  # full rows with ATen's ops: the reduced shape runs them
-    sdpa = plan_validation(config, reduced, 2, torch.float16, "cpu", query_tile=128, rate=1e10)
+    sdpa = plan_validation(config, reduced, 2, torch.float16, "cpu", query_tile=128, rate=1e10, bandwidth=1e10)
     assert sdpa.uncovered == ["all-valid/sdpa@100000"] and not sdpa.feasible  # SDPA rounds anew at every length
     assert "would take" in sdpa.reason and sdpa.full_length.batch_size == 2
     monkeypatch.setattr(bs, "fast_path_reason", lambda device, dtype, row_len=None, rows=None: None)
-    fast = plan_validation(config, reduced, 0, torch.float16, "cuda", query_tile=128, rate=5e14)
+    fast = plan_validation(config, reduced, 0, torch.float16, "cuda", query_tile=128, rate=5e14, bandwidth=4e12)
     assert set(fast.uncovered) == {f"{m}/tiled/{r}/block-kernel" for m in ("all-valid", "padded")
                                    for r in ("cut-rows", "full-rows")}
-    assert fast.feasible and fast.full_length.seq_len == 100000 and fast.estimated_seconds < 900
-    assert not plan_validation(config, reduced, 0, torch.float16, "cuda", query_tile=128, rate=1e12,
-                               budget_s=1).feasible
+    assert fast.feasible and fast.full_length.seq_len == 100000 and fast.estimated_seconds < 600
+    assert not plan_validation(config, reduced, 0, torch.float16, "cuda", query_tile=128, rate=5e14,
+                               bandwidth=4e12, budget_s=1).feasible
 
 
 def test_build_runs_full_length_trials_where_the_reduced_shape_misses_the_cut_rows(monkeypatch):

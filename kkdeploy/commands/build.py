@@ -46,7 +46,7 @@ def register(sub):
                     help="full-length trials per mask mode (default 1)")
     lc.add_argument("--full-length-budget", type=float, default=None, metavar="S",
                     help="full-length trials estimated to take longer than this are not run, and the paths only "
-                         "they would check are not shipped (default 900)")
+                         "they would check are not shipped (default 600)")
     p.add_argument("--ort-level", choices=["disabled", "basic", "extended", "all"],
                    help="ONNX Runtime graph optimization level (default: extended on CPU, basic on CUDA)")
     p.add_argument("--linear", choices=["gemm", "matmul_add", "fp32", "bias_in_k", "custom"],

@@ -334,6 +334,7 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
         "max_abs": max((r["max_abs"] for r in reports), default=0.0),
         "max_rel": max((r["max_rel"] for r in reports), default=0.0),
         "padding_ratio": padding_ratio, "contract": contract, "sdpa_layers": sdpa_layers,
+        "weights_sha256": validation["weights_sha256"] if validation else None,
         "stages": [{k: v for k, v in stage.items() if k != "validation"} | {
             "validated_shape": stage["validation"]["validated_shape"],
             "exercised_features": stage["validation"]["exercised_features"]} for stage in stages],

@@ -31,7 +31,7 @@ DEFAULT_FULL_LENGTH_BATCH = 2
 DEFAULT_FULL_LENGTH_TRIALS = 1
 #: full-length trials estimated to take longer than this on this device are not run (the paths they would
 #: exercise are then not shipped)
-DEFAULT_FULL_LENGTH_BUDGET_S = 900.0
+DEFAULT_FULL_LENGTH_BUDGET_S = 600.0
 #: the reference's attention costs about this many times the path's (full key rows, unfused ATen ops)
 REFERENCE_COST_FACTOR = 3.0
 
@@ -72,12 +72,41 @@ def trial_flops(config: TransformerConfig, runs: int) -> float:
     return model_flops(config) * runs * (1 + REFERENCE_COST_FACTOR) / 2
 
 
+#: bytes the reference moves per score element of a full key row: fp16 scores, scaled, masked, float32 copy,
+#: float32 softmax, fp16 probabilities, each written and read
+REFERENCE_BYTES_PER_SCORE = 24
+
+
+def trial_seconds(config: TransformerConfig, runs: int, rate: float, bandwidth: float) -> float:
+    """A floor on ``runs`` full-length trials (the path and the reference each): the GEMM work at ``rate`` or the
+    reference's score traffic at ``bandwidth``, whichever is larger (the reference reads whole key rows)."""
+    scores = config.batch_size * config.num_heads * config.seq_len ** 2 * config.num_layers
+    return max(trial_flops(config, runs) / max(rate, 1.0),
+               runs * scores * REFERENCE_BYTES_PER_SCORE / max(bandwidth, 1.0))
+
+
+def measured_copy_bandwidth(device: torch.device, seconds: float = 0.1) -> float:
+    """Bytes per second a device copy of 64 MiB moves here (read + write), measured now."""
+    device = torch.device(device)
+    src = torch.empty(16 << 20, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        dst.copy_(src)
+        count += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * src.numel() * 4 * count / (time.perf_counter() - start)
+
+
 def plan_validation(config: TransformerConfig, validated: TransformerConfig, sdpa_layers: int, dtype, device, *,
                     query_tile: int, full_length_batch: int = DEFAULT_FULL_LENGTH_BATCH,
                     full_length_trials: int = DEFAULT_FULL_LENGTH_TRIALS,
-                    budget_s: float = DEFAULT_FULL_LENGTH_BUDGET_S, rate=None) -> ValidationPlan:
+                    budget_s: float = DEFAULT_FULL_LENGTH_BUDGET_S, rate=None, bandwidth=None) -> ValidationPlan:
     """The plan for one ``sdpa_layers``: the reduced trials, plus full-length trials when the reduced shape misses
-    a path the full shape runs. ``rate`` (FLOP/s; default measured now) prices the full-length trials."""
+    a path the full shape runs. ``rate`` (FLOP/s) and ``bandwidth`` (bytes/s), measured now unless given, price the
+    full-length trials."""
     probe = LongContextTransformer(config, query_tile=query_tile, sdpa_layers=sdpa_layers)
     full = planned_features(probe, config.seq_len, device, dtype)
     reduced = planned_features(probe, validated.seq_len, device, dtype)
@@ -91,9 +120,12 @@ def plan_validation(config: TransformerConfig, validated: TransformerConfig, sdp
         from .long_context import measured_matmul_flops
 
         rate = measured_matmul_flops(torch.device(device), dtype)
+    if bandwidth is None:
+        bandwidth = measured_copy_bandwidth(torch.device(device))
     runs = 2 * full_length_trials  # all-valid and padded
-    plan.estimated_seconds = round(trial_flops(plan.full_length, runs) / max(rate, 1.0), 1)
-    if plan.estimated_seconds > budget_s:
+    seconds = trial_seconds(plan.full_length, runs, rate, bandwidth)
+    plan.estimated_seconds = round(seconds, 1)
+    if seconds > budget_s:
         plan.feasible = False
         plan.reason = (f"the full-size call runs {', '.join(uncovered)}, which the reduced shape does not reach, and "
                        f"full-length trials ({plan.full_length.describe()}) would take ~{plan.estimated_seconds:.0f} s "
