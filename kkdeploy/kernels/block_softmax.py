@@ -77,15 +77,21 @@ def _source_digest() -> str:
 
 
 def proof_environment(device: torch.device | str) -> dict:
-    """The environment key of this kernel's proofs: device, torch, CUDA, plus its source and compiler."""
+    """The environment key of this kernel's proofs: device, torch, CUDA, plus its source and compiler (computed once
+    per device and process: every tiled layer of every call asks)."""
+    return dict(_proof_environment(str(torch.device(device))))
+
+
+@functools.lru_cache(maxsize=None)
+def _proof_environment(device: str) -> tuple:
     from .cuda_build import NVCC_FLAGS, compiler_version, nvcc
 
     try:
         compiler = compiler_version(nvcc())
     except KKError:
         compiler = None
-    return environment_key(device, {"kernel": OP, "source": _source_digest(), "nvcc": compiler,
-                                    "flags": list(NVCC_FLAGS)})
+    return tuple(environment_key(device, {"kernel": OP, "source": _source_digest(), "nvcc": compiler,
+                                          "flags": list(NVCC_FLAGS)}).items())
 
 
 def proven_launch(device: torch.device | str, dtype: torch.dtype, row_len: int, rows: int) -> Optional[str]:

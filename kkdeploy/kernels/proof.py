@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -112,7 +112,9 @@ class ProofRecord:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ProofRecord":
-        data = dict(data)
+        """The record from ``to_dict`` (keys it does not know, such as a caller's ``wall_seconds``, are ignored)."""
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
         data["launches"] = [LaunchResult(**r) for r in data.get("launches", [])]
         return cls(**data)
 

@@ -297,10 +297,9 @@ class LongContextTransformer(ReferenceTransformer):
         return resolve_tiled_settings(self.key_extent, self.softmax, device, dtype, seq_len,
                                       self.config.num_heads * self.query_tile)
 
-    def path_features(self, seq_len: int, padded: bool, device, dtype, limit: int | None = None,
-                      inference: bool = True) -> set[str]:
-        """The code paths a call on rows of ``seq_len`` runs (all-valid, or padded with keys from ``limit`` on
-        padding everywhere; default: every tile), named as ``last_path_features`` records them. Validation
+    def path_features(self, seq_len: int, padded: bool, device, dtype, inference: bool = True) -> set[str]:
+        """The code paths a call on rows of ``seq_len`` may run (all-valid, or padded: every tile), named as
+        ``last_path_features`` records them. Validation
         compares the features a full-size call would run with those its trials ran: a path no trial ran must not
         ship. SDPA's features carry the row length, since its online softmax rounds differently at every length;
         the tiled path's do not: it reproduces the reference's reductions whatever the length. ``inference``: an
@@ -311,7 +310,7 @@ class LongContextTransformer(ReferenceTransformer):
             features.add(f"all-valid/sdpa@{seq_len}")
         if fused_layers < self.config.num_layers:
             key_extent, softmax = self.tiled_settings(device, dtype, seq_len)
-            for step in tile_schedule(seq_len, seq_len if limit is None else limit, self.query_tile,
+            for step in tile_schedule(seq_len, seq_len, self.query_tile,
                                       self.config.causal, key_extent, softmax, padded, dtype=dtype,
                                       inference=inference):
                 features.add(step.feature(seq_len, padded))

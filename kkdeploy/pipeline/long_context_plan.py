@@ -17,7 +17,7 @@ Two steps come before the strict validation decides:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,7 +57,6 @@ class ValidationPlan:
     feasible: bool = True
     reason: str = ""
     estimated_seconds: float | None = None
-    extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"sdpa_layers": self.sdpa_layers, "full_features": self.full_features,

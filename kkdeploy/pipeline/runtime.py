@@ -137,7 +137,7 @@ def adopt_long_context_proofs(root: Path, manifest: dict, model, config: Transfo
     for recorded in manifest.get("kernel_proofs") or []:
         if recorded.get("op") == OP and recorded.get("environment") == environment and recorded.get("shape") == shape:
             try:
-                record = ProofRecord.from_dict({k: v for k, v in recorded.items() if k != "wall_seconds"})
+                record = ProofRecord.from_dict(recorded)
             except TypeError:
                 break
             remember_proof(record)
@@ -150,7 +150,7 @@ def adopt_long_context_proofs(root: Path, manifest: dict, model, config: Transfo
         validation = manifest.get("validation") or {}
         proof = prove_long_context_kernels(model, config, dtype, device, seed=int(validation.get("seed", 1234)),
                                            padding_ratio=float(validation.get("padding_ratio") or 0.25))
-        record = ProofRecord.from_dict({k: v for k, v in proof.items() if k != "wall_seconds"})
+        record = ProofRecord.from_dict(proof)
         local.put(record)
     if record.chosen:
         return f"block-softmax kernel proven again here at load: {record.chosen}"
