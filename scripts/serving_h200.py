@@ -42,24 +42,18 @@ def log(text: str) -> None:
 
 
 def own_weights(path: Path, seed: int = 4711) -> Path:
-    """Weights the project never saw (another seed; LayerNorm affine away from identity, trained-like Linear
-    scales); shapes 3, 6 and 13 share D=128 H=4 F=128 L=4, so one file serves all three."""
-    import torch
+    """Weights the project never saw (scripts/make_weights.py's trained-like weights, another seed); shapes 3, 6 and
+    13 share D=128 H=4 F=128 L=4, so one file serves all three."""
+    import importlib.util
+
     from safetensors.torch import save_file
 
-    from kkdeploy import ReferenceTransformer, official_config
+    from kkdeploy import official_config
 
-    model = ReferenceTransformer(official_config(3))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-            elif "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    spec = importlib.util.spec_from_file_location("make_weights", Path(__file__).with_name("make_weights.py"))
+    make_weights = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_weights)
+    save_file(make_weights.trained_like(official_config(3), seed), str(path))
     return path
 
 
