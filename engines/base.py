@@ -17,10 +17,16 @@ from typing import Any
 import torch
 
 from kkdeploy.config import TransformerConfig
+from kkdeploy.errors import KKError
 from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache, check_inputs, generate_case
 
 # Candidate status values recorded in manifests.
 BUILT, UNAVAILABLE, BUILD_FAILED, SKIPPED = "built", "unavailable", "build-failed", "skipped"
+
+
+class CandidateSkipped(KKError):
+    """Raised by a builder for a candidate that would add nothing here (e.g. its kernels are not proven on this
+    machine): recorded as ``skipped`` with the message, not as a failure."""
 UNVALIDATED, PASSED, FAILED = "unvalidated", "passed", "failed"
 PASSED_ALL_VALID_ONLY = "passed-all-valid-only"
 

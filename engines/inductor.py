@@ -44,8 +44,8 @@ from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import AllValidMaskCache
 
-from .base import (BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
-                   requested_variants)
+from .base import (BUILD_FAILED, BUILT, SKIPPED, UNAVAILABLE, Backend, BuildContext, CandidateResult, CandidateSkipped,
+                   Runner, import_error_reason, requested_variants)
 from .cuda_graph import CapturedCall
 from .recipe import parse as parse_recipe
 
@@ -360,6 +360,8 @@ def guarded_build(backend: Backend, ctx: BuildContext, candidate: str, work) -> 
     start = time.perf_counter()
     try:
         result.options, result.files = work()
+    except CandidateSkipped as exc:
+        result.status, result.reason = SKIPPED, f"skipped: {exc}"
     except KKError as exc:
         result.status, result.reason = BUILD_FAILED, f"build-failed: {exc}"
     except Exception as exc:  # noqa: BLE001 - a compiler failure is a candidate outcome, not a crash

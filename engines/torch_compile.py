@@ -42,8 +42,8 @@ from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS, AllValidMaskCache, generate_case
 
-from .base import (FINGERPRINT_PADDING, AllValidRouter, Backend, BuildContext, CandidateResult, Runner,
-                   output_fingerprint, requested_variants)
+from .base import (FINGERPRINT_PADDING, AllValidRouter, Backend, BuildContext, CandidateResult, CandidateSkipped,
+                   Runner, output_fingerprint, requested_variants)
 from .cuda_graph import CapturedCall
 from .recipe import Recipe, parse as parse_recipe
 
@@ -74,53 +74,92 @@ def inductor_variant(name: str) -> str:
 
 
 def uses_kernel_attention(name: str) -> bool:
-    return parse_recipe(name).attention in OUR_KERNEL_FORMS
+    return "attention" in kernel_kinds(name)
 
 
 def uses_kernel_layer_norm(name: str) -> bool:
-    return parse_recipe(name).attention in ("faithful-kernels", "faithful-gemms")
+    return "layer_norm" in kernel_kinds(name)
 
 
 def uses_kernel_linear(name: str) -> bool:
-    return parse_recipe(name).attention == "faithful-gemms"
+    return "linear" in kernel_kinds(name)
+
+
+#: the kinds of kernel op each of our-kernel forms runs (``kkdeploy.kernels.model_proofs``), the one it adds to
+#: the form below it last
+KERNEL_KINDS = {"faithful-kernel": ("attention",), "faithful-kernels": ("attention", "layer_norm"),
+                "faithful-gemms": ("attention", "layer_norm", "linear")}
+#: our-kernel candidate -> the candidate with one kernel kind fewer
+SMALLER = {KERNELS: KERNEL_ATTENTION, GEMMS: KERNELS}
+
+
+def kernel_kinds(name: str) -> tuple[str, ...]:
+    """The kinds of kernel op candidate ``name`` runs (empty for the pure-ATen variants)."""
+    return KERNEL_KINDS.get(parse_recipe(name).attention, ())
 
 
 def kernel_paths_record(name: str, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> dict:
-    """The manifest's record of which of our kernels this candidate's ops run here, and why."""
+    """The manifest's record of which of our kernels this candidate's ops run here, with which launch, and why."""
+    kinds = kernel_kinds(name)
     record = {}
-    if uses_kernel_attention(name):
+    if "attention" in kinds:
         record["attention_path"] = attention_path_record(config, dtype, device)
-    if uses_kernel_layer_norm(name):
+    if "layer_norm" in kinds:
         from kkdeploy.kernels.layer_norm import layer_norm_path, row_reason
 
         unfit = row_reason(config.d_model, dtype)
         if unfit:
             record["layer_norm_path"] = {"kernel": "aten", "reason": f"{unfit}; ATen's layer_norm runs"}
         else:
-            path = layer_norm_path(device)
-            record["layer_norm_path"] = {"kernel": path.kernel, "reason": path.reason}
-    if uses_kernel_linear(name):
-        from kkdeploy.kernels.fused_blocks import block_plan
+            path = layer_norm_path(device, config.batch_size * config.seq_len, config.d_model)
+            record["layer_norm_path"] = {"kernel": path.kernel, "reason": path.reason, "launch": path.launch}
+    if "linear" in kinds:
+        from kkdeploy.kernels.fused_blocks import block_plan, linear_launches
         from kkdeploy.kernels.fused_linear import linear_path
 
-        path = linear_path(config.batch_size * config.seq_len, config.d_model, config.d_model, dtype, device)
+        launches = {}
+        for op, (m, n, k, form) in linear_launches(config).items():
+            path = linear_path(m, n, k, dtype, device, epilogue=form)
+            launches[op] = {"kernel": path.kernel, "launch": path.launch, "reason": path.reason}
         plan = block_plan(config, dtype, device)
-        record["linear_path"] = {"kernel": path.kernel, "reason": path.reason, "plan": plan}
+        fused = [op for op, path in launches.items() if path["kernel"] != "aten"]
+        record["linear_path"] = {"kernel": "triton" if fused else "aten",
+                                 "reason": f"our GEMM for {', '.join(fused)}" if fused else "no GEMM proven here",
+                                 "plan": plan, "launches": launches}
     return record
 
 
 def attention_path_record(config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> dict:
-    """Which attention the kernel op runs for this shape here (the fused kernel, or the ATen composition where
-    bit-identity was not measured) and why: the manifest says whether the candidate is the kernel at all."""
-    from kkdeploy.kernels.faithful_attention import launch_for, select_attention_path
+    """Which attention the kernel op runs for this shape here (the fused kernel with the launch its proof chose, or
+    the ATen composition) and why: the manifest says whether the candidate is the kernel at all."""
+    from kkdeploy.kernels.faithful_attention import select_attention_path
 
     path = select_attention_path(config.seq_len, config.d_model // config.num_heads, dtype, device,
-                                 batch_heads=config.batch_size * config.num_heads)
+                                 batch_heads=config.batch_size * config.num_heads, causal=config.causal)
     record = {"kernel": path.kernel, "reason": path.reason}
-    if path.fused:  # which launch of the kernel ($KKDEPLOY_FAITHFUL_ATTENTION_LAUNCH, else the default)
-        record["launch"] = launch_for(config.seq_len, (config.batch_size * config.num_heads, config.seq_len,
-                                                       config.d_model // config.num_heads))
+    if path.fused:
+        record["launch"] = path.launch
     return record
+
+
+def prove_candidate_kernels(name: str, model, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+                            siblings: tuple[str, ...] = (), progress=None):
+    """The proof step for candidate ``name`` (``kkdeploy.kernels.model_proofs``): its kernel ops proven here.
+
+    Raises ``CandidateSkipped`` when the candidate would add nothing: none of its kernel ops is proven, or (when the
+    candidate with one kind fewer is among ``siblings``, this build's other candidates) the kind it adds is not."""
+    from kkdeploy.kernels.model_proofs import prove_model_kernels
+
+    kinds = kernel_kinds(name)
+    proofs = prove_model_kernels(model, config, dtype, device, kinds, progress=progress)
+    if not any(proofs.proven(kind) for kind in kinds):
+        raise CandidateSkipped(f"none of its kernel ops is proven bit-identical and faster here, so it would run "
+                               f"ATen's ops only ({'; '.join(proofs.why_not(kind) for kind in kinds)})")
+    smaller = SMALLER.get(name)
+    if smaller in siblings and not proofs.proven(kinds[-1]):
+        raise CandidateSkipped(f"the {kinds[-1]} kernel it adds to {smaller} is not proven here "
+                               f"({proofs.why_not(kinds[-1])})")
+    return proofs
 
 
 def default_variants(device: torch.device, dtype: torch.dtype = torch.float16, contract: str = "strict") -> list[str]:
@@ -264,6 +303,11 @@ class TorchCompileBackend(Backend):
             recipe = {"inductor_configs": {}, "fp16_layers": list(layers), "half_gemm": half,
                       "half_gemm_kernel": fused.half_gemm_kernel, "calibration": calibration}
         else:
+            if kernel_kinds(candidate):
+                siblings = tuple(self.candidates(ctx))
+                proofs = prove_candidate_kernels(candidate, ctx.model, ctx.config, ctx.dtype, device, siblings)
+                recipe.update({"kernel_proofs": proofs.to_list(), "proof_seconds": proofs.seconds,
+                               "proofs_reused": proofs.reused})
             runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)
             recipe.update(kernel_paths_record(candidate, ctx.config, ctx.dtype, device))
         ratios = FINGERPRINT_PADDING[:1] if runner.all_valid_only else FINGERPRINT_PADDING
@@ -306,6 +350,7 @@ class TorchCompileBackend(Backend):
         state = load_file(str(Path(artifact_dir) / WEIGHTS_FILE))
         model = model_for_variant({"model": "reference"}, config, dtype, device, state)
         cuda_graph = bool(options.get("cuda_graph", True))
+        kernel_note = adopt_kernel_proofs(Path(artifact_dir), name, options, model, config, dtype, device)
         try:
             if name in FUSED_VARIANTS:
                 runner = compile_fused(fused_model(model, options.get("fp16_layers") or (), options.get("half_gemm")),
@@ -323,7 +368,36 @@ class TorchCompileBackend(Backend):
         if got != expected:
             raise KKError(f"{name} recompiled here does not reproduce the validated output (fingerprint "
                           f"{got[:12]} != {str(expected)[:12]}); rebuild the artifacts on this machine")
+        runner.kernel_note = kernel_note
         return runner
+
+
+def adopt_kernel_proofs(artifact_dir: Path, name: str, options: dict, model, config: TransformerConfig,
+                        dtype: torch.dtype, device: torch.device) -> str:
+    """Before an our-kernel candidate is compiled where it serves: the manifest's proofs where this is the build's
+    environment, else a proof made here (cached beside the artifacts in ``proofs/``, so the next load reuses it).
+    An op no longer bit-identical here runs ATen's ops (the same bits, slower); the returned sentence says so
+    ("" when every recorded kernel still runs)."""
+    import logging
+
+    from kkdeploy.kernels.model_proofs import adopt_recorded, prove_model_kernels
+    from kkdeploy.kernels.proof import ProofCache
+
+    kinds = kernel_kinds(name)
+    recorded = options.get("kernel_proofs") or []
+    if not kinds or not recorded:
+        return ""
+    cache = ProofCache(Path(artifact_dir) / "proofs")
+    _, foreign = adopt_recorded(recorded, device, cache=None)
+    proofs = prove_model_kernels(model, config, dtype, device, kinds, cache=cache)
+    built = {(r["op"], str(r["shape"])) for r in recorded if r.get("chosen")}
+    lost = [r for r in proofs.records if (r.op, str(r.shape)) in built and not r.proven]
+    if not lost:
+        return f"kernel proofs re-made here ({proofs.seconds} s)" if foreign else ""
+    note = (f"{name}: {len(lost)} kernel op(s) proven at build time are not bit-identical here and run ATen's ops "
+            f"(the same bits, slower): " + "; ".join(f"{r.op} {r.shape}: {r.reason}" for r in lost))
+    logging.getLogger("kkdeploy").warning("kkdeploy: %s", note)
+    return note
 
 
 BACKEND = TorchCompileBackend()

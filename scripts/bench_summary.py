@@ -116,9 +116,28 @@ def markdown(summary: dict, runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def versus(shapes: list[dict], other: str) -> str:
+    """Per shape, the fastest fully passing backend's speedup over eager against ``other``'s (both in the same
+    processes): how much our best adds to, e.g., plain torch-compile."""
+    lines, ratios = ["", f"| shape | best fully passing (x eager) | {other} (x eager) | best / {other} |", "|---|---|---|---|"], []
+    for s in shapes:
+        b = best(s, (PASSED,))
+        o = s["backends"].get(other, {})
+        if not b or not o.get("speedup") or o.get("status") not in (PASSED, PASSED_ALL_VALID_ONLY):
+            lines.append(f"| {s['label']} | {b[0] if b else 'none'} | {o.get('status', 'not run')} | - |")
+            continue
+        ratios.append(b[1]["speedup"] / o["speedup"])
+        lines.append(f"| {s['label']} | {b[0]} {b[1]['speedup']:.2f}x | {o['speedup']:.2f}x | {ratios[-1]:.2f} |")
+    if ratios:
+        lines.append(f"\nbest over {other}: geomean {geometric_mean(ratios):.2f}, lowest {min(ratios):.2f} "
+                     f"({len(ratios)} shape(s))")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+")
+    parser.add_argument("--versus", help="also compare the fastest fully passing backend with this one, per shape")
     parser.add_argument("--md", help="also write the table here")
     parser.add_argument("--png", help="also draw every shape's speedups per backend into one chart")
     args = parser.parse_args()
@@ -126,7 +145,7 @@ def main() -> int:
     if not shapes:
         print("no bench.json found under " + ", ".join(args.paths), file=sys.stderr)
         return 2
-    text = markdown(summarize(shapes), runs)
+    text = markdown(summarize(shapes), runs) + (versus(shapes, args.versus) if args.versus else "")
     if args.md:
         Path(args.md).write_text(text)
     if args.png:  # one chart over all runs, titled with the first run's protocol and device

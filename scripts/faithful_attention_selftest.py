@@ -17,7 +17,8 @@ What it does (everything lands in OUTDIR/faithful_attention_selftest.json, a tab
    differing elements, first differing index; the debug variant's scores/probabilities against ATen's
    intermediate tensors (stage by stage); non-causal and odd sequence lengths as extra cases (for a
    mismatching one: stage by stage, and whether ATen itself changes with the batch count); last, which
-   (B*H, S, Dh) were bit-identical and whether ``PROVEN_SHAPES`` (the op's dispatch table) lists them;
+   (B*H, S, Dh) were bit-identical (a study: the op itself runs where the build's proof step,
+   ``kkdeploy.kernels.model_proofs``, found a launch bit-identical; ``scripts/prove_kernels.py`` runs that step);
 4. timing (triton.testing.do_bench, median, L2 flushed): the op and the ATen composition per shape.
 
 Nothing is loosened: a comparison is ``equal bits`` or it is reported as a mismatch.
@@ -45,7 +46,6 @@ import torch  # noqa: E402
 from kkdeploy import OFFICIAL_SHAPES, ReferenceTransformer, TransformerConfig, generate_case  # noqa: E402
 from kkdeploy.kernels.faithful_attention import (  # noqa: E402
     LAUNCHES,
-    PROVEN_SHAPES,
     emulate_persistent_softmax,
     faithful_attention,
     launch_fits,
@@ -440,7 +440,7 @@ def main(argv=None) -> int:
         report["ablation_flags"] = {"error": f"{type(exc).__name__}: {exc}"}
     log(f"[ablation] {report['ablation_flags']}")
 
-    # which measured (B*H, S, Dh) were bit-identical in every case, and whether PROVEN_SHAPES lists them
+    # which measured (B*H, S, Dh) were bit-identical in every case
     keys: dict = {}
     for sid, e in shapes.items():
         c = e["config"]
@@ -453,11 +453,9 @@ def main(argv=None) -> int:
         key = (x["B"] * x["H"], x["S"], x["D"] // x["H"])
         ok = "error" not in x and not any(x.get(k) for k in ("op", *VARIANTS))
         keys[key] = keys.get(key, True) and ok
-    report["bit_identical_keys"] = [{"key": list(k), "bit_identical": v, "in_PROVEN_SHAPES": k in PROVEN_SHAPES}
-                                    for k, v in keys.items()]
-    log("[proven] (B*H, S, Dh) bit-identical here but not in PROVEN_SHAPES: "
-        f"{[k for k, v in keys.items() if v and k not in PROVEN_SHAPES]}; in PROVEN_SHAPES but NOT bit-identical "
-        f"here: {[k for k, v in keys.items() if not v and k in PROVEN_SHAPES]}")
+    report["bit_identical_keys"] = [{"key": list(k), "bit_identical": v} for k, v in keys.items()]
+    log(f"[bitwise] (B*H, S, Dh) bit-identical here: {[k for k, v in keys.items() if v]}; NOT: "
+        f"{[k for k, v in keys.items() if not v]}")
 
     path = out_dir / "faithful_attention_selftest.json"
     path.write_text(json.dumps(report, indent=1, default=str))

@@ -17,9 +17,10 @@
 #   block-softmax.json  scripts/block_softmax_selftest.py (issue 19: ATen's block softmax order, the fused kernel)
 #   layer-norm.json  scripts/layer_norm_selftest.py; faithful_attention_selftest.json (issue 19's kernels, bitwise)
 #   fused-linear.json  scripts/fused_linear_selftest.py (issue 19: the Triton GEMM with fused epilogues, bitwise)
-#   proven.env       scripts/proven_parts.py over those two self-tests: what the bench step then uses
+#   prove-N.json     `kkdeploy prove` per shape: the build's proof step on its own (which kernels, which launches)
+#   custom.tgz, custom.md  the custom-shape step: builds and benches of non-official shapes with our own weights
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
-# attention, promote, bench, profile, customops, ortstrict, ortjudge, shape14build. A step's =SECONDS caps its wall time.
+# attention, prove, custom, bench, profile, customops, ortstrict, ortjudge, shape14build. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -145,21 +146,39 @@ step_setup() {
   python3 -c "import polygraphy; print('polygraphy', polygraphy.__version__)"
   python3 -c "import modelopt.onnx.autocast, modelopt; print('modelopt', modelopt.__version__)" 2>/dev/null || true
 }
-step_promote() {
-  # Issue 19: what the linear and attention self-tests of this run proved bit-identical and faster, as the
-  # environment the kernels read (scripts/proven_parts.py); the bench step of this machine then uses it.
-  args=""
-  [ -f "$OUT/fused-linear.json" ] && args="$args --linear $OUT/fused-linear.json"
-  [ -f "$OUT/faithful_attention_selftest.json" ] && args="$args --attention $OUT/faithful_attention_selftest.json"
-  python3 scripts/proven_parts.py $args > "$WORK/proven.env" && cp "$WORK/proven.env" "$OUT/proven.env"
-  cat "$WORK/proven.env"
+step_prove() {
+  # The build's proof step on its own, per official shape (PROVE_SHAPES): each kernel op's launches proven here.
+  for s in ${PROVE_SHAPES:-3 6 8 13}; do
+    python3 -m kkdeploy prove --shape "$s" --device cuda --json "$OUT/prove-$s.json" || echo "prove shape $s: exit $?"
+  done
+}
+step_custom() {
+  # Non-official shapes (CUSTOM_SHAPES: "B,S,D,H,F,L" each), trained-like weights of our own (scripts/make_weights.py,
+  # seed 4242 + index): `kkdeploy build --backends torch-compile` (what ships, the proof's and the build's seconds),
+  # then `kkdeploy bench --processes 1` of torch-compile and the our-kernel candidates, eager in the same process.
+  i=0
+  for spec in ${CUSTOM_SHAPES:-8,256,256,8,512,2 32,512,512,8,2048,2 64,64,64,4,256,4 1,1024,1024,16,1024,2 256,128,128,1,384,2 16,200,384,6,768,3}; do
+    IFS=, read -r b s d h f l <<< "$spec"
+    dims="--batch-size $b --seq-len $s --d-model $d --heads $h --ffn-dim $f --layers $l"
+    w="$WORK/custom/w-$spec.safetensors"; mkdir -p "$WORK/custom"
+    python3 scripts/make_weights.py $dims --seed $((4242 + i)) --out "$w" > /dev/null
+    start=$(date +%s.%N)
+    python3 -m kkdeploy build $dims --device cuda --weights "$w" --backends torch-compile --force ${CUSTOM_BUILD_ARGS:-} \
+      --out "$WORK/custom/build-$spec" || echo "custom build $spec: exit $?"
+    echo "custom build $spec: $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s wall"
+    python3 -m kkdeploy bench $dims --device cuda --weights "$w" --processes 1 --out "$WORK/custom/bench-$spec" \
+      --candidates "${CUSTOM_CANDIDATES:-torch-compile,torch-compile-faithful-attention,torch-compile-faithful-kernels,torch-compile-faithful-gemms}" \
+      ${CUSTOM_BENCH_ARGS:-} || echo "custom bench $spec: exit $?"
+    (cd "$WORK" && tar czf "$OUT/custom.tgz" --exclude='*.safetensors' --exclude='*.inductor-cache' custom)
+    python3 scripts/bench_summary.py "$WORK"/custom/bench-* --versus torch-compile --md "$OUT/custom.md" > /dev/null
+    i=$((i + 1))
+  done
+  cat "$OUT/custom.md"
 }
 step_bench() {
   # BENCH_DTYPE float16|float32, BENCH_CONTRACT strict|judge, BENCH_PROCESSES (3), BENCH_ARGS (extra flags).
-  # $WORK/proven.env (the promote step's output on this machine), when there, sets what the kernels may use.
   # Every bench.json carries each timed backend's roofline (fraction of the limit measured in its processes), and
   # the summary its column, geomean and the three shapes furthest from their limit (docs/benchmark.md, Roofline).
-  if [ -f "$WORK/proven.env" ]; then . "$WORK/proven.env"; grep -v '^#' "$WORK/proven.env" | sed 's/^/bench with: /'; fi
   dt=${BENCH_DTYPE:-float16}; ct=${BENCH_CONTRACT:-strict}
   for s in ${BENCH_SHAPES:-2 3 12 1 4 5 7 9 10 11 8 13 6}; do
     python3 -m kkdeploy bench --shape "$s" --dtype "$dt" --contract "$ct" --processes "${BENCH_PROCESSES:-3}" \

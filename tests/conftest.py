@@ -75,3 +75,20 @@ def round_to_float32(value: Fraction) -> float:
         if best is None or gap < best[0] or (gap == best[0] and even):
             best = (gap, float(cand))
     return best[1]
+
+
+@pytest.fixture
+def proof_sandbox(monkeypatch, tmp_path):
+    """A pretend CUDA device for the path rules and proof keys (no kernel runs), an empty proof cache, and no
+    proofs remembered by this process before or after the test."""
+    from kkdeploy.kernels import proof
+
+    monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Test GPU")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    proof.forget_proofs()
+    proof._kernel_environment.cache_clear()
+    yield proof
+    proof.forget_proofs()
+    proof._kernel_environment.cache_clear()

@@ -127,7 +127,7 @@ def test_the_fast_path_needs_a_loadable_kernel_and_a_proof_here(monkeypatch, tmp
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(bs, "_load", lambda device: (_ for _ in ()).throw(KKError("no nvcc here")))
     cuda_build.load_problem.cache_clear()
-    bs._proof_environment.cache_clear()
+    proof._kernel_environment.cache_clear()
     proof.forget_proofs()
     try:
         reason = bs.fast_path_reason("cuda", torch.float16, 100000, 2048)
@@ -149,7 +149,7 @@ def test_the_fast_path_needs_a_loadable_kernel_and_a_proof_here(monkeypatch, tmp
         assert bs.proven_launch("cuda", torch.float16, 100000, 2048) == "raw-max"
     finally:
         cuda_build.load_problem.cache_clear()
-        bs._proof_environment.cache_clear()
+        proof._kernel_environment.cache_clear()
         proof.forget_proofs()
 
 

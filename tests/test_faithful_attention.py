@@ -134,61 +134,62 @@ def triton_present(monkeypatch):
     monkeypatch.delenv(fa.PATH_ENV, raising=False)
 
 
-H200 = dict(capability=(9, 0), versions=("2.11", "13.0"))
+def _remember(proof, key, chosen="cached64w4", causal=True, reason="test"):
+    bh, s, dh = key
+    record = proof.ProofRecord(op=fa.OP, shape=fa.proof_shape(bh, s, dh, causal), environment=fa.proof_environment("cuda"),
+                               chosen=chosen, reason=reason)
+    proof.remember_proof(record)
+    return record
 
 
-def test_dispatch_takes_the_kernel_only_where_it_is_proven(triton_present, monkeypatch):
-    path = select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, **H200)  # shape 1
-    assert path.kernel == "triton" and path.fused and "(256, 128, 32)" in path.reason
-    assert select_attention_path(1024, 32, torch.float16, "cuda:0", batch_heads=256, **H200).fused  # shape 13
-    assert select_attention_path(128, 256, torch.float16, "cuda", batch_heads=256, **H200).fused  # shape 8
-    assert select_attention_path(128, 8, torch.float16, "cuda", batch_heads=1024, **H200).fused  # shape 11
-    for sid, config in OFFICIAL_SHAPES.items():
-        if config.seq_len <= MAX_FUSED_SEQ_LEN:
-            key = (config.batch_size * config.num_heads, config.seq_len, config.head_dim)
-            assert key in fa.PROVEN_SHAPES, sid
+def test_dispatch_takes_the_kernel_only_where_a_proof_made_here_says_so(triton_present, proof_sandbox, monkeypatch):
+    unproven = select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256)
+    assert unproven.kernel == "aten" and "no proof in this environment" in unproven.reason
+    _remember(proof_sandbox, (256, 128, 32))
+    path = select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256)  # shape 1
+    assert path.fused and path.launch == "cached64w4" and "(256, 128, 32)" in path.reason
+    assert not select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, causal=False).fused
+    assert not select_attention_path(128, 32, torch.float16, "cuda", batch_heads=512).fused  # another op shape
+    # a proof that found no bit-identical launch (cuBLAS' P.V at (2, 333, 256) on the H200): the composition
+    _remember(proof_sandbox, (2, 333, 256), chosen=None, reason="no launch was bit-identical on every case")
+    differs = select_attention_path(333, 256, torch.float16, "cuda", batch_heads=2)
+    assert differs.kernel == "aten" and "no launch was bit-identical" in differs.reason
+    proof_sandbox.forget_proofs()  # a new process of the same environment finds the proof on disk
+    assert select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256).launch == "cached64w4"
 
     cpu = select_attention_path(128, 32, torch.float16, "cpu", batch_heads=256)
     assert cpu.kernel == "aten" and "cpu" in cpu.reason
-    long = select_attention_path(MAX_FUSED_SEQ_LEN + 1, 32, torch.float16, "cuda", batch_heads=256, **H200)
+    long = select_attention_path(MAX_FUSED_SEQ_LEN + 1, 32, torch.float16, "cuda", batch_heads=256)
     assert long.kernel == "aten" and "1024" in long.reason
-    fp32 = select_attention_path(128, 32, torch.float32, "cuda", batch_heads=256, **H200)
+    fp32 = select_attention_path(128, 32, torch.float32, "cuda", batch_heads=256)
     assert fp32.kernel == "aten" and "float32" in fp32.reason
-    wide = select_attention_path(128, 512, torch.float16, "cuda", batch_heads=256, **H200)
+    wide = select_attention_path(128, 512, torch.float16, "cuda", batch_heads=256)
     assert wide.kernel == "aten" and "head_dim" in wide.reason
-    # measured NOT bit-identical on the H200 (cuBLAS' P.V at these sizes): the composition runs
-    for bh, s, dh in [(2, 333, 256), (2, 333, 128), (2, 700, 128)]:
-        unproven = select_attention_path(s, dh, torch.float16, "cuda", batch_heads=bh, **H200)
-        assert unproven.kernel == "aten" and "not measured" in unproven.reason
-    assert not select_attention_path(128, 32, torch.float16, "cuda", **H200).fused  # batch count unknown
-    a100 = select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, capability=(8, 0),
-                                 versions=("2.11", "13.0"))
-    assert a100.kernel == "aten" and "8.0" in a100.reason
-    other_torch = select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, capability=(9, 0),
-                                        versions=("2.12", "13.0"))
-    assert other_torch.kernel == "aten" and "torch 2.12" in other_torch.reason
 
     monkeypatch.setenv(fa.PATH_ENV, "aten")
-    assert select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, **H200).kernel == "aten"
+    assert select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256).kernel == "aten"
     monkeypatch.setenv(fa.PATH_ENV, "triton")
-    forced = select_attention_path(333, 256, torch.float16, "cuda", batch_heads=2, capability=(8, 0))
-    assert forced.fused and "forced" in forced.reason
-    assert not select_attention_path(2048, 32, torch.float16, "cuda", capability=(8, 0)).fused  # never past 1024
+    forced = select_attention_path(333, 256, torch.float16, "cuda", batch_heads=2)
+    assert forced.fused and "forced" in forced.reason and forced.launch == fa.DEFAULT_LAUNCH
+    assert not select_attention_path(2048, 32, torch.float16, "cuda").fused  # never past 1024
     monkeypatch.setenv(fa.PATH_ENV, "fast")
     with pytest.raises(KKError, match="auto, aten or triton"):
-        select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, **H200)
+        select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256)
 
 
-def test_platform_versions_names_torch_and_cuda():
-    torch_mm, cuda = fa.platform_versions()
-    assert torch_mm.count(".") == 1 and torch.__version__.startswith(torch_mm)
-    assert cuda == torch.version.cuda
+def test_a_proof_in_another_environment_does_not_count(triton_present, proof_sandbox, monkeypatch):
+    """Another GPU (or torch, CUDA, Triton, kernel source) has its own key: the proof made elsewhere is not found."""
+    _remember(proof_sandbox, (256, 128, 32))
+    assert select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256).fused
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Other GPU")
+    proof_sandbox._kernel_environment.cache_clear()
+    assert not select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256).fused
 
 
 def test_dispatch_without_triton(monkeypatch):
     monkeypatch.setattr(fa, "triton_available", lambda: False)
     monkeypatch.delenv(fa.PATH_ENV, raising=False)
-    path = select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256, **H200)
+    path = select_attention_path(128, 32, torch.float16, "cuda", batch_heads=256)
     assert path.kernel == "aten" and "triton" in path.reason
 
 
@@ -415,35 +416,17 @@ def test_the_fast_division_is_the_correctly_rounded_quotient():
         assert p == float(np.float32(e / total)), (e, total)
 
 
-def test_the_op_launch_comes_from_the_environment_where_it_fits(monkeypatch):
-    # scripts/proven_parts.py names a launch the self-test just measured bit-identical and faster; the op takes it
-    # for rows it fits and keeps its default elsewhere
-    monkeypatch.delenv(fa.LAUNCH_ENV, raising=False)
-    assert fa.launch_for(128) == fa.DEFAULT_LAUNCH == "bm64"
-    # unset: the fast launch where it was proven (shape 6's key), the default on the kernel's edge cases
-    assert fa.launch_for(128, (40000, 128, 32)) == "cached64w4_mdiv"
-    assert fa.launch_for(17, (8, 17, 16)) == "bm64"
-    assert fa.launch_for(1024, (256, 1024, 32)) == "bm64"
-    monkeypatch.setenv(fa.LAUNCH_ENV, "cached64w4")
-    assert fa.launch_for(128) == "cached64w4"
-    assert fa.launch_for(1024) == "bm64"  # a cached launch holds at most 128 keys
-    monkeypatch.setenv(fa.LAUNCH_ENV, "bm128x2")
-    assert fa.launch_for(1024) == "bm128x2"
-    monkeypatch.setenv(fa.LAUNCH_ENV, "bm48")
-    with pytest.raises(KKError, match="unknown launch 'bm48'"):
-        fa.launch_for(128)
+def test_a_build_proves_the_64_row_launches_that_fit():
+    """Short rows (<= 128): the register-cached launches and bm64; longer rows: the streaming ones. None of the
+    32- and 16-row tiles (other MMA instructions) costs a build a compile."""
+    assert fa.proof_launches(128) == ["cached64w4_mdiv", "cached64w4", "bm64"]
+    assert fa.proof_launches(1024) == ["bm64_mdiv", "bm64", "bm128x2"]
+    for s in (1, 17, 128, 129, 1024):
+        assert all(fa.launch_fits(n, s) and n in fa.LAUNCHES for n in fa.proof_launches(s))
+        assert not any(fa.LAUNCHES[n].get("block_m", 64) < 64 for n in fa.proof_launches(s))
 
 
 def test_the_self_test_checks_the_op_launches():
     script = load_script("faithful_attention_selftest")
     assert script.VARIANTS == fa.LAUNCHES and next(iter(fa.LAUNCHES)) == fa.DEFAULT_LAUNCH
     assert script.variants_for(1024, ["bm64", "cached64w4", "onepass", "bm64x2"]) == ["bm64", "bm64x2"]
-
-
-def test_the_fast_launch_covers_the_official_shapes_it_fits():
-    # proven in campaign 12 on the official shapes only: every one whose rows it holds, and nothing else
-    official = {(c.batch_size * c.num_heads, c.seq_len, c.head_dim) for c in OFFICIAL_SHAPES.values()
-                if c.seq_len <= fa.MAX_FUSED_SEQ_LEN}
-    for name, keys in fa.FAST_LAUNCHES.items():
-        assert keys == {k for k in official if fa.launch_fits(name, k[1])}
-        assert keys <= fa.PROVEN_SHAPES and name in fa.LAUNCHES

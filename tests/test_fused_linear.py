@@ -77,56 +77,60 @@ def test_the_layer_norm_epilogue_op():
             fl.linear_layer_norm(x, w, b, r, mask, torch.nn.LayerNorm(5), "add_masked")
 
 
-def test_the_parts_campaign_12_kept_out_stay_out():
-    # scripts/fused_linear_selftest.py on the H200: the LayerNorm epilogue bitwise but slower, the GELU forms not
-    # bitwise with Triton's libdevice (docs/fused-linear.md); they come in only through $KKDEPLOY_FUSED_LINEAR_PARTS
-    assert not {"gelu", "gelu_prologue", "layer_norm"} & fl.PROVEN_EPILOGUES
+def _remember_linear(proof, m, n, k, form, chosen="auto", reason="test"):
+    record = proof.ProofRecord(op=fl.OP, shape=fl.proof_shape(m, n, k, form), environment=fl.proof_environment("cuda"),
+                               chosen=chosen, reason=reason)
+    proof.remember_proof(record)
 
 
-def test_parts_a_gpu_run_just_proved_come_from_the_environment(monkeypatch):
-    # scripts/proven_parts.py prints this line after the self-test; the kernels then take those parts, with the
-    # flags they were proven with, in this process only
-    monkeypatch.setattr(fl, "triton_available", lambda: True)
-    platform = ((9, 0), "2.11.0+cu130", "13.0")
-    monkeypatch.setattr(fl, "PROVEN_PLATFORMS", {platform})
-    monkeypatch.setattr(fl, "PROVEN_GEMMS", frozenset({(8192, 128, 128)}))
-    monkeypatch.delenv(fl.PARTS_ENV, raising=False)
-    assert fl.proven_parts() == fl.PROVEN_EPILOGUES and fl.part_flags("gelu_prologue", "masked_sum") == {}
-    assert not fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform, epilogue="masked_sum+layer_norm").fused
-    monkeypatch.setenv(fl.PARTS_ENV, "layer_norm, gelu_prologue:fp_fusion")
-    assert fl.extra_parts() == {"layer_norm": {}, "gelu_prologue": {"enable_fp_fusion": True}}
-    assert {"layer_norm", "gelu_prologue"} <= fl.proven_parts()
-    assert fl.part_flags("gelu_prologue", "masked_sum", "layer_norm") == {"enable_fp_fusion": True}
-    assert fl.part_flags("masked_sum", "layer_norm") == {}
-    path = fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform, epilogue="gelu_prologue+masked_sum")
-    assert path.fused and f"gelu_prologue from {fl.PARTS_ENV}" in path.reason
-    assert fl.PARTS_ENV not in fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform).reason
-    # the GELU epilogue was not named: still ATen's
-    assert not fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform, epilogue="gelu").fused
-    # and the plan follows: norms in the epilogues, GELU as ffn_out's prologue
-    monkeypatch.setattr(fb, "linear_path", fl.linear_path)
-    monkeypatch.setattr(fl, "platform_key", lambda device: platform)
+def test_the_plan_follows_the_proofs_made_here(monkeypatch, proof_sandbox):
+    """Each launch of a block runs our GEMM only where a proof made here found a tile bit-identical and faster; the
+    plan packs Q/K/V only with the attention kernel, and puts the norms and GELU into epilogues only where those
+    parts were proven too (a build proves the four plain launches; the others only if a proof exists)."""
     from kkdeploy.kernels import faithful_attention as fa
 
-    monkeypatch.setattr(fa, "select_attention_path", lambda *a, **k: fa.AttentionPath("triton", "test"))
-    config = TransformerConfig(batch_size=64, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=1)
-    assert fb.block_plan(config, torch.float16, torch.device("cuda")) == {
-        "gemms": True, "packed_qkv": True, "gelu_prologue": True, "gelu": False, "layer_norm": True}
+    monkeypatch.setattr(fl, "triton_available", lambda: True)
+    monkeypatch.setattr(fa, "select_attention_path", lambda *a, **k: fa.AttentionPath("triton", "test", "bm64"))
+    config = TransformerConfig(batch_size=64, seq_len=128, d_model=128, num_heads=4, ffn_dim=256, num_layers=1)
+    m = 64 * 128
+    cuda = torch.device("cuda")
+    plan = fb.block_plan(config, torch.float16, cuda)
+    assert plan["gemms"] is False and not any(plan["linears"].values())
+    assert fb.linear_launches(config) == {"qkv": (m, 384, 128, "none"), "out_proj": (m, 128, 128, "add_masked"),
+                                          "ffn_in": (m, 256, 128, "none"), "ffn_out": (m, 128, 256, "masked_sum")}
+    _remember_linear(proof_sandbox, m, 128, 128, "add_masked", chosen="m64")
+    plan = fb.block_plan(config, torch.float16, cuda)
+    assert plan["gemms"] and plan["linears"] == {"qkv": False, "out_proj": True, "ffn_in": False, "ffn_out": False}
+    assert not plan["packed_qkv"]
+    path = fl.linear_path(m, 128, 128, torch.float16, cuda, epilogue="add_masked")
+    assert path.fused and path.launch == "m64" and "m64" in path.reason
+    _remember_linear(proof_sandbox, m, 384, 128, "none")
+    assert fb.block_plan(config, torch.float16, cuda)["packed_qkv"]
+    _remember_linear(proof_sandbox, m, 128, 128, "add_masked+layer_norm")
+    _remember_linear(proof_sandbox, m, 128, 256, "masked_sum+layer_norm")
+    _remember_linear(proof_sandbox, m, 128, 256, "gelu_prologue+masked_sum+layer_norm")
+    plan = fb.block_plan(config, torch.float16, cuda)
+    assert plan["layer_norm"] and plan["gelu_prologue"] and not plan["gelu"]
+    # a proof that found our tile bit-identical but slower than cuBLAS keeps ATen (shape 8 on the H200)
+    _remember_linear(proof_sandbox, m, 256, 128, "none", chosen=None, reason="ATen is as fast or faster")
+    slower = fl.linear_path(m, 256, 128, torch.float16, cuda)
+    assert not slower.fused and "ATen is as fast or faster" in slower.reason
 
 
-@pytest.mark.parametrize("text, message", [
-    ("layer_norm,gelu_epilogue", "unknown part 'gelu_epilogue'"),
-    ("gelu:fast", "unknown flag 'fast' on gelu"),
-])
-def test_bad_parts_in_the_environment_get_one_line_errors(monkeypatch, text, message):
-    monkeypatch.setenv(fl.PARTS_ENV, text)
-    with pytest.raises(KKError, match=message):
-        fl.extra_parts()
+def test_the_tiles_a_build_proves():
+    assert fl.proof_launches(128) == ["auto", "m64", "n64"]
+    assert fl.proof_launches(384) == ["auto", "m64", "n64", "n256"]
+    assert fl.proof_launches(32) == ["auto", "m64"]
+    assert fl.proof_launches(128, layer_norm=True) == ["auto"]
+    assert fl.tile_config("n64", 128, 128) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
+    with pytest.raises(KKError, match="unknown GEMM tile 'm32'"):
+        fl.tile_config("m32", 128, 128)
 
 
 def test_block_plan_on_the_cpu_is_the_reference_block():
-    assert fb.block_plan(CONFIG, torch.float16, torch.device("cpu")) == {
-        "gemms": False, "packed_qkv": False, "gelu_prologue": False, "gelu": False, "layer_norm": False}
+    plan = fb.block_plan(CONFIG, torch.float16, torch.device("cpu"))
+    assert plan == {"gemms": False, "packed_qkv": False, "gelu_prologue": False, "gelu": False, "layer_norm": False,
+                    "linears": {"qkv": False, "out_proj": False, "ffn_in": False, "ffn_out": False}}
 
 
 def test_epilogues_are_the_reference_ops():
@@ -191,41 +195,25 @@ def test_bad_calls_get_one_line_errors(call, message):
     assert "\n" not in str(info.value)
 
 
-def test_path_rules(monkeypatch):
+def test_path_rules(monkeypatch, proof_sandbox):
     monkeypatch.delenv(fl.PATH_ENV, raising=False)
     assert fl.linear_path(8, 4, 4, torch.float16, "cpu").kernel == "aten"
     monkeypatch.setattr(fl, "triton_available", lambda: True)
-    platform = ((9, 0), "2.11.0+cu130", "13.0")
-    monkeypatch.setattr(fl, "PROVEN_PLATFORMS", {platform})
-    monkeypatch.setattr(fl, "PROVEN_GEMMS", frozenset({(8192, 128, 128)}))
-    assert fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform).fused
-    assert fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform, epilogue="masked_sum").fused
-    path = fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform, epilogue="gelu")
-    assert not path.fused and "gelu epilogue was not measured bit-identical" in path.reason
-    monkeypatch.setattr(fl, "SLOWER_GEMMS", frozenset({(8192, 128, 128)}))
-    path = fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform)
-    assert not path.fused and "slower than cuBLAS" in path.reason
-    monkeypatch.setattr(fl, "SLOWER_GEMMS", frozenset())
-    path = fl.linear_path(8192, 128, 64, torch.float16, "cuda", platform)
-    assert not path.fused and "not measured bit-identical" in path.reason
-    path = fl.linear_path(8192, 128, 128, torch.float16, "cuda", ((8, 0), "2.11.0+cu130", "13.0"))
-    assert not path.fused and "not proven" in path.reason
-    assert "float16 GEMMs only" in fl.linear_path(8192, 128, 128, torch.float32, "cuda", platform).reason
+    path = fl.linear_path(8192, 128, 128, torch.float16, "cuda")
+    assert not path.fused and "no proof in this environment" in path.reason
+    _remember_linear(proof_sandbox, 8192, 128, 128, "none")
+    assert fl.linear_path(8192, 128, 128, torch.float16, "cuda").fused
+    assert not fl.linear_path(8192, 128, 128, torch.float16, "cuda", epilogue="masked_sum").fused  # another form
+    assert not fl.linear_path(8192, 128, 64, torch.float16, "cuda").fused  # another size
+    assert "float16 GEMMs only" in fl.linear_path(8192, 128, 128, torch.float32, "cuda").reason
     monkeypatch.setenv(fl.PATH_ENV, "aten")
-    assert not fl.linear_path(8192, 128, 128, torch.float16, "cuda", platform).fused
+    assert not fl.linear_path(8192, 128, 128, torch.float16, "cuda").fused
     monkeypatch.setenv(fl.PATH_ENV, "triton")
-    assert fl.linear_path(8192, 128, 64, torch.float16, "cuda", platform).fused
+    forced = fl.linear_path(8192, 128, 64, torch.float16, "cuda")
+    assert forced.fused and forced.launch == "auto"
     monkeypatch.setenv(fl.PATH_ENV, "sometimes")
     with pytest.raises(KKError, match="must be auto, aten or triton"):
-        fl.linear_path(8, 4, 4, torch.float16, "cuda", platform)
-
-
-def test_proven_gemms_are_the_official_reference_sizes():
-    from kkdeploy import OFFICIAL_SHAPES
-
-    official = {(c.batch_size * c.seq_len, c.d_model, c.d_model) for i, c in OFFICIAL_SHAPES.items() if i != 14}
-    assert fl.PROVEN_GEMMS == official  # every official shape has D == F: its GEMMs are all (B*S, D, D)
-    assert fl.SLOWER_GEMMS <= fl.PROVEN_GEMMS and fl.PROVEN_EPILOGUES <= set(fl.EPILOGUES)
+        fl.linear_path(8, 4, 4, torch.float16, "cuda")
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.25])
@@ -236,7 +224,7 @@ def test_gemms_candidate_export_is_bitwise_on_the_cpu(ratio, monkeypatch):
     # the GPU plan (our GEMMs, Q/K/V one by one as where ATen's attention runs, GELU in the epilogue), whose ops run
     # their CPU kernels here: the ATen composition
     monkeypatch.setattr(fb, "block_plan", lambda *a: {"gemms": True, "packed_qkv": False, "gelu_prologue": False,
-                                                      "gelu": True, "layer_norm": False})
+                                                      "gelu": True, "layer_norm": False, "linears": {}})
     model = build_models(CONFIG, torch.float32, "cpu")[0]
     exported = export_variant(model, CONFIG, torch.float32, torch.device("cpu"), "inductor", kernel_attention=True,
                               kernel_layer_norm=True, kernel_linear=True)
@@ -276,7 +264,8 @@ def test_candidate_name_and_paths_record():
     assert uses_kernel_layer_norm(GEMMS)
     assert GEMMS in default_variants(torch.device("cuda"))
     record = kernel_paths_record(GEMMS, CONFIG, torch.float16, torch.device("cpu"))
-    assert record["linear_path"]["kernel"] == "aten" and "cpu device" in record["linear_path"]["reason"]
+    assert record["linear_path"]["kernel"] == "aten" and "no GEMM proven" in record["linear_path"]["reason"]
+    assert all("cpu device" in p["reason"] for p in record["linear_path"]["launches"].values())
     assert record["linear_path"]["plan"]["gemms"] is False
     assert {"attention_path", "layer_norm_path", "linear_path"} <= set(record)
 

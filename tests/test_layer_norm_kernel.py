@@ -30,29 +30,32 @@ def test_opcheck_schema_fake_and_dispatch():
                                                                                 torch.zeros(32), 1e-5))
 
 
-def test_the_path_says_why_the_rows_kernel_runs_or_not(monkeypatch):
-    monkeypatch.delenv(ln.PATH_ENV, raising=False)
-    assert ln.layer_norm_path("cpu").kernel == "aten"
-    unproven = ((9, 0), "0.0.0+test", "13.0")
-    path = ln.layer_norm_path("cuda", platform=unproven)
-    assert path.kernel == "aten" and "layer_norm_selftest.py" in path.reason and "9.0" in path.reason
-    monkeypatch.setattr(ln, "PROVEN_PLATFORMS", {unproven})
-    monkeypatch.setattr(ln, "_load", lambda device: object())  # the library builds and loads
+def test_the_path_says_why_the_rows_kernel_runs_or_not(monkeypatch, proof_sandbox):
     from kkdeploy.kernels import cuda_build
 
+    monkeypatch.delenv(ln.PATH_ENV, raising=False)
+    assert ln.layer_norm_path("cpu", 512, 128).kernel == "aten"
+    monkeypatch.setattr(ln, "_load", lambda device: object())  # the library builds and loads
     cuda_build.load_problem.cache_clear()
     try:
-        assert ln.layer_norm_path("cuda", platform=unproven).fused
+        path = ln.layer_norm_path("cuda", 512, 128)
+        assert path.kernel == "aten" and "no proof in this environment" in path.reason
+        record = proof_sandbox.ProofRecord(op=ln.OP, shape=ln.proof_shape(512, 128),
+                                           environment=ln.proof_environment("cuda"), chosen="rows1", reason="test")
+        proof_sandbox.remember_proof(record)
+        path = ln.layer_norm_path("cuda", 512, 128)
+        assert path.fused and path.launch == "rows1"
+        assert not ln.layer_norm_path("cuda", 1024, 128).fused  # another op shape
+        monkeypatch.setenv(ln.PATH_ENV, "kernel")
+        forced = ln.layer_norm_path("cuda", 1024, 128)
+        assert forced.fused and forced.launch == ln.DEFAULT_LAUNCH
+        monkeypatch.setenv(ln.PATH_ENV, "aten")
+        assert not ln.layer_norm_path("cuda", 512, 128).fused
+        monkeypatch.setenv(ln.PATH_ENV, "fast")
+        with pytest.raises(KKError, match="KKDEPLOY_LAYER_NORM='fast': use auto, aten or kernel"):
+            ln.layer_norm_path("cuda", 512, 128)
     finally:
         cuda_build.load_problem.cache_clear()
-    monkeypatch.setattr(ln, "PROVEN_PLATFORMS", set())
-    monkeypatch.setenv(ln.PATH_ENV, "kernel")
-    assert ln.layer_norm_path("cuda", platform=unproven).fused
-    monkeypatch.setenv(ln.PATH_ENV, "aten")
-    assert not ln.layer_norm_path("cuda", platform=unproven).fused
-    monkeypatch.setenv(ln.PATH_ENV, "fast")
-    with pytest.raises(KKError, match="KKDEPLOY_LAYER_NORM='fast': use auto, aten or kernel"):
-        ln.layer_norm_path("cuda", platform=unproven)
 
 
 def test_calls_the_kernel_does_not_cover_are_named():
@@ -100,12 +103,10 @@ def test_the_gpu_selftest_says_it_needs_a_gpu(capsys):
 
 
 def test_a_machine_that_cannot_build_the_kernel_runs_atens_layer_norm_and_says_why(monkeypatch):
-    """A serving image without nvcc: the proven platform still takes ATen's kernel (the same bits), the build
-    is tried once, and the path's reason names the problem."""
+    """A serving image without nvcc: ATen's kernel runs (the same bits), the build is tried once, and the path's
+    reason names the problem."""
     from kkdeploy.kernels import cuda_build
 
-    platform = ((9, 0), "0.0.0+test", "13.0")
-    monkeypatch.setattr(ln, "PROVEN_PLATFORMS", {platform})
     monkeypatch.delenv(ln.PATH_ENV, raising=False)
     tries = []
 
@@ -117,7 +118,7 @@ def test_a_machine_that_cannot_build_the_kernel_runs_atens_layer_norm_and_says_w
     cuda_build.load_problem.cache_clear()
     try:
         for _ in range(3):
-            path = ln.layer_norm_path("cuda", platform=platform)
+            path = ln.layer_norm_path("cuda", 512, 128)
             assert path.kernel == "aten" and "cannot be built or loaded here" in path.reason and "nvcc" in path.reason
         assert tries == ["cuda"]
     finally:

@@ -51,7 +51,7 @@ def test_no_bit_identical_launch_proves_nothing_and_says_why():
 
 
 def test_a_spent_budget_leaves_launches_unproven():
-    ticks = iter([0.0, 0.0, 5.0, 100.0, 100.0, 100.0])
+    ticks = iter([0.0, 5.0, 100.0, 100.0, 100.0])  # the first case always runs: no clock asked before it
     record = proof.prove_launches("fake", {}, ["exact"], fake_cases(n=3), "cpu", environment={}, budget_s=10,
                                   clock=lambda: next(ticks))
     assert record.cases == ["case 0", "case 1"] and record.chosen is None
@@ -97,3 +97,44 @@ def test_the_environment_key_names_what_the_machine_code_depends_on():
     key = proof.environment_key("cpu", {"kernel": "k", "source": "abc"})
     assert key["device_type"] == "cpu" and key["torch"] == torch.__version__ and key["source"] == "abc"
     assert "triton" in key and "cuda" in key
+
+
+def test_a_launch_that_differed_is_not_run_again():
+    runs = []
+    cases = fake_cases(n=3, bad_on=0)
+    for case in cases:
+        inner = case.run
+        case.run = lambda launch, inner=inner: (runs.append(launch), inner(launch))[1]
+    record = proof.prove_launches("fake", {}, ["off-by-one-ulp", "exact"], cases, "cpu", environment={}, repeats=1)
+    assert runs.count("off-by-one-ulp") == 1 and record.chosen == "exact"
+    assert {r.launch: r.cases for r in record.launches} == {"off-by-one-ulp": 1, "exact": 3}
+
+
+def test_a_bit_identical_launch_slower_than_aten_is_not_chosen():
+    """``against_reference``: ATen gives the same bits, so a slower kernel buys nothing."""
+    cases = fake_cases(n=2)
+    record = proof.prove_launches("fake", {}, ["slow"], cases, "cpu", environment={}, repeats=3,
+                                  against_reference=True)
+    assert record.launches[0].status == "proven" and record.chosen is None
+    assert record.reference_ms is not None and "ATen is as fast or faster" in record.reason
+    fast = proof.prove_launches("fake", {}, ["exact"], [proof.ProofCase("c", lambda: _slow_double(cases[0]),
+                                                                        cases[0].run)],
+                                "cpu", environment={}, repeats=3, against_reference=True)
+    assert fast.chosen == "exact" and fast.reference_ms > fast.launches[0].ms
+
+
+def _slow_double(case):
+    for _ in range(20000):
+        pass
+    return case.reference()
+
+
+def test_kernel_environment_holds_the_source_hash(tmp_path):
+    source = tmp_path / "k.py"
+    source.write_text("a")
+    first = proof.kernel_environment("cpu", "op", [source])
+    source.write_text("b")
+    proof._kernel_environment.cache_clear()
+    second = proof.kernel_environment("cpu", "op", [source])
+    assert first["kernel"] == "op" and first["source"] != second["source"]
+    assert {k: v for k, v in first.items() if k != "source"} == {k: v for k, v in second.items() if k != "source"}

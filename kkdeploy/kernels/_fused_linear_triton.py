@@ -39,7 +39,7 @@ try:  # the CUDA libdevice wrappers (absent or unusable under the interpreter)
 except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra import libdevice as _libdevice
 
-from .fused_linear import LN_WIDTHS, part_flags  # the LayerNorm epilogue's row widths; compile flags
+from .fused_linear import LN_WIDTHS  # the LayerNorm epilogue's row widths
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -48,7 +48,6 @@ EPILOGUE_CODES = {"none": 0, "gelu": 1, "add_masked": 2, "masked_sum": 3}
 LN_EPILOGUE_CODES = {"add_masked": 4, "masked_sum": 5}
 #: compile options that keep the arithmetic IEEE: no fmul+fadd contraction, libdevice without FTZ.
 COMPILE_FLAGS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
-#: per-part departures from COMPILE_FLAGS: ``fused_linear.EPILOGUE_FLAGS`` (``part_flags``)
 
 
 @triton.jit
@@ -273,9 +272,8 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, res
     "gelu": the GEMM's input is GELU(x) (ffn_out reading ffn_in's output)."""
     n, k = weight.shape
     gelu_in = prologue == "gelu"
-    config = {**launch_config(n, k), **part_flags(*(["gelu_prologue"] if gelu_in else []), epilogue),
-              "A_GELU": gelu_in,
-              **overrides}
+    config = {**launch_config(n, k), "A_GELU": gelu_in, **overrides}
+    config["BLOCK_N"] = min(config["BLOCK_N"], max(16, triton.next_power_of_2(n)))  # never wider than the row
     return _launch(x, weight, bias, residual, mask, EPILOGUE_CODES[epilogue], config)[0]
 
 
@@ -294,7 +292,7 @@ def triton_linear_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     # are always read back (the lanes past the row are masked there).
     gelu_in = prologue == "gelu"
     config = {**launch_config(n, k), "BLOCK_M": 64, "num_warps": 8, "LN_RELOAD": True, "A_GELU": gelu_in,
-              **part_flags(*(["gelu_prologue"] if gelu_in else []), epilogue, "layer_norm"), **overrides,
+              **overrides,
               "BLOCK_N": n, "LN_ZERO_INVALID": bool(zero_invalid)}
     if n < 128:
         config["LN_RELOAD"] = True

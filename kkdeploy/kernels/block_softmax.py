@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -38,7 +37,7 @@ import torch
 from kkdeploy.errors import KKError
 
 from .cuda_build import load_problem
-from .proof import ProofCase, ProofRecord, environment_key, lookup_proof, prove_launches, remember_proof
+from .proof import ProofCase, ProofRecord, kernel_environment, lookup_proof, prove_launches, remember_proof
 
 THREADS = 1024  # ATen's block for rows of 1024 elements or more
 VEC = 4  # ILP = sizeof(float4) / sizeof(float)
@@ -71,27 +70,10 @@ def proof_shape(row_len: int, rows: int) -> dict:
     return {"row_len": int(row_len), "rows": int(rows), "dtype": "float16"}
 
 
-@functools.lru_cache(maxsize=None)
-def _source_digest() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-
-
 def proof_environment(device: torch.device | str) -> dict:
     """The environment key of this kernel's proofs: device, torch, CUDA, plus its source and compiler (computed once
     per device and process: every tiled layer of every call asks)."""
-    return dict(_proof_environment(str(torch.device(device))))
-
-
-@functools.lru_cache(maxsize=None)
-def _proof_environment(device: str) -> tuple:
-    from .cuda_build import NVCC_FLAGS, compiler_version, nvcc
-
-    try:
-        compiler = compiler_version(nvcc())
-    except KKError:
-        compiler = None
-    return tuple(environment_key(device, {"kernel": OP, "source": _source_digest(), "nvcc": compiler,
-                                          "flags": list(NVCC_FLAGS)}).items())
+    return kernel_environment(device, OP, [SOURCE], compiler="nvcc")
 
 
 def proven_launch(device: torch.device | str, dtype: torch.dtype, row_len: int, rows: int) -> Optional[str]:

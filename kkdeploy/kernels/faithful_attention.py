@@ -30,17 +30,16 @@ source can be checked against ``torch.softmax`` on a GPU independently of the ke
 
 The custom op ``kkdeploy_faithful::attention`` dispatches: CPU -> the reference composition; CUDA ->
 the Triton kernel when ``select_attention_path`` says so (fp16, S <= 1024, head_dim <= 256, and a
-platform and (B*H, S, Dh) on which bit-identity was measured: see PROVEN_SHAPES for why it is per
-shape), else the reference composition. Either way the result is the reference's bits; only the
-speed differs. This module imports only torch and the standard library;
+proof made in this environment at this (B*H, S, Dh, causal) that a launch is bit-identical: see
+``prove_attention`` for why it is per shape), else the reference composition. Either way the result is
+the reference's bits; only the speed differs. This module imports only torch and the standard library;
 Triton is imported lazily, on CUDA, when the kernel actually runs.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 import struct
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -50,7 +49,8 @@ from kkdeploy.inputs import check_mask
 from kkdeploy.models.reference import attention_core
 
 # triton_available is looked up here at call time, so tests can patch it on this module
-from .paths import KernelPath, float16_cuda_refusal, path_mode, triton_available
+from .paths import KernelPath, path_mode, triton_available
+from .proof import ProofCache, ProofCase, ProofRecord, kernel_environment, lookup_proof, prove_launches, remember_proof
 
 OP_NAMESPACE = "kkdeploy_faithful"
 OP_NAME = f"{OP_NAMESPACE}::attention"
@@ -64,43 +64,30 @@ MAX_FUSED_SEQ_LEN = 1024
 MAX_PERSISTENT_SOFTMAX_LEN = 2048
 #: the largest head size the kernel was built and measured for (accumulator [64, 256] in registers).
 MAX_FUSED_HEAD_DIM = 256
-#: Where bit-identity was measured. It is a property of (platform, shape), not of the kernel alone: the
-#: reference's own GEMMs are cuBLAS calls whose algorithm cuBLAS picks from the problem size, and a few
-#: picks do not accumulate like one in-order tensor-core pass. Measured on the H200 with torch 2.11.0+cu130
-#: (scripts/faithful_attention_selftest.py): at (B*H, S, Dh) = (2, 333, 256), (2, 333, 128) and (2, 700, 128)
-#: ATen's P.V differs from the kernel's in 13-50 elements (scores and probabilities equal), and ATen's own
-#: scores change when the same rows sit in a batch of 32 instead of 2. So "auto" takes the kernel only on the
-#: platform and the shapes below; elsewhere it runs the reference composition (same bits by definition).
-PROVEN_PLATFORM = {"capability": (9, 0), "torch": "2.11", "cuda": "13.0"}
-#: (batch * heads, S, head_dim) measured bit-identical, all-valid and padded (padding_ratio 0.25), causal
-#: (and non-causal where noted in docs/faithful-attention.md), with seeded-model and wide random inputs.
-PROVEN_SHAPES = frozenset({
-    # the official shapes 1-13 (design.md §3)
-    (256, 128, 32), (4, 128, 32), (16, 128, 32), (64, 128, 32), (512, 128, 32), (40000, 128, 32),
-    (256, 128, 8), (256, 128, 256), (64, 128, 128), (128, 128, 64), (1024, 128, 8), (256, 32, 32),
-    (256, 1024, 32),
-    # edge cases of the kernel (S < 16, S % 32 != 0, Dh = 8/16/256, small batches)
-    (4, 1, 32), (6, 5, 32), (4, 16, 8), (8, 17, 16), (8, 45, 32), (9, 100, 32), (2, 1000, 64),
-    (2, 128, 256), (64, 128, 256), (8, 128, 256),
-})
-#: The kernel's launches (name -> ``triton_attention`` options), proven or not: scripts/faithful_attention_selftest.py
-#: checks each one bit for bit. The op takes ``launch_for``'s pick: a FAST_LAUNCHES entry where it was proven, else
-#: ``DEFAULT_LAUNCH``; ``$KKDEPLOY_FAITHFUL_ATTENTION_LAUNCH`` names another one the self-test has just measured
-#: bit-identical and faster here (``scripts/proven_parts.py`` prints the line; validate the result).
+#: Why a proof per shape, not per kernel: the reference's own GEMMs are cuBLAS calls whose algorithm cuBLAS picks
+#: from the problem size, and a few picks do not accumulate like one in-order tensor-core pass. On the H200 with
+#: torch 2.11.0+cu130, at (B*H, S, Dh) = (2, 333, 256), (2, 333, 128) and (2, 700, 128) ATen's P.V differed from the
+#: kernel's in 13-50 elements (scores and probabilities equal), and ATen's own scores changed when the same rows sat
+#: in a batch of 32 instead of 2 (docs/faithful-attention.md). So the kernel runs only at an op shape where a proof
+#: made here found a launch bit-identical (``prove_attention``; the build proves its model's shape).
+OP = "faithful_attention"
+SOURCES = (Path(__file__).resolve().with_name("_faithful_attention_triton.py"),)
+#: The kernel's launches (name -> ``triton_attention`` options). Each is proven on its own: tile sizes change which
+#: MMA instructions the dots lower to.
 LAUNCHES = {
     "bm64": dict(block_m=64, sub=1),
     "bm64x2": dict(block_m=64, sub=2),
     "bm128x2": dict(block_m=128, sub=2),
-    "onepass": dict(block_m=64, one_pass=True),  # S <= 128: the whole row in one chunk (issue 19, shape 6)
-    # finer causal skipping (block i reads key chunks 0..i): fewer scores computed on shape 6; smaller tl.dot
-    # tiles may take other MMA instructions, so each needs its own bitwise proof
+    "onepass": dict(block_m=64, one_pass=True),  # S <= 128: the whole row in one chunk
+    # finer causal skipping (block i reads key chunks 0..i): fewer scores computed; smaller tl.dot tiles may take
+    # other MMA instructions, so each needs its own bitwise proof
     "bm32": dict(block_m=32, sub=1),
     "bm16": dict(block_m=16, sub=1),
     # S <= 128: each chunk scored once and kept in registers (the three-pass arithmetic without recomputing);
     # ptxas (Triton 3.6, sm_90a): 100 registers at 64 rows / 8 warps, 119 at 32 rows, 80 at 16 rows, no spills
     "cached64w8": dict(block_m=64, cached=True, num_warps=8),
-    # campaign 11: the 32- and 16-row launches (bm32, bm16, cached32, cached16) lower to mma.sync and differed under
-    # padded masks; 64 rows keep wgmma. 4 warps: 183 registers, no spills (ptxas, Triton 3.6, sm_90a)
+    # 64 rows keep Hopper's wgmma (the 32- and 16-row launches lower to mma.sync and differed under padded masks
+    # on the H200, docs/faithful-attention.md). 4 warps: 183 registers, no spills (ptxas, Triton 3.6, sm_90a)
     "cached64w4": dict(block_m=64, cached=True, num_warps=4),
     # the probabilities' division as one reciprocal per row and two fmas (Markstein; exact-rational and interpreter
     # checks in tests/test_faithful_attention.py); ptxas: 130 and 171 registers, no spills
@@ -109,19 +96,12 @@ LAUNCHES = {
     "cached32": dict(block_m=32, cached=True),
     "cached16": dict(block_m=16, cached=True),
 }
+#: the launch a forced kernel (``$KKDEPLOY_FAITHFUL_ATTENTION=triton``) takes, unproven
 DEFAULT_LAUNCH = "bm64"
-LAUNCH_ENV = "KKDEPLOY_FAITHFUL_ATTENTION_LAUNCH"
-#: faster launches, each for the (B*H, S, Dh) keys on which scripts/faithful_attention_selftest.py measured it
-#: bit-identical on PROVEN_PLATFORM. cached64w4_mdiv (64 rows, 4 warps, each key chunk scored once and kept in
-#: registers, the division as a reciprocal and two fmas): 0 differing on the official shapes 1-13 (those with
-#: S <= 128 take it), all-valid and padded 0.25, seeded-model and random inputs; shape 6 padded 1.092 ms against
-#: bm64's 2.237 ms (campaign 12, commit 1e52826, docs/faithful-attention.md). The kernel's edge cases (S < 16,
-#: S % 32 != 0, odd head sizes) were not checked with it, so they keep bm64.
-FAST_LAUNCHES: dict[str, frozenset] = {
-    "cached64w4_mdiv": frozenset({
-        (256, 128, 32), (4, 128, 32), (16, 128, 32), (64, 128, 32), (512, 128, 32), (40000, 128, 32),
-        (256, 128, 8), (256, 128, 256), (64, 128, 128), (128, 128, 64), (1024, 128, 8), (256, 32, 32)}),
-}
+#: the launches a build proves, fastest first where they fit (``proof_launches``): the 64-row tiles, cached in
+#: registers for short rows. The others stay for studies (``prove_attention(launches=...)``); a build does not
+#: spend compiles on tiles that lower to other MMA instructions or were never faster (docs/faithful-attention.md).
+BUILD_LAUNCHES = ("cached64w4_mdiv", "cached64w4", "bm64_mdiv", "bm64", "bm128x2")
 
 
 def launch_fits(name: str, seq_len: int) -> bool:
@@ -130,23 +110,16 @@ def launch_fits(name: str, seq_len: int) -> bool:
     return not ((opts.get("one_pass") or opts.get("cached")) and seq_len > 128)
 
 
-def launch_for(seq_len: int, key: Optional[tuple] = None) -> str:
-    """The launch the op takes for rows of ``seq_len`` keys and the shape ``key`` (B*H, S, Dh):
-    ``$KKDEPLOY_FAITHFUL_ATTENTION_LAUNCH`` where set and it fits, else a FAST_LAUNCHES entry proven for ``key``,
-    else DEFAULT_LAUNCH. A one-line KKError names an unknown launch."""
-    name = os.environ.get(LAUNCH_ENV, "").strip()
-    if name:
-        if name not in LAUNCHES:
-            raise KKError(f"{LAUNCH_ENV}: unknown launch {name!r}; the launches are {', '.join(LAUNCHES)}")
-        return name if launch_fits(name, seq_len) else DEFAULT_LAUNCH
-    for fast, keys in FAST_LAUNCHES.items():
-        if key is not None and tuple(key) in keys and launch_fits(fast, seq_len):
-            return fast
-    return DEFAULT_LAUNCH
+def proof_launches(seq_len: int) -> list[str]:
+    """The launches a build proves for rows of ``seq_len`` keys: BUILD_LAUNCHES that take such rows; where the
+    register-cached launches fit (S <= 128), those and bm64 only (three compiles, not five)."""
+    fitting = [name for name in BUILD_LAUNCHES if launch_fits(name, seq_len)]
+    cached = [name for name in fitting if LAUNCHES[name].get("cached")]
+    return cached + [DEFAULT_LAUNCH] if cached else fitting
 
 
-#: ``auto`` (default): the rules above; ``aten``: never the kernel; ``triton``: the kernel wherever it can
-#: run (CUDA, fp16, S <= 1024, head_dim <= 256, Triton importable), proven or not: validate before shipping.
+#: ``auto`` (default): the rules above; ``aten``: never the kernel; ``triton``: the kernel (DEFAULT_LAUNCH) wherever
+#: it can run (CUDA, fp16, S <= 1024, head_dim <= 256, Triton importable), proven or not: validate before shipping.
 PATH_ENV = "KKDEPLOY_FAITHFUL_ATTENTION"
 
 
@@ -257,64 +230,56 @@ class AttentionPath(KernelPath):
     """The path a call takes: ``kernel`` is ``"triton"`` (the fused kernel) or ``"aten"``; ``reason`` says why."""
 
 
-def platform_versions() -> tuple[str, str | None]:
-    """(torch major.minor, CUDA version torch was built with): what cuBLAS' algorithm choices depend on."""
-    return ".".join(torch.__version__.split("+")[0].split(".")[:2]), torch.version.cuda
+def proof_shape(batch_heads: int, seq_len: int, head_dim: int, causal: bool = True) -> dict:
+    """The op shape a proof holds for: the reference's batched GEMMs are (B*H) x [S, Dh] x [Dh, S]."""
+    return {"batch_heads": int(batch_heads), "seq_len": int(seq_len), "head_dim": int(head_dim),
+            "causal": bool(causal), "dtype": "float16"}
+
+
+def proof_environment(device: torch.device | str) -> dict:
+    """The environment key of the kernel's proofs (device, torch, CUDA, Triton, the kernel's source)."""
+    return kernel_environment(device, OP, SOURCES)
+
+
+def kernel_refusal(seq_len: int, head_dim: int, dtype: torch.dtype, device) -> Optional[str]:
+    """None when the kernel can run a call of this shape here (proven or not), else why not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"{device.type} device: the reference composition runs (the kernel is CUDA-only)"
+    if dtype != torch.float16:
+        return f"dtype {dtype}: the kernel reproduces the float16 reference only"
+    if not 1 <= seq_len <= MAX_FUSED_SEQ_LEN:
+        return (f"S = {seq_len} outside 1..{MAX_FUSED_SEQ_LEN}: the kernel is built and proven for ATen's persistent "
+                f"warp softmax up to {MAX_FUSED_SEQ_LEN} keys (longer rows take another softmax kernel)")
+    if head_dim > MAX_FUSED_HEAD_DIM:
+        return f"head_dim = {head_dim} > {MAX_FUSED_HEAD_DIM}: not built or measured"
+    if not triton_available():
+        return "triton is not importable"
+    return None
 
 
 def select_attention_path(seq_len: int, head_dim: int, dtype: torch.dtype, device, *, batch_heads=None,
-                          capability=None, versions=None) -> AttentionPath:
-    """Which kernel runs a call of this shape, and why. A pure function of shape, dtype, device (no sync).
-
-    ``batch_heads`` is B * H (the batch count of the reference's GEMMs); ``capability`` (major, minor) and
-    ``versions`` (torch major.minor, CUDA) default to this process's GPU and torch; pass them to ask about
-    another platform.
-    """
+                          causal: bool = True) -> AttentionPath:
+    """Which kernel runs a call of this shape, and why. A pure function of shape, dtype, device and the proofs this
+    process knows (no sync). ``batch_heads`` is B * H (the batch count of the reference's GEMMs)."""
     mode = path_mode(PATH_ENV)
-    refused = float16_cuda_refusal(AttentionPath, device, mode, PATH_ENV, dtype,
-                                   "the reference composition runs (the kernel is CUDA-only)",
-                                   "the kernel reproduces the float16 reference only")
+    if mode == "aten":
+        return AttentionPath("aten", f"{PATH_ENV}=aten")
+    refused = kernel_refusal(seq_len, head_dim, dtype, device)
     if refused:
-        return refused
-    device = torch.device(device)
-    if not 1 <= seq_len <= MAX_FUSED_SEQ_LEN:
-        return AttentionPath(
-            "aten",
-            f"S = {seq_len} outside 1..{MAX_FUSED_SEQ_LEN}: the kernel is built and proven for ATen's persistent "
-            f"warp softmax up to {MAX_FUSED_SEQ_LEN} keys (longer rows may take another softmax kernel)",
-        )
-    if head_dim > MAX_FUSED_HEAD_DIM:
-        return AttentionPath("aten", f"head_dim = {head_dim} > {MAX_FUSED_HEAD_DIM}: not built or measured")
-    if not triton_available():
-        return AttentionPath("aten", "triton is not importable")
+        return AttentionPath("aten", refused)
     if mode == "triton":
-        return AttentionPath("triton", f"fused kernel (forced by {PATH_ENV}=triton: validate the result)")
-    if capability is None:
-        capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    capability = tuple(capability)
-    versions = tuple(platform_versions() if versions is None else versions)
-    proven = PROVEN_PLATFORM
-    if capability != proven["capability"] or versions != (proven["torch"], proven["cuda"]):
-        return AttentionPath(
-            "aten",
-            f"compute capability {capability[0]}.{capability[1]}, torch {versions[0]}, CUDA {versions[1]}: bit-identity "
-            f"was measured on {proven['capability'][0]}.{proven['capability'][1]} / torch {proven['torch']} / CUDA "
-            f"{proven['cuda']} only (cuBLAS' algorithm choices are part of the reference); run "
-            f"scripts/faithful_attention_selftest.py here, or set {PATH_ENV}=triton and validate",
-        )
-    key = (batch_heads, seq_len, head_dim)
-    if key not in PROVEN_SHAPES:
-        return AttentionPath(
-            "aten",
-            f"(B*H, S, Dh) = {key} was not measured bit-identical (cuBLAS picks the reference's GEMM algorithm per "
-            f"shape); add it to PROVEN_SHAPES after scripts/faithful_attention_selftest.py shows 0 differing elements",
-        )
-    return AttentionPath("triton", f"fused kernel (fp16, (B*H, S, Dh) = {key} proven bit-identical on this platform)")
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))
+        return AttentionPath("triton", f"fused kernel (forced by {PATH_ENV}=triton: validate the result)",
+                             DEFAULT_LAUNCH)
+    shape = proof_shape(batch_heads or 0, seq_len, head_dim, causal)
+    record = lookup_proof(proof_environment(device), OP, shape)
+    if record is None:
+        return AttentionPath("aten", f"no proof in this environment that the kernel is bit-identical at (B*H, S, Dh) "
+                                     f"= {(batch_heads, seq_len, head_dim)} (a build proves its model's shape)")
+    if not record.proven:
+        return AttentionPath("aten", f"proof at (B*H, S, Dh) = {(batch_heads, seq_len, head_dim)}: {record.reason}")
+    return AttentionPath("triton", f"fused kernel, launch {record.chosen} (proven bit-identical here at (B*H, S, Dh) "
+                                   f"= {(batch_heads, seq_len, head_dim)})", record.chosen)
 
 
 def fp32_scale(head_dim: int) -> float:
@@ -322,10 +287,10 @@ def fp32_scale(head_dim: int) -> float:
     return struct.unpack("f", struct.pack("f", head_dim ** -0.5))[0]
 
 
-def attention_path_for(q: torch.Tensor, num_heads: int) -> AttentionPath:
+def attention_path_for(q: torch.Tensor, num_heads: int, causal: bool = True) -> AttentionPath:
     """``select_attention_path`` for a q of shape [B, S, D] split into ``num_heads`` heads."""
     b, s, d = q.shape
-    return select_attention_path(s, d // num_heads, q.dtype, q.device, batch_heads=b * num_heads)
+    return select_attention_path(s, d // num_heads, q.dtype, q.device, batch_heads=b * num_heads, causal=causal)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,13 +315,19 @@ def _attention_op(
 def _attention_cuda(q, k, v, valid_token_mask, num_heads, causal):
     """CUDA: the fused Triton kernel where ``select_attention_path`` allows it, else the composition."""
     b, s, _, dh = check_attention_inputs(q, k, v, valid_token_mask, num_heads, causal)
-    path = select_attention_path(s, dh, q.dtype, q.device, batch_heads=b * num_heads)
+    path = select_attention_path(s, dh, q.dtype, q.device, batch_heads=b * num_heads, causal=causal)
     if path.fused:
-        from ._faithful_attention_triton import triton_attention
-
-        return triton_attention(q, k, v, valid_token_mask, num_heads, causal, validate=False,
-                                **LAUNCHES[launch_for(s, (b * num_heads, s, dh))])
+        return run_launch(q, k, v, valid_token_mask, num_heads, causal, path.launch)
     return reference_attention(q, k, v, valid_token_mask, num_heads, causal)
+
+
+def run_launch(q, k, v, valid_token_mask, num_heads: int, causal: bool, launch: str) -> torch.Tensor:
+    """The Triton kernel with one of LAUNCHES (no path rule: what a proof runs)."""
+    from ._faithful_attention_triton import triton_attention
+
+    if launch not in LAUNCHES:
+        raise KKError(f"unknown attention launch {launch!r}; the launches are {', '.join(LAUNCHES)}")
+    return triton_attention(q, k, v, valid_token_mask, num_heads, causal, validate=False, **LAUNCHES[launch])
 
 
 @_attention_op.register_fake
@@ -378,3 +349,34 @@ def faithful_attention(q, k, v, valid_token_mask=None, *, num_heads: int, causal
     """
     check_attention_inputs(q, k, v, valid_token_mask, num_heads, causal)
     return torch.ops.kkdeploy_faithful.attention(q, k, v, valid_token_mask, num_heads, causal)
+
+
+# ----------------------------------------------------------------------------------------------
+# the proof
+# ----------------------------------------------------------------------------------------------
+
+
+def attention_case(label: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_token_mask,
+                   num_heads: int, causal: bool) -> ProofCase:
+    """One input set of the op (Linear outputs q, k, v [B, S, D], the mask): the reference composition against a
+    launch of the kernel."""
+    return ProofCase(label, lambda: reference_attention(q, k, v, valid_token_mask, num_heads, causal),
+                     lambda launch: run_launch(q, k, v, valid_token_mask, num_heads, causal, launch))
+
+
+def prove_attention(device: torch.device | str, cases: list[ProofCase], batch_heads: int, seq_len: int,
+                    head_dim: int, causal: bool = True, *, launches: Optional[list[str]] = None,
+                    budget_s: float = 20.0, repeats: int = 5,
+                    cache: Optional[ProofCache] = None) -> ProofRecord:
+    """Prove the kernel's launches on ``cases`` (``attention_case``) at this op shape; remember the record for this
+    process and in the on-disk cache. Where the kernel cannot run at all, the record says why."""
+    shape = proof_shape(batch_heads, seq_len, head_dim, causal)
+    environment = proof_environment(device)
+    refusal = kernel_refusal(seq_len, head_dim, torch.float16, device)
+    if refusal:
+        return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
+    record = prove_launches(OP, shape, launches or proof_launches(seq_len), cases, device,
+                            environment=environment, budget_s=budget_s, repeats=repeats,
+                            against_reference=True)
+    remember_proof(record, cache)
+    return record

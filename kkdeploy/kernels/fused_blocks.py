@@ -14,30 +14,43 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .fused_linear import LN_EPILOGUES, LN_WIDTHS, fused_linear, linear_layer_norm, linear_path
+from .fused_linear import LN_WIDTHS, fused_linear, linear_layer_norm, linear_path
+
+
+def linear_launches(config) -> dict[str, tuple[int, int, int, str]]:
+    """Each Linear launch of a block as (M, N, K, form): Q/K/V packed, out_proj with its residual, ffn_in, ffn_out with
+    its residual (the forms the proof step proves; ``block_plan`` asks for the others only if a proof exists)."""
+    m, d, f = config.batch_size * config.seq_len, config.d_model, config.ffn_dim
+    return {"qkv": (m, 3 * d, d, "none"), "out_proj": (m, d, d, "add_masked"), "ffn_in": (m, f, d, "none"),
+            "ffn_out": (m, d, f, "masked_sum")}
 
 
 def block_plan(config, dtype: torch.dtype, device) -> dict:
-    """What ``fused_block_forward`` fuses for a model of ``config`` here, each where ``linear_path`` says it is proven:
-    ``gemms`` (our GEMMs at all: else the reference block with the attention op, so Inductor keeps fusing the
-    elementwise ops), ``packed_qkv`` (Q/K/V in one launch: the attention kernel reads strided rows; ATen's attention
-    keeps the reference's contiguous Q, K, V so cuBLAS sees the reference's strides), ``gelu_prologue`` (ffn_out
-    computes GELU on its input: the GELU's output never reaches memory), ``gelu`` (else GELU in ffn_in's epilogue)
-    and ``layer_norm`` (each residual GEMM also writes the next LayerNorm of its rows: ``fused_model_forward``)."""
+    """What ``fused_block_forward`` fuses for a model of ``config`` here, each where a proof made here says so
+    (``fused_linear.linear_path``): ``linears`` (which launches run our GEMM), ``gemms`` (our GEMMs at all: else
+    the reference block with the attention op, so Inductor keeps fusing the elementwise ops), ``packed_qkv`` (Q/K/V
+    in one launch: the attention kernel reads strided rows; ATen's attention keeps the reference's contiguous Q, K,
+    V so cuBLAS sees the reference's strides), ``gelu_prologue`` (ffn_out computes GELU on its input: the GELU's
+    output never reaches memory), ``gelu`` (else GELU in ffn_in's epilogue) and ``layer_norm`` (each residual GEMM
+    also writes the next LayerNorm of its rows: ``fused_model_forward``)."""
     from .faithful_attention import select_attention_path
 
-    m, d = config.batch_size * config.seq_len, config.d_model
+    launches = linear_launches(config)
+    m, d, f = config.batch_size * config.seq_len, config.d_model, config.ffn_dim
 
-    def proven(*parts: str) -> bool:
-        return linear_path(m, d, d, dtype, device, epilogue="+".join(parts)).fused
+    def proven(n: int, k: int, *parts: str) -> bool:
+        return linear_path(m, n, k, dtype, device, epilogue="+".join(parts)).fused
 
-    gemms = proven("none") and config.ffn_dim == d
+    linears = {name: proven(n, k, form) for name, (_, n, k, form) in launches.items()}
+    gemms = any(linears.values())
     attention = select_attention_path(config.seq_len, d // config.num_heads, dtype, device,
-                                      batch_heads=config.batch_size * config.num_heads)
-    layer_norm = gemms and d in LN_WIDTHS and all(proven(e, "layer_norm") for e in LN_EPILOGUES)
-    gelu_prologue = gemms and proven("gelu_prologue", "masked_sum", *(["layer_norm"] if layer_norm else []))
-    return {"gemms": gemms, "packed_qkv": gemms and attention.fused, "gelu_prologue": gelu_prologue,
-            "gelu": gemms and not gelu_prologue and proven("gelu"), "layer_norm": layer_norm}
+                                      batch_heads=config.batch_size * config.num_heads, causal=config.causal)
+    layer_norm = gemms and d in LN_WIDTHS and proven(d, d, "add_masked", "layer_norm") and \
+        proven(d, f, "masked_sum", "layer_norm")
+    gelu_prologue = gemms and proven(d, f, "gelu_prologue", "masked_sum", *(["layer_norm"] if layer_norm else []))
+    return {"gemms": gemms, "linears": linears, "packed_qkv": linears["qkv"] and attention.fused,
+            "gelu_prologue": gelu_prologue, "gelu": gemms and not gelu_prologue and proven(f, d, "gelu"),
+            "layer_norm": layer_norm}
 
 
 def _projections(attention, h: torch.Tensor, plan: dict):

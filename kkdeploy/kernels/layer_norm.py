@@ -10,8 +10,9 @@ the ONNX Runtime custom op that was proven bit-identical) on one warp, 8 rows pe
 * ``rows_kernel_reason(x, normalized_shape, weight, bias)``: None when the kernel computes this call (CUDA,
   float16, a last dim of 4..128 that is a multiple of 4, weight and bias given, ATen's vector-path alignment),
   else why ATen runs.
-* ``layer_norm_path(device)``: whether this platform was proven (``PROVEN_PLATFORMS``,
-  ``scripts/layer_norm_selftest.py``); ``$KKDEPLOY_LAYER_NORM=aten|kernel`` forces either (validate the result).
+* ``layer_norm_path(device, rows, width)``: whether a proof made in this environment found a launch bit-identical
+  to ``F.layer_norm`` at this op shape (``prove_layer_norm``; the build proves its model's LayerNorms);
+  ``$KKDEPLOY_LAYER_NORM=aten|kernel`` forces either (validate the result).
 * The custom op ``kkdeploy_faithful::layer_norm_rows`` has ``aten.layer_norm``'s schema: on the CPU, or where
   the kernel does not apply, it *is* ``aten.layer_norm``; so a graph can swap it in without changing a bit
   anywhere the kernel is not proven.
@@ -29,53 +30,78 @@ import torch
 
 from kkdeploy.errors import KKError
 
-from .cuda_build import load_problem, platform_key
+from .cuda_build import load_problem
 from .paths import KernelPath
+from .proof import ProofCache, ProofCase, ProofRecord, kernel_environment, lookup_proof, prove_launches, remember_proof
 
 OP_NAME = "kkdeploy_faithful::layer_norm_rows"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "layer_norm.cu"
 HEADER = SOURCE.with_name("welford.cuh")
 MAX_ROW = 128  # one warp of 4-wide vectors
-#: rows per warp of the op's launch: 2 (two 16-lane halves, ATen's offset-16 step inside the lane). Both launches
-#: were proven on the H200 (campaign 11, commit 5274854, scripts/layer_norm_selftest.py): 0 differing elements on
-#: every LayerNorm call of shapes 1-7 and 9-13 and the 112 random cases; on shape 6's rows 0.310 ms for two rows
-#: per warp against 0.449 ms for one and ATen's 1.385 ms.
-DEFAULT_ROWS_PER_WARP = 2
+#: the kernel's launches: rows per warp. "rows2": two 16-lane halves, ATen's offset-16 step inside the lane;
+#: "rows1": one row per warp. Each is proven on its own (``prove_layer_norm``).
+LAUNCHES = {"rows2": 2, "rows1": 1}
+DEFAULT_LAUNCH = "rows2"
+DEFAULT_ROWS_PER_WARP = LAUNCHES[DEFAULT_LAUNCH]
 PATH_ENV = "KKDEPLOY_LAYER_NORM"
-#: (compute capability, torch, CUDA) on which scripts/layer_norm_selftest.py measured the kernel bit-identical
-#: to F.layer_norm: H200, torch 2.11.0+cu130 (commit 09f3635): 0 differing elements over the 18 LayerNorm calls of
-#: each official shape with D <= 128 (official input and 0.25-padded; 2.95e9 elements on shape 6) and 112 random
-#: cases (widths 4..128, scales 1e-3..1e3, weight/bias away from identity); docs/results.md, campaign 10.
-PROVEN_PLATFORMS: set[tuple[tuple[int, int], str, str]] = {((9, 0), "2.11.0+cu130", "13.0")}
+OP = "layer_norm_rows"
 
 
 class LayerNormPath(KernelPath):
     """``kernel`` is ``"rows"`` (our rows kernel) or ``"aten"``; ``reason`` says why."""
 
 
-def layer_norm_path(device: torch.device | str, platform: Optional[tuple] = None) -> LayerNormPath:
-    """Whether CUDA calls on ``device`` run the rows kernel, and why (recorded in build manifests)."""
+def proof_shape(rows: int, width: int) -> dict:
+    """The op shape a proof holds for: ``rows`` rows of ``width`` float16 values."""
+    return {"rows": int(rows), "width": int(width), "dtype": "float16"}
+
+
+def proof_environment(device: torch.device | str) -> dict:
+    """The environment key of the kernel's proofs (device, torch, CUDA, the kernel's sources, nvcc and its flags)."""
+    return kernel_environment(device, OP, (SOURCE, HEADER), compiler="nvcc")
+
+
+def kernel_refusal(device: torch.device | str) -> Optional[str]:
+    """None when the rows kernel can run on ``device`` (CUDA, built and loaded), else why not."""
     device = torch.device(device)
+    if device.type != "cuda":
+        return f"{device.type} device: ATen's layer_norm runs (the kernel is CUDA-only)"
+    problem = load_problem(_load, str(device))
+    if problem:  # e.g. a serving image without nvcc: ATen's kernel gives the same bits, only slower
+        return f"the rows kernel cannot be built or loaded here ({problem}); ATen's layer_norm runs (the same bits)"
+    return None
+
+
+def _mode() -> str:
     mode = os.environ.get(PATH_ENV, "auto")
     if mode not in ("auto", "aten", "kernel"):
         raise KKError(f"{PATH_ENV}={mode!r}: use auto, aten or kernel")
+    return mode
+
+
+def layer_norm_path(device: torch.device | str, rows: int, width: int) -> LayerNormPath:
+    """Whether CUDA calls on ``device`` over ``rows`` rows of ``width`` run the rows kernel, with which launch, and
+    why (recorded in build manifests)."""
+    device = torch.device(device)
+    mode = _mode()
     if device.type != "cuda":
         return LayerNormPath("aten", f"{device.type} device: ATen's layer_norm runs (the kernel is CUDA-only)")
     if mode == "aten":
         return LayerNormPath("aten", f"{PATH_ENV}=aten")
+    refusal = kernel_refusal(device)
+    if refusal:
+        return LayerNormPath("aten", refusal)
     if mode == "kernel":
-        return LayerNormPath("rows", f"rows kernel (forced by {PATH_ENV}=kernel: validate the result)")
-    key = platform_key(device) if platform is None else tuple(platform)
-    if key not in PROVEN_PLATFORMS:
-        (major, minor), version, cuda = key
-        return LayerNormPath("aten", f"compute capability {major}.{minor}, torch {version}, CUDA {cuda}: the rows "
-                                     f"kernel was not measured bit-identical here; run scripts/layer_norm_selftest.py, "
-                                     f"or set {PATH_ENV}=kernel and validate")
-    problem = load_problem(_load, str(device))
-    if problem:  # e.g. a serving image without nvcc: ATen's kernel gives the same bits, only slower
-        return LayerNormPath("aten", f"the rows kernel cannot be built or loaded here ({problem}); ATen's "
-                                     f"layer_norm runs (the same bits)")
-    return LayerNormPath("rows", "rows kernel (proven bit-identical to ATen on this platform)")
+        return LayerNormPath("rows", f"rows kernel (forced by {PATH_ENV}=kernel: validate the result)",
+                             DEFAULT_LAUNCH)
+    record = lookup_proof(proof_environment(device), OP, proof_shape(rows, width))
+    if record is None:
+        return LayerNormPath("aten", f"no proof in this environment that the rows kernel is bit-identical for "
+                                     f"{rows} rows of {width} (a build proves its model's LayerNorms)")
+    if not record.proven:
+        return LayerNormPath("aten", f"proof for {rows} rows of {width}: {record.reason}")
+    return LayerNormPath("rows", f"rows kernel, launch {record.chosen} (proven bit-identical to ATen here for "
+                                 f"{rows} rows of {width})", record.chosen)
 
 
 def row_reason(width: int, dtype: torch.dtype) -> Optional[str]:
@@ -239,12 +265,38 @@ def layer_norm_rows(x: torch.Tensor, normalized_shape: list[int], weight: Option
 
 @layer_norm_rows.register_kernel("cuda")
 def _layer_norm_rows_cuda(x, normalized_shape, weight, bias, eps):
-    """CUDA: the rows kernel where the platform is proven and the call fits it, else ATen's kernel."""
-    if layer_norm_path(x.device).fused and rows_kernel_reason(x, normalized_shape, weight, bias) is None:
-        return layer_norm_rows_kernel(x, weight, bias, eps)
+    """CUDA: the rows kernel where the call fits it and a proof here covers its shape, else ATen's kernel."""
+    if rows_kernel_reason(x, normalized_shape, weight, bias) is None:
+        width = x.shape[-1]
+        path = layer_norm_path(x.device, x.numel() // width, width)
+        if path.fused:
+            return layer_norm_rows_kernel(x, weight, bias, eps, LAUNCHES[path.launch])
     return torch.ops.aten.layer_norm.default(x, normalized_shape, weight, bias, eps)
 
 
 @layer_norm_rows.register_fake
 def _layer_norm_rows_fake(x, normalized_shape, weight, bias, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# -- the proof ------------------------------------------------------------------------------------------------
+def layer_norm_case(label: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> ProofCase:
+    """One LayerNorm call: ``F.layer_norm`` (what nn.LayerNorm runs) against a launch of the rows kernel."""
+    return ProofCase(label, lambda: torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps),
+                     lambda launch: layer_norm_rows_kernel(x, weight, bias, eps, LAUNCHES[launch]))
+
+
+def prove_layer_norm(device: torch.device | str, cases: list[ProofCase], rows: int, width: int, *,
+                     launches: Optional[list[str]] = None, budget_s: float = 20.0, repeats: int = 5,
+                     cache: Optional[ProofCache] = None) -> ProofRecord:
+    """Prove the kernel's launches on ``cases`` (``layer_norm_case``) for ``rows`` rows of ``width``; remember the
+    record for this process and in the on-disk cache. Where the kernel cannot run, the record says why."""
+    shape = proof_shape(rows, width)
+    environment = proof_environment(device)
+    refusal = kernel_refusal(device) or row_reason(width, torch.float16)
+    if refusal:
+        return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
+    record = prove_launches(OP, shape, launches or list(LAUNCHES), cases, device, environment=environment,
+                            budget_s=budget_s, repeats=repeats, against_reference=True)
+    remember_proof(record, cache)
+    return record

@@ -23,6 +23,7 @@ from kkdeploy.errors import KKError
 class KernelPath:
     kernel: str  # "aten", or our kernel's name ("triton", "rows")
     reason: str
+    launch: Optional[str] = None  # our kernel's launch variant, as the proof chose it (None: the default, or ATen)
 
     @property
     def fused(self) -> bool:
@@ -45,17 +46,3 @@ def path_mode(env: str) -> str:
     if mode not in ("auto", "aten", "triton"):
         raise KKError(f"{env} must be auto, aten or triton, got {mode!r}")
     return mode
-
-
-def float16_cuda_refusal(path: type, device, mode: str, env: str, dtype: torch.dtype, off_cuda: str,
-                         other_dtype: str) -> Optional[KernelPath]:
-    """The refusals a Triton kernel's path rule starts with (not CUDA, forced to ATen, not float16, no Triton),
-    as a ``path`` record; None when none applies."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return path("aten", f"{device.type} device: {off_cuda}")
-    if mode == "aten":
-        return path("aten", f"{env}=aten")
-    if dtype != torch.float16:
-        return path("aten", f"dtype {dtype}: {other_dtype}")
-    return None

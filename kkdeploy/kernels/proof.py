@@ -102,6 +102,8 @@ class ProofRecord:
     seconds: float = 0.0
     cases: list[str] = field(default_factory=list)
     schema: str = PROOF_SCHEMA
+    #: the ATen op's own time on the timing case, where the proof raced it (``against_reference``)
+    reference_ms: Optional[float] = None
 
     @property
     def proven(self) -> bool:
@@ -146,20 +148,24 @@ def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> f
 def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequence[ProofCase],
                    device: torch.device | str, *, environment: Optional[dict] = None,
                    timing_case: Optional[int] = None, repeats: int = 5, budget_s: float = 30.0,
+                   against_reference: bool = False,
                    clock: Callable[[], float] = time.perf_counter) -> ProofRecord:
     """Run every launch on every case, compare bits with the reference, time the survivors, choose the fastest.
 
     A launch is proven only if it ran every case with 0 differing elements; an exception in a launch is recorded
-    as ``error`` (never raised). When ``budget_s`` runs out, the remaining cases are not run, and no launch that
-    missed a case is proven. ``timing_case`` (default: the last case) is the case the survivors are timed on."""
+    as ``error`` (never raised), and a launch that differed on one case is not run on the later ones (it cannot be
+    proven any more). When ``budget_s`` runs out, the remaining cases are not run, and no launch that missed a case
+    is proven; the first case always runs (it pays the kernels' one-off compiles). ``timing_case`` (default: the
+    last case) is the case the survivors are timed on. ``against_reference``: the ATen op is timed too, and a
+    bit-identical launch slower than it is not chosen (ATen gives the same bits faster)."""
     device = torch.device(device)
     start = clock()
     record = ProofRecord(op=op, shape=dict(shape), environment=environment or environment_key(device))
     results = {name: LaunchResult(name) for name in launches}
     if not launches:
         raise KKError(f"proof of {op}: no launch variants to prove")
-    for case in cases:
-        if clock() - start > budget_s:
+    for index, case in enumerate(cases):
+        if index and clock() - start > budget_s:
             record.reason = f"budget of {budget_s:g} s spent before case {case.label!r}"
             break
         record.cases.append(case.label)
@@ -170,7 +176,7 @@ def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequenc
                 result.status, result.detail = "error", f"reference failed on {case.label}: {type(exc).__name__}"
             continue
         for name, result in results.items():
-            if result.status in ("error",):
+            if result.status == "error" or result.differing:
                 continue
             try:
                 got = case.run(name)
@@ -200,10 +206,16 @@ def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequenc
         for result in survivors:
             result.ms = median_ms(lambda: chosen_case.run(result.launch), repeats, device)
         best = min(survivors, key=lambda r: r.ms)
-        record.chosen = best.launch
         record.reason = (f"{len(survivors)} of {len(results)} launches bit-identical on {len(cases)} cases "
                          f"({best.elements} elements each); fastest {best.launch} at {best.ms} ms on "
                          f"{chosen_case.label}")
+        if against_reference:
+            record.reference_ms = median_ms(chosen_case.reference, repeats, device)
+            record.reason += f", ATen {record.reference_ms} ms"
+        if against_reference and record.reference_ms <= best.ms:
+            record.reason += ": ATen is as fast or faster, so ATen runs (the same bits)"
+        else:
+            record.chosen = best.launch
     elif not record.reason:
         record.reason = "no launch was bit-identical on every case: " + "; ".join(
             f"{r.launch} {r.status}{f' ({r.differing} differing)' if r.differing else ''}"
@@ -251,17 +263,36 @@ class ProofCache:
 
 
 _REMEMBERED: dict[str, ProofRecord] = {}
+#: (op, frozen environment, frozen shape) -> digest: a kernel op asks on every call, and hashing JSON each time
+#: would cost more than some launches
+_DIGESTS: dict[tuple, str] = {}
+
+
+def _frozen(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _digest(environment: dict, op: str, shape: dict) -> str:
+    key = (op, _frozen(environment), _frozen(shape))
+    digest = _DIGESTS.get(key)
+    if digest is None:
+        digest = _DIGESTS[key] = key_digest(environment, op, shape)
+    return digest
 
 
 def remember_proof(record: ProofRecord, cache: Optional[ProofCache] = None) -> None:
     """Keep ``record`` for this process and in the on-disk cache (an environment fact, like a compiled kernel)."""
-    _REMEMBERED[key_digest(record.environment, record.op, record.shape)] = record
+    _REMEMBERED[_digest(record.environment, record.op, record.shape)] = record
     (cache or ProofCache()).put(record)
 
 
 def lookup_proof(environment: dict, op: str, shape: dict, cache: Optional[ProofCache] = None) -> Optional[ProofRecord]:
     """The proof of ``op`` at ``shape`` made in ``environment`` (this process first, then the disk cache)."""
-    digest = key_digest(environment, op, shape)
+    digest = _digest(environment, op, shape)
     if digest not in _REMEMBERED:
         record = (cache or ProofCache()).get(environment, op, shape)
         if record is None:
@@ -273,3 +304,32 @@ def lookup_proof(environment: dict, op: str, shape: dict, cache: Optional[ProofC
 def forget_proofs() -> None:
     """Drop this process's remembered proofs (tests; the disk cache stays)."""
     _REMEMBERED.clear()
+
+
+def source_digest(*paths: Path) -> str:
+    """A short hash of a kernel's source files: an edited kernel is another kernel, with proofs of its own."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_environment(device: str, op: str, sources: tuple, compiler: str) -> tuple:
+    extra = {"kernel": op, "source": source_digest(*sources)}
+    if compiler == "nvcc":
+        from .cuda_build import NVCC_FLAGS, compiler_version, nvcc
+
+        try:
+            version = compiler_version(nvcc())
+        except KKError:
+            version = None
+        extra.update({"nvcc": version, "flags": list(NVCC_FLAGS)})
+    return tuple(environment_key(device, extra).items())
+
+
+def kernel_environment(device: torch.device | str, op: str, sources: Sequence[Path], compiler: str = "triton") -> dict:
+    """The environment key of one kernel's proofs: device, torch, CUDA, Triton, the kernel's source hash and, for a
+    CUDA C++ kernel (``compiler="nvcc"``), nvcc's version and flags. Computed once per device and process: the op
+    asks on every call."""
+    return dict(_kernel_environment(str(torch.device(device)), op, tuple(str(p) for p in sources), compiler))

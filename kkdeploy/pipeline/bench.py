@@ -173,11 +173,19 @@ def make_candidate(name: str, reference, config: TransformerConfig, dtype: torch
         return CudaGraphRunner(model, config, dtype, device, all_valid_only=variant["all_valid_only"]), \
             variant["all_valid_only"]
     if name in COMPILE_CANDIDATES:
-        from engines.torch_compile import BACKEND, CompiledRunner, kernel_paths_record
+        from engines.base import CandidateSkipped
+        from engines.torch_compile import (BACKEND, CompiledRunner, kernel_kinds, kernel_paths_record,
+                                           prove_candidate_kernels)
 
         reason = BACKEND.unavailable_reason(device, dtype)
         if reason:
             raise KKError(reason)
+        if kernel_kinds(name):  # the build's proof step: our kernels run only where proven here
+            try:
+                proofs = prove_candidate_kernels(name, reference, config, dtype, device)
+            except CandidateSkipped as exc:
+                raise KKError(f"skipped: {exc}") from None
+            info.update({"proof_seconds": proofs.seconds, "kernel_proofs": proofs.table()})
         runner = CompiledRunner(reference, config, dtype, device, name=name)
         info["compile_seconds"] = runner.compile_seconds
         info.update(kernel_paths_record(name, config, dtype, device))

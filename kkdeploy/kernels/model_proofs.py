@@ -1,0 +1,297 @@
+"""The proof step of a build: every kernel op a candidate would run, proven here at the model's own op shapes.
+
+Why: our kernels may stand in for ATen's ops only where they are bit-identical to them (design.md §6), and that is
+a property of the device, the torch/CUDA/Triton build and the op shape (cuBLAS picks the reference's GEMM
+algorithm per problem size). So before a candidate with our kernels is compiled, the build runs the model once in
+eager on its own inputs (all-valid and padded), keeps the real inputs of each kernel op in the first and the last
+layer, adds random inputs, and proves every launch variant of each op on them (``kkdeploy.kernels.proof``). The
+ops then run the fastest bit-identical launch, or ATen where none is (or where ATen is faster). The end-to-end
+strict validation still decides what ships.
+
+``prove_model_kernels(model, config, dtype, device, kinds)`` returns a ``ModelProofs``: the records (one per op
+shape; they go into the manifest) and the seconds spent. A record already made in this environment for the same
+op shape (this process, or the on-disk cache) is reused, not re-proven.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from kkdeploy.config import TransformerConfig
+from kkdeploy.inputs import DEFAULT_SEED, generate_case
+
+from . import fused_linear, layer_norm
+from . import faithful_attention as attention_kernel
+from .proof import ProofCache, ProofRecord, lookup_proof
+
+#: the kinds of kernel op a candidate can run, in the order they are proven
+KINDS = ("attention", "layer_norm", "linear")
+#: the padded input's ratio (the build's default padded trial)
+PADDING_RATIO = 0.25
+#: random inputs on top of the model's own: scales of N(0, 1) values (a wide one exercises large magnitudes)
+RANDOM_SCALES = (1.0, 8.0)
+#: per op shape, the seconds a proof may spend on cases after the first (the first pays the compiles)
+BUDGET_S = 20.0
+
+
+@dataclass
+class ModelProofs:
+    """The records of one proof step, and what it spent."""
+    records: list[ProofRecord] = field(default_factory=list)
+    seconds: float = 0.0
+    reused: int = 0  # records found already made in this environment
+
+    def of_kind(self, kind: str) -> list[ProofRecord]:
+        op = {"attention": attention_kernel.OP, "layer_norm": layer_norm.OP, "linear": fused_linear.OP}[kind]
+        return [r for r in self.records if r.op == op]
+
+    def proven(self, kind: str) -> bool:
+        """Whether any op of ``kind`` runs our kernel."""
+        return any(r.proven for r in self.of_kind(kind))
+
+    def why_not(self, kind: str) -> str:
+        records = self.of_kind(kind)
+        return "; ".join(f"{r.shape}: {r.reason}" for r in records) or f"no {kind} op in this model"
+
+    def to_list(self) -> list[dict]:
+        return [r.to_dict() for r in self.records]
+
+    def table(self) -> list[dict]:
+        """One row per op shape: what a summary prints."""
+        return [{"op": r.op, "shape": {k: v for k, v in r.shape.items() if k != "dtype"}, "chosen": r.chosen or "aten",
+                 "seconds": r.seconds, "reason": r.reason} for r in self.records]
+
+
+@dataclass
+class _Layer:
+    """One layer's kernel-op inputs on one input set."""
+    x: torch.Tensor  # the block's input (norm1's input, out_proj's residual)
+    h: torch.Tensor  # norm1(x): Q/K/V's input
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    context: torch.Tensor  # out_proj's input
+    mid: torch.Tensor  # x after the attention's residual: norm2's input, ffn_out's residual
+    h2: torch.Tensor  # norm2(mid): ffn_in's input
+    g: torch.Tensor  # GELU(ffn_in(h2)): ffn_out's input
+    out: torch.Tensor  # the block's output
+
+
+@torch.no_grad()
+def capture_layers(model, x: torch.Tensor, mask: torch.Tensor, keep: Iterable[int]) -> dict[int, _Layer]:
+    """Run the reference's blocks op by op (``Block.forward``'s order) and keep the kernel-op inputs of the layers
+    in ``keep``; the last block's output is the final LayerNorm's input."""
+    from kkdeploy.models.reference import zero_invalid_rows
+
+    keep = set(keep)
+    kept = {}
+    for i, block in enumerate(model.layers):
+        attention = block.attention
+        h = block.norm1(x)
+        q, k, v = attention.q_proj(h), attention.k_proj(h), attention.v_proj(h)
+        context = attention.attend(attention.split_heads(q), attention.split_heads(k), attention.split_heads(v), mask)
+        mid = x + zero_invalid_rows(attention.out_proj(context), mask)
+        h2 = block.norm2(mid)
+        g = F.gelu(block.ffn_in(h2), approximate="none")
+        out = zero_invalid_rows(mid + block.ffn_out(g), mask)
+        if i in keep:
+            kept[i] = _Layer(x, h, q, k, v, context, mid, h2, g, out)
+        x = out
+    return kept
+
+
+def _random_like(t: torch.Tensor, scale: float, generator: torch.Generator) -> torch.Tensor:
+    return (torch.randn(t.shape, generator=generator, device=t.device, dtype=torch.float32) * scale).to(t.dtype)
+
+
+class _Cases:
+    """The model's inputs and their captured layers; the cases of each op shape built on demand."""
+
+    def __init__(self, model, config: TransformerConfig, dtype: torch.dtype, device: torch.device, seed: int):
+        self.model, self.config, self.device = model, config, device
+        last = config.num_layers - 1
+        self.layer_ids = sorted({0, last})
+        self.inputs = []
+        for label, ratio in (("all-valid", 0.0), (f"padded {PADDING_RATIO:g}", PADDING_RATIO)):
+            x, mask = generate_case(config, device, dtype, seed, padding_ratio=ratio)
+            if ratio and bool(mask.all()):  # a small batch may draw no padding: cut the last sequence
+                mask[-1, max(1, round(config.seq_len * (1 - ratio))):] = False
+                mask[-1, -1] = False
+                x = x.masked_fill(~mask[..., None], 0)
+            self.inputs.append((label, mask, capture_layers(model, x, mask, self.layer_ids)))
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed + 1)
+        _, padded_mask, padded_layers = self.inputs[-1]
+        self.random_mask = padded_mask
+        self.random_base = padded_layers[self.layer_ids[0]]
+
+    def real(self):
+        for label, mask, layers in self.inputs:
+            for i in self.layer_ids:
+                yield f"{label}, layer {i}", mask, layers[i], self.model.layers[i]
+
+    def random(self, make: Callable[[float], object]):
+        return [make(scale) for scale in RANDOM_SCALES]
+
+    def rand(self, t: torch.Tensor, scale: float) -> torch.Tensor:
+        return _random_like(t, scale, self.generator)
+
+    # -- per op -------------------------------------------------------------------------------------------
+    def attention(self):
+        heads, causal = self.config.num_heads, self.config.causal
+        cases = [attention_kernel.attention_case(label, layer.q, layer.k, layer.v, mask, heads, causal)
+                 for label, mask, layer, _ in self.real()]
+        base = self.random_base
+        cases += self.random(lambda s: attention_kernel.attention_case(
+            f"random x{s:g}, padded", self.rand(base.q, s), self.rand(base.k, s), self.rand(base.v, s),
+            self.random_mask, heads, causal))
+        return cases
+
+    def layer_norm(self):
+        cases = []
+        for label, mask, layer, block in self.real():
+            cases.append(layer_norm.layer_norm_case(f"{label}, norm1", layer.x, block.norm1.weight, block.norm1.bias,
+                                                    block.norm1.eps))
+            cases.append(layer_norm.layer_norm_case(f"{label}, norm2", layer.mid, block.norm2.weight,
+                                                    block.norm2.bias, block.norm2.eps))
+        final = self.model.final_norm
+        for label, mask, layers in self.inputs:
+            out = layers[self.layer_ids[-1]].out
+            cases.append(layer_norm.layer_norm_case(f"{label}, final_norm", out, final.weight, final.bias, final.eps))
+        base = self.random_base
+        cases += self.random(lambda s: layer_norm.layer_norm_case(
+            f"random x{s:g}", self.rand(base.x, s), self.rand(final.weight, 1.0), self.rand(final.bias, 1.0),
+            final.eps))
+        return cases
+
+    def linear(self, name: str):
+        cases = []
+        for label, mask, layer, block in self.real():
+            cases.append(self._linear_case(name, label, mask, layer, block, lambda t: t))
+        block = self.model.layers[self.layer_ids[0]]
+        cases += self.random(lambda s: self._linear_case(name, f"random x{s:g}, padded", self.random_mask,
+                                                         self.random_base, block, lambda t: self.rand(t, s)))
+        return cases
+
+    @staticmethod
+    def _linear_case(name, label, mask, layer, block, inputs):
+        attention = block.attention
+        if name == "qkv":
+            projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+            return fused_linear.linear_case(label, inputs(layer.h), [p.weight for p in projections],
+                                            [p.bias for p in projections])
+        if name == "out_proj":
+            return fused_linear.linear_case(label, inputs(layer.context), [attention.out_proj.weight],
+                                            [attention.out_proj.bias], inputs(layer.x), mask, "add_masked")
+        if name == "ffn_in":
+            return fused_linear.linear_case(label, inputs(layer.h2), [block.ffn_in.weight], [block.ffn_in.bias])
+        return fused_linear.linear_case(label, inputs(layer.g), [block.ffn_out.weight], [block.ffn_out.bias],
+                                        inputs(layer.mid), mask, "masked_sum")
+
+
+def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str]) -> list[tuple[str, str, dict]]:
+    """(kind, name, op shape) of every kernel op of ``kinds`` in a model of ``config``."""
+    from .fused_blocks import linear_launches
+
+    b, s, d, h = config.batch_size, config.seq_len, config.d_model, config.num_heads
+    shapes = []
+    if "attention" in kinds:
+        shapes.append(("attention", "attention", attention_kernel.proof_shape(b * h, s, d // h, config.causal)))
+    if "layer_norm" in kinds:
+        shapes.append(("layer_norm", "layer_norm", layer_norm.proof_shape(b * s, d)))
+    if "linear" in kinds:
+        for name, (m, n, k, form) in linear_launches(config).items():
+            shapes.append(("linear", name, fused_linear.proof_shape(m, n, k, form)))
+    return shapes
+
+
+def _environment(kind: str, device) -> dict:
+    module = {"attention": attention_kernel, "layer_norm": layer_norm, "linear": fused_linear}[kind]
+    return module.proof_environment(device)
+
+
+def _op(kind: str) -> str:
+    return {"attention": attention_kernel.OP, "layer_norm": layer_norm.OP, "linear": fused_linear.OP}[kind]
+
+
+def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, device: torch.device | str,
+                        kinds: Iterable[str] = KINDS, *, seed: int = DEFAULT_SEED, budget_s: float = BUDGET_S,
+                        reuse: bool = True, cache: Optional[ProofCache] = None,
+                        progress: Optional[Callable[[str], None]] = None) -> ModelProofs:
+    """Prove every kernel op of ``kinds`` at ``model``'s op shapes here (``reuse``: a record already made in this
+    environment is taken as it is). Off CUDA or in another dtype the records say why nothing runs."""
+    device = torch.device(device)
+    kinds = [k for k in KINDS if k in set(kinds)]
+    start = time.perf_counter()
+    result = ModelProofs()
+    cases: Optional[_Cases] = None
+    for kind, name, shape in kernel_op_shapes(config, kinds):
+        environment = _environment(kind, device)
+        found = lookup_proof(environment, _op(kind), shape, cache=cache) if reuse else None
+        if found is not None:
+            result.records.append(found)
+            result.reused += 1
+            continue
+        if progress:
+            progress(f"proving {name} {shape}")
+        refusal = _refusal(kind, config, dtype, device)
+        if refusal is None and cases is None:
+            cases = _Cases(model, config, dtype, device, seed)
+        result.records.append(_prove(kind, name, shape, cases if refusal is None else None, config, device,
+                                     budget_s, cache, refusal, dtype))
+    del cases
+    result.seconds = round(time.perf_counter() - start, 3)
+    return result
+
+
+def _refusal(kind: str, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why no kernel of ``kind`` can run here at all (then no activations are captured for it)."""
+    if kind == "attention":
+        return attention_kernel.kernel_refusal(config.seq_len, config.head_dim, dtype, device)
+    if kind == "layer_norm":
+        if dtype != torch.float16:
+            return f"dtype {dtype}: the rows kernel is float16 only"
+        return layer_norm.kernel_refusal(device) or layer_norm.row_reason(config.d_model, dtype)
+    return fused_linear.kernel_refusal(dtype, device)
+
+
+def _prove(kind, name, shape, cases: Optional[_Cases], config, device, budget_s, cache, refusal, dtype) -> ProofRecord:
+    if refusal is not None:  # not cached: asking again is cheap, and a refusal may not hold tomorrow (nvcc installed)
+        return ProofRecord(op=_op(kind), shape=shape, environment=_environment(kind, device), reason=refusal)
+    if kind == "attention":
+        return attention_kernel.prove_attention(device, cases.attention(), shape["batch_heads"], shape["seq_len"],
+                                                shape["head_dim"], shape["causal"], budget_s=budget_s, cache=cache)
+    if kind == "layer_norm":
+        return layer_norm.prove_layer_norm(device, cases.layer_norm(), shape["rows"], shape["width"],
+                                           budget_s=budget_s, cache=cache)
+    return fused_linear.prove_linear(device, cases.linear(name), shape["m"], shape["n"], shape["k"], shape["form"],
+                                     budget_s=budget_s, cache=cache)
+
+
+def adopt_recorded(records: Iterable[dict], device: torch.device | str,
+                   cache: Optional[ProofCache] = None) -> tuple[int, int]:
+    """Take a manifest's proof records made in this very environment (they hold here as they did at build time);
+    returns (adopted, from another environment). The others need a proof here (``prove_model_kernels``)."""
+    from .proof import remember_proof
+
+    adopted = foreign = 0
+    for data in records or []:
+        try:
+            record = ProofRecord.from_dict(data)
+        except TypeError:
+            foreign += 1
+            continue
+        kind = {_op(k): k for k in KINDS}.get(record.op)
+        if kind is None:
+            continue
+        if record.environment == _environment(kind, device):
+            remember_proof(record, cache)
+            adopted += 1
+        else:
+            foreign += 1
+    return adopted, foreign

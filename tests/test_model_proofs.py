@@ -1,0 +1,143 @@
+"""The build's proof step (kkdeploy.kernels.model_proofs) with fake kernels on the CPU: which launch is chosen, what
+is recorded and cached, that a failing launch is rejected, that another environment proves again, and that a
+candidate whose kernels are unproven is not built. The real kernels' arithmetic is the GPU's and the interpreter
+tests'; here every "kernel" is the ATen op itself (bitwise) or a copy of it with one bit flipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.base import SKIPPED, BuildContext, CandidateSkipped
+from engines.torch_compile import BACKEND, GEMMS, KERNEL_ATTENTION, KERNELS, prove_candidate_kernels
+from kkdeploy import TransformerConfig
+from kkdeploy.kernels import faithful_attention as fa
+from kkdeploy.kernels import fused_linear as fl
+from kkdeploy.kernels import layer_norm as ln
+from kkdeploy.kernels import model_proofs as mp
+from kkdeploy.models.weights import build_models
+
+CONFIG = TransformerConfig(batch_size=2, seq_len=8, d_model=16, num_heads=2, ffn_dim=32, num_layers=2)
+CPU = torch.device("cpu")
+
+
+def flipped(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with one bit of its first element changed (one ulp)."""
+    t = t.clone()
+    t.view(-1).view(torch.int16)[0] ^= 1
+    return t
+
+
+class FakeKernels:
+    """Kernels that are the reference op's answer, computed once per input set (so they time faster than ATen),
+    except the launches in ``bad``, which flip one bit on padded inputs. ``calls`` counts kernel runs."""
+
+    def __init__(self, monkeypatch, bad=(), refuse=()):
+        self.bad, self.calls, self.memo = set(bad), [], {}
+        monkeypatch.setattr(fa, "kernel_refusal", lambda *a: "no attention here" if "attention" in refuse else None)
+        monkeypatch.setattr(ln, "kernel_refusal", lambda *a: "no nvcc here" if "layer_norm" in refuse else None)
+        monkeypatch.setattr(fl, "kernel_refusal", lambda *a: "no triton here" if "linear" in refuse else None)
+        monkeypatch.setattr(fa, "run_launch", self.attention)
+        monkeypatch.setattr(ln, "layer_norm_rows_kernel", self.layer_norm)
+        monkeypatch.setattr(fl, "run_launch", self.linear)
+
+    def _answer(self, launch, key, padded, compute):
+        self.calls.append(launch)
+        if key not in self.memo:
+            self.memo[key] = compute()
+        out = self.memo[key]
+        return flipped(out) if launch in self.bad and padded else out
+
+    def attention(self, q, k, v, mask, heads, causal, launch):
+        return self._answer(launch, ("a", q.data_ptr(), mask.data_ptr()), not bool(mask.all()),
+                            lambda: fa.reference_attention(q, k, v, mask, heads, causal))
+
+    def layer_norm(self, x, weight, bias, eps, rows_per_warp=2):
+        launch = {v: k for k, v in ln.LAUNCHES.items()}[rows_per_warp]
+        return self._answer(launch, ("ln", x.data_ptr(), weight.data_ptr()), True,
+                            lambda: torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps))
+
+    def linear(self, x, weights, biases, residual, mask, epilogue, prologue, launch):
+        padded = mask is not None and not bool(mask.all())
+        return self._answer(launch, ("l", x.data_ptr(), weights[0].data_ptr(), epilogue), padded,
+                            lambda: fl.reference_linear(x, weights, biases, residual, mask, epilogue, prologue))
+
+
+@pytest.fixture
+def model():
+    return build_models(CONFIG, torch.float16, CPU)[0]
+
+
+def test_each_op_gets_its_fastest_bit_identical_launch_and_a_failing_one_is_rejected(monkeypatch, proof_sandbox,
+                                                                                     model):
+    FakeKernels(monkeypatch, bad={"cached64w4_mdiv", "rows2", "m64"})
+    proofs = mp.prove_model_kernels(model, CONFIG, torch.float16, CPU)
+    by_op = {}
+    for record in proofs.records:
+        by_op.setdefault(record.op, []).append(record)
+    (attention,) = by_op[fa.OP]
+    assert attention.shape == fa.proof_shape(4, 8, 8, True)
+    status = {r.launch: r for r in attention.launches}
+    assert status["cached64w4_mdiv"].status == "differs" and status["cached64w4_mdiv"].cases == 3  # then dropped
+    assert attention.chosen in ("cached64w4", "bm64") and status[attention.chosen].differing == 0
+    # two inputs (all-valid, padded) x two layers (first, last) + two random inputs
+    assert attention.cases == ["all-valid, layer 0", "all-valid, layer 1", "padded 0.25, layer 0",
+                               "padded 0.25, layer 1", "random x1, padded", "random x8, padded"]
+    assert attention.reference_ms is not None and attention.environment == fa.proof_environment(CPU)
+    (norm,) = by_op[ln.OP]
+    assert norm.shape == ln.proof_shape(16, 16) and norm.chosen == "rows1"
+    assert {r.launch: r.status for r in norm.launches} == {"rows2": "differs", "rows1": "proven"}
+    assert {(r.shape["n"], r.shape["k"], r.shape["form"]) for r in by_op[fl.OP]} == {
+        (48, 16, "none"), (16, 16, "add_masked"), (32, 16, "none"), (16, 32, "masked_sum")}
+    for record in by_op[fl.OP]:
+        residual = record.shape["form"] != "none"  # the fake m64 flips a bit only where a padded mask reaches it
+        assert record.proven and (record.chosen != "m64" or not residual), record.reason
+        assert ({r.launch: r.status for r in record.launches}["m64"] == "differs") is residual
+    assert all(proofs.proven(kind) for kind in mp.KINDS) and proofs.reused == 0
+    assert [row["op"] for row in proofs.table()] == [fa.OP, ln.OP] + [fl.OP] * 4
+
+
+def test_proofs_are_reused_in_the_same_environment_and_made_again_in_another(monkeypatch, proof_sandbox, model):
+    fakes = FakeKernels(monkeypatch)
+    first = mp.prove_model_kernels(model, CONFIG, torch.float16, CPU)
+    runs = len(fakes.calls)
+    proof_sandbox.forget_proofs()  # a new process: the on-disk cache answers
+    again = mp.prove_model_kernels(model, CONFIG, torch.float16, CPU)
+    assert again.reused == len(first.records) and len(fakes.calls) == runs
+    assert [r.to_dict() for r in again.records] == first.to_list()
+    monkeypatch.setattr(torch, "__version__", "9.9.9+other")  # another torch build: other machine code
+    proof_sandbox._kernel_environment.cache_clear()
+    other = mp.prove_model_kernels(model, CONFIG, torch.float16, CPU)
+    assert other.reused == 0 and len(fakes.calls) > runs
+    assert {r.environment["torch"] for r in other.records} == {"9.9.9+other"}
+
+
+def test_manifest_records_are_adopted_only_in_their_own_environment(monkeypatch, proof_sandbox, model):
+    FakeKernels(monkeypatch)
+    recorded = mp.prove_model_kernels(model, CONFIG, torch.float16, CPU).to_list()
+    proof_sandbox.forget_proofs()
+    assert mp.adopt_recorded(recorded, CPU) == (len(recorded), 0)
+    changed = [dict(r, environment=dict(r["environment"], device_name="Another GPU")) for r in recorded]
+    assert mp.adopt_recorded(changed, CPU) == (0, len(recorded))
+
+
+def test_a_candidate_is_not_built_when_the_kernel_it_adds_is_unproven(monkeypatch, proof_sandbox, model):
+    FakeKernels(monkeypatch, refuse={"layer_norm"})
+    siblings = (KERNEL_ATTENTION, KERNELS, GEMMS)
+    assert prove_candidate_kernels(KERNEL_ATTENTION, model, CONFIG, torch.float16, CPU, siblings).proven("attention")
+    with pytest.raises(CandidateSkipped, match="the layer_norm kernel it adds to torch-compile-faithful-attention "
+                                               "is not proven here.*no nvcc here"):
+        prove_candidate_kernels(KERNELS, model, CONFIG, torch.float16, CPU, siblings)
+    # asked for alone, it still runs the attention kernel: built
+    assert prove_candidate_kernels(KERNELS, model, CONFIG, torch.float16, CPU, (KERNELS,)).proven("attention")
+    assert prove_candidate_kernels(GEMMS, model, CONFIG, torch.float16, CPU, siblings).proven("linear")
+
+
+def test_on_a_machine_without_our_kernels_the_candidates_are_skipped_with_the_reason(proof_sandbox, tmp_path):
+    """The CPU: every kernel op refuses, so an our-kernel candidate would be plain ATen: not built, and the
+    manifest's entry says why (the end-to-end build summary shows it)."""
+    model = build_models(CONFIG, torch.float32, CPU)[0]
+    ctx = BuildContext(CONFIG, torch.float32, CPU, model, tmp_path, options={"torch_compile_candidates": [GEMMS]})
+    result = BACKEND.build(ctx, GEMMS)
+    assert result.status == SKIPPED and result.reason.startswith("skipped: none of its kernel ops is proven")
+    assert "cpu device" in result.reason and not result.files
