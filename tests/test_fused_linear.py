@@ -77,9 +77,10 @@ def test_the_layer_norm_epilogue_op():
             fl.linear_layer_norm(x, w, b, r, mask, torch.nn.LayerNorm(5), "add_masked")
 
 
-def _remember_linear(proof, m, n, k, form, chosen="auto", reason="test"):
+def _remember_linear(proof, m, n, k, form, chosen="auto", reason="test", ms=None, aten_ms=None):
+    launches = [proof.LaunchResult(chosen, ms=ms, status="proven")] if chosen else []
     record = proof.ProofRecord(op=fl.OP, shape=fl.proof_shape(m, n, k, form), environment=fl.proof_environment("cuda"),
-                               chosen=chosen, reason=reason)
+                               chosen=chosen, reason=reason, launches=launches, reference_ms=aten_ms)
     proof.remember_proof(record)
 
 
@@ -106,10 +107,21 @@ def test_the_plan_follows_the_proofs_made_here(monkeypatch, proof_sandbox):
     assert path.fused and path.launch == "m64" and "m64" in path.reason
     _remember_linear(proof_sandbox, m, 384, 128, "none")
     assert fb.block_plan(config, torch.float16, cuda)["packed_qkv"]
-    _remember_linear(proof_sandbox, m, 128, 128, "add_masked+layer_norm")
-    _remember_linear(proof_sandbox, m, 128, 256, "masked_sum+layer_norm")
+    # the LayerNorm epilogues: proven, and by the proofs' timings faster than the two residual launches plus two
+    # LayerNorms they replace (the rows kernel where proven)
+    from kkdeploy.kernels import layer_norm as ln
+
+    _remember_linear(proof_sandbox, m, 128, 128, "add_masked", chosen="m64", ms=0.010, aten_ms=0.020)
+    _remember_linear(proof_sandbox, m, 128, 256, "masked_sum", chosen=None, aten_ms=0.015)
+    proof_sandbox.remember_proof(proof_sandbox.ProofRecord(
+        op=ln.OP, shape=ln.proof_shape(m, 128), environment=ln.proof_environment("cuda"), chosen="rows2",
+        launches=[proof_sandbox.LaunchResult("rows2", ms=0.004, status="proven")], reference_ms=0.009))
+    _remember_linear(proof_sandbox, m, 128, 128, "add_masked+layer_norm", ms=0.012, aten_ms=0.05)
+    _remember_linear(proof_sandbox, m, 128, 256, "masked_sum+layer_norm", ms=0.030, aten_ms=0.05)
+    assert not fb.block_plan(config, torch.float16, cuda)["layer_norm"]  # 0.042 ms against 0.010 + 0.015 + 2 x 0.004
+    _remember_linear(proof_sandbox, m, 128, 256, "masked_sum+layer_norm", ms=0.016, aten_ms=0.05)
     _remember_linear(proof_sandbox, m, 128, 256, "gelu_prologue+masked_sum+layer_norm")
-    plan = fb.block_plan(config, torch.float16, cuda)
+    plan = fb.block_plan(config, torch.float16, cuda)  # 0.028 ms against 0.033
     assert plan["layer_norm"] and plan["gelu_prologue"] and not plan["gelu"]
     # a proof that found our tile bit-identical but slower than cuBLAS keeps ATen (shape 8 on the H200)
     _remember_linear(proof_sandbox, m, 256, 128, "none", chosen=None, reason="ATen is as fast or faster")

@@ -40,6 +40,7 @@ class FakeKernels:
         monkeypatch.setattr(fa, "run_launch", self.attention)
         monkeypatch.setattr(ln, "layer_norm_rows_kernel", self.layer_norm)
         monkeypatch.setattr(fl, "run_launch", self.linear)
+        monkeypatch.setattr(fl, "run_layer_norm_launch", self.linear_layer_norm)
 
     def _answer(self, launch, key, padded, compute):
         self.calls.append(launch)
@@ -56,6 +57,12 @@ class FakeKernels:
         launch = {v: k for k, v in ln.LAUNCHES.items()}[rows_per_warp]
         return self._answer(launch, ("ln", x.data_ptr(), weight.data_ptr()), True,
                             lambda: torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps))
+
+    def linear_layer_norm(self, x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue="none",
+                          zero_invalid=False, launch=None):
+        return self._answer(launch or "auto", ("lln", x.data_ptr(), weight.data_ptr(), zero_invalid), False,
+                            lambda: fl.reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias,
+                                                                   eps, epilogue, prologue, zero_invalid))
 
     def linear(self, x, weights, biases, residual, mask, epilogue, prologue, launch):
         padded = mask is not None and not bool(mask.all())
@@ -88,13 +95,17 @@ def test_each_op_gets_its_fastest_bit_identical_launch_and_a_failing_one_is_reje
     assert norm.shape == ln.proof_shape(16, 16) and norm.chosen == "rows1"
     assert {r.launch: r.status for r in norm.launches} == {"rows2": "differs", "rows1": "proven"}
     assert {(r.shape["n"], r.shape["k"], r.shape["form"]) for r in by_op[fl.OP]} == {
-        (48, 16, "none"), (16, 16, "add_masked"), (32, 16, "none"), (16, 32, "masked_sum")}
+        (48, 16, "none"), (16, 16, "add_masked"), (32, 16, "none"), (16, 32, "masked_sum"),
+        (16, 16, "add_masked+layer_norm"), (16, 32, "masked_sum+layer_norm")}  # D = 16: rows fit one tile
     for record in by_op[fl.OP]:
+        if "layer_norm" in record.shape["form"]:  # the epilogue's one tile; the final norm's zeroing included
+            assert record.proven and [r.launch for r in record.launches] == ["auto"], record.reason
+            continue
         residual = record.shape["form"] != "none"  # the fake m64 flips a bit only where a padded mask reaches it
         assert record.proven and (record.chosen != "m64" or not residual), record.reason
         assert ({r.launch: r.status for r in record.launches}["m64"] == "differs") is residual
     assert all(proofs.proven(kind) for kind in mp.KINDS) and proofs.reused == 0
-    assert [row["op"] for row in proofs.table()] == [fa.OP, ln.OP] + [fl.OP] * 4
+    assert [row["op"] for row in proofs.table()] == [fa.OP, ln.OP] + [fl.OP] * 6
 
 
 def test_proofs_are_reused_in_the_same_environment_and_made_again_in_another(monkeypatch, proof_sandbox, model):

@@ -25,6 +25,34 @@ def linear_launches(config) -> dict[str, tuple[int, int, int, str]]:
             "ffn_out": (m, d, f, "masked_sum")}
 
 
+def layer_norm_launches(config) -> dict[str, tuple[int, int, int, str]]:
+    """The residual launches with the next LayerNorm in their epilogue (rows of at most 128 fit one tile): out_proj
+    writing ``norm2(x)``, ffn_out writing the next block's ``norm1(x)`` (the last one ``final_norm``)."""
+    m, d, f = config.batch_size * config.seq_len, config.d_model, config.ffn_dim
+    if d not in LN_WIDTHS:
+        return {}
+    return {"out_proj_ln": (m, d, d, "add_masked+layer_norm"), "ffn_out_ln": (m, d, f, "masked_sum+layer_norm")}
+
+
+def layer_norm_epilogues_pay(config, dtype: torch.dtype, device) -> bool:
+    """Whether the LayerNorm epilogues are proven here and faster than what they replace: per block, two residual
+    launches plus two LayerNorms (our rows kernel where proven, else ATen's), by the proofs' own timings."""
+    from .fused_linear import proven_ms
+    from .layer_norm import proven_ms as layer_norm_ms
+
+    fused = [proven_ms(*launch, dtype, device) for launch in layer_norm_launches(config).values()]
+    if len(fused) != 2 or any(ms is None or ms[0] is None for ms in fused):
+        return False
+    m, d = config.batch_size * config.seq_len, config.d_model
+    launches = linear_launches(config)
+    plain = [proven_ms(*launches[name], dtype, device) for name in ("out_proj", "ffn_out")]
+    norm = layer_norm_ms(m, d, dtype, device)
+    if any(ms is None for ms in plain) or norm is None:
+        return False  # a part never timed here: keep the plan the proofs can vouch for
+    best = lambda ms: ms[0] if ms[0] is not None else ms[1]  # noqa: E731 - ours where chosen, else ATen's
+    return sum(ms[0] for ms in fused) < sum(best(ms) for ms in plain) + 2 * best(norm)
+
+
 def block_plan(config, dtype: torch.dtype, device) -> dict:
     """What ``fused_block_forward`` fuses for a model of ``config`` here, each where a proof made here says so
     (``fused_linear.linear_path``): ``linears`` (which launches run our GEMM), ``gemms`` (our GEMMs at all: else
@@ -45,8 +73,7 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
     gemms = any(linears.values())
     attention = select_attention_path(config.seq_len, d // config.num_heads, dtype, device,
                                       batch_heads=config.batch_size * config.num_heads, causal=config.causal)
-    layer_norm = gemms and d in LN_WIDTHS and proven(d, d, "add_masked", "layer_norm") and \
-        proven(d, f, "masked_sum", "layer_norm")
+    layer_norm = gemms and layer_norm_epilogues_pay(config, dtype, device)
     gelu_prologue = gemms and proven(d, f, "gelu_prologue", "masked_sum", *(["layer_norm"] if layer_norm else []))
     return {"gemms": gemms, "linears": linears, "packed_qkv": linears["qkv"] and attention.fused,
             "gelu_prologue": gelu_prologue, "gelu": gemms and not gelu_prologue and proven(f, d, "gelu"),

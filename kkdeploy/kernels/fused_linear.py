@@ -127,6 +127,18 @@ def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, epilogue: st
                                 f"faster here at (M, N, K) = {(m, n, k)})", record.chosen)
 
 
+def proven_ms(m: int, n: int, k: int, form_: str, dtype: torch.dtype, device) -> Optional[tuple]:
+    """(our chosen tile's ms or None, ATen's ms) from the proof made here for this launch; None without a timed
+    proof. What ``fused_blocks`` weighs one plan against another with."""
+    if kernel_refusal(dtype, device):
+        return None
+    record = lookup_proof(proof_environment(device), OP, proof_shape(m, n, k, form_))
+    if record is None or record.reference_ms is None:
+        return None
+    chosen = next((r.ms for r in record.launches if r.launch == record.chosen), None)
+    return chosen, record.reference_ms
+
+
 def tile_config(launch: Optional[str], n: int, k: int) -> dict:
     """The ``triton_linear`` overrides of a tile (BLOCK_N never wider than the row needs)."""
     if launch not in TILES and launch is not None:

@@ -104,6 +104,18 @@ def layer_norm_path(device: torch.device | str, rows: int, width: int) -> LayerN
                                  f"{rows} rows of {width})", record.chosen)
 
 
+def proven_ms(rows: int, width: int, dtype: torch.dtype, device) -> Optional[tuple]:
+    """(our chosen launch's ms or None, ATen's ms) from the proof made here at this shape; None without a timed
+    proof. (No kernel build is attempted: only the records are read.)"""
+    if torch.device(device).type != "cuda" or dtype != torch.float16:
+        return None
+    record = lookup_proof(proof_environment(device), OP, proof_shape(rows, width))
+    if record is None or record.reference_ms is None:
+        return None
+    chosen = next((r.ms for r in record.launches if r.launch == record.chosen), None)
+    return chosen, record.reference_ms
+
+
 def row_reason(width: int, dtype: torch.dtype) -> Optional[str]:
     """None when rows of ``width`` in ``dtype`` are the kernel's (float16, 4..128, a multiple of 4), else why not."""
     if dtype != torch.float16:

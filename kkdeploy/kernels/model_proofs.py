@@ -178,8 +178,29 @@ class _Cases:
                                                          self.random_base, block, lambda t: self.rand(t, s)))
         return cases
 
+    def _next_norm(self, block):
+        """The LayerNorm after ``block``'s ffn_out: the next block's norm1, or the final norm (whose invalid rows the
+        model zeroes)."""
+        layers = list(self.model.layers)
+        i = layers.index(block)
+        return (layers[i + 1].norm1, False) if i + 1 < len(layers) else (self.model.final_norm, True)
+
+    def _linear_case(self, name, label, mask, layer, block, inputs):
+        attention = block.attention
+        if name == "out_proj_ln":
+            norm = block.norm2
+            return fused_linear.linear_layer_norm_case(label, inputs(layer.context), attention.out_proj.weight,
+                                                       attention.out_proj.bias, inputs(layer.x), mask, norm.weight,
+                                                       norm.bias, norm.eps, "add_masked")
+        if name == "ffn_out_ln":
+            norm, zero_invalid = self._next_norm(block)
+            return fused_linear.linear_layer_norm_case(label, inputs(layer.g), block.ffn_out.weight,
+                                                       block.ffn_out.bias, inputs(layer.mid), mask, norm.weight,
+                                                       norm.bias, norm.eps, "masked_sum", zero_invalid=zero_invalid)
+        return self._plain_linear_case(name, label, mask, layer, block, inputs)
+
     @staticmethod
-    def _linear_case(name, label, mask, layer, block, inputs):
+    def _plain_linear_case(name, label, mask, layer, block, inputs):
         attention = block.attention
         if name == "qkv":
             projections = (attention.q_proj, attention.k_proj, attention.v_proj)
@@ -196,7 +217,7 @@ class _Cases:
 
 def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str]) -> list[tuple[str, str, dict]]:
     """(kind, name, op shape) of every kernel op of ``kinds`` in a model of ``config``."""
-    from .fused_blocks import linear_launches
+    from .fused_blocks import layer_norm_launches, linear_launches
 
     b, s, d, h = config.batch_size, config.seq_len, config.d_model, config.num_heads
     shapes = []
@@ -205,7 +226,8 @@ def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str]) -> list[tu
     if "layer_norm" in kinds:
         shapes.append(("layer_norm", "layer_norm", layer_norm.proof_shape(b * s, d)))
     if "linear" in kinds:
-        for name, (m, n, k, form) in linear_launches(config).items():
+        launches = {**linear_launches(config), **layer_norm_launches(config)}
+        for name, (m, n, k, form) in launches.items():
             shapes.append(("linear", name, fused_linear.proof_shape(m, n, k, form)))
     return shapes
 
