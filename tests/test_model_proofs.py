@@ -152,3 +152,15 @@ def test_on_a_machine_without_our_kernels_the_candidates_are_skipped_with_the_re
     result = BACKEND.build(ctx, GEMMS)
     assert result.status == SKIPPED and result.reason.startswith("skipped: none of its kernel ops is proven")
     assert "cpu device" in result.reason and not result.files
+
+
+def test_the_build_summary_lists_each_proven_op_shape_once(monkeypatch, proof_sandbox, model):
+    from kkdeploy.pipeline.build import proofs_table
+
+    FakeKernels(monkeypatch)
+    records = mp.prove_model_kernels(model, CONFIG, torch.float16, CPU).to_list()
+    manifest = {"candidates": [{"name": KERNELS, "options": {"kernel_proofs": records[:2]}},
+                               {"name": GEMMS, "options": {"kernel_proofs": records}}, {"name": "torch-compile"}]}
+    table = proofs_table(manifest)
+    assert table.row_count == len(records)
+    assert proofs_table({"candidates": [{"name": "torch-compile", "options": {}}]}) is None

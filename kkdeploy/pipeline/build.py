@@ -488,8 +488,31 @@ def _fmt(v) -> str:
     return "-" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
 
 
+def proofs_table(manifest: dict):
+    """One row per kernel op shape the build proved (``kernel_proofs`` of its our-kernel candidates), or None."""
+    seen, rows = set(), []
+    for candidate in manifest.get("candidates", []):
+        for record in (candidate.get("options") or {}).get("kernel_proofs") or []:
+            shape = " ".join(f"{k}={v}" for k, v in record["shape"].items() if k != "dtype")
+            if (record["op"], shape) in seen:
+                continue
+            seen.add((record["op"], shape))
+            chosen = next((r for r in record.get("launches", []) if r["launch"] == record.get("chosen")), None)
+            rows.append([record["op"], shape, record.get("chosen") or "aten",
+                         "-" if chosen is None or chosen.get("ms") is None else f"{chosen['ms']:.4f}",
+                         "-" if record.get("reference_ms") is None else f"{record['reference_ms']:.4f}",
+                         f"{record.get('seconds', 0):.2f}"])
+    if not rows:
+        return None
+    return table("Kernel proofs (bit-identical launches, timed as graph replays)",
+                 ["op", "shape", "runs", "ours ms", "ATen ms", "proof s"], rows)
+
+
 def print_summary(manifest: dict, out: Path) -> None:
     console.print(summary_table(manifest))
+    proofs = proofs_table(manifest)
+    if proofs is not None:
+        console.print(proofs)
     choice = manifest["choice"]
     console.print(f"shipped: [bold]{choice['candidate']}[/] — {choice['reason']}", soft_wrap=True)
     buckets = (manifest.get("batch_buckets") or {}).get("buckets")
