@@ -18,11 +18,8 @@ import torch
 
 from kkdeploy.config import TransformerConfig
 from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache, check_inputs, generate_case
-
-# Candidate status values recorded in manifests.
-BUILT, UNAVAILABLE, BUILD_FAILED, SKIPPED = "built", "unavailable", "build-failed", "skipped"
-UNVALIDATED, PASSED, FAILED = "unvalidated", "passed", "failed"
-PASSED_ALL_VALID_ONLY = "passed-all-valid-only"
+from kkdeploy.status import (BUILD_FAILED, BUILT, FAILED, PASSED, PASSED_ALL_VALID_ONLY, SKIPPED,  # noqa: F401
+                             UNAVAILABLE, UNVALIDATED)  # the builders' vocabulary, importable from here as before
 
 
 @dataclass

@@ -16,11 +16,11 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from engines.base import FAILED, PASSED, PASSED_ALL_VALID_ONLY
 from kkdeploy.artifacts import json_safe, write_json
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS
+from kkdeploy.status import FAILED, PASSED, PASSED_ALL_VALID_ONLY
 
 from .polygraphy_glue import (
     CallableRunner,

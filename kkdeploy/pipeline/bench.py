@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from engines.base import PASSED, PASSED_ALL_VALID_ONLY
 
 from ..config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES, TransformerConfig, dtype_name, official_config
 from ..errors import KKError
 from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
+from ..status import PASSED, PASSED_ALL_VALID_ONLY
 from .launches import count_launches
 from .machine_limits import measure_limits
 from .roofline import attach_roofline, call_work, format_fraction

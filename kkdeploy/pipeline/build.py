@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from engines import BuildContext, CandidateResult, get_backend
-from engines.base import BUILD_FAILED, BUILT, FAILED, PASSED, PASSED_ALL_VALID_ONLY, SKIPPED, UNAVAILABLE
 from engines.torch_compile import FUSED_VARIANTS
 
 from .. import artifacts
@@ -24,6 +23,7 @@ from ..console import console, progress_bar, table
 from ..errors import KKError
 from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
 from ..models.weights import build_models, weights_sha256
+from ..status import BUILD_FAILED, BUILT, FAILED, PASSED, PASSED_ALL_VALID_ONLY, SKIPPED, UNAVAILABLE
 
 # User-facing backend names -> (backend module key, candidate filter option)
 BACKEND_CHOICES = {
