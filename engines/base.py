@@ -12,11 +12,12 @@ import hashlib
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from kkdeploy.config import TransformerConfig
+from kkdeploy.errors import KKError
 from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache, check_inputs, generate_case
 from kkdeploy.status import (BUILD_FAILED, BUILT, FAILED, PASSED, PASSED_ALL_VALID_ONLY, SKIPPED,  # noqa: F401
                              UNAVAILABLE, UNVALIDATED)  # the builders' vocabulary, importable from here as before
@@ -35,6 +36,17 @@ class BuildContext:
     export_options: Any = None  # the ExportOptions behind onnx_path (mixed-precision candidates re-export)
     validation_plan: dict[str, Any] = field(default_factory=dict)  # contract, seed, trials, padding_ratio
     options: dict[str, Any] = field(default_factory=dict)
+    # The precision search over float16 block sets, ``calibrate(runner_for_layers) -> record``. It is validation run
+    # once per set, so the pipeline supplies it (``kkdeploy.pipeline.calibration.layer_calibrator``); an engine only
+    # says how to build the runner for one set, and engines never import validation.
+    calibrate: Callable[[Callable[[tuple[int, ...]], Any]], dict] | None = None
+
+    def calibrate_layers(self, runner_for_layers: Callable[[tuple[int, ...]], Any]) -> dict:
+        """The calibration record of ``runner_for_layers`` (``calibrate``'s), or a one-line KKError without one."""
+        if self.calibrate is None:
+            raise KKError("float16 blocks are calibrated by the build pipeline (kkdeploy build), which this "
+                          "context did not come from; pass BuildContext(calibrate=...)")
+        return self.calibrate(runner_for_layers)
 
 
 @dataclass

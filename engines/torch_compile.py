@@ -40,7 +40,7 @@ import torch
 from kkdeploy.artifacts import WEIGHTS_FILE
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
-from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS, AllValidMaskCache, generate_case
+from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache
 
 from .base import (FINGERPRINT_PADDING, AllValidRouter, Backend, BuildContext, CandidateResult, Runner,
                    output_fingerprint, requested_variants)
@@ -254,7 +254,8 @@ class TorchCompileBackend(Backend):
             half, calibrated = FUSED_VARIANTS[candidate]
             layers, calibration = (), None
             if calibrated:
-                calibration = calibrate_fused_layers(ctx.model, device, ctx.validation_plan, half_gemm=half)
+                calibration = ctx.calibrate_layers(fused_eager_twin(ctx.model, device, half))
+                calibration["calibrated_on"] = CALIBRATED_ON_EAGER_TWIN
                 if not calibration["passed"]:
                     raise KKError("no float16 block set passed calibration (not even none); "
                                   f"{calibration['tried'][-1].get('reason', '')}")
@@ -412,15 +413,15 @@ def fused_model(reference: torch.nn.Module, fp16_layers=(), half_gemm: bool = Fa
     return FusedTransformer(reference, fp16_layers, half_gemm=bool(half_gemm))
 
 
-def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, plan: dict,
-                           half_gemm: bool = False) -> dict:
-    """The float16 blocks of ``torch-compile-fused[-half-gemm]-mixed``, searched on the build's trial plan.
+# Where a fused candidate's float16 blocks were searched, for its calibration record.
+CALIBRATED_ON_EAGER_TWIN = "the eager twin (CUDA-graph captured on CUDA), not the compiled graph"
 
-    Each tried set runs on its eager twin, routed by mask like the compiled runner (two CUDA-graph captures
-    on a GPU): a compile per tried set would cost minutes. The compiled model is then validated with every
-    other candidate, so what ships has passed."""
-    from validation.calibration import calibrate_layers
 
+def fused_eager_twin(reference: torch.nn.Module, device: torch.device, half_gemm: bool = False):
+    """``runner_for_layers`` of a ``torch-compile-fused[-half-gemm]-mixed`` calibration: each tried float16 block
+    set runs on its eager twin, routed by mask like the compiled runner (two CUDA-graph captures on a GPU),
+    because a compile per tried set would cost minutes. The compiled model is then validated with every other
+    candidate, so what ships has passed."""
     def runner_for(layers):
         model = fused_model(reference, layers, half_gemm)
         if torch.device(device).type != "cuda":
@@ -433,10 +434,4 @@ def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, pla
 
         return AllValidRouter(captured(model.all_valid_forward, True), captured(model.fused_forward, False))
 
-    start = time.perf_counter()
-    record = calibrate_layers(reference, runner_for, all_valid_only=False, contract=plan.get("contract", "judge"),
-                              seed=plan.get("seed", DEFAULT_SEED), trials=plan.get("trials", DEFAULT_TRIALS),
-                              padding_ratio=plan.get("padding_ratio", 0.25))
-    record["seconds"] = round(time.perf_counter() - start, 3)
-    record["calibrated_on"] = "the eager twin (CUDA-graph captured on CUDA), not the compiled graph"
-    return record
+    return runner_for

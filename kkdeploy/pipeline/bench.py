@@ -212,8 +212,9 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
     """
     import copy
 
-    from validation.calibration import calibrate_layers
+    from engines.torch_compile import CALIBRATED_ON_EAGER_TWIN
 
+    from .calibration import calibrate_fused_layers, calibrate_layers
     from ..models.fused import FusedTransformer
     from ..models.mixed import MixedPrecisionTransformer
 
@@ -251,8 +252,6 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
                     "padding_ratio": options.padding_ratio}
             start = time.perf_counter()
             if kind == "fused":  # the very search `kkdeploy build` runs for torch-compile-fused-mixed
-                from engines.torch_compile import calibrate_fused_layers
-
                 record = calibrate_fused_layers(reference, device, plan, half_gemm=half)
             else:
                 record = calibrate_layers(reference, lambda chosen: make_runner(model_for(chosen)),
@@ -264,7 +263,7 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
         if first != name:
             calibration["reused_from"] = first
         if compiled:
-            calibration["calibrated_on"] = "the eager twin (CUDA-graph captured on CUDA), not the compiled graph"
+            calibration["calibrated_on"] = CALIBRATED_ON_EAGER_TWIN
         info["calibration"] = calibration
         layers = tuple(calibration["fp16_layers"])
     chosen = model_for(layers)

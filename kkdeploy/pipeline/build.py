@@ -17,6 +17,7 @@ from engines import BuildContext, CandidateResult, get_backend
 from engines.torch_compile import FUSED_VARIANTS
 
 from .. import artifacts
+from .calibration import layer_calibrator
 from .chooser import FALLBACK, choose
 from ..config import TransformerConfig, dtype_name, tf32_default, tf32_mode
 from ..console import console, progress_bar, table
@@ -317,6 +318,7 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
                                options=dict(request.options))
             ctx.validation_plan = {"contract": request.contract, "seed": request.seed, "trials": request.trials,
                                    "padding_ratio": request.padding_ratio}
+            ctx.calibrate = layer_calibrator(reference, ctx.validation_plan)
             export_info = export_if_needed(request, reference, stage, ctx)
             bar.advance()
 
