@@ -36,6 +36,9 @@ class BuildContext:
     export_options: Any = None  # the ExportOptions behind onnx_path (mixed-precision candidates re-export)
     validation_plan: dict[str, Any] = field(default_factory=dict)  # contract, seed, trials, padding_ratio
     options: dict[str, Any] = field(default_factory=dict)
+    # The variants a --backends choice restricts this backend to (``engines.registry.BackendChoice.variants``, such
+    # as torch-compile-fused's); None: the backend's defaults for this context.
+    candidate_filter: tuple[str, ...] | None = None
     # The precision search over float16 block sets, ``calibrate(runner_for_layers) -> record``. It is validation run
     # once per set, so the pipeline supplies it (``kkdeploy.pipeline.calibration.layer_calibrator``); an engine only
     # says how to build the runner for one set, and engines never import validation.

@@ -48,6 +48,7 @@ from .base import (BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, Cand
                    requested_variants)
 from .cuda_graph import CapturedCall
 from .recipe import parse as parse_recipe
+from .registry import BackendChoice, BackendDescriptor, register
 
 FAITHFUL, FUSED, SDPA_PREFIX = "inductor", "inductor-fused", "inductor-sdpa"
 METADATA_PREFIX = "kkdeploy."
@@ -456,3 +457,10 @@ def build_package(ctx: BuildContext, variant: str) -> dict:
 
 
 BACKEND = InductorBackend()
+# Opt-in (no default device): it compiles the same graph as torch-compile, and its package loader runs native code
+# that has crashed fresh processes (docs/inductor.md); asked for, the fresh-process check guards it.
+DESCRIPTOR = register(BackendDescriptor(
+    key=InductorBackend.name, module=__name__, recipe_name="inductor", libraries=("torch",),
+    choices=(BackendChoice("inductor"),),
+    default_variants=lambda device, dtype, contract: default_variants(device),
+    attentions=frozenset({"reference", "sdpa-last", "fused"})))

@@ -31,6 +31,7 @@ from kkdeploy.errors import KKError
 from .base import (BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
                    timed_build)
 from .recipe import parse as parse_recipe
+from .registry import BackendChoice, BackendDescriptor, register
 
 OPT_LEVELS = ("disabled", "basic", "extended", "all")
 # Level "all" adds layout transforms tied to this machine's CPU features; "extended" stays portable.
@@ -105,6 +106,11 @@ def recorded_tf32(options: dict) -> bool | None:
     return None if value is None else bool(value)
 
 
+def default_variants(device: torch.device, dtype: torch.dtype = torch.float32, contract: str = "strict") -> list[str]:
+    """The session settings of this device's EP: CPU, or CUDA with and without CUDA-graph replay."""
+    return ["ort-cpu"] if torch.device(device).type == "cpu" else ["ort-cuda", "ort-cuda-graph"]
+
+
 class OrtRunner(Runner):
     """CPU: numpy in/out (ORT returns a fresh array each call). CUDA: IO binding on torch buffers."""
 
@@ -169,9 +175,8 @@ class OrtBackend(Backend):
         return None
 
     def candidates(self, ctx: BuildContext) -> list[str]:
-        wanted = ctx.options.get("ort_candidates")
-        names = ["ort-cpu"] if ctx.device.type == "cpu" else ["ort-cuda", "ort-cuda-graph"]
-        names = [n for n in names if wanted is None or n in wanted]
+        wanted = ctx.candidate_filter
+        names = [n for n in default_variants(ctx.device) if wanted is None or n in wanted]
         if ctx.options.get("mixed_precision"):
             names += [replace(parse_recipe(n), precision=p).name for n in names for p in ("fp16-blocks", "autocast")]
         return names
@@ -335,3 +340,9 @@ def mixed_graph_options(ort, base: str, level: str, disabled: list, source: Path
 
 
 BACKEND = OrtBackend()
+# Precision comes through the graph: ONNX graphs cannot express half GEMMs (docs/exporter.md).
+DESCRIPTOR = register(BackendDescriptor(
+    key=OrtBackend.name, module=__name__, recipe_name="ort", libraries=("onnxruntime",), needs_onnx=True,
+    choices=(BackendChoice("ort-cuda", ("ort-cuda", "ort-cuda-graph"), default_on=("cuda",)),
+             BackendChoice("ort-cpu", ("ort-cpu",), default_on=("cpu",))),
+    default_variants=default_variants, precisions=frozenset({"model", "fp16-blocks", "autocast"})))

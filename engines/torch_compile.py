@@ -46,6 +46,7 @@ from .base import (FINGERPRINT_PADDING, AllValidRouter, Backend, BuildContext, C
                    output_fingerprint, requested_variants)
 from .cuda_graph import CapturedCall
 from .recipe import Recipe, parse as parse_recipe
+from .registry import BackendChoice, BackendDescriptor, register
 
 FAITHFUL = "torch-compile"
 KERNEL_ATTENTION = "torch-compile-faithful-attention"  # the faithful graph with kkdeploy.kernels' attention
@@ -229,7 +230,7 @@ class TorchCompileBackend(Backend):
         return AOTI.unavailable_reason(device, dtype)  # the same compiler, the same requirements
 
     def candidates(self, ctx: BuildContext) -> list[str]:
-        chosen = ctx.options.get("torch_compile_candidates")  # from a --backends choice such as torch-compile-fused
+        chosen = ctx.candidate_filter  # from a --backends choice such as torch-compile-fused
         if chosen is not None:  # float16 blocks exist only inside a float32 model
             return [n for n in chosen if not needs_float32(n) or ctx.dtype == torch.float32]
         contract = ctx.validation_plan.get("contract", "strict")
@@ -328,6 +329,13 @@ class TorchCompileBackend(Backend):
 
 
 BACKEND = TorchCompileBackend()
+DESCRIPTOR = register(BackendDescriptor(
+    key=TorchCompileBackend.name, module=__name__, recipe_name="torch-compile", libraries=("torch",),
+    choices=(BackendChoice("torch-compile", default_on=("cuda",)),
+             BackendChoice("torch-compile-fused", tuple(FUSED_VARIANTS))),
+    default_variants=default_variants,
+    attentions=frozenset({"reference", "sdpa-last", "fused", *OUR_KERNEL_FORMS}),
+    precisions=frozenset({"model", "fp16-blocks", "half-gemm", "half-gemm+fp16-blocks"})))
 
 
 class MixedForward(torch.nn.Module):

@@ -24,9 +24,14 @@ from ..inputs import AllValidMaskCache, check_inputs
 log = logging.getLogger("kkdeploy")
 
 REQUIRED_MANIFEST_KEYS = ("config", "dtype", "environment", "weights", "candidates", "fallback", "choice", "files")
-# Library versions an engine depends on: a different version may round differently.
-BACKEND_LIBRARIES = {"ort": ("onnxruntime",), "trt": ("tensorrt",), "torch_graph": ("torch",),
-                     "inductor": ("torch",), "torch_compile": ("torch",)}
+
+
+def __getattr__(name: str):
+    if name == "BACKEND_LIBRARIES":  # backend key -> the library versions its engines depend on (its descriptor's)
+        from engines.registry import backend_libraries
+
+        return backend_libraries()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ServedRunner:
@@ -84,8 +89,10 @@ def environment_mismatch(manifest: dict, entry: dict, device: torch.device) -> s
         if recorded["device"].get(key) != here.get(key):
             return (f"built for device {key} {recorded['device'].get(key)!r}, this is {here.get(key)!r}; "
                     f"rebuild on this machine")
+    from engines.registry import libraries
+
     now = artifacts.library_versions()
-    for lib in BACKEND_LIBRARIES.get(entry["backend"], ()):
+    for lib in libraries(entry["backend"]):  # a different version may round differently
         if recorded["versions"].get(lib) != now.get(lib):
             return f"built with {lib} {recorded['versions'].get(lib)}, this environment has {now.get(lib)}; rebuild"
     return None
