@@ -12,7 +12,7 @@ import hashlib
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -75,10 +75,16 @@ class Runner:
 
     The caller owns every output: a later call never overwrites an earlier result.
     Subclasses implement ``infer(x, mask)`` with a bool mask always given.
+
+    A runner holds what it runs: a session, an engine and its execution context, compiled graphs, CUDA-graph
+    captures and the model whose memory they read. ``close()`` releases them now, in the order they depend on
+    each other, instead of whenever the garbage collector gets to them (GPU memory is what a build or a server
+    runs out of); ``with runner:`` closes on exit. Subclasses name what they hold in ``release()``.
     """
 
     backend = "unknown"
     reason = ""
+    closed = False
 
     def __init__(self, config: TransformerConfig, dtype: torch.dtype, device: torch.device):
         self.config = config
@@ -102,6 +108,64 @@ class Runner:
     def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what this runner holds (``release``); a second call does nothing. A closed runner refuses
+        every call, ``infer`` included (a router holding it gets the same one-line error)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.infer = refusal(self.backend)
+        self._all_valid = None
+        self.release()
+
+    def release(self) -> None:
+        """Drop the references to what this runner holds, dependents first; each runner names its own."""
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def refusal(backend: str):
+    """What a closed runner's ``infer`` becomes (it holds no reference to the runner)."""
+    def closed(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        raise KKError(f"the {backend} runner is closed; load the artifacts again to serve with it")
+
+    return closed
+
+
+def close_all(runners: Iterable) -> None:
+    """Close each runner in the order given; what has no ``close`` (a plain PyTorch model) is left to the
+    garbage collector."""
+    for runner in runners:
+        close = getattr(runner, "close", None)
+        if callable(close):
+            close()
+
+
+class ModuleRunner(Runner):
+    """A PyTorch model as a runner, for a router's route that no engine serves (``kkdeploy.load``'s fallback).
+
+    Its call is the model's own, under ``no_grad``: the model checks its inputs and takes what it takes (the
+    long-context model serves other batch sizes and lengths than its config's), and a None mask."""
+
+    def __init__(self, model: torch.nn.Module, backend: str = "pytorch"):
+        super().__init__(model.config, model.dtype, model.device)
+        self.model = model
+        self.backend = backend
+
+    def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.infer(x, valid_token_mask)
+
+    def infer(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(x, mask)
+
+    def release(self) -> None:
+        self.model = None
+
 
 class AllValidRouter(Runner):
     """One model as two fixed-path runners: all-valid calls take ``all_valid``, padded calls ``padded``.
@@ -120,10 +184,14 @@ class AllValidRouter(Runner):
         self.all_valid_only = False
         self._mask_cache = AllValidMaskCache()
 
-    def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def infer(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The one place a call is routed by its mask (None counts as all valid)."""
         if self._mask_cache.is_all_valid(mask):
             return self.all_valid.infer(x, self.all_valid.full_mask())
         return self.padded.infer(x, mask)
+
+    def release(self) -> None:
+        close_all((self.all_valid, self.padded))
 
 
 class Backend:

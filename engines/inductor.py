@@ -250,6 +250,11 @@ class InductorRunner(Runner):
         # The package was compiled for contiguous inputs; it allocates a fresh output per call.
         return self._run(x.contiguous(), mask.contiguous())
 
+    def release(self) -> None:
+        if self.captured is not None:
+            self.captured.close()  # the graph replays the package's kernels: first
+        self.captured = self.model = None
+
 
 # -- backend -------------------------------------------------------------------------------------
 def _cpu_half_kernels_missing(dtype: torch.dtype) -> str | None:

@@ -147,6 +147,11 @@ class OrtRunner(Runner):
         self.session.run_with_iobinding(self._binding)
         return self._y.clone()
 
+    def release(self) -> None:
+        self._binding = None  # it points into the session and the buffers: first
+        self.session = None
+        self._x = self._mask = self._y = None
+
 
 def base_candidate(name: str) -> str:
     """``ort-cpu-mixed`` / ``ort-cpu-autocast`` -> ``ort-cpu``: the session settings a variant shares."""

@@ -199,6 +199,11 @@ class CompiledModuleRunner(Runner):
         # It is an inference tensor; outside inference mode the caller gets a normal one (as eager would give).
         return y if torch.is_inference_mode_enabled() else y.clone()
 
+    def release(self) -> None:
+        if self.captured is not None:
+            self.captured.close()  # the graph replays the compiled kernels on the model's memory: first
+        self.captured = self.compiled = self.keep_alive = None
+
 
 class CompiledRunner(CompiledModuleRunner):
     """The faithful variant: the exported reference with its sensitive ops opaque, faithful Inductor settings."""

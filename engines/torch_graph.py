@@ -58,6 +58,10 @@ class CudaGraphRunner(Runner):
             raise KKError(f"{self.backend} serves all-valid calls only; route padded calls to the fallback")
         return self.captured(x, mask)
 
+    def release(self) -> None:
+        self.captured.close()  # the graph first: it reads the model's memory
+        self.captured = self.model = None
+
 
 def model_for_variant(variant: dict, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
                       state_dict: dict):

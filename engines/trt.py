@@ -105,6 +105,11 @@ class TrtRunner(Runner):
             raise RuntimeError("TensorRT execute_async_v3 failed")
         return self.buffers["y"].clone()  # on the same stream: ordered after the engine
 
+    def release(self) -> None:
+        self.context = None  # the execution context belongs to the engine and addresses the buffers: first
+        self.buffers = {}
+        self.engine = None
+
 
 class TrtBackend(Backend):
     name = "trt"

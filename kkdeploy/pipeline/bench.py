@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from engines.base import close_all
 
 from ..config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES, TransformerConfig, dtype_name, official_config
 from ..errors import KKError
@@ -350,6 +351,7 @@ def run_worker(job: ShapeJob, options: BenchOptions, process_index: int, log_dir
                                  contract=options.contract, all_valid_only=all_valid_only)
     if log_dir is not None:
         report.write_json(log_dir / f"validation-{job.label}-p{process_index}.json")
+    close_all(r for n, r in runners.items() if n not in report.passed())  # not timed: released before the timing
     backends: dict[str, dict] = {EAGER: {"status": REFERENCE_STATUS, "reason": "the PyTorch reference (eager)"}}
     for name in runners:
         cand = report.candidates[name]
@@ -378,6 +380,7 @@ def run_worker(job: ShapeJob, options: BenchOptions, process_index: int, log_dir
         for name in stats:  # after the timing, so that counting (CUPTI) cannot disturb it
             backends[name]["launches"] = count_launches(timed[name], calls[name], device,
                                                         profile_uncaptured=process_index == 0)
+    close_all(r for n, r in runners.items() if n in report.passed())
     for name, s in stats.items():
         backends[name]["latency"] = s.to_dict(include_times=True)
     return {"label": job.label, "shape_id": job.shape_id, "config": job.config.to_dict(), "process": process_index,

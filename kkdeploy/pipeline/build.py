@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engines import BuildContext, CandidateResult, get_backend, registry
+from engines.base import close_all
 
 from .. import artifacts
 from .calibration import layer_calibrator
@@ -194,6 +195,7 @@ def load_runners(request: BuildRequest, stage: Path, results: list[CandidateResu
                                          padding_ratios=probed["padding_ratios"]) != probed["fingerprint"]:
             result.status = FAILED
             result.reason = "its output in a fresh process differs from its output in the build's process"
+            runner.close()
             continue
         runners[result.name] = runner
     return runners
@@ -349,7 +351,8 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
             bar.advance()
 
             bar.describe("write")
-            del runners
+            close_all(runners.values())  # the engines, in the order they were loaded, before anything is written
+            del runners, passing
             artifacts.write_json(stage / "bench.json", {"protocol": {"warmups": request.warmups,
                                                                     "repeats": request.repeats,
                                                                     "rounds": request.rounds,

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from engines.base import close_all
 from exporters.precision import bisect_fp16_layers
 from validation.validator import validate_candidates
 
@@ -37,6 +38,7 @@ def calibrate_layers(reference, runner_for_layers, *, all_valid_only: bool, cont
         report = validate_candidates(reference, {"mixed": runner}, reference.config, torch.float32,
                                      reference.device, seed=seed, trials=trials, padding_ratio=padding_ratio,
                                      contract=contract, all_valid_only={"mixed"} if all_valid_only else ())
+        close_all([runner])  # the next set is built anew; this one's session, engine or capture goes now
         cand = report.candidates["mixed"]
         failures[layers] = {"failed_elements": {m: cand.failed_elements(m) for m in cand.modes if cand.mode_records(m)}}
         passed = "mixed" in report.passed()
