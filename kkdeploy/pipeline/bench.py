@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from engines.base import close_all
+from validation.strict import DEFAULT_CONTRACT
+from validation.trials import DEFAULT_PADDING_RATIO
 
 from ..config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES, TransformerConfig, dtype_name, official_config
 from ..errors import KKError
@@ -36,6 +38,7 @@ from .roofline import attach_roofline, call_work, format_fraction
 from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS, LatencyStats, measure_latency
 
 BENCH_FORMAT = "kkdeploy-bench/1"
+DEFAULT_PROCESSES = 3  # fresh processes per shape: a process-level effect shows up as spread between them
 EAGER = "eager"
 REFERENCE_STATUS = "reference"
 SKIPPED = "skipped"
@@ -53,14 +56,14 @@ class BenchOptions:
 
     device: str
     dtype: str
-    contract: str = "strict"
-    processes: int = 3
+    contract: str = DEFAULT_CONTRACT
+    processes: int = DEFAULT_PROCESSES
     warmups: int = DEFAULT_WARMUPS
     repeats: int = DEFAULT_REPEATS
     rounds: int = DEFAULT_ROUNDS
     seed: int = DEFAULT_SEED
     trials: int = DEFAULT_TRIALS
-    padding_ratio: float = 0.25
+    padding_ratio: float = DEFAULT_PADDING_RATIO
     weights: str | None = None
     artifacts: str | None = None
     candidates: list[str] | None = None  # None: default_candidates(device, dtype, contract)

@@ -15,10 +15,13 @@ import torch
 
 from engines import BuildContext, CandidateResult, get_backend, registry
 from engines.base import close_all
+from validation.strict import DEFAULT_CONTRACT
+from validation.trials import DEFAULT_PADDING_RATIO
 
 from .. import artifacts
 from .calibration import layer_calibrator
 from .chooser import FALLBACK, choose
+from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS
 from ..config import TransformerConfig, dtype_name, tf32_default, tf32_mode
 from ..console import console, progress_bar, table
 from ..errors import KKError
@@ -45,11 +48,11 @@ class BuildRequest:
     force: bool = False
     seed: int = DEFAULT_SEED
     trials: int = DEFAULT_TRIALS
-    padding_ratio: float = 0.25
-    contract: str = "strict"
-    warmups: int = 20
-    repeats: int = 100
-    rounds: int = 3
+    padding_ratio: float = DEFAULT_PADDING_RATIO
+    contract: str = DEFAULT_CONTRACT
+    warmups: int = DEFAULT_WARMUPS
+    repeats: int = DEFAULT_REPEATS
+    rounds: int = DEFAULT_ROUNDS
     tf32: bool | None = None  # None: config.tf32_default (on for float32 CUDA under the judge contract)
     options: dict = field(default_factory=dict)  # backend/exporter options, recorded in the manifest
     probe_timeout_s: float | None = None  # fresh-process load check; None: engines.fresh_process.DEFAULT_TIMEOUT_S

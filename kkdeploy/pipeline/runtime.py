@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 
 from engines.base import AllValidRouter, ModuleRunner, Runner, close_all
+from validation.trials import DEFAULT_PADDING_RATIO
 
 from .. import artifacts
 from .chooser import FALLBACK
 from ..config import TransformerConfig, parse_dtype, resolve_device, tf32_mode
 from ..errors import KKError
-from ..inputs import check_inputs
+from ..inputs import DEFAULT_SEED, check_inputs
 
 log = logging.getLogger("kkdeploy")
 
@@ -165,8 +166,9 @@ def adopt_long_context_proofs(root: Path, manifest: dict, model, config: Transfo
         from .long_context_plan import prove_long_context_kernels
 
         validation = manifest.get("validation") or {}
-        proof = prove_long_context_kernels(model, config, dtype, device, seed=int(validation.get("seed", 1234)),
-                                           padding_ratio=float(validation.get("padding_ratio") or 0.25))
+        proof = prove_long_context_kernels(model, config, dtype, device,
+                                           seed=int(validation.get("seed", DEFAULT_SEED)),
+                                           padding_ratio=float(validation.get("padding_ratio") or DEFAULT_PADDING_RATIO))
         record = ProofRecord.from_dict(proof)
         local.put(record)
     if record.chosen:
