@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from kkdeploy.config import TransformerConfig, dtype_name
+from kkdeploy.errors import error_summary
 
 OK, CRASHED, HUNG, FAILED = "ok", "load-crashed", "load-hung", "load-failed"
 DEFAULT_TIMEOUT_S = 600.0  # a CUDA engine may compile or deserialize for minutes; a hang is longer than that
@@ -148,8 +149,7 @@ def _child(request_path: str, result_path: str) -> int:
             fingerprint = output_fingerprint(runner, config, dtype, device, padding_ratios=request["padding_ratios"])
         answer = {"fingerprint": fingerprint}
     except Exception as exc:  # noqa: BLE001 - the parent records the message
-        lines = str(exc).strip().splitlines()
-        answer = {"error": f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]}
+        answer = {"error": error_summary(exc)}
     Path(result_path).write_text(json.dumps(answer))
     return 0
 

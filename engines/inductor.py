@@ -41,7 +41,7 @@ import torch
 
 from kkdeploy.artifacts import file_sha256
 from kkdeploy.config import TransformerConfig, dtype_name
-from kkdeploy.errors import KKError
+from kkdeploy.errors import KKError, error_summary
 from kkdeploy.inputs import AllValidMaskCache
 
 from .base import (BUILD_FAILED, BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
@@ -269,9 +269,7 @@ def _cpu_half_kernels_missing(dtype: torch.dtype) -> str | None:
     return None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
+_first_line = error_summary  # the name the torch-compile loader imports it by
 
 
 class InductorBackend(Backend):
@@ -347,7 +345,7 @@ class InductorBackend(Backend):
         except KKError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise KKError(f"inductor package {name} failed to load: {_first_line(exc)}") from None
+            raise KKError(f"inductor package {name} failed to load: {error_summary(exc)}") from None
         embedded = {k[len(METADATA_PREFIX):]: v for k, v in runner.metadata.items() if k.startswith(METADATA_PREFIX)}
         if embedded.get("variant") != name or embedded.get("weights_sha256") != options.get("weights_sha256"):
             raise KKError(f"inductor package {package.name} holds {embedded.get('variant')} with other weights "
@@ -369,7 +367,7 @@ def guarded_build(backend: Backend, ctx: BuildContext, candidate: str, work) -> 
     except KKError as exc:
         result.status, result.reason = BUILD_FAILED, f"build-failed: {exc}"
     except Exception as exc:  # noqa: BLE001 - a compiler failure is a candidate outcome, not a crash
-        result.status, result.reason = BUILD_FAILED, f"build-failed: {_first_line(exc)}"
+        result.status, result.reason = BUILD_FAILED, f"build-failed: {error_summary(exc)}"
     result.build_seconds = round(time.perf_counter() - start, 3)
     return result
 

@@ -29,7 +29,7 @@ from validation.strict import DEFAULT_CONTRACT
 from validation.trials import DEFAULT_PADDING_RATIO
 
 from ..config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES, TransformerConfig, dtype_name, official_config
-from ..errors import KKError
+from ..errors import KKError, error_summary
 from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
 from ..status import PASSED, PASSED_ALL_VALID_ONLY
 from .launches import count_launches
@@ -308,7 +308,7 @@ def bench_candidates(job: ShapeJob, options: BenchOptions, reference, device: to
             text = str(exc)
             skipped[name] = text if text.split(":")[0] in ("skipped", "unavailable") else f"unavailable: {text}"
         except Exception as exc:  # a capture or compile failure is a reported outcome, not a crash
-            skipped[name] = f"unavailable: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+            skipped[name] = f"unavailable: {error_summary(exc, 300)}"
         else:
             runners[name] = runner
             if valid_only:

@@ -21,7 +21,7 @@ from validation.trials import DEFAULT_PADDING_RATIO
 from .. import artifacts
 from .chooser import FALLBACK
 from ..config import TransformerConfig, parse_dtype, resolve_device, tf32_mode
-from ..errors import KKError
+from ..errors import KKError, first_line
 from ..inputs import DEFAULT_SEED, check_inputs
 
 log = logging.getLogger("kkdeploy")
@@ -134,7 +134,7 @@ def load_fallback(root: Path, manifest: dict, config: TransformerConfig, dtype: 
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise KKError(f"{weights} does not fit the manifest's config: {str(exc).splitlines()[0]}") from None
+        raise KKError(f"{weights} does not fit the manifest's config: {first_line(exc)}") from None
     return model.to(device=device, dtype=dtype).eval()
 
 
