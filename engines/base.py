@@ -247,6 +247,12 @@ def import_error_reason(module: str, exc: BaseException) -> str:
 FINGERPRINT_PADDING = (0.0, 0.25)  # the all-valid case, then a padded one: each route of a routed runner
 
 
+def fingerprint_padding(all_valid_only: bool) -> tuple[float, ...]:
+    """The padding ratios a runner's fingerprint covers: every route it serves, so the padded case only for a
+    runner that serves padded calls."""
+    return FINGERPRINT_PADDING[:1] if all_valid_only else FINGERPRINT_PADDING
+
+
 def output_fingerprint(runner, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
                        seed: int = DEFAULT_SEED, padding_ratios=(0.0,)) -> str:
     """sha256 of the runner's output bytes on ``seed``'s case at each padding ratio: equal hashes, equal outputs.

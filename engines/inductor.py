@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from kkdeploy.artifacts import file_sha256
+from kkdeploy.artifacts import file_sha256, first_difference
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError, error_summary
 from kkdeploy.inputs import AllValidMaskCache
@@ -374,11 +374,13 @@ def guarded_build(backend: Backend, ctx: BuildContext, candidate: str, work) -> 
 
 def keys_mismatch(recorded: dict, current: dict) -> str | None:
     """The first environment key that makes a package unusable here, in words (None if fine)."""
-    if recorded.get("device_type") != current["device_type"]:
+    keys = ("device_type", "torch") + (("capability",) if current["device_type"] == "cuda" else ())
+    key = first_difference(recorded, current, keys)
+    if key == "device_type":
         return f"compiled for device {recorded.get('device_type')}, this process runs on {current['device_type']}"
-    if recorded.get("torch") != current["torch"]:
+    if key == "torch":
         return f"compiled with torch {recorded.get('torch')}, this process has torch {current['torch']}"
-    if current["device_type"] == "cuda" and recorded.get("capability") != current["capability"]:
+    if key == "capability":
         return (f"compiled for compute capability {recorded.get('capability')} ({recorded.get('device_name')}), "
                 f"this GPU is {current['capability']} ({current['device_name']})")
     return None

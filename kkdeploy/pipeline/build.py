@@ -163,14 +163,14 @@ def probe_fresh_processes(request: BuildRequest, stage: Path, results: list[Cand
     A crash, a hang or an error there becomes the candidate's status and it is never loaded here; the
     child's output fingerprint is kept so that ``load_runners`` can check this process computes the same."""
     from engines import backend_module
-    from engines.base import FINGERPRINT_PADDING
+    from engines.base import fingerprint_padding
     from engines.fresh_process import DEFAULT_TIMEOUT_S, probe
 
     for result in results:
         if result.status != BUILT or not get_backend(result.backend).loads_native_code(result.to_dict()):
             continue
         bar.describe(f"load {result.name} in a fresh process")
-        ratios = FINGERPRINT_PADDING[:1] if result.options.get("all_valid_only") else FINGERPRINT_PADDING
+        ratios = fingerprint_padding(result.options.get("all_valid_only"))
         outcome = probe(backend_module(result.backend), stage, result.to_dict(), request.config, request.dtype,
                         request.device, tf32=bool(request.tf32), padding_ratios=ratios,
                         timeout_s=request.probe_timeout_s or DEFAULT_TIMEOUT_S)

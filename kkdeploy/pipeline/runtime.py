@@ -94,18 +94,20 @@ def verify_files(root: Path, manifest: dict) -> str | None:
 
 
 def environment_mismatch(manifest: dict, entry: dict, device: torch.device) -> str | None:
-    recorded = manifest["environment"]
-    here = artifacts.device_info(device)
-    for key in ("type", "name", "capability"):
-        if recorded["device"].get(key) != here.get(key):
-            return (f"built for device {key} {recorded['device'].get(key)!r}, this is {here.get(key)!r}; "
-                    f"rebuild on this machine")
+    """Why ``entry``'s engine cannot be trusted here: another device, or another version of a library it depends
+    on (its backend's descriptor says which: a different version may round differently). None when it can."""
     from engines.registry import libraries
 
+    recorded = manifest["environment"]
+    here = artifacts.device_info(device)
+    key = artifacts.first_difference(recorded["device"], here, ("type", "name", "capability"))
+    if key is not None:
+        return (f"built for device {key} {recorded['device'].get(key)!r}, this is {here.get(key)!r}; "
+                f"rebuild on this machine")
     now = artifacts.library_versions()
-    for lib in libraries(entry["backend"]):  # a different version may round differently
-        if recorded["versions"].get(lib) != now.get(lib):
-            return f"built with {lib} {recorded['versions'].get(lib)}, this environment has {now.get(lib)}; rebuild"
+    lib = artifacts.first_difference(recorded["versions"], now, libraries(entry["backend"]))
+    if lib is not None:
+        return f"built with {lib} {recorded['versions'].get(lib)}, this environment has {now.get(lib)}; rebuild"
     return None
 
 
@@ -392,7 +394,7 @@ def native_loader_problem(root: Path, manifest: dict, entry: dict, config: Trans
     did (cached beside the artifacts, keyed by environment). Otherwise the engine is probed now in a spawned
     child, never in this process: a crash there costs the child, and this process serves the fallback."""
     from engines import backend_module
-    from engines.base import FINGERPRINT_PADDING
+    from engines.base import fingerprint_padding
     from engines.fresh_process import OK, environment_key, environment_record, probe
 
     name = entry["name"]
@@ -409,8 +411,8 @@ def native_loader_problem(root: Path, manifest: dict, entry: dict, config: Trans
         except (OSError, ValueError):
             answer = None
     if answer is None or answer.get("expected") != expected:
-        ratios = recorded.get("padding_ratios") or (
-            FINGERPRINT_PADDING[:1] if (entry.get("options") or {}).get("all_valid_only") else FINGERPRINT_PADDING)
+        all_valid_only = (entry.get("options") or {}).get("all_valid_only")
+        ratios = recorded.get("padding_ratios") or fingerprint_padding(all_valid_only)
         log.warning("kkdeploy: %s was not checked in this environment; loading it in a fresh process first", name)
         outcome = probe(backend_module(entry["backend"]), root, entry, config, dtype, device,
                         tf32=bool(manifest.get("tf32", False)), padding_ratios=ratios)
