@@ -123,9 +123,7 @@ def parse(name: str) -> Recipe:
                       f"{sorted(precisions)}")
     if attention == "sdpa-last" and recipe.sdpa_layers < 1:
         raise KKError(f"unknown candidate {name!r}: -sdpa<k> needs k >= 1")
-    if attention == "fused" and backend == "torch-compile" and precision == "model":
-        pass  # torch-compile-fused: kkdeploy.models.fused in the model's dtype
-    elif precision != "model" and backend == "torch-compile" and attention != "fused":
+    if backend == "torch-compile" and precision != "model" and attention != "fused":
         raise KKError(f"unknown candidate {name!r}: torch-compile's float16 blocks and half GEMMs come with -fused")
     return recipe
 

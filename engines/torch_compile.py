@@ -30,7 +30,6 @@ On CUDA the compiled call is captured in a CUDA graph (``engines.cuda_graph``).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import replace
 from pathlib import Path

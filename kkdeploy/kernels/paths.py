@@ -49,7 +49,7 @@ def path_mode(env: str) -> str:
 
 def float16_cuda_refusal(path: type, device, mode: str, env: str, dtype: torch.dtype, off_cuda: str,
                          other_dtype: str) -> Optional[KernelPath]:
-    """The refusals a Triton kernel's path rule starts with (not CUDA, forced to ATen, not float16, no Triton),
+    """The first refusals of a Triton kernel's path rule (not CUDA, forced to ATen, not float16; callers check Triton),
     as a ``path`` record; None when none applies."""
     device = torch.device(device)
     if device.type != "cuda":
