@@ -12,7 +12,8 @@ parsed by a regex in every engine. Here they are one small grammar over one smal
                 "-nomask" reference order without the mask ops (all-valid calls only)
                 "-sdpa<k>" packed QKV + SDPA in the last k blocks (all-valid calls only)
                 "-fused" Inductor's own fusion (torch-compile: SDPA in every block too, judge contract)
-                "-faithful-attention" our bitwise fused attention kernel (kkdeploy.kernels)
+                "-faithful-attention" our bitwise fused attention kernel (kkdeploy.kernels); its attention form
+                was spelled "faithful-kernel" in manifests written before it was renamed, one letter from the next
                 "-faithful-kernels" that kernel plus our bitwise rows LayerNorm kernel (kkdeploy.kernels.layer_norm)
                 "-faithful-gemms" both plus our GEMMs with fused epilogues (kkdeploy.kernels.fused_linear)
     precision   "" the model's dtype; "-mixed" calibrated float16 blocks; "-autocast" ModelOpt AutoCast;
@@ -32,8 +33,10 @@ from dataclasses import asdict, dataclass
 from kkdeploy.errors import KKError
 
 ATTENTION_SUFFIX = {"reference": "", "reference-nomask": "-nomask", "sdpa-last": "-sdpa", "fused": "-fused",
-                    "faithful-kernel": "-faithful-attention", "faithful-kernels": "-faithful-kernels",
+                    "faithful-attention": "-faithful-attention", "faithful-kernels": "-faithful-kernels",
                     "faithful-gemms": "-faithful-gemms"}
+# Old spellings of attention forms, as manifests written before a rename record them -> today's name.
+ATTENTION_ALIASES = {"faithful-kernel": "faithful-attention"}
 PRECISION_SUFFIX = {"model": "", "fp16-blocks": "-mixed", "autocast": "-autocast", "half-gemm": "-half-gemm",
                     "half-gemm+fp16-blocks": "-half-gemm-mixed"}
 
@@ -70,6 +73,9 @@ class Recipe:
     attention: str = "reference"
     sdpa_layers: int = 0  # with attention "sdpa-last": how many final blocks
     precision: str = "model"
+
+    def __post_init__(self) -> None:  # a recipe read back from an old manifest speaks today's names
+        object.__setattr__(self, "attention", ATTENTION_ALIASES.get(self.attention, self.attention))
 
     @property
     def name(self) -> str:
@@ -109,7 +115,7 @@ def parse(name: str) -> Recipe:
                       f"{', '.join(backends)}")
     backend = match["backend"]
     attention = {None: "reference", "-nomask": "reference-nomask", "-fused": "fused",
-                 "-faithful-attention": "faithful-kernel", "-faithful-kernels": "faithful-kernels",
+                 "-faithful-attention": "faithful-attention", "-faithful-kernels": "faithful-kernels",
                  "-faithful-gemms": "faithful-gemms"}.get(
                      match["attention"], "sdpa-last")
     precision = {v: k for k, v in PRECISION_SUFFIX.items()}[match["precision"] or ""]

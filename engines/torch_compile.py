@@ -51,7 +51,7 @@ FAITHFUL = "torch-compile"
 KERNEL_ATTENTION = "torch-compile-faithful-attention"  # the faithful graph with kkdeploy.kernels' attention
 KERNELS = "torch-compile-faithful-kernels"  # ... and with kkdeploy.kernels' rows LayerNorm too
 GEMMS = "torch-compile-faithful-gemms"  # ... and with kkdeploy.kernels' GEMMs with fused epilogues too
-OUR_KERNEL_FORMS = ("faithful-kernel", "faithful-kernels", "faithful-gemms")
+OUR_KERNEL_FORMS = ("faithful-attention", "faithful-kernels", "faithful-gemms")
 # fused variant -> (half_gemm, calibrated float16 blocks), names derived from their recipes (engines.recipe)
 FUSED_VARIANTS = {Recipe("torch-compile", attention="fused", precision=p).name: (p.startswith("half-gemm"),
                                                                                   p.endswith("fp16-blocks"))
