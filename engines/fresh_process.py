@@ -1,8 +1,8 @@
 """Load and call a candidate in a fresh process before any process we care about trusts it.
 
-Some loaders run native code that can kill the process that calls them: AOTInductor packages segfault
-on load in a fresh process on torch 2.11.0+cu130 on an H200 (design.md §6), yet load fine in a process
-that already ran ``torch.compile``, such as the build's own. So a build that loads an engine in its own
+Some loaders run native code that can kill the process that calls them: AOTInductor packages have segfaulted
+on load in a fresh process on the H200 (design.md §6, docs/results.md), yet loaded fine in a process that had
+already run ``torch.compile``, such as the build's own. So a build that loads an engine in its own
 process proves nothing about the service that will load it. Every backend whose loader runs such
 code (``Backend.loads_native_code``) is first loaded and called once here, in a *spawned* interpreter
 (never forked: a fork inherits exactly the state that hides the crash) under a timeout:

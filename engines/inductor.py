@@ -309,7 +309,7 @@ class InductorBackend(Backend):
                                   lambda name: parse_variant(name, ctx.config))
 
     def loads_native_code(self, entry: dict) -> bool:
-        return True  # aoti_load_package: segfaults in a fresh process on torch 2.11.0+cu130 on an H200
+        return True  # aoti_load_package has segfaulted in fresh processes (docs/results.md)
 
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
         def work():

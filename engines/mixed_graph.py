@@ -1,6 +1,6 @@
 """Mixed-precision ONNX graphs for the graph backends (ORT, TensorRT): ours, calibrated, and AutoCast's.
 
-A float32 build under the judge contract may compute in float16 inside (issue 6). Two ways to write that
+A float32 build under the judge contract may compute in float16 inside. Two ways to write that
 graph, shared by every backend that runs an ONNX file, so ``ort-*-mixed`` and ``trt-mixed`` calibrate the
 same way and ``ort-*-autocast`` and ``trt-autocast`` start from the same conversion:
 

@@ -4,7 +4,7 @@ The builder optimizes the exported graph once at the requested level and saves t
 model, so loading does not re-optimize (and cannot silently optimize differently than what
 was validated). Levels and disabled optimizers are recorded with the candidate.
 
-``<name>-mixed`` and ``<name>-autocast`` candidates (float32 builds under the judge contract, issue 6) run a
+``<name>-mixed`` and ``<name>-autocast`` candidates (float32 builds under the judge contract) run a
 mixed-precision graph: ours, its float16 blocks calibrated by exporting, optimizing and validating each tried
 set on the build's trial plan, or ModelOpt AutoCast's conversion, the anchor to beat (``engines.mixed_graph``).
 

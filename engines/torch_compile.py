@@ -5,7 +5,7 @@ exported for one fixed shape, LayerNorm / exact GELU / FP32 softmax kept as opaq
 the same Inductor settings (``faithful_inductor_configs``: precision-cast emulation, ATen GEMMs
 with the bias inside), but compiled just-in-time by ``torch.compile`` instead of loaded from a
 ``.pt2`` package. That is the route design.md §6 measured bitwise on all 13 shapes, and it does not
-go through the AOTInductor package loader, which segfaults on load in a fresh process on torch 2.11.0+cu130 on an H200 (issue 8).
+go through the AOTInductor package loader, which has segfaulted on load in fresh processes (docs/results.md).
 
 What the artifact holds: the weights (shared), the compile recipe in the manifest, and the
 portable Inductor cache (``torch.compiler.save_cache_artifacts``) in ``<candidate>.inductor-cache``,

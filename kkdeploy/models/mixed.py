@@ -1,6 +1,6 @@
 """Mixed precision in PyTorch: a float32 model whose chosen blocks compute in float16.
 
-The judge contract (issue 6) lets a float32 candidate compute in float16 internally as long as every
+The judge contract lets a float32 candidate compute in float16 internally as long as every
 element passes. This is the PyTorch twin of the exporter's ``ExportOptions.fp16_layers`` graph, with
 the same semantics: the residual stream is cast to float16 on entry to a listed block, the block runs
 exactly as the float16 model runs it (same ops, float16 weights), and its result is cast back to

@@ -1,4 +1,4 @@
-"""`kkdeploy bench`: the organizer's protocol, shape by shape (design.md §4, issue 6).
+"""`kkdeploy bench`: the organizer's protocol, shape by shape (design.md §4).
 
 For each shape, in ``processes`` fresh processes one after another: accuracy first (every
 candidate through ``validate_candidates`` on all trials; a candidate that fails is not timed),
@@ -645,7 +645,7 @@ def roofline_lines(shapes: list[dict]) -> list[str]:
 
 def shape_tick_labels(shapes: list[dict]) -> list[str]:
     """Each shape's label; a shape measured in fewer processes than the others says so, so that a chart
-    pooled over several campaigns cannot pass one process off as three."""
+    pooled over several runs cannot pass one process off as three."""
     most = max((s.get("processes", 1) for s in shapes), default=1)
     return [s["label"] + (f" ({s['processes']} proc)" if s.get("processes", most) < most else "") for s in shapes]
 

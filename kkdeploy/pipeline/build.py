@@ -56,7 +56,7 @@ class BuildRequest:
     tf32: bool | None = None  # None: config.tf32_default (on for float32 CUDA under the judge contract)
     options: dict = field(default_factory=dict)  # backend/exporter options, recorded in the manifest
     probe_timeout_s: float | None = None  # fresh-process load check; None: engines.fresh_process.DEFAULT_TIMEOUT_S
-    batch_buckets: list[int] | None = None  # smaller batch sizes built and validated beside B (issue 30)
+    batch_buckets: list[int] | None = None  # smaller batch sizes built and validated beside B
 
 
 def default_out_dir(shape_id: int | None, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> Path:
@@ -158,7 +158,7 @@ def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[Cand
 
 
 def probe_fresh_processes(request: BuildRequest, stage: Path, results: list[CandidateResult], bar) -> None:
-    """Load and call every candidate whose loader runs native code in a spawned child first (issue 17).
+    """Load and call every candidate whose loader runs native code in a spawned child first.
 
     A crash, a hang or an error there becomes the candidate's status and it is never loaded here; the
     child's output fingerprint is kept so that ``load_runners`` can check this process computes the same."""
@@ -289,7 +289,7 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
     atol, rtol = contract_tolerances(request.contract)
     request.backends = request.backends or registry.default_choices(request.device.type)
     request.tf32 = tf32_default(request.device, request.dtype, request.contract, request.tf32)
-    # Precision repair (issue 6): a float32 build under the judge contract also builds "-mixed" candidates
+    # Precision repair: a float32 build under the judge contract also builds "-mixed" candidates
     # whose float16 blocks are calibrated on this build's own trial plan. Checked before anything is written.
     if request.options.get("mixed_precision") is None:
         request.options["mixed_precision"] = request.dtype == torch.float32 and request.contract == "judge"

@@ -1,4 +1,4 @@
-"""What this machine can do, measured in this process, for the roofline of every call (issue 31).
+"""What this machine can do, measured in this process, for the roofline of every call.
 
 A roofline built from a data sheet's peak says little: clocks, power caps, the library's GEMM tiles and the host's
 launch path decide what a call can actually reach. So each bench process measures, once, with the bench's own timer

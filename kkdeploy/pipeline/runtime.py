@@ -197,7 +197,7 @@ def read_manifest(root: Path) -> dict:
 
 
 class BucketedRunner:
-    """``runner(x, valid_token_mask=None)`` for any batch of 1..max(buckets) sequences (issue 30).
+    """``runner(x, valid_token_mask=None)`` for any batch of 1..max(buckets) sequences.
 
     Each bucket is a runner loaded from its own validated artifacts (``buckets/b<N>/``, the top level for the
     largest). A call runs on the smallest bucket that holds its batch; a batch smaller than that bucket is padded
