@@ -12,23 +12,20 @@ import hashlib
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 
 from kkdeploy.config import TransformerConfig
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache, check_inputs, generate_case
-
-# Candidate status values recorded in manifests.
-BUILT, UNAVAILABLE, BUILD_FAILED, SKIPPED = "built", "unavailable", "build-failed", "skipped"
+from kkdeploy.status import (BUILD_FAILED, BUILT, FAILED, PASSED, PASSED_ALL_VALID_ONLY, SKIPPED,  # noqa: F401
+                             UNAVAILABLE, UNVALIDATED)  # the builders' vocabulary, importable from here as before
 
 
 class CandidateSkipped(KKError):
     """Raised by a builder for a candidate that would add nothing here (e.g. its kernels are not proven on this
     machine): recorded as ``skipped`` with the message, not as a failure."""
-UNVALIDATED, PASSED, FAILED = "unvalidated", "passed", "failed"
-PASSED_ALL_VALID_ONLY = "passed-all-valid-only"
 
 
 @dataclass
@@ -44,6 +41,20 @@ class BuildContext:
     export_options: Any = None  # the ExportOptions behind onnx_path (mixed-precision candidates re-export)
     validation_plan: dict[str, Any] = field(default_factory=dict)  # contract, seed, trials, padding_ratio
     options: dict[str, Any] = field(default_factory=dict)
+    # The variants a --backends choice restricts this backend to (``engines.registry.BackendChoice.variants``, such
+    # as torch-compile-fused's); None: the backend's defaults for this context.
+    candidate_filter: tuple[str, ...] | None = None
+    # The precision search over float16 block sets, ``calibrate(runner_for_layers) -> record``. It is validation run
+    # once per set, so the pipeline supplies it (``kkdeploy.pipeline.calibration.layer_calibrator``); an engine only
+    # says how to build the runner for one set, and engines never import validation.
+    calibrate: Callable[[Callable[[tuple[int, ...]], Any]], dict] | None = None
+
+    def calibrate_layers(self, runner_for_layers: Callable[[tuple[int, ...]], Any]) -> dict:
+        """The calibration record of ``runner_for_layers`` (``calibrate``'s), or a one-line KKError without one."""
+        if self.calibrate is None:
+            raise KKError("float16 blocks are calibrated by the build pipeline (kkdeploy build), which this "
+                          "context did not come from; pass BuildContext(calibrate=...)")
+        return self.calibrate(runner_for_layers)
 
 
 @dataclass
@@ -69,10 +80,16 @@ class Runner:
 
     The caller owns every output: a later call never overwrites an earlier result.
     Subclasses implement ``infer(x, mask)`` with a bool mask always given.
+
+    A runner holds what it runs: a session, an engine and its execution context, compiled graphs, CUDA-graph
+    captures and the model whose memory they read. ``close()`` releases them now, in the order they depend on
+    each other, instead of whenever the garbage collector gets to them (GPU memory is what a build or a server
+    runs out of); ``with runner:`` closes on exit. Subclasses name what they hold in ``release()``.
     """
 
     backend = "unknown"
     reason = ""
+    closed = False
 
     def __init__(self, config: TransformerConfig, dtype: torch.dtype, device: torch.device):
         self.config = config
@@ -96,6 +113,64 @@ class Runner:
     def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what this runner holds (``release``); a second call does nothing. A closed runner refuses
+        every call, ``infer`` included (a router holding it gets the same one-line error)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.infer = refusal(self.backend)
+        self._all_valid = None
+        self.release()
+
+    def release(self) -> None:
+        """Drop the references to what this runner holds, dependents first; each runner names its own."""
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def refusal(backend: str):
+    """What a closed runner's ``infer`` becomes (it holds no reference to the runner)."""
+    def closed(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        raise KKError(f"the {backend} runner is closed; load the artifacts again to serve with it")
+
+    return closed
+
+
+def close_all(runners: Iterable) -> None:
+    """Close each runner in the order given; what has no ``close`` (a plain PyTorch model) is left to the
+    garbage collector."""
+    for runner in runners:
+        close = getattr(runner, "close", None)
+        if callable(close):
+            close()
+
+
+class ModuleRunner(Runner):
+    """A PyTorch model as a runner, for a router's route that no engine serves (``kkdeploy.load``'s fallback).
+
+    Its call is the model's own, under ``no_grad``: the model checks its inputs and takes what it takes (the
+    long-context model serves other batch sizes and lengths than its config's), and a None mask."""
+
+    def __init__(self, model: torch.nn.Module, backend: str = "pytorch"):
+        super().__init__(model.config, model.dtype, model.device)
+        self.model = model
+        self.backend = backend
+
+    def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.infer(x, valid_token_mask)
+
+    def infer(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(x, mask)
+
+    def release(self) -> None:
+        self.model = None
+
 
 class AllValidRouter(Runner):
     """One model as two fixed-path runners: all-valid calls take ``all_valid``, padded calls ``padded``.
@@ -114,10 +189,14 @@ class AllValidRouter(Runner):
         self.all_valid_only = False
         self._mask_cache = AllValidMaskCache()
 
-    def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def infer(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The one place a call is routed by its mask (None counts as all valid)."""
         if self._mask_cache.is_all_valid(mask):
             return self.all_valid.infer(x, self.all_valid.full_mask())
         return self.padded.infer(x, mask)
+
+    def release(self) -> None:
+        close_all((self.all_valid, self.padded))
 
 
 class Backend:
@@ -171,6 +250,12 @@ def import_error_reason(module: str, exc: BaseException) -> str:
 
 
 FINGERPRINT_PADDING = (0.0, 0.25)  # the all-valid case, then a padded one: each route of a routed runner
+
+
+def fingerprint_padding(all_valid_only: bool) -> tuple[float, ...]:
+    """The padding ratios a runner's fingerprint covers: every route it serves, so the padded case only for a
+    runner that serves padded calls."""
+    return FINGERPRINT_PADDING[:1] if all_valid_only else FINGERPRINT_PADDING
 
 
 def output_fingerprint(runner, config: TransformerConfig, dtype: torch.dtype, device: torch.device,

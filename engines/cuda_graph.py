@@ -61,6 +61,12 @@ class CapturedCall:
         """The captured cudaGraph_t (an address), or None where this torch cannot keep it."""
         return self.graph.raw_cuda_graph() if self.graph_kept else None
 
+    def close(self) -> None:
+        """Free the graph's memory pool now, then the static buffers and the callable whose memory it read."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = self.x = self.mask = self.y = self.fn = None
+
     def __call__(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         self.x.copy_(x)
         if not self.all_valid_only:

@@ -1,4 +1,4 @@
-"""Build (on demand) and cache the ``kkdeploy`` ONNX Runtime custom-op library (issue 20, Part B).
+"""Build (on demand) and cache the ``kkdeploy`` ONNX Runtime custom-op library.
 
 Why on demand: the library is native code for this machine's compiler and ORT's C API; only its source
 (``engines/custom_ops/kkdeploy_ops.cc``) is in git. Why fetch headers: ONNX Runtime's C/C++ API headers are

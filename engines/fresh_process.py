@@ -1,8 +1,8 @@
 """Load and call a candidate in a fresh process before any process we care about trusts it.
 
-Some loaders run native code that can kill the process that calls them: AOTInductor packages segfault
-on load in a fresh process on torch 2.11.0+cu130 on an H200 (design.md §6), yet load fine in a process
-that already ran ``torch.compile``, such as the build's own. So a build that loads an engine in its own
+Some loaders run native code that can kill the process that calls them: AOTInductor packages have segfaulted
+on load in a fresh process on the H200 (design.md §6, docs/results.md), yet loaded fine in a process that had
+already run ``torch.compile``, such as the build's own. So a build that loads an engine in its own
 process proves nothing about the service that will load it. Every backend whose loader runs such
 code (``Backend.loads_native_code``) is first loaded and called once here, in a *spawned* interpreter
 (never forked: a fork inherits exactly the state that hides the crash) under a timeout:
@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from kkdeploy.config import TransformerConfig, dtype_name
+from kkdeploy.errors import error_summary
 
 OK, CRASHED, HUNG, FAILED = "ok", "load-crashed", "load-hung", "load-failed"
 DEFAULT_TIMEOUT_S = 600.0  # a CUDA engine may compile or deserialize for minutes; a hang is longer than that
@@ -148,8 +149,7 @@ def _child(request_path: str, result_path: str) -> int:
             fingerprint = output_fingerprint(runner, config, dtype, device, padding_ratios=request["padding_ratios"])
         answer = {"fingerprint": fingerprint}
     except Exception as exc:  # noqa: BLE001 - the parent records the message
-        lines = str(exc).strip().splitlines()
-        answer = {"error": f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]}
+        answer = {"error": error_summary(exc)}
     Path(result_path).write_text(json.dumps(answer))
     return 0
 

@@ -39,15 +39,16 @@ from pathlib import Path
 
 import torch
 
-from kkdeploy.artifacts import file_sha256
+from kkdeploy.artifacts import file_sha256, first_difference
 from kkdeploy.config import TransformerConfig, dtype_name
-from kkdeploy.errors import KKError
+from kkdeploy.errors import KKError, error_summary
 from kkdeploy.inputs import AllValidMaskCache
 
 from .base import (BUILD_FAILED, BUILT, SKIPPED, UNAVAILABLE, Backend, BuildContext, CandidateResult, CandidateSkipped,
                    Runner, import_error_reason, requested_variants)
 from .cuda_graph import CapturedCall
 from .recipe import parse as parse_recipe
+from .registry import BackendChoice, BackendDescriptor, register
 
 FAITHFUL, FUSED, SDPA_PREFIX = "inductor", "inductor-fused", "inductor-sdpa"
 METADATA_PREFIX = "kkdeploy."
@@ -249,6 +250,11 @@ class InductorRunner(Runner):
         # The package was compiled for contiguous inputs; it allocates a fresh output per call.
         return self._run(x.contiguous(), mask.contiguous())
 
+    def release(self) -> None:
+        if self.captured is not None:
+            self.captured.close()  # the graph replays the package's kernels: first
+        self.captured = self.model = None
+
 
 # -- backend -------------------------------------------------------------------------------------
 def _cpu_half_kernels_missing(dtype: torch.dtype) -> str | None:
@@ -263,9 +269,7 @@ def _cpu_half_kernels_missing(dtype: torch.dtype) -> str | None:
     return None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
+_first_line = error_summary  # the name the torch-compile loader imports it by
 
 
 class InductorBackend(Backend):
@@ -305,7 +309,7 @@ class InductorBackend(Backend):
                                   lambda name: parse_variant(name, ctx.config))
 
     def loads_native_code(self, entry: dict) -> bool:
-        return True  # aoti_load_package: segfaults in a fresh process on torch 2.11.0+cu130 on an H200
+        return True  # aoti_load_package has segfaulted in fresh processes (docs/results.md)
 
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
         def work():
@@ -341,7 +345,7 @@ class InductorBackend(Backend):
         except KKError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise KKError(f"inductor package {name} failed to load: {_first_line(exc)}") from None
+            raise KKError(f"inductor package {name} failed to load: {error_summary(exc)}") from None
         embedded = {k[len(METADATA_PREFIX):]: v for k, v in runner.metadata.items() if k.startswith(METADATA_PREFIX)}
         if embedded.get("variant") != name or embedded.get("weights_sha256") != options.get("weights_sha256"):
             raise KKError(f"inductor package {package.name} holds {embedded.get('variant')} with other weights "
@@ -365,18 +369,20 @@ def guarded_build(backend: Backend, ctx: BuildContext, candidate: str, work) -> 
     except KKError as exc:
         result.status, result.reason = BUILD_FAILED, f"build-failed: {exc}"
     except Exception as exc:  # noqa: BLE001 - a compiler failure is a candidate outcome, not a crash
-        result.status, result.reason = BUILD_FAILED, f"build-failed: {_first_line(exc)}"
+        result.status, result.reason = BUILD_FAILED, f"build-failed: {error_summary(exc)}"
     result.build_seconds = round(time.perf_counter() - start, 3)
     return result
 
 
 def keys_mismatch(recorded: dict, current: dict) -> str | None:
     """The first environment key that makes a package unusable here, in words (None if fine)."""
-    if recorded.get("device_type") != current["device_type"]:
+    keys = ("device_type", "torch") + (("capability",) if current["device_type"] == "cuda" else ())
+    key = first_difference(recorded, current, keys)
+    if key == "device_type":
         return f"compiled for device {recorded.get('device_type')}, this process runs on {current['device_type']}"
-    if recorded.get("torch") != current["torch"]:
+    if key == "torch":
         return f"compiled with torch {recorded.get('torch')}, this process has torch {current['torch']}"
-    if current["device_type"] == "cuda" and recorded.get("capability") != current["capability"]:
+    if key == "capability":
         return (f"compiled for compute capability {recorded.get('capability')} ({recorded.get('device_name')}), "
                 f"this GPU is {current['capability']} ({current['device_name']})")
     return None
@@ -458,3 +464,10 @@ def build_package(ctx: BuildContext, variant: str) -> dict:
 
 
 BACKEND = InductorBackend()
+# Opt-in (no default device): it compiles the same graph as torch-compile, and its package loader runs native code
+# that has crashed fresh processes (docs/inductor.md); asked for, the fresh-process check guards it.
+DESCRIPTOR = register(BackendDescriptor(
+    key=InductorBackend.name, module=__name__, recipe_name="inductor", libraries=("torch",),
+    choices=(BackendChoice("inductor"),),
+    default_variants=lambda device, dtype, contract: default_variants(device),
+    attentions=frozenset({"reference", "sdpa-last", "fused"})))

@@ -1,12 +1,13 @@
 """Mixed-precision ONNX graphs for the graph backends (ORT, TensorRT): ours, calibrated, and AutoCast's.
 
-A float32 build under the judge contract may compute in float16 inside (issue 6). Two ways to write that
+A float32 build under the judge contract may compute in float16 inside. Two ways to write that
 graph, shared by every backend that runs an ONNX file, so ``ort-*-mixed`` and ``trt-mixed`` calibrate the
 same way and ``ort-*-autocast`` and ``trt-autocast`` start from the same conversion:
 
-* ``calibrate_graph``: our precision repair. For each block set that ``validation.calibration.calibrate_layers``
-  tries, the mixed export (``ExportOptions.fp16_layers``) is built *by the backend itself* and validated on
-  the build's trial plan, so what is calibrated is what ships. Only the chosen set's files stay.
+* ``calibrate_graph``: our precision repair. For each block set that the build's calibration
+  (``BuildContext.calibrate``: ``kkdeploy.pipeline.calibration``) tries, the mixed export
+  (``ExportOptions.fp16_layers``) is built *by the backend itself* and validated on the build's trial plan, so
+  what is calibrated is what ships. Only the chosen set's files stay.
 * ``autocast_graph``: NVIDIA ModelOpt's AutoCast on the exported float32 graph, the anchor to beat. It keeps a
   node in FP32 by magnitude rules on one calibration batch (the build's all-valid case), not by our accuracy
   rule; validation then judges the result like any candidate. ModelOpt is optional.
@@ -49,7 +50,6 @@ def calibrate_graph(ctx: BuildContext, candidate: str, suffixes: Sequence[str],
     The chosen set's files are renamed ``<candidate>.<suffix>``; every other tried file is removed.
     """
     from exporters import export_onnx
-    from validation.calibration import calibrate_layers
 
     check_float32(ctx, candidate)
     out = Path(ctx.out_dir)
@@ -69,7 +69,7 @@ def calibrate_graph(ctx: BuildContext, candidate: str, suffixes: Sequence[str],
 
     start = time.perf_counter()
     try:
-        calibration = calibrate_layers(ctx.model, runner_for, all_valid_only=False, **ctx.validation_plan)
+        calibration = ctx.calibrate_layers(runner_for)
         kept = [path.replace(out / f"{candidate}.{suffix}")
                 for path, suffix in zip(files(stem(calibration["fp16_layers"])), suffixes)]
     finally:

@@ -4,7 +4,7 @@ The builder optimizes the exported graph once at the requested level and saves t
 model, so loading does not re-optimize (and cannot silently optimize differently than what
 was validated). Levels and disabled optimizers are recorded with the candidate.
 
-``<name>-mixed`` and ``<name>-autocast`` candidates (float32 builds under the judge contract, issue 6) run a
+``<name>-mixed`` and ``<name>-autocast`` candidates (float32 builds under the judge contract) run a
 mixed-precision graph: ours, its float16 blocks calibrated by exporting, optimizing and validating each tried
 set on the build's trial plan, or ModelOpt AutoCast's conversion, the anchor to beat (``engines.mixed_graph``).
 
@@ -31,6 +31,7 @@ from kkdeploy.errors import KKError
 from .base import (BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
                    timed_build)
 from .recipe import parse as parse_recipe
+from .registry import BackendChoice, BackendDescriptor, register
 
 OPT_LEVELS = ("disabled", "basic", "extended", "all")
 # Level "all" adds layout transforms tied to this machine's CPU features; "extended" stays portable.
@@ -105,6 +106,11 @@ def recorded_tf32(options: dict) -> bool | None:
     return None if value is None else bool(value)
 
 
+def default_variants(device: torch.device, dtype: torch.dtype = torch.float32, contract: str = "strict") -> list[str]:
+    """The session settings of this device's EP: CPU, or CUDA with and without CUDA-graph replay."""
+    return ["ort-cpu"] if torch.device(device).type == "cpu" else ["ort-cuda", "ort-cuda-graph"]
+
+
 class OrtRunner(Runner):
     """CPU: numpy in/out (ORT returns a fresh array each call). CUDA: IO binding on torch buffers."""
 
@@ -141,6 +147,11 @@ class OrtRunner(Runner):
         self.session.run_with_iobinding(self._binding)
         return self._y.clone()
 
+    def release(self) -> None:
+        self._binding = None  # it points into the session and the buffers: first
+        self.session = None
+        self._x = self._mask = self._y = None
+
 
 def base_candidate(name: str) -> str:
     """``ort-cpu-mixed`` / ``ort-cpu-autocast`` -> ``ort-cpu``: the session settings a variant shares."""
@@ -169,9 +180,8 @@ class OrtBackend(Backend):
         return None
 
     def candidates(self, ctx: BuildContext) -> list[str]:
-        wanted = ctx.options.get("ort_candidates")
-        names = ["ort-cpu"] if ctx.device.type == "cpu" else ["ort-cuda", "ort-cuda-graph"]
-        names = [n for n in names if wanted is None or n in wanted]
+        wanted = ctx.candidate_filter
+        names = [n for n in default_variants(ctx.device) if wanted is None or n in wanted]
         if ctx.options.get("mixed_precision"):
             names += [replace(parse_recipe(n), precision=p).name for n in names for p in ("fp16-blocks", "autocast")]
         return names
@@ -335,3 +345,9 @@ def mixed_graph_options(ort, base: str, level: str, disabled: list, source: Path
 
 
 BACKEND = OrtBackend()
+# Precision comes through the graph: ONNX graphs cannot express half GEMMs (docs/exporter.md).
+DESCRIPTOR = register(BackendDescriptor(
+    key=OrtBackend.name, module=__name__, recipe_name="ort", libraries=("onnxruntime",), needs_onnx=True,
+    choices=(BackendChoice("ort-cuda", ("ort-cuda", "ort-cuda-graph"), default_on=("cuda",)),
+             BackendChoice("ort-cpu", ("ort-cpu",), default_on=("cpu",))),
+    default_variants=default_variants, precisions=frozenset({"model", "fp16-blocks", "autocast"})))

@@ -12,7 +12,8 @@ parsed by a regex in every engine. Here they are one small grammar over one smal
                 "-nomask" reference order without the mask ops (all-valid calls only)
                 "-sdpa<k>" packed QKV + SDPA in the last k blocks (all-valid calls only)
                 "-fused" Inductor's own fusion (torch-compile: SDPA in every block too, judge contract)
-                "-faithful-attention" our bitwise fused attention kernel (kkdeploy.kernels)
+                "-faithful-attention" our bitwise fused attention kernel (kkdeploy.kernels); its attention form
+                was spelled "faithful-kernel" in manifests written before it was renamed, one letter from the next
                 "-faithful-kernels" that kernel plus our bitwise rows LayerNorm kernel (kkdeploy.kernels.layer_norm)
                 "-faithful-gemms" both plus our GEMMs with fused epilogues (kkdeploy.kernels.fused_linear)
     precision   "" the model's dtype; "-mixed" calibrated float16 blocks; "-autocast" ModelOpt AutoCast;
@@ -25,31 +26,43 @@ recipe's fields rather than asking a reader to decode the name.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import asdict, dataclass
 
 from kkdeploy.errors import KKError
 
-BACKENDS = ("ort", "trt", "torch-graph", "torch-compile", "inductor")
 ATTENTION_SUFFIX = {"reference": "", "reference-nomask": "-nomask", "sdpa-last": "-sdpa", "fused": "-fused",
-                    "faithful-kernel": "-faithful-attention", "faithful-kernels": "-faithful-kernels",
+                    "faithful-attention": "-faithful-attention", "faithful-kernels": "-faithful-kernels",
                     "faithful-gemms": "-faithful-gemms"}
+# Old spellings of attention forms, as manifests written before a rename record them -> today's name.
+ATTENTION_ALIASES = {"faithful-kernel": "faithful-attention"}
 PRECISION_SUFFIX = {"model": "", "fp16-blocks": "-mixed", "autocast": "-autocast", "half-gemm": "-half-gemm",
                     "half-gemm+fp16-blocks": "-half-gemm-mixed"}
-# What each backend can build: attention forms and precision plans (ONNX graphs cannot express half GEMMs:
-# docs/exporter.md; torch-graph's mixed routes are bench-only).
-ALLOWED = {
-    "ort": ({"reference"}, {"model", "fp16-blocks", "autocast"}),
-    "trt": ({"reference"}, {"model", "fp16-blocks", "autocast"}),
-    "torch-graph": ({"reference", "reference-nomask", "sdpa-last"}, {"model"}),
-    "torch-compile": ({"reference", "sdpa-last", "fused", "faithful-kernel", "faithful-kernels", "faithful-gemms"},
-                      {"model", "fp16-blocks", "half-gemm", "half-gemm+fp16-blocks"}),
-    "inductor": ({"reference", "sdpa-last", "fused"}, {"model"}),
-}
-_NAME = re.compile(
-    r"^(?P<backend>ort|trt|torch-graph|torch-compile|inductor)(?:-(?P<provider>cpu|cuda))?(?P<graph>-graph)?"
-    r"(?P<attention>-nomask|-sdpa(?P<k>\d+)|-fused|-faithful-attention|-faithful-kernels|-faithful-gemms)?"
-    r"(?P<precision>-half-gemm-mixed|-half-gemm|-mixed|-autocast)?$")
+
+
+def __getattr__(name: str):
+    """``BACKENDS`` (the backend names of the grammar) and ``ALLOWED`` (backend -> (attention forms, precision
+    plans) it can build), derived from the backends' descriptors (``engines.registry``) when read."""
+    if name == "BACKENDS":
+        return tuple(_backends())
+    if name == "ALLOWED":
+        return {name: (set(d.attentions), set(d.precisions)) for name, d in _backends().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _backends() -> dict:
+    from .registry import recipe_backends
+
+    return recipe_backends()
+
+
+@functools.lru_cache(maxsize=8)
+def _name_pattern(backends: tuple[str, ...]) -> re.Pattern:
+    return re.compile(
+        rf"^(?P<backend>{'|'.join(map(re.escape, backends))})(?:-(?P<provider>cpu|cuda))?(?P<graph>-graph)?"
+        r"(?P<attention>-nomask|-sdpa(?P<k>\d+)|-fused|-faithful-attention|-faithful-kernels|-faithful-gemms)?"
+        r"(?P<precision>-half-gemm-mixed|-half-gemm|-mixed|-autocast)?$")
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,9 @@ class Recipe:
     attention: str = "reference"
     sdpa_layers: int = 0  # with attention "sdpa-last": how many final blocks
     precision: str = "model"
+
+    def __post_init__(self) -> None:  # a recipe read back from an old manifest speaks today's names
+        object.__setattr__(self, "attention", ATTENTION_ALIASES.get(self.attention, self.attention))
 
     @property
     def name(self) -> str:
@@ -91,20 +107,21 @@ class Recipe:
 
 def parse(name: str) -> Recipe:
     """Candidate name -> Recipe, or a one-line KKError naming the grammar."""
-    match = _NAME.match(name)
+    backends = _backends()
+    match = _name_pattern(tuple(backends)).match(name)
     if match is None:
         raise KKError(f"unknown candidate {name!r}: names are <backend>[-cpu|-cuda][-graph][-nomask|-sdpa<k>|-fused|"
                       f"-faithful-attention|-faithful-kernels|-faithful-gemms][-half-gemm][-mixed|-autocast] with backend one of "
-                      f"{', '.join(BACKENDS)}")
+                      f"{', '.join(backends)}")
     backend = match["backend"]
     attention = {None: "reference", "-nomask": "reference-nomask", "-fused": "fused",
-                 "-faithful-attention": "faithful-kernel", "-faithful-kernels": "faithful-kernels",
+                 "-faithful-attention": "faithful-attention", "-faithful-kernels": "faithful-kernels",
                  "-faithful-gemms": "faithful-gemms"}.get(
                      match["attention"], "sdpa-last")
     precision = {v: k for k, v in PRECISION_SUFFIX.items()}[match["precision"] or ""]
     recipe = Recipe(backend, match["provider"] or "", bool(match["graph"]), attention,
                     int(match["k"]) if match["k"] else 0, precision)
-    attentions, precisions = ALLOWED[backend]
+    attentions, precisions = backends[backend].attentions, backends[backend].precisions
     if (backend == "ort") != bool(recipe.provider) or (recipe.graph_capture and not (backend == "ort" and recipe.provider == "cuda")):
         raise KKError(f"unknown candidate {name!r}: only ONNX Runtime takes -cpu/-cuda, and only ort-cuda takes -graph")
     if attention not in attentions or precision not in precisions:
@@ -112,9 +129,7 @@ def parse(name: str) -> Recipe:
                       f"{sorted(precisions)}")
     if attention == "sdpa-last" and recipe.sdpa_layers < 1:
         raise KKError(f"unknown candidate {name!r}: -sdpa<k> needs k >= 1")
-    if attention == "fused" and backend == "torch-compile" and precision == "model":
-        pass  # torch-compile-fused: kkdeploy.models.fused in the model's dtype
-    elif precision != "model" and backend == "torch-compile" and attention != "fused":
+    if backend == "torch-compile" and precision != "model" and attention != "fused":
         raise KKError(f"unknown candidate {name!r}: torch-compile's float16 blocks and half GEMMs come with -fused")
     return recipe
 

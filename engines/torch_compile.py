@@ -5,7 +5,7 @@ exported for one fixed shape, LayerNorm / exact GELU / FP32 softmax kept as opaq
 the same Inductor settings (``faithful_inductor_configs``: precision-cast emulation, ATen GEMMs
 with the bias inside), but compiled just-in-time by ``torch.compile`` instead of loaded from a
 ``.pt2`` package. That is the route design.md §6 measured bitwise on all 13 shapes, and it does not
-go through the AOTInductor package loader, which segfaults on load in a fresh process on torch 2.11.0+cu130 on an H200 (issue 8).
+go through the AOTInductor package loader, which has segfaulted on load in fresh processes (docs/results.md).
 
 What the artifact holds: the weights (shared), the compile recipe in the manifest, and the
 portable Inductor cache (``torch.compiler.save_cache_artifacts``) in ``<candidate>.inductor-cache``,
@@ -30,7 +30,6 @@ On CUDA the compiled call is captured in a CUDA graph (``engines.cuda_graph``).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -40,18 +39,19 @@ import torch
 from kkdeploy.artifacts import WEIGHTS_FILE
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError
-from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS, AllValidMaskCache, generate_case
+from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache
 
 from .base import (FINGERPRINT_PADDING, AllValidRouter, Backend, BuildContext, CandidateResult, CandidateSkipped,
                    Runner, output_fingerprint, requested_variants)
 from .cuda_graph import CapturedCall
 from .recipe import Recipe, parse as parse_recipe
+from .registry import BackendChoice, BackendDescriptor, register
 
 FAITHFUL = "torch-compile"
 KERNEL_ATTENTION = "torch-compile-faithful-attention"  # the faithful graph with kkdeploy.kernels' attention
 KERNELS = "torch-compile-faithful-kernels"  # ... and with kkdeploy.kernels' rows LayerNorm too
 GEMMS = "torch-compile-faithful-gemms"  # ... and with kkdeploy.kernels' GEMMs with fused epilogues too
-OUR_KERNEL_FORMS = ("faithful-kernel", "faithful-kernels", "faithful-gemms")
+OUR_KERNEL_FORMS = ("faithful-attention", "faithful-kernels", "faithful-gemms")
 # fused variant -> (half_gemm, calibrated float16 blocks), names derived from their recipes (engines.recipe)
 FUSED_VARIANTS = {Recipe("torch-compile", attention="fused", precision=p).name: (p.startswith("half-gemm"),
                                                                                   p.endswith("fp16-blocks"))
@@ -87,7 +87,7 @@ def uses_kernel_linear(name: str) -> bool:
 
 #: the kinds of kernel op each of our-kernel forms runs (``kkdeploy.kernels.model_proofs``), the one it adds to
 #: the form below it last
-KERNEL_KINDS = {"faithful-kernel": ("attention",), "faithful-kernels": ("attention", "layer_norm"),
+KERNEL_KINDS = {"faithful-attention": ("attention",), "faithful-kernels": ("attention", "layer_norm"),
                 "faithful-gemms": ("attention", "layer_norm", "linear")}
 #: our-kernel candidate -> the candidate with one kernel kind fewer
 SMALLER = {KERNELS: KERNEL_ATTENTION, GEMMS: KERNELS}
@@ -237,6 +237,11 @@ class CompiledModuleRunner(Runner):
         # It is an inference tensor; outside inference mode the caller gets a normal one (as eager would give).
         return y if torch.is_inference_mode_enabled() else y.clone()
 
+    def release(self) -> None:
+        if self.captured is not None:
+            self.captured.close()  # the graph replays the compiled kernels on the model's memory: first
+        self.captured = self.compiled = self.keep_alive = None
+
 
 class CompiledRunner(CompiledModuleRunner):
     """The faithful variant: the exported reference with its sensitive ops opaque, faithful Inductor settings."""
@@ -268,7 +273,7 @@ class TorchCompileBackend(Backend):
         return AOTI.unavailable_reason(device, dtype)  # the same compiler, the same requirements
 
     def candidates(self, ctx: BuildContext) -> list[str]:
-        chosen = ctx.options.get("torch_compile_candidates")  # from a --backends choice such as torch-compile-fused
+        chosen = ctx.candidate_filter  # from a --backends choice such as torch-compile-fused
         if chosen is not None:  # float16 blocks exist only inside a float32 model
             return [n for n in chosen if not needs_float32(n) or ctx.dtype == torch.float32]
         contract = ctx.validation_plan.get("contract", "strict")
@@ -293,7 +298,8 @@ class TorchCompileBackend(Backend):
             half, calibrated = FUSED_VARIANTS[candidate]
             layers, calibration = (), None
             if calibrated:
-                calibration = calibrate_fused_layers(ctx.model, device, ctx.validation_plan, half_gemm=half)
+                calibration = ctx.calibrate_layers(fused_eager_twin(ctx.model, device, half))
+                calibration["calibrated_on"] = CALIBRATED_ON_EAGER_TWIN
                 if not calibration["passed"]:
                     raise KKError("no float16 block set passed calibration (not even none); "
                                   f"{calibration['tried'][-1].get('reason', '')}")
@@ -401,6 +407,13 @@ def adopt_kernel_proofs(artifact_dir: Path, name: str, options: dict, model, con
 
 
 BACKEND = TorchCompileBackend()
+DESCRIPTOR = register(BackendDescriptor(
+    key=TorchCompileBackend.name, module=__name__, recipe_name="torch-compile", libraries=("torch",),
+    choices=(BackendChoice("torch-compile", default_on=("cuda",)),
+             BackendChoice("torch-compile-fused", tuple(FUSED_VARIANTS))),
+    default_variants=default_variants,
+    attentions=frozenset({"reference", "sdpa-last", "fused", *OUR_KERNEL_FORMS}),
+    precisions=frozenset({"model", "fp16-blocks", "half-gemm", "half-gemm+fp16-blocks"})))
 
 
 class MixedForward(torch.nn.Module):
@@ -486,15 +499,15 @@ def fused_model(reference: torch.nn.Module, fp16_layers=(), half_gemm: bool = Fa
     return FusedTransformer(reference, fp16_layers, half_gemm=bool(half_gemm))
 
 
-def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, plan: dict,
-                           half_gemm: bool = False) -> dict:
-    """The float16 blocks of ``torch-compile-fused[-half-gemm]-mixed``, searched on the build's trial plan.
+# Where a fused candidate's float16 blocks were searched, for its calibration record.
+CALIBRATED_ON_EAGER_TWIN = "the eager twin (CUDA-graph captured on CUDA), not the compiled graph"
 
-    Each tried set runs on its eager twin, routed by mask like the compiled runner (two CUDA-graph captures
-    on a GPU): a compile per tried set would cost minutes. The compiled model is then validated with every
-    other candidate, so what ships has passed."""
-    from validation.calibration import calibrate_layers
 
+def fused_eager_twin(reference: torch.nn.Module, device: torch.device, half_gemm: bool = False):
+    """``runner_for_layers`` of a ``torch-compile-fused[-half-gemm]-mixed`` calibration: each tried float16 block
+    set runs on its eager twin, routed by mask like the compiled runner (two CUDA-graph captures on a GPU),
+    because a compile per tried set would cost minutes. The compiled model is then validated with every other
+    candidate, so what ships has passed."""
     def runner_for(layers):
         model = fused_model(reference, layers, half_gemm)
         if torch.device(device).type != "cuda":
@@ -507,10 +520,4 @@ def calibrate_fused_layers(reference: torch.nn.Module, device: torch.device, pla
 
         return AllValidRouter(captured(model.all_valid_forward, True), captured(model.fused_forward, False))
 
-    start = time.perf_counter()
-    record = calibrate_layers(reference, runner_for, all_valid_only=False, contract=plan.get("contract", "judge"),
-                              seed=plan.get("seed", DEFAULT_SEED), trials=plan.get("trials", DEFAULT_TRIALS),
-                              padding_ratio=plan.get("padding_ratio", 0.25))
-    record["seconds"] = round(time.perf_counter() - start, 3)
-    record["calibrated_on"] = "the eager twin (CUDA-graph captured on CUDA), not the compiled graph"
-    return record
+    return runner_for

@@ -19,6 +19,7 @@ from kkdeploy.inputs import AllValidMaskCache
 
 from .base import BUILT, Backend, BuildContext, CandidateResult, Runner
 from .cuda_graph import CapturedCall
+from .registry import BackendChoice, BackendDescriptor, register
 
 VARIANTS = {
     "torch-graph": {"model": "reference", "sdpa_layers": 0, "all_valid_only": False},
@@ -57,6 +58,10 @@ class CudaGraphRunner(Runner):
             raise KKError(f"{self.backend} serves all-valid calls only; route padded calls to the fallback")
         return self.captured(x, mask)
 
+    def release(self) -> None:
+        self.captured.close()  # the graph first: it reads the model's memory
+        self.captured = self.model = None
+
 
 def model_for_variant(variant: dict, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
                       state_dict: dict):
@@ -80,7 +85,7 @@ class TorchGraphBackend(Backend):
         return None
 
     def candidates(self, ctx: BuildContext) -> list[str]:
-        wanted = ctx.options.get("torch_graph_candidates")
+        wanted = ctx.candidate_filter
         return [n for n in VARIANTS if wanted is None or n in wanted]
 
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
@@ -100,3 +105,9 @@ class TorchGraphBackend(Backend):
 
 
 BACKEND = TorchGraphBackend()
+# Its mixed-precision routes are bench-only (kkdeploy.pipeline.bench), so its recipes keep the model's dtype.
+DESCRIPTOR = register(BackendDescriptor(
+    key=TorchGraphBackend.name, module=__name__, recipe_name="torch-graph", libraries=("torch",),
+    choices=(BackendChoice("torch-graph", default_on=("cuda",)),),
+    default_variants=lambda device, dtype, contract: list(VARIANTS),
+    attentions=frozenset({"reference", "reference-nomask", "sdpa-last"})))

@@ -24,6 +24,7 @@ from kkdeploy.errors import KKError
 
 from .base import (BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
                    timed_build)
+from .registry import BackendChoice, BackendDescriptor, register
 
 ENGINE_FILE = "engine.plan"
 BUILD_LOG = "trt-build.log"
@@ -103,6 +104,11 @@ class TrtRunner(Runner):
         if not self.context.execute_async_v3(stream.cuda_stream):
             raise RuntimeError("TensorRT execute_async_v3 failed")
         return self.buffers["y"].clone()  # on the same stream: ordered after the engine
+
+    def release(self) -> None:
+        self.context = None  # the execution context belongs to the engine and addresses the buffers: first
+        self.buffers = {}
+        self.engine = None
 
 
 class TrtBackend(Backend):
@@ -194,3 +200,8 @@ class TrtBackend(Backend):
 
 
 BACKEND = TrtBackend()
+# Precision comes through the graph: ONNX graphs cannot express half GEMMs (docs/exporter.md).
+DESCRIPTOR = register(BackendDescriptor(
+    key=TrtBackend.name, module=__name__, recipe_name="trt", libraries=("tensorrt",), needs_onnx=True,
+    choices=(BackendChoice("trt", default_on=("cuda",)),),
+    precisions=frozenset({"model", "fp16-blocks", "autocast"})))

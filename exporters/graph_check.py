@@ -9,7 +9,7 @@ import torch
 from onnx import TensorProto
 
 from kkdeploy.config import TransformerConfig
-from kkdeploy.errors import KKError
+from kkdeploy.errors import KKError, first_line
 
 from .onnx_graph import onnx_elem_type
 from .options import CUSTOM_DOMAIN
@@ -36,12 +36,7 @@ def _load(model_or_path) -> onnx.ModelProto:
     try:
         return onnx.load(str(path))
     except Exception as exc:
-        raise GraphCheckError(f"{path} is not a readable ONNX model: {str(exc).splitlines()[0]}") from None
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+        raise GraphCheckError(f"{path} is not a readable ONNX model: {first_line(exc)}") from None
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -49,11 +44,11 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as exc:
-        raise GraphCheckError(f"onnx.checker rejects the graph: {_first_line(exc)}") from None
+        raise GraphCheckError(f"onnx.checker rejects the graph: {first_line(exc)}") from None
     try:
         return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except Exception as exc:
-        raise GraphCheckError(f"shape inference fails: {_first_line(exc)}") from None
+        raise GraphCheckError(f"shape inference fails: {first_line(exc)}") from None
 
 
 def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:

@@ -36,6 +36,12 @@ GELU_MODES = {
     "custom": "one kkdeploy::Gelu node in the model dtype (our custom-op library): ATen's FP32 formula, one rounding",
     "tanh": "tanh approximation: UNFAITHFUL, exists only so tests can prove the graph check rejects it",
 }
+FAITHFUL_GELU_MODES = tuple(m for m in GELU_MODES if m != "tanh")  # what a user may ask for
+
+
+def gelu_modes_at(opset: int) -> list[str]:
+    """The faithful GELU modes an export at ``opset`` can write (one Gelu node needs opset 20)."""
+    return [m for m in FAITHFUL_GELU_MODES if m != "exact_op" or opset >= GELU_OP_MIN_OPSET]
 
 
 def _choice(name: str, value: str, modes: dict) -> None:

@@ -1,7 +1,7 @@
 """Precision repair: which transformer blocks of a float32 export may compute in float16.
 
 Under the judge contract the model is float32 and a candidate may compute in float16 internally as long as
-every element passes (issue 6). ``ExportOptions.fp16_layers`` writes such a mixed graph; this module chooses
+every element passes. ``ExportOptions.fp16_layers`` writes such a mixed graph; this module chooses
 the set. It is pure logic: the caller's ``passes(fp16_layers)`` does the work (export with those layers,
 build the backend, run ``validate_candidates`` under the contract), so the search is backend-independent.
 

@@ -18,6 +18,7 @@ import platform
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterable, Mapping
 
 import torch
 
@@ -134,6 +135,14 @@ def device_info(device: torch.device) -> dict:
 
 def environment(device: torch.device) -> dict:
     return {"device": device_info(device), "versions": library_versions(), "python": platform.python_version()}
+
+
+def first_difference(recorded: Mapping, here: Mapping, keys: Iterable[str]) -> str | None:
+    """The first of ``keys`` whose recorded value differs from this environment's; None when all agree.
+
+    Every check of an artifact against the environment loading it (the manifest's device and library versions,
+    an AOTInductor package's keys) compares through here; each caller words the difference as its sentence."""
+    return next((key for key in keys if recorded.get(key) != here.get(key)), None)
 
 
 # -- locking and atomic directories ------------------------------------------------------------

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from engines.base import FAILED, PASSED, PASSED_ALL_VALID_ONLY, UNAVAILABLE
+from kkdeploy.status import FAILED, PASSED, PASSED_ALL_VALID_ONLY, UNAVAILABLE
 from kkdeploy import artifacts
 from kkdeploy.pipeline.chooser import FALLBACK, choose
 from kkdeploy.errors import KKError

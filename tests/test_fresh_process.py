@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import engines
 import kkdeploy
+from engines import registry
 from engines.fresh_process import CRASHED, HUNG, OK, probe, signal_reason
 from kkdeploy.cli import main as cli_main
-from kkdeploy.pipeline import build as build_module
 from kkdeploy.pipeline import runtime
 from tests.native_backends import CRASH_ENV
 
@@ -32,11 +31,15 @@ TEST_BACKENDS = {"segfault-on-load": "tests.native_backends:SEGFAULT", "hang-on-
                  "faithful-native": "tests.native_backends:FAITHFUL"}
 
 
+def descriptor(key: str, spec: str) -> registry.BackendDescriptor:
+    """A test backend as a module registers one: its own --backends name, outside the recipe grammar."""
+    return registry.BackendDescriptor(key, spec, choices=(registry.BackendChoice(key),))
+
+
 @pytest.fixture
 def native_backends(monkeypatch):
     for key, spec in TEST_BACKENDS.items():
-        monkeypatch.setitem(engines.BACKEND_MODULES, key, spec)
-        monkeypatch.setitem(build_module.BACKEND_CHOICES, key, (key, None))
+        monkeypatch.setitem(registry.DESCRIPTORS, key, descriptor(key, spec))
 
 
 def manifest_of(out: Path) -> dict:
@@ -130,8 +133,8 @@ def test_a_passing_probe_is_cached_per_environment(shipped_native, monkeypatch):
 def test_kkdeploy_run_serves_the_fallback_when_the_engine_crashes_on_load(shipped_native, monkeypatch):
     set_environment_key(shipped_native, "another-machine")
     env = {**os.environ, CRASH_ENV: "1"}
-    code = ("import sys, engines; "
-            f"engines.BACKEND_MODULES.update({TEST_BACKENDS!r}); "
+    code = ("import sys; from engines import registry as r; "
+            f"[r.register(r.BackendDescriptor(k, s, (r.BackendChoice(k),))) for k, s in {TEST_BACKENDS!r}.items()]; "
             "from kkdeploy.cli import main; sys.exit(main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", code, "run", "--artifacts", str(shipped_native)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -8,7 +8,7 @@ import torch
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import generate_case
 from kkdeploy.models.mixed import MixedPrecisionTransformer
-from validation.calibration import calibrate_layers
+from kkdeploy.pipeline.calibration import calibrate_layers
 from kkdeploy.models.reference import zero_invalid_rows
 from tests.conftest import SMALL, models_for
 

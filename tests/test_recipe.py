@@ -60,3 +60,11 @@ def test_backends_take_short_names_and_exact_candidate_names():
     assert parse_backends("torch-graph,inductor-sdpa1", torch.device("cpu")) == ["torch-graph", "inductor-sdpa1"]
     with pytest.raises(KKError, match="unknown backend 'tensorrt'"):
         parse_backends("tensorrt", torch.device("cpu"))
+
+
+def test_the_attention_kernel_form_has_its_own_name_and_old_records_still_read():
+    """Once 'faithful-kernel', one letter from 'faithful-kernels'; now named as its candidate suffix."""
+    recipe = parse("torch-compile-faithful-attention")
+    assert recipe.attention == "faithful-attention" != parse("torch-compile-faithful-kernels").attention
+    old = {**recipe.to_dict(), "attention": "faithful-kernel"}  # a manifest's recipe record before the rename
+    assert Recipe(**old) == recipe and Recipe(**old).name == "torch-compile-faithful-attention"

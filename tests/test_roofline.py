@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kkdeploy import TransformerConfig
+from kkdeploy import ReferenceTransformer, TransformerConfig
 from kkdeploy.config import official_config
 from kkdeploy.pipeline import launches as launches_module
 from kkdeploy.pipeline import machine_limits
@@ -200,9 +200,10 @@ def test_the_timed_capture_follows_the_routers():
     router = AllValidRouter.__new__(AllValidRouter)
     router.all_valid, router.padded = SimpleNamespace(captured=valid), SimpleNamespace(captured=padded)
     assert timed_capture(router) is valid  # the timed input is all-valid
-    served = ServedRunner(fallback=object(), engine=router)
+    fallback = ReferenceTransformer(TransformerConfig(1, 4, 8, 2, 8, 1))  # a ServedRunner is a Runner of its shape
+    served = ServedRunner(fallback=fallback, engine=router)
     assert timed_capture(served) is valid
-    assert timed_capture(ServedRunner(fallback=object())) is None  # the fallback is not captured
+    assert timed_capture(ServedRunner(fallback=fallback)) is None  # the fallback is not captured
     assert timed_capture(torch.nn.Linear(2, 2)) is None
 
 

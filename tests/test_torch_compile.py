@@ -228,7 +228,7 @@ def test_fused_choice_in_a_float16_build_skips_the_variants_with_float16_inside(
 
     reference, _ = build_models(TINY, torch.float16, CPU)
     ctx = BuildContext(TINY, torch.float16, CPU, reference, out_dir=tmp_path,
-                       options={"torch_compile_candidates": list(FUSED_VARIANTS)})
+                       candidate_filter=tuple(FUSED_VARIANTS))
     assert BACKEND.candidates(ctx) == [FUSED]
 
 

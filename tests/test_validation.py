@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from polygraphy.comparator import Comparator, SimpleCompareFunc
 
-from engines.base import FAILED, PASSED, PASSED_ALL_VALID_ONLY
+from kkdeploy.status import FAILED, PASSED, PASSED_ALL_VALID_ONLY
 from kkdeploy import KKError, TransformerConfig, generate_case
 from validation import (
     CallableRunner,

@@ -16,11 +16,11 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from engines.base import FAILED, PASSED, PASSED_ALL_VALID_ONLY
 from kkdeploy.artifacts import json_safe, write_json
 from kkdeploy.config import TransformerConfig, dtype_name
-from kkdeploy.errors import KKError
+from kkdeploy.errors import KKError, error_summary
 from kkdeploy.inputs import DEFAULT_SEED, DEFAULT_TRIALS
+from kkdeploy.status import FAILED, PASSED, PASSED_ALL_VALID_ONLY
 
 from .polygraphy_glue import (
     CallableRunner,
@@ -32,16 +32,6 @@ from .polygraphy_glue import (
 )
 from .strict import ComparisonReport, contract as contract_tolerances
 from .trials import ALL_VALID, DEFAULT_PADDING_RATIO, MODES, PADDED, check_plan_args, trial_plan
-
-MAX_ERROR_CHARS = 500
-
-
-def error_text(exc: BaseException) -> str:
-    """``Type: first line of the message``, bounded, for reports and manifests."""
-    lines = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
-
 
 @dataclass
 class TrialRecord:
@@ -277,7 +267,7 @@ def validate_candidates(
                     compare_runs(reference_results, candidate_results, compare)
                     record.report = compare.reports[-1]["y"]
                 except Exception as exc:  # a broken candidate is a failed candidate, never a crash
-                    record.error = error_text(exc)
+                    record.error = error_summary(exc)
                     cand.skipped[trial.mode] = f"stopped after {trial.describe()} raised"
                 finally:
                     candidate_results = None  # free the output before the next candidate runs

@@ -12,7 +12,9 @@ from pathlib import Path
 from ..config import TransformerConfig, dtype_name
 from ..console import console, progress_bar, table
 from ..errors import KKError
-from .common import CUSTOM_SHAPE_FLAGS, add_runtime_args, add_shape_args, add_tf32_arg, resolve_config, resolve_runtime
+from ..pipeline.bench import DEFAULT_PROCESSES
+from .common import (CUSTOM_SHAPE_FLAGS, add_contract_arg, add_protocol_args, add_runtime_args, add_shape_args,
+                     add_tf32_arg, resolve_config, resolve_runtime)
 
 
 def register(sub):
@@ -20,12 +22,10 @@ def register(sub):
     add_shape_args(p, required=False)
     p.add_argument("--all", action="store_true", help="official shapes 1-13 (14 takes the long-context path)")
     add_runtime_args(p)
-    p.add_argument("--contract", default="strict", choices=["strict", "judge"])
-    p.add_argument("--padding-ratio", type=float, default=0.25, help="padding ratio of the padded trials (0.25)")
-    p.add_argument("--processes", type=int, default=3, help="fresh processes per shape, run one after another (3)")
-    p.add_argument("--warmups", type=int, default=20, help="untimed calls per backend per round (20)")
-    p.add_argument("--repeats", type=int, default=100, help="timed calls per backend per round (100)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds over all backends (3)")
+    add_contract_arg(p)
+    add_protocol_args(p)
+    p.add_argument("--processes", type=int, default=DEFAULT_PROCESSES,
+                   help=f"fresh processes per shape, run one after another ({DEFAULT_PROCESSES})")
     p.add_argument("--candidates", help="comma-separated candidates to validate and time (default: per device; "
                    "float32 + judge adds the mixed-precision ones); see docs/benchmark.md")
     add_tf32_arg(p)

@@ -5,12 +5,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from engines.fresh_process import DEFAULT_TIMEOUT_S
+from engines.ort import OPT_LEVELS
+from exporters.options import DEFAULT_OPSET, LAYER_NORM_MODES, LINEAR_MODES, gelu_modes_at
+
 from ..pipeline.build import (BACKEND_CHOICES, BuildRequest, default_out_dir, parse_backends, parse_batch_buckets,
                               print_summary, run_build)
 from ..config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES
+from ..pipeline.long_context import REDUCED_SEQ_LEN
+from ..pipeline.long_context_plan import (DEFAULT_FULL_LENGTH_BATCH, DEFAULT_FULL_LENGTH_BUDGET_S,
+                                          DEFAULT_FULL_LENGTH_TRIALS)
 from ..console import console
 from ..errors import KKError
-from .common import add_runtime_args, add_shape_args, add_tf32_arg, resolve_config, resolve_runtime
+from .common import (add_contract_arg, add_protocol_args, add_runtime_args, add_shape_args, add_tf32_arg,
+                     resolve_config, resolve_runtime)
 
 
 def register(sub):
@@ -21,40 +29,37 @@ def register(sub):
     p.add_argument("--backends", help=f"comma list from {','.join(BACKEND_CHOICES)} (default: all available here)")
     p.add_argument("--out", help="artifact directory (default artifacts/shape-NN-<dtype>-<device>)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
-    p.add_argument("--contract", default="strict", choices=["strict", "judge"])
+    add_contract_arg(p)
     p.add_argument("--probe-timeout", type=float, default=None, metavar="S",
                    help="seconds a candidate with a native loader (inductor, trt) may take to load and answer once "
-                        "in a fresh process before it is recorded as load-hung (default 600)")
+                        f"in a fresh process before it is recorded as load-hung (default {DEFAULT_TIMEOUT_S:g})")
     add_tf32_arg(p)
     p.add_argument("--batch-buckets", metavar="N,N,...",
                    help="also build and validate engines at these smaller batch sizes (the artifact's batch is "
                         "always the largest): kkdeploy.load then takes any batch up to it and runs the smallest "
                         "bucket that holds it; each bucket passes the strict gate on its own")
-    p.add_argument("--padding-ratio", type=float, default=0.25, help="padding ratio of the padded trials (default 0.25)")
-    p.add_argument("--warmups", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=3)
+    add_protocol_args(p)
     lc = p.add_argument_group("long context (shape 14, or a custom shape with --long-context)")
     lc.add_argument("--long-context", action="store_true",
                     help="build a custom shape on the bounded-memory long-context path (shape 14 always takes it)")
     lc.add_argument("--seq-len-validate", dest="validate_seq_len", type=int,
-                    help="sequence length of the reduced validation shape (default 4096)")
+                    help=f"sequence length of the reduced validation shape (default {REDUCED_SEQ_LEN})")
     lc.add_argument("--full-length-batch", type=int, default=None,
                     help="sequences of the full-length trials, run where the reduced shape misses a path the "
-                         "full shape runs (default 2)")
+                         f"full shape runs (default {DEFAULT_FULL_LENGTH_BATCH})")
     lc.add_argument("--full-length-trials", type=int, default=None,
-                    help="full-length trials per mask mode (default 1)")
+                    help=f"full-length trials per mask mode (default {DEFAULT_FULL_LENGTH_TRIALS})")
     lc.add_argument("--full-length-budget", type=float, default=None, metavar="S",
                     help="full-length trials estimated to take longer than this are not run, and the paths only "
-                         "they would check are not shipped (default 600)")
-    p.add_argument("--ort-level", choices=["disabled", "basic", "extended", "all"],
+                         f"they would check are not shipped (default {DEFAULT_FULL_LENGTH_BUDGET_S:g})")
+    p.add_argument("--ort-level", choices=list(OPT_LEVELS),
                    help="ONNX Runtime graph optimization level (default: extended on CPU, basic on CUDA)")
-    p.add_argument("--linear", choices=["gemm", "matmul_add", "fp32", "bias_in_k", "custom"],
+    p.add_argument("--linear", choices=list(LINEAR_MODES),
                    help="how the exporter writes each Linear (default gemm); custom: our kkdeploy::Linear op, "
                         "compiled on demand and shipped in the artifact")
-    p.add_argument("--layer-norm", choices=["onnx", "custom"],
+    p.add_argument("--layer-norm", choices=list(LAYER_NORM_MODES),
                    help="how the exporter writes each LayerNorm (default onnx); custom: our kkdeploy::LayerNorm op")
-    p.add_argument("--gelu", choices=["exact", "custom"],
+    p.add_argument("--gelu", choices=gelu_modes_at(DEFAULT_OPSET),
                    help="how the exporter writes each GELU (default exact: the Erf chain in FP32); custom: our "
                         "kkdeploy::Gelu op")
     p.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction, default=None,

@@ -11,14 +11,14 @@ from ..console import console, progress_bar
 from ..errors import KKError
 from ..inputs import generate_case
 from ..models.weights import build_models
-from .common import add_runtime_args, add_shape_args, resolve_config, resolve_runtime
+from .common import add_contract_arg, add_runtime_args, add_shape_args, resolve_config, resolve_runtime
 
 
 def register(sub):
     p = sub.add_parser("check", help="run the accuracy trials of the optimized PyTorch model against the reference")
     add_shape_args(p)
     add_runtime_args(p)
-    p.add_argument("--contract", default="strict", choices=["strict", "judge"])
+    add_contract_arg(p)
     p.add_argument("--sdpa-layers", type=int, default=1, help="layers (from the last) using packed SDPA (default 1)")
     p.add_argument("--padding-ratio", type=float, default=0.0, help="padding ratio of the trials (default 0)")
     p.add_argument("--reduced", action="store_true", help="shape 14: validate on the reduced long-context shape "

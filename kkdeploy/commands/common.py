@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from validation.strict import CONTRACTS, DEFAULT_CONTRACT
+from validation.trials import DEFAULT_PADDING_RATIO
+
 from ..config import TransformerConfig, default_dtype, official_config, parse_dtype, resolve_device
 from ..errors import KKError
 from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS
+from ..pipeline.timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS
 
 CUSTOM_SHAPE_FLAGS = {
     "batch_size": "--batch-size", "seq_len": "--seq-len", "d_model": "--d-model",
@@ -29,6 +33,25 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="safetensors file or torch state dict (default: seeded random weights)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"first trial seed (default {DEFAULT_SEED})")
     parser.add_argument("--trials", type=int, default=DEFAULT_TRIALS, help=f"accuracy trials (default {DEFAULT_TRIALS})")
+
+
+def add_contract_arg(parser: argparse.ArgumentParser, default: str | None = DEFAULT_CONTRACT,
+                     help: str | None = None) -> None:
+    """``--contract``, its choices the contracts ``validation.strict.CONTRACTS`` defines."""
+    parser.add_argument("--contract", default=default, choices=list(CONTRACTS),
+                        help=help or f"accuracy rule (default {default})")
+
+
+def add_protocol_args(parser: argparse.ArgumentParser) -> None:
+    """The padded trials' ratio and the timing protocol, with the defaults of the modules that own them."""
+    parser.add_argument("--padding-ratio", type=float, default=DEFAULT_PADDING_RATIO,
+                        help=f"padding ratio of the padded trials (default {DEFAULT_PADDING_RATIO})")
+    parser.add_argument("--warmups", type=int, default=DEFAULT_WARMUPS,
+                        help=f"untimed calls per candidate per round (default {DEFAULT_WARMUPS})")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help=f"timed calls per candidate per round (default {DEFAULT_REPEATS})")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                        help=f"alternating rounds over all candidates (default {DEFAULT_ROUNDS})")
 
 
 def add_tf32_arg(parser: argparse.ArgumentParser) -> None:

@@ -16,9 +16,9 @@ GIB = 1 << 30
 
 
 def register(sub):
-    from exporters import GELU_MODES, LAYER_NORM_MODES, LINEAR_MODES, QKV_MODES
+    from exporters import LAYER_NORM_MODES, LINEAR_MODES, QKV_MODES
     from exporters.budget import DEFAULT_MEMORY_BUDGET_BYTES
-    from exporters.options import DEFAULT_OPSET
+    from exporters.options import DEFAULT_OPSET, FAITHFUL_GELU_MODES
 
     p = sub.add_parser("export", help="export the faithful ONNX graph (model.onnx + export.json) for one shape")
     add_shape_args(p)
@@ -35,7 +35,7 @@ def register(sub):
                    help="LayerNorm and GELU in the model dtype instead of FP32 cast once")
     p.add_argument("--no-scale-in-fp32", dest="scale_in_fp32", action="store_false", default=True,
                    help="scale the scores by a constant in the model dtype (unlike PyTorch)")
-    p.add_argument("--gelu", default="exact", choices=[m for m in GELU_MODES if m != "tanh"],
+    p.add_argument("--gelu", default="exact", choices=list(FAITHFUL_GELU_MODES),
                    help="exact: Erf chain; exact_op: one Gelu node (opset >= 20)")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     p.add_argument("--memory-budget-gb", type=float, default=DEFAULT_MEMORY_BUDGET_BYTES / GIB,

@@ -10,11 +10,12 @@ import time
 
 import torch
 
-from validation import compare_outputs, contract
+from validation import DEFAULT_CONTRACT, compare_outputs, contract
 
 from ..console import console
 from ..errors import KKError
 from ..inputs import DEFAULT_SEED, generate_case
+from .common import add_contract_arg
 
 
 def register(sub):
@@ -23,8 +24,7 @@ def register(sub):
     p.add_argument("--device", default=None, help="default: the device the artifacts were built for")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--padding-ratio", type=float, default=0.0)
-    p.add_argument("--contract", default=None, choices=["strict", "judge"],
-                   help="default: the contract the artifacts were validated under (manifest)")
+    add_contract_arg(p, default=None, help="default: the contract the artifacts were validated under (manifest)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls (default 20; 1 for long-context artifacts)")
     lc = p.add_argument_group("long-context artifacts (shape 14)")
     lc.add_argument("--check-sequences", type=int, default=None,
@@ -61,7 +61,7 @@ def run(args) -> int:
     reference.load_state_dict(model.state_dict(), strict=True)
     reference = reference.to(device=device, dtype=dtype).eval()
     manifest = getattr(runner, "manifest", None) or {}
-    rule = args.contract or (manifest.get("validation") or {}).get("contract", "strict")
+    rule = args.contract or (manifest.get("validation") or {}).get("contract", DEFAULT_CONTRACT)
     x, mask = generate_case(config, device, dtype, args.seed, padding_ratio=args.padding_ratio)
     with torch.inference_mode():
         with tf32_mode(bool(manifest.get("tf32", False))):

@@ -14,7 +14,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 
 from kkdeploy.errors import KKError
 

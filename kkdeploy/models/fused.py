@@ -81,7 +81,7 @@ def half_gemm_kernel(device: torch.device | str) -> str:
 @functools.cache
 def mm_to_float32_traceable() -> bool:
     """Whether this torch has ``aten::mm.dtype`` (float16 x float16 -> float32) with the meta kernel that
-    ``torch.compile`` traces through (torch 2.11.0+cu130 on an H200 failed to fake-trace ``aten::addmm.dtype``)."""
+    ``torch.compile`` traces through (the H200's torch failed to fake-trace ``aten::addmm.dtype``: docs/results.md)."""
     try:
         a = torch.empty(2, 2, dtype=torch.float16, device="meta")
         return torch.ops.aten.mm.dtype(a, a, torch.float32).dtype == torch.float32

@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from ..config import TransformerConfig
-from ..errors import KKError
+from ..errors import KKError, first_line
 from .reference import ReferenceTransformer, zero_invalid_rows
 
 DEFAULT_QUERY_TILE = 128
@@ -47,7 +47,7 @@ def fused_attention(q, k, v, scale: float, causal: bool, backends) -> torch.Tens
         with sdpa_kernel(list(backends)):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     except RuntimeError as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         raise KKError(
             f"scaled_dot_product_attention refused the {backend_names(backends)} backend(s) for "
             f"{q.dtype} {list(q.shape)} on {q.device} ({reason}); the math backend is never used for long "

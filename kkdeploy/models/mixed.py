@@ -1,11 +1,11 @@
 """Mixed precision in PyTorch: a float32 model whose chosen blocks compute in float16.
 
-The judge contract (issue 6) lets a float32 candidate compute in float16 internally as long as every
+The judge contract lets a float32 candidate compute in float16 internally as long as every
 element passes. This is the PyTorch twin of the exporter's ``ExportOptions.fp16_layers`` graph, with
 the same semantics: the residual stream is cast to float16 on entry to a listed block, the block runs
 exactly as the float16 model runs it (same ops, float16 weights), and its result is cast back to
 float32; unlisted blocks and the final LayerNorm stay float32. Which blocks may be float16 is not
-guessed: ``validation.calibration.calibrate_layers`` searches it per shape against the validator.
+guessed: ``kkdeploy.pipeline.calibration.calibrate_layers`` searches it per shape against the validator.
 
 ``fast_forward`` (all-valid masks only) also swaps the float16 blocks' attention for packed QKV +
 SDPA, as ``OptimizedTransformer`` does; float32 blocks keep the reference order.

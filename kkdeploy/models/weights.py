@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..config import TransformerConfig
-from ..errors import KKError
+from ..errors import KKError, error_summary
 
 DEFAULT_WEIGHT_SEED = 0
 
@@ -45,7 +45,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             return load_file(str(path))
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # corrupt or foreign file
-        raise KKError(f"cannot read weights from {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        raise KKError(f"cannot read weights from {path}: {error_summary(exc)}") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

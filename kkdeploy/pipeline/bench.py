@@ -1,4 +1,4 @@
-"""`kkdeploy bench`: the organizer's protocol, shape by shape (design.md §4, issue 6).
+"""`kkdeploy bench`: the organizer's protocol, shape by shape (design.md §4).
 
 For each shape, in ``processes`` fresh processes one after another: accuracy first (every
 candidate through ``validate_candidates`` on all trials; a candidate that fails is not timed),
@@ -24,17 +24,21 @@ from pathlib import Path
 
 import torch
 
-from engines.base import PASSED, PASSED_ALL_VALID_ONLY
+from engines.base import close_all
+from validation.strict import DEFAULT_CONTRACT
+from validation.trials import DEFAULT_PADDING_RATIO
 
 from ..config import LONG_CONTEXT_SHAPES, OFFICIAL_SHAPES, TransformerConfig, dtype_name, official_config
-from ..errors import KKError
+from ..errors import KKError, error_summary
 from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
+from ..status import PASSED, PASSED_ALL_VALID_ONLY
 from .launches import count_launches
 from .machine_limits import measure_limits
 from .roofline import attach_roofline, call_work, format_fraction
 from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS, LatencyStats, measure_latency
 
 BENCH_FORMAT = "kkdeploy-bench/1"
+DEFAULT_PROCESSES = 3  # fresh processes per shape: a process-level effect shows up as spread between them
 EAGER = "eager"
 REFERENCE_STATUS = "reference"
 SKIPPED = "skipped"
@@ -52,14 +56,14 @@ class BenchOptions:
 
     device: str
     dtype: str
-    contract: str = "strict"
-    processes: int = 3
+    contract: str = DEFAULT_CONTRACT
+    processes: int = DEFAULT_PROCESSES
     warmups: int = DEFAULT_WARMUPS
     repeats: int = DEFAULT_REPEATS
     rounds: int = DEFAULT_ROUNDS
     seed: int = DEFAULT_SEED
     trials: int = DEFAULT_TRIALS
-    padding_ratio: float = 0.25
+    padding_ratio: float = DEFAULT_PADDING_RATIO
     weights: str | None = None
     artifacts: str | None = None
     candidates: list[str] | None = None  # None: default_candidates(device, dtype, contract)
@@ -220,8 +224,9 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
     """
     import copy
 
-    from validation.calibration import calibrate_layers
+    from engines.torch_compile import CALIBRATED_ON_EAGER_TWIN
 
+    from .calibration import calibrate_fused_layers, calibrate_layers
     from ..models.fused import FusedTransformer
     from ..models.mixed import MixedPrecisionTransformer
 
@@ -259,8 +264,6 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
                     "padding_ratio": options.padding_ratio}
             start = time.perf_counter()
             if kind == "fused":  # the very search `kkdeploy build` runs for torch-compile-fused-mixed
-                from engines.torch_compile import calibrate_fused_layers
-
                 record = calibrate_fused_layers(reference, device, plan, half_gemm=half)
             else:
                 record = calibrate_layers(reference, lambda chosen: make_runner(model_for(chosen)),
@@ -272,7 +275,7 @@ def _make_mixed(name: str, reference, device: torch.device, options: "BenchOptio
         if first != name:
             calibration["reused_from"] = first
         if compiled:
-            calibration["calibrated_on"] = "the eager twin (CUDA-graph captured on CUDA), not the compiled graph"
+            calibration["calibrated_on"] = CALIBRATED_ON_EAGER_TWIN
         info["calibration"] = calibration
         layers = tuple(calibration["fp16_layers"])
     chosen = model_for(layers)
@@ -313,7 +316,7 @@ def bench_candidates(job: ShapeJob, options: BenchOptions, reference, device: to
             text = str(exc)
             skipped[name] = text if text.split(":")[0] in ("skipped", "unavailable") else f"unavailable: {text}"
         except Exception as exc:  # a capture or compile failure is a reported outcome, not a crash
-            skipped[name] = f"unavailable: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+            skipped[name] = f"unavailable: {error_summary(exc, 300)}"
         else:
             runners[name] = runner
             if valid_only:
@@ -359,6 +362,7 @@ def run_worker(job: ShapeJob, options: BenchOptions, process_index: int, log_dir
                                  contract=options.contract, all_valid_only=all_valid_only)
     if log_dir is not None:
         report.write_json(log_dir / f"validation-{job.label}-p{process_index}.json")
+    close_all(r for n, r in runners.items() if n not in report.passed())  # not timed: released before the timing
     backends: dict[str, dict] = {EAGER: {"status": REFERENCE_STATUS, "reason": "the PyTorch reference (eager)"}}
     for name in runners:
         cand = report.candidates[name]
@@ -387,6 +391,7 @@ def run_worker(job: ShapeJob, options: BenchOptions, process_index: int, log_dir
         for name in stats:  # after the timing, so that counting (CUPTI) cannot disturb it
             backends[name]["launches"] = count_launches(timed[name], calls[name], device,
                                                         profile_uncaptured=process_index == 0)
+    close_all(r for n, r in runners.items() if n in report.passed())
     for name, s in stats.items():
         backends[name]["latency"] = s.to_dict(include_times=True)
     return {"label": job.label, "shape_id": job.shape_id, "config": job.config.to_dict(), "process": process_index,
@@ -648,7 +653,7 @@ def roofline_lines(shapes: list[dict]) -> list[str]:
 
 def shape_tick_labels(shapes: list[dict]) -> list[str]:
     """Each shape's label; a shape measured in fewer processes than the others says so, so that a chart
-    pooled over several campaigns cannot pass one process off as three."""
+    pooled over several runs cannot pass one process off as three."""
     most = max((s.get("processes", 1) for s in shapes), default=1)
     return [s["label"] + (f" ({s['processes']} proc)" if s.get("processes", most) < most else "") for s in shapes]
 

@@ -13,32 +13,22 @@ from pathlib import Path
 
 import torch
 
-from engines import BuildContext, CandidateResult, get_backend
-from engines.base import BUILD_FAILED, BUILT, FAILED, PASSED, PASSED_ALL_VALID_ONLY, SKIPPED, UNAVAILABLE
-from engines.torch_compile import FUSED_VARIANTS
+from engines import BuildContext, CandidateResult, get_backend, registry
+from engines.base import close_all
+from validation.strict import DEFAULT_CONTRACT
+from validation.trials import DEFAULT_PADDING_RATIO
 
 from .. import artifacts
+from .calibration import layer_calibrator
 from .chooser import FALLBACK, choose
+from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS
 from ..config import TransformerConfig, dtype_name, tf32_default, tf32_mode
 from ..console import console, progress_bar, table
 from ..errors import KKError
 from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
 from ..models.weights import build_models, weights_sha256
+from ..status import BUILD_FAILED, BUILT, FAILED, PASSED, PASSED_ALL_VALID_ONLY, SKIPPED, UNAVAILABLE
 
-# User-facing backend names -> (backend module key, candidate filter option)
-BACKEND_CHOICES = {
-    "trt": ("trt", None),
-    "ort-cuda": ("ort", ["ort-cuda", "ort-cuda-graph"]),
-    "ort-cpu": ("ort", ["ort-cpu"]),
-    "torch-graph": ("torch_graph", None),
-    "inductor": ("inductor", None),
-    "torch-compile": ("torch_compile", None),
-    "torch-compile-fused": ("torch_compile", list(FUSED_VARIANTS)),
-}
-# AOTInductor (`inductor`) is opt-in: it compiles the same graph as torch-compile, and its packages segfault on
-# load in a fresh process on torch 2.11.0+cu130 (design.md §6); asked for, the fresh-process check guards it.
-DEFAULT_BACKENDS = {"cpu": ["ort-cpu"], "cuda": ["trt", "ort-cuda", "torch-graph", "torch-compile"]}
-ONNX_BACKENDS = {"trt", "ort"}
 FALLBACK_SDPA_LAYERS = (1, 0)  # calibrated: the most fused attention that still passes
 # Exporter defaults per device. On the H200 (FP16, ORT 1.31 CUDA EP) a Linear written as an FP32
 # MatMul + FP32 bias Add had the fewest strict failures of every variant (shape 2: 4 vs 129 for Gemm;
@@ -58,15 +48,15 @@ class BuildRequest:
     force: bool = False
     seed: int = DEFAULT_SEED
     trials: int = DEFAULT_TRIALS
-    padding_ratio: float = 0.25
-    contract: str = "strict"
-    warmups: int = 20
-    repeats: int = 100
-    rounds: int = 3
+    padding_ratio: float = DEFAULT_PADDING_RATIO
+    contract: str = DEFAULT_CONTRACT
+    warmups: int = DEFAULT_WARMUPS
+    repeats: int = DEFAULT_REPEATS
+    rounds: int = DEFAULT_ROUNDS
     tf32: bool | None = None  # None: config.tf32_default (on for float32 CUDA under the judge contract)
     options: dict = field(default_factory=dict)  # backend/exporter options, recorded in the manifest
     probe_timeout_s: float | None = None  # fresh-process load check; None: engines.fresh_process.DEFAULT_TIMEOUT_S
-    batch_buckets: list[int] | None = None  # smaller batch sizes built and validated beside B (issue 30)
+    batch_buckets: list[int] | None = None  # smaller batch sizes built and validated beside B
 
 
 def default_out_dir(shape_id: int | None, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> Path:
@@ -76,30 +66,43 @@ def default_out_dir(shape_id: int | None, config: TransformerConfig, dtype: torc
     return Path("artifacts") / f"{name}-{dtype_name(dtype)}-{device.type}"
 
 
-# engines.recipe's backend names -> backend module keys
-RECIPE_BACKEND_KEYS = {"ort": "ort", "trt": "trt", "torch-graph": "torch_graph", "torch-compile": "torch_compile",
-                       "inductor": "inductor"}
+def __getattr__(name: str):
+    """The backend tables, derived from the backends' descriptors (``engines.registry``) when read:
+    ``BACKEND_CHOICES`` (--backends name -> (backend key, candidate filter)), ``RECIPE_BACKEND_KEYS`` (recipe
+    backend name -> backend key), ``DEFAULT_BACKENDS`` (device type -> what a build without --backends asks for)
+    and ``ONNX_BACKENDS`` (backend keys that build from the exported graph)."""
+    if name == "BACKEND_CHOICES":
+        return registry.backend_choices()
+    if name == "RECIPE_BACKEND_KEYS":
+        return registry.recipe_backend_keys()
+    if name == "DEFAULT_BACKENDS":
+        return {device_type: registry.default_choices(device_type) for device_type in ("cpu", "cuda")}
+    if name == "ONNX_BACKENDS":
+        return registry.onnx_backends()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def backend_choice(name: str) -> tuple[str, list[str] | None, list[str] | None]:
-    """A --backends entry -> (backend key, candidate filter option, exact candidates). A short name from
-    BACKEND_CHOICES builds its backend's defaults; any other candidate name (``engines.recipe`` grammar,
-    e.g. ``inductor-sdpa1``) builds exactly that candidate."""
-    if name in BACKEND_CHOICES:
-        return (*BACKEND_CHOICES[name], None)
+    """A --backends entry -> (backend key, candidate filter, exact candidates). A backend's own ``--backends`` name
+    (``engines.registry.BackendChoice``) builds its variants or its defaults; any other candidate name
+    (``engines.recipe`` grammar, e.g. ``inductor-sdpa1``) builds exactly that candidate."""
+    found = registry.choice(name)
+    if found is not None:
+        descriptor, option = found
+        return descriptor.key, None if option.variants is None else list(option.variants), None
     from engines.recipe import parse
 
     try:
         recipe = parse(name)
     except KKError:
-        raise KKError(f"unknown backend {name!r}; choose from {', '.join(BACKEND_CHOICES)} or name one candidate "
-                      f"such as inductor-sdpa1 or torch-compile-faithful-attention") from None
-    return RECIPE_BACKEND_KEYS[recipe.backend], None, [name]
+        raise KKError(f"unknown backend {name!r}; choose from {', '.join(registry.choice_names())} or name one "
+                      f"candidate such as inductor-sdpa1 or torch-compile-faithful-attention") from None
+    return registry.recipe_backends()[recipe.backend].key, None, [name]
 
 
 def parse_backends(text: str | None, device: torch.device) -> list[str]:
     if not text:
-        return list(DEFAULT_BACKENDS[device.type])
+        return registry.default_choices(device.type)
     names = [n.strip() for n in text.split(",") if n.strip()]
     for name in names:
         backend_choice(name)
@@ -134,17 +137,15 @@ def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[Cand
             bar.advance()
             continue
         reason = backend.unavailable_reason(request.device, request.dtype)
-        if reason is None and key in ONNX_BACKENDS and ctx.onnx_path is None:
+        if reason is None and registry.descriptor(key).needs_onnx and ctx.onnx_path is None:
             reason = "skipped: the ONNX export did not run"
         if reason is not None:
             results.append(CandidateResult(user_name, key, UNAVAILABLE if reason.startswith("unavailable") else SKIPPED,
                                            reason))
             bar.advance()
             continue
-        if only is not None:
-            ctx.options[f"{key}_candidates"] = only
-        else:  # not the restriction an earlier choice of the same backend left behind
-            ctx.options.pop(f"{key}_candidates", None)
+        # None: the backend's defaults, not what an earlier choice of the same backend restricted it to
+        ctx.candidate_filter = None if only is None else tuple(only)
         for name in exact if exact is not None else backend.candidates(ctx):
             if any(r.name == name for r in results):  # two choices naming one variant build it once
                 continue
@@ -157,19 +158,19 @@ def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[Cand
 
 
 def probe_fresh_processes(request: BuildRequest, stage: Path, results: list[CandidateResult], bar) -> None:
-    """Load and call every candidate whose loader runs native code in a spawned child first (issue 17).
+    """Load and call every candidate whose loader runs native code in a spawned child first.
 
     A crash, a hang or an error there becomes the candidate's status and it is never loaded here; the
     child's output fingerprint is kept so that ``load_runners`` can check this process computes the same."""
     from engines import backend_module
-    from engines.base import FINGERPRINT_PADDING
+    from engines.base import fingerprint_padding
     from engines.fresh_process import DEFAULT_TIMEOUT_S, probe
 
     for result in results:
         if result.status != BUILT or not get_backend(result.backend).loads_native_code(result.to_dict()):
             continue
         bar.describe(f"load {result.name} in a fresh process")
-        ratios = FINGERPRINT_PADDING[:1] if result.options.get("all_valid_only") else FINGERPRINT_PADDING
+        ratios = fingerprint_padding(result.options.get("all_valid_only"))
         outcome = probe(backend_module(result.backend), stage, result.to_dict(), request.config, request.dtype,
                         request.device, tf32=bool(request.tf32), padding_ratios=ratios,
                         timeout_s=request.probe_timeout_s or DEFAULT_TIMEOUT_S)
@@ -197,6 +198,7 @@ def load_runners(request: BuildRequest, stage: Path, results: list[CandidateResu
                                          padding_ratios=probed["padding_ratios"]) != probed["fingerprint"]:
             result.status = FAILED
             result.reason = "its output in a fresh process differs from its output in the build's process"
+            runner.close()
             continue
         runners[result.name] = runner
     return runners
@@ -285,9 +287,9 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
 
     stage.mkdir(parents=True, exist_ok=True)
     atol, rtol = contract_tolerances(request.contract)
-    request.backends = request.backends or list(DEFAULT_BACKENDS[request.device.type])
+    request.backends = request.backends or registry.default_choices(request.device.type)
     request.tf32 = tf32_default(request.device, request.dtype, request.contract, request.tf32)
-    # Precision repair (issue 6): a float32 build under the judge contract also builds "-mixed" candidates
+    # Precision repair: a float32 build under the judge contract also builds "-mixed" candidates
     # whose float16 blocks are calibrated on this build's own trial plan. Checked before anything is written.
     if request.options.get("mixed_precision") is None:
         request.options["mixed_precision"] = request.dtype == torch.float32 and request.contract == "judge"
@@ -317,6 +319,7 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
                                options=dict(request.options))
             ctx.validation_plan = {"contract": request.contract, "seed": request.seed, "trials": request.trials,
                                    "padding_ratio": request.padding_ratio}
+            ctx.calibrate = layer_calibrator(reference, ctx.validation_plan)
             export_info = export_if_needed(request, reference, stage, ctx)
             bar.advance()
 
@@ -351,7 +354,8 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
             bar.advance()
 
             bar.describe("write")
-            del runners
+            close_all(runners.values())  # the engines, in the order they were loaded, before anything is written
+            del runners, passing
             artifacts.write_json(stage / "bench.json", {"protocol": {"warmups": request.warmups,
                                                                     "repeats": request.repeats,
                                                                     "rounds": request.rounds,
@@ -372,7 +376,7 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
 
 
 def export_if_needed(request: BuildRequest, reference, stage: Path, ctx: BuildContext) -> dict | None:
-    if not any(backend_choice(b)[0] in ONNX_BACKENDS for b in request.backends):
+    if not any(registry.descriptor(backend_choice(b)[0]).needs_onnx for b in request.backends):
         return None
     from exporters import ExportOptions, export_onnx
 

@@ -6,8 +6,9 @@ every reason lands in the manifest.
 
 from __future__ import annotations
 
-from engines.base import PASSED, PASSED_ALL_VALID_ONLY
 from engines.torch_compile import FUSED_VARIANTS
+
+from ..status import PASSED, PASSED_ALL_VALID_ONLY
 
 FALLBACK = "pytorch-fallback"
 # Simplest first: on a tie (within TIE_TOLERANCE) the simpler backend ships.

@@ -1,4 +1,4 @@
-"""How many launches one timed call of a runner issues: counted, never guessed (issue 31).
+"""How many launches one timed call of a runner issues: counted, never guessed.
 
 The launch term of the roofline (``kkdeploy.pipeline.roofline``) needs a count, and there are two honest ones:
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from validation import compare_outputs, contract as contract_tolerances
+from validation import DEFAULT_CONTRACT, compare_outputs, contract as contract_tolerances
+from validation.trials import DEFAULT_PADDING_RATIO  # the padded trials' ratio when the caller gives none
 
 from .. import artifacts
 from ..artifacts import write_json
@@ -30,7 +31,6 @@ from ..models.tiled_reference import DEFAULT_REFERENCE_QUERY_TILE, TiledReferenc
 from ..models.weights import DEFAULT_WEIGHT_SEED, build_models, init_weights, load_weights, weights_sha256
 
 REDUCED_BATCH, REDUCED_SEQ_LEN = 2, 4096
-from validation.trials import DEFAULT_PADDING_RATIO  # noqa: E402  (padded trials when the caller gives none)
 DENSE_CANDIDATES = ("trt", "ort-cpu", "ort-cuda", "torch-graph")
 CANDIDATE = "torch-long-context"
 SHAPE_OVERRIDE_FLAGS = {"batch_size": "--batch-size", "seq_len": "--seq-len", "d_model": "--d-model",
@@ -116,7 +116,7 @@ def trial_plan(trials: int, padding_ratio: float, modes=("all-valid", "padded"))
 
 def validate_long_context(config: TransformerConfig, dtype: torch.dtype, device, *, weights=None,
                           weight_seed: int = DEFAULT_WEIGHT_SEED, seed: int = DEFAULT_SEED,
-                          trials: int = DEFAULT_TRIALS, contract: str = "strict",
+                          trials: int = DEFAULT_TRIALS, contract: str = DEFAULT_CONTRACT,
                           padding_ratio: float = DEFAULT_PADDING_RATIO, micro_batch: int | None = None,
                           query_tile: int = DEFAULT_QUERY_TILE,
                           reference_query_tile: int = DEFAULT_REFERENCE_QUERY_TILE, on_trial=None,
@@ -277,7 +277,7 @@ def tail_padding_ratio(seq_len: int) -> float:
 
 def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *, weights=None,
                        seed: int = DEFAULT_SEED, trials: int = DEFAULT_TRIALS, seq_len: int | None = None,
-                       contract: str = "strict", padding_ratio: float = DEFAULT_PADDING_RATIO,
+                       contract: str = DEFAULT_CONTRACT, padding_ratio: float = DEFAULT_PADDING_RATIO,
                        micro_batch: int | None = None, query_tile: int = DEFAULT_QUERY_TILE,
                        weight_seed: int = DEFAULT_WEIGHT_SEED, on_trial=None, on_plan=None,
                        full_length_batch: int | None = None, full_length_trials: int | None = None,

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from validation import compare_outputs, contract as contract_tolerances
+from validation import DEFAULT_CONTRACT, compare_outputs, contract as contract_tolerances
 
 from ..artifacts import write_json
 from ..config import LONG_CONTEXT_SHAPES, TransformerConfig, dtype_name, format_bytes
@@ -60,7 +60,7 @@ def run_long_context(args, runner) -> int:
     manifest = getattr(runner, "manifest", None) or {}
     shape = run_config(runner.config, getattr(args, "batch_size", None), getattr(args, "seq_len", None))
     refuse_slow_cpu_run(shape, dtype, device)
-    rule = args.contract or (manifest.get("validation") or {}).get("contract", "strict")
+    rule = args.contract or (manifest.get("validation") or {}).get("contract", DEFAULT_CONTRACT)
     count = getattr(args, "check_sequences", None)
     count = 2 if count is None else count
     if count < 0:

@@ -1,4 +1,4 @@
-"""What this machine can do, measured in this process, for the roofline of every call (issue 31).
+"""What this machine can do, measured in this process, for the roofline of every call.
 
 A roofline built from a data sheet's peak says little: clocks, power caps, the library's GEMM tiles and the host's
 launch path decide what a call can actually reach. So each bench process measures, once, with the bench's own timer
@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..errors import error_summary
 from .timing import measure_latency
 
 GPU_GEMM_N = 8192  # 1.1 TFLOP: ~2 ms in FP16 on an H200, long enough to reach the GEMM's steady clock
@@ -125,7 +126,7 @@ def _guarded(measure, *args) -> dict:
     try:
         result = measure(*args)
     except Exception as exc:  # a missing library or a full device must not end the bench
-        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"}
+        return {"error": error_summary(exc, 300)}
     result["seconds"] = round(time.perf_counter() - start, 4)
     return result
 

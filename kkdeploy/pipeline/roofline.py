@@ -1,4 +1,4 @@
-"""The roofline of one call: the least work a call must do, and how close a measured call comes to it (issue 31).
+"""The roofline of one call: the least work a call must do, and how close a measured call comes to it.
 
 Eager's launch cost moves with host load, so a ratio to eager says little about what is left to win. The roofline
 compares a call with the machine instead. The model (docs/benchmark.md, "Roofline"):

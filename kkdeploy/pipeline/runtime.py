@@ -15,25 +15,39 @@ from pathlib import Path
 
 import torch
 
+from engines.base import AllValidRouter, ModuleRunner, Runner, close_all
+from validation.trials import DEFAULT_PADDING_RATIO
+
 from .. import artifacts
 from .chooser import FALLBACK
 from ..config import TransformerConfig, parse_dtype, resolve_device, tf32_mode
-from ..errors import KKError
-from ..inputs import AllValidMaskCache, check_inputs
+from ..errors import KKError, first_line
+from ..inputs import DEFAULT_SEED, check_inputs
 
 log = logging.getLogger("kkdeploy")
 
 REQUIRED_MANIFEST_KEYS = ("config", "dtype", "environment", "weights", "candidates", "fallback", "choice", "files")
-# Library versions an engine depends on: a different version may round differently.
-BACKEND_LIBRARIES = {"ort": ("onnxruntime",), "trt": ("tensorrt",), "torch_graph": ("torch",),
-                     "inductor": ("torch",), "torch_compile": ("torch",)}
 
 
-class ServedRunner:
-    """``runner(x, valid_token_mask=None)``; ``backend`` and ``reason`` say what was loaded and why."""
+def __getattr__(name: str):
+    if name == "BACKEND_LIBRARIES":  # backend key -> the library versions its engines depend on (its descriptor's)
+        from engines.registry import backend_libraries
+
+        return backend_libraries()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class ServedRunner(Runner):
+    """``runner(x, valid_token_mask=None)``; ``backend`` and ``reason`` say what was loaded and why.
+
+    What serves a call follows the manifest's choice: the engine, every call; an all-valid-only engine, all-valid
+    calls, with padded ones routed (``AllValidRouter``) to the padded engine or else the PyTorch fallback; or the
+    fallback alone. ``close()`` releases the engines, then the fallback model.
+    """
 
     def __init__(self, fallback: torch.nn.Module, engine=None, backend: str = FALLBACK, reason: str = "",
                  all_valid_only: bool = False, manifest: dict | None = None, padded_engine=None):
+        super().__init__(fallback.config, fallback.dtype, fallback.device)
         self.fallback = fallback
         self.engine = engine
         self.padded_engine = padded_engine  # serves padded calls when ``engine`` is all-valid-only
@@ -41,26 +55,28 @@ class ServedRunner:
         self.reason = reason
         self.all_valid_only = all_valid_only
         self.manifest = manifest or {}
-        self._mask_cache = AllValidMaskCache()
-
-    @property
-    def config(self) -> TransformerConfig:
-        return self.fallback.config
+        self._fallback = ModuleRunner(fallback, FALLBACK)
+        self._router = (AllValidRouter(engine, padded_engine or self._fallback)
+                        if engine is not None and all_valid_only else None)
 
     def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.engine is not None:
-            if not self.all_valid_only:
-                return self.engine(x, valid_token_mask)
+        if self._router is not None:  # checked once here; the routes' own ``__call__`` would check again
             engine = self.engine
             check_inputs(x, valid_token_mask, engine.config.d_model, engine.dtype, engine.device,
                          shape=(engine.config.batch_size, engine.config.seq_len))
-            # Inputs and mask are checked here once; the engines' own ``__call__`` would check them again.
-            if self._mask_cache.is_all_valid(valid_token_mask):  # its own full mask: no second mask.all() sync
-                return engine.infer(x, engine.full_mask())
-            if self.padded_engine is not None:
-                return self.padded_engine.infer(x, valid_token_mask)
-        with torch.no_grad():
-            return self.fallback(x, valid_token_mask)
+        return self.infer(x, valid_token_mask)
+
+    def infer(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``mask`` may be None (all valid): the engine's call, the router and the fallback each take it so."""
+        if self._router is not None:
+            return self._router.infer(x, mask)
+        if self.engine is not None:
+            return self.engine(x, mask)
+        return self._fallback.infer(x, mask)
+
+    def release(self) -> None:
+        close_all((self._router, self.padded_engine, self.engine, self._fallback))
+        self._router = self.padded_engine = self.engine = self.fallback = None
 
     def __repr__(self) -> str:
         return f"ServedRunner(backend={self.backend!r}, reason={self.reason!r})"
@@ -78,16 +94,20 @@ def verify_files(root: Path, manifest: dict) -> str | None:
 
 
 def environment_mismatch(manifest: dict, entry: dict, device: torch.device) -> str | None:
+    """Why ``entry``'s engine cannot be trusted here: another device, or another version of a library it depends
+    on (its backend's descriptor says which: a different version may round differently). None when it can."""
+    from engines.registry import libraries
+
     recorded = manifest["environment"]
     here = artifacts.device_info(device)
-    for key in ("type", "name", "capability"):
-        if recorded["device"].get(key) != here.get(key):
-            return (f"built for device {key} {recorded['device'].get(key)!r}, this is {here.get(key)!r}; "
-                    f"rebuild on this machine")
+    key = artifacts.first_difference(recorded["device"], here, ("type", "name", "capability"))
+    if key is not None:
+        return (f"built for device {key} {recorded['device'].get(key)!r}, this is {here.get(key)!r}; "
+                f"rebuild on this machine")
     now = artifacts.library_versions()
-    for lib in BACKEND_LIBRARIES.get(entry["backend"], ()):
-        if recorded["versions"].get(lib) != now.get(lib):
-            return f"built with {lib} {recorded['versions'].get(lib)}, this environment has {now.get(lib)}; rebuild"
+    lib = artifacts.first_difference(recorded["versions"], now, libraries(entry["backend"]))
+    if lib is not None:
+        return f"built with {lib} {recorded['versions'].get(lib)}, this environment has {now.get(lib)}; rebuild"
     return None
 
 
@@ -116,7 +136,7 @@ def load_fallback(root: Path, manifest: dict, config: TransformerConfig, dtype: 
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise KKError(f"{weights} does not fit the manifest's config: {str(exc).splitlines()[0]}") from None
+        raise KKError(f"{weights} does not fit the manifest's config: {first_line(exc)}") from None
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -148,8 +168,9 @@ def adopt_long_context_proofs(root: Path, manifest: dict, model, config: Transfo
         from .long_context_plan import prove_long_context_kernels
 
         validation = manifest.get("validation") or {}
-        proof = prove_long_context_kernels(model, config, dtype, device, seed=int(validation.get("seed", 1234)),
-                                           padding_ratio=float(validation.get("padding_ratio") or 0.25))
+        proof = prove_long_context_kernels(model, config, dtype, device,
+                                           seed=int(validation.get("seed", DEFAULT_SEED)),
+                                           padding_ratio=float(validation.get("padding_ratio") or DEFAULT_PADDING_RATIO))
         record = ProofRecord.from_dict(proof)
         local.put(record)
     if record.chosen:
@@ -176,7 +197,7 @@ def read_manifest(root: Path) -> dict:
 
 
 class BucketedRunner:
-    """``runner(x, valid_token_mask=None)`` for any batch of 1..max(buckets) sequences (issue 30).
+    """``runner(x, valid_token_mask=None)`` for any batch of 1..max(buckets) sequences.
 
     Each bucket is a runner loaded from its own validated artifacts (``buckets/b<N>/``, the top level for the
     largest). A call runs on the smallest bucket that holds its batch; a batch smaller than that bucket is padded
@@ -230,6 +251,16 @@ class BucketedRunner:
         mask[:n] = True if valid_token_mask is None else valid_token_mask
         return self.run_bucket(size, padded, mask)[:n]
 
+    def close(self) -> None:
+        """Close every bucket's runner, smallest first; a second call does nothing."""
+        close_all(self.buckets.values())
+
+    def __enter__(self) -> "BucketedRunner":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         return f"BucketedRunner({', '.join(f'{b}: {r.backend}' for b, r in self.buckets.items())})"
 
@@ -257,28 +288,35 @@ def load_buckets(root: Path, manifest: dict, device=None) -> BucketedRunner:
     """Every bucket through ``load_one`` (its own hashes, environment checks and fallback). A bucket manifest whose
     sha256 is not the one the top manifest recorded is not trusted: that bucket serves the PyTorch fallback."""
     runners = {}
-    for entry in manifest["batch_buckets"]["buckets"]:
-        size, rel = int(entry["batch"]), entry["dir"]
-        if rel == ".":
-            runner = load_one(root, manifest, device)
-        else:
-            sub = root / rel
-            sub_manifest = read_manifest(sub)
-            if TransformerConfig.from_dict(sub_manifest["config"]).batch_size != size:
-                raise KKError(f"{sub}: its batch is not the bucket's {size}; rebuild the artifacts")
-            if artifacts.file_sha256(sub / artifacts.MANIFEST) != entry.get("manifest_sha256"):
-                sub_manifest = {**sub_manifest, "choice": {**sub_manifest["choice"], "candidate": FALLBACK,
-                                                           "backend": None, "all_valid_only": False}}
-                reason = f"{rel}/{artifacts.MANIFEST} differs from the one the build recorded; rebuild the artifacts"
-                log.warning("kkdeploy: bucket %d serves the PyTorch fallback for %s: %s", size, root, reason)
-                runner = load_one(sub, sub_manifest, device)
-                runner.reason = reason
-            else:
-                runner = load_one(sub, sub_manifest, device)
-        if runner.manifest.get("weights", {}).get("sha256") != manifest["weights"]["sha256"]:
-            raise KKError(f"{root / rel}: weights differ from the artifact's; rebuild the artifacts")
-        runners[size] = runner
+    try:
+        for entry in manifest["batch_buckets"]["buckets"]:
+            size, rel = int(entry["batch"]), entry["dir"]
+            runners[size] = runner = load_bucket(root, manifest, entry, device)
+            if runner.manifest.get("weights", {}).get("sha256") != manifest["weights"]["sha256"]:
+                raise KKError(f"{root / rel}: weights differ from the artifact's; rebuild the artifacts")
+    except BaseException:
+        close_all(runners.values())  # what was loaded before the refusal is not served: released now
+        raise
     return BucketedRunner(runners, manifest)
+
+
+def load_bucket(root: Path, manifest: dict, entry: dict, device=None) -> ServedRunner:
+    size, rel = int(entry["batch"]), entry["dir"]
+    if rel == ".":
+        return load_one(root, manifest, device)
+    sub = root / rel
+    sub_manifest = read_manifest(sub)
+    if TransformerConfig.from_dict(sub_manifest["config"]).batch_size != size:
+        raise KKError(f"{sub}: its batch is not the bucket's {size}; rebuild the artifacts")
+    if artifacts.file_sha256(sub / artifacts.MANIFEST) == entry.get("manifest_sha256"):
+        return load_one(sub, sub_manifest, device)
+    sub_manifest = {**sub_manifest, "choice": {**sub_manifest["choice"], "candidate": FALLBACK,
+                                               "backend": None, "all_valid_only": False}}
+    reason = f"{rel}/{artifacts.MANIFEST} differs from the one the build recorded; rebuild the artifacts"
+    log.warning("kkdeploy: bucket %d serves the PyTorch fallback for %s: %s", size, root, reason)
+    runner = load_one(sub, sub_manifest, device)
+    runner.reason = reason
+    return runner
 
 
 def load_one(root: Path, manifest: dict, device=None) -> ServedRunner:
@@ -356,7 +394,7 @@ def native_loader_problem(root: Path, manifest: dict, entry: dict, config: Trans
     did (cached beside the artifacts, keyed by environment). Otherwise the engine is probed now in a spawned
     child, never in this process: a crash there costs the child, and this process serves the fallback."""
     from engines import backend_module
-    from engines.base import FINGERPRINT_PADDING
+    from engines.base import fingerprint_padding
     from engines.fresh_process import OK, environment_key, environment_record, probe
 
     name = entry["name"]
@@ -373,8 +411,8 @@ def native_loader_problem(root: Path, manifest: dict, entry: dict, config: Trans
         except (OSError, ValueError):
             answer = None
     if answer is None or answer.get("expected") != expected:
-        ratios = recorded.get("padding_ratios") or (
-            FINGERPRINT_PADDING[:1] if (entry.get("options") or {}).get("all_valid_only") else FINGERPRINT_PADDING)
+        all_valid_only = (entry.get("options") or {}).get("all_valid_only")
+        ratios = recorded.get("padding_ratios") or fingerprint_padding(all_valid_only)
         log.warning("kkdeploy: %s was not checked in this environment; loading it in a fresh process first", name)
         outcome = probe(backend_module(entry["backend"]), root, entry, config, dtype, device,
                         tf32=bool(manifest.get("tf32", False)), padding_ratios=ratios)
