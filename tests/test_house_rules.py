@@ -93,9 +93,9 @@ DATED = {
     "a commit hash": r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b",
     "a measured torch build": r"\btorch\s+\d+\.\d+\.\d+\+\w+",
 }
-# Being rewritten in parallel changes, which clean their own dated text: the kernels (kkdeploy/kernels/) and the
+# Being rewritten in a parallel change, which cleans its own dated text: the
 # serving stack (kkdeploy/serving/ and its three commands). Drop these exemptions once those changes have landed.
-DATED_TEXT_EXEMPT = ("kkdeploy/kernels/", "kkdeploy/serving/", "kkdeploy/commands/serve.py",
+DATED_TEXT_EXEMPT = ("kkdeploy/serving/", "kkdeploy/commands/serve.py",
                      "kkdeploy/commands/loadtest.py", "kkdeploy/commands/triton_repo.py")
 
 

@@ -17,8 +17,8 @@ Then one epilogue, each the reference's next elementwise ops on the rounded floa
 
 ``triton_linear_layer_norm`` runs a residual epilogue and then the next LayerNorm of the rows it wrote (N = 128, a
 tile holds whole rows), in ATen's order as ``kkdeploy.kernels.layer_norm.emulate_layer_norm_rows`` spells it out
-(Welford pushes, the shuffle-down tree by reshape/split, nvcc's fmas as explicit ``tl.fma``). Written after
-campaign 11; equal to the emulation under the interpreter, not yet proven on a GPU.
+(Welford pushes, the shuffle-down tree by reshape/split, nvcc's fmas as explicit ``tl.fma``). Equal to the
+emulation under the interpreter; a build proves it on its GPU like every launch (docs/kernel-proofs.md).
 
 A float16 add is ``float(a) + float(b)`` rounded once, as ATen's and Inductor's adds compute it. Compiled with
 ``enable_fp_fusion=False``: no multiply is contracted into an add anywhere in the epilogue.

@@ -56,7 +56,7 @@ OP_NAMESPACE = "kkdeploy_faithful"
 OP_NAME = f"{OP_NAMESPACE}::attention"
 
 #: The kernel's scope. ATen's float32 softmax over the last dim runs the persistent warp softmax for
-#: dim_size <= 1024 (host_softmax in SoftMax.cu as read at pytorch e9865f53: dim_size <= 1024 and
+#: dim_size <= 1024 (host_softmax in SoftMax.cu: dim_size <= 1024 and
 #: dim_size * sizeof(float) <= 4096); torch 2.11's PersistentSoftmax.cuh also instantiates 2048 and
 #: torch.softmax measured equal to the emulation at S = 2048, but the kernel is built and proven for <= 1024.
 MAX_FUSED_SEQ_LEN = 1024
@@ -65,8 +65,8 @@ MAX_PERSISTENT_SOFTMAX_LEN = 2048
 #: the largest head size the kernel was built and measured for (accumulator [64, 256] in registers).
 MAX_FUSED_HEAD_DIM = 256
 #: Why a proof per shape, not per kernel: the reference's own GEMMs are cuBLAS calls whose algorithm cuBLAS picks
-#: from the problem size, and a few picks do not accumulate like one in-order tensor-core pass. On the H200 with
-#: torch 2.11.0+cu130, at (B*H, S, Dh) = (2, 333, 256), (2, 333, 128) and (2, 700, 128) ATen's P.V differed from the
+#: from the problem size, and a few picks do not accumulate like one in-order tensor-core pass. On the H200, at
+#: (B*H, S, Dh) = (2, 333, 256), (2, 333, 128) and (2, 700, 128) ATen's P.V differed from the
 #: kernel's in 13-50 elements (scores and probabilities equal), and ATen's own scores changed when the same rows sat
 #: in a batch of 32 instead of 2 (docs/faithful-attention.md). So the kernel runs only at an op shape where a proof
 #: made here found a launch bit-identical (``prove_attention``; the build proves its model's shape).

@@ -4,7 +4,7 @@ Why: on shape 6 the faithful graph moves every activation through memory once pe
 ``ffn_in``'s output, ATen's GELU reads and writes it again, Inductor's pointwise kernels re-read each residual
 and mask, and ``h`` is read three times for Q, K and V. A GEMM whose epilogue does those ops saves the passes;
 it is admissible only if it is bit-identical (design.md §6), and a Triton ``tl.dot`` GEMM with the bias added to
-its float32 accumulator and rounded once was measured equal to ``F.linear`` (issue 19). The epilogues are exact
+its float32 accumulator and rounded once was measured equal to ``F.linear`` (design.md §6). The epilogues are exact
 elementwise arithmetic on the rounded float16 value (``_fused_linear_triton``).
 
 The custom op ``kkdeploy_faithful::linear(x, weights, biases, residual, mask, epilogue, prologue="none")``:

@@ -12,7 +12,7 @@
 // depends on an argument that the merges are identities. Then var = m2 / N, rstd = rsqrtf(var + eps), and
 // y = g * (rstd * (x - mean)) + b rounded once, written as in ATen (and in the ONNX Runtime custom op, proven
 // bit-identical to ATen on the H200). Compiled by nvcc with its floating-point defaults, as PyTorch's kernels are.
-// Proven op by op by scripts/layer_norm_selftest.py before the op uses it (kkdeploy/kernels/layer_norm.py).
+// Proven op by op by the build before the op uses it (kkdeploy/kernels/layer_norm.py, docs/kernel-proofs.md).
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -104,7 +104,7 @@ __device__ __forceinline__ void write_vector(const Half4 data, const __half* gam
 // The same rows, two per warp: lane t of a 16-lane half holds vectors t and t + 16 of its row, so ATen's first
 // shuffle step (offset 16: lane t merges lane t + 16) is a merge inside the lane, and the offsets 8..1 are
 // shuffles within the half. Every merge ATen's lane 0 depends on happens with the same operands in the same order;
-// half the instructions per row. Proven bit-identical by layer_norm_selftest.py in campaign 11: the op's launch.
+// half the instructions per row. Each launch runs where the build proved it bit-identical (layer_norm.prove_layer_norm).
 __global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                             const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
                                             int N, float eps) {
