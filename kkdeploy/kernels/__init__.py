@@ -9,16 +9,18 @@ Importing this package imports only torch; Triton is imported lazily, on CUDA, w
 
 ``block_softmax`` describes and emulates ATen's block softmax for rows longer than 1024 (shape 14's 100,000
 keys) and holds a fused causal softmax kernel in CUDA C++ (``csrc/block_softmax.cu``, built by nvcc on demand
-through ``cuda_build``), proven bit-identical on the H200 and the long-context path's default there.
+through ``cuda_build``), the long-context path's where a build proved it bit-identical.
 
 ``layer_norm`` is ATen's float16 LayerNorm for rows of at most 128, one warp per row (``csrc/layer_norm.cu``,
-ATen's Welford steps from ``csrc/welford.cuh``), as the custom op ``kkdeploy_faithful::layer_norm_rows``;
-proven bit-identical on the H200 and used by the ``torch-compile-faithful-kernels`` candidate.
+ATen's Welford steps from ``csrc/welford.cuh``), as the custom op ``kkdeploy_faithful::layer_norm_rows``, used by
+the ``torch-compile-faithful-kernels`` candidate.
 
 ``fused_linear`` is the reference's Linear with its next elementwise ops (residual add, mask, GELU) in a Triton
-GEMM's epilogue, and Q/K/V in one launch, as the custom op ``kkdeploy_faithful::linear``; proven bit-identical on
-the H200 for the official GEMM sizes (not its GELU epilogue) and used by the ``torch-compile-faithful-gemms``
-candidate through ``fused_blocks`` (the reference's blocks composed of these ops).
+GEMM's epilogue, and Q/K/V in one launch, as the custom op ``kkdeploy_faithful::linear``, used by the
+``torch-compile-faithful-gemms`` candidate through ``fused_blocks`` (the reference's blocks composed of these ops).
+
+Every kernel runs only where a proof made in this environment found it bit-identical to the ATen op it replaces, at
+the op shape of the call (``proof``, ``model_proofs``: the build's proof step; docs/kernel-proofs.md).
 """
 
 from .faithful_attention import (

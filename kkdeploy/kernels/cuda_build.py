@@ -76,8 +76,8 @@ def cuda_architecture(device: str) -> str:
 
 
 def platform_key(device: torch.device | str) -> tuple[tuple[int, int], str, str]:
-    """(compute capability, torch, CUDA) of ``device``: what a kernel's bitwise proof is recorded against
-    (``PROVEN_PLATFORMS`` in ``layer_norm`` and ``block_softmax``)."""
+    """(compute capability, torch, CUDA) of ``device``, as the self-test scripts report it (the proofs themselves key
+    on ``proof.environment_key``)."""
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return tuple(torch.cuda.get_device_capability(index)), torch.__version__, str(torch.version.cuda)
