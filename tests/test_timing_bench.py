@@ -100,7 +100,7 @@ def test_bench_command_writes_json_markdown_and_png(tmp_path, capsys):
     assert data["format"] == "kkdeploy-bench/1"
     assert data["protocol"]["timer"] == "time.perf_counter" and data["protocol"]["repeats"] == 3
     (shape,) = data["shapes"]
-    assert shape["label"] == "custom" and shape["processes"] == 1 and shape["errors"] == []
+    assert shape["label"] == "custom-B2-S8-D16-H2-F24-L2" and shape["processes"] == 1  # the dimensions tell custom runs apart and shape["errors"] == []
     assert shape["config"]["d_model"] == 16 and shape["tokens"] == 16
     backends = shape["backends"]
     assert backends["eager"]["status"] == "reference" and backends["eager"]["speedup"] == pytest.approx(1.0)
@@ -128,11 +128,11 @@ def test_bench_command_writes_json_markdown_and_png(tmp_path, capsys):
         assert r["bound_ms"] == max(v for v in r["terms_ms"].values() if v is not None)
     assert "roofline" not in backends["torch-graph"]  # skipped: nothing measured
     md = (out / "bench.md").read_text()
-    assert "| shape | backend | status |" in md and "| custom | optimized-sdpa1 | passed |" in md
+    assert "| shape | backend | status |" in md and "| custom-B2-S8-D16-H2-F24-L2 | optimized-sdpa1 | passed |" in md
     assert "fraction of limit (bound) |" in md and "## Roofline" in md
-    assert "roofline custom: " in capsys.readouterr().out  # the printed summary: work and limits per shape
+    assert "roofline custom-B2-S8-D16-H2-F24-L2: " in capsys.readouterr().out  # the printed summary: work and limits per shape
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    validation = json.loads((out / "logs" / "validation-custom-p0.json").read_text())
+    validation = json.loads((out / "logs" / "validation-custom-B2-S8-D16-H2-F24-L2-p0.json").read_text())
     assert validation["statuses"] == {"optimized-sdpa0": "passed", "optimized-sdpa1": "passed"}
 
 
@@ -207,7 +207,7 @@ def test_bench_judge_float32_calibrates_mixed_precision_and_compiles_on_request(
     assert data["protocol"]["candidates"] == ["mixed", "torch-compile", "torch-graph-mixed", "torch-compile-mixed-sdpa",
                                               "fused-mixed", "torch-compile-fused", "fused-half-gemm-mixed"]
     assert data["protocol"]["tf32"] is None  # auto; and off on the CPU:
-    worker = json.loads((out / "logs" / "result-custom-p0.json").read_text())
+    worker = json.loads((out / "logs" / "result-custom-B2-S8-D16-H2-F24-L2-p0.json").read_text())
     assert worker["tf32"] is False
     backends = data["shapes"][0]["backends"]
     mixed = backends["mixed"]

@@ -83,7 +83,7 @@ class BenchOptions:
 
 @dataclass
 class ShapeJob:
-    label: str  # "shape-03" or "custom"
+    label: str  # "shape-03" or "custom-B8-S256-D256-H8-F512-L2" (names files too: no spaces)
     shape_id: int | None
     config: TransformerConfig
 
@@ -93,8 +93,10 @@ def shape_label(shape_id: int | None) -> str:
 
 
 def jobs_for(shape_ids: list[int] | None, config: TransformerConfig | None) -> list[ShapeJob]:
-    if shape_ids is None:
-        return [ShapeJob("custom", None, config)]
+    if shape_ids is None:  # the dimensions in the label: a summary over several custom runs tells them apart
+        c = config
+        return [ShapeJob(f"custom-B{c.batch_size}-S{c.seq_len}-D{c.d_model}-H{c.num_heads}-F{c.ffn_dim}-"
+                         f"L{c.num_layers}{'' if c.causal else '-noncausal'}", None, config)]
     jobs = []
     for sid in shape_ids:
         if sid in LONG_CONTEXT_SHAPES:
