@@ -49,7 +49,7 @@ from kkdeploy.inputs import check_mask
 from kkdeploy.models.reference import attention_core
 
 # triton_available is looked up here at call time, so tests can patch it on this module
-from .paths import KernelPath, path_mode, triton_available
+from .paths import KernelPath, path_from_proof, path_mode, triton_available
 from .proof import ProofCache, ProofCase, ProofRecord, kernel_environment, lookup_proof, prove_launches, remember_proof
 
 OP_NAMESPACE = "kkdeploy_faithful"
@@ -272,14 +272,8 @@ def select_attention_path(seq_len: int, head_dim: int, dtype: torch.dtype, devic
         return AttentionPath("triton", f"fused kernel (forced by {PATH_ENV}=triton: validate the result)",
                              DEFAULT_LAUNCH)
     shape = proof_shape(batch_heads or 0, seq_len, head_dim, causal)
-    record = lookup_proof(proof_environment(device), OP, shape)
-    if record is None:
-        return AttentionPath("aten", f"no proof in this environment that the kernel is bit-identical at (B*H, S, Dh) "
-                                     f"= {(batch_heads, seq_len, head_dim)} (a build proves its model's shape)")
-    if not record.proven:
-        return AttentionPath("aten", f"proof at (B*H, S, Dh) = {(batch_heads, seq_len, head_dim)}: {record.reason}")
-    return AttentionPath("triton", f"fused kernel, launch {record.chosen} (proven bit-identical here at (B*H, S, Dh) "
-                                   f"= {(batch_heads, seq_len, head_dim)})", record.chosen)
+    return path_from_proof(AttentionPath, "triton", lookup_proof(proof_environment(device), OP, shape),
+                           f"(B*H, S, Dh) = {(batch_heads, seq_len, head_dim)}", "its model's shape")
 
 
 def fp32_scale(head_dim: int) -> float:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from kkdeploy.errors import KKError
 
-from .paths import KernelPath, path_mode, triton_available
+from .paths import KernelPath, path_from_proof, path_mode, triton_available
 from .proof import ProofCache, ProofCase, ProofRecord, kernel_environment, lookup_proof, prove_launches, remember_proof
 
 OP_NAME = "kkdeploy_faithful::linear"
@@ -117,14 +117,9 @@ def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, epilogue: st
         return LinearPath("aten", refused)
     if mode == "triton":
         return LinearPath("triton", f"Triton GEMM (forced by {PATH_ENV}=triton: validate the result)", "auto")
-    record = lookup_proof(proof_environment(device), OP, proof_shape(m, n, k, epilogue))
-    if record is None:
-        return LinearPath("aten", f"no proof in this environment for (M, N, K) = {(m, n, k)} with {epilogue} (a build "
-                                  f"proves its model's GEMMs)")
-    if not record.proven:
-        return LinearPath("aten", f"proof for (M, N, K) = {(m, n, k)} with {epilogue}: {record.reason}")
-    return LinearPath("triton", f"Triton GEMM with fused {epilogue}, tile {record.chosen} (proven bit-identical and "
-                                f"faster here at (M, N, K) = {(m, n, k)})", record.chosen)
+    return path_from_proof(LinearPath, "triton", lookup_proof(proof_environment(device), OP,
+                                                              proof_shape(m, n, k, epilogue)),
+                           f"(M, N, K) = {(m, n, k)} with {epilogue}", "its model's GEMMs")
 
 
 def proven_ms(m: int, n: int, k: int, form_: str, dtype: torch.dtype, device) -> Optional[tuple]:

@@ -31,7 +31,7 @@ import torch
 from kkdeploy.errors import KKError
 
 from .cuda_build import load_problem
-from .paths import KernelPath
+from .paths import KernelPath, path_from_proof
 from .proof import ProofCache, ProofCase, ProofRecord, kernel_environment, lookup_proof, prove_launches, remember_proof
 
 OP_NAME = "kkdeploy_faithful::layer_norm_rows"
@@ -94,14 +94,8 @@ def layer_norm_path(device: torch.device | str, rows: int, width: int) -> LayerN
     if mode == "kernel":
         return LayerNormPath("rows", f"rows kernel (forced by {PATH_ENV}=kernel: validate the result)",
                              DEFAULT_LAUNCH)
-    record = lookup_proof(proof_environment(device), OP, proof_shape(rows, width))
-    if record is None:
-        return LayerNormPath("aten", f"no proof in this environment that the rows kernel is bit-identical for "
-                                     f"{rows} rows of {width} (a build proves its model's LayerNorms)")
-    if not record.proven:
-        return LayerNormPath("aten", f"proof for {rows} rows of {width}: {record.reason}")
-    return LayerNormPath("rows", f"rows kernel, launch {record.chosen} (proven bit-identical to ATen here for "
-                                 f"{rows} rows of {width})", record.chosen)
+    return path_from_proof(LayerNormPath, "rows", lookup_proof(proof_environment(device), OP, proof_shape(rows, width)),
+                           f"{rows} rows of {width}", "its model's LayerNorms")
 
 
 def proven_ms(rows: int, width: int, dtype: torch.dtype, device) -> Optional[tuple]:

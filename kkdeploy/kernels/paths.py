@@ -45,3 +45,15 @@ def path_mode(env: str) -> str:
     if mode not in ("auto", "aten", "triton"):
         raise KKError(f"{env} must be auto, aten or triton, got {mode!r}")
     return mode
+
+
+def path_from_proof(path: type, kernel: str, record, what: str, proves: str) -> KernelPath:
+    """The path a proof record gives (``record``: this environment's proof of the op at this shape, or None):
+    ``kernel`` with the chosen launch, else ATen with the reason. ``what`` names the op shape in words ("(M, N, K) =
+    (...)"); ``proves`` says what a build proves ("its model's GEMMs")."""
+    if record is None:
+        return path("aten", f"no proof in this environment for {what} (a build proves {proves})")
+    if not record.proven:
+        return path("aten", f"proof for {what}: {record.reason}")
+    return path(kernel, f"{kernel} kernel, launch {record.chosen} (proven bit-identical here for {what})",
+                record.chosen)

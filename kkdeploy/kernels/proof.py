@@ -29,6 +29,8 @@ import torch
 
 from kkdeploy.errors import KKError
 
+from .timing import event_median_ms
+
 #: bump when the record's meaning changes: older cached records are then ignored
 PROOF_SCHEMA = "kkdeploy-proof/1"
 
@@ -144,8 +146,9 @@ def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> f
     if device.type == "cuda":
         graph = _captured(fn, device)
         if graph is not None:
-            return round(_timed(lambda: [graph.replay() for _ in range(GRAPH_REPLAYS)], repeats, device) / GRAPH_REPLAYS, 5)
-        return _timed(fn, repeats, device)
+            replays = event_median_ms(lambda: [graph.replay() for _ in range(GRAPH_REPLAYS)], repeats, device)
+            return round(replays / GRAPH_REPLAYS, 5)
+        return event_median_ms(fn, repeats, device)
     times = []
     for _ in range(max(1, repeats)):
         begin = time.perf_counter()
@@ -171,18 +174,6 @@ def _captured(fn: Callable[[], object], device: torch.device):
     except Exception:  # noqa: BLE001 - a call that syncs or allocates on the host cannot be captured
         torch.cuda.synchronize(device)
         return None
-
-
-def _timed(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    times = []
-    for _ in range(max(1, repeats)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end))
-    return round(sorted(times)[len(times) // 2], 4)
 
 
 def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequence[ProofCase],
