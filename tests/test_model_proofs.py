@@ -164,3 +164,28 @@ def test_the_build_summary_lists_each_proven_op_shape_once(monkeypatch, proof_sa
     table = proofs_table(manifest)
     assert table.row_count == len(records)
     assert proofs_table({"candidates": [{"name": "torch-compile", "options": {}}]}) is None
+
+
+def test_loading_elsewhere_proves_again_and_names_a_kernel_that_no_longer_holds(monkeypatch, proof_sandbox, model,
+                                                                               tmp_path):
+    """``kkdeploy.load`` in the build's environment adopts the manifest's proofs; elsewhere it proves again (cached
+    beside the artifacts), and a kernel op no longer bit-identical there runs ATen with a sentence saying so."""
+    from engines.torch_compile import adopt_kernel_proofs
+
+    fakes = FakeKernels(monkeypatch)
+    recorded = mp.prove_model_kernels(model, CONFIG, torch.float16, CPU, kinds=("attention",)).to_list()
+    options = {"kernel_proofs": recorded}
+    proof_sandbox.forget_proofs()
+    runs = len(fakes.calls)
+    assert adopt_kernel_proofs(tmp_path, KERNEL_ATTENTION, options, model, CONFIG, torch.float16, CPU) == ""
+    assert len(fakes.calls) == runs  # the build's environment: adopted, nothing proven again
+    # another machine, where the attention's launches all differ: proven again, lost, and said
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Other GPU")
+    monkeypatch.setattr(torch, "__version__", "9.9.9+other")
+    proof_sandbox._kernel_environment.cache_clear()
+    proof_sandbox.forget_proofs()
+    fakes.bad = set(fa.LAUNCHES)
+    note = adopt_kernel_proofs(tmp_path, KERNEL_ATTENTION, options, model, CONFIG, torch.float16, CPU)
+    assert note.startswith(f"{KERNEL_ATTENTION}: 1 kernel op(s) proven at build time are not bit-identical here")
+    assert "run ATen's ops (the same bits, slower)" in note and fa.OP in note
+    assert list((tmp_path / "proofs").glob(f"{fa.OP}-*.json"))  # cached beside the artifacts

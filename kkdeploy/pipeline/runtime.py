@@ -355,7 +355,9 @@ def load_one(root: Path, manifest: dict, device=None) -> ServedRunner:
         padded, problem = load_engine(root, manifest, padded_name, config, dtype, device)
         if problem:  # the all-valid engine still serves; padded calls take the PyTorch fallback
             log.warning("kkdeploy: padded calls take the PyTorch fallback for %s: %s", root, problem)
-    return ServedRunner(fallback, engine=engine, backend=choice["candidate"], reason=choice["reason"],
+    note = getattr(engine, "kernel_note", "")  # a kernel op not bit-identical here runs ATen: said, never silent
+    return ServedRunner(fallback, engine=engine, backend=choice["candidate"],
+                        reason=choice["reason"] + (f"; {note}" if note else ""),
                         all_valid_only=bool(choice.get("all_valid_only")), manifest=manifest, padded_engine=padded)
 
 
