@@ -6,8 +6,9 @@ The repository is written to a temporary directory (removed at exit) and served 
 Issue 33: "ready" is printed only once the server answering on our ports is the one this process started (its
 process alive, a per-run token in its model config) and a canary request got the validated answer; a watchdog
 (``serving.watchdog``) then heals a broken model or exits 3; Ctrl-C or SIGTERM unloads the models (readiness false,
-in-flight requests drain up to ``--drain-timeout``), stops the server and every process it started within about
-5 s, and exits 0 only if that stop was clean (1 otherwise). Setup errors exit 2.
+in-flight requests drain up to ``--drain-timeout``), stops the server and every process it started within
+``STOP_BUDGET_S`` (4.5 s) of the signal (see ``stop``), and exits 0 only if that stop was clean (1 otherwise).
+Setup errors exit 2.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ from ..console import console, err_console
 from ..errors import KKError
 
 EXIT_UNCLEAN_STOP = 1
-SERVER_EXIT_TIMEOUT_S = 1  # tritonserver's --exit-timeout-secs: models are already unloaded when it gets SIGTERM
+# The stop (issue 33: "SIGINT under load: stopped in <= 5 s"), from the signal, with the default --drain-timeout:
+DRAIN_TIMEOUT_S = 2.0  # in-flight requests get this long to be answered (--drain-timeout)
+RELEASE_S = 1.3  # then Triton's Python backend checks the stub's health (a fixed 1 s sleep) before finalize()
+SERVER_EXIT_S = 0.6  # SIGTERM to a server whose models are unloaded: it exits at once (measured: 0.03-0.1 s)
+KILL_S = 0.4  # the last resort: SIGKILL to the process group, and reaping
+AFTER_DRAIN_S = 2.5  # >= the three above, with 0.2 s for the stubs' own exit
+assert RELEASE_S + SERVER_EXIT_S + KILL_S + 0.2 <= AFTER_DRAIN_S
+STOP_BUDGET_S = DRAIN_TIMEOUT_S + AFTER_DRAIN_S  # 4.5 s: the whole stop, signal to nothing left
+SERVER_EXIT_TIMEOUT_S = 0  # tritonserver's --exit-timeout-secs: serve has drained and unloaded before SIGTERM,
+# and any longer only keeps idle keep-alive client connections open (Triton waits for them in whole seconds)
 
 
 def register(sub):
@@ -41,9 +51,9 @@ def register(sub):
     p.add_argument("--max-queue-delay-us", type=int, default=0,
                    help="dynamic batcher: how long a request may wait to fill a batch (default 0)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness (default 300)")
-    p.add_argument("--drain-timeout", type=float, default=2.0,
-                   help="at Ctrl-C/SIGTERM: seconds in-flight requests get to finish (default 2; the whole stop "
-                        "then takes at most about this + 3 s)")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help=f"at Ctrl-C/SIGTERM: seconds in-flight requests get to finish (default {DRAIN_TIMEOUT_S:g}; "
+                        f"the whole stop then takes at most this + {AFTER_DRAIN_S:g} s)")
     p.add_argument("--watch-interval", type=float, default=0.5, help="watchdog: seconds between stub checks")
     p.add_argument("--probe-interval", type=float, default=5.0,
                    help="watchdog: seconds between canary requests (0: no canary)")
@@ -90,12 +100,15 @@ def run(args) -> int:
     models: list[str] = []
     token = secrets.token_hex(8)
     canary_file = workdir / "canary.json"
+    release_dir = workdir / "released"  # each stub's finalize() leaves <model>.<pid> here (see stop)
     try:
+        release_dir.mkdir()
         info = write_repository(args.artifacts, workdir / "repository", model_name=args.model_name,
                                 engine=args.engine, max_queue_delay_us=args.max_queue_delay_us,
                                 available_backends=install.backends(), topology=args.topology,
                                 instances=args.instances,
-                                parameters={"kkdeploy_serve_token": token, "kkdeploy_canary_file": str(canary_file)})
+                                                parameters={"kkdeploy_serve_token": token, "kkdeploy_canary_file": str(canary_file),
+                                            "kkdeploy_release_dir": str(release_dir)})
         if info.device_type == "cuda" and not Path("/dev/nvidiactl").exists():
             raise KKError(f"{args.artifacts} was built for CUDA ({info.candidate}); serve it on a machine with "
                           f"that GPU, or build CPU artifacts with --device cpu")
@@ -141,12 +154,12 @@ def run(args) -> int:
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return stop(server, models, args.drain_timeout)
+        return stop(server, models, args.drain_timeout, release_dir)
     except HealFailed as exc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         err_console.print(f"[bold red]error:[/] {exc}; exiting {EXIT_NOT_HEALED} so that a supervisor restarts "
                           f"kkdeploy serve", soft_wrap=True)
-        stop(server, models, args.drain_timeout)
+        stop(server, models, args.drain_timeout, release_dir)
         return EXIT_NOT_HEALED
     except KKError as exc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -196,44 +209,99 @@ def check_canary(args, info, server, canary_file: Path):
     return canary
 
 
-def stop(server, models: list[str], drain_timeout_s: float) -> int:
-    """Unload the models (readiness false; Triton lets in-flight requests finish first), then SIGTERM the server;
-    0 for a clean stop (drained in time, no process killed or left), else 1 with the reason."""
+def stop(server, models: list[str], drain_timeout_s: float, release_dir: Path | None = None) -> int:
+    """Drain, then stop the server and everything it started, within ``drain_timeout_s + AFTER_DRAIN_S`` of now
+    (``STOP_BUDGET_S`` with the default); 0 for a clean stop, else 1 with the reason.
+
+    1. Unload the client-facing model (``models[0]``): readiness false at once, Triton refuses new requests to
+       it and lets the accepted ones finish.
+    2. Drained: every one of its stubs has entered ``finalize()`` (``release_dir/<model>.<pid>``), which Triton
+       calls only once no request holds the model, 1 s after the last (the Python backend's stub health check);
+       with no stub known (already unloaded), the model is UNAVAILABLE. Waited for up to ``drain_timeout_s +
+       RELEASE_S``; a model that unloads without every finalize() had a stub fail. Triton's own metrics cannot
+       say this: its pending-request gauge drops a request when it is scheduled, before the backend runs it, and
+       no gauge counts the running ones.
+    3. Unload the other models (the two-hop engine: its only caller has drained), and give the stubs until the
+       budget's last ``SERVER_EXIT_S + KILL_S`` to exit (``model.py`` skips the interpreter's teardown).
+    4. SIGTERM: with its models unloaded and ``--exit-timeout-secs 0`` the server exits at once, closing idle
+       keep-alive connections; at the budget's last ``KILL_S`` whatever is left of the group is killed, and the
+       shared-memory regions of killed stubs removed.
+
+    Clean (exit 0): drained, the server exited by itself, nothing left. The server's exit code 1 "exit timeout
+    expired" with no inference in flight (a stub still exiting when it was signalled) is reported but clean."""
     if server is None or server.process is None:
         console.print("stopped before the server started")
         return 0
     began = time.monotonic()
-    console.print(f"stopping: unloading {', '.join(models)} (not ready); in-flight requests get up to "
-                  f"{drain_timeout_s:g} s", soft_wrap=True)
-    deadline = began + drain_timeout_s
-    drained = server.alive()
-    for model in models:  # the front before its engine: the front's in-flight requests still need the engine
-        if not server.unload(model, timeout_s=max(0.5, deadline - time.monotonic())):
-            drained = False
-            continue
-        while server.alive() and server.model_states().get(model) not in ("UNAVAILABLE", None):
-            if time.monotonic() > deadline:
-                drained = False
-                break
-            time.sleep(0.05)
-    code = server.stop(timeout_s=SERVER_EXIT_TIMEOUT_S + 1.5)
+    end = began + drain_timeout_s + AFTER_DRAIN_S
+    client, internal = models[0], models[1:]
+    console.print(f"stopping: unloading {client} (not ready); in-flight requests get up to {drain_timeout_s:g} s, "
+                  f"the whole stop {drain_timeout_s + AFTER_DRAIN_S:g} s", soft_wrap=True)
+    stubs = server.stub_pids().get(client, [])
+    server.unload(client, timeout_s=0.5)
+    undrained = wait_released(server, client, stubs, release_dir, began + drain_timeout_s + RELEASE_S)
+    drained = undrained is None
+    drained_s = time.monotonic() - began
+    for model in internal:  # nothing calls them any more (or, not drained, the stop is unclean anyway)
+        server.unload(model, timeout_s=0.5)
+    settle = end - SERVER_EXIT_S - KILL_S
+    while time.monotonic() < settle and server.alive() and any(
+            state != "UNAVAILABLE" for state in map(server.model_states(_poll_timeout(settle)).get, models)):
+        time.sleep(0.02)
+    code = server.stop(deadline=end - KILL_S)
     left = server.group_members()
     elapsed = time.monotonic() - began
     log = server.log_text()
     timeout_only = "Exit timeout expired" in log and "Found 0 model versions that have in-flight inferences" in log
     problems = []
-    if not drained:
+    if undrained == "in flight":
         problems.append(f"requests were still in flight after {drain_timeout_s:g} s")
-    if server.killed:
-        problems.append("processes had to be killed")
+    elif undrained:
+        problems.append(undrained)
+    if server.server_killed:
+        problems.append("tritonserver had to be killed")
     if left:
         problems.append(f"processes left: {left}")
-    if code not in (0, None) and not (timeout_only and drained):
+    if code not in (0, None) and not (timeout_only and drained) and not server.server_killed:
         problems.append(f"tritonserver exited with code {code}: {server.failure_reason()}")
-    note = " (idle client connections closed at its exit timeout)" if code and timeout_only and drained else ""
-    console.print(f"tritonserver stopped in {elapsed:.1f} s (exit code {code}{note})"
+    notes = []
+    if drained:
+        notes.append(f"every request answered, the model released {drained_s:.2f} s after the signal")
+    if code and timeout_only and drained:
+        notes.append("a stub was still exiting when the server was signalled")
+    if server.killed and not server.server_killed:
+        notes.append("processes still running after the server's own exit were killed")
+    console.print(f"tritonserver stopped in {elapsed:.1f} s (exit code {code}"
+                  + "".join(f"; {n}" for n in notes) + ")"
                   + (f"; processes left: {left}" if left else "; no process left"), soft_wrap=True)
     if problems:
         err_console.print(f"[bold red]error:[/] unclean stop: {'; '.join(problems)}", soft_wrap=True)
         return EXIT_UNCLEAN_STOP
     return 0
+
+
+def wait_released(server, model: str, stubs: list[int], release_dir: Path | None, until: float) -> str | None:
+    """Until ``until`` (``time.monotonic()``): None once every stub of ``model`` (alive when the stop began) has
+    left its release marker (``triton_model.release_marker``), or, with no stub known, once the model is
+    UNAVAILABLE; else the reason it was not drained."""
+    from ..serving.triton_model import release_marker
+
+    markers = [Path(release_marker(str(release_dir), model, pid)) for pid in stubs] if release_dir else []
+    while True:
+        if markers and all(m.exists() for m in markers):
+            return None
+        if not server.alive():
+            return "tritonserver died while draining"
+        if server.model_states(_poll_timeout(until)).get(model) == "UNAVAILABLE":
+            if not markers:
+                return None
+            if not all(m.exists() for m in markers):  # unloaded, yet a stub never reached finalize()
+                return f"a stub of {model} ended without finalizing (the backend found it unhealthy)"
+        if time.monotonic() > until:
+            return None if markers and all(m.exists() for m in markers) else "in flight"
+        time.sleep(0.02)
+
+
+def _poll_timeout(until: float) -> float:
+    """An HTTP call's timeout that keeps a stop phase within its deadline (and not absurdly short)."""
+    return min(1.0, max(0.1, until - time.monotonic()))

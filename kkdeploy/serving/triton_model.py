@@ -45,6 +45,7 @@ ARTIFACTS = "kkdeploy_artifacts"
 DEVICE_TYPE = "kkdeploy_device_type"
 OUTPUT_DEVICE = "kkdeploy_output_device"  # gpu (default on CUDA) | cpu
 CANARY_FILE = "kkdeploy_canary_file"  # written by `kkdeploy serve`: where the model records its canary answers
+RELEASE_DIR = "kkdeploy_release_dir"  # written by `kkdeploy serve`: finalize() leaves "<model>.<pid>" there
 CANARY_SEED = 4242
 INPUT_X, INPUT_MASK, OUTPUT_Y = "x", "valid_token_mask", "y"
 
@@ -81,6 +82,27 @@ def canary_case(seq_len: int, d_model: int, dtype):
     mask = (torch.arange(seq_len) < seq_len - seq_len // 4)[None, :]
     x[~mask] = 0
     return x, mask
+
+
+def release_marker(directory: str | None, model: str, pid: int) -> str | None:
+    """The file a stub's ``finalize()`` creates: ``<directory>/<model>.<pid>`` (None without a directory)."""
+    return os.path.join(directory, f"{model}.{pid}") if directory else None
+
+
+def _exit_now() -> None:
+    """The stub's last ``atexit`` handler (registered in ``finalize``, so it runs first): the process ends here
+    instead of tearing the interpreter down (torch's and ONNX Runtime's exit handlers, module teardown: about
+    0.5 s of a CPU stub's 0.7 s exit, and the model's unload waits for the stub to exit). By then the stub has
+    answered every request, sent Triton its finalize response and released its shared memory; nothing in this
+    process has anything left to write but the standard streams, flushed here."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
+            pass
+    os._exit(0)
 
 
 def tensor_digest(t) -> str:
@@ -139,6 +161,7 @@ class TritonPythonModel:
 
     def initialize(self, args):
         config = json.loads(args["model_config"])
+        self.released = release_marker(parameter(config, RELEASE_DIR), config["name"], os.getpid())
         role = parameter(config, ROLE)
         if role == "batched":
             self.impl = _Batched(config, args)
@@ -153,6 +176,18 @@ class TritonPythonModel:
         return self.impl.execute(requests)
 
     def finalize(self):
+        """Triton calls this once no request holds the model any more (all answered), after the Python backend's
+        1 s stub health check. First, the release marker: `kkdeploy serve`'s stop counts the model drained when
+        every instance has left one (exact, where Triton's pending-request gauge stops counting a request before
+        it reaches this process). Last, the stub is set to exit without the interpreter's teardown."""
+        import atexit
+
+        if self.released:
+            try:
+                with open(self.released, "w"):
+                    pass
+            except OSError:  # serve's directory is gone: nobody waits for this
+                pass
         clock = getattr(self.impl, "clock", None)
         if clock is not None:
             try:
@@ -160,6 +195,7 @@ class TritonPythonModel:
             except Exception:  # noqa: BLE001 - the server is unloading the model: the last half second is lost
                 pass
         self.impl = None
+        atexit.register(_exit_now)
 
 
 def _to_torch(tensor):
@@ -442,18 +478,36 @@ class _Batched:
                                                                self.device))
             if self.cuda:
                 torch.cuda.synchronize(self.device)
+        # The request path's callables, looked up once (an import or attribute chain per request adds up).
+        from torch.utils.dlpack import from_dlpack, to_dlpack
+
+        self.pb_utils, self.from_dlpack, self.to_dlpack = pb_utils, from_dlpack, to_dlpack
+        self.inference_mode = torch.inference_mode
+        self.buffers: dict[int, tuple] = {}
+        # Made outside inference mode (so they have version counters) and never written.
+        self.all_valid = {size: torch.ones([size, self.row_shape[0]], dtype=torch.bool, device=self.device)
+                          for size in self.runner.sizes}
 
     def execute(self, requests):
-        import triton_python_backend_utils as pb_utils
-
+        """The request path (issue 30: it is most of a small request's time): one pass over each request's
+        inputs, the rows copied once into the bucket's own buffers, the engine, a DLPack view per response."""
+        pb_utils = self.pb_utils
         start = time.perf_counter_ns()
         responses = [None] * len(requests)
         xs, masks = [], []
         for request in requests:
-            xs.append(_to_torch(pb_utils.get_input_tensor_by_name(request, INPUT_X)))
-            mask = pb_utils.get_input_tensor_by_name(request, INPUT_MASK)
-            masks.append(None if mask is None else _to_torch(mask))
-        for group in chunks([int(x.shape[0]) for x in xs], self.max_batch):
+            x = mask = None
+            for tensor in request.inputs():  # one pass: get_input_tensor_by_name walks this list once per name
+                name = tensor.name()
+                if name == INPUT_X:
+                    x = self.from_dlpack(tensor.to_dlpack())
+                elif name == INPUT_MASK:
+                    mask = self.from_dlpack(tensor.to_dlpack())
+            xs.append(x)
+            masks.append(mask)
+        rows = [x.shape[0] for x in xs]
+        groups = [range(len(xs))] if sum(rows) <= self.max_batch else chunks(rows, self.max_batch)
+        for group in groups:
             try:
                 outputs, size, n, gathered, ran = self._run([xs[i] for i in group], [masks[i] for i in group])
                 for i, y in zip(group, outputs):
@@ -470,39 +524,66 @@ class _Batched:
             try:
                 return _to_triton(OUTPUT_Y, y, keep_device=True)
             except Exception as exc:  # noqa: BLE001 - a backend built without GPU tensor support
-                import triton_python_backend_utils as pb_utils
-
                 self.gpu_outputs = False
-                pb_utils.Logger.log_warn(f"{self.name}: GPU outputs refused ({type(exc).__name__}: {exc}); "
-                                         f"copying outputs to the CPU in model.py from now on")
-        return _to_triton(OUTPUT_Y, y)
+                self.pb_utils.Logger.log_warn(f"{self.name}: GPU outputs refused ({type(exc).__name__}: {exc}); "
+                                              f"copying outputs to the CPU in model.py from now on")
+        if self.cuda:
+            return _to_triton(OUTPUT_Y, y)
+        # on the CPU, y (a fresh tensor from the engine, or a row range of one) is already contiguous host memory
+        return self.pb_utils.Tensor.from_dlpack(OUTPUT_Y, self.to_dlpack(y if y.is_contiguous() else y.contiguous()))
+
+    def _buffers(self, size: int):
+        """The bucket's input and mask buffers on the engine's device, made on first use (a bucket that never
+        runs, such as a shape-6 bucket of 10,000, costs nothing) and rewritten in full by every run."""
+        found = self.buffers.get(size)
+        if found is None:
+            import torch
+
+            found = (torch.empty([size, *self.row_shape], dtype=self.dtype, device=self.device),
+                     torch.empty([size, self.row_shape[0]], dtype=torch.bool, device=self.device))
+            self.buffers[size] = found
+        return found
 
     def _run(self, xs, masks):
-        import torch
-
-        n = sum(int(x.shape[0]) for x in xs)
+        n = 0
+        for xi in xs:
+            n += xi.shape[0]
         size = self.runner.bucket_for(n)
-        x = torch.empty([size, *self.row_shape], dtype=self.dtype, device=self.device)
-        mask = torch.empty([size, self.row_shape[0]], dtype=torch.bool, device=self.device)
-        bounds, row = [], 0
-        for xi, mi in zip(xs, masks):
-            k = int(xi.shape[0])
-            x[row:row + k].copy_(xi, non_blocking=True)
-            if mi is None:
-                mask[row:row + k] = True
-            else:
-                mask[row:row + k].copy_(mi, non_blocking=True)
-            bounds.append((row, row + k))
-            row += k
+        x, mask = self._buffers(size)
+        if len(xs) == 1:
+            bounds = ((0, n),)
+            (x if n == size else x[:n]).copy_(xs[0], non_blocking=True)
+        else:
+            bounds, row = [], 0
+            for xi in xs:
+                k = xi.shape[0]
+                x[row:row + k].copy_(xi, non_blocking=True)
+                bounds.append((row, row + k))
+                row += k
         if n < size:  # padding rows: zeros, fully masked, never returned
             x[n:].zero_()
-            mask[n:] = False
+        if n == size and all(m is None for m in masks):
+            # every token valid: the bucket's all-True mask, never written, so an engine that caches "all valid"
+            # by tensor identity and version (an all-valid-only CUDA graph) answers without a device sync
+            mask = self.all_valid[size]
+        else:
+            for (a, b), mi in zip(bounds, masks):
+                if mi is None:
+                    mask[a:b].fill_(True)
+                else:
+                    mask[a:b].copy_(mi, non_blocking=True)
+            if n < size:
+                mask[n:].fill_(False)
         gathered = time.perf_counter_ns()
-        with torch.inference_mode():
+        with self.inference_mode():
             y = self.runner.run_bucket(size, x, mask)
         if self.cuda:  # the responses read y: it must be complete (and the clock honest)
+            import torch
+
             torch.cuda.current_stream(self.device).synchronize()
         ran = time.perf_counter_ns()
+        if len(xs) == 1 and n == size:
+            return [y], size, n, gathered, ran
         return [y[a:b] for a, b in bounds], size, n, gathered, ran
 
 
