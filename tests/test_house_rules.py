@@ -93,10 +93,7 @@ DATED = {
     "a commit hash": r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b",
     "a measured torch build": r"\btorch\s+\d+\.\d+\.\d+\+\w+",
 }
-# Being rewritten in a parallel change, which cleans its own dated text: the
-# serving stack (kkdeploy/serving/ and its three commands). Drop these exemptions once those changes have landed.
-DATED_TEXT_EXEMPT = ("kkdeploy/serving/", "kkdeploy/commands/serve.py",
-                     "kkdeploy/commands/loadtest.py", "kkdeploy/commands/triton_repo.py")
+DATED_TEXT_EXEMPT: tuple[str, ...] = ()
 
 
 def library_files() -> list[Path]:

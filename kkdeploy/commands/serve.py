@@ -3,7 +3,7 @@
 The repository is written to a temporary directory (removed at exit) and served by the ``tritonserver`` that
 ``kkdeploy.serving.triton_server`` finds; ``--install-server`` installs the one bundled in nvidia-pytriton.
 
-Issue 33: "ready" is printed only once the server answering on our ports is the one this process started (its
+"ready" is printed only once the server answering on our ports is the one this process started (its
 process alive, a per-run token in its model config) and a canary request got the validated answer; a watchdog
 (``serving.watchdog``) then heals a broken model or exits 3; Ctrl-C or SIGTERM unloads the models (readiness false,
 in-flight requests drain up to ``--drain-timeout``), stops the server and every process it started within
@@ -24,7 +24,7 @@ from ..console import console, err_console
 from ..errors import KKError
 
 EXIT_UNCLEAN_STOP = 1
-# The stop (issue 33: "SIGINT under load: stopped in <= 5 s"), from the signal, with the default --drain-timeout:
+# The stop (a supervisor expects it within 5 s of SIGINT/SIGTERM), from the signal, with the default --drain-timeout:
 DRAIN_TIMEOUT_S = 2.0  # in-flight requests get this long to be answered (--drain-timeout)
 RELEASE_S = 1.3  # then Triton's Python backend checks the stub's health (a fixed 1 s sleep) before finalize()
 SERVER_EXIT_S = 0.6  # SIGTERM to a server whose models are unloaded: it exits at once (measured: 0.03-0.1 s)

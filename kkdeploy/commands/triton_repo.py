@@ -30,7 +30,7 @@ def add_topology_args(p) -> None:
                         "only); python: kkdeploy.load")
     p.add_argument("--topology", choices=["auto", "one-hop", "two-hop"], default="auto",
                    help="auto (default): one-hop unless --engine native; two-hop: the front + engine layout of "
-                        "before issue 30 (to compare against it)")
+                        "before the one-hop layout (to compare against it)")
     p.add_argument("--instances", type=int, default=1,
                    help="model instances (instance_group count; each loads the engine; default 1)")
 

@@ -1,4 +1,4 @@
-"""Serving built artifacts on NVIDIA Triton Inference Server (issue 21, design §9).
+"""Serving built artifacts on NVIDIA Triton Inference Server (design §9).
 
 ``triton_repo`` writes a model repository for what a build shipped; ``triton_server`` finds (or installs) a
 ``tritonserver`` binary and runs it on a repository with a clean lifecycle; ``triton_model`` is the

@@ -2,7 +2,7 @@
 
 One file, three roles, chosen by the ``kkdeploy_role`` parameter of the model's ``config.pbtxt``:
 
-``batched`` (one hop, the default repository; issue 30). Triton's dynamic batcher gathers requests of 1..N
+``batched`` (one hop, the default repository). Triton's dynamic batcher gathers requests of 1..N
 sequences (``max_batch_size`` = the largest validated batch bucket, so Triton itself rejects more, a wrong width,
 dtype or mask shape with a 400) and hands them to this model, which runs the engine in-process:
 ``kkdeploy.load(<version>/artifacts)`` (every check it makes: hashes, environment, versions, its fallback). The
@@ -489,7 +489,7 @@ class _Batched:
                           for size in self.runner.sizes}
 
     def execute(self, requests):
-        """The request path (issue 30: it is most of a small request's time): one pass over each request's
+        """The request path (it is most of a small request's time): one pass over each request's
         inputs, the rows copied once into the bucket's own buffers, the engine, a DLPack view per response."""
         pb_utils = self.pb_utils
         start = time.perf_counter_ns()

@@ -2,7 +2,7 @@
 
 Two topologies (``topology``):
 
-``one-hop`` (the default; issue 30)::
+``one-hop`` (the default)::
 
     REPO/
       README.md  manifest.json  validation.json  serving.json     (Triton ignores top-level files)
@@ -14,7 +14,7 @@ Two topologies (``topology``):
   zeros by the model's semantics, never returned), run once, and split back. There is no second model and no BLS
   hop, and on a CUDA artifact the tensors stay on the GPU (DLPack) from the request buffers to the engine and back.
 
-``two-hop`` (``--engine native``, or asked for; what every repository was before issue 30)::
+``two-hop`` (``--engine native``, or asked for; what every repository was before the one hop)::
 
       <name>/config.pbtxt   1/model.py                             the front: gathers, pads to B, one BLS call
       <name>_engine/config.pbtxt   1/<engine files>                the engine at its fixed batch B

@@ -1,4 +1,4 @@
-"""The watchdog of `kkdeploy serve` (issue 33): notice a broken model, make readiness say so, heal it or give up.
+"""The watchdog of `kkdeploy serve`: notice a broken model, make readiness say so, heal it or give up.
 
 Why. Triton does not restart a Python-backend stub that died (SIGKILL, out of memory, a crash in native code): every
 request then fails with "Stub process ... is not healthy", while ``/v2/health/ready`` and the model's ready flag
