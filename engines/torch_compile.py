@@ -36,13 +36,13 @@ from pathlib import Path
 
 import torch
 
-from kkdeploy.artifacts import WEIGHTS_FILE
+from kkdeploy.artifacts import WEIGHTS_FILE, first_difference
 from kkdeploy.config import TransformerConfig, dtype_name
-from kkdeploy.errors import KKError
+from kkdeploy.errors import KKError, error_summary
 from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache
 
-from .base import (FINGERPRINT_PADDING, AllValidRouter, Backend, BuildContext, CandidateResult, CandidateSkipped,
-                   Runner, output_fingerprint, requested_variants)
+from .base import (AllValidRouter, Backend, BuildContext, CandidateResult, CandidateSkipped,
+                   Runner, fingerprint_padding, output_fingerprint, requested_variants)
 from .cuda_graph import CapturedCall
 from .recipe import Recipe, parse as parse_recipe
 from .registry import BackendChoice, BackendDescriptor, register
@@ -316,11 +316,13 @@ class TorchCompileBackend(Backend):
                                "proofs_reused": proofs.reused})
             runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)
             recipe.update(kernel_paths_record(candidate, ctx.config, ctx.dtype, device))
-        ratios = FINGERPRINT_PADDING[:1] if runner.all_valid_only else FINGERPRINT_PADDING
+        ratios = fingerprint_padding(runner.all_valid_only)
         fingerprint = output_fingerprint(runner, ctx.config, ctx.dtype, device, padding_ratios=ratios)
         files = [WEIGHTS_FILE]
         cache_file = None
         saved = torch.compiler.save_cache_artifacts()
+        all_valid_only, captured, compile_seconds = runner.all_valid_only, runner.captured, runner.compile_seconds
+        runner.close()  # the build loads the candidate again to validate it: this compile's graph is not kept
         if saved is not None:
             cache_file = f"{candidate}{CACHE_SUFFIX}"
             Path(ctx.out_dir, cache_file).write_bytes(saved[0])
@@ -328,11 +330,11 @@ class TorchCompileBackend(Backend):
         options = {
             "variant": candidate, "dtype": dtype_name(ctx.dtype), "config": ctx.config.to_dict(),
             "weights_sha256": weights_sha256(ctx.model), "torch": torch.__version__, **recipe,
-            "all_valid_only": runner.all_valid_only,  # TF32: the build's one setting, manifest["tf32"]
-            "mask_modes": ["all-valid"] if runner.all_valid_only else ["all-valid", "padded"],
-            "cuda_graph": runner.captured is not None, "cache_file": cache_file,
+            "all_valid_only": all_valid_only,  # TF32: the build's one setting, manifest["tf32"]
+            "mask_modes": ["all-valid"] if all_valid_only else ["all-valid", "padded"],
+            "cuda_graph": captured is not None, "cache_file": cache_file,
             "fingerprint": {"seed": DEFAULT_SEED, "padding_ratios": list(ratios), "sha256": fingerprint},
-            "compile_seconds": runner.compile_seconds,
+            "compile_seconds": compile_seconds,
         }
         return options, files
 
@@ -340,16 +342,17 @@ class TorchCompileBackend(Backend):
              device: torch.device) -> CompiledRunner:
         from safetensors.torch import load_file
 
-        from .inductor import _first_line
         from .torch_graph import model_for_variant
 
         device = torch.device(device)
         options = entry.get("options") or {}
         name = entry.get("name", FAITHFUL)
-        if options.get("torch") != torch.__version__:
+        here = {"torch": torch.__version__, "dtype": dtype_name(dtype), "config": config.to_dict()}
+        differs = first_difference(options, here, ("torch", "dtype", "config"))
+        if differs == "torch":
             raise KKError(f"{name} was compiled with torch {options.get('torch')}, this process has "
                           f"torch {torch.__version__}; rebuild it here")
-        if options.get("dtype") != dtype_name(dtype) or options.get("config") != config.to_dict():
+        if differs:
             raise KKError(f"{name} was built for {options.get('dtype')} {options.get('config')}; rebuild it here")
         if options.get("cache_file"):
             torch.compiler.load_cache_artifacts(Path(artifact_dir, options["cache_file"]).read_bytes())
@@ -366,11 +369,11 @@ class TorchCompileBackend(Backend):
         except KKError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise KKError(f"{name} failed to compile here: {_first_line(exc)}") from None
+            raise KKError(f"{name} failed to compile here: {error_summary(exc)}") from None
         recorded = options.get("fingerprint") or {}
         expected = recorded.get("sha256")
         got = output_fingerprint(runner, config, dtype, device, recorded.get("seed", DEFAULT_SEED),
-                                 recorded.get("padding_ratios", FINGERPRINT_PADDING[:1]))
+                                 recorded.get("padding_ratios", fingerprint_padding(True)))
         if got != expected:
             raise KKError(f"{name} recompiled here does not reproduce the validated output (fingerprint "
                           f"{got[:12]} != {str(expected)[:12]}); rebuild the artifacts on this machine")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engines.base import AllValidRouter, BuildContext, Runner
-from engines.torch_compile import BACKEND, FINGERPRINT_PADDING, CompiledRunner, inductor_variant, output_fingerprint
+from engines.base import FINGERPRINT_PADDING
+from engines.torch_compile import BACKEND, CompiledRunner, inductor_variant, output_fingerprint
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import generate_case
 from kkdeploy.models.weights import build_models
