@@ -138,3 +138,26 @@ def test_kernel_environment_holds_the_source_hash(tmp_path):
     second = proof.kernel_environment("cpu", "op", [source])
     assert first["kernel"] == "op" and first["source"] != second["source"]
     assert {k: v for k, v in first.items() if k != "source"} == {k: v for k, v in second.items() if k != "source"}
+
+
+def test_an_inconclusive_proof_is_not_kept_on_disk(tmp_path, monkeypatch):
+    """A launch that errored (out of memory, say) or a budget that ran out says nothing lasting: this process keeps
+    the record, the next one proves again."""
+    monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path))
+    proof.forget_proofs()
+    try:
+        crashed = proof.prove_launches("fake", {"n": 1}, ["crash"], fake_cases(n=2, crash_on=0), "cpu",
+                                       environment={"e": 1})
+        assert not crashed.conclusive
+        proof.remember_proof(crashed)
+        assert proof.lookup_proof({"e": 1}, "fake", {"n": 1}) is crashed
+        proof.forget_proofs()
+        assert proof.lookup_proof({"e": 1}, "fake", {"n": 1}) is None
+        differs = proof.prove_launches("fake", {"n": 2}, ["off-by-one-ulp"], fake_cases(bad_on=0), "cpu",
+                                       environment={"e": 1})
+        assert differs.conclusive  # a launch that differs is a fact of this environment
+        proof.remember_proof(differs)
+        proof.forget_proofs()
+        assert proof.lookup_proof({"e": 1}, "fake", {"n": 2}) == differs
+    finally:
+        proof.forget_proofs()

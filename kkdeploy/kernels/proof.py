@@ -114,6 +114,12 @@ class ProofRecord:
     def proven(self) -> bool:
         return self.chosen is not None
 
+    @property
+    def conclusive(self) -> bool:
+        """Whether the record says something lasting about this environment: no launch failed to run (an error such
+        as running out of memory may not happen again) and the budget did not cut the cases short."""
+        return not self.reason.startswith("budget") and all(r.status != "error" for r in self.launches)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -316,9 +322,12 @@ def _digest(environment: dict, op: str, shape: dict) -> str:
 
 
 def remember_proof(record: ProofRecord, cache: Optional[ProofCache] = None) -> None:
-    """Keep ``record`` for this process and in the on-disk cache (an environment fact, like a compiled kernel)."""
+    """Keep ``record`` for this process and, when it is conclusive, in the on-disk cache (an environment fact, like
+    a compiled kernel). An inconclusive one (a launch errored, the budget ran out) is proven again by the next
+    process rather than trusted forever."""
     _REMEMBERED[_digest(record.environment, record.op, record.shape)] = record
-    (cache or ProofCache()).put(record)
+    if record.conclusive:
+        (cache or ProofCache()).put(record)
 
 
 def lookup_proof(environment: dict, op: str, shape: dict, cache: Optional[ProofCache] = None) -> Optional[ProofRecord]:
