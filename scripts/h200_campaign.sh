@@ -15,8 +15,8 @@
 #   custom-ops.json, ortstrict.md/json, ortjudge.md/json  issue 20: op table, FP16 strict ORT, float32 judge ORT
 #   shape14-tiles.json  scripts/shape14_tile_study.py (issue 19: shape 14's tile profile and bitwise skips)
 #   block-softmax.json  scripts/block_softmax_selftest.py (issue 19: ATen's block softmax order, the fused kernel)
-#   layer-norm.json  scripts/layer_norm_selftest.py; faithful_attention_selftest.json (issue 19's kernels, bitwise)
-#   fused-linear.json  scripts/fused_linear_selftest.py (issue 19: the Triton GEMM with fused epilogues, bitwise)
+#   layer-norm.json, attention.json, fused-linear.json  scripts/kernel_selftest.py per kind: the build's proof step
+#                    over the official shapes, every launch variant (bitwise or not, and timed against ATen)
 #   prove-N.json     `kkdeploy prove` per shape: the build's proof step on its own (which kernels, which launches)
 #   custom.tgz, custom.md  the custom-shape step: builds and benches of non-official shapes with our own weights
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
@@ -121,18 +121,16 @@ step_shape14build() {
   done
 }
 step_layernorm() {
-  # Issue 19: the rows LayerNorm kernel against F.layer_norm, every official shape's LayerNorms, bitwise; timing.
-  python3 scripts/layer_norm_selftest.py --out "$OUT/layer-norm.json" ${LAYERNORM_ARGS:-}
+  # The rows LayerNorm kernel, every launch, on every official shape's LayerNorms: the build's proof step.
+  python3 scripts/layer_norm_selftest.py --out "$OUT/layer-norm.json" --all-launches ${LAYERNORM_ARGS:-}
 }
 step_linear() {
-  # Issue 19: kkdeploy_faithful::linear's Triton GEMM + epilogues against the reference's ATen ops, bitwise; timing.
-  python3 scripts/fused_linear_selftest.py --out "$OUT/fused-linear.json" ${LINEAR_ARGS:-}
+  # kkdeploy_faithful::linear's Triton GEMM tiles with their epilogues, every official shape: the build's proof step.
+  python3 scripts/fused_linear_selftest.py --out "$OUT/fused-linear.json" --all-launches ${LINEAR_ARGS:-}
 }
 step_attention() {
-  # Issue 19: the faithful attention kernel (every launch variant, one-pass included) against ATen, bitwise.
-  # ATTENTION_VARIANTS (comma-separated launch variants; default all) keeps a run short.
-  python3 scripts/faithful_attention_selftest.py --out "$OUT" --time-variants "${ATTENTION_TIME_VARIANTS:-6,1,5,11}" \
-    ${ATTENTION_VARIANTS:+--variants "$ATTENTION_VARIANTS"} ${ATTENTION_ARGS:-}
+  # The faithful attention kernel, every launch that fits the rows, every official shape: the build's proof step.
+  python3 scripts/faithful_attention_selftest.py --out "$OUT/attention.json" --all-launches ${ATTENTION_ARGS:-}
 }
 step_shape14tiles() {
   # Issue 19: where a reference-order shape-14 tile spends its time, and which skips of masked work are bitwise.

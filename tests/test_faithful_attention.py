@@ -1,6 +1,6 @@
 """kkdeploy.kernels.faithful_attention: the custom op, its dispatch, its fake kernel, its errors.
 
-The GPU proof (kernel == ATen composition bit for bit on the H200) is scripts/faithful_attention_selftest.py;
+The GPU proof (kernel == ATen composition bit for bit) is the build's proof step (scripts/kernel_selftest.py);
 here: the CPU path is the reference bit for bit, and, when Triton is importable, the kernel's logic runs
 under TRITON_INTERPRET=1 against an emulation of ATen's softmax order (scores and probabilities bitwise).
 """
@@ -426,7 +426,12 @@ def test_a_build_proves_the_64_row_launches_that_fit():
         assert not any(fa.LAUNCHES[n].get("block_m", 64) < 64 for n in fa.proof_launches(s))
 
 
-def test_the_self_test_checks_the_op_launches():
-    script = load_script("faithful_attention_selftest")
-    assert script.VARIANTS == fa.LAUNCHES and next(iter(fa.LAUNCHES)) == fa.DEFAULT_LAUNCH
-    assert script.variants_for(1024, ["bm64", "cached64w4", "onepass", "bm64x2"]) == ["bm64", "bm64x2"]
+def test_the_self_test_is_the_builds_proof_step(capsys):
+    """scripts/faithful_attention_selftest.py is kernel_selftest.py for the attention, whose --all-launches tries
+    every launch of LAUNCHES (the proof step keeps those that fit the rows)."""
+    script = load_script("kernel_selftest")
+    assert script.all_launches()["attention"] == list(fa.LAUNCHES)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script would run")
+    assert load_script("faithful_attention_selftest").main(["--out", "/dev/null", "--shapes", "3"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -189,3 +189,18 @@ def test_loading_elsewhere_proves_again_and_names_a_kernel_that_no_longer_holds(
     assert note.startswith(f"{KERNEL_ATTENTION}: 1 kernel op(s) proven at build time are not bit-identical here")
     assert "run ATen's ops (the same bits, slower)" in note and fa.OP in note
     assert list((tmp_path / "proofs").glob(f"{fa.OP}-*.json"))  # cached beside the artifacts
+
+
+def test_the_kernel_self_test_is_the_proof_step_and_reads_its_records(monkeypatch, proof_sandbox, model):
+    """scripts/kernel_selftest.py: the same ``prove_model_kernels`` (every launch with --all-launches), one row per
+    op shape; bad --kinds is a one-line usage error."""
+    from tests.conftest import load_script
+
+    script = load_script("kernel_selftest")
+    FakeKernels(monkeypatch, bad={"rows2"})
+    proofs = mp.prove_model_kernels(model, CONFIG, torch.float16, CPU, ("layer_norm",), reuse=False,
+                                    launches=script.all_launches())
+    (row,) = script.rows(3, proofs.to_list())
+    assert row[:5] == [3, ln.OP, "rows=16 width=16", "1/2", "rows1"] and row[-1] > 0
+    with pytest.raises(SystemExit):
+        script.parse_args(["--kinds", "softmax", "--out", "x"])

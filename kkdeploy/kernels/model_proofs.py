@@ -244,9 +244,11 @@ def _op(kind: str) -> str:
 def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, device: torch.device | str,
                         kinds: Iterable[str] = KINDS, *, seed: int = DEFAULT_SEED, budget_s: float = BUDGET_S,
                         reuse: bool = True, cache: Optional[ProofCache] = None,
-                        progress: Optional[Callable[[str], None]] = None) -> ModelProofs:
+                        progress: Optional[Callable[[str], None]] = None,
+                        launches: Optional[dict[str, list[str]]] = None) -> ModelProofs:
     """Prove every kernel op of ``kinds`` at ``model``'s op shapes here (``reuse``: a record already made in this
-    environment is taken as it is). Off CUDA or in another dtype the records say why nothing runs."""
+    environment is taken as it is). Off CUDA or in another dtype the records say why nothing runs. ``launches``
+    ({kind: names}) replaces the launch variants a build proves (a study of every variant: scripts/kernel_selftest.py)."""
     device = torch.device(device)
     kinds = [k for k in KINDS if k in set(kinds)]
     start = time.perf_counter()
@@ -265,7 +267,7 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
         if refusal is None and cases is None:
             cases = _Cases(model, config, dtype, device, seed)
         result.records.append(_prove(kind, name, shape, cases if refusal is None else None, config, device,
-                                     budget_s, cache, refusal, dtype))
+                                     budget_s, cache, refusal, (launches or {}).get(kind)))
     del cases
     result.seconds = round(time.perf_counter() - start, 3)
     return result
@@ -282,17 +284,22 @@ def _refusal(kind: str, config: TransformerConfig, dtype: torch.dtype, device: t
     return fused_linear.kernel_refusal(dtype, device)
 
 
-def _prove(kind, name, shape, cases: Optional[_Cases], config, device, budget_s, cache, refusal, dtype) -> ProofRecord:
+def _prove(kind, name, shape, cases: Optional[_Cases], config, device, budget_s, cache, refusal,
+           launches: Optional[list[str]]) -> ProofRecord:
     if refusal is not None:  # not cached: asking again is cheap, and a refusal may not hold tomorrow (nvcc installed)
         return ProofRecord(op=_op(kind), shape=shape, environment=_environment(kind, device), reason=refusal)
     if kind == "attention":
+        fitting = [n for n in launches or () if attention_kernel.launch_fits(n, shape["seq_len"])] or None
         return attention_kernel.prove_attention(device, cases.attention(), shape["batch_heads"], shape["seq_len"],
-                                                shape["head_dim"], shape["causal"], budget_s=budget_s, cache=cache)
+                                                shape["head_dim"], shape["causal"], budget_s=budget_s, cache=cache,
+                                                launches=fitting)
     if kind == "layer_norm":
         return layer_norm.prove_layer_norm(device, cases.layer_norm(), shape["rows"], shape["width"],
-                                           budget_s=budget_s, cache=cache)
+                                           budget_s=budget_s, cache=cache, launches=launches)
+    if "layer_norm" in shape["form"]:
+        launches = None  # the LayerNorm epilogue has its one tile
     return fused_linear.prove_linear(device, cases.linear(name), shape["m"], shape["n"], shape["k"], shape["form"],
-                                     budget_s=budget_s, cache=cache)
+                                     budget_s=budget_s, cache=cache, launches=launches)
 
 
 def adopt_recorded(records: Iterable[dict], device: torch.device | str,

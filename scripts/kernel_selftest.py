@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""The kernels' GPU self-test: the build's own proof step (``kkdeploy.kernels.model_proofs``) over many shapes.
+
+    python3 scripts/kernel_selftest.py --kinds attention,layer_norm,linear --out OUT.json [--shapes 1 2 3]
+        [--all-launches] [--weights-seed N]
+
+For each official shape (default 1-13), the model in float16 on the GPU (seeded weights, or trained-like weights of
+``scripts/make_weights.py`` with ``--weights-seed``) goes through ``prove_model_kernels`` with ``reuse=False``:
+every launch variant of each kernel op of ``--kinds`` is compared bit for bit with the ATen op it replaces, on the
+model's own activations (all-valid and padded) and random inputs, and timed as CUDA-graph replays against ATen.
+``--all-launches`` proves every launch of each kernel, not only the ones a build tries. Nothing here decides
+differently from a build: it is the same code. The records land in the proof cache too.
+
+The three former self-tests (``faithful_attention_selftest.py``, ``layer_norm_selftest.py``,
+``fused_linear_selftest.py``) are this script with one kind. Prints a table last: shape, op, op shape, launches
+bit-identical of those tried, the one that runs, its ms against ATen's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: what ``--all-launches`` tries per kind (a build tries fewer: ``faithful_attention.proof_launches`` and friends)
+def all_launches() -> dict[str, list[str]]:
+    from kkdeploy.kernels import faithful_attention, fused_linear, layer_norm
+
+    return {"attention": list(faithful_attention.LAUNCHES), "layer_norm": list(layer_norm.LAUNCHES),
+            "linear": list(fused_linear.TILES)}
+
+
+def parse_args(argv):
+    from kkdeploy.kernels.model_proofs import KINDS
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    p.add_argument("--shapes", type=int, nargs="*", default=list(range(1, 14)), help="official shape ids (1-13)")
+    p.add_argument("--all-launches", action="store_true", help="every launch variant, not only a build's")
+    p.add_argument("--weights-seed", type=int, default=None, help="trained-like weights (scripts/make_weights.py)")
+    p.add_argument("--out", required=True, help="JSON report")
+    args = p.parse_args(argv)
+    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = [k for k in args.kinds if k not in KINDS]
+    if unknown or not args.kinds:
+        p.error(f"--kinds: unknown {', '.join(unknown) or '(none)'}; the kinds are {', '.join(KINDS)}")
+    return args
+
+
+def rows(shape_id: int, records: list[dict]) -> list[list]:
+    """One table row per op shape of one model."""
+    out = []
+    for r in records:
+        tried = r.get("launches") or []
+        chosen = next((x for x in tried if x["launch"] == r.get("chosen")), None)
+        out.append([shape_id, r["op"], " ".join(f"{k}={v}" for k, v in r["shape"].items() if k != "dtype"),
+                    f"{sum(x['status'] == 'proven' for x in tried)}/{len(tried)}", r.get("chosen") or "aten",
+                    "-" if chosen is None else f"{chosen['ms']}", "-" if r.get("reference_ms") is None
+                    else f"{r['reference_ms']}", sum(x["differing"] for x in tried)])
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("kernel_selftest: needs a CUDA GPU (it compares our kernels with ATen's ops on the device); "
+              "the CPU tests cover the proof's logic", file=sys.stderr)
+        return 2
+    from kkdeploy import OFFICIAL_SHAPES
+    from kkdeploy.console import console, table
+    from kkdeploy.kernels.model_proofs import prove_model_kernels
+    from kkdeploy.models.weights import build_models
+
+    report, table_rows = {"kinds": args.kinds, "all_launches": args.all_launches, "shapes": {}}, []
+    for sid in args.shapes:
+        config = OFFICIAL_SHAPES[sid]
+        weights = None
+        if args.weights_seed is not None:
+            from scripts.make_weights import trained_like
+            from safetensors.torch import save_file
+
+            weights = Path(args.out).with_suffix(f".weights-{sid}.safetensors")
+            save_file(trained_like(config, args.weights_seed), str(weights))
+        model = build_models(config, torch.float16, "cuda", weights=weights)[0]
+        proofs = prove_model_kernels(model, config, torch.float16, "cuda", args.kinds, reuse=False,
+                                     launches=all_launches() if args.all_launches else None)
+        report["shapes"][sid] = {"seconds": proofs.seconds, "records": proofs.to_list()}
+        table_rows += rows(sid, proofs.to_list())
+        Path(args.out).write_text(json.dumps(report, indent=1))  # after every shape: a time limit keeps the rest
+        del model
+        torch.cuda.empty_cache()
+    console.print(table("Kernel self-test (the build's proof step)", ["shape", "op", "op shape", "bit-identical",
+                                                                       "runs", "ms", "ATen ms", "differing"],
+                        table_rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
