@@ -294,10 +294,7 @@ def test_a_signal_under_load_stops_within_the_budget_cleanly_leaving_nothing(sma
         load = Load(ports, oracle, clients=(("grpc", 0), ("http", 1), ("grpc", 2), ("http", 3)))
         time.sleep(2.0)
         assert load.count("ok") > 0
-        began = time.monotonic()
-        serve.proc.send_signal(signum)
-        code = serve.proc.wait(timeout=30)
-        took = time.monotonic() - began
+        began, code, took = signal_and_wait(serve, signum)
         load.finish()
         assert took <= 5.0, (took, serve.text)  # issue 33, signal to exit, serve's own exit included
         assert stop_line(serve.text) <= STOP_BUDGET_S, serve.text
@@ -310,6 +307,14 @@ def test_a_signal_under_load_stops_within_the_budget_cleanly_leaving_nothing(sma
             load.finish()
         serve.close()
 
+
+
+def signal_and_wait(serve, signum) -> tuple[float, int, float]:
+    """Send ``signum`` to serve and wait for it: (when it was sent, the exit code, seconds until the exit)."""
+    began = time.monotonic()
+    serve.proc.send_signal(signum)
+    code = serve.proc.wait(timeout=30)
+    return began, code, time.monotonic() - began
 
 @pytest.fixture(scope="module")
 def unbucketed(tmp_path_factory):
@@ -340,10 +345,7 @@ def test_requests_in_flight_at_the_signal_are_answered_before_the_stop(unbuckete
         load = Load(ports, oracle, clients=(("grpc", 0),))  # one client: no second sequence to complete a batch
         time.sleep(2.0)
         assert load.count("ok") >= 1
-        began = time.monotonic()
-        serve.proc.send_signal(signal.SIGINT)
-        code = serve.proc.wait(timeout=30)
-        took = time.monotonic() - began
+        began, code, took = signal_and_wait(serve, signal.SIGINT)
         load.finish()
         held = load.in_flight_at(began)
         assert len(held) == 1 and held[0][1] == "ok", (held, serve.text)  # answered, exactly, during the stop
@@ -372,10 +374,7 @@ def test_a_stop_that_cannot_drain_exits_non_zero_and_still_leaves_nothing(small,
         os.kill(frozen, signal.SIGSTOP)  # the model can neither answer nor unload
         load = Load(ports, oracle, clients=(("http", 4),))  # a request that is in flight, and stays so
         time.sleep(0.5)
-        began = time.monotonic()
-        serve.proc.send_signal(signal.SIGINT)
-        code = serve.proc.wait(timeout=30)
-        took = time.monotonic() - began
+        began, code, took = signal_and_wait(serve, signal.SIGINT)
         load.finish()
         assert code == 1, serve.text  # honest: a request was cut off, this stop was not clean
         assert "unclean stop: requests were still in flight after 1 s" in serve.text, serve.text
