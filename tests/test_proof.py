@@ -161,3 +161,27 @@ def test_an_inconclusive_proof_is_not_kept_on_disk(tmp_path, monkeypatch):
         assert proof.lookup_proof({"e": 1}, "fake", {"n": 2}) == differs
     finally:
         proof.forget_proofs()
+
+
+def test_a_kernel_op_asking_on_every_call_reads_the_disk_once(tmp_path, monkeypatch):
+    """A miss in the default cache is remembered too (an op without a proof asks on every call it is not captured
+    in a graph); a proof remembered later replaces the miss. A cache passed in (an artifact's proofs/) is always read."""
+    monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path))
+    reads = []
+    real_get = proof.ProofCache.get
+    monkeypatch.setattr(proof.ProofCache, "get", lambda self, *a: reads.append(self.root) or real_get(self, *a))
+    proof.forget_proofs()
+    try:
+        environment = {"e": 1}
+        for _ in range(3):
+            assert proof.lookup_proof(environment, "fake", {"n": 1}) is None
+        assert len(reads) == 1
+        record = proof.ProofRecord(op="fake", shape={"n": 1}, environment=environment, chosen="exact")
+        proof.remember_proof(record)
+        assert proof.lookup_proof({"e": 1}, "fake", {"n": 1}) is record and len(reads) == 1
+        local = proof.ProofCache(tmp_path / "artifact")
+        for _ in range(2):
+            assert proof.lookup_proof(environment, "fake", {"n": 2}, cache=local) is None
+        assert len(reads) == 3
+    finally:
+        proof.forget_proofs()

@@ -299,10 +299,13 @@ class ProofCache:
         return path
 
 
-_REMEMBERED: dict[str, ProofRecord] = {}
-#: (op, frozen environment, frozen shape) -> digest: a kernel op asks on every call, and hashing JSON each time
-#: would cost more than some launches
-_DIGESTS: dict[tuple, str] = {}
+#: (op, frozen environment, frozen shape) -> the record this process knows, or None where the default disk cache had
+#: none when asked. A kernel op asks on every call it is not captured in a CUDA graph: the answer must not cost a
+#: file read or a JSON hash each time (a proof written to disk by another process later is seen by the next one).
+_INDEX: dict[tuple, Optional[ProofRecord]] = {}
+#: id(environment) -> (the environment, its frozen form): ``kernel_environment`` hands out one dict per kernel and
+#: device, so freezing it (sorting its items) happens once
+_FROZEN_ENVIRONMENTS: dict[int, tuple[dict, tuple]] = {}
 
 
 def _frozen(value):
@@ -313,37 +316,40 @@ def _frozen(value):
     return value
 
 
-def _digest(environment: dict, op: str, shape: dict) -> str:
-    key = (op, _frozen(environment), _frozen(shape))
-    digest = _DIGESTS.get(key)
-    if digest is None:
-        digest = _DIGESTS[key] = key_digest(environment, op, shape)
-    return digest
+def _key(environment: dict, op: str, shape: dict) -> tuple:
+    held = _FROZEN_ENVIRONMENTS.get(id(environment))
+    if held is None or held[0] is not environment:
+        held = (environment, _frozen(environment))
+        if len(_FROZEN_ENVIRONMENTS) < 256:  # the kernels' shared environments; a stray dict is frozen each time
+            _FROZEN_ENVIRONMENTS[id(environment)] = held
+    return op, held[1], _frozen(shape)
 
 
 def remember_proof(record: ProofRecord, cache: Optional[ProofCache] = None) -> None:
     """Keep ``record`` for this process and, when it is conclusive, in the on-disk cache (an environment fact, like
     a compiled kernel). An inconclusive one (a launch errored, the budget ran out) is proven again by the next
     process rather than trusted forever."""
-    _REMEMBERED[_digest(record.environment, record.op, record.shape)] = record
+    _INDEX[_key(record.environment, record.op, record.shape)] = record
     if record.conclusive:
         (cache or ProofCache()).put(record)
 
 
 def lookup_proof(environment: dict, op: str, shape: dict, cache: Optional[ProofCache] = None) -> Optional[ProofRecord]:
-    """The proof of ``op`` at ``shape`` made in ``environment`` (this process first, then the disk cache)."""
-    digest = _digest(environment, op, shape)
-    if digest not in _REMEMBERED:
-        record = (cache or ProofCache()).get(environment, op, shape)
-        if record is None:
-            return None
-        _REMEMBERED[digest] = record
-    return _REMEMBERED[digest]
+    """The proof of ``op`` at ``shape`` made in ``environment``: this process's first, then the disk cache's
+    (``cache``, default ``$KKDEPLOY_CACHE_DIR/proofs``). The default cache is read once per key and process."""
+    key = _key(environment, op, shape)
+    if key in _INDEX and (_INDEX[key] is not None or cache is None):
+        return _INDEX[key]
+    record = (cache or ProofCache()).get(environment, op, shape)
+    if record is not None or cache is None:
+        _INDEX[key] = record
+    return record
 
 
 def forget_proofs() -> None:
-    """Drop this process's remembered proofs (tests; the disk cache stays)."""
-    _REMEMBERED.clear()
+    """Drop what this process knows of proofs (tests; the disk cache stays)."""
+    _INDEX.clear()
+    _FROZEN_ENVIRONMENTS.clear()
 
 
 def source_digest(*paths: Path) -> str:
@@ -355,7 +361,7 @@ def source_digest(*paths: Path) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_environment(device: str, op: str, sources: tuple, compiler: str) -> tuple:
+def _kernel_environment(device, op: str, sources: tuple, compiler: str) -> dict:
     extra = {"kernel": op, "source": source_digest(*sources)}
     if compiler == "nvcc":
         from .cuda_build import NVCC_FLAGS, compiler_version, nvcc
@@ -365,11 +371,11 @@ def _kernel_environment(device: str, op: str, sources: tuple, compiler: str) -> 
         except KKError:
             version = None
         extra.update({"nvcc": version, "flags": list(NVCC_FLAGS)})
-    return tuple(environment_key(device, extra).items())
+    return environment_key(device, extra)
 
 
 def kernel_environment(device: torch.device | str, op: str, sources: Sequence[Path], compiler: str = "triton") -> dict:
     """The environment key of one kernel's proofs: device, torch, CUDA, Triton, the kernel's source hash and, for a
-    CUDA C++ kernel (``compiler="nvcc"``), nvcc's version and flags. Computed once per device and process: the op
-    asks on every call."""
-    return dict(_kernel_environment(str(torch.device(device)), op, tuple(str(p) for p in sources), compiler))
+    CUDA C++ kernel (``compiler="nvcc"``), nvcc's version and flags. Computed once per device and process (the op
+    asks on every call), and the same dict each time: read it, never change it."""
+    return _kernel_environment(device, op, tuple(sources), compiler)
