@@ -52,14 +52,13 @@ def parse_args(argv):
 
 def rows(shape_id: int, records: list[dict]) -> list[list]:
     """One table row per op shape of one model."""
+    from kkdeploy.kernels.proof import ProofRecord
+
     out = []
-    for r in records:
-        tried = r.get("launches") or []
-        chosen = next((x for x in tried if x["launch"] == r.get("chosen")), None)
-        out.append([shape_id, r["op"], " ".join(f"{k}={v}" for k, v in r["shape"].items() if k != "dtype"),
-                    f"{sum(x['status'] == 'proven' for x in tried)}/{len(tried)}", r.get("chosen") or "aten",
-                    "-" if chosen is None else f"{chosen['ms']}", "-" if r.get("reference_ms") is None
-                    else f"{r['reference_ms']}", sum(x["differing"] for x in tried)])
+    for r in map(ProofRecord.from_dict, records):
+        out.append([shape_id, r.op, r.shape_text, f"{sum(x.status == 'proven' for x in r.launches)}/{len(r.launches)}",
+                    r.chosen or "aten", "-" if r.chosen_ms is None else f"{r.chosen_ms}",
+                    "-" if r.reference_ms is None else f"{r.reference_ms}", sum(x.differing for x in r.launches)])
     return out
 
 

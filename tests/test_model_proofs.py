@@ -105,7 +105,7 @@ def test_each_op_gets_its_fastest_bit_identical_launch_and_a_failing_one_is_reje
         assert record.proven and (record.chosen != "m64" or not residual), record.reason
         assert ({r.launch: r.status for r in record.launches}["m64"] == "differs") is residual
     assert all(proofs.proven(kind) for kind in mp.KINDS) and proofs.reused == 0
-    assert [row["op"] for row in proofs.table()] == [fa.OP, ln.OP] + [fl.OP] * 6
+    assert [r.op for r in proofs.records] == [fa.OP, ln.OP] + [fl.OP] * 6
 
 
 def test_proofs_are_reused_in_the_same_environment_and_made_again_in_another(monkeypatch, proof_sandbox, model):
@@ -204,3 +204,22 @@ def test_the_kernel_self_test_is_the_proof_step_and_reads_its_records(monkeypatc
     assert row[:5] == [3, ln.OP, "rows=16 width=16", "1/2", "rows1"] and row[-1] > 0
     with pytest.raises(SystemExit):
         script.parse_args(["--kinds", "softmax", "--out", "x"])
+
+
+def test_bench_json_keeps_each_candidates_proofs(monkeypatch, proof_sandbox, model):
+    """What the bench's processes proved (or found cached) reaches bench.json: the records once, the seconds per
+    process."""
+    from kkdeploy.config import official_config
+    from kkdeploy.pipeline.bench import ShapeJob, aggregate_shape
+
+    FakeKernels(monkeypatch)
+    records = mp.prove_model_kernels(model, CONFIG, torch.float16, CPU, ("attention",)).to_list()
+
+    def worker(seconds):
+        return {"dtype": "float16", "limits": None, "backends": {
+            GEMMS: {"status": "passed", "reason": "", "failed_elements": {"all-valid": 0}, "max_abs": 0.0,
+                    "proof_seconds": seconds, "kernel_proofs": records}}}
+
+    shape = aggregate_shape(ShapeJob("shape-03", 3, official_config(3)), [worker(1.5), worker(0.0)], [])
+    entry = shape["backends"][GEMMS]
+    assert entry["kernel_proofs"] == records and entry["proof_seconds_per_process"] == [1.5, 0.0]

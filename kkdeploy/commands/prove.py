@@ -45,8 +45,7 @@ def run(args) -> int:
     with console.status("proving kernel ops"):
         proofs = prove_model_kernels(model, config, dtype, device, kinds, reuse=not args.again,
                                      seed=DEFAULT_SEED if args.seed is None else args.seed)
-    rows = [[r["op"], " ".join(f"{k}={v}" for k, v in r["shape"].items()), r["chosen"], f"{r['seconds']:.2f}",
-             r["reason"]] for r in proofs.table()]
+    rows = [[r.op, r.shape_text, r.chosen or "aten", f"{r.seconds:.2f}", r.reason] for r in proofs.records]
     console.print(table(f"Kernel proofs ({proofs.seconds} s, {proofs.reused} reused)",
                         ["op", "shape", "runs", "s", "why"], rows))
     if args.json_path:

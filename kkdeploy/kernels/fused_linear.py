@@ -128,10 +128,7 @@ def proven_ms(m: int, n: int, k: int, form_: str, dtype: torch.dtype, device) ->
     if kernel_refusal(dtype, device):
         return None
     record = lookup_proof(proof_environment(device), OP, proof_shape(m, n, k, form_))
-    if record is None or record.reference_ms is None:
-        return None
-    chosen = next((r.ms for r in record.launches if r.launch == record.chosen), None)
-    return chosen, record.reference_ms
+    return None if record is None else record.timings
 
 
 def tile_config(launch: Optional[str], n: int, k: int) -> dict:

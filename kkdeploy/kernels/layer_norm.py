@@ -104,10 +104,7 @@ def proven_ms(rows: int, width: int, dtype: torch.dtype, device) -> Optional[tup
     if torch.device(device).type != "cuda" or dtype != torch.float16:
         return None
     record = lookup_proof(proof_environment(device), OP, proof_shape(rows, width))
-    if record is None or record.reference_ms is None:
-        return None
-    chosen = next((r.ms for r in record.launches if r.launch == record.chosen), None)
-    return chosen, record.reference_ms
+    return None if record is None else record.timings
 
 
 def row_reason(width: int, dtype: torch.dtype) -> Optional[str]:

@@ -47,8 +47,7 @@ class ModelProofs:
     reused: int = 0  # records found already made in this environment
 
     def of_kind(self, kind: str) -> list[ProofRecord]:
-        op = {"attention": attention_kernel.OP, "layer_norm": layer_norm.OP, "linear": fused_linear.OP}[kind]
-        return [r for r in self.records if r.op == op]
+        return [r for r in self.records if r.op == _op(kind)]
 
     def proven(self, kind: str) -> bool:
         """Whether any op of ``kind`` runs our kernel."""
@@ -60,11 +59,6 @@ class ModelProofs:
 
     def to_list(self) -> list[dict]:
         return [r.to_dict() for r in self.records]
-
-    def table(self) -> list[dict]:
-        """One row per op shape: what a summary prints."""
-        return [{"op": r.op, "shape": {k: v for k, v in r.shape.items() if k != "dtype"}, "chosen": r.chosen or "aten",
-                 "seconds": r.seconds, "reason": r.reason} for r in self.records]
 
 
 @dataclass
@@ -232,13 +226,16 @@ def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str]) -> list[tu
     return shapes
 
 
+#: kind -> the module of its kernel op (``OP``, ``proof_environment``)
+_MODULES = {"attention": attention_kernel, "layer_norm": layer_norm, "linear": fused_linear}
+
+
 def _environment(kind: str, device) -> dict:
-    module = {"attention": attention_kernel, "layer_norm": layer_norm, "linear": fused_linear}[kind]
-    return module.proof_environment(device)
+    return _MODULES[kind].proof_environment(device)
 
 
 def _op(kind: str) -> str:
-    return {"attention": attention_kernel.OP, "layer_norm": layer_norm.OP, "linear": fused_linear.OP}[kind]
+    return _MODULES[kind].OP
 
 
 def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, device: torch.device | str,

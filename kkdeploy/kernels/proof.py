@@ -115,6 +115,22 @@ class ProofRecord:
         return self.chosen is not None
 
     @property
+    def chosen_ms(self) -> Optional[float]:
+        """The chosen launch's time as the proof measured it (None where ATen runs)."""
+        return next((r.ms for r in self.launches if r.launch == self.chosen), None)
+
+    @property
+    def timings(self) -> Optional[tuple[Optional[float], float]]:
+        """(our chosen launch's ms or None, ATen's ms) where the proof raced ATen, else None: what a plan weighs one
+        arrangement of our kernels against another with."""
+        return None if self.reference_ms is None else (self.chosen_ms, self.reference_ms)
+
+    @property
+    def shape_text(self) -> str:
+        """The op shape as "k=v ..." (dtype left out), for tables."""
+        return " ".join(f"{k}={v}" for k, v in self.shape.items() if k != "dtype")
+
+    @property
     def conclusive(self) -> bool:
         """Whether the record says something lasting about this environment: no launch failed to run (an error such
         as running out of memory may not happen again) and the budget did not cut the cases short."""

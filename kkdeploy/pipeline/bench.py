@@ -191,7 +191,7 @@ def make_candidate(name: str, reference, config: TransformerConfig, dtype: torch
                 proofs = prove_candidate_kernels(name, reference, config, dtype, device)
             except CandidateSkipped as exc:
                 raise KKError(f"skipped: {exc}") from None
-            info.update({"proof_seconds": proofs.seconds, "kernel_proofs": proofs.table()})
+            info.update({"proof_seconds": proofs.seconds, "kernel_proofs": proofs.to_list()})
         runner = CompiledRunner(reference, config, dtype, device, name=name)
         info["compile_seconds"] = runner.compile_seconds
         info.update(kernel_paths_record(name, config, dtype, device))
@@ -483,7 +483,9 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str], dtype
         kernels = sorted({e["half_gemm_kernel"] for e in entries if "half_gemm_kernel" in e})
         if kernels:
             entry["half_gemm_kernel"] = " | ".join(kernels)  # one machine, one answer; both if processes differed
-        for key in ("attention_path", "layer_norm_path", "linear_path"):  # which of our kernels ran (engines.torch_compile)
+        if any("proof_seconds" in e for e in entries):  # the proof step each process ran (or found cached)
+            entry["proof_seconds_per_process"] = [e.get("proof_seconds") for e in entries]
+        for key in ("attention_path", "layer_norm_path", "linear_path", "kernel_proofs"):  # our kernels, and why
             paths = [e[key] for e in entries if key in e]
             if paths:  # the same shape and machine in every process: one answer
                 entry[key] = paths[0]

@@ -494,18 +494,18 @@ def _fmt(v) -> str:
 
 def proofs_table(manifest: dict):
     """One row per kernel op shape the build proved (``kernel_proofs`` of its our-kernel candidates), or None."""
+    from kkdeploy.kernels.proof import ProofRecord
+
     seen, rows = set(), []
     for candidate in manifest.get("candidates", []):
-        for record in (candidate.get("options") or {}).get("kernel_proofs") or []:
-            shape = " ".join(f"{k}={v}" for k, v in record["shape"].items() if k != "dtype")
-            if (record["op"], shape) in seen:
+        for data in (candidate.get("options") or {}).get("kernel_proofs") or []:
+            record = ProofRecord.from_dict(data)
+            if (record.op, record.shape_text) in seen:
                 continue
-            seen.add((record["op"], shape))
-            chosen = next((r for r in record.get("launches", []) if r["launch"] == record.get("chosen")), None)
-            rows.append([record["op"], shape, record.get("chosen") or "aten",
-                         "-" if chosen is None or chosen.get("ms") is None else f"{chosen['ms']:.4f}",
-                         "-" if record.get("reference_ms") is None else f"{record['reference_ms']:.4f}",
-                         f"{record.get('seconds', 0):.2f}"])
+            seen.add((record.op, record.shape_text))
+            rows.append([record.op, record.shape_text, record.chosen or "aten",
+                         "-" if record.chosen_ms is None else f"{record.chosen_ms:.4f}",
+                         "-" if record.reference_ms is None else f"{record.reference_ms:.4f}", f"{record.seconds:.2f}"])
     if not rows:
         return None
     return table("Kernel proofs (bit-identical launches, timed as graph replays)",
