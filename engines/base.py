@@ -18,7 +18,7 @@ import torch
 
 from kkdeploy.config import TransformerConfig
 from kkdeploy.errors import KKError
-from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache, check_inputs, generate_case
+from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache, check_inputs, padded_case
 from kkdeploy.status import (BUILD_FAILED, BUILT, FAILED, PASSED, PASSED_ALL_VALID_ONLY, SKIPPED,  # noqa: F401
                              UNAVAILABLE, UNVALIDATED)  # the builders' vocabulary, importable from here as before
 
@@ -262,13 +262,10 @@ def output_fingerprint(runner, config: TransformerConfig, dtype: torch.dtype, de
                        seed: int = DEFAULT_SEED, padding_ratios=(0.0,)) -> str:
     """sha256 of the runner's output bytes on ``seed``'s case at each padding ratio: equal hashes, equal outputs.
 
-    A padded case that the generator happened to leave all valid loses its last token, so it takes the
-    padded route."""
+    A padded case takes the padded route even where the generator drew no padding (``padded_case``)."""
     digest = hashlib.sha256()
     for ratio in padding_ratios:
-        x, mask = generate_case(config, device, dtype, seed, padding_ratio=ratio)
-        if ratio > 0 and bool(mask.all()):
-            mask[0, -1] = False
+        x, mask = padded_case(config, device, dtype, seed, ratio)
         with torch.inference_mode():
             y = runner(x, mask)
         digest.update(y.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())

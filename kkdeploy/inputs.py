@@ -40,6 +40,18 @@ def generate_case(
     return x, mask
 
 
+def padded_case(config: TransformerConfig, device, dtype: torch.dtype, seed: int,
+                padding_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``generate_case`` for a check that must take the padded route: a small batch may draw every sequence at full
+    length, and then its first sequence loses its last token (its input there zeroed, as the generator zeroes
+    padding)."""
+    x, mask = generate_case(config, device, dtype, seed, padding_ratio=padding_ratio)
+    if padding_ratio > 0 and bool(mask.all()):
+        mask[0, -1] = False
+        x[0, -1] = 0
+    return x, mask
+
+
 def check_inputs(x, valid_token_mask, d_model: int, dtype: torch.dtype, device: torch.device,
                  shape: tuple[int, int] | None = None) -> None:
     """Reject a call that breaks the model's contract with one line naming the fix."""

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kkdeploy.config import TransformerConfig
-from kkdeploy.inputs import DEFAULT_SEED, generate_case
+from kkdeploy.inputs import DEFAULT_SEED, padded_case
 
 from . import fused_linear, layer_norm
 from . import faithful_attention as attention_kernel
@@ -112,11 +112,7 @@ class _Cases:
         self.layer_ids = sorted({0, last})
         self.inputs = []
         for label, ratio in (("all-valid", 0.0), (f"padded {PADDING_RATIO:g}", PADDING_RATIO)):
-            x, mask = generate_case(config, device, dtype, seed, padding_ratio=ratio)
-            if ratio and bool(mask.all()):  # a small batch may draw no padding: cut the last sequence
-                mask[-1, max(1, round(config.seq_len * (1 - ratio))):] = False
-                mask[-1, -1] = False
-                x = x.masked_fill(~mask[..., None], 0)
+            x, mask = padded_case(config, device, dtype, seed, ratio)
             self.inputs.append((label, mask, capture_layers(model, x, mask, self.layer_ids)))
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed + 1)
