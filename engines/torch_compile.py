@@ -397,7 +397,7 @@ def adopt_kernel_proofs(artifact_dir: Path, name: str, options: dict, model, con
     if not kinds or not recorded:
         return ""
     cache = ProofCache(Path(artifact_dir) / "proofs")
-    _, foreign = adopt_recorded(recorded, device, cache=None)
+    _, foreign = adopt_recorded(recorded, device)
     proofs = prove_model_kernels(model, config, dtype, device, kinds, cache=cache)
     built = {(r["op"], str(r["shape"])) for r in recorded if r.get("chosen")}
     lost = [r for r in proofs.records if (r.op, str(r.shape)) in built and not r.proven]

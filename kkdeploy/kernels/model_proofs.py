@@ -295,10 +295,10 @@ def _prove(kind, name, shape, cases: Optional[_Cases], config, device, budget_s,
                                      budget_s=budget_s, cache=cache, launches=launches)
 
 
-def adopt_recorded(records: Iterable[dict], device: torch.device | str,
-                   cache: Optional[ProofCache] = None) -> tuple[int, int]:
-    """Take a manifest's proof records made in this very environment (they hold here as they did at build time);
-    returns (adopted, from another environment). The others need a proof here (``prove_model_kernels``)."""
+def adopt_recorded(records: Iterable[dict], device: torch.device | str) -> tuple[int, int]:
+    """Take a manifest's proof records made in this very environment into this process (they hold here as they did
+    at build time; the manifest keeps them, so nothing is written to disk on every load); returns (adopted, from
+    another environment). The others need a proof here (``prove_model_kernels``)."""
     from .proof import remember_proof
 
     adopted = foreign = 0
@@ -312,7 +312,7 @@ def adopt_recorded(records: Iterable[dict], device: torch.device | str,
         if kind is None:
             continue
         if record.environment == _environment(kind, device):
-            remember_proof(record, cache)
+            remember_proof(record, persist=False)
             adopted += 1
         else:
             foreign += 1

@@ -341,12 +341,12 @@ def _key(environment: dict, op: str, shape: dict) -> tuple:
     return op, held[1], _frozen(shape)
 
 
-def remember_proof(record: ProofRecord, cache: Optional[ProofCache] = None) -> None:
-    """Keep ``record`` for this process and, when it is conclusive, in the on-disk cache (an environment fact, like
-    a compiled kernel). An inconclusive one (a launch errored, the budget ran out) is proven again by the next
-    process rather than trusted forever."""
+def remember_proof(record: ProofRecord, cache: Optional[ProofCache] = None, persist: bool = True) -> None:
+    """Keep ``record`` for this process and, when it is conclusive and ``persist``, in the on-disk cache (an
+    environment fact, like a compiled kernel). An inconclusive one (a launch errored, the budget ran out) is proven
+    again by the next process rather than trusted forever."""
     _INDEX[_key(record.environment, record.op, record.shape)] = record
-    if record.conclusive:
+    if persist and record.conclusive:
         (cache or ProofCache()).put(record)
 
 

@@ -160,7 +160,7 @@ def adopt_long_context_proofs(root: Path, manifest: dict, model, config: Transfo
                 record = ProofRecord.from_dict(recorded)
             except TypeError:
                 break
-            remember_proof(record)
+            remember_proof(record, persist=False)  # the manifest keeps it: no disk write on every load
             return f"block-softmax kernel: {record.chosen or 'unproven'} (the build's proof holds here)"
     local = ProofCache(root / "proofs")
     record = lookup_proof(environment, OP, shape, cache=local)
