@@ -15,6 +15,7 @@
 #   custom-ops.json, ortstrict.md/json, ortjudge.md/json  issue 20: op table, FP16 strict ORT, float32 judge ORT
 #   shape14-tiles.json  scripts/shape14_tile_study.py (issue 19: shape 14's tile profile and bitwise skips)
 #   block-softmax.json  scripts/block_softmax_selftest.py (issue 19: ATen's block softmax order, the fused kernel)
+#   scores-softmax.json scripts/scores_softmax_study.py (issue 29: the attention without stored scores, Triton)
 #   layer-norm.json, attention.json, fused-linear.json  scripts/kernel_selftest.py per kind: the build's proof step
 #                    over the official shapes, every launch variant (bitwise or not, and timed against ATen)
 #   prove-N.json     `kkdeploy prove` per shape: the build's proof step on its own (which kernels, which launches)
@@ -99,16 +100,21 @@ step_blocksoftmax() {
   # Issue 19: ATen's block softmax order (emulation vs torch.softmax) and the fused causal kernel, bitwise.
   python3 scripts/block_softmax_selftest.py --out "$OUT/block-softmax.json" ${BLOCKSOFTMAX_ARGS:-}
 }
+step_scoresoftmax() {
+  # Issue 29: shape 14's attention without stored scores (Triton), bitwise against the shipped composition, timed.
+  python3 scripts/scores_softmax_study.py --out "$OUT/scores-softmax.json" ${SCORESOFTMAX_ARGS:-}
+}
 step_shape14build() {
   # Issue 29: `kkdeploy build --shape 14` as a user runs it (kernel proof, reduced + full-length validation), then
   # `kkdeploy run` on the artifact, all-valid and padded 0.25, full size (B32/S100000), 2 sequences checked against
-  # the tiled reference. SHAPE14_WEIGHTS: "seeded" and/or "trained" (scripts/make_weights.py, seed 77).
+  # the tiled reference. SHAPE14_WEIGHTS: "seeded" and/or "trained" (scripts/make_weights.py, seed SHAPE14_SEED,
+  # default 77).
   for w in ${SHAPE14_WEIGHTS:-seeded trained}; do
     wargs=""
     if [ "$w" = trained ]; then
-      [ -f "$WORK/w14-trained.safetensors" ] || python3 scripts/make_weights.py --shape 14 --seed 77 \
-        --out "$WORK/w14-trained.safetensors"
-      wargs="--weights $WORK/w14-trained.safetensors"
+      wfile="$WORK/w14-trained-${SHAPE14_SEED:-77}.safetensors"
+      [ -f "$wfile" ] || python3 scripts/make_weights.py --shape 14 --seed "${SHAPE14_SEED:-77}" --out "$wfile"
+      wargs="--weights $wfile"
     fi
     python3 -m kkdeploy build --shape 14 --force $wargs ${SHAPE14_BUILD_ARGS:-} \
       --out "$WORK/s14-$w" || echo "shape14 build $w: exit $?"

@@ -155,10 +155,11 @@ def _tree(values: torch.Tensor) -> torch.Tensor:
     return values[..., 0]
 
 
-def emulate_block_softmax(x: torch.Tensor, exp: Optional[Callable] = None,
-                          smem_per_block: int = DEFAULT_SMEM_PER_BLOCK) -> torch.Tensor:
-    """Softmax over the last dim of a float32 tensor in exactly ATen's block-softmax order (see the module
-    docstring): per-thread sequential sums of ``exp(x - max)``, then cuda_utils::BlockReduce's trees."""
+def emulate_block_sums(x: torch.Tensor, exp: Optional[Callable] = None,
+                       smem_per_block: int = DEFAULT_SMEM_PER_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``exp(x - max)``, the row sums) of a float32 [rows, length] tensor in exactly ATen's block-softmax order:
+    per-thread sequential sums, then cuda_utils::BlockReduce's trees. The sums are what a kernel must reproduce
+    bit for bit; the fp16 probabilities hide most of a sum's last-bit errors."""
     if x.dtype != torch.float32:
         raise KKError(f"emulate_block_softmax expects float32, got {x.dtype}")
     exp = torch.exp if exp is None else exp
@@ -172,7 +173,14 @@ def emulate_block_softmax(x: torch.Tensor, exp: Optional[Callable] = None,
     for step in range(order.shape[1]):  # thread t: sum = sum + e, in its own order
         lane = lane + padded[:, order[:, step]]
     warp_sums = _tree(lane.view(-1, THREADS // WARP, WARP))  # each warp's lane 0
-    row_sum = _tree(warp_sums)  # warp 0 over the 32 warp values
+    return e, _tree(warp_sums)  # warp 0 over the 32 warp values
+
+
+def emulate_block_softmax(x: torch.Tensor, exp: Optional[Callable] = None,
+                          smem_per_block: int = DEFAULT_SMEM_PER_BLOCK) -> torch.Tensor:
+    """Softmax over the last dim of a float32 tensor in exactly ATen's block-softmax order (see the module
+    docstring): per-thread sequential sums of ``exp(x - max)``, then cuda_utils::BlockReduce's trees."""
+    e, row_sum = emulate_block_sums(x, exp, smem_per_block)
     return (e / row_sum[:, None]).reshape(x.shape)
 
 

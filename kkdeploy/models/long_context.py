@@ -55,7 +55,7 @@ def fused_attention(q, k, v, scale: float, causal: bool, backends) -> torch.Tens
         ) from None
 
 
-SOFTMAX_PATHS = ("auto", "aten", "block-kernel")
+SOFTMAX_PATHS = ("auto", "aten", "block-kernel", "scores-kernel")
 
 
 def attend_tile(q_tile, k_head, v_head, scale: float, query_start: int, causal: bool,
@@ -247,6 +247,14 @@ def softmax_launch(device, dtype: torch.dtype, seq_len: int, rows: int) -> str |
     return proven_launch(device, dtype, seq_len, rows)
 
 
+def scores_kernel_launch(device, dtype: torch.dtype, seq_len: int, heads: int, head_dim: int) -> str | None:
+    """The scores-attention launch proven here for this op shape (bit-identical, faster than the block-kernel path:
+    ``kkdeploy.kernels.scores_attention``), else None."""
+    from kkdeploy.kernels.scores_attention import proven_launch
+
+    return proven_launch(device, dtype, seq_len, heads, head_dim)
+
+
 class LongContextTransformer(ReferenceTransformer):
     """Bounded-memory forward of the reference model; same parameters, same call signature."""
 
@@ -297,6 +305,23 @@ class LongContextTransformer(ReferenceTransformer):
         return resolve_tiled_settings(self.key_extent, self.softmax, device, dtype, seq_len,
                                       self.config.num_heads * self.query_tile)
 
+    def scores_launch(self, device, dtype, seq_len: int, inference: bool = True) -> str | None:
+        """The scores-attention launch the tiled layers run on whole sequences instead of query tiles, else None.
+        ``"auto"``: where a proof made here found one bit-identical and faster (the build proves it);
+        ``"scores-kernel"``: that launch, else the default launch wherever the kernels can run at all. Causal
+        float16 inference calls only (the kernels have no backward)."""
+        if self.softmax not in ("auto", "scores-kernel") or not self.config.causal or dtype != torch.float16:
+            return None
+        if not inference:
+            return None
+        launch = scores_kernel_launch(device, dtype, seq_len, self.config.num_heads, self.config.head_dim)
+        if launch is None and self.softmax == "scores-kernel":
+            from kkdeploy.kernels.scores_attention import DEFAULT_LAUNCH, kernel_refusal
+
+            if kernel_refusal(device, dtype, seq_len, self.config.head_dim) is None:
+                launch = DEFAULT_LAUNCH
+        return launch
+
     def path_features(self, seq_len: int, padded: bool, device, dtype, inference: bool = True) -> set[str]:
         """The code paths a call on rows of ``seq_len`` may run (all-valid, or padded: every tile), named as
         ``last_path_features`` records them. Validation
@@ -308,7 +333,9 @@ class LongContextTransformer(ReferenceTransformer):
         fused_layers = 0 if padded or not inference else self.sdpa_layers
         if fused_layers:
             features.add(f"all-valid/sdpa@{seq_len}")
-        if fused_layers < self.config.num_layers:
+        if fused_layers < self.config.num_layers and self.scores_launch(device, dtype, seq_len, inference):
+            features.add(f"{'padded' if padded else 'all-valid'}/scores-kernel")
+        elif fused_layers < self.config.num_layers:
             key_extent, softmax = self.tiled_settings(device, dtype, seq_len)
             for step in tile_schedule(seq_len, seq_len, self.query_tile,
                                       self.config.causal, key_extent, softmax, padded, dtype=dtype,
@@ -331,9 +358,12 @@ class LongContextTransformer(ReferenceTransformer):
         q = attn.split_heads(attn.q_proj(h))
         k = attn.split_heads(attn.k_proj(h))
         v = attn.split_heads(attn.v_proj(h))
+        scores = None if fused else self.scores_context(q, k, v, attn.scale, valid_token_mask)
         if fused:
             context = fused_attention(q, k, v, attn.scale, attn.causal, self.backends or fused_backends(q.device))
             self.last_path_features.add(f"all-valid/sdpa@{q.shape[-2]}")
+        elif scores is not None:
+            context = scores
         else:
             key_extent, softmax = self.tiled_settings(q.device, q.dtype, q.shape[-2])
             launch = None
@@ -345,6 +375,27 @@ class LongContextTransformer(ReferenceTransformer):
         del q, k, v
         b, s, d = h.shape
         return zero_invalid_rows(attn.out_proj(context.transpose(1, 2).reshape(b, s, d)), valid_token_mask)
+
+    def scores_context(self, q, k, v, scale: float, valid_token_mask) -> torch.Tensor | None:
+        """The whole micro-batch's attention through the scores-attention kernels where they run here (all-valid
+        or prefix masks, inference), else None (the query tiles run)."""
+        seq_len = q.shape[-2]
+        launch = self.scores_launch(q.device, q.dtype, seq_len, not torch.is_grad_enabled())
+        if launch is None:
+            return None
+        mask = valid_token_mask
+        if mask is not None and bool(mask.all()):
+            mask = None  # masks nothing: the same bits
+        lengths = None if mask is None else prefix_lengths(mask)
+        if mask is not None and lengths is None:
+            return None  # not a prefix mask: the tiles handle any mask
+        from kkdeploy.kernels.scores_attention import scores_attention
+
+        queries = seq_len if lengths is None else int(lengths.max())  # rows past every length stay 0
+        context = scores_attention(q, k, v, scale, lengths, launch, queries)
+        self.last_softmax_launch = f"scores-attention {launch}"
+        self.last_path_features.add(f"{'all-valid' if mask is None else 'padded'}/scores-kernel")
+        return context
 
     def micro_batch_forward(self, x, valid_token_mask, fused: bool) -> torch.Tensor:
         mask = None if fused else valid_token_mask  # fused means all valid: zeroing is a no-op

@@ -206,12 +206,16 @@ def calibration_order(config: TransformerConfig, dtype: torch.dtype, device, con
     tiled attention everywhere). Except under the strict contract where the tiled layers run a proven fast path
     (aligned key cuts + the block-softmax kernel, proven by this build: ``kkdeploy.kernels.block_softmax
     .fast_path_reason``): there the tiled path goes first. Why: on the H200 it is bitwise at full size, while
-    SDPA in both layers failed 242 elements at full size (docs/long-context.md)."""
+    SDPA in both layers failed 242 elements at full size (docs/long-context.md). The scores-attention kernels, where
+    proven (``kkdeploy.kernels.scores_attention``), are such a fast path too."""
     from ..kernels.block_softmax import fast_path_reason
+    from ..kernels.scores_attention import proven_launch
 
     order = list(range(config.num_layers, -1, -1))
     rows = config.num_heads * query_tile
-    if contract == "strict" and fast_path_reason(device, dtype, config.seq_len, rows) is None:
+    fast = (fast_path_reason(device, dtype, config.seq_len, rows) is None
+            or proven_launch(device, dtype, config.seq_len, config.num_heads, config.head_dim) is not None)
+    if contract == "strict" and fast:
         order = [0] + order[:-1]
     return order
 
@@ -302,7 +306,7 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
     validated = reduced_config(config, seq_len=seq_len)
     _, prover = build_validation_models(config, dtype, device, weights=weights, weight_seed=weight_seed,
                                         query_tile=query_tile, sdpa_layers=0)
-    proof = prove_long_context_kernels(prover, config, dtype, device, seed=seed, padding_ratio=padding_ratio,
+    proofs = prove_long_context_kernels(prover, config, dtype, device, seed=seed, padding_ratio=padding_ratio,
                                        budget_s=proof_budget_s)
     del prover
 
@@ -339,7 +343,7 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
             "validated_shape": stage["validation"]["validated_shape"],
             "exercised_features": stage["validation"]["exercised_features"]} for stage in stages],
         "exercised_features": shipped.get("exercised_features", []) if shipped else [],
-        "kernel_proofs": [proof], "reports": reports,
+        "kernel_proofs": proofs, "reports": reports,
     }
     modes = sorted({r["attention_path"] for r in reports})
     long_context = {
@@ -354,7 +358,7 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
         "calibration": [{k: v for k, v in c.items() if k != "stages"} | {
             "stages": [{k: v for k, v in st.items() if k != "validation"} for st in c["stages"]]}
             for c in calibration],
-        "calibration_order": order, "kernel_proofs": [proof],
+        "calibration_order": order, "kernel_proofs": proofs,
         "validation_seconds": round(time.perf_counter() - started, 2),
     }
     score_bytes = config.dense_score_bytes(dtype)
@@ -373,7 +377,7 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
         "device": str(device), "contract": contract, "dense_score_bytes": score_bytes,
         "candidates": dense_refusals(config, dtype) + [long_context],
         "choice": {"backend": CANDIDATE, "validated": passed, "reason": reason},
-        "validation": summary_validation, "kernel_proofs": [proof],
+        "validation": summary_validation, "kernel_proofs": proofs,
     }
     if out_dir is not None:
         path = Path(out_dir) / "long-context-validation.json"

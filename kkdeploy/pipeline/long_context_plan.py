@@ -136,13 +136,17 @@ def plan_validation(config: TransformerConfig, validated: TransformerConfig, sdp
 
 
 # -- the kernel proof -----------------------------------------------------------------------------------------
-def layer0_heads(model: LongContextTransformer, x: torch.Tensor):
-    """Layer 0's q and k [b,H,S,Dh] for input ``x``: the scores the first tiled layer computes."""
+def layer0_heads(model: LongContextTransformer, x: torch.Tensor, values: bool = False):
+    """Layer 0's q and k [b,H,S,Dh] for input ``x`` (and v, with ``values``): what the first tiled layer
+    attends with."""
     layer = model.layers[0]
     with torch.inference_mode():
         h = layer.norm1(x)
         attn = layer.attention
-        return attn.split_heads(attn.q_proj(h)), attn.split_heads(attn.k_proj(h)), attn.scale
+        q, k = attn.split_heads(attn.q_proj(h)), attn.split_heads(attn.k_proj(h))
+        if values:
+            return q, k, attn.split_heads(attn.v_proj(h)), attn.scale
+        return q, k, attn.scale
 
 
 def tile_starts(seq_len: int, query_tile: int, limit: int | None = None) -> list[int]:
@@ -196,25 +200,77 @@ def proof_cases(model: LongContextTransformer, config: TransformerConfig, dtype,
     return cases, timing_case
 
 
+def scores_proof_cases(model: LongContextTransformer, config: TransformerConfig, dtype, device, *, seed: int,
+                       padding_ratio: float, query_tile: int, block_launch: str | None):
+    """The scores-attention proof's cases: the block-softmax proof's tiles (the model's layer 0, all-valid and
+    padded, and random tiles) as whole attention outputs against the reference composition, and, where the
+    block-softmax kernel is proven (``block_launch``), one whole layer of one sequence against that path, which the
+    launches are also timed against."""
+    from ..kernels.scores_attention import attention_case, layer_case
+
+    one = replace(config, batch_size=1)
+    seq_len = config.seq_len
+    x, _ = generate_case(one, device, dtype, seed)
+    q, k, v, scale = layer0_heads(model, x, values=True)
+    cases = [attention_case(f"model all-valid tile {t0}", q, k, v, scale, t0, query_tile,
+                            key_end(min(seq_len, t0 + query_tile), seq_len, True, "aligned", seq_len), None)
+             for t0 in tile_starts(seq_len, query_tile)]
+    layer = (layer_case("model all-valid layer 0, one sequence", q, k, v, scale, query_tile, block_launch)
+             if block_launch else None)
+    x, mask = generate_case(one, device, dtype, seed + 1, padding_ratio=padding_ratio)
+    pq, pk, pv, _ = layer0_heads(model, x, values=True)
+    lengths = mask.sum(dim=1)
+    limit = int(lengths.max())
+    for t0 in tile_starts(seq_len, query_tile, limit):
+        if t0 < limit:
+            cases.append(attention_case(f"model padded (length {limit}) tile {t0}", pq, pk, pv, scale, t0, query_tile,
+                                        key_end(min(seq_len, t0 + query_tile), limit, True, "aligned", seq_len),
+                                        lengths))
+    generator = torch.Generator(device=device).manual_seed(seed + 2)
+    rq, rk, rv = (torch.randn(q.shape, generator=generator, device=device, dtype=dtype) for _ in range(3))
+    t0 = seq_len // 2 // query_tile * query_tile
+    t1 = min(seq_len, t0 + query_tile)
+    cases.append(attention_case(f"random tile {t0}", rq, rk, rv, scale, t0, query_tile,
+                                key_end(t1, seq_len, True, "aligned", seq_len), None))
+    cases.append(attention_case(f"random padded tile {t0}", rq, rk, rv, scale, t0, query_tile,
+                                key_end(t1, t1 - 7, True, "aligned", seq_len), torch.tensor([t1 - 7], device=device)))
+    return cases, layer
+
+
 def prove_long_context_kernels(model: LongContextTransformer, config: TransformerConfig, dtype, device, *,
-                               seed: int, padding_ratio: float, budget_s: float = 60.0) -> dict:
-    """The block-softmax proof at this model's op shape (rows of S keys, heads x query tile per launch), made now
-    on its own weights. Returns the record (``ProofRecord.to_dict``); where the kernel cannot run, the record's
-    reason says why and nothing is proven."""
+                               seed: int, padding_ratio: float, budget_s: float = 60.0) -> list[dict]:
+    """The long-context kernels' proofs at this model's op shapes, made now on its own weights: the block softmax
+    (rows of S keys, heads x query tile per launch), then the scores-attention kernels (rows of S keys, H heads of
+    Dh), which run instead where they are bit-identical and faster. Returns the records (``ProofRecord.to_dict``);
+    where a kernel cannot run, its record's reason says why and nothing is proven."""
+    from ..kernels import scores_attention
     from ..kernels.block_softmax import kernel_refusal, prove_block_softmax
 
     device = torch.device(device)
     start = time.perf_counter()
     rows = config.num_heads * model.query_tile
-    if kernel_refusal(device, dtype) or not config.causal:
-        record = prove_block_softmax(device, [], config.seq_len, rows) if config.causal else None
-        if record is None:
-            return {"op": "block_softmax", "chosen": None, "reason": "not causal: the kernel is for causal tiles"}
-        return record.to_dict()
-    cases, timing_case = proof_cases(model, config, dtype, device, seed=seed, padding_ratio=padding_ratio,
-                                     query_tile=model.query_tile)
-    record = prove_block_softmax(device, cases, config.seq_len, rows, budget_s=budget_s, timing_case=timing_case)
-    del cases
-    result = record.to_dict()
-    result["wall_seconds"] = round(time.perf_counter() - start, 3)
-    return result
+    if not config.causal:
+        return [{"op": "block_softmax", "chosen": None, "reason": "not causal: the kernel is for causal tiles"},
+                {"op": scores_attention.OP, "chosen": None, "reason": "not causal: the kernels are for causal rows"}]
+    if kernel_refusal(device, dtype):
+        block = prove_block_softmax(device, [], config.seq_len, rows)
+    else:
+        cases, timing_case = proof_cases(model, config, dtype, device, seed=seed, padding_ratio=padding_ratio,
+                                         query_tile=model.query_tile)
+        block = prove_block_softmax(device, cases, config.seq_len, rows, budget_s=budget_s, timing_case=timing_case)
+        del cases
+    first = block.to_dict()
+    first["wall_seconds"] = round(time.perf_counter() - start, 3)
+    start = time.perf_counter()
+    head_dim = config.d_model // config.num_heads
+    if scores_attention.kernel_refusal(device, dtype, config.seq_len, head_dim):
+        scores = scores_attention.prove_scores_attention(device, [], config.seq_len, config.num_heads, head_dim)
+    else:
+        cases, layer = scores_proof_cases(model, config, dtype, device, seed=seed, padding_ratio=padding_ratio,
+                                          query_tile=model.query_tile, block_launch=block.chosen)
+        scores = scores_attention.prove_scores_attention(device, cases, config.seq_len, config.num_heads, head_dim,
+                                                         layer=layer, budget_s=budget_s)
+        del cases, layer
+    second = scores.to_dict()
+    second["wall_seconds"] = round(time.perf_counter() - start, 3)
+    return [first, second]

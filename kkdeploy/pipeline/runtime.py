@@ -142,40 +142,63 @@ def load_fallback(root: Path, manifest: dict, config: TransformerConfig, dtype: 
 
 def adopt_long_context_proofs(root: Path, manifest: dict, model, config: TransformerConfig, dtype: torch.dtype,
                               device: torch.device) -> str:
-    """The long-context model runs our block-softmax kernel only where a proof holds here. A proof the build made
-    in this same environment (manifest) is adopted; elsewhere (another GPU, torch, CUDA, compiler or kernel source)
-    the kernel is proven again now, on the artifact's own weights, and the answer cached beside the artifacts
-    (``proofs/``). Without a bit-identical launch the tiled layers read full key rows with ATen's ops: the
-    reference's bits, slower. Returns the sentence for the runner's reason ("" when the kernel cannot run here)."""
-    from ..kernels.block_softmax import OP, kernel_refusal, proof_environment, proof_shape
+    """The long-context model runs our kernels (the block softmax, the scores-attention kernels) only where a proof
+    holds here. Proofs the build made in this same environment (manifest) are adopted; elsewhere (another GPU, torch,
+    CUDA, compiler or kernel source) the kernels are proven again now, on the artifact's own weights, and the
+    answers cached beside the artifacts (``proofs/``). Without a bit-identical launch the tiled layers read full key
+    rows with ATen's ops: the reference's bits, slower. Returns the sentence for the runner's reason ("" when no
+    kernel can run here)."""
+    from ..kernels import block_softmax, scores_attention
     from ..kernels.proof import ProofCache, ProofRecord, lookup_proof, remember_proof
 
-    if kernel_refusal(device, dtype) or not config.causal:
+    if block_softmax.kernel_refusal(device, dtype) or not config.causal:
         return ""
-    shape = proof_shape(config.seq_len, config.num_heads * model.query_tile)
-    environment = proof_environment(device)
-    for recorded in manifest.get("kernel_proofs") or []:
-        if recorded.get("op") == OP and recorded.get("environment") == environment and recorded.get("shape") == shape:
-            try:
-                record = ProofRecord.from_dict(recorded)
-            except TypeError:
-                break
-            remember_proof(record, persist=False)  # the manifest keeps it: no disk write on every load
-            return f"block-softmax kernel: {record.chosen or 'unproven'} (the build's proof holds here)"
+    ops = {block_softmax.OP: (block_softmax.proof_environment(device),
+                              block_softmax.proof_shape(config.seq_len, config.num_heads * model.query_tile),
+                              "block-softmax kernel")}
+    if scores_attention.kernel_refusal(device, dtype, config.seq_len, config.head_dim) is None:
+        ops[scores_attention.OP] = (scores_attention.proof_environment(device),
+                                    scores_attention.proof_shape(config.seq_len, config.num_heads, config.head_dim),
+                                    "scores-attention kernels")
+    recorded = {r.get("op"): r for r in manifest.get("kernel_proofs") or []}
     local = ProofCache(root / "proofs")
-    record = lookup_proof(environment, OP, shape, cache=local)
-    if record is None:
+    adopted, missing, proven_now = {}, [], set()
+    for op, (environment, shape, _) in ops.items():
+        entry = recorded.get(op)
+        if entry and entry.get("environment") == environment and entry.get("shape") == shape:
+            try:
+                adopted[op] = ProofRecord.from_dict(entry)
+            except TypeError:
+                adopted.pop(op, None)
+            else:
+                remember_proof(adopted[op], persist=False)  # the manifest keeps it: no disk write on every load
+                continue
+        record = lookup_proof(environment, op, shape, cache=local)
+        if record is None:
+            missing.append(op)
+        else:
+            adopted[op] = record
+    if missing:
         from .long_context_plan import prove_long_context_kernels
 
         validation = manifest.get("validation") or {}
-        proof = prove_long_context_kernels(model, config, dtype, device,
-                                           seed=int(validation.get("seed", DEFAULT_SEED)),
-                                           padding_ratio=float(validation.get("padding_ratio") or DEFAULT_PADDING_RATIO))
-        record = ProofRecord.from_dict(proof)
-        local.put(record)
-    if record.chosen:
-        return f"block-softmax kernel proven again here at load: {record.chosen}"
-    return f"block-softmax kernel not bit-identical here ({record.reason}): full key rows with ATen's ops"
+        for proof in prove_long_context_kernels(
+                model, config, dtype, device, seed=int(validation.get("seed", DEFAULT_SEED)),
+                padding_ratio=float(validation.get("padding_ratio") or DEFAULT_PADDING_RATIO)):
+            if proof.get("op") in missing and proof.get("environment"):
+                record = ProofRecord.from_dict(proof)
+                local.put(record)
+                adopted[record.op] = record
+                proven_now.add(record.op)
+    parts = []
+    for op, (_, _, name) in ops.items():
+        record = adopted.get(op)
+        if record is None:
+            continue
+        how = "proven again here at load" if op in proven_now else "the build's proof holds here"
+        parts.append(f"{name}: {record.chosen} ({how})" if record.chosen
+                     else f"{name} not bit-identical or not faster here ({record.reason})")
+    return "; ".join(parts)
 
 
 def read_manifest(root: Path) -> dict:
