@@ -106,17 +106,27 @@ def _head_base(pid_bh, H, stride_b, stride_h):
 
 
 @triton.jit
+def _program_rows(Q, LENGTHS, pid_m, pid_bh, T, H, first_query, row_len, stride_qb, stride_qh, stride_qs, stride_kb,
+                  stride_kh, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_LEN: tl.constexpr):
+    """A program's rows (``_row_bounds``), its queries [BLOCK_M, DH_PAD] and the offset of its head's keys."""
+    offs_m, row_ok, visible, rows = _row_bounds(pid_bh, pid_m * BLOCK_M, T, first_query, row_len, LENGTHS, H,
+                                                BLOCK_M, CAUSAL, HAS_LEN)
+    offs_d = tl.arange(0, DH_PAD)
+    q = _load_q(Q, pid_bh, H, offs_m, row_ok, offs_d, stride_qb, stride_qh, stride_qs, HEAD_DIM)
+    return offs_m, row_ok, visible, rows, offs_d, q, _head_base(pid_bh, H, stride_kb, stride_kh)
+
+
+@triton.jit
 def _raw_max_kernel(Q, K, MAXP, LENGTHS,
                     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                     T, H, width, row_len, first_query, n_rows,
                     HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     NSPLIT: tl.constexpr, CAUSAL: tl.constexpr, HAS_LEN: tl.constexpr):
     pid_m, pid_bh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m, row_ok, visible, rows = _row_bounds(pid_bh, pid_m * BLOCK_M, T, first_query, row_len, LENGTHS, H,
-                                                BLOCK_M, CAUSAL, HAS_LEN)
-    offs_d = tl.arange(0, DH_PAD)
-    q = _load_q(Q, pid_bh, H, offs_m, row_ok, offs_d, stride_qb, stride_qh, stride_qs, HEAD_DIM)
-    k_base = _head_base(pid_bh, H, stride_kb, stride_kh)
+    offs_m, row_ok, visible, rows, offs_d, q, k_base = _program_rows(
+        Q, LENGTHS, pid_m, pid_bh, T, H, first_query, row_len, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
+        HEAD_DIM, DH_PAD, BLOCK_M, CAUSAL, HAS_LEN)
     n_end = tl.max(visible, axis=0)
     run = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
     for n0 in range(sp * BLOCK_N, n_end, NSPLIT * BLOCK_N):
@@ -139,11 +149,9 @@ def _warp_sums_kernel(Q, K, MAXP, WSUM, LENGTHS,
     """Program ``pid`` holds ATen's warps c0 .. c0 + GROUP - 1 (c0 = pid * GROUP) of BLOCK_M rows: lane column
     32 (c - c0) + l is thread 32 c + l, which owns keys 4096 i + 128 c + 4 l + j."""
     pid_m, pid_bh, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m, row_ok, visible, rows = _row_bounds(pid_bh, pid_m * BLOCK_M, T, first_query, row_len, LENGTHS, H,
-                                                BLOCK_M, CAUSAL, HAS_LEN)
-    offs_d = tl.arange(0, DH_PAD)
-    q = _load_q(Q, pid_bh, H, offs_m, row_ok, offs_d, stride_qb, stride_qh, stride_qs, HEAD_DIM)
-    k_base = _head_base(pid_bh, H, stride_kb, stride_kh)
+    offs_m, row_ok, visible, rows, offs_d, q, k_base = _program_rows(
+        Q, LENGTHS, pid_m, pid_bh, T, H, first_query, row_len, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
+        HEAD_DIM, DH_PAD, BLOCK_M, CAUSAL, HAS_LEN)
     row_max = _row_max(MAXP, rows, row_ok, n_rows, NSPLIT, scale)
     n_end = tl.max(visible, axis=0)
     c0 = pid_c * GROUP
@@ -189,11 +197,9 @@ def _probs_kernel(Q, K, V, MAXP, WSUM, P, OUT, LENGTHS,
                   ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr, FUSE_PV: tl.constexpr,
                   SCALE_F16: tl.constexpr = False):
     pid_m, pid_bh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m, row_ok, visible, rows = _row_bounds(pid_bh, pid_m * BLOCK_M, T, first_query, row_len, LENGTHS, H,
-                                                BLOCK_M, CAUSAL, HAS_LEN)
-    offs_d = tl.arange(0, DH_PAD)
-    q = _load_q(Q, pid_bh, H, offs_m, row_ok, offs_d, stride_qb, stride_qh, stride_qs, HEAD_DIM)
-    k_base = _head_base(pid_bh, H, stride_kb, stride_kh)
+    offs_m, row_ok, visible, rows, offs_d, q, k_base = _program_rows(
+        Q, LENGTHS, pid_m, pid_bh, T, H, first_query, row_len, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
+        HEAD_DIM, DH_PAD, BLOCK_M, CAUSAL, HAS_LEN)
     row_max = _row_max(MAXP, rows, row_ok, n_rows, NSPLIT, scale)
     # BlockReduce's second tree: warp w's sum goes to lane w of warp 0, the same shuffle-down tree
     warp_sums = tl.load(WSUM + rows[:, None] * 32 + tl.arange(0, 32)[None, :], mask=row_ok[:, None], other=0.0)
