@@ -45,7 +45,7 @@ WARPS = THREADS // 32
 VEC = 4
 BLOCK_KEYS = THREADS * VEC  # one pass of the block over its vectors
 WARP_KEYS = 32 * VEC  # the keys one warp owns in a pass: 128
-NEG_FLT_MAX = -3.4028234663852886e38  # ATen's initial max
+NEG_FLT_MAX = -3.4028234663852886E38  # ATen's initial max
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def _row_max(MAXP, rows, row_ok, n_rows, NSPLIT: tl.constexpr, scale):
     for sp in range(1, NSPLIT):
         raw_max = tl.maximum(raw_max, tl.load(MAXP + sp * n_rows + rows, mask=row_ok, other=float("-inf")))
     top = (raw_max * scale).to(tl.float16).to(tl.float32)
-    return tl.maximum(top, -3.4028234663852886e38)
+    return tl.maximum(top, -3.4028234663852886E38)
 
 
 @triton.jit
