@@ -140,3 +140,34 @@ def test_bad_batch_buckets_are_one_line_errors(tmp_path):
     assert done.returncode == 2 and "exceeds the artifact's batch 4" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert not (tmp_path / "x").exists()
+
+
+WITHOUT_POLYGRAPHY = """
+import importlib.abc, sys
+class NoPolygraphy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "polygraphy":
+            raise ModuleNotFoundError("No module named 'polygraphy'")
+sys.meta_path.insert(0, NoPolygraphy())
+import torch, kkdeploy
+import kkdeploy.serving.triton_model  # the Triton model's module, as the backend stub imports it
+from kkdeploy.inputs import generate_case
+runner = kkdeploy.load(sys.argv[1])
+x, mask = generate_case(runner.config, "cpu", torch.float32, 79, padding_ratio=0.25)
+with torch.inference_mode():
+    torch.save(runner(x[:3], mask[:3]), sys.argv[2])
+assert "polygraphy" not in sys.modules
+"""
+
+
+def test_a_served_artifact_loads_without_polygraphy(bucketed_artifacts, tmp_path):
+    # A serving image needs torch and the artifact, not the build's validator: the Triton model's stub once failed
+    # to load on the H200 with "No module named 'polygraphy'" (kkdeploy.load imported the validation package whole).
+    answer = tmp_path / "y.pt"
+    done = subprocess.run([sys.executable, "-c", WITHOUT_POLYGRAPHY, str(bucketed_artifacts), str(answer)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runner = kkdeploy.load(bucketed_artifacts)
+    x, mask = generate_case(runner.config, "cpu", torch.float32, 79, padding_ratio=0.25)
+    with torch.inference_mode():
+        assert bits_equal(torch.load(answer), runner(x[:3], mask[:3]))
