@@ -3,16 +3,18 @@
 fault. Run by scripts/serving_h200.sh on the H200 (one device call); runs on the CPU too (--device cpu --quick) as
 a dry run of the whole path.
 
-    python3 scripts/serving_h200.py --out OUT [--device cuda] [--budget 480] [--only 3,6,faults,13] [--quick]
+    python3 scripts/serving_h200.py --out OUT [--device cuda] [--budget 480] [--only 3,faults,faults-gpu,6,13] [--quick]
 
 Steps, in order of importance, each skipped (and said so) when the remaining budget is too small:
   shape 3 (FP16 strict, weights of our own, buckets 1,2,4): direct engine; one hop: batch-1 gRPC c=1 (p50 against
     the engine's bucket-1 latency + 0.4 ms), saturation with full-bucket requests (against the engine's throughput
     at bucket 4) and with batch-1 requests, 12,000 mixed requests (batch 1-4, padding 0/0.25/0.5) checked bit for
-    bit, the same batch-1 run through system shared memory; two hops (before): the same batch-1 and saturation runs;
-  shape 6 (buckets 1 and 10000): batch-1 gRPC latency (target: p50 <= 5 ms);
+    bit, the same batch-1 run through system shared memory (all with answers in host memory, the default); before:
+    the same batch-1 and saturation runs with GPU outputs (``--output-device gpu``), then with two hops;
   faults (issue 33) on the shape-3 artifact: `kkdeploy serve` under gRPC load, kill -9 of the stub (time to not-ready,
-    to healed, wrong answers), then SIGINT under load (stop time, exit code, processes left);
+    to healed, wrong answers and when), then SIGINT under load (stop time, exit code, processes left); faults-gpu:
+    the same with GPU outputs, the layout in which a wrong answer was seen;
+  shape 6 (buckets 1 and 10000): batch-1 gRPC latency (target: p50 <= 5 ms);
   shape 13 (buckets 1,8,64): batch-1 latency, saturation at bucket 64, mixed requests.
 Writes OUT/serving-h200.json and prints the tables last.
 """
@@ -34,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-STEPS = {"3": 200, "6": 100, "13": 120, "faults": 60}  # seconds each needs at least
+STEPS = {"3": 200, "6": 100, "13": 120, "faults": 60, "faults-gpu": 60}  # seconds each needs at least
 
 
 def log(text: str) -> None:
@@ -89,14 +91,16 @@ QUICK_B = {"3": 4, "6": 16, "13": 8}
 class Server:
     """The bundled server on one artifact and topology, on free loopback ports."""
 
-    def __init__(self, artifacts: Path, topology: str, engine: str = "auto", delay_us: int = 0):
+    def __init__(self, artifacts: Path, topology: str, engine: str = "auto", delay_us: int = 0,
+                 output_device: str = "cpu"):
         from kkdeploy.serving import triton_repo, triton_server
 
         self.work = Path(tempfile.mkdtemp(prefix="kk-h200-"))
         install = triton_server.locate_server()
         self.info = triton_repo.write_repository(artifacts, self.work / "repository", engine=engine,
                                                  topology=topology, available_backends=install.backends(),
-                                                 max_queue_delay_us=delay_us)
+                                                 max_queue_delay_us=delay_us, output_device=output_device)
+        self.label = self.info.topology + ("" if self.info.output_device == "cpu" else ", GPU outputs")
         taken: set[int] = set()
         for _ in range(3):
             taken.add(triton_server.free_port(avoid=taken))
@@ -108,7 +112,7 @@ class Server:
         began = time.monotonic()
         self.server.start()
         self.server.wait_ready(400)
-        log(f"server {self.info.topology} ready in {time.monotonic() - began:.0f} s")
+        log(f"server {self.label} ready in {time.monotonic() - began:.0f} s")
         return self
 
     def __exit__(self, *exc):
@@ -128,9 +132,9 @@ def run_plan(server: Server, runner, name: str, **kw) -> dict:
     answers = loadtest.expected_answers(runner, loadtest.make_pool(plan))
     summary = loadtest.run_load(plan, answers)
     summary["name"] = name
-    summary["topology"] = server.info.topology
+    summary["topology"] = server.label
     lat = summary["latency_ms"]
-    log(f"{name} [{server.info.topology}]: {summary['answered']}/{summary['requests']} answered, "
+    log(f"{name} [{server.label}]: {summary['answered']}/{summary['requests']} answered, "
         f"{summary['bitwise_equal']} bitwise, {summary['errors']} errors, {summary['req_per_s']} req/s, "
         f"{summary['seq_per_s']} seq/s, p50 {lat['p50']} p90 {lat['p90']} p99 {lat['p99']} ms; "
         f"server {json.dumps(summary['server'])}")
@@ -171,14 +175,19 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
         if shape == "3":
             plans.append(("batch-1 c=1, system shared memory", dict(processes=1, concurrency=1, requests=n(2000),
                                                                    mix=[[1, 1.0]], pool=16, shared_memory="system")))
+        # one hop with host outputs (the default), then the layouts before it: GPU outputs, two hops
         topologies = ["one-hop", "two-hop"] if shape == "3" else ["one-hop"]
+        if shape == "3" and args.device != "cpu":  # a CPU artifact's answers are in host memory either way
+            topologies.insert(1, "one-hop/gpu")
     for topology in topologies:
         if time.monotonic() > deadline:
             result["runs"].append({"skipped": f"{topology}: out of budget"})
             continue
-        with Server(artifacts, topology, engine="auto" if topology == "one-hop" else "python") as server:
+        layout, _, outputs = topology.partition("/")
+        with Server(artifacts, layout, engine="auto" if layout == "one-hop" else "python",
+                    output_device=outputs or "cpu") as server:
             for name, kw in plans:
-                if topology == "two-hop" and ("mixed" in name or "shared" in name):
+                if topology != "one-hop" and ("mixed" in name or "shared" in name):
                     continue  # before/after compares the batch-1 and saturation runs
                 if time.monotonic() > deadline:
                     result["runs"].append({"name": name, "topology": topology, "skipped": "out of budget"})
@@ -187,8 +196,10 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
     return result
 
 
-def faults(artifacts: Path, args) -> dict:
-    """Issue 33 on this machine: kill -9 of the stub under gRPC load, then SIGINT under load."""
+def faults(artifacts: Path, args, output_device: str = "cpu") -> dict:
+    """Issue 33 on this machine: kill -9 of the stub under gRPC load, then SIGINT under load. Every wrong answer is
+    recorded with its time from the kill (a wrong answer is never allowed; ``output_device`` gpu reproduces the
+    layout in which one was seen)."""
     import kkdeploy
     from kkdeploy.serving import loadtest, triton_server
 
@@ -199,7 +210,7 @@ def faults(artifacts: Path, args) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "kkdeploy", "serve", "--artifacts", str(artifacts),
                              "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-                             "--probe-interval", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             "--probe-interval", "2", "--output-device", output_device], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
     lines: list[tuple[float, str]] = []
     threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in iter(proc.stdout.readline, "")],
@@ -272,6 +283,8 @@ def faults(artifacts: Path, args) -> dict:
             "not_ready_after_s": None if not_ready is None else round(not_ready - killed, 2),
             "healed_after_s": None if healed is None else round(healed - killed, 2),
             "wrong_answers": sum(1 for _, k in events if k == "wrong"),
+            "wrong_at_s_from_kill": [round(t - killed, 3) for t, k in events if k == "wrong"],
+            "answered_ok_before_kill": sum(1 for t, k in events if k == "ok" and t < killed),
             "errors_during": sum(1 for t, k in events if k == "error" and t >= killed),
             "correct_after_heal": sum(1 for t, k in events if k == "ok" and healed and t > healed),
             "lines": [ln.strip() for _, ln in lines if "watchdog" in ln]}
@@ -285,6 +298,7 @@ def faults(artifacts: Path, args) -> dict:
                                     "left": triton_server.processes_mentioning(workdir),
                                     "lines": [ln.strip() for _, ln in lines if "stop" in ln]}
         out["wrong_answers_total"] = sum(1 for _, k in events if k == "wrong")
+        out["output_device"] = output_device
         log(f"faults: {json.dumps(out)}")
         return out
     finally:
@@ -312,13 +326,15 @@ def table(results: dict) -> str:
             rows.append(f"| {shape} | {run['topology']} | {run['name']} | {run['answered']}/{run['requests']} | "
                         f"{run['bitwise_equal']} | {run['req_per_s']} | {run['seq_per_s']} | {lat['p50']} | "
                         f"{lat['p99']} | {direct[bucket]['median_ms']} ({bucket}) | {direct[largest]['seq_per_s']} |")
-    f = results.get("faults") or {}
-    if f.get("kill9"):
-        k, s = f["kill9"], f["sigint_under_load"]
-        rows.append("")
-        rows.append(f"faults: kill -9 stub -> not ready after {k['not_ready_after_s']} s, healed after "
-                    f"{k['healed_after_s']} s, wrong answers {f['wrong_answers_total']}; SIGINT under load -> "
-                    f"stopped in {s['stop_s']} s, exit {s['exit_code']}, left {s['left']}")
+    for step in ("faults", "faults-gpu"):
+        f = results.get(step) or {}
+        if f.get("kill9"):
+            k, s = f["kill9"], f["sigint_under_load"]
+            rows.append("")
+            rows.append(f"{step} ({f.get('output_device', 'cpu')} outputs): kill -9 stub -> not ready after "
+                        f"{k['not_ready_after_s']} s, healed after {k['healed_after_s']} s, wrong answers "
+                        f"{f['wrong_answers_total']} (at {k.get('wrong_at_s_from_kill')} s from the kill); SIGINT "
+                        f"under load -> stopped in {s['stop_s']} s, exit {s['exit_code']}, left {s['left']}")
     return "\n".join(rows)
 
 
@@ -327,7 +343,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out")
     p.add_argument("--device", default="cuda")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for everything (default 480)")
-    p.add_argument("--only", default="3,6,faults,13")
+    p.add_argument("--only", default="3,faults,faults-gpu,6,13")
     p.add_argument("--backends", default="torch-compile-faithful-gemms,torch-graph")
     p.add_argument("--quick", action="store_true", help="a small custom shape instead of the official ones (CPU)")
     args = p.parse_args(argv)
@@ -352,9 +368,9 @@ def main(argv=None) -> int:
                 results["skipped"].append(f"{step}: {left:.0f} s left")
                 log(f"skip {step}: {left:.0f} s left")
                 continue
-            if step == "faults":
+            if step in ("faults", "faults-gpu"):
                 if "3" in artifacts:
-                    results["faults"] = faults(artifacts["3"], args)
+                    results[step] = faults(artifacts["3"], args, "gpu" if step == "faults-gpu" else "cpu")
                 continue
             built = build(step, buckets[step], args, work, weights, timeout_s=min(left - 30, 300))
             if built is None:
@@ -365,7 +381,7 @@ def main(argv=None) -> int:
             results.setdefault("builds", {})[step] = manifest.get("batch_buckets") or manifest["choice"]
             try:
                 later = only[only.index(step) + 1:]  # the fault runs need this artifact: keep their time
-                reserve = STEPS["faults"] if "faults" in later and step == "3" else 0
+                reserve = sum(STEPS[f] for f in ("faults", "faults-gpu") if f in later) if step == "3" else 0
                 results["shapes"][step] = measure_shape(step, built, args, deadline - 20 - reserve)
             except Exception as exc:  # noqa: BLE001 - the next step still runs
                 results["shapes"][step] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}

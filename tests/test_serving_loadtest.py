@@ -208,10 +208,35 @@ def test_stage_clock_pushes_at_most_every_interval_and_on_close():
     assert pushed[0][("rows", "real")] == 4 and pushed[0][("rows", "padding")] == 1
     assert pushed[0][("stage_us", "engine")] == 3.0
     clock.record(5000, 0, 0, bucket=1, real=1)
-    clock.close()  # what is left goes out when the model unloads
-    assert len(pushed) == 2 and pushed[1][("stage_us", "gather")] == 5.0
+    clock.close()  # the model unloads: nothing more is pushed (a push is a round trip the server may not answer)
+    time.sleep(0.35)
+    clock.record(1000, 1000, 1000, bucket=1, real=1)
+    assert len(pushed) == 1
     background = StageClock(pushed.append, interval_s=0.1, background=True)
     background.record(1, 1, 1, bucket=2, real=2)
     time.sleep(0.4)  # no more traffic: the background thread pushes it
-    background.stopped.set()
     assert pushed[-1][("executions", "2")] == 1
+    background.close()
+
+
+def test_stage_clock_never_holds_its_lock_across_a_push():
+    # The stub deadlocked once: the background thread held the counters' lock while its push waited for a server
+    # that was unloading the model, and finalize() waited for that lock. Now a push blocks no one.
+    import threading
+
+    from kkdeploy.serving.triton_model import StageClock
+
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck_sink(totals):
+        entered.set()
+        release.wait(10)  # a server that does not answer
+
+    clock = StageClock(stuck_sink, interval_s=0.05, background=True)
+    clock.record(1, 1, 1, bucket=1, real=1)
+    assert entered.wait(5)  # the background thread is inside the push
+    began = time.monotonic()
+    clock.record(1, 1, 1, bucket=1, real=1)  # a request's own bookkeeping does not wait for it
+    clock.close()  # nor does finalize()
+    assert time.monotonic() - began < 1.0
+    release.set()

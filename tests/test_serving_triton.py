@@ -12,6 +12,7 @@ import importlib.util
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -317,6 +318,33 @@ def test_one_hop_repository_is_one_model_on_the_buckets(built, tmp_path):
         triton_repo.write_repository(built, tmp_path / "x", engine="native", topology="one-hop")
     with pytest.raises(KKError, match="--instances"):
         triton_repo.write_repository(built, tmp_path / "x", instances=0)
+
+
+def test_a_cuda_one_hop_model_answers_from_host_memory_unless_asked(built, tmp_path):
+    # A GPU output costs Triton's Python backend a second round trip to the stub, and a stub killed during it sends
+    # the unfilled buffers as answers: host outputs are the default, GPU outputs only on request.
+    from kkdeploy.serving.triton_model import gpu_outputs_wanted
+
+    cuda = tmp_path / "cuda"
+    shutil.copytree(built, cuda)
+    manifest = artifacts.read_json(cuda / artifacts.MANIFEST)
+    manifest["environment"]["device"]["type"] = "cuda"
+    artifacts.write_json(cuda / artifacts.MANIFEST, manifest)
+
+    def wanted(out, **kw):
+        info = triton_repo.write_repository(cuda, tmp_path / out, **kw)
+        config = _parse_config(tmp_path / out / "kkdeploy" / "config.pbtxt")
+        parameters = {k: {"string_value": v.string_value} for k, v in config.parameters.items()}
+        return info.output_device, gpu_outputs_wanted({"parameters": parameters})
+
+    assert wanted("default") == ("cpu", False)
+    assert wanted("gpu", output_device="gpu") == ("gpu", True)
+    assert not gpu_outputs_wanted({"parameters": {}})  # a repository written before the parameter existed
+    info = triton_repo.write_repository(built, tmp_path / "cpu", output_device="gpu")  # a CPU artifact: host only
+    assert info.output_device == "cpu"
+    assert "kkdeploy_output_device" not in (tmp_path / "cpu" / "kkdeploy" / "config.pbtxt").read_text()
+    with pytest.raises(KKError, match="--output-device must be one of cpu, gpu"):
+        triton_repo.write_repository(cuda, tmp_path / "x", output_device="host")
 
 
 def test_python_engine_repository_and_refusals(built, fallback_built, tmp_path):

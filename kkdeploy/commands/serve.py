@@ -106,8 +106,8 @@ def run(args) -> int:
         info = write_repository(args.artifacts, workdir / "repository", model_name=args.model_name,
                                 engine=args.engine, max_queue_delay_us=args.max_queue_delay_us,
                                 available_backends=install.backends(), topology=args.topology,
-                                instances=args.instances,
-                                                parameters={"kkdeploy_serve_token": token, "kkdeploy_canary_file": str(canary_file),
+                                instances=args.instances, output_device=args.output_device,
+                                parameters={"kkdeploy_serve_token": token, "kkdeploy_canary_file": str(canary_file),
                                             "kkdeploy_release_dir": str(release_dir)})
         if info.device_type == "cuda" and not Path("/dev/nvidiactl").exists():
             raise KKError(f"{args.artifacts} was built for CUDA ({info.candidate}); serve it on a machine with "

@@ -33,6 +33,11 @@ def add_topology_args(p) -> None:
                         "before the one-hop layout (to compare against it)")
     p.add_argument("--instances", type=int, default=1,
                    help="model instances (instance_group count; each loads the engine; default 1)")
+    p.add_argument("--output-device", choices=["cpu", "gpu"], default="cpu",
+                   help="one hop on a CUDA artifact: cpu (default) copies each answer to host memory in the model; "
+                        "gpu hands Triton GPU tensors, for clients that read answers through CUDA shared memory "
+                        "(docs/serving.md, 'Outputs in host memory': an extra round trip to the stub, and a stub "
+                        "killed during it can return an unfilled answer as a success)")
 
 
 def run(args) -> int:
@@ -40,7 +45,7 @@ def run(args) -> int:
 
     info = write_repository(args.artifacts, args.out, model_name=args.model_name, engine=args.engine,
                             max_queue_delay_us=args.max_queue_delay_us, force=args.force, topology=args.topology,
-                            instances=args.instances, kubernetes=args.kubernetes)
+                            instances=args.instances, kubernetes=args.kubernetes, output_device=args.output_device)
     print_summary(info)
     if args.kubernetes:
         from ..console import console

@@ -43,7 +43,7 @@ ROLE = "kkdeploy_role"
 ENGINE_MODEL = "kkdeploy_engine_model"
 ARTIFACTS = "kkdeploy_artifacts"
 DEVICE_TYPE = "kkdeploy_device_type"
-OUTPUT_DEVICE = "kkdeploy_output_device"  # gpu (default on CUDA) | cpu
+OUTPUT_DEVICE = "kkdeploy_output_device"  # cpu (default) | gpu
 CANARY_FILE = "kkdeploy_canary_file"  # written by `kkdeploy serve`: where the model records its canary answers
 RELEASE_DIR = "kkdeploy_release_dir"  # written by `kkdeploy serve`: finalize() leaves "<model>.<pid>" there
 CANARY_SEED = 4242
@@ -82,6 +82,17 @@ def canary_case(seq_len: int, d_model: int, dtype):
     mask = (torch.arange(seq_len) < seq_len - seq_len // 4)[None, :]
     x[~mask] = 0
     return x, mask
+
+
+def gpu_outputs_wanted(model_config: dict) -> bool:
+    """Whether a CUDA model hands Triton its answers as GPU tensors: only where the repository asks for it
+    (``kkdeploy_output_device: gpu``). By default they are copied to host memory here. Triton's Python backend
+    fills a GPU output in a second round trip to the stub, in which the stub copies the tensor into the server's
+    buffer (host memory for an HTTP/gRPC response). A stub that dies in that round trip is not reported for the
+    batch's requests (``python_be.cc`` passes a request count of 0 to its error path), so their unfilled buffers go
+    out as successful answers: one wrong answer on the H200 under kill -9 (docs/serving.md). A host output is
+    written before the stub's answer to the execute call, so a stub that dies earlier fails every request."""
+    return parameter(model_config, OUTPUT_DEVICE, "cpu") == "gpu"
 
 
 def release_marker(directory: str | None, model: str, pid: int) -> str | None:
@@ -385,17 +396,23 @@ class StageClock:
             self.add(("rows", "padding"), bucket - real)
         self.maybe_flush()
 
-    def maybe_flush(self, force: bool = False) -> None:
+    def maybe_flush(self) -> None:
+        """Push what was counted if the interval is over. The lock only guards the counters: the push itself (a
+        message to the server and its answer) runs outside it, so no caller ever waits on another's round trip."""
         with self.lock:
             now = time.monotonic()
-            if self.sink is None or not self.pending or (not force and now - self.last < self.interval_s):
+            if self.sink is None or not self.pending or self.stopped.is_set() or now - self.last < self.interval_s:
                 return
             pending, self.pending, self.last = self.pending, {}, now
-            self.sink(pending)
+        self.sink(pending)
 
     def close(self) -> None:
-        self.stopped.set()
-        self.maybe_flush(force=True)
+        """Stop pushing. What was counted since the last push (at most ``interval_s`` of it) is dropped: ``close``
+        runs in ``finalize()``, while the server unloads the model, and a push then is a round trip that the
+        server need not answer; a stub waiting on it never finishes unloading."""
+        with self.lock:
+            self.stopped.set()
+            self.pending = {}
 
 
 class _TritonMetrics:
@@ -458,9 +475,7 @@ class _Batched:
         self.row_shape = [int(d) for d in next(i["dims"] for i in config["input"] if i["name"] == INPUT_X)]
         self.dtype = _dtype(config)
         self.cuda = self.device.type == "cuda"
-        # Outputs stay on the GPU (Triton copies them into the response) unless the repository says "cpu" or the
-        # backend turns a GPU DLPack tensor down (then: copied here, said once in the log).
-        self.gpu_outputs = self.cuda and parameter(config, OUTPUT_DEVICE, "gpu") != "cpu"
+        self.gpu_outputs = self.cuda and gpu_outputs_wanted(config)
         self.clock = _stage_clock(self.name, self.runner.sizes)
         described = ", ".join(f"{b}: {r.backend}" for b, r in self.runner.buckets.items())
         pb_utils.Logger.log_info(f"{self.name}: one hop on {device}, buckets {described}; {self.runner.reason}")

@@ -46,6 +46,8 @@ INPUT_X, INPUT_MASK, OUTPUT_Y = "x", "valid_token_mask", "y"
 REPO_SCHEMA = "kkdeploy.triton-repo/1"
 ENGINE_CHOICES = ("auto", "native", "python")
 TOPOLOGIES = ("auto", "one-hop", "two-hop")
+OUTPUT_DEVICES = ("cpu", "gpu")
+OUTPUT_DEVICE_PARAMETER = "kkdeploy_output_device"  # read by triton_model.py (OUTPUT_DEVICE)
 NATIVE_BACKENDS = {"ort": "onnxruntime", "trt": "tensorrt"}  # kkdeploy backend -> Triton backend
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
 ORT_DISABLE_ALL = 2  # the onnxruntime backend's ``optimization { graph { level } }``: 2 = ORT_DISABLE_ALL
@@ -70,6 +72,7 @@ class RepositoryInfo:
     topology: str = "two-hop"  # one-hop | two-hop
     buckets: list = None  # the batch sizes the served model runs (the artifact's batch only, without buckets)
     instances: int = 1
+    output_device: str = "cpu"  # one hop on a CUDA artifact: where model.py hands Triton the output (cpu | gpu)
 
     @property
     def batch_size(self) -> int:
@@ -338,10 +341,14 @@ def render_readme(info: RepositoryInfo, manifest: dict) -> str:
 def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: str = "auto",
                      max_queue_delay_us: int = 0, available_backends: set[str] | None = None,
                      force: bool = False, topology: str = "auto", instances: int = 1,
-                     kubernetes: bool = False, parameters: dict[str, str] | None = None) -> RepositoryInfo:
+                     kubernetes: bool = False, parameters: dict[str, str] | None = None,
+                     output_device: str = "cpu") -> RepositoryInfo:
     """Write the repository for ``artifacts_dir`` to ``out`` (atomically) and return what it serves.
     ``kubernetes``: also write ``kubernetes/`` manifests for a cluster (``serving.kubernetes``). ``parameters``:
-    more ``config.pbtxt`` parameters for every model (``kkdeploy serve`` adds its token and canary file)."""
+    more ``config.pbtxt`` parameters for every model (``kkdeploy serve`` adds its token and canary file).
+    ``output_device``: where the one-hop model of a CUDA artifact hands Triton each answer (docs/serving.md,
+    "Outputs in host memory"): ``cpu`` (default; copied once in ``model.py``) or ``gpu`` (for clients that read
+    answers through CUDA shared memory)."""
     import re
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", model_name or ""):
@@ -351,6 +358,8 @@ def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: s
         raise KKError(f"--max-queue-delay-us must be >= 0, got {max_queue_delay_us}")
     if int(instances) < 1:
         raise KKError(f"--instances must be at least 1, got {instances}")
+    if output_device not in OUTPUT_DEVICES:
+        raise KKError(f"--output-device must be one of {', '.join(OUTPUT_DEVICES)}, got {output_device!r}")
     root = Path(artifacts_dir).resolve()
     manifest = read_artifacts(root)
     layout, backend, reason = plan_topology(manifest, engine, topology, available_backends)
@@ -370,8 +379,10 @@ def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: s
                           candidate=choice["candidate"], engine_reason=reason, choice_reason=choice.get("reason", ""),
                           config=config.to_dict(), dtype=dtype, device_type=device_type,
                           max_queue_delay_us=int(max_queue_delay_us), topology=layout, buckets=buckets,
-                          instances=int(instances))
-    extra = _params(parameters or {})
+                          instances=int(instances),
+                          output_device=output_device if layout == "one-hop" and device_type == "cuda" else "cpu")
+    extra = _params({**(parameters or {}), **({OUTPUT_DEVICE_PARAMETER: info.output_device}
+                                               if layout == "one-hop" and device_type == "cuda" else {})})
     with artifacts.staged_directory(target, force=force) as stage:
         front = stage / model_name
         (front / "1").mkdir(parents=True)
