@@ -55,6 +55,25 @@ def test_build_writes_a_complete_verified_directory(shape3):
     assert manifest["fallback"]["validation"]["status"] in (PASSED, FAILED)
 
 
+def test_the_manifest_says_where_the_build_spent_its_time(shape3):
+    from kkdeploy.pipeline.build import stages_line
+
+    _, manifest = shape3
+    stages = manifest["build_stages"]
+    assert list(stages) == ["weights", "export", "candidates", "fresh processes", "load", "validate", "time", "write"]
+    assert all(seconds >= 0 for seconds in stages.values())
+    assert sum(stages.values()) <= manifest["build_seconds"] + 0.1  # stages inside the build's own clock
+    assert stages["validate"] > 0 and stages["time"] > 0
+    line = stages_line(manifest)
+    assert line.startswith(f"build {manifest['build_seconds']:.1f} s: weights ") and "candidates" in line
+    assert stages_line({"build_seconds": 3.0}) is None  # an artifact built before stage times existed
+    made_up = {"build_seconds": 61.0, "build_stages": {"weights": 1.0, "candidates": 50.0, "validate": 10.0},
+               "candidates": [{"name": n, "build_seconds": t} for n, t in
+                              (("a", 1.0), ("b", 30.0), ("c", 0.01), ("d", 19.0), ("e", 0.5))]}
+    assert stages_line(made_up) == ("build 61.0 s: weights 1.0, candidates 50.0 (the slowest: b 30.0, d 19.0, a 1.0), "
+                                    "validate 10.0")
+
+
 def test_load_serves_and_matches_reference(shape3):
     out, manifest = shape3
     runner = kkdeploy.load(out)

@@ -62,14 +62,17 @@ def free_ports() -> dict:
 class Serve:
     """``kkdeploy serve`` as a subprocess; its lines with the time they arrived."""
 
-    def __init__(self, artifacts: Path, ports: dict, *extra: str):
+    def __init__(self, artifacts: Path, ports: dict, *extra: str, sigint_ignored: bool = False):
         self.ports = ports
         env = {k: v for k, v in os.environ.items() if k != triton_server.ENV_SERVER}
         env["PYTHONUNBUFFERED"] = "1"
+        # sigint_ignored: started as a shell starts a background job (`kkdeploy serve ... &`), SIGINT ignored
         self.proc = subprocess.Popen([sys.executable, "-m", "kkdeploy", "serve", "--artifacts", str(artifacts),
                                       "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
                                       "--metrics-port", str(ports["metrics"]), *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                                     if sigint_ignored else None)
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -307,6 +310,18 @@ def test_a_signal_under_load_stops_within_the_budget_cleanly_leaving_nothing(sma
             load.finish()
         serve.close()
 
+
+def test_sigint_stops_a_serve_started_with_sigint_ignored(small, install):
+    # A background job of a non-interactive shell inherits SIGINT ignored, and Python then installs no handler:
+    # `kill -INT` did nothing, and every stop test failed when the test suite itself ran as such a job.
+    ports = free_ports()
+    serve = Serve(small, ports, "--no-watchdog", sigint_ignored=True)
+    try:
+        assert serve.wait_for(r"^ready in", 120), serve.text
+        _, code, took = signal_and_wait(serve, signal.SIGINT)
+        assert code == 0 and took <= 5.0, serve.text
+    finally:
+        serve.close()
 
 
 def signal_and_wait(serve, signum) -> tuple[float, int, float]:

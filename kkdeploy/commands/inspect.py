@@ -25,6 +25,10 @@ def run(args) -> int:
                   f"causal={c['causal']}  dtype {m['dtype']}")
     console.print(f"built {m['created']} in {m.get('build_seconds', '?')} s on {env['device']['name']} "
                   f"({env['device']['type']}, {env['device']['capability']})")
+    from ..pipeline.build import stages_line
+
+    if stages_line(m):
+        console.print(stages_line(m), soft_wrap=True)
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v))
     v = m["validation"]
     console.print(f"validation: {v['contract']} (atol {v['atol']}, rtol {v['rtol']}), seeds {v['seed']}.."

@@ -95,6 +95,9 @@ def run(args) -> int:
     ports = {"http": args.http_port, "grpc": args.grpc_port, "metrics": args.metrics_port}
     triton_server.check_ports(args.address, ports)
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    # SIGINT stops the server even where it arrived ignored: a shell starts a background job (`serve &`) with SIGINT
+    # ignored, Python then installs no handler, and `kill -INT` would do nothing.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     workdir = Path(tempfile.mkdtemp(prefix="kkdeploy-serve-"))
     server = None
     models: list[str] = []
@@ -175,7 +178,7 @@ def run(args) -> int:
                 server.stop(timeout_s=3)
         finally:
             signal.signal(signal.SIGTERM, previous)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, previous_int)
             shutil.rmtree(workdir, ignore_errors=True)
 
 

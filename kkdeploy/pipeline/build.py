@@ -297,6 +297,7 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
         raise KKError("--mixed-precision applies to float32 builds (a float16 build is float16 throughout); "
                       "drop it or use --dtype float32")
     started = time.perf_counter()
+    stages = StageTimes()
     # The reference, every candidate and the timing run under one TF32 setting, recorded for kkdeploy.load.
     with tf32_mode(request.tf32):
         steps = 5 + len(request.backends)
@@ -312,6 +313,7 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
 
             save_file({k: v.detach().cpu().contiguous() for k, v in reference.state_dict().items()},
                       str(stage / artifacts.WEIGHTS_FILE))
+            stages.mark("weights")
             bar.advance()
 
             bar.describe("export ONNX")
@@ -321,11 +323,15 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
                                    "padding_ratio": request.padding_ratio}
             ctx.calibrate = layer_calibrator(reference, ctx.validation_plan)
             export_info = export_if_needed(request, reference, stage, ctx)
+            stages.mark("export")
             bar.advance()
 
             results = build_candidates(request, ctx, bar)
+            stages.mark("candidates")
             probe_fresh_processes(request, stage, results, bar)
+            stages.mark("fresh processes")
             runners = load_runners(request, stage, results)
+            stages.mark("load")
 
             bar.describe("validate")
             all_valid_only = {r.name for r in results if r.options.get("all_valid_only") and r.name in runners}
@@ -344,6 +350,7 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
                         result.reason = report.reason(result.name)
             sdpa_layers = next(k for k in FALLBACK_SDPA_LAYERS
                                if report.status(f"{FALLBACK}-sdpa{k}") == PASSED or k == 0)
+            stages.mark("validate")
             bar.advance()
 
             bar.describe("time")
@@ -351,6 +358,7 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
             latencies = time_contenders(request, {**passing, FALLBACK: fallbacks[sdpa_layers]})
             medians = {n: s["median_ms"] for n, s in latencies.items()}
             choice = choose([r.to_dict() for r in results], medians, medians.get(FALLBACK))
+            stages.mark("time")
             bar.advance()
 
             bar.describe("write")
@@ -362,8 +370,10 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
                                                                     "timed_seed": request.seed + TIMED_SEED_OFFSET},
                                                        "latency": latencies})
             plot_latency(stage / "latency.png", latencies, choice["candidate"])
+            stages.mark("write")
             manifest = make_manifest(request, reference, results, report, latencies, choice, sdpa_layers,
                                      export_info, stage, atol, rtol, time.perf_counter() - started)
+            manifest["build_stages"] = stages.seconds
             if buckets:
                 top = [*buckets, (request.config.batch_size, ".", manifest)]
                 records = [bucket_record(size, rel, m, stage) for size, rel, m in top]
@@ -387,6 +397,39 @@ def export_if_needed(request: BuildRequest, reference, stage: Path, ctx: BuildCo
     ctx.onnx_path = stage / "model.onnx"
     ctx.export_options = options
     return info
+
+
+class StageTimes:
+    """Seconds per build stage, in order (``manifest["build_stages"]``): where a slow build spends its time.
+    ``mark(name)`` closes the stage that ran since the previous mark."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._last, 2)
+        self._last = now
+
+
+def stages_line(manifest: dict) -> str | None:
+    """``build 62.3 s: weights 1.2, export 3.4, candidates 40.1 (the slowest: name 12.3, ...), ...``, or None for a
+    manifest without stage times."""
+    stages = manifest.get("build_stages")
+    if not stages:
+        return None
+    parts = []
+    for name, seconds in stages.items():
+        text = f"{name} {seconds:.1f}"
+        if name == "candidates":
+            slow = sorted(((c.get("build_seconds") or 0.0, c["name"]) for c in manifest.get("candidates", [])),
+                          reverse=True)[:3]
+            slow = [f"{n} {t:.1f}" for t, n in slow if t >= 0.05]
+            if slow:
+                text += f" (the slowest: {', '.join(slow)})"
+        parts.append(text)
+    return f"build {manifest.get('build_seconds', sum(stages.values())):.1f} s: " + ", ".join(parts)
 
 
 def make_manifest(request, reference, results, report, latencies, choice, sdpa_layers, export_info, stage,
@@ -519,6 +562,9 @@ def print_summary(manifest: dict, out: Path) -> None:
         console.print(proofs)
     choice = manifest["choice"]
     console.print(f"shipped: [bold]{choice['candidate']}[/] — {choice['reason']}", soft_wrap=True)
+    timing = stages_line(manifest)
+    if timing:
+        console.print(timing, soft_wrap=True)
     buckets = (manifest.get("batch_buckets") or {}).get("buckets")
     if buckets:
         rows = [[b["batch"], b["dir"], b["candidate"], b["status"], b["failed_elements"],
