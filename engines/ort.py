@@ -28,7 +28,7 @@ import torch
 from kkdeploy.config import TransformerConfig
 from kkdeploy.errors import KKError
 
-from .base import (BUILT, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
+from .base import (BUILT, SKIPPED, UNAVAILABLE, Backend, BuildContext, CandidateResult, Runner, import_error_reason,
                    timed_build)
 from .recipe import parse as parse_recipe
 from .registry import BackendChoice, BackendDescriptor, register
@@ -201,11 +201,19 @@ class OrtBackend(Backend):
             library = custom_ops_library(ctx)
         except KKError as exc:  # no compiler, headers unreachable, compile error: recorded, not raised
             return CandidateResult(candidate, self.name, UNAVAILABLE, f"unavailable: {exc}")
+        proofs = None
+        if library is not None and CANDIDATES[base_candidate(candidate)]["provider"] != "CPUExecutionProvider":
+            proofs, refusal = custom_op_proofs(ctx, library)
+            if refusal:
+                return CandidateResult(candidate, self.name, SKIPPED, f"skipped: {refusal}",
+                                       options={"custom_op_proofs": proofs})
         result = self._build(ort, ctx, candidate, library)
         if library is not None and result.status == BUILT:
             result.files.append(library.name)
             result.options["custom_ops_library"] = library.name
             result.options["custom_ops_build"] = json.loads(library_record_path(library).read_text())
+            if proofs is not None:
+                result.options["custom_op_proofs"] = proofs
         return result
 
     def _build(self, ort, ctx: BuildContext, candidate: str, library: Path | None) -> CandidateResult:
@@ -326,6 +334,30 @@ def custom_ops_library(ctx: BuildContext) -> Path | None:
         shutil.copyfile(built, target)
         library_record_path(target).write_text(json.dumps(build_record(built), indent=1))
     return target
+
+
+def custom_op_proofs(ctx: BuildContext, library: Path) -> tuple[list | None, str | None]:
+    """(the records, why the candidate may not be built) of the library's ops at this model's op shapes, proven once
+    per build (``engines.custom_op_proof``); (None, None) where nothing is proven (the CPU, float32)."""
+    from .custom_op_proof import (NodeSessions, library_environment, model_cases, ops_in_graph, proof_refusal,
+                                  prove_custom_ops, refusal_of)
+
+    if proof_refusal(ctx.device, ctx.dtype) is not None or ctx.export_options is None:
+        return None, None
+    if ctx.custom_op_proofs is None:
+        plan = ctx.validation_plan or {}
+        cases = model_cases(ctx.model, ctx.config, ctx.dtype, ctx.device, plan.get("seed", 1234),
+                            plan.get("padding_ratio", 0.25), packed_qkv=ctx.export_options.qkv == "packed",
+                            ops=ops_in_graph(ctx.export_options))
+        sessions = NodeSessions(library, ctx.device)
+        try:
+            records = prove_custom_ops(cases, sessions.run, ctx.device, library_environment(ctx.device, library))
+        finally:
+            sessions.close()
+        ctx.custom_op_proofs = [r.to_dict() for r in records]
+    from kkdeploy.kernels.proof import ProofRecord
+
+    return ctx.custom_op_proofs, refusal_of([ProofRecord.from_dict(r) for r in ctx.custom_op_proofs])
 
 
 def library_record_path(library: Path) -> Path:

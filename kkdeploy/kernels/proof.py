@@ -201,7 +201,7 @@ def _captured(fn: Callable[[], object], device: torch.device):
 def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequence[ProofCase],
                    device: torch.device | str, *, environment: Optional[dict] = None,
                    timing_case: Optional[int] = None, repeats: int = 5, budget_s: float = 30.0,
-                   against_reference: bool = False,
+                   against_reference: bool = False, timed: bool = True,
                    clock: Callable[[], float] = time.perf_counter) -> ProofRecord:
     """Run every launch on every case, compare bits with the reference, time the survivors, choose the fastest.
 
@@ -210,7 +210,9 @@ def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequenc
     proven any more). When ``budget_s`` runs out, the remaining cases are not run, and no launch that missed a case
     is proven; the first case always runs (it pays the kernels' one-off compiles). ``timing_case`` (default: the
     last case) is the case the survivors are timed on. ``against_reference``: the ATen op is timed too, and a
-    bit-identical launch slower than it is not chosen (ATen gives the same bits faster)."""
+    bit-identical launch slower than it is not chosen (ATen gives the same bits faster). ``timed=False``: nothing is
+    timed and the first survivor is chosen (a launch that runs on another stream, such as an ONNX Runtime session,
+    cannot be captured for timing, and one launch leaves nothing to choose)."""
     device = torch.device(device)
     start = clock()
     record = ProofRecord(op=op, shape=dict(shape), environment=environment or environment_key(device))
@@ -254,7 +256,11 @@ def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequenc
             survivors.append(result)
         elif result.differing:
             result.status = "differs"
-    if survivors:
+    if survivors and not timed:
+        record.chosen = survivors[0].launch
+        record.reason = (f"{len(survivors)} of {len(results)} launches bit-identical on {len(cases)} cases "
+                         f"({survivors[0].elements} elements each); not timed")
+    elif survivors:
         chosen_case = cases[len(cases) - 1 if timing_case is None else timing_case]
         for result in survivors:
             result.ms = median_ms(lambda: chosen_case.run(result.launch), repeats, device)

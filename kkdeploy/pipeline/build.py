@@ -536,17 +536,20 @@ def _fmt(v) -> str:
 
 
 def proofs_table(manifest: dict):
-    """One row per kernel op shape the build proved (``kernel_proofs`` of its our-kernel candidates), or None."""
+    """One row per kernel op shape the build proved (``kernel_proofs`` of its our-kernel candidates, ``custom_op_proofs``
+    of its ORT candidates with custom ops), or None."""
     from kkdeploy.kernels.proof import ProofRecord
 
     seen, rows = set(), []
     for candidate in manifest.get("candidates", []):
-        for data in (candidate.get("options") or {}).get("kernel_proofs") or []:
+        options = candidate.get("options") or {}
+        for data in [*(options.get("kernel_proofs") or []), *(options.get("custom_op_proofs") or [])]:
             record = ProofRecord.from_dict(data)
             if (record.op, record.shape_text) in seen:
                 continue
             seen.add((record.op, record.shape_text))
-            rows.append([record.op, record.shape_text, record.chosen or "aten",
+            fallback = "none (candidate skipped)" if record.op.startswith("custom-op") else "aten"
+            rows.append([record.op, record.shape_text, record.chosen or fallback,
                          "-" if record.chosen_ms is None else f"{record.chosen_ms:.4f}",
                          "-" if record.reference_ms is None else f"{record.reference_ms:.4f}", f"{record.seconds:.2f}"])
     if not rows:

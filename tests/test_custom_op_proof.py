@@ -1,0 +1,141 @@
+"""The custom-op library's ops proven in the build (engines/custom_op_proof.py): the cases taken from the model, the
+rule (0 differing bits on every case, per op shape), the gate on ORT candidates, and the one-node sessions run on
+the CPU with the real library. The CUDA kernels themselves are proven on a GPU; here their proof's logic is tested
+with stand-ins for the session, as the kernel proofs' is (tests/test_proof.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines import custom_op_proof as cop
+from engines.base import BuildContext, SKIPPED
+from exporters import ExportOptions
+from kkdeploy.config import TransformerConfig
+from kkdeploy.kernels.proof import ProofCase, ProofRecord, prove_launches
+from tests.conftest import models_for
+
+CONFIG = TransformerConfig(batch_size=2, seq_len=8, d_model=16, num_heads=2, ffn_dim=32, num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    reference, _ = models_for(CONFIG)
+    return reference
+
+
+def test_cases_are_the_models_own_activations_at_each_op_shape(model):
+    cases = cop.model_cases(model, CONFIG, torch.float32, "cpu", seed=1234, padding_ratio=0.25)
+    real = [c for c in cases if not c.label.startswith("random")]
+    # first and last layer (0 and 2): 4 projections + out_proj... per layer: q, k, v, out, ffn_in, ffn_out, 2 norms,
+    # one GELU; plus the final norm; for all-valid and padded inputs
+    per_mode = 2 * (6 + 2 + 1) + 1
+    assert len(real) == 2 * per_mode
+    assert {c.label.split()[-1] for c in real} == {"all-valid", "padded"}
+    shapes = {tuple(sorted(cop.shape_of(c).items())) for c in cases}
+    tokens = CONFIG.batch_size * CONFIG.seq_len
+    assert {(dict(s)["op"], dict(s).get("n"), dict(s).get("width")) for s in shapes} == {
+        ("Linear", 16, None), ("Linear", 32, None), ("LayerNorm", None, 16), ("Gelu", None, 32)}
+    assert all(c.inputs[0].shape[0] == tokens for c in cases)
+    randoms = [c for c in cases if c.label.startswith("random")]
+    assert len(randoms) == len(shapes)  # one random input set per op shape
+    for case in cases:  # every reference is the ATen op on the case's own inputs, bit for bit
+        again = cop.reference_output(case.op, case.inputs, case.attrs)
+        assert torch.equal(again, case.reference), case.label
+
+
+def test_packed_qkv_is_proven_at_the_packed_shape(model):
+    cases = cop.model_cases(model, CONFIG, torch.float32, "cpu", 1234, 0.25, packed_qkv=True, ops=("Linear",))
+    packed = [c for c in cases if "qkv" in c.label]
+    assert packed and all(c.inputs[1].shape == (3 * CONFIG.d_model, CONFIG.d_model) for c in packed)
+    assert not any(c.label.split()[0].endswith(("q_proj", "k_proj", "v_proj")) for c in cases)
+    assert {c.op for c in cases} == {"Linear"}
+
+
+def test_an_op_that_differs_by_one_bit_refuses_the_candidate(model):
+    cases = cop.model_cases(model, CONFIG, torch.float32, "cpu", 1234, 0.25)
+    env = {"device_type": "cpu", "kernel": "test"}
+    exact = cop.prove_custom_ops(cases, lambda c: cop.reference_output(c.op, c.inputs, c.attrs), "cpu", env)
+    assert all(r.proven and r.chosen == cop.LAUNCH for r in exact) and cop.refusal_of(exact) is None
+    assert len(exact) == 5  # one record per op shape: LayerNorm, Gelu, Linear 16x16, ffn_in 16->32, ffn_out 32->16
+
+    def off_by_one_bit(case):
+        y = cop.reference_output(case.op, case.inputs, case.attrs).clone()
+        if case.op == "LayerNorm" and "padded" in case.label:
+            y.view(torch.int32)[0, 0] ^= 1
+        return y
+
+    records = cop.prove_custom_ops(cases, off_by_one_bit, "cpu", env)
+    layer_norm = next(r for r in records if r.shape["op"] == "LayerNorm")
+    assert not layer_norm.proven and layer_norm.launches[0].differing == 1
+    reason = cop.refusal_of(records)
+    assert reason.startswith("kkdeploy::LayerNorm (rows=16, width=16) is not bit-identical to ATen here")
+
+
+def test_an_untimed_proof_chooses_its_one_bit_identical_launch():
+    x = torch.arange(6.0)
+    case = [ProofCase("a", reference=lambda: x * 2, run=lambda launch: x * 2)]
+    record = prove_launches("op", {"n": 6}, ["only"], case, "cpu", environment={}, timed=False)
+    assert record.chosen == "only" and record.launches[0].ms is None and "not timed" in record.reason
+
+
+def test_only_float16_cuda_builds_prove_and_the_gate_skips_the_candidate(monkeypatch, tmp_path):
+    assert cop.proof_refusal("cpu", torch.float16).startswith("the library's CPU kernels")
+    assert "float16 only" in cop.proof_refusal(torch.device("cuda"), torch.float32)
+    assert cop.proof_refusal(torch.device("cuda"), torch.float16) is None
+    assert cop.ops_in_graph(ExportOptions(linear="custom", gelu="custom")) == ["Linear", "Gelu"]
+    assert cop.ops_in_graph(ExportOptions()) == []
+
+    from engines import ort as ort_engine
+
+    record = ProofRecord(op="custom-op Linear", shape={"op": "Linear", "m": 16, "n": 16, "k": 16,
+                                                       "dtype": "torch.float16"}, environment={}, reason="differs")
+    monkeypatch.setattr(ort_engine, "custom_ops_library", lambda ctx: tmp_path / "libkkdeploy_ops.so")
+    monkeypatch.setattr(ort_engine, "custom_op_proofs",
+                        lambda ctx, library: ([record.to_dict()], cop.refusal_of([record])))
+    ctx = BuildContext(CONFIG, torch.float16, torch.device("cpu"), None, tmp_path, onnx_path=tmp_path / "m.onnx")
+    result = ort_engine.OrtBackend().build(ctx, "ort-cuda")
+    assert result.status == SKIPPED and "kkdeploy::Linear (m=16, n=16, k=16)" in result.reason
+    assert result.options["custom_op_proofs"][0]["op"] == "custom-op Linear"
+    from kkdeploy.pipeline.build import proofs_table
+
+    summary = proofs_table({"candidates": [{"options": result.options}]})
+    assert summary.row_count == 1 and "candidate skipped" in str(summary.columns[2]._cells)
+    # A CPU session's kernels are not proven: the gate is not asked
+    asked = []
+    monkeypatch.setattr(ort_engine, "custom_op_proofs", lambda ctx, library: asked.append(1) or (None, None))
+    monkeypatch.setattr(ort_engine.OrtBackend, "_build", lambda self, ort, ctx, name, library: ort_engine.CandidateResult(
+        name, "ort", "built", "", files=[], options={}))
+    (tmp_path / "record.json").write_text("{}")
+    monkeypatch.setattr(ort_engine, "library_record_path", lambda library: tmp_path / "record.json")
+    assert ort_engine.OrtBackend().build(ctx, "ort-cpu").status == "built" and not asked
+
+
+def test_a_cpu_build_proves_nothing(model, tmp_path):
+    from engines import ort as ort_engine
+
+    ctx = BuildContext(CONFIG, torch.float32, torch.device("cpu"), model, tmp_path,
+                       export_options=ExportOptions(linear="custom"))
+    assert ort_engine.custom_op_proofs(ctx, tmp_path / "lib.so") == (None, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_node_sessions_run_each_op_with_the_real_library(model, dtype):
+    # The session plumbing the GPU proof uses, on the CPU EP: graph, attributes, inputs and output. The CPU kernels
+    # are not ATen's order, so only closeness is asserted here; bits are the GPU proof's business.
+    from engines.custom_op_library import build_library
+
+    library = build_library("cpu")
+    cases = cop.model_cases(model.to(dtype), CONFIG, dtype, "cpu", 1234, 0.25)
+    sessions = cop.NodeSessions(library, torch.device("cpu"))
+    try:
+        for op in cop.OPS:
+            case = next(c for c in cases if c.op == op)
+            got = sessions.run(case)
+            assert got.shape == case.reference.shape and got.dtype == case.reference.dtype, op
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(got.float(), case.reference.float(), atol=tol, rtol=tol), op
+        assert len(sessions.sessions) == 3
+    finally:
+        sessions.close()
+        model.to(torch.float32)
