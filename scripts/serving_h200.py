@@ -9,8 +9,9 @@ Steps, in order of importance, each skipped (and said so) when the remaining bud
   shape 3 (FP16 strict, weights of our own, buckets 1,2,4): direct engine; one hop: batch-1 gRPC c=1 (p50 against
     the engine's bucket-1 latency + 0.4 ms), saturation with full-bucket requests (against the engine's throughput
     at bucket 4) and with batch-1 requests, 12,000 mixed requests (batch 1-4, padding 0/0.25/0.5) checked bit for
-    bit, the same batch-1 run through system shared memory (all with answers in host memory, the default); before:
-    the same batch-1 and saturation runs with GPU outputs (``--output-device gpu``), then with two hops;
+    bit, the same batch-1 run through system shared memory (all with answers in host memory, the default); the
+    saturation runs again with 4 and 2 model instances; before: the same batch-1 and saturation runs with GPU
+    outputs (``--output-device gpu``), then with two hops;
   faults (issue 33) on the shape-3 artifact: `kkdeploy serve` under gRPC load, kill -9 of the stub (time to not-ready,
     to healed, wrong answers and when), then SIGINT under load (stop time, exit code, processes left); faults-gpu:
     the same with GPU outputs, the layout in which a wrong answer was seen;
@@ -92,15 +93,17 @@ class Server:
     """The bundled server on one artifact and topology, on free loopback ports."""
 
     def __init__(self, artifacts: Path, topology: str, engine: str = "auto", delay_us: int = 0,
-                 output_device: str = "cpu"):
+                 output_device: str = "cpu", instances: int = 1):
         from kkdeploy.serving import triton_repo, triton_server
 
         self.work = Path(tempfile.mkdtemp(prefix="kk-h200-"))
         install = triton_server.locate_server()
         self.info = triton_repo.write_repository(artifacts, self.work / "repository", engine=engine,
                                                  topology=topology, available_backends=install.backends(),
-                                                 max_queue_delay_us=delay_us, output_device=output_device)
-        self.label = self.info.topology + ("" if self.info.output_device == "cpu" else ", GPU outputs")
+                                                 max_queue_delay_us=delay_us, output_device=output_device,
+                                                 instances=instances)
+        self.label = (self.info.topology + ("" if self.info.output_device == "cpu" else ", GPU outputs")
+                      + ("" if instances == 1 else f", {instances} instances"))
         taken: set[int] = set()
         for _ in range(3):
             taken.add(triton_server.free_port(avoid=taken))
@@ -175,20 +178,25 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
         if shape == "3":
             plans.append(("batch-1 c=1, system shared memory", dict(processes=1, concurrency=1, requests=n(2000),
                                                                    mix=[[1, 1.0]], pool=16, shared_memory="system")))
-        # one hop with host outputs (the default), then the layouts before it: GPU outputs, two hops
-        topologies = ["one-hop", "two-hop"] if shape == "3" else ["one-hop"]
+        # one hop with host outputs (the default); then its saturation with 4 and 2 model instances (one stub's
+        # Python work per execute, ~0.5 ms on the H200, is what bounds one instance, not the GPU); then the layouts
+        # before it: GPU outputs, two hops
+        topologies = ["one-hop", "one-hop/cpu/x4", "one-hop/cpu/x2", "two-hop"] if shape == "3" else ["one-hop"]
         if shape == "3" and args.device != "cpu":  # a CPU artifact's answers are in host memory either way
-            topologies.insert(1, "one-hop/gpu")
+            topologies.insert(3, "one-hop/gpu")
     for topology in topologies:
         if time.monotonic() > deadline:
             result["runs"].append({"skipped": f"{topology}: out of budget"})
             continue
-        layout, _, outputs = topology.partition("/")
+        layout, outputs, instances = (topology.split("/") + ["", ""])[:3]
+        instances = int(instances[1:]) if instances else 1
         with Server(artifacts, layout, engine="auto" if layout == "one-hop" else "python",
-                    output_device=outputs or "cpu") as server:
+                    output_device=outputs or "cpu", instances=instances) as server:
             for name, kw in plans:
                 if topology != "one-hop" and ("mixed" in name or "shared" in name):
                     continue  # before/after compares the batch-1 and saturation runs
+                if instances > 1 and "saturation" not in name:
+                    continue  # more instances are for throughput
                 if time.monotonic() > deadline:
                     result["runs"].append({"name": name, "topology": topology, "skipped": "out of budget"})
                     continue
