@@ -234,6 +234,10 @@ def test_one_hop_gather_reuses_its_buffers_and_rewrites_every_row():
     assert model.all_valid[4].all() and len(model.buffers) == 1  # one bucket ran: one set of buffers
     ys, size, n, _, _ = model._run([torch.ones(1, 3, 2)], [None])  # one sequence: bucket 1, its own buffers
     assert (size, n) == (1, 1) and len(model.buffers) == 2 and ys[0].shape == (1, 3, 2)
+    # Bound for a GPU, several requests' host rows are gathered on the host and cross in one copy each
+    x, mask = triton_model.gather_host([torch.ones(1, 3, 2), 3 * torch.ones(2, 3, 2)], [masked, None], 3)
+    assert torch.equal(x, torch.cat([torch.ones(1, 3, 2), 3 * torch.ones(2, 3, 2)]))
+    assert torch.equal(mask, torch.tensor([[True, True, False], [True] * 3, [True] * 3]))
 
 
 def _parse_text(text: str):
