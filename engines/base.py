@@ -48,8 +48,8 @@ class BuildContext:
     # once per set, so the pipeline supplies it (``kkdeploy.pipeline.calibration.layer_calibrator``); an engine only
     # says how to build the runner for one set, and engines never import validation.
     calibrate: Callable[[Callable[[tuple[int, ...]], Any]], dict] | None = None
-    # The custom-op library's proof records (``engines.custom_op_proof``), made once per build by the first ORT
-    # candidate that needs them and shared by the others.
+    # The custom-op library's proof records (``engines.custom_op_proof``, ``ProofRecord``s), made once per build by
+    # the first ORT candidate that needs them and shared by the others.
     custom_op_proofs: list | None = None
 
     def calibrate_layers(self, runner_for_layers: Callable[[tuple[int, ...]], Any]) -> dict:

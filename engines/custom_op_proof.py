@@ -7,10 +7,11 @@ GPU, with this ONNX Runtime and this build of the library. The H200 measured tha
 
 So a float16 CUDA build that exports custom ops first proves them: every distinct op shape of the exported graph
 (``Linear`` per projection: packed Q/K/V where the export packs them, ``out_proj``, ``ffn_in``, ``ffn_out``;
-``LayerNorm``; ``Gelu``), on the model's own activations of its first and last layer for the build's all-valid and
-padded inputs, and on random inputs at the same shapes. Each case runs the op alone in a one-node ORT CUDA session
+``LayerNorm``; ``Gelu``), on the inputs each op gets in the first and last layer for the build's all-valid and
+padded inputs (``capture_layers``, as the kernel proofs take them), and on random inputs at the same shapes. Each case runs the op alone in a one-node ORT CUDA session
 with the artifact's library and compares every bit with the ATen op on the same inputs (``prove_launches``, one
-launch: the session). A candidate whose graph uses an op that is not bit-identical is skipped with the reason; the
+launch: the session). A proof is kept per environment (the library's bytes included) and op shape, as the kernel
+proofs are. A candidate whose graph uses an op that is not bit-identical is skipped with the reason; the
 records go into the candidate's ``custom_op_proofs``. End-to-end strict validation still decides what ships.
 
 Elsewhere (the CPU, float32 exports) nothing is proven: the CPU kernels are plain loops, not ATen's order, and there
@@ -27,12 +28,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from kkdeploy.inputs import generate_case
-from kkdeploy.kernels.proof import ProofCase, ProofRecord, environment_key, prove_launches
+from kkdeploy.inputs import padded_case
+from kkdeploy.kernels.model_proofs import RANDOM_SCALES, capture_layers, random_like
+from kkdeploy.kernels.proof import (ProofCase, ProofRecord, environment_key, lookup_proof, prove_launches,
+                                    remember_proof)
 
 LAUNCH = "ort-cuda"  # the one way each op runs: its node in an ORT CUDA session with the library
 OPS = ("Linear", "LayerNorm", "Gelu")
-RANDOM_SEED = 8642
 BUDGET_S = 20.0  # per op shape, after its first case (prove_launches)
 
 
@@ -76,69 +78,62 @@ def shape_of(case: OpCase) -> dict:
 
 def model_cases(model, config, dtype, device, seed: int, padding_ratio: float, packed_qkv: bool = False,
                 ops=OPS) -> list[OpCase]:
-    """The custom ops' cases: real activations of the first and last layer (and the final LayerNorm) for the
-    build's all-valid and padded inputs, then one random input set per op shape. ``packed_qkv``: the graph runs
-    Q/K/V as one Linear on [Wq; Wk; Wv]."""
-    captured: dict[str, tuple] = {}
-    layers = sorted({0, len(model.layers) - 1})
-    handles = []
-    for i in layers:
-        layer = model.layers[i]
-        for name, module in layer.named_modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)):
-                handles.append(module.register_forward_hook(
-                    lambda mod, inp, out, key=f"layers.{i}.{name}": captured.__setitem__(key, (mod, inp[0], out))))
-    handles.append(model.final_norm.register_forward_hook(
-        lambda mod, inp, out: captured.__setitem__("final_norm", (mod, inp[0], out))))
+    """The custom ops' cases: the inputs each op gets in the first and last layer (and the final LayerNorm) on the
+    build's all-valid and padded inputs (``capture_layers``, as the kernel proofs take them), then random inputs at
+    each op shape (``RANDOM_SCALES``). Every reference is the ATen op on the case's own inputs. ``packed_qkv``: the
+    graph runs Q/K/V as one Linear on [Wq; Wk; Wv]."""
+    last = config.num_layers - 1
     cases: list[OpCase] = []
-    try:
-        for mode, ratio in (("all-valid", 0.0), ("padded", padding_ratio)):
-            captured.clear()
-            x, mask = generate_case(config, device, dtype, seed, padding_ratio=ratio)
-            with torch.inference_mode():
-                model(x, mask)
-            cases += _cases_from(captured, mode, packed_qkv, ops)
-    finally:
-        for h in handles:
-            h.remove()
+    for mode, ratio in (("all-valid", 0.0), ("padded", padding_ratio)):
+        x, mask = padded_case(config, device, dtype, seed, ratio)
+        with torch.inference_mode():
+            layers = capture_layers(model, x, mask, {0, last})
+            for i, layer in layers.items():
+                cases += _layer_cases(model.layers[i], layer, f"layers.{i}", mode, packed_qkv, ops)
+            if "LayerNorm" in ops:
+                cases.append(_case("LayerNorm", f"final_norm {mode}", layers[last].out, model.final_norm))
+    generator = torch.Generator(device=device).manual_seed(seed + 1)
     seen, randoms = set(), []
-    generator = torch.Generator(device="cpu").manual_seed(RANDOM_SEED)
     for case in cases:
         key = tuple(sorted(shape_of(case).items()))
         if key in seen:
             continue
         seen.add(key)
-        x = (torch.randn(case.inputs[0].shape, generator=generator) * case.inputs[0].float().std().cpu()).to(
-            case.inputs[0])
-        randoms.append(OpCase(case.op, f"random {'x'.join(map(str, x.shape))}", [x, *case.inputs[1:]],
-                              reference_output(case.op, [x, *case.inputs[1:]], case.attrs), case.attrs))
+        for scale in RANDOM_SCALES:
+            x = random_like(case.inputs[0], scale, generator)
+            randoms.append(OpCase(case.op, f"random x{scale:g} {'x'.join(map(str, x.shape))}", [x, *case.inputs[1:]],
+                                  reference_output(case.op, [x, *case.inputs[1:]], case.attrs), case.attrs))
     return cases + randoms
 
 
-def _cases_from(captured: dict, mode: str, packed_qkv: bool, ops) -> list[OpCase]:
+def _case(op: str, label: str, x: torch.Tensor, module=None) -> OpCase:
+    """The node's inputs (token-major x, then the module's weight and bias) and the ATen op's output on them."""
+    tokens = x.reshape(-1, x.shape[-1])
+    inputs = [tokens] if module is None else [tokens, module.weight, module.bias]
+    attrs = {"epsilon": float(module.eps)} if op == "LayerNorm" else {}
+    return OpCase(op, label, inputs, reference_output(op, inputs, attrs), attrs)
+
+
+def _layer_cases(block, layer, name: str, mode: str, packed_qkv: bool, ops) -> list[OpCase]:
+    attention = block.attention
     out = []
-    for key, (module, x, y) in captured.items():
-        tokens = x.reshape(-1, x.shape[-1])
-        if isinstance(module, torch.nn.LayerNorm):
-            if "LayerNorm" in ops:
-                out.append(OpCase("LayerNorm", f"{key} {mode}", [tokens, module.weight, module.bias],
-                                  y.reshape(-1, y.shape[-1]), {"epsilon": float(module.eps)}))
-            continue
-        if "Linear" in ops:
-            if packed_qkv and key.endswith(("k_proj", "v_proj")):
-                continue  # in q_proj's packed case
-            if packed_qkv and key.endswith("q_proj"):
-                parts = [captured[key[:-len("q_proj")] + p] for p in ("q_proj", "k_proj", "v_proj")]
-                weight = torch.cat([m.weight for m, _, _ in parts])
-                bias = torch.cat([m.bias for m, _, _ in parts])
-                ref = torch.cat([o.reshape(-1, o.shape[-1]) for _, _, o in parts], dim=1)
-                out.append(OpCase("Linear", f"{key[:-len('q_proj')]}qkv {mode}", [tokens, weight, bias], ref, {}))
-            else:
-                out.append(OpCase("Linear", f"{key} {mode}", [tokens, module.weight, module.bias],
-                                  y.reshape(-1, y.shape[-1]), {}))
-        if "Gelu" in ops and key.endswith("ffn_in"):
-            hidden = y.reshape(-1, y.shape[-1])
-            out.append(OpCase("Gelu", f"{key}.gelu {mode}", [hidden], F.gelu(hidden, approximate="none"), {}))
+    if "LayerNorm" in ops:
+        out += [_case("LayerNorm", f"{name}.norm1 {mode}", layer.x, block.norm1),
+                _case("LayerNorm", f"{name}.norm2 {mode}", layer.mid, block.norm2)]
+    if "Linear" in ops:
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        if packed_qkv:
+            tokens = layer.h.reshape(-1, layer.h.shape[-1])
+            inputs = [tokens, torch.cat([m.weight for m in projections]), torch.cat([m.bias for m in projections])]
+            out.append(OpCase("Linear", f"{name}.qkv {mode}", inputs, reference_output("Linear", inputs, {}), {}))
+        else:
+            out += [_case("Linear", f"{name}.{p} {mode}", layer.h, m)
+                    for p, m in zip(("q_proj", "k_proj", "v_proj"), projections)]
+        out += [_case("Linear", f"{name}.out_proj {mode}", layer.context, attention.out_proj),
+                _case("Linear", f"{name}.ffn_in {mode}", layer.h2, block.ffn_in),
+                _case("Linear", f"{name}.ffn_out {mode}", layer.g, block.ffn_out)]
+    if "Gelu" in ops:
+        out.append(_case("Gelu", f"{name}.gelu {mode}", block.ffn_in(layer.h2)))
     return out
 
 
@@ -164,17 +159,23 @@ def library_environment(device, library: Path) -> dict:
 def prove_custom_ops(cases: list[OpCase], run_node: Callable[[OpCase], torch.Tensor], device, environment: dict,
                      budget_s: float = BUDGET_S) -> list[ProofRecord]:
     """One record per op shape: ``run_node(case)`` (the node alone, in a session) against the ATen op, bit for bit.
-    ``run_node`` is a parameter so that the proof's logic is tested without a GPU."""
+    A proof already made in this environment at an op shape (this process, or the disk cache) is reused, as the
+    kernel proofs are. ``run_node`` is a parameter so that the proof's logic is tested without a GPU."""
     groups: dict[tuple, list[OpCase]] = {}
     for case in cases:
         groups.setdefault(tuple(sorted(shape_of(case).items())), []).append(case)
     records = []
     for key, group in groups.items():
         shape = dict(key)
-        proof_cases = [ProofCase(c.label, reference=lambda c=c: c.reference, run=lambda launch, c=c: run_node(c))
-                       for c in group]
-        records.append(prove_launches(f"custom-op {shape['op']}", shape, [LAUNCH], proof_cases, device,
-                                      environment=environment, budget_s=budget_s, timed=False))
+        op = f"custom-op {shape['op']}"
+        record = lookup_proof(environment, op, shape)
+        if record is None:
+            proof_cases = [ProofCase(c.label, reference=lambda c=c: c.reference, run=lambda launch, c=c: run_node(c))
+                           for c in group]
+            record = prove_launches(op, shape, [LAUNCH], proof_cases, device, environment=environment,
+                                    budget_s=budget_s, timed=False)
+            remember_proof(record)
+        records.append(record)
     return records
 
 

@@ -354,10 +354,8 @@ def custom_op_proofs(ctx: BuildContext, library: Path) -> tuple[list | None, str
             records = prove_custom_ops(cases, sessions.run, ctx.device, library_environment(ctx.device, library))
         finally:
             sessions.close()
-        ctx.custom_op_proofs = [r.to_dict() for r in records]
-    from kkdeploy.kernels.proof import ProofRecord
-
-    return ctx.custom_op_proofs, refusal_of([ProofRecord.from_dict(r) for r in ctx.custom_op_proofs])
+        ctx.custom_op_proofs = records
+    return [r.to_dict() for r in ctx.custom_op_proofs], refusal_of(ctx.custom_op_proofs)
 
 
 def library_record_path(library: Path) -> Path:

@@ -162,7 +162,7 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
     sat_conc = 8 if args.quick or row_bytes * min(big, 64) > (1 << 20) else 64
     if shape == "6":
         plans = [("batch-1 c=1", dict(processes=1, concurrency=1, requests=n(1000), mix=[[1, 1.0]], pool=16))]
-        topologies = ["one-hop"]
+        layouts = [("one-hop", "cpu", 1)]
     else:
         full = min(big, 64)
         plans = [
@@ -181,24 +181,26 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
         # one hop with host outputs (the default); then its saturation with 4 and 2 model instances (one stub's
         # Python work per execute, ~0.5 ms on the H200, is what bounds one instance, not the GPU); then the layouts
         # before it: GPU outputs, two hops
-        topologies = ["one-hop", "one-hop/cpu/x4", "one-hop/cpu/x2", "two-hop"] if shape == "3" else ["one-hop"]
-        if shape == "3" and args.device != "cpu":  # a CPU artifact's answers are in host memory either way
-            topologies.insert(3, "one-hop/gpu")
-    for topology in topologies:
+        # (topology, output device, instances)
+        layouts = [("one-hop", "cpu", 1)]
+        if shape == "3":
+            layouts += [("one-hop", "cpu", 4), ("one-hop", "cpu", 2)]
+            if args.device != "cpu":  # a CPU artifact's answers are in host memory either way
+                layouts.append(("one-hop", "gpu", 1))
+            layouts.append(("two-hop", "cpu", 1))
+    for layout, outputs, instances in layouts:
         if time.monotonic() > deadline:
-            result["runs"].append({"skipped": f"{topology}: out of budget"})
+            result["runs"].append({"skipped": f"{layout}, {outputs} outputs, {instances} instances: out of budget"})
             continue
-        layout, outputs, instances = (topology.split("/") + ["", ""])[:3]
-        instances = int(instances[1:]) if instances else 1
         with Server(artifacts, layout, engine="auto" if layout == "one-hop" else "python",
-                    output_device=outputs or "cpu", instances=instances) as server:
+                    output_device=outputs, instances=instances) as server:
             for name, kw in plans:
-                if topology != "one-hop" and ("mixed" in name or "shared" in name):
+                if server.label != "one-hop" and ("mixed" in name or "shared" in name):
                     continue  # before/after compares the batch-1 and saturation runs
                 if instances > 1 and "saturation" not in name:
                     continue  # more instances are for throughput
                 if time.monotonic() > deadline:
-                    result["runs"].append({"name": name, "topology": topology, "skipped": "out of budget"})
+                    result["runs"].append({"name": name, "topology": server.label, "skipped": "out of budget"})
                     continue
                 result["runs"].append(run_plan(server, runner, name, protocol="grpc", warmup=20, **kw))
     return result

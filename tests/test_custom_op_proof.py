@@ -27,8 +27,8 @@ def model():
 def test_cases_are_the_models_own_activations_at_each_op_shape(model):
     cases = cop.model_cases(model, CONFIG, torch.float32, "cpu", seed=1234, padding_ratio=0.25)
     real = [c for c in cases if not c.label.startswith("random")]
-    # first and last layer (0 and 2): 4 projections + out_proj... per layer: q, k, v, out, ffn_in, ffn_out, 2 norms,
-    # one GELU; plus the final norm; for all-valid and padded inputs
+    # first and last layer (0 and 2), each: q, k, v, out_proj, ffn_in, ffn_out, 2 norms, one GELU; plus the final
+    # norm; for all-valid and padded inputs
     per_mode = 2 * (6 + 2 + 1) + 1
     assert len(real) == 2 * per_mode
     assert {c.label.split()[-1] for c in real} == {"all-valid", "padded"}
@@ -38,7 +38,7 @@ def test_cases_are_the_models_own_activations_at_each_op_shape(model):
         ("Linear", 16, None), ("Linear", 32, None), ("LayerNorm", None, 16), ("Gelu", None, 32)}
     assert all(c.inputs[0].shape[0] == tokens for c in cases)
     randoms = [c for c in cases if c.label.startswith("random")]
-    assert len(randoms) == len(shapes)  # one random input set per op shape
+    assert len(randoms) == len(cop.RANDOM_SCALES) * len(shapes)  # random inputs at each op shape, at each scale
     for case in cases:  # every reference is the ATen op on the case's own inputs, bit for bit
         again = cop.reference_output(case.op, case.inputs, case.attrs)
         assert torch.equal(again, case.reference), case.label
@@ -52,11 +52,21 @@ def test_packed_qkv_is_proven_at_the_packed_shape(model):
     assert {c.op for c in cases} == {"Linear"}
 
 
-def test_an_op_that_differs_by_one_bit_refuses_the_candidate(model):
+def test_an_op_that_differs_by_one_bit_refuses_the_candidate(model, proof_sandbox):
     cases = cop.model_cases(model, CONFIG, torch.float32, "cpu", 1234, 0.25)
-    env = {"device_type": "cpu", "kernel": "test"}
-    exact = cop.prove_custom_ops(cases, lambda c: cop.reference_output(c.op, c.inputs, c.attrs), "cpu", env)
+    env = {"device_type": "cpu", "kernel": "test", "library": "exact"}
+    ran = []
+
+    def exact_node(case):
+        ran.append(case.label)
+        return cop.reference_output(case.op, case.inputs, case.attrs)
+
+    exact = cop.prove_custom_ops(cases, exact_node, "cpu", env)
     assert all(r.proven and r.chosen == cop.LAUNCH for r in exact) and cop.refusal_of(exact) is None
+    assert len(ran) == len(cases)
+    again = cop.prove_custom_ops(cases, exact_node, "cpu", env)  # the same environment: the proofs are reused
+    assert len(ran) == len(cases) and [r.to_dict() for r in again] == [r.to_dict() for r in exact]
+    env = {**env, "library": "off by one bit"}  # another library build: proven again
     assert len(exact) == 5  # one record per op shape: LayerNorm, Gelu, Linear 16x16, ffn_in 16->32, ffn_out 32->16
 
     def off_by_one_bit(case):

@@ -27,8 +27,9 @@ def run(args) -> int:
                   f"({env['device']['type']}, {env['device']['capability']})")
     from ..pipeline.build import stages_line
 
-    if stages_line(m):
-        console.print(stages_line(m), soft_wrap=True)
+    timing = stages_line(m)
+    if timing:
+        console.print(timing, soft_wrap=True)
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v))
     v = m["validation"]
     console.print(f"validation: {v['contract']} (atol {v['atol']}, rtol {v['rtol']}), seeds {v['seed']}.."

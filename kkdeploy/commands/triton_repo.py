@@ -33,7 +33,9 @@ def add_topology_args(p) -> None:
                         "before the one-hop layout (to compare against it)")
     p.add_argument("--instances", type=int, default=1,
                    help="model instances (instance_group count; each loads the engine; default 1)")
-    p.add_argument("--output-device", choices=["cpu", "gpu"], default="cpu",
+    from ..serving.triton_repo import OUTPUT_DEVICES
+
+    p.add_argument("--output-device", choices=OUTPUT_DEVICES, default="cpu",
                    help="one hop on a CUDA artifact: cpu (default) copies each answer to host memory in the model; "
                         "gpu hands Triton GPU tensors, for clients that read answers through CUDA shared memory "
                         "(docs/serving.md, 'Outputs in host memory': an extra round trip to the stub, and a stub "

@@ -99,7 +99,7 @@ def capture_layers(model, x: torch.Tensor, mask: torch.Tensor, keep: Iterable[in
     return kept
 
 
-def _random_like(t: torch.Tensor, scale: float, generator: torch.Generator) -> torch.Tensor:
+def random_like(t: torch.Tensor, scale: float, generator: torch.Generator) -> torch.Tensor:
     return (torch.randn(t.shape, generator=generator, device=t.device, dtype=torch.float32) * scale).to(t.dtype)
 
 
@@ -129,7 +129,7 @@ class _Cases:
         return [make(scale) for scale in RANDOM_SCALES]
 
     def rand(self, t: torch.Tensor, scale: float) -> torch.Tensor:
-        return _random_like(t, scale, self.generator)
+        return random_like(t, scale, self.generator)
 
     # -- per op -------------------------------------------------------------------------------------------
     def attention(self):

@@ -47,7 +47,6 @@ REPO_SCHEMA = "kkdeploy.triton-repo/1"
 ENGINE_CHOICES = ("auto", "native", "python")
 TOPOLOGIES = ("auto", "one-hop", "two-hop")
 OUTPUT_DEVICES = ("cpu", "gpu")
-OUTPUT_DEVICE_PARAMETER = "kkdeploy_output_device"  # read by triton_model.py (OUTPUT_DEVICE)
 NATIVE_BACKENDS = {"ort": "onnxruntime", "trt": "tensorrt"}  # kkdeploy backend -> Triton backend
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
 ORT_DISABLE_ALL = 2  # the onnxruntime backend's ``optimization { graph { level } }``: 2 = ORT_DISABLE_ALL
@@ -176,9 +175,10 @@ def front_config(name: str, engine_model: str, config: TransformerConfig, dtype:
 
 
 def batched_config(name: str, config: TransformerConfig, dtype: str, device_type: str, buckets: list[int],
-                   delay_us: int, instances: int = 1) -> str:
+                   delay_us: int, instances: int = 1, output_device: str = "cpu") -> str:
     """The one-hop model: dynamic batching up to the largest bucket, the buckets as preferred sizes, and the
-    engine in the same Python model (``kkdeploy_role: batched``)."""
+    engine in the same Python model (``kkdeploy_role: batched``); on a GPU, answers handed to Triton in host memory
+    or, with ``output_device="gpu"``, as GPU tensors (``triton_model.gpu_outputs_wanted``)."""
     t = TRITON_DTYPES[dtype]
     s, d = config.seq_len, config.d_model
     kind = "KIND_GPU" if device_type == "cuda" else "KIND_CPU"
@@ -186,6 +186,7 @@ def batched_config(name: str, config: TransformerConfig, dtype: str, device_type
     if device_type == "cuda":
         # Inputs that arrive in GPU memory (CUDA shared memory from a client) reach model.py on the GPU, uncopied.
         params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
+        params["kkdeploy_output_device"] = output_device
     return (
         f"# One hop: Triton's batcher gathers 1..{max(buckets)} sequences into this model, which runs kkdeploy.load on\n"
         f"# the smallest validated batch bucket that holds them ({', '.join(map(str, buckets))}), padding inside it\n"
@@ -381,15 +382,15 @@ def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: s
                           max_queue_delay_us=int(max_queue_delay_us), topology=layout, buckets=buckets,
                           instances=int(instances),
                           output_device=output_device if layout == "one-hop" and device_type == "cuda" else "cpu")
-    extra = _params({**(parameters or {}), **({OUTPUT_DEVICE_PARAMETER: info.output_device}
-                                               if layout == "one-hop" and device_type == "cuda" else {})})
+    extra = _params(parameters or {})
     with artifacts.staged_directory(target, force=force) as stage:
         front = stage / model_name
         (front / "1").mkdir(parents=True)
         shutil.copyfile(TEMPLATE, front / "1" / "model.py")
         if layout == "one-hop":
             (front / "config.pbtxt").write_text(batched_config(model_name, config, dtype, device_type, buckets,
-                                                               max_queue_delay_us, instances) + extra)
+                                                               max_queue_delay_us, instances, info.output_device)
+                                                + extra)
             _copy_artifacts(root, manifest, front / "1" / "artifacts")
         else:
             (front / "config.pbtxt").write_text(front_config(model_name, engine_model, config, dtype,
