@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -205,6 +206,38 @@ def test_a_stub_killed_under_load_is_noticed_and_healed_never_a_wrong_answer(sma
         assert serve.proc.poll() is None  # still serving
         serve.proc.send_signal(signal.SIGINT)
         assert serve.proc.wait(timeout=30) == 0, serve.text
+    finally:
+        if load is not None:
+            load.finish()
+        serve.close()
+
+
+def test_a_server_killed_under_load_is_restarted_never_a_wrong_answer(small, install, oracle):
+    # Triton itself can die (it aborted once in CI while reloading a model after a stub was killed): the watchdog
+    # starts it again on the same ports and repository, readiness false until the canary is exact again.
+    ports = free_ports()
+    serve = Serve(small, ports, "--probe-interval", "2", "--heal-timeout", "45")
+    load = None
+    try:
+        assert serve.wait_for(r"^ready in", 120), serve.text
+        load = Load(ports, oracle)
+        time.sleep(2.0)
+        server_pid = int(re.search(r"tritonserver pid (\d+)", serve.text).group(1))
+        killed_at = time.monotonic()
+        os.kill(server_pid, signal.SIGKILL)
+        healed_at = serve.wait_for(r"watchdog: .* healed in .*tritonserver restarted", 60)
+        assert healed_at is not None and healed_at - killed_at <= 60, serve.text
+        time.sleep(2.0)
+        load.finish()
+        assert "restarting tritonserver" in serve.text and serve.proc.poll() is None
+        assert load.count("ok", after=healed_at) > 0 and load.count("wrong") == 0
+        assert [status for t, status in load.ready if t > healed_at + 0.5][-1] == 200
+        assert [pid for pid in triton_server.processes_mentioning(serve.workdir)] != []  # the new server
+        assert server_pid not in triton_server.processes_mentioning(serve.workdir)
+        workdir = serve.workdir
+        serve.proc.send_signal(signal.SIGINT)
+        assert serve.proc.wait(timeout=30) == 0, serve.text
+        assert triton_server.processes_mentioning(workdir) == []
     finally:
         if load is not None:
             load.finish()
@@ -462,6 +495,8 @@ def test_a_model_that_cannot_be_healed_makes_serve_exit_3_with_the_reason(small,
         assert code == 3, serve.text
         assert time.monotonic() - killed_at <= 30
         assert re.search(r"could not be healed within 6 s: .*", serve.text), serve.text
+        kept = Path(tempfile.gettempdir()) / "kkdeploy-serve-last.log"  # the server's log outlives its work directory
+        assert str(kept) in serve.text and "broken on purpose" in kept.read_text()
         assert len(re.findall(r"watchdog: .* broken", serve.text)) == 1
         assert triton_server.processes_mentioning(workdir) == [] and not Path(workdir).exists()
     finally:
@@ -476,6 +511,10 @@ class FakeServer:
     def __init__(self, stubs: dict, load_ok: bool = True):
         self.stubs, self.load_ok = stubs, load_ok
         self.calls: list[str] = []
+        self.running = True
+
+    def alive(self):
+        return self.running
 
     def stub_pids(self):
         return self.stubs
@@ -524,3 +563,23 @@ def test_watchdog_logic_with_a_scripted_server():
         dog.step()
     assert failing.calls[-1] == "unload kk"  # left unready for the supervisor
     assert len(lines) == 1 and "broken" in lines[0]
+
+    # The server itself died (a crash while loading, say): started again, every model with it, then the canary
+    lines.clear()
+    crashed = FakeServer({"kk": [os.getpid()]})
+    restarts = []
+
+    def restart(limit_s):
+        restarts.append(limit_s)
+        crashed.running = True
+
+    dog = Watchdog(crashed, ["kk"], None, lines.append, heal_timeout_s=5, restart=restart)
+    dog.baseline(timeout_s=0.1)
+    crashed.running = False
+    assert dog.problem() == (["kk"], "tritonserver died (model.py raised)")
+    dog.step()
+    assert len(restarts) == 1 and 0 < restarts[0] <= 5 and crashed.calls == []  # no unload or load: a fresh server
+    assert "restarting tritonserver" in lines[0] and "healed" in lines[1] and "tritonserver restarted" in lines[1]
+    crashed.running = False
+    with pytest.raises(HealFailed, match="tritonserver died"):  # and without a way to restart it: exit with the reason
+        Watchdog(crashed, ["kk"], None, lines.append, heal_timeout_s=5).step()

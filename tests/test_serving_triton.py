@@ -684,3 +684,13 @@ def test_serve_bad_setups_are_one_line_errors(built, install, tmp_path):
     assert done.returncode == 2 and "is not a directory" in done.stderr
     done = serve("--artifacts", str(built), "--http-port", "9", "--grpc-port", "9")
     assert done.returncode == 2 and "both 9" in done.stderr
+
+
+def test_a_crashed_server_is_reported_by_its_signal_not_a_backtrace_frame(tmp_path):
+    server = triton_server.TritonServer(triton_server.ServerInstall.__new__(triton_server.ServerInstall), tmp_path,
+                                        tmp_path)
+    server.log_path.write_text("I1204 12:00:00.000 1 server.cc:1] loading\nSignal (6) received.\n"
+                               " 0# 0x000055D0 in tritonserver\n22# 0x00007F42599278EC in /lib/x86_64-linux-gnu/libc.so.6\n")
+    assert server.failure_reason().startswith("Signal (6) received.")
+    server.log_path.write_text("I1204 12:00:00.000 1 server.cc:1] the last words\n 3# 0x1 in x\n")
+    assert server.failure_reason().startswith("the last words")  # no signal: the last line that is not a frame

@@ -147,9 +147,10 @@ def run(args) -> int:
 
             watchdog = Watchdog(server, models, canary, lambda line: console.print(line, soft_wrap=True),
                                 interval_s=args.watch_interval, probe_every_s=args.probe_interval or float("inf"),
-                                heal_timeout_s=args.heal_timeout)
+                                heal_timeout_s=args.heal_timeout,
+                                restart=lambda limit_s: server.restart(min(limit_s, args.ready_timeout), ours))
             watchdog.baseline()
-        while server.alive():
+        while watchdog is not None or server.alive():  # the watchdog restarts a server that died
             if watchdog is not None:
                 watchdog.step()
             time.sleep(args.watch_interval)
@@ -160,17 +161,15 @@ def run(args) -> int:
         return stop(server, models, args.drain_timeout, release_dir)
     except HealFailed as exc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        err_console.print(f"[bold red]error:[/] {exc}; exiting {EXIT_NOT_HEALED} so that a supervisor restarts "
-                          f"kkdeploy serve", soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {keep_log(server, str(exc))}; exiting {EXIT_NOT_HEALED} so that a "
+                          f"supervisor restarts kkdeploy serve", soft_wrap=True)
         stop(server, models, args.drain_timeout, release_dir)
         return EXIT_NOT_HEALED
     except KKError as exc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if server is not None and server.log_path.is_file():  # the work directory goes; the log stays
-            kept = Path(tempfile.gettempdir()) / "kkdeploy-serve-last.log"
-            shutil.copyfile(server.log_path, kept)
+        if server is not None and server.log_path.is_file():
             server.stop(timeout_s=3)
-            raise KKError(str(exc).replace(str(server.log_path), str(kept))) from None
+            raise KKError(keep_log(server, str(exc))) from None
         raise
     finally:
         try:
@@ -180,6 +179,16 @@ def run(args) -> int:
             signal.signal(signal.SIGTERM, previous)
             signal.signal(signal.SIGINT, previous_int)
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def keep_log(server, message: str) -> str:
+    """The work directory goes at exit; the server's log stays, as ``$TMPDIR/kkdeploy-serve-last.log``, and
+    ``message`` names that copy instead of the log it quotes."""
+    if server is None or not server.log_path.is_file():
+        return message
+    kept = Path(tempfile.gettempdir()) / "kkdeploy-serve-last.log"
+    shutil.copyfile(server.log_path, kept)
+    return message.replace(str(server.log_path), str(kept))
 
 
 def check_canary(args, info, server, canary_file: Path):

@@ -406,6 +406,16 @@ class TritonServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def restart(self, ready_timeout_s: float = 300.0, owner=None) -> "TritonServer":
+        """The same server again (repository, ports, flags) after this one died: what is left of it (its stubs) is
+        stopped, its log kept as ``tritonserver.log.previous``, and the new one waited for (``wait_ready``)."""
+        self.stop(timeout_s=1)
+        if self.log_path.is_file():
+            os.replace(self.log_path, self.log_path.with_name(self.log_path.name + ".previous"))
+        self.process = None
+        self.start()
+        return self.wait_ready(ready_timeout_s, owner=owner)
+
     def ready(self) -> bool:
         return self.http_status("/v2/health/ready") == 200
 
@@ -502,7 +512,10 @@ class TritonServer:
         errors = [ln for ln in lines if (re.match(r"^E\d{4} ", ln) or "error:" in ln.lower())
                   and not re.search(_BENIGN, ln)]
         telling = [ln for ln in errors if "failed to load" in ln] or errors
-        line = (telling[0] if telling else (text.strip().splitlines() or ["no output"])[-1]).strip()
+        if not telling:  # a crash: the signal line, not the last frame of the backtrace printed after it
+            telling = [ln for ln in lines if re.match(r"^Signal \(\d+\) received", ln.strip())]
+        quiet = [ln for ln in lines if ln.strip() and not re.match(r"^\s*\d+# ", ln)]
+        line = (telling[0] if telling else (quiet or ["no output"])[-1]).strip()
         line = re.sub(r"^[EWI]\d{4} [\d:.]+ \d+ [\w.]+:\d+\] ", "", line)
         return f"{line[:400]} (log: {self.log_path})"
 

@@ -121,8 +121,9 @@ class Watchdog:
     """``step()`` from the serving loop: checks what is due, heals what is broken, raises HealFailed."""
 
     def __init__(self, server, models: list[str], canary: Canary | None, log, *, interval_s: float = 0.5,
-                 probe_every_s: float = 5.0, heal_timeout_s: float = 50.0):
+                 probe_every_s: float = 5.0, heal_timeout_s: float = 50.0, restart=None):
         self.server, self.models, self.canary, self.log = server, list(models), canary, log
+        self.restart = restart  # (timeout_s) -> None: the server started again where it died (TritonServer.restart)
         self.interval_s, self.probe_every_s, self.heal_timeout_s = interval_s, probe_every_s, heal_timeout_s
         self.stubs: dict[str, list[int]] = {}
         self.next_probe = time.monotonic() + probe_every_s
@@ -141,6 +142,8 @@ class Watchdog:
 
     def problem(self) -> tuple[list[str], str] | None:
         """``(models to reload, why)`` or None."""
+        if not self.server.alive():
+            return list(self.models), f"tritonserver died ({self.server.failure_reason()})"
         for model, pids in self.stubs.items():
             for pid in pids:
                 if not pid_alive(pid):
@@ -152,6 +155,17 @@ class Watchdog:
                 return list(self.models), wrong
         return None
 
+    def _confirm(self, models: list[str], start: float, how: str) -> str | None:
+        """None once the canary gets one of its pinned answers (healed: the stubs remembered anew, one line
+        logged), else what the canary got."""
+        wrong = self.canary.ask(self.server.http_url) if self.canary is not None else None
+        if wrong is None:
+            self.baseline()
+            self.healed += 1
+            self.next_probe = time.monotonic() + self.probe_every_s
+            self.log(f"watchdog: {', '.join(models)} healed in {time.monotonic() - start:.1f} s ({how}; canary exact)")
+        return wrong
+
     def step(self) -> None:
         found = self.problem()
         if found:
@@ -161,28 +175,38 @@ class Watchdog:
         self.faults += 1
         start = time.monotonic()
         deadline = start + self.heal_timeout_s
-        self.log(f"watchdog: {', '.join(models)} broken: {why}; unloading (not ready) and reloading")
+        action = "unloading (not ready) and reloading" if self.server.alive() else "restarting tritonserver"
+        self.log(f"watchdog: {', '.join(models)} broken: {why}; {action}")
         last = why
         order = sorted(models, key=lambda m: m != self.models[-1])  # an engine model before its front
         while time.monotonic() < deadline:
+            if not self.server.alive():  # died, or died while we reloaded: start it again, every model with it
+                if self.restart is None:
+                    raise HealFailed(f"{', '.join(models)} could not be healed: tritonserver died "
+                                     f"({self.server.failure_reason()})")
+                try:
+                    self.restart(max(1.0, deadline - time.monotonic()))
+                except Exception as exc:  # noqa: BLE001 - not ready in time, a port taken: try again until the bound
+                    last = f"tritonserver could not be restarted: {exc}"
+                    time.sleep(0.5)
+                    continue
+                last = self._confirm(models, start, "tritonserver restarted")
+                if last is None:
+                    return
+                continue
             for model in order:  # not ready from here on: readiness tells the truth while we heal
                 self.server.unload(model, timeout_s=max(1.0, min(10.0, deadline - time.monotonic())))
             while time.monotonic() < deadline and any(self.server.model_states().get(m) == "READY" for m in order):
                 time.sleep(0.1)
             loaded = all(self.server.load(m, timeout_s=max(1.0, deadline - time.monotonic())) for m in order)
             if loaded:
-                wrong = self.canary.ask(self.server.http_url) if self.canary is not None else None
-                if wrong is None:
-                    self.baseline()
-                    self.healed += 1
-                    self.next_probe = time.monotonic() + self.probe_every_s
-                    self.log(f"watchdog: {', '.join(models)} healed in {time.monotonic() - start:.1f} s (reloaded; "
-                             f"canary exact)")
+                last = self._confirm(models, start, "reloaded")
+                if last is None:
                     return
-                last = wrong
             else:
                 last = f"Triton could not load {', '.join(order)} ({self.server.failure_reason()})"
             time.sleep(0.5)
         for model in order:  # leave it unready: a supervisor restarts us, the load balancer routes elsewhere
-            self.server.unload(model, timeout_s=2.0)
+            if self.server.alive():
+                self.server.unload(model, timeout_s=2.0)
         raise HealFailed(f"{', '.join(models)} could not be healed within {self.heal_timeout_s:.0f} s: {last}")
