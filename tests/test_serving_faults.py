@@ -7,6 +7,7 @@ Malformed HTTP bodies: the status Triton decides, and the server keeps answering
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -177,15 +178,27 @@ class Load:
         return [e for e in self.events if e[3] < moment < e[0]]
 
 
-def test_a_stub_killed_under_load_is_noticed_and_healed_never_a_wrong_answer(small, install, oracle):
+@contextlib.contextmanager
+def watched_under_load(artifacts, oracle):
+    """``kkdeploy serve`` with its watchdog (a canary every 2 s), ready and answering a gRPC and an HTTP client in a
+    loop for 2 s; yields ``(serve, load)`` and leaves nothing behind."""
     ports = free_ports()
-    serve = Serve(small, ports, "--probe-interval", "2", "--heal-timeout", "45")
+    serve = Serve(artifacts, ports, "--probe-interval", "2", "--heal-timeout", "45")
     load = None
     try:
         assert serve.wait_for(r"^ready in", 120), serve.text
         load = Load(ports, oracle)
         time.sleep(2.0)
         assert load.count("ok") > 0 and load.count("wrong") == 0
+        yield serve, load
+    finally:
+        if load is not None:
+            load.finish()
+        serve.close()
+
+
+def test_a_stub_killed_under_load_is_noticed_and_healed_never_a_wrong_answer(small, install, oracle):
+    with watched_under_load(small, oracle) as (serve, load):
         killed_at = time.monotonic()
         os.kill(serve.stub_pid(), signal.SIGKILL)
         healed_at = serve.wait_for(r"watchdog: .* healed in", 60)
@@ -206,22 +219,13 @@ def test_a_stub_killed_under_load_is_noticed_and_healed_never_a_wrong_answer(sma
         assert serve.proc.poll() is None  # still serving
         serve.proc.send_signal(signal.SIGINT)
         assert serve.proc.wait(timeout=30) == 0, serve.text
-    finally:
-        if load is not None:
-            load.finish()
-        serve.close()
 
 
 def test_a_server_killed_under_load_is_restarted_never_a_wrong_answer(small, install, oracle):
     # Triton itself can die (it aborted once in CI while reloading a model after a stub was killed): the watchdog
-    # starts it again on the same ports and repository, readiness false until the canary is exact again.
-    ports = free_ports()
-    serve = Serve(small, ports, "--probe-interval", "2", "--heal-timeout", "45")
-    load = None
-    try:
-        assert serve.wait_for(r"^ready in", 120), serve.text
-        load = Load(ports, oracle)
-        time.sleep(2.0)
+    # starts it again on the same ports and repository (nothing answers while it is down), healed once the canary is
+    # exact again.
+    with watched_under_load(small, oracle) as (serve, load):
         server_pid = int(re.search(r"tritonserver pid (\d+)", serve.text).group(1))
         killed_at = time.monotonic()
         os.kill(server_pid, signal.SIGKILL)
@@ -232,16 +236,12 @@ def test_a_server_killed_under_load_is_restarted_never_a_wrong_answer(small, ins
         assert "restarting tritonserver" in serve.text and serve.proc.poll() is None
         assert load.count("ok", after=healed_at) > 0 and load.count("wrong") == 0
         assert [status for t, status in load.ready if t > healed_at + 0.5][-1] == 200
-        assert [pid for pid in triton_server.processes_mentioning(serve.workdir)] != []  # the new server
-        assert server_pid not in triton_server.processes_mentioning(serve.workdir)
+        running = triton_server.processes_mentioning(serve.workdir)
+        assert running and server_pid not in running  # the new server and its stub, not the killed one
         workdir = serve.workdir
         serve.proc.send_signal(signal.SIGINT)
         assert serve.proc.wait(timeout=30) == 0, serve.text
         assert triton_server.processes_mentioning(workdir) == []
-    finally:
-        if load is not None:
-            load.finish()
-        serve.close()
 
 
 def test_two_simultaneous_starts_on_one_port_give_exactly_one_ready(small, install):
