@@ -10,7 +10,7 @@ from kkdeploy.pipeline import timing as timing_module
 from kkdeploy.pipeline.bench import (FAILED, ShapeJob, aggregate_shape, jobs_for, markdown_table, plot_speedups,
                             shape_tick_labels)
 from kkdeploy.cli import main
-from kkdeploy.pipeline.timing import LatencyStats, choose_fastest, measure_latency
+from kkdeploy.pipeline.timing import LatencyStats, choose_fastest, measure_latency, race_latency
 
 TINY = ["--batch-size", "2", "--seq-len", "8", "--d-model", "16", "--heads", "2", "--ffn-dim", "24", "--layers", "2"]
 
@@ -51,6 +51,67 @@ def test_measure_latency_alternates_rounds_and_counts_samples(monkeypatch):
     assert set(a.to_dict()) == {"median_ms", "p90_ms", "mean_ms", "min_ms", "samples", "peak_memory_bytes",
                                 "peak_extra_bytes", "round_medians_ms"}
     assert "times_ms" in a.to_dict(include_times=True)
+
+
+def _constant(clock, calls, ms: dict):
+    """Functions that each take a fixed time on the fake clock and log their calls."""
+    def make(name):
+        def fn():
+            calls.append(name)
+            clock.now += ms[name] / 1000.0
+        return fn
+    return {name: make(name) for name in ms}
+
+
+def test_race_latency_runs_the_full_protocol_when_it_fits(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(timing_module.time, "perf_counter", clock)
+    calls = []
+    fns = _constant(clock, calls, {"a": 1.0, "b": 3.0})
+    stats, plan = race_latency(fns, "cpu", warmups=2, repeats=3, rounds=2, budget_s=10.0)
+    # the screen (2 warmups + 3 calls each), then exactly measure_latency's protocol
+    assert calls == ["a"] * 5 + ["b"] * 5 + (["a"] * 5 + ["b"] * 5) * 2
+    assert plan.full_protocol and not plan.screened_out and plan.describe() == ""
+    assert stats["a"].samples == stats["b"].samples == 6
+    assert plan.estimated_s == pytest.approx(2 * 5 * 4.0 / 1000)
+
+
+def test_race_latency_screens_out_the_slow_and_cuts_repeats_to_the_budget(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(timing_module.time, "perf_counter", clock)
+    calls = []
+    # shape 6 on the H200, roughly: 14 ms for the best, 17 ms (within 1.25x), 27 and 66 ms (not)
+    fns = _constant(clock, calls, {"gemms": 14.0, "kernels": 17.0, "attention": 27.0, "fallback": 66.0})
+    stats, plan = race_latency(fns, "cpu", warmups=20, repeats=100, rounds=3, budget_s=10.0)
+    assert set(plan.screened_out) == {"attention", "fallback"}
+    assert plan.screened_out["fallback"] == pytest.approx(66.0)
+    assert not plan.full_protocol and plan.rounds == 3
+    assert timing_module.MIN_REPEATS <= plan.repeats < 100 and 1 <= plan.warmups <= 20
+    # the screened-out keep their screen figures; the contenders get rounds x repeats samples
+    assert stats["attention"].samples == timing_module.SCREEN_REPEATS
+    assert stats["gemms"].samples == stats["kernels"].samples == 3 * plan.repeats
+    assert calls.count("fallback") == 2 + timing_module.SCREEN_REPEATS
+    assert plan.seconds <= 10.0 + 1e-9  # the budget held, screen included
+    assert list(stats) == list(fns)  # every candidate has figures, in the order given
+    assert choose_fastest(stats, []) == "gemms"
+    line = plan.describe()
+    assert "2 screened out" in line and "fallback 66 ms" in line and "--time-budget 0" in line
+
+
+def test_race_latency_budget_zero_is_the_full_protocol_without_a_screen(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(timing_module.time, "perf_counter", clock)
+    calls = []
+    fns = _constant(clock, calls, {"a": 50.0, "b": 500.0})
+    stats, plan = race_latency(fns, "cpu", warmups=1, repeats=2, rounds=1, budget_s=0)
+    assert calls == ["a"] * 3 + ["b"] * 3
+    assert plan.full_protocol and plan.budget_s is None and stats["b"].samples == 2
+
+
+def test_build_refuses_a_negative_time_budget(capsys):
+    assert main(["build", *TINY, "--device", "cpu", "--time-budget", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--time-budget" in err and "Traceback" not in err
 
 
 def test_measure_latency_rejects_bad_counts():

@@ -17,6 +17,7 @@ from ..pipeline.long_context_plan import (DEFAULT_FULL_LENGTH_BATCH, DEFAULT_FUL
                                           DEFAULT_FULL_LENGTH_TRIALS)
 from ..console import console
 from ..errors import KKError
+from ..pipeline.timing import DEFAULT_TIME_BUDGET_S
 from .common import (add_contract_arg, add_protocol_args, add_runtime_args, add_shape_args, add_tf32_arg,
                      resolve_config, resolve_runtime)
 
@@ -34,6 +35,11 @@ def register(sub):
                    help="seconds a candidate with a native loader (inductor, trt) may take to load and answer once "
                         f"in a fresh process before it is recorded as load-hung (default {DEFAULT_TIMEOUT_S:g})")
     add_tf32_arg(p)
+    p.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET_S, metavar="S",
+                   help="seconds for timing the candidates that passed (default %(default)g): when the full "
+                        "--warmups/--repeats/--rounds protocol would take longer (the largest shapes), candidates "
+                        ">= 1.25x slower than the best in a 3-call screen drop out and the rest get fewer repeats; "
+                        "0 runs the full protocol")
     p.add_argument("--batch-buckets", metavar="N,N,...",
                    help="also build and validate engines at these smaller batch sizes (the artifact's batch is "
                         "always the largest): kkdeploy.load then takes any batch up to it and runs the smallest "
@@ -102,6 +108,8 @@ def run(args) -> int:
         targets = [(sid, cfg) for sid, cfg in OFFICIAL_SHAPES.items()]
     else:
         targets = [resolve_config(args)]
+    if args.time_budget < 0:
+        raise KKError(f"--time-budget must be >= 0 seconds (0 runs the full timing protocol), got {args.time_budget:g}")
     backends = parse_backends(args.backends, device)
     status = 0
     for shape_id, config in targets:
@@ -120,7 +128,8 @@ def run(args) -> int:
                                backends=backends, weights=args.weights, force=args.force, seed=args.seed,
                                trials=args.trials, padding_ratio=args.padding_ratio, contract=args.contract,
                                warmups=args.warmups, repeats=args.repeats, rounds=args.rounds,
-                               tf32=args.tf32, options=request_options(args), probe_timeout_s=args.probe_timeout,
+                               time_budget_s=args.time_budget, tf32=args.tf32, options=request_options(args),
+                               probe_timeout_s=args.probe_timeout,
                                batch_buckets=buckets)
         manifest = run_build(request)
         print_summary(manifest, out)

@@ -25,11 +25,11 @@ def run(args) -> int:
                   f"causal={c['causal']}  dtype {m['dtype']}")
     console.print(f"built {m['created']} in {m.get('build_seconds', '?')} s on {env['device']['name']} "
                   f"({env['device']['type']}, {env['device']['capability']})")
-    from ..pipeline.build import stages_line
+    from ..pipeline.build import stages_line, timing_line
 
-    timing = stages_line(m)
-    if timing:
-        console.print(timing, soft_wrap=True)
+    for line in (stages_line(m), timing_line(m)):
+        if line:
+            console.print(line, soft_wrap=True)
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v))
     v = m["validation"]
     console.print(f"validation: {v['contract']} (atol {v['atol']}, rtol {v['rtol']}), seeds {v['seed']}.."

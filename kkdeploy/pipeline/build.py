@@ -21,7 +21,7 @@ from validation.trials import DEFAULT_PADDING_RATIO
 from .. import artifacts
 from .calibration import layer_calibrator
 from .chooser import FALLBACK, choose
-from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS
+from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_TIME_BUDGET_S, DEFAULT_WARMUPS
 from ..config import TransformerConfig, dtype_name, tf32_default, tf32_mode
 from ..console import console, progress_bar, table
 from ..errors import KKError
@@ -53,6 +53,7 @@ class BuildRequest:
     warmups: int = DEFAULT_WARMUPS
     repeats: int = DEFAULT_REPEATS
     rounds: int = DEFAULT_ROUNDS
+    time_budget_s: float | None = DEFAULT_TIME_BUDGET_S  # timing.race_latency; None or 0: the full protocol
     tf32: bool | None = None  # None: config.tf32_default (on for float32 CUDA under the judge contract)
     options: dict = field(default_factory=dict)  # backend/exporter options, recorded in the manifest
     probe_timeout_s: float | None = None  # fresh-process load check; None: engines.fresh_process.DEFAULT_TIMEOUT_S
@@ -204,16 +205,17 @@ def load_runners(request: BuildRequest, stage: Path, results: list[CandidateResu
     return runners
 
 
-def time_contenders(request: BuildRequest, contenders: dict) -> dict:
-    """The organizer's timing protocol on the timed input (seed + 100000, all-valid)."""
-    from .timing import measure_latency
+def time_contenders(request: BuildRequest, contenders: dict) -> tuple[dict, dict]:
+    """The organizer's timing protocol on the timed input (seed + 100000, all-valid), held to the request's time
+    budget (``timing.race_latency``): ``(latency per candidate, the plan that ran)``."""
+    from .timing import race_latency
 
     x, mask = generate_case(request.config, request.device, request.dtype, request.seed + TIMED_SEED_OFFSET)
     with torch.inference_mode():
         calls = {name: (lambda r=runner: r(x, mask)) for name, runner in contenders.items()}
-        stats = measure_latency(calls, request.device, warmups=request.warmups, repeats=request.repeats,
-                                rounds=request.rounds)
-    return {name: s.to_dict() for name, s in stats.items()}
+        stats, plan = race_latency(calls, request.device, warmups=request.warmups, repeats=request.repeats,
+                                   rounds=request.rounds, budget_s=request.time_budget_s)
+    return {name: s.to_dict() for name, s in stats.items()}, plan.to_dict()
 
 
 BUCKETS_DIR = "buckets"
@@ -355,7 +357,7 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
 
             bar.describe("time")
             passing = {r.name: runners[r.name] for r in results if r.status in (PASSED, PASSED_ALL_VALID_ONLY)}
-            latencies = time_contenders(request, {**passing, FALLBACK: fallbacks[sdpa_layers]})
+            latencies, timing = time_contenders(request, {**passing, FALLBACK: fallbacks[sdpa_layers]})
             medians = {n: s["median_ms"] for n, s in latencies.items()}
             choice = choose([r.to_dict() for r in results], medians, medians.get(FALLBACK))
             stages.mark("time")
@@ -367,13 +369,15 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
             artifacts.write_json(stage / "bench.json", {"protocol": {"warmups": request.warmups,
                                                                     "repeats": request.repeats,
                                                                     "rounds": request.rounds,
-                                                                    "timed_seed": request.seed + TIMED_SEED_OFFSET},
+                                                                    "timed_seed": request.seed + TIMED_SEED_OFFSET,
+                                                                    "timing": timing},
                                                        "latency": latencies})
             plot_latency(stage / "latency.png", latencies, choice["candidate"])
             stages.mark("write")
             manifest = make_manifest(request, reference, results, report, latencies, choice, sdpa_layers,
                                      export_info, stage, atol, rtol, time.perf_counter() - started)
             manifest["build_stages"] = stages.seconds
+            manifest["timing"] = timing
             if buckets:
                 top = [*buckets, (request.config.batch_size, ".", manifest)]
                 records = [bucket_record(size, rel, m, stage) for size, rel, m in top]
@@ -430,6 +434,16 @@ def stages_line(manifest: dict) -> str | None:
                 text += f" (the slowest: {', '.join(slow)})"
         parts.append(text)
     return f"build {manifest.get('build_seconds', sum(stages.values())):.1f} s: " + ", ".join(parts)
+
+
+def timing_line(manifest: dict) -> str | None:
+    """What the time budget cut from the timing protocol (``timing.TimingPlan.describe``), or None."""
+    from .timing import TimingPlan
+
+    plan = manifest.get("timing")
+    if not plan:
+        return None
+    return TimingPlan(**plan).describe() or None
 
 
 def make_manifest(request, reference, results, report, latencies, choice, sdpa_layers, export_info, stage,
@@ -568,6 +582,9 @@ def print_summary(manifest: dict, out: Path) -> None:
     timing = stages_line(manifest)
     if timing:
         console.print(timing, soft_wrap=True)
+    cut = timing_line(manifest)
+    if cut:
+        console.print(cut, soft_wrap=True)
     buckets = (manifest.get("batch_buckets") or {}).get("buckets")
     if buckets:
         rows = [[b["batch"], b["dir"], b["candidate"], b["status"], b["failed_elements"],

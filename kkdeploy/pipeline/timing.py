@@ -22,6 +22,10 @@ DEFAULT_WARMUPS = 20
 DEFAULT_REPEATS = 100
 DEFAULT_ROUNDS = 3
 TIE_TOLERANCE = 0.02
+DEFAULT_TIME_BUDGET_S = 10.0  # a build's timing step; the full protocol whenever it fits (all shapes but 6, 14)
+SCREEN_REPEATS = 3  # timed calls per candidate in the screen, after 2 warmups
+SCREEN_KEEP = 1.25  # a candidate this much slower than the best in the screen cannot win: it is not timed further
+MIN_REPEATS = 10  # the protocol's repeats are never cut below this
 
 
 @dataclass
@@ -135,6 +139,85 @@ def measure_latency(
                                       extras[name] if cuda else None)
         for name in fns
     }
+
+
+@dataclass
+class TimingPlan:
+    """What a budgeted timing step did (``race_latency``): recorded in bench.json and the manifest."""
+
+    budget_s: float | None
+    warmups: int
+    repeats: int
+    rounds: int
+    full_protocol: bool  # every candidate got the warmups/repeats/rounds asked for
+    screened_out: dict[str, float] = field(default_factory=dict)  # name -> its screen median, ms
+    estimated_s: float | None = None  # the full protocol's cost, estimated from the screen
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line for the build's summary, or "" when nothing was cut."""
+        if self.full_protocol:
+            return ""
+        parts = []
+        if self.screened_out:
+            names = ", ".join(f"{n} {ms:.3g} ms" for n, ms in sorted(self.screened_out.items(), key=lambda i: i[1]))
+            parts.append(f"{len(self.screened_out)} screened out at >= {SCREEN_KEEP}x the best in "
+                         f"{SCREEN_REPEATS} calls ({names})")
+        parts.append(f"the rest timed with {self.warmups} warmups, {self.repeats} repeats, {self.rounds} rounds")
+        return (f"timing: {self.seconds:.1f} s against a {self.budget_s:g} s budget (the full protocol would take "
+                f"about {self.estimated_s:.0f} s; --time-budget 0 runs it): " + "; ".join(parts))
+
+
+def race_latency(
+    fns: Mapping[str, Callable[[], object]],
+    device,
+    warmups: int = DEFAULT_WARMUPS,
+    repeats: int = DEFAULT_REPEATS,
+    rounds: int = DEFAULT_ROUNDS,
+    budget_s: float | None = DEFAULT_TIME_BUDGET_S,
+) -> tuple[dict[str, LatencyStats], TimingPlan]:
+    """``measure_latency`` held to ``budget_s`` seconds, for a build that must choose, not a benchmark.
+
+    Why: on shape 6 (B = 10,000) the protocol's 3 x 120 calls of seven candidates, 14-81 ms each, took 113 s of a
+    173 s build (H200), most of it on candidates that could not win. So every candidate is first screened (2
+    warmups, ``SCREEN_REPEATS`` timed calls). If the full protocol over all of them fits the budget (every shape
+    but the largest), it runs as asked, exactly as ``measure_latency``. Otherwise the candidates slower than
+    ``SCREEN_KEEP`` x the best screen median keep their screen figures and drop out, and the rest get the
+    protocol with warmups and repeats scaled down to fit (repeats never below ``MIN_REPEATS``; rounds kept, so
+    the alternation still spreads drift). ``budget_s`` None or <= 0: the full protocol, no screen."""
+    _check_counts(warmups, repeats, rounds)
+    started = time.perf_counter()
+    if budget_s is None or budget_s <= 0:
+        stats = measure_latency(fns, device, warmups=warmups, repeats=repeats, rounds=rounds)
+        return stats, TimingPlan(None, warmups, repeats, rounds, True, seconds=round(time.perf_counter() - started, 2))
+    screen = measure_latency(fns, device, warmups=min(warmups, 2), repeats=SCREEN_REPEATS, rounds=1)
+
+    def cost(names, w: int, r: int) -> float:
+        return rounds * (w + r) * sum(screen[n].median_ms for n in names) / 1000.0
+
+    estimated = cost(fns, warmups, repeats)
+    if estimated <= budget_s:
+        stats = measure_latency(fns, device, warmups=warmups, repeats=repeats, rounds=rounds)
+        return stats, TimingPlan(budget_s, warmups, repeats, rounds, True, estimated_s=round(estimated, 2),
+                                 seconds=round(time.perf_counter() - started, 2))
+    best = min(s.median_ms for s in screen.values())
+    contenders = [n for n in fns if screen[n].median_ms <= SCREEN_KEEP * best]
+    left = max(budget_s - (time.perf_counter() - started), 0.0)
+    w, r = warmups, repeats
+    full = cost(contenders, w, r)
+    if full > left:
+        scale = left / full
+        r = max(MIN_REPEATS, min(repeats, int(repeats * scale)))
+        w = max(1, min(warmups, int(warmups * scale)))
+    stats = dict(screen)
+    stats.update(measure_latency({n: fns[n] for n in contenders}, device, warmups=w, repeats=r, rounds=rounds))
+    plan = TimingPlan(budget_s, w, r, rounds, False,
+                      screened_out={n: round(screen[n].median_ms, 4) for n in fns if n not in contenders},
+                      estimated_s=round(estimated, 2), seconds=round(time.perf_counter() - started, 2))
+    return {n: stats[n] for n in fns}, plan
 
 
 def choose_fastest(stats: Mapping[str, LatencyStats], simplicity_order: Sequence[str],
