@@ -515,6 +515,7 @@ class _Batched:
         self.pb_utils, self.from_dlpack, self.to_dlpack = pb_utils, from_dlpack, to_dlpack
         self.inference_mode = torch.inference_mode
         self.buffers: dict[int, tuple] = {}
+        self.host_outputs: dict[int, object] = {}  # bucket -> pinned host buffer for its answers (_to_host)
         # Made outside inference mode (so they have version counters) and never written.
         self.all_valid = {size: torch.ones([size, self.row_shape[0]], dtype=torch.bool, device=self.device)
                           for size in self.runner.sizes}
@@ -575,6 +576,22 @@ class _Batched:
             self.buffers[size] = found
         return found
 
+    def _to_host(self, size: int, y):
+        """``y`` (``n`` rows of a ``size`` bucket's answer) in the bucket's pinned host buffer, made on first use and
+        reused: ``y.cpu()`` allocated fresh pageable memory per run, whose page faults and staged copy took 12.9 ms
+        of a 16 MB shape-13 answer (H200, docs/results.md). The stub copies each response into its shared memory
+        before execute is called again, so the buffer is free by the next run."""
+        import torch
+
+        host = self.host_outputs.get(size)
+        if host is None or host.dtype != y.dtype or host.shape[1:] != y.shape[1:]:
+            host = torch.empty([size, *y.shape[1:]], dtype=y.dtype, pin_memory=True)
+            self.host_outputs[size] = host
+        out = host[:y.shape[0]]
+        out.copy_(y, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return out
+
     def _run(self, xs, masks):
         import torch
 
@@ -623,7 +640,7 @@ class _Batched:
             torch.cuda.current_stream(self.device).synchronize()
         ran = time.perf_counter_ns()
         if self.cuda and not self.gpu_outputs:  # the answers cross to the host in one copy per run
-            y = y[:n].cpu()
+            y = self._to_host(size, y[:n])
         if len(xs) == 1 and n == y.shape[0]:
             return [y], size, n, gathered, ran
         return [y[a:b] for a, b in bounds], size, n, gathered, ran
