@@ -4,13 +4,14 @@ fault. Run by scripts/serving_h200.sh on the H200 (one device call); runs on the
 a dry run of the whole path.
 
     python3 scripts/serving_h200.py --out OUT [--device cuda] [--budget 480] [--only 3,faults,faults-gpu,6,13] [--quick]
+        [--instances 4,2] [--no-before]
 
 Steps, in order of importance, each skipped (and said so) when the remaining budget is too small:
   shape 3 (FP16 strict, weights of our own, buckets 1,2,4): direct engine; one hop: batch-1 gRPC c=1 (p50 against
     the engine's bucket-1 latency + 0.4 ms), saturation with full-bucket requests (against the engine's throughput
     at bucket 4) and with batch-1 requests, 12,000 mixed requests (batch 1-4, padding 0/0.25/0.5) checked bit for
     bit, the same batch-1 run through system shared memory (all with answers in host memory, the default); the
-    saturation runs again with 4 and 2 model instances; before: the same batch-1 and saturation runs with GPU
+    saturation runs again with 4 and 2 model instances; before (unless --no-before): the same batch-1 and saturation runs with GPU
     outputs (``--output-device gpu``), then with two hops;
   faults (issue 33) on the shape-3 artifact: `kkdeploy serve` under gRPC load, kill -9 of the stub (time to not-ready,
     to healed, wrong answers and when), then SIGINT under load (stop time, exit code, processes left); faults-gpu:
@@ -184,10 +185,11 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
         # (topology, output device, instances)
         layouts = [("one-hop", "cpu", 1)]
         if shape == "3":
-            layouts += [("one-hop", "cpu", 4), ("one-hop", "cpu", 2)]
-            if args.device != "cpu":  # a CPU artifact's answers are in host memory either way
-                layouts.append(("one-hop", "gpu", 1))
-            layouts.append(("two-hop", "cpu", 1))
+            layouts += [("one-hop", "cpu", n) for n in args.instances if n > 1]
+            if args.before:
+                if args.device != "cpu":  # a CPU artifact's answers are in host memory either way
+                    layouts.append(("one-hop", "gpu", 1))
+                layouts.append(("two-hop", "cpu", 1))
     for layout, outputs, instances in layouts:
         if time.monotonic() > deadline:
             result["runs"].append({"skipped": f"{layout}, {outputs} outputs, {instances} instances: out of budget"})
@@ -356,7 +358,12 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="3,faults,faults-gpu,6,13")
     p.add_argument("--backends", default="torch-compile-faithful-gemms,torch-graph")
     p.add_argument("--quick", action="store_true", help="a small custom shape instead of the official ones (CPU)")
+    p.add_argument("--instances", default="4,2",
+                   help="model instance counts for shape 3's extra saturation runs (default 4,2)")
+    p.add_argument("--no-before", dest="before", action="store_false",
+                   help="skip the layouts before (GPU outputs, two hops)")
     args = p.parse_args(argv)
+    args.instances = [int(n) for n in args.instances.split(",") if n.strip()]
     started = time.monotonic()
     deadline = started + args.budget
     out = Path(args.out)
