@@ -53,21 +53,25 @@ def test_measure_latency_alternates_rounds_and_counts_samples(monkeypatch):
     assert "times_ms" in a.to_dict(include_times=True)
 
 
-def _constant(clock, calls, ms: dict):
-    """Functions that each take a fixed time on the fake clock and log their calls."""
-    def make(name):
-        def fn():
-            calls.append(name)
-            clock.now += ms[name] / 1000.0
-        return fn
-    return {name: make(name) for name in ms}
-
-
-def test_race_latency_runs_the_full_protocol_when_it_fits(monkeypatch):
+@pytest.fixture
+def timed(monkeypatch):
+    """``timed(ms)``: functions that each take ``ms[name]`` on a fake clock, and the log of their calls."""
     clock = FakeClock()
     monkeypatch.setattr(timing_module.time, "perf_counter", clock)
     calls = []
-    fns = _constant(clock, calls, {"a": 1.0, "b": 3.0})
+
+    def make(ms: dict):
+        def one(name):
+            def fn():
+                calls.append(name)
+                clock.now += ms[name] / 1000.0
+            return fn
+        return {name: one(name) for name in ms}, calls
+    return make
+
+
+def test_race_latency_runs_the_full_protocol_when_it_fits(timed):
+    fns, calls = timed({"a": 1.0, "b": 3.0})
     stats, plan = race_latency(fns, "cpu", warmups=2, repeats=3, rounds=2, budget_s=10.0)
     # the screen (2 warmups + 3 calls each), then exactly measure_latency's protocol
     assert calls == ["a"] * 5 + ["b"] * 5 + (["a"] * 5 + ["b"] * 5) * 2
@@ -76,12 +80,9 @@ def test_race_latency_runs_the_full_protocol_when_it_fits(monkeypatch):
     assert plan.estimated_s == pytest.approx(2 * 5 * 4.0 / 1000)
 
 
-def test_race_latency_screens_out_the_slow_and_cuts_repeats_to_the_budget(monkeypatch):
-    clock = FakeClock()
-    monkeypatch.setattr(timing_module.time, "perf_counter", clock)
-    calls = []
+def test_race_latency_screens_out_the_slow_and_cuts_repeats_to_the_budget(timed):
     # shape 6 on the H200, roughly: 14 ms for the best, 17 ms (within 1.25x), 27 and 66 ms (not)
-    fns = _constant(clock, calls, {"gemms": 14.0, "kernels": 17.0, "attention": 27.0, "fallback": 66.0})
+    fns, calls = timed({"gemms": 14.0, "kernels": 17.0, "attention": 27.0, "fallback": 66.0})
     stats, plan = race_latency(fns, "cpu", warmups=20, repeats=100, rounds=3, budget_s=10.0)
     assert set(plan.screened_out) == {"attention", "fallback"}
     assert plan.screened_out["fallback"] == pytest.approx(66.0)
@@ -98,11 +99,8 @@ def test_race_latency_screens_out_the_slow_and_cuts_repeats_to_the_budget(monkey
     assert "2 screened out" in line and "fallback 66 ms" in line and "--time-budget 0" in line
 
 
-def test_race_latency_budget_zero_is_the_full_protocol_without_a_screen(monkeypatch):
-    clock = FakeClock()
-    monkeypatch.setattr(timing_module.time, "perf_counter", clock)
-    calls = []
-    fns = _constant(clock, calls, {"a": 50.0, "b": 500.0})
+def test_race_latency_budget_zero_is_the_full_protocol_without_a_screen(timed):
+    fns, calls = timed({"a": 50.0, "b": 500.0})
     stats, plan = race_latency(fns, "cpu", warmups=1, repeats=2, rounds=1, budget_s=0)
     assert calls == ["a"] * 3 + ["b"] * 3
     assert plan.full_protocol and plan.budget_s is None and stats["b"].samples == 2
