@@ -103,9 +103,12 @@ class Serve:
     def workdir(self) -> str:
         return re.search(r"repository (\S+)/repository", self.text).group(1)
 
-    def stub_pid(self) -> int:
-        pids = [pid for pid, _, state, cmd in triton_server._process_table()
+    def stub_pids(self) -> list[int]:
+        return [pid for pid, _, state, cmd in triton_server._process_table()
                 if "triton_python_backend_stub" in cmd and self.workdir in cmd and state != "Z"]
+
+    def stub_pid(self) -> int:
+        pids = self.stub_pids()
         assert len(pids) == 1, pids
         return pids[0]
 
@@ -179,11 +182,11 @@ class Load:
 
 
 @contextlib.contextmanager
-def watched_under_load(artifacts, oracle):
-    """``kkdeploy serve`` with its watchdog (a canary every 2 s), ready and answering a gRPC and an HTTP client in a
-    loop for 2 s; yields ``(serve, load)`` and leaves nothing behind."""
+def watched_under_load(artifacts, oracle, *extra: str):
+    """``kkdeploy serve`` with its watchdog (a canary every 2 s; ``extra`` arguments after), ready and answering a
+    gRPC and an HTTP client in a loop for 2 s; yields ``(serve, load)`` and leaves nothing behind."""
     ports = free_ports()
-    serve = Serve(artifacts, ports, "--probe-interval", "2", "--heal-timeout", "45")
+    serve = Serve(artifacts, ports, "--probe-interval", "2", "--heal-timeout", "45", *extra)
     load = None
     try:
         assert serve.wait_for(r"^ready in", 120), serve.text
@@ -219,6 +222,33 @@ def test_a_stub_killed_under_load_is_noticed_and_healed_never_a_wrong_answer(sma
         assert serve.proc.poll() is None  # still serving
         serve.proc.send_signal(signal.SIGINT)
         assert serve.proc.wait(timeout=30) == 0, serve.text
+
+
+def test_one_of_several_instances_killed_under_load_is_healed_never_a_wrong_answer(small, install, oracle):
+    # docs/serving.md recommends --instances 4 for throughput on a GPU: one stub of several dying is the same fault
+    with watched_under_load(small, oracle, "--instances", "2") as (serve, load):
+        pids = serve.stub_pids()
+        assert len(pids) == 2, (pids, serve.text)
+        killed_at = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        healed_at = serve.wait_for(r"watchdog: .* healed in", 60)
+        assert healed_at is not None and healed_at - killed_at <= 60, serve.text
+        assert f"(pid {pids[1]}) died" in serve.text
+        # Triton never finishes unloading a model of several instances with a dead stub (its live stubs kept
+        # running beside the reloaded ones): the watchdog restarts the server instead
+        assert re.search(r"broken: .*; restarting tritonserver", serve.text), serve.text
+        assert re.search(r"healed in .* \(tritonserver restarted", serve.text), serve.text
+        time.sleep(2.0)
+        load.finish()
+        assert load.count("ok", after=healed_at) > 0
+        assert load.count("wrong") == 0, [e for e in load.events if e[1] == "wrong"][:3]
+        after = serve.stub_pids()
+        assert len(after) == 2 and not set(after) & set(pids), (pids, after)  # two new stubs, none of the old
+        workdir = serve.workdir
+        serve.proc.send_signal(signal.SIGINT)
+        assert serve.proc.wait(timeout=30) == 0, serve.text
+        left = [pid for pid, _, state, cmd in triton_server._process_table() if workdir in cmd and state != "Z"]
+        assert not left, left
 
 
 def test_a_server_killed_under_load_is_restarted_never_a_wrong_answer(small, install, oracle):
@@ -583,3 +613,26 @@ def test_watchdog_logic_with_a_scripted_server():
     crashed.running = False
     with pytest.raises(HealFailed, match="tritonserver died"):  # and without a way to restart it: exit with the reason
         Watchdog(crashed, ["kk"], None, lines.append, heal_timeout_s=5).step()
+
+    # One stub of a model with several instances died: a restart, not an unload (Triton never completes that unload;
+    # without a way to restart, the reload is still tried)
+    lines.clear()
+    several = FakeServer({"kk": [os.getpid(), dead.pid]})
+    restarts.clear()
+
+    def restart_several(limit_s):
+        restarts.append(limit_s)
+        several.stubs = {"kk": [os.getpid(), os.getpid()]}
+
+    dog = Watchdog(several, ["kk"], None, lines.append, heal_timeout_s=5, restart=restart_several)
+    dog.baseline(timeout_s=0.1)
+    dog.step()
+    assert len(restarts) == 1 and several.calls == []
+    assert "cannot be unloaded" in lines[0] and "tritonserver restarted" in lines[1]
+    several.stubs = {"kk": [os.getpid(), dead.pid]}
+    several.calls.clear()
+    dog = Watchdog(several, ["kk"], None, lines.append, heal_timeout_s=5)
+    dog.baseline(timeout_s=0.1)
+    several.stubs = {"kk": [os.getpid(), os.getpid()]}
+    dog.step()
+    assert several.calls == ["unload kk", "load kk"]

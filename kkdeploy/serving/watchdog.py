@@ -14,7 +14,8 @@ explicit model control and watches it:
 
 On a fault: one line, then the model is unloaded (readiness false at once: ``/v2/health/ready`` under strict
 readiness and the model's ready flag), loaded again (Triton starts a new stub) and the canary must be exact
-before the model counts as healed (one more line). If that does not happen within ``heal_timeout_s``,
+before the model counts as healed (one more line). A dead server, or a dead stub of a model with several
+instances (whose unload Triton never completes), restarts the server instead. If that does not happen within ``heal_timeout_s``,
 ``HealFailed`` carries the reason and ``kkdeploy serve`` exits non-zero, so that a supervisor (systemd,
 Kubernetes) restarts it.
 """
@@ -175,12 +176,23 @@ class Watchdog:
         self.faults += 1
         start = time.monotonic()
         deadline = start + self.heal_timeout_s
-        action = "unloading (not ready) and reloading" if self.server.alive() else "restarting tritonserver"
+        # A model of several instances with one stub dead is never fully unloaded: Triton loads the new version, but
+        # the old one's live stubs keep running beside it (one leaked engine per heal; measured on the CPU, and
+        # now and then the server aborted in that unload: boost::interprocess::lock_exception). Restart instead.
+        restart_now = self.server.alive() and self.restart is not None and any(
+            len(self.stubs.get(m, [])) > 1 for m in models)
+        if restart_now:
+            action = "restarting tritonserver (a model of several instances with a dead stub cannot be unloaded)"
+        elif self.server.alive():
+            action = "unloading (not ready) and reloading"
+        else:
+            action = "restarting tritonserver"
         self.log(f"watchdog: {', '.join(models)} broken: {why}; {action}")
         last = why
         order = sorted(models, key=lambda m: m != self.models[-1])  # an engine model before its front
         while time.monotonic() < deadline:
-            if not self.server.alive():  # died, or died while we reloaded: start it again, every model with it
+            if restart_now or not self.server.alive():  # died, or died while we reloaded: start it again
+                restart_now = False
                 if self.restart is None:
                     raise HealFailed(f"{', '.join(models)} could not be healed: tritonserver died "
                                      f"({self.server.failure_reason()})")
