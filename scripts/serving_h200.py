@@ -4,7 +4,7 @@ fault. Run by scripts/serving_h200.sh on the H200 (one device call); runs on the
 a dry run of the whole path.
 
     python3 scripts/serving_h200.py --out OUT [--device cuda] [--budget 480] [--only 3,faults,faults-gpu,6,13] [--quick]
-        [--instances 4,2] [--no-before]
+        [--instances 4,2] [--no-before] [--fault-instances 1] [--build-only]
 
 Steps, in order of importance, each skipped (and said so) when the remaining budget is too small:
   shape 3 (FP16 strict, weights of our own, buckets 1,2,4): direct engine; one hop: batch-1 gRPC c=1 (p50 against
@@ -222,8 +222,9 @@ def faults(artifacts: Path, args, output_device: str = "cpu") -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "kkdeploy", "serve", "--artifacts", str(artifacts),
                              "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-                             "--probe-interval", "2", "--output-device", output_device], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+                             "--probe-interval", "2", "--output-device", output_device,
+                             "--instances", str(args.fault_instances)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[tuple[float, str]] = []
     threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in iter(proc.stdout.readline, "")],
                      daemon=True).start()
@@ -299,7 +300,9 @@ def faults(artifacts: Path, args, output_device: str = "cpu") -> dict:
             "answered_ok_before_kill": sum(1 for t, k in events if k == "ok" and t < killed),
             "errors_during": sum(1 for t, k in events if k == "error" and t >= killed),
             "correct_after_heal": sum(1 for t, k in events if k == "ok" and healed and t > healed),
-            "lines": [ln.strip() for _, ln in lines if "watchdog" in ln]}
+            "lines": [ln.strip() for _, ln in lines if "watchdog" in ln],
+            "stubs_after_heal": sum(1 for _, _, st, cmd in triton_server._process_table()
+                                    if "triton_python_backend_stub" in cmd and workdir in cmd and st != "Z")}
         began = time.monotonic()
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=60)
@@ -311,6 +314,7 @@ def faults(artifacts: Path, args, output_device: str = "cpu") -> dict:
                                     "lines": [ln.strip() for _, ln in lines if "stop" in ln]}
         out["wrong_answers_total"] = sum(1 for _, k in events if k == "wrong")
         out["output_device"] = output_device
+        out["instances"] = args.fault_instances
         log(f"faults: {json.dumps(out)}")
         return out
     finally:
@@ -362,6 +366,10 @@ def main(argv=None) -> int:
                    help="model instance counts for shape 3's extra saturation runs (default 4,2)")
     p.add_argument("--no-before", dest="before", action="store_false",
                    help="skip the layouts before (GPU outputs, two hops)")
+    p.add_argument("--fault-instances", type=int, default=1,
+                   help="model instances of the served artifact in the fault runs (default 1)")
+    p.add_argument("--build-only", action="store_true",
+                   help="build the shapes without measuring them (for the fault runs alone)")
     args = p.parse_args(argv)
     args.instances = [int(n) for n in args.instances.split(",") if n.strip()]
     started = time.monotonic()
@@ -381,7 +389,8 @@ def main(argv=None) -> int:
         artifacts = {}
         for step in only:
             left = deadline - time.monotonic()
-            if left < STEPS.get(step, 60):
+            need = 60 if args.build_only and step not in ("faults", "faults-gpu") else STEPS.get(step, 60)
+            if left < need:
                 results["skipped"].append(f"{step}: {left:.0f} s left")
                 log(f"skip {step}: {left:.0f} s left")
                 continue
@@ -399,7 +408,8 @@ def main(argv=None) -> int:
             try:
                 later = only[only.index(step) + 1:]  # the fault runs need this artifact: keep their time
                 reserve = sum(STEPS[f] for f in ("faults", "faults-gpu") if f in later) if step == "3" else 0
-                results["shapes"][step] = measure_shape(step, built, args, deadline - 20 - reserve)
+                if not args.build_only:
+                    results["shapes"][step] = measure_shape(step, built, args, deadline - 20 - reserve)
             except Exception as exc:  # noqa: BLE001 - the next step still runs
                 results["shapes"][step] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                 log(f"shape {step}: {results['shapes'][step]['error']}")
