@@ -310,3 +310,28 @@ def test_aggregation_keeps_which_of_our_kernels_ran():
                                        layer_norm_path={"kernel": "rows", "reason": "proven"})
     engine = aggregate_shape(job, results, [])["backends"]["engine"]
     assert engine["attention_path"]["kernel"] == "triton" and engine["layer_norm_path"]["kernel"] == "rows"
+
+
+def test_build_over_its_time_budget_says_what_it_cut_and_records_it(tmp_path, capsys):
+    out = tmp_path / "a"
+    # a budget no protocol fits: the screen runs, and what ran is printed, written and shown by inspect
+    code = main(["build", *TINY, "--device", "cpu", "--backends", "ort-cpu", "--trials", "1", "--warmups", "2",
+                 "--repeats", "40", "--rounds", "2", "--time-budget", "0.000001", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    manifest = json.loads((out / "manifest.json").read_text())
+    plan = manifest["timing"]
+    assert plan["budget_s"] == pytest.approx(1e-6) and plan["full_protocol"] is False
+    assert plan["rounds"] == 2 and plan["repeats"] == timing_module.MIN_REPEATS
+    assert json.loads((out / "bench.json").read_text())["protocol"]["timing"] == plan
+    assert "timing: " in printed and "--time-budget 0 runs it" in printed
+    for candidate in manifest["candidates"]:
+        if "latency" in candidate and candidate["name"] not in plan["screened_out"]:
+            assert candidate["latency"]["samples"] == 2 * timing_module.MIN_REPEATS
+    assert main(["inspect", str(out)]) == 0
+    assert "timing: " in capsys.readouterr().out
+    # the default budget fits this shape's full protocol: nothing cut, nothing printed
+    code = main(["build", *TINY, "--device", "cpu", "--backends", "ort-cpu", "--trials", "1", "--warmups", "1",
+                 "--repeats", "3", "--rounds", "1", "--out", str(tmp_path / "b")])
+    assert code == 0 and "timing: " not in capsys.readouterr().out
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["timing"]["full_protocol"] is True
