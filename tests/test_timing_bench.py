@@ -325,6 +325,7 @@ def test_build_over_its_time_budget_says_what_it_cut_and_records_it(tmp_path, ca
     assert plan["rounds"] == 2 and plan["repeats"] == timing_module.MIN_REPEATS
     assert json.loads((out / "bench.json").read_text())["protocol"]["timing"] == plan
     assert "timing: " in printed and "--time-budget 0 runs it" in printed
+    assert ("every candidate timed with" in printed) == (not plan["screened_out"])
     for candidate in manifest["candidates"]:
         if "latency" in candidate and candidate["name"] not in plan["screened_out"]:
             assert candidate["latency"]["samples"] == 2 * timing_module.MIN_REPEATS

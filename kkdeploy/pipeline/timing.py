@@ -166,7 +166,8 @@ class TimingPlan:
             names = ", ".join(f"{n} {ms:.3g} ms" for n, ms in sorted(self.screened_out.items(), key=lambda i: i[1]))
             parts.append(f"{len(self.screened_out)} screened out at >= {SCREEN_KEEP}x the best in "
                          f"{SCREEN_REPEATS} calls ({names})")
-        parts.append(f"the rest timed with {self.warmups} warmups, {self.repeats} repeats, {self.rounds} rounds")
+        who = "the rest" if self.screened_out else "every candidate"
+        parts.append(f"{who} timed with {self.warmups} warmups, {self.repeats} repeats, {self.rounds} rounds")
         return (f"timing: {self.seconds:.1f} s against a {self.budget_s:g} s budget (the full protocol would take "
                 f"about {self.estimated_s:.0f} s; --time-budget 0 runs it): " + "; ".join(parts))
 
