@@ -99,6 +99,13 @@ def test_race_latency_screens_out_the_slow_and_cuts_repeats_to_the_budget(timed)
     assert "2 screened out" in line and "fallback 66 ms" in line and "--time-budget 0" in line
 
 
+def test_race_latency_never_times_more_than_asked(timed):
+    fns, calls = timed({"a": 10.0, "b": 11.0})
+    stats, plan = race_latency(fns, "cpu", warmups=1, repeats=3, rounds=1, budget_s=1e-6)
+    assert plan.repeats == 3 and plan.warmups == 1 and not plan.full_protocol
+    assert stats["a"].samples == stats["b"].samples == 3
+
+
 def test_race_latency_budget_zero_is_the_full_protocol_without_a_screen(timed):
     fns, calls = timed({"a": 50.0, "b": 500.0})
     stats, plan = race_latency(fns, "cpu", warmups=1, repeats=2, rounds=1, budget_s=0)

@@ -22,7 +22,7 @@ DEFAULT_WARMUPS = 20
 DEFAULT_REPEATS = 100
 DEFAULT_ROUNDS = 3
 TIE_TOLERANCE = 0.02
-DEFAULT_TIME_BUDGET_S = 10.0  # a build's timing step; the full protocol whenever it fits (all shapes but 6, 14)
+DEFAULT_TIME_BUDGET_S = 10.0  # a build's timing step; the full protocol where it fits (H200: all shapes but 6, 13)
 SCREEN_REPEATS = 3  # timed calls per candidate in the screen, after 2 warmups
 SCREEN_KEEP = 1.25  # a candidate this much slower than the best in the screen cannot win: it is not timed further
 MIN_REPEATS = 10  # the protocol's repeats are never cut below this
@@ -184,11 +184,12 @@ def race_latency(
 
     Why: on shape 6 (B = 10,000) the protocol's 3 x 120 calls of seven candidates, 14-81 ms each, took 113 s of a
     173 s build (H200), most of it on candidates that could not win. So every candidate is first screened (2
-    warmups, ``SCREEN_REPEATS`` timed calls). If the full protocol over all of them fits the budget (every shape
-    but the largest), it runs as asked, exactly as ``measure_latency``. Otherwise the candidates slower than
-    ``SCREEN_KEEP`` x the best screen median keep their screen figures and drop out, and the rest get the
-    protocol with warmups and repeats scaled down to fit (repeats never below ``MIN_REPEATS``; rounds kept, so
-    the alternation still spreads drift). ``budget_s`` None or <= 0: the full protocol, no screen."""
+    warmups, ``SCREEN_REPEATS`` timed calls). If the full protocol over all of them fits the budget (on the H200,
+    every official shape but 6 and 13), it runs as asked, exactly as ``measure_latency``. Otherwise the candidates
+    slower than ``SCREEN_KEEP`` x the best screen median keep their screen figures and drop out, and the rest get
+    the protocol with warmups and repeats scaled down to fit (repeats not below ``MIN_REPEATS`` unless fewer were
+    asked for; rounds kept, so the alternation still spreads drift). ``budget_s`` None or <= 0: the full protocol,
+    no screen."""
     _check_counts(warmups, repeats, rounds)
     started = time.perf_counter()
     if budget_s is None or budget_s <= 0:
@@ -211,7 +212,7 @@ def race_latency(
     full = cost(contenders, w, r)
     if full > left:
         scale = left / full
-        r = max(MIN_REPEATS, min(repeats, int(repeats * scale)))
+        r = min(repeats, max(MIN_REPEATS, int(repeats * scale)))  # never more than asked for
         w = max(1, min(warmups, int(warmups * scale)))
     stats = dict(screen)
     stats.update(measure_latency({n: fns[n] for n in contenders}, device, warmups=w, repeats=r, rounds=rounds))
