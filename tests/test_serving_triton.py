@@ -235,9 +235,14 @@ def test_one_hop_gather_reuses_its_buffers_and_rewrites_every_row():
     ys, size, n, _, _ = model._run([torch.ones(1, 3, 2)], [None])  # one sequence: bucket 1, its own buffers
     assert (size, n) == (1, 1) and len(model.buffers) == 2 and ys[0].shape == (1, 3, 2)
     # Bound for a GPU, several requests' host rows are gathered on the host and cross in one copy each
-    x, mask = triton_model.gather_host([torch.ones(1, 3, 2), 3 * torch.ones(2, 3, 2)], [masked, None], 3)
+    # (into the bucket's reused buffers: here plain ones, pinned on a GPU; stale contents are overwritten)
+    x_out, mask_out = torch.full((4, 3, 2), 7.0), torch.zeros(4, 3, dtype=torch.bool)
+    x, mask = triton_model.gather_host([torch.ones(1, 3, 2), 3 * torch.ones(2, 3, 2)], [masked, None], x_out, mask_out)
     assert torch.equal(x, torch.cat([torch.ones(1, 3, 2), 3 * torch.ones(2, 3, 2)]))
     assert torch.equal(mask, torch.tensor([[True, True, False], [True] * 3, [True] * 3]))
+    assert x.data_ptr() == x_out.data_ptr() and mask.data_ptr() == mask_out.data_ptr()  # written in place
+    x, mask = triton_model.gather_host([2 * torch.ones(1, 3, 2)], [None], x_out, mask_out)  # stale rows rewritten
+    assert torch.equal(x, 2 * torch.ones(1, 3, 2)) and mask.all()
 
 
 def _parse_text(text: str):

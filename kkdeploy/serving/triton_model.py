@@ -146,18 +146,22 @@ def canary_answers(run_bucket, sizes, seq_len: int, d_model: int, dtype, device)
     return answers
 
 
-def gather_host(xs: list, masks: list, seq_len: int):
-    """``(x, mask)``: several requests' host rows in one tensor each (a missing mask: every token valid), so that
-    each crosses to the device in one copy."""
+def gather_host(xs: list, masks: list, x_out, mask_out):
+    """``(x, mask)``: several requests' host rows written into the first rows of ``x_out`` and ``mask_out`` (a
+    missing mask: every token valid) and returned as those rows, so that each crosses to the device in one copy.
+    The buffers are the bucket's own, pinned and reused (``_Batched._staging``): nothing is allocated per run."""
     import torch
 
-    x = torch.cat(xs)
-    mask = torch.ones((x.shape[0], seq_len), dtype=torch.bool)
+    n = sum(int(xi.shape[0]) for xi in xs)
+    x, mask = x_out[:n], mask_out[:n]
+    torch.cat(xs, out=x)
     row = 0
     for xi, mi in zip(xs, masks):
         k = int(xi.shape[0])
-        if mi is not None:
-            mask[row:row + k] = mi
+        if mi is None:
+            mask[row:row + k].fill_(True)
+        else:
+            mask[row:row + k].copy_(mi)
         row += k
     return x, mask
 
@@ -516,6 +520,7 @@ class _Batched:
         self.inference_mode = torch.inference_mode
         self.buffers: dict[int, tuple] = {}
         self.host_outputs: dict[int, object] = {}  # bucket -> pinned host buffer for its answers (_to_host)
+        self.host_inputs: dict[int, tuple] = {}  # bucket -> pinned host (x, mask) that gathers requests (_staging)
         # Made outside inference mode (so they have version counters) and never written.
         self.all_valid = {size: torch.ones([size, self.row_shape[0]], dtype=torch.bool, device=self.device)
                           for size in self.runner.sizes}
@@ -576,6 +581,19 @@ class _Batched:
             self.buffers[size] = found
         return found
 
+    def _staging(self, size: int):
+        """The bucket's pinned host buffers in which several requests' rows are gathered before one copy each to
+        the device (made on first use, reused: the copy is complete when the run's sync returns, before the next
+        run writes them)."""
+        found = self.host_inputs.get(size)
+        if found is None:
+            import torch
+
+            found = (torch.empty([size, *self.row_shape], dtype=self.dtype, pin_memory=True),
+                     torch.empty([size, self.row_shape[0]], dtype=torch.bool, pin_memory=True))
+            self.host_inputs[size] = found
+        return found
+
     def _to_host(self, size: int, y):
         """``y`` (``n`` rows of a ``size`` bucket's answer) in the bucket's pinned host buffer, made on first use and
         reused: ``y.cpu()`` allocated fresh pageable memory per run, whose page faults and staged copy took 12.9 ms
@@ -611,7 +629,7 @@ class _Batched:
         if len(xs) == 1:
             (x if n == size else x[:n]).copy_(xs[0], non_blocking=True)
         elif staged:
-            host_x, host_mask = gather_host(xs, masks, x.shape[1])
+            host_x, host_mask = gather_host(xs, masks, *self._staging(size))
             x[:n].copy_(host_x, non_blocking=True)
         else:
             for (a, b), xi in zip(bounds, xs):
