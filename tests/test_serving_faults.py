@@ -629,6 +629,22 @@ def test_watchdog_logic_with_a_scripted_server():
     dog.step()
     assert len(restarts) == 1 and several.calls == []
     assert "cannot be unloaded" in lines[0] and "tritonserver restarted" in lines[1]
+    # a wrong canary with every stub alive: an unload of a healthy model completes, so a reload as usual
+    several.stubs = {"kk": [os.getpid(), os.getpid()]}
+    several.calls.clear()
+    restarts.clear()
+
+    class WrongOnce:
+        answers = ["the canary's answer differs from the validated answer", None, None]
+
+        def ask(self, url):
+            return self.answers.pop(0)
+
+    dog = Watchdog(several, ["kk"], WrongOnce(), lines.append, probe_every_s=0.0, heal_timeout_s=5,
+                   restart=restart_several)
+    dog.baseline(timeout_s=0.1)
+    dog.step()
+    assert restarts == [] and several.calls == ["unload kk", "load kk"]
     several.stubs = {"kk": [os.getpid(), dead.pid]}
     several.calls.clear()
     dog = Watchdog(several, ["kk"], None, lines.append, heal_timeout_s=5)

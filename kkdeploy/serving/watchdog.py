@@ -15,8 +15,8 @@ explicit model control and watches it:
 On a fault: one line, then the model is unloaded (readiness false at once: ``/v2/health/ready`` under strict
 readiness and the model's ready flag), loaded again (Triton starts a new stub) and the canary must be exact
 before the model counts as healed (one more line). A dead server, or a dead stub of a model with several
-instances (whose unload Triton never completes), restarts the server instead. If that does not happen within ``heal_timeout_s``,
-``HealFailed`` carries the reason and ``kkdeploy serve`` exits non-zero, so that a supervisor (systemd,
+instances (whose unload Triton never completes), restarts the server instead. If that does not happen within
+``heal_timeout_s``, ``HealFailed`` carries the reason and ``kkdeploy serve`` exits non-zero, so that a supervisor (systemd,
 Kubernetes) restarts it.
 """
 
@@ -179,8 +179,9 @@ class Watchdog:
         # A model of several instances with one stub dead is never fully unloaded: Triton loads the new version, but
         # the old one's live stubs keep running beside it (one leaked engine per heal; measured on the CPU, and
         # now and then the server aborted in that unload: boost::interprocess::lock_exception). Restart instead.
-        restart_now = self.server.alive() and self.restart is not None and any(
-            len(self.stubs.get(m, [])) > 1 for m in models)
+        several_one_dead = any(len(self.stubs.get(m, [])) > 1 and not all(map(pid_alive, self.stubs[m]))
+                               for m in models)
+        restart_now = self.server.alive() and self.restart is not None and several_one_dead
         if restart_now:
             action = "restarting tritonserver (a model of several instances with a dead stub cannot be unloaded)"
         elif self.server.alive():
