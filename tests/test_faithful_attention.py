@@ -374,7 +374,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         ))
     # the custom op's CUDA implementation, made to take the kernel branch on CPU tensors
     import kkdeploy.kernels.faithful_attention as fa
-    fa.select_attention_path = lambda *a, **k: fa.AttentionPath("triton", "test")
+    fa.select_attention_path = lambda *a, **k: fa.AttentionPath("triton", "test", fa.DEFAULT_LAUNCH)
     q, k, v = (torch.randn(2, 40, 64, generator=g).half() for _ in range(3))
     mask = torch.arange(40)[None, :] < torch.tensor([[40], [31]])
     via_op = fa._attention_cuda(q, k, v, mask, 4, True)

@@ -171,12 +171,32 @@ def _faithful_attention_kernel(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
     ONE_PASS: tl.constexpr = False, NCACHED: tl.constexpr = 0, FAST_DIV: tl.constexpr = False,
 ):
-    CHUNK: tl.constexpr = LANES * SUB
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
-    m0 = pid_m * BLOCK_M
+    acc = _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, pid_m * BLOCK_M,
+                          stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_mb, stride_ms,
+                          S, H, scale, HEAD_DIM, DH_PAD, BLOCK_M, LANES, SUB, CAUSAL, HAS_MASK, ACCURATE, DEBUG,
+                          ONE_PASS, NCACHED, FAST_DIV)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, DH_PAD)
+    o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + h * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, m0,
+                    stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_mb, stride_ms,
+                    S, H, scale,
+                    HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                    LANES: tl.constexpr, SUB: tl.constexpr,
+                    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
+                    ONE_PASS: tl.constexpr, NCACHED: tl.constexpr, FAST_DIV: tl.constexpr):
+    """Head ``h`` of sequence ``b`` (int64) for the query rows m0 .. m0 + BLOCK_M - 1: the float32 context
+    [BLOCK_M, DH_PAD] before its rounding to float16. The kernel above is one tile per program; ``_layer_triton``
+    runs every head of a row block inside a whole layer."""
+    CHUNK: tl.constexpr = LANES * SUB
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DH_PAD)
     offs_c = tl.arange(0, CHUNK)
@@ -284,9 +304,7 @@ def _faithful_attention_kernel(
                              S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
             acc = _pv_chunk(_exp(s - row_max[:, None], ACCURATE), row_sum, acc, s, V, v_row0, stride_vs, offs_m,
                             offs_n, offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG, FAST_DIV)
-
-    o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
+    return acc
 
 
 def kernel_lanes(seq_len: int) -> int:

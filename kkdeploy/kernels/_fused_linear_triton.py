@@ -168,9 +168,21 @@ def _fused_linear_kernel(
     pid_n = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, offs_m < M, offs_n < N, N, K,
+                 stride_xm, stride_wn, stride_rm, stride_om, EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, BLOCK_K,
+                 LN_G, LN_B, OUT2, eps, LN_RELOAD, A_GELU, LN_ZERO_INVALID)
+
+
+@triton.jit
+def _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, K,
+                 stride_xm, stride_wn, stride_rm, stride_om,
+                 EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 LN_G, LN_B, OUT2, eps, LN_RELOAD: tl.constexpr, A_GELU: tl.constexpr, LN_ZERO_INVALID: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile at rows ``offs_m`` (int64; ``row_ok`` which exist) and columns
+    ``offs_n``: the GEMM, the bias, the epilogue and, for EPILOGUE >= 4, the rows' next LayerNorm. The kernel above
+    is one tile per program; ``_layer_triton`` runs the same tiles one after another inside a whole layer."""
     offs_k = tl.arange(0, BLOCK_K)
-    row_ok = offs_m < M
-    col_ok = offs_n < N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K in order, one accumulator

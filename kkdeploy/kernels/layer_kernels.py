@@ -1,0 +1,312 @@
+"""Whole blocks in one or two launches each: the reference model as a handful of Triton launches.
+
+The launch-bound shapes (S <= 128, D <= 128) spend their time in two dozen small launches of the
+``torch-compile-faithful-gemms`` graph. ``LayerKernels`` runs the same arithmetic as one launch per block (plus one
+for the first norm1 and Q|K|V; ``_layer_triton``): each part is the very tile function a build proves on its own
+(the rows LayerNorm, the packed Q|K|V GEMM, the ATen-order attention, out_proj with its residual and norm2, ffn_in,
+ffn_out with GELU on its input, its residual and the next LayerNorm), so the parts round where the reference rounds.
+With ``split`` (the default) the attention keeps its own launch, one program per head, before each block's launch:
+in one launch the heads run one after another in a program that also holds the GEMMs' registers, and it spilled
+and ran slower on the H200 (docs/layer-kernels.md).
+
+The kernels link CUDA's libdevice (``cuda_libdevice``), per launch, through Triton's ``extern_libs``: ATen's GELU
+calls that library's ``erff``, which Triton's bundled copy does not match on 151 float16 inputs.
+
+Whether the composition is still bit-identical on a GPU is measured, not assumed: ``compare_intermediates`` runs
+the reference op by op beside the kernels and reports, per block and per part, how many elements differ, so the
+first differing bit has a name (``scripts/layer_kernels_h200.py``). On the CPU the kernels run under Triton's
+interpreter (``tests/test_layer_kernels.py``) against the same tiles launched one by one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kkdeploy.errors import KKError
+from kkdeploy.models.reference import attention_core, zero_invalid_rows
+
+from .fused_linear import LN_WIDTHS
+from .paths import triton_available
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+#: the attention forms a layer launch can take (``faithful_attention.LAUNCHES`` at 64 rows: wgmma tiles)
+ATTENTION_FORMS = {
+    "cached_mdiv": dict(cached=True, fast_div=True),
+    "cached": dict(cached=True, fast_div=False),
+    "three_pass_mdiv": dict(cached=False, fast_div=True),
+    "three_pass": dict(cached=False, fast_div=False),
+}
+#: the parts of a block, in the order they run, as ``compare_intermediates`` names them
+PARTS = ("ctx", "x1", "h2", "ff", "x2", "hn", "qkv_next")
+BLOCK_M = 64  # 64 rows keep Hopper's wgmma in every tl.dot (docs/faithful-attention.md)
+MAX_SEQ_LEN = 1024
+
+
+def refusal(config, dtype: torch.dtype, device) -> Optional[str]:
+    """None when the layer kernels can run a model of ``config`` here, else why not (one line)."""
+    device = torch.device(device)
+    if device.type != "cuda" and not INTERPRET:
+        return f"{device.type} device: the layer kernels are CUDA-only"
+    if dtype != torch.float16:
+        return f"dtype {dtype}: the layer kernels reproduce float16 only"
+    if config.d_model not in LN_WIDTHS:
+        return f"d_model = {config.d_model}: a block's rows must fit one LayerNorm tile ({', '.join(map(str, LN_WIDTHS))})"
+    if config.seq_len > MAX_SEQ_LEN:
+        return f"seq_len = {config.seq_len} > {MAX_SEQ_LEN}: ATen's persistent softmax rows only"
+    if config.ffn_dim % 16 or config.ffn_dim < 16:
+        return f"ffn_dim = {config.ffn_dim}: a multiple of 16 is needed (tl.dot's K)"
+    if not triton_available():
+        return "triton is not importable"
+    return None
+
+
+#: where CUDA's own libdevice may be (the one ATen's ``erff`` and ``expf`` were compiled from); Triton links its own
+#: copy by default, and the two differ in ``erff`` on 151 float16 inputs (docs/fused-linear.md)
+LIBDEVICE_ENV = "KKDEPLOY_CUDA_LIBDEVICE"
+
+
+def cuda_libdevice() -> Optional[str]:
+    """The path of CUDA's libdevice.10.bc here ($KKDEPLOY_CUDA_LIBDEVICE, $CUDA_HOME, /usr/local/cuda*), or None."""
+    import glob
+
+    env = os.environ.get(LIBDEVICE_ENV)
+    if env:
+        if not os.path.isfile(env):
+            raise KKError(f"{LIBDEVICE_ENV}={env}: no such file (point it at CUDA's nvvm/libdevice/libdevice.10.bc)")
+        return env
+    roots = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
+    roots += sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for root in filter(None, roots):
+        path = os.path.join(root, "nvvm", "libdevice", "libdevice.10.bc")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+@dataclass(frozen=True)
+class LayerLaunch:
+    """A layer launch's tiles: the attention form (``split``: the attention kernel's own launch, one program per
+    head, before each block's launch), GELU on ffn_out's input or in ffn_in's epilogue, warps, and the libdevice the
+    kernels link ("cuda": CUDA's, whose ``erff`` is ATen's GELU's; "triton": Triton's bundled copy)."""
+
+    attention: str = "cached_mdiv"
+    gelu_prologue: bool = True
+    num_warps: int = 8
+    num_stages: int = 2
+    split: bool = True
+    libdevice: str = "cuda"
+    extra: dict = field(default_factory=dict)
+
+    def name(self) -> str:
+        return (f"{self.attention}{'_split' if self.split else ''}{'' if self.gelu_prologue else '_gelu_epilogue'}"
+                f"_w{self.num_warps}{'' if self.libdevice == 'cuda' else '_tritonlib'}")
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def default_launch(config) -> LayerLaunch:
+    """Cached attention where a row fits four 32-key chunks (S <= 128), else three passes."""
+    return LayerLaunch(attention="cached_mdiv" if config.seq_len <= 128 else "three_pass_mdiv")
+
+
+class LayerKernels:
+    """A reference model's weights packed for the layer launches, and static buffers for one (B, S).
+
+    ``forward(x, mask)`` returns the final LayerNorm's output (a buffer the next call overwrites: the CUDA-graph
+    runner clones it); ``intermediates()`` the buffers of the last call, per block, for op-by-op comparison."""
+
+    def __init__(self, model, launch: Optional[LayerLaunch] = None):
+        config = model.config
+        reason = refusal(config, model.dtype, model.device)
+        if reason:
+            raise KKError(f"layer kernels: {reason}")
+        self.config, self.launch = config, launch or default_launch(config)
+        if self.launch.attention not in ATTENTION_FORMS:
+            raise KKError(f"unknown attention form {self.launch.attention!r}; the forms are {', '.join(ATTENTION_FORMS)}")
+        if ATTENTION_FORMS[self.launch.attention]["cached"] and config.seq_len > 128:
+            raise KKError(f"attention form {self.launch.attention!r} holds rows of at most 128 keys (S = {config.seq_len})")
+        self.model = model  # the packed tensors below are copies; the norms' parameters are read in place
+        with torch.no_grad():
+            self.qkv_weights = [torch.cat([b.attention.q_proj.weight, b.attention.k_proj.weight,
+                                           b.attention.v_proj.weight]).contiguous() for b in model.layers]
+            self.qkv_biases = [torch.cat([b.attention.q_proj.bias, b.attention.k_proj.bias,
+                                          b.attention.v_proj.bias]).contiguous() for b in model.layers]
+        self._buffers: dict = {}
+        self.compiled: dict = {}  # launch name -> Triton's compiled kernel (registers, spills)
+
+    def buffers(self, batch: int, seq_len: int) -> dict:
+        """The launches' buffers for inputs [batch, seq_len, D] (made once per shape; a graph captures them)."""
+        key = (batch, seq_len)
+        if key not in self._buffers:
+            c, dev = self.config, self.model.device
+            m, d, f, n = batch * seq_len, c.d_model, c.ffn_dim, len(self.model.layers)
+
+            def new(width: int) -> torch.Tensor:
+                return torch.empty(m, width, dtype=torch.float16, device=dev)
+
+            self._buffers[key] = {
+                "hn0": new(d), "qkv": [new(3 * d) for _ in range(n)], "ctx": [new(d) for _ in range(n)],
+                "x1": [new(d) for _ in range(n)], "h2": [new(d) for _ in range(n)], "ff": [new(f) for _ in range(n)],
+                "x2": [new(d) for _ in range(n)], "hn": [new(d) for _ in range(n)],
+            }
+        return self._buffers[key]
+
+    def forward(self, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        import triton
+
+        from . import _layer_triton as kernels
+        from ._faithful_attention_triton import COMPILE_FLAGS, kernel_lanes
+        from .faithful_attention import fp32_scale
+
+        c, launch = self.config, self.launch
+        b, s, d = x.shape
+        if d != c.d_model:
+            raise KKError(f"layer kernels: inputs of width {d}, the model's is {c.d_model}")
+        if s > MAX_SEQ_LEN:
+            raise KKError(f"layer kernels: seq_len {s} > {MAX_SEQ_LEN}")
+        buf = self.buffers(b, s)
+        x2d = x.reshape(b * s, d)
+        if x2d.stride(-1) != 1 or x2d.stride(0) != d:
+            x2d = x2d.contiguous()
+        has_mask = valid_token_mask is not None
+        mask = valid_token_mask.contiguous() if has_mask else x2d
+        f, heads = c.ffn_dim, c.num_heads
+        dh = d // heads
+        form = ATTENTION_FORMS[launch.attention]
+        lanes = kernel_lanes(s)
+        cached = form["cached"]
+        ncached = -(-s // lanes) if cached else 0
+        tiles = dict(BLOCK_M=BLOCK_M, BN_QKV=min(128, _pow2(3 * d)), BK_D=min(64, max(16, _pow2(d))))
+        flags = {} if INTERPRET else dict(COMPILE_FLAGS)
+        if not INTERPRET and launch.libdevice == "cuda":
+            path = cuda_libdevice()
+            if path is None:
+                raise KKError(f"layer kernels: CUDA's libdevice not found (set {LIBDEVICE_ENV} to its libdevice.10.bc)")
+            flags["extern_libs"] = {"libdevice": path}
+        run = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **flags)
+        grid = (triton.cdiv(s, BLOCK_M), b)
+        layers = list(self.model.layers)
+        first = layers[0].norm1
+        self.compiled["entry"] = kernels._entry_kernel[grid](
+            x2d, buf["hn0"], buf["qkv"][0], first.weight, first.bias, self.qkv_weights[0], self.qkv_biases[0], s,
+            float(first.eps), D=d, ACCURATE=not INTERPRET, **tiles, **run)
+        layer_input = x2d
+        for i, block in enumerate(layers):
+            last = i + 1 == len(layers)
+            next_norm = self.model.final_norm if last else layers[i + 1].norm1
+            nxt = i if last else i + 1  # the last block writes no Q|K|V: any buffer stands in
+            att = block.attention
+            if launch.split:
+                self._split_attention(buf["qkv"][i], mask, has_mask, buf["ctx"][i], b, s, ncached, lanes, form, flags)
+            self.compiled["last" if last else "layer"] = kernels._layer_kernel[grid](
+                layer_input, buf["qkv"][i], mask, buf["ctx"][i], buf["x1"][i], buf["h2"][i], buf["ff"][i],
+                buf["x2"][i], buf["hn"][i], buf["qkv"][nxt],
+                att.out_proj.weight, att.out_proj.bias, block.norm2.weight, block.norm2.bias,
+                block.ffn_in.weight, block.ffn_in.bias, block.ffn_out.weight, block.ffn_out.bias,
+                next_norm.weight, next_norm.bias, self.qkv_weights[nxt], self.qkv_biases[nxt],
+                s, fp32_scale(dh), float(block.norm2.eps), float(next_norm.eps),
+                D=d, F=f, H=heads, HEAD_DIM=dh, DH_PAD=max(16, _pow2(dh)), LANES=lanes, SUB=1, ONE_PASS=False,
+                NCACHED=ncached, FAST_DIV=form["fast_div"], CAUSAL=bool(c.causal), HAS_MASK=has_mask,
+                ACCURATE=not INTERPRET, BK_F=min(64, max(16, _pow2(f))), BN_F=min(128, max(16, _pow2(f))),
+                GELU_PROLOGUE=launch.gelu_prologue, LAST=last, FUSE_ATTENTION=not launch.split, **tiles, **run)
+            layer_input = buf["x2"][i]
+        return buf["hn"][-1].view(b, s, d)
+
+    def _split_attention(self, qkv, mask, has_mask: bool, ctx, b: int, s: int, ncached: int, lanes: int, form: dict,
+                         flags: dict) -> None:
+        """The attention kernel's own launch (64 rows, 4 warps: ``cached64w4``'s tiles) from the packed Q|K|V rows
+        into the block's CTX buffer."""
+        import triton
+
+        from ._faithful_attention_triton import _faithful_attention_kernel
+        from .faithful_attention import fp32_scale
+
+        c = self.config
+        d, heads = c.d_model, c.num_heads
+        dh = d // heads
+        q, k, v = qkv.view(b, s, 3 * d).split(d, dim=-1)
+        out = ctx.view(b, s, d)
+        stride_mb, stride_ms = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
+        self.compiled["attention"] = _faithful_attention_kernel[(triton.cdiv(s, BLOCK_M), b * heads)](
+            q, k, v, mask, out, out, out,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            stride_mb, stride_ms, s, heads, fp32_scale(dh),
+            HEAD_DIM=dh, DH_PAD=max(16, _pow2(dh)), BLOCK_M=BLOCK_M, LANES=lanes, SUB=1, CAUSAL=bool(c.causal),
+            HAS_MASK=has_mask, ACCURATE=not INTERPRET, DEBUG=False, ONE_PASS=False, NCACHED=ncached,
+            FAST_DIV=form["fast_div"], num_warps=4, **flags)
+
+    def kernel_stats(self) -> dict:
+        """Registers and spills of each launch as compiled here (Triton's CompiledKernel), for reports."""
+        return {name: {"registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)}
+                for name, k in self.compiled.items()}
+
+    __call__ = forward
+
+    def intermediates(self, batch: int, seq_len: int) -> dict:
+        """The buffers of the last call: ``hn0`` and ``qkv0`` (the entry launch), then per block each of PARTS."""
+        buf = self.buffers(batch, seq_len)
+        n = len(self.model.layers)
+        blocks = [{"ctx": buf["ctx"][i], "x1": buf["x1"][i], "h2": buf["h2"][i], "ff": buf["ff"][i],
+                   "x2": buf["x2"][i], "hn": buf["hn"][i], "qkv_next": buf["qkv"][i + 1] if i + 1 < n else None}
+                  for i in range(n)]
+        return {"hn0": buf["hn0"], "qkv0": buf["qkv"][0], "blocks": blocks}
+
+
+@torch.no_grad()
+def reference_intermediates(model, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor],
+                            gelu_prologue: bool = True) -> dict:
+    """The reference's tensors at the points the layer launches write them, by the reference's own modules (the
+    ATen ops eager runs): what ``compare_intermediates`` holds the kernels' buffers to."""
+    layers = list(model.layers)
+    b, s, d = x.shape
+    rows = lambda t: t.reshape(b * s, -1)  # noqa: E731
+    h = layers[0].norm1(x)
+
+    def qkv(block, h):
+        att = block.attention
+        return torch.cat([att.q_proj(h), att.k_proj(h), att.v_proj(h)], dim=-1)
+
+    out = {"hn0": rows(h), "qkv0": rows(qkv(layers[0], h)), "blocks": []}
+    for i, block in enumerate(layers):
+        att = block.attention
+        q, k, v = (att.split_heads(p(h)) for p in (att.q_proj, att.k_proj, att.v_proj))
+        ctx = attention_core(q, k, v, valid_token_mask, att.scale, att.causal).transpose(1, 2).reshape(b, s, d)
+        x1 = x + zero_invalid_rows(att.out_proj(ctx), valid_token_mask)
+        h2 = block.norm2(x1)
+        ff = block.ffn_in(h2)
+        g = F.gelu(ff, approximate="none")
+        x2 = zero_invalid_rows(x1 + block.ffn_out(g), valid_token_mask)
+        last = i + 1 == len(layers)
+        if last:
+            hn = zero_invalid_rows(model.final_norm(x2), valid_token_mask)
+        else:
+            hn = layers[i + 1].norm1(x2)
+        out["blocks"].append({"ctx": rows(ctx), "x1": rows(x1), "h2": rows(h2), "ff": rows(ff if gelu_prologue else g),
+                              "x2": rows(x2), "hn": rows(hn), "qkv_next": None if last else rows(qkv(layers[i + 1], hn))})
+        x, h = x2, hn
+    return out
+
+
+def differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements whose bits differ (NaN payloads and signed zeros included)."""
+    return int((a.contiguous().view(torch.int16) != b.contiguous().view(torch.int16)).sum())
+
+
+def compare_intermediates(got: dict, want: dict) -> dict:
+    """Differing elements per part: {"hn0": n, "qkv0": n, "blocks": [{part: n}], "first": "block 2 x1" or None}."""
+    report = {"hn0": differing(got["hn0"], want["hn0"]), "qkv0": differing(got["qkv0"], want["qkv0"]), "blocks": []}
+    first = next((name for name in ("hn0", "qkv0") if report[name]), None)
+    for i, (g, w) in enumerate(zip(got["blocks"], want["blocks"])):
+        row = {part: differing(g[part], w[part]) for part in PARTS if w[part] is not None}
+        report["blocks"].append(row)
+        if first is None:
+            first = next((f"block {i} {part}" for part in PARTS if row.get(part)), None)
+    report["first"] = first
+    return report

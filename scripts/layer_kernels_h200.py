@@ -1,0 +1,167 @@
+"""Whole blocks in one launch each, on a GPU: op by op against the reference, then timed against eager (issue 31).
+
+For each shape: the seeded weights and trained-like weights of our own (``make_weights.trained_like``), official
+inputs all-valid and padded (0.25, the generator's padding). Each call compares every intermediate the layer launches
+write with the reference's own ops (``layer_kernels.compare_intermediates``: differing elements per part, and the
+first part that differs), and the output with ``reference_forward`` under the strict rule. Then, in the same
+process: eager ``reference_forward``, the reference captured in a CUDA graph (``torch-graph``) and the layer
+launches captured in a CUDA graph, each the median of ``--rounds`` rounds of ``--repeats`` timed calls.
+
+    python3 scripts/layer_kernels_h200.py --shapes 2,3,4,7,12 --json $OUT/layers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from make_weights import trained_like  # noqa: E402
+
+from engines.cuda_graph import CapturedCall  # noqa: E402
+from kkdeploy.config import official_config  # noqa: E402
+from kkdeploy.inputs import generate_case, padded_case  # noqa: E402
+from kkdeploy.kernels.layer_kernels import (LayerKernels, LayerLaunch, compare_intermediates,  # noqa: E402
+                                            default_launch, differing, reference_intermediates)
+from kkdeploy.models.reference import ReferenceTransformer  # noqa: E402
+from kkdeploy.models.weights import init_weights  # noqa: E402
+from validation.strict import strict_fail_mask  # noqa: E402
+
+
+def model_for(config, weights: str, device):
+    model = ReferenceTransformer(config)
+    if weights == "seeded":
+        init_weights(model, 0)
+    else:
+        model.load_state_dict(trained_like(config, int(weights.split(":")[1])))
+    return model.to(device=device, dtype=torch.float16).eval()
+
+
+def median_ms(fn, repeats: int, rounds: int) -> float:
+    per_round = []
+    for _ in range(rounds):
+        for _ in range(10):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        per_round.append(statistics.median(times))
+    return statistics.median(per_round)
+
+
+def check(model, kernels: LayerKernels, config, device, seed: int, padding: float) -> dict:
+    if padding:
+        x, mask = padded_case(config, device, torch.float16, seed, padding)
+    else:
+        x, mask = generate_case(config, device, torch.float16, seed)
+        mask = None
+    with torch.inference_mode():
+        out = kernels(x, mask).clone()
+        got = kernels.intermediates(config.batch_size, config.seq_len)
+        want = reference_intermediates(model, x, mask, kernels.launch.gelu_prologue)
+        ref = model.reference_forward(x, mask)
+    report = compare_intermediates(got, want)
+    from kkdeploy.kernels._fused_linear_triton import triton_linear
+    from kkdeploy.kernels.fused_linear import TILES
+    standalone = {}
+    for tile in ("auto", "m64"):  # the Q|K|V launch on its own, from the reference's norm1 (as a build proves it)
+        ours = triton_linear(want["hn0"], kernels.qkv_weights[0], kernels.qkv_biases[0], **TILES[tile])
+        standalone[tile] = differing(ours, want["qkv0"])
+    report["qkv0_standalone"] = standalone
+    return {"seed": seed, "padding": padding, "output_differing": differing(out, ref),
+            "strict_failed": int(strict_fail_mask(ref, out, 1e-3, 1e-2).sum()), "first": report["first"],
+            "parts": report}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="2,3,4,7,12")
+    parser.add_argument("--weights", default="seeded,own:4711")
+    parser.add_argument("--launches", default="default", help="default, or attention:gelu_prologue:warps[:split]"
+                        "[:tritonlib],... e.g. cached:1:8,cached_mdiv:0:4:split")
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-time", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    rows, table = [], []
+    for shape in [int(s) for s in args.shapes.split(",")]:
+        config = official_config(shape)
+        for weights in args.weights.split(","):
+            model = model_for(config, weights, device)
+            if args.launches == "default":
+                launches = [default_launch(config)]
+            else:
+                launches = []
+                for spec in args.launches.split(","):
+                    attention, prologue, warps, *more = spec.split(":")
+                    launches.append(LayerLaunch(attention=attention, gelu_prologue=prologue == "1",
+                                                num_warps=int(warps), split="split" in more,
+                                                libdevice="triton" if "tritonlib" in more else "cuda"))
+            for launch in launches:
+                t0 = time.perf_counter()
+                try:
+                    kernels = LayerKernels(model, launch)
+                    checks = [check(model, kernels, config, device, seed, padding)
+                              for seed, padding in ((1234, 0.0), (1235, 0.0), (1236, 0.25), (1237, 0.25))]
+                except Exception as exc:  # a launch that does not compile is a row of the table, not the end
+                    rows.append({"shape": shape, "weights": weights, "launch": launch.name(), "error": repr(exc)[:500]})
+                    table.append(f"{shape:>5} {weights:>9} {launch.name():>24}  ERROR {repr(exc)[:80]}")
+                    continue
+                check_s = time.perf_counter() - t0
+                row = {"shape": shape, "weights": weights, "launch": launch.name(), "checks": checks,
+                       "check_s": round(check_s, 1)}
+                bad = sum(c["output_differing"] for c in checks)
+                failed = sum(c["strict_failed"] for c in checks)
+                first = next((f"{c['seed']}:{c['first']}" for c in checks if c["first"]), "-")
+                timing = ""
+                if not args.no_time:
+                    x, mask = generate_case(config, device, torch.float16, 1234)
+                    with torch.inference_mode():
+                        eager = median_ms(lambda: model.reference_forward(x, mask), args.repeats, args.rounds)
+                        graph = CapturedCall(model.reference_forward, config.batch_size, config.seq_len,
+                                             config.d_model, torch.float16, device)
+                        graph_ms = median_ms(lambda: graph(x, mask), args.repeats, args.rounds)
+                        graph.close()
+                        layers = CapturedCall(kernels.forward, config.batch_size, config.seq_len, config.d_model,
+                                              torch.float16, device)
+                        same = differing(layers(x, mask), model.reference_forward(x, mask))
+                        layer_ms = median_ms(lambda: layers(x, mask), args.repeats, args.rounds)
+                        layers.close()
+                    row.update(eager_ms=round(eager, 4), torch_graph_ms=round(graph_ms, 4), layers_ms=round(layer_ms, 4),
+                               captured_differing=same)
+                    timing = f"{eager:8.3f} {graph_ms:8.3f} {layer_ms:8.4f} {eager / layer_ms:7.2f}x"
+                row["kernels"] = kernels.kernel_stats()
+                spills = sum(k["spills"] or 0 for k in row["kernels"].values())
+                regs = max((k["registers"] or 0) for k in row["kernels"].values()) if row["kernels"] else 0
+                standalone = checks[0]["parts"]["qkv0_standalone"]
+                timing += f"  regs {regs} spills {spills} qkv-alone {standalone['auto']}/{standalone['m64']}"
+                rows.append(row)
+                table.append(f"{shape:>5} {weights:>9} {launch.name():>24} {bad:>9} {failed:>7} {first:>22} {timing}")
+            del model
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                               "rows": rows}, indent=1))
+    print(f"{'shape':>5} {'weights':>9} {'launch':>24} {'bits_diff':>9} {'strict':>7} {'first differing':>22} "
+          f"{'eager':>8} {'graph':>8} {'layers':>8} {'x eager':>8}")
+    print("\n".join(table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""What Triton's interpreter computes differently from the GPU, put right for the kernels' logic tests.
+
+Triton 3.6's interpreter computes ``tl.fma(x, y, z)`` as ``x * y + z`` in numpy: two roundings, where the GPU's
+``fma.rn.f32`` rounds once. The kernels' LayerNorm (ATen's Welford steps as nvcc's fmas) and the probabilities'
+Markstein division depend on that single rounding, so the logic tests install ``exact_fma`` first: the float32
+fma rounded once (``kkdeploy.kernels.layer_norm.fma32``), the function the CPU emulations use.
+"""
+
+from __future__ import annotations
+
+
+def exact_fma() -> None:
+    """Make this process's Triton interpreter round float32 fmas once."""
+    import numpy as np
+    import torch
+    from triton.runtime import interpreter
+
+    from kkdeploy.kernels.layer_norm import fma32
+
+    def create_fma(self, x, y, z):
+        if z.data.dtype != np.float32:
+            return interpreter.TensorHandle(x.data * y.data + z.data, z.dtype.scalar)
+        a, b, c = (np.ascontiguousarray(t, dtype=np.float32) for t in np.broadcast_arrays(x.data, y.data, z.data))
+        out = fma32(torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(c)).numpy()
+        return interpreter.TensorHandle(out, z.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_fma = create_fma

@@ -1,0 +1,191 @@
+"""Whole blocks in one launch (kkdeploy/kernels/layer_kernels.py, issue 31).
+
+On the CPU: the layer kernels' refusals and errors, the reference's intermediates (they are the reference's own
+tensors: the last one is ``reference_forward`` bit for bit), the report that names the first differing part, and
+the libdevice lookup. Where Triton is importable, the kernels themselves under TRITON_INTERPRET=1: every part a block
+launch writes equals the same tile launched on its own (``triton_linear``, ``triton_attention``,
+``triton_linear_layer_norm``, from the block's own inputs to that part), fused attention and split, both GELU forms.
+Bit-identity with ATen on a GPU is measured by scripts/layer_kernels_h200.py (docs/layer-kernels.md).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from kkdeploy import TransformerConfig, generate_case
+from kkdeploy.errors import KKError
+from kkdeploy.kernels import layer_kernels as lk
+from kkdeploy.models.weights import build_models
+from tests.conftest import bits_equal, run_interpreter_script
+
+CONFIG = TransformerConfig(batch_size=2, seq_len=24, d_model=32, num_heads=2, ffn_dim=64, num_layers=2, causal=True)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.25])
+def test_reference_intermediates_are_the_reference_tensors(ratio):
+    model = build_models(CONFIG, torch.float32, "cpu")[0]
+    x, mask = generate_case(CONFIG, "cpu", torch.float32, 1234, padding_ratio=ratio)
+    mask = mask if ratio else None
+    with torch.no_grad():
+        want = model.reference_forward(x, mask).reshape(-1, CONFIG.d_model)
+        got = lk.reference_intermediates(model, x, mask)
+    assert bits_equal(got["blocks"][-1]["hn"], want)
+    assert got["blocks"][-1]["qkv_next"] is None and got["blocks"][0]["qkv_next"].shape == (48, 96)
+    assert got["qkv0"].shape == (48, 96) and got["blocks"][0]["ff"].shape == (48, 64)
+    # each block's input to the next is its x2, and the next block's norm1 of it is the hn it hands over
+    assert bits_equal(got["blocks"][0]["hn"], model.layers[1].norm1(got["blocks"][0]["x2"]))
+
+
+def test_the_report_names_the_first_differing_part():
+    a = torch.zeros(4, 8, dtype=torch.float16)
+    b = a.clone()
+    b[1, 2] = 1.0
+    block = {part: a for part in lk.PARTS}
+    want = {"hn0": a, "qkv0": a, "blocks": [dict(block), dict(block, qkv_next=None)]}
+    got = {"hn0": a, "qkv0": a, "blocks": [dict(block), dict(block, x1=b, hn=b, qkv_next=a)]}
+    report = lk.compare_intermediates(got, want)
+    assert report["first"] == "block 1 x1"
+    assert report["blocks"][1]["x1"] == 1 and report["blocks"][1]["hn"] == 1 and "qkv_next" not in report["blocks"][1]
+    assert lk.compare_intermediates(want, want)["first"] is None
+    assert lk.differing(a, -a) == a.numel()  # a signed zero is a differing bit too
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(d_model=96, num_heads=2), "d_model = 96"),
+    (dict(seq_len=2048), "seq_len = 2048"),
+    (dict(ffn_dim=40), "ffn_dim = 40"),
+])
+def test_refusals_name_the_reason(change, words, monkeypatch):
+    monkeypatch.setattr(lk, "INTERPRET", True)
+    monkeypatch.setattr(lk, "triton_available", lambda: True)
+    fields = dict(batch_size=2, seq_len=24, d_model=32, num_heads=2, ffn_dim=64, num_layers=1, causal=True)
+    assert words in lk.refusal(TransformerConfig(**{**fields, **change}), torch.float16, "cpu")
+    assert lk.refusal(TransformerConfig(**fields), torch.float16, "cpu") is None
+    assert "float16 only" in lk.refusal(TransformerConfig(**fields), torch.float32, "cpu")
+
+
+def test_cpu_and_unknown_forms_are_one_line_errors(monkeypatch):
+    model = build_models(CONFIG, torch.float16, "cpu")[0]
+    monkeypatch.setattr(lk, "INTERPRET", False)
+    with pytest.raises(KKError, match="cpu device: the layer kernels are CUDA-only"):
+        lk.LayerKernels(model)
+    monkeypatch.setattr(lk, "INTERPRET", True)
+    monkeypatch.setattr(lk, "triton_available", lambda: True)
+    with pytest.raises(KKError, match="unknown attention form 'flash'"):
+        lk.LayerKernels(model, lk.LayerLaunch(attention="flash"))
+    long = build_models(TransformerConfig(1, 200, 32, 2, 64, 1, causal=True), torch.float16, "cpu")[0]
+    with pytest.raises(KKError, match="at most 128 keys"):
+        lk.LayerKernels(long, lk.LayerLaunch(attention="cached"))
+    assert lk.default_launch(long.config).attention == "three_pass_mdiv"
+    assert lk.default_launch(CONFIG).attention == "cached_mdiv"
+
+
+def test_cuda_libdevice_lookup(monkeypatch, tmp_path):
+    path = tmp_path / "libdevice.10.bc"
+    path.write_bytes(b"BC")
+    monkeypatch.setenv(lk.LIBDEVICE_ENV, str(path))
+    assert lk.cuda_libdevice() == str(path)
+    monkeypatch.setenv(lk.LIBDEVICE_ENV, str(tmp_path / "missing.bc"))
+    with pytest.raises(KKError, match="no such file"):
+        lk.cuda_libdevice()
+    monkeypatch.delenv(lk.LIBDEVICE_ENV)
+    root = tmp_path / "cuda"
+    (root / "nvvm" / "libdevice").mkdir(parents=True)
+    (root / "nvvm" / "libdevice" / "libdevice.10.bc").write_bytes(b"BC")
+    monkeypatch.setenv("CUDA_HOME", str(root))
+    assert lk.cuda_libdevice() == str(root / "nvvm" / "libdevice" / "libdevice.10.bc")
+
+
+def test_launch_names_say_what_runs():
+    assert lk.LayerLaunch().name() == "cached_mdiv_split_w8"
+    assert lk.LayerLaunch(split=False).name() == "cached_mdiv_w8"
+    named = lk.LayerLaunch(split=True, gelu_prologue=False, num_warps=4, libdevice="triton").name()
+    assert named == "cached_mdiv_split_gelu_epilogue_w4_tritonlib"
+
+
+INTERPRETER_SCRIPT = textwrap.dedent(
+    """
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from kkdeploy.config import TransformerConfig
+    from kkdeploy.models.reference import ReferenceTransformer
+    from kkdeploy.kernels.layer_kernels import LayerKernels, LayerLaunch, reference_intermediates, differing
+    from kkdeploy.kernels._fused_linear_triton import triton_linear, triton_linear_layer_norm
+    from kkdeploy.kernels._faithful_attention_triton import triton_attention
+
+    results = []
+    for (b, s, d, h, f, l, padded, attention, prologue) in [
+            (2, 40, 32, 2, 64, 2, True, "cached_mdiv", True),
+            (1, 70, 64, 4, 128, 1, False, "three_pass", False), (2, 40, 32, 2, 64, 2, True, "cached_mdiv:split", True)]:
+        torch.manual_seed(0)
+        config = TransformerConfig(b, s, d, h, f, l, causal=True)
+        model = ReferenceTransformer(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        model = model.half().eval()
+        x = torch.randn(b, s, d).half()
+        mask = (torch.arange(s)[None, :] < torch.tensor([s, s - 13])[:b, None]) if padded else None
+        split = attention.endswith(":split")
+        attention = attention.split(":")[0]
+        kernels = LayerKernels(model, LayerLaunch(attention=attention, gelu_prologue=prologue, split=split))
+        with torch.no_grad():
+            out = kernels(x, mask).clone()
+        got = kernels.intermediates(b, s)
+        pw = lambda n: 1 << (n - 1).bit_length()
+        bk_d, bk_f, bn_f, bn_qkv = min(64, max(16, pw(d))), min(64, max(16, pw(f))), min(128, max(16, pw(f))), min(128, pw(3 * d))
+        fast = attention.endswith("mdiv")
+        cached = attention.startswith("cached")
+        # each part again as its own launch, from the layer kernels' own inputs to that part
+        parts = {"qkv0": differing(got["qkv0"], triton_linear(got["hn0"], kernels.qkv_weights[0], kernels.qkv_biases[0],
+                                                              BLOCK_M=64, BLOCK_N=bn_qkv, BLOCK_K=bk_d))}
+        layer_in = x.reshape(b * s, d)
+        m2 = mask.reshape(-1) if mask is not None else None
+        for i, block in enumerate(model.layers):
+            last = i + 1 == l
+            gi = got["blocks"][i]
+            qkv = got["qkv0"] if i == 0 else got["blocks"][i - 1]["qkv_next"]
+            q, k, v = (t.reshape(b, s, d) for t in qkv.split(d, dim=-1))
+            ctx = triton_attention(q, k, v, mask, h, True, block_m=64, cached=cached, fast_div=fast).reshape(b * s, d)
+            att = block.attention
+            x1, h2 = triton_linear_layer_norm(gi["ctx"], att.out_proj.weight, att.out_proj.bias, layer_in, m2,
+                                              block.norm2.weight, block.norm2.bias, block.norm2.eps, "add_masked",
+                                              BLOCK_K=bk_d)
+            ff = triton_linear(gi["h2"], block.ffn_in.weight, block.ffn_in.bias, epilogue="none" if prologue else "gelu",
+                               BLOCK_M=64, BLOCK_N=bn_f, BLOCK_K=bk_d)
+            norm = model.final_norm if last else model.layers[i + 1].norm1
+            x2, hn = triton_linear_layer_norm(gi["ff"], block.ffn_out.weight, block.ffn_out.bias, gi["x1"], m2,
+                                              norm.weight, norm.bias, norm.eps, "masked_sum",
+                                              prologue="gelu" if prologue else "none", zero_invalid=last, BLOCK_K=bk_f)
+            for name, want, have in (("ctx", ctx, gi["ctx"]), ("x1", x1, gi["x1"]), ("h2", h2, gi["h2"]),
+                                     ("ff", ff, gi["ff"]), ("x2", x2, gi["x2"]), ("hn", hn, gi["hn"])):
+                parts[f"block{i}.{name}"] = differing(want, have)
+            if not last:
+                wq = kernels.qkv_weights[i + 1]
+                parts[f"block{i}.qkv_next"] = differing(triton_linear(gi["hn"], wq, kernels.qkv_biases[i + 1],
+                                                                      BLOCK_M=64, BLOCK_N=bn_qkv, BLOCK_K=bk_d),
+                                                        gi["qkv_next"])
+            layer_in = gi["x2"]
+        with torch.no_grad():
+            ref = model.float()(x.float(), mask)
+        valid = torch.ones(b, s, dtype=torch.bool) if mask is None else mask
+        results.append({"case": [b, s, d, h, f, l, padded, attention, prologue], "parts": parts,
+                        "max_err": float((out.float() - ref).abs().max()),
+                        "invalid_rows_zero": bool((out[~valid] == 0).all()),
+                        "out_is_hn": bool(torch.equal(out.reshape(b * s, d), got["blocks"][-1]["hn"]))})
+    print("RESULTS " + json.dumps(results))
+    """
+)
+
+
+def test_layer_kernels_under_the_interpreter():
+    results = run_interpreter_script(INTERPRETER_SCRIPT)
+    assert len(results) == 3
+    for r in results:
+        assert r["parts"] and all(n == 0 for n in r["parts"].values()), r
+        assert r["max_err"] < 0.01, r  # the float32 reference: the kernels compute the model, not just themselves
+        assert r["invalid_rows_zero"] and r["out_is_hn"], r
