@@ -344,12 +344,12 @@ def test_the_stop_budget_is_the_issue_s_contract():
     assert serve.RELEASE_S > 1.0  # the Python backend's fixed stub health check before finalize()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_under_load_stops_within_the_budget_cleanly_leaving_nothing(small, install, oracle, signum):
+@pytest.mark.parametrize("signum, instances", [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGINT, 4)])
+def test_a_signal_under_load_stops_within_the_budget_cleanly_leaving_nothing(small, install, oracle, signum, instances):
     from kkdeploy.commands.serve import STOP_BUDGET_S
 
     ports = free_ports()
-    serve = Serve(small, ports)
+    serve = Serve(small, ports, "--instances", str(instances))
     load = None
     try:
         assert serve.wait_for(r"^ready in", 120), serve.text
@@ -365,7 +365,10 @@ def test_a_signal_under_load_stops_within_the_budget_cleanly_leaving_nothing(sma
         assert took <= 5.0, (took, serve.text)  # issue 33, signal to exit, serve's own exit included
         assert stop_line(serve.text) <= STOP_BUDGET_S, serve.text
         assert code == 0, serve.text  # a clean stop: drained, the server exited by itself, nothing left
-        assert "every request answered" in serve.text and "exit code 0" in serve.text
+        assert "every request answered" in serve.text
+        # one instance exits by itself; of several, Triton finalizes one after another, a second each, and those
+        # still finalizing when the stop's budget runs out are ended with the server (their requests all answered)
+        assert "exit code 0" in serve.text or (instances > 1 and "a stub was still exiting" in serve.text)
         assert load.count("wrong") == 0
         assert_nothing_left(serve, workdir, server_pid, shm, ours)
     finally:

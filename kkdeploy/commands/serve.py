@@ -227,12 +227,14 @@ def stop(server, models: list[str], drain_timeout_s: float, release_dir: Path | 
 
     1. Unload the client-facing model (``models[0]``): readiness false at once, Triton refuses new requests to
        it and lets the accepted ones finish.
-    2. Drained: every one of its stubs has entered ``finalize()`` (``release_dir/<model>.<pid>``), which Triton
-       calls only once no request holds the model, 1 s after the last (the Python backend's stub health check);
-       with no stub known (already unloaded), the model is UNAVAILABLE. Waited for up to ``drain_timeout_s +
-       RELEASE_S``; a model that unloads without every finalize() had a stub fail. Triton's own metrics cannot
-       say this: its pending-request gauge drops a request when it is scheduled, before the backend runs it, and
-       no gauge counts the running ones.
+    2. Drained: one of its stubs has entered ``finalize()`` (``release_dir/<model>.<pid>``). Triton finalizes a
+       model's instances only once no request holds the model (1 s after the last: the Python backend's stub
+       health check), and then one instance after another, each after its own 1 s check: so the first marker says
+       every request was answered, and waiting for all of them would cost a second per instance (``--instances
+       4``: 4.8 s, past the budget). With no stub known (already unloaded), the model is UNAVAILABLE. Waited for
+       up to ``drain_timeout_s + RELEASE_S``; a model that unloads without any finalize() had its stubs fail.
+       Triton's own metrics cannot say this: its pending-request gauge drops a request when it is scheduled,
+       before the backend runs it, and no gauge counts the running ones.
     3. Unload the other models (the two-hop engine: its only caller has drained), and give the stubs until the
        budget's last ``SERVER_EXIT_S + KILL_S`` to exit (``model.py`` skips the interpreter's teardown).
     4. SIGTERM: with its models unloaded and ``--exit-timeout-secs 0`` the server exits at once, closing idle
@@ -293,24 +295,24 @@ def stop(server, models: list[str], drain_timeout_s: float, release_dir: Path | 
 
 
 def wait_released(server, model: str, stubs: list[int], release_dir: Path | None, until: float) -> str | None:
-    """Until ``until`` (``time.monotonic()``): None once every stub of ``model`` (alive when the stop began) has
-    left its release marker (``triton_model.release_marker``), or, with no stub known, once the model is
-    UNAVAILABLE; else the reason it was not drained."""
+    """Until ``until`` (``time.monotonic()``): None once a stub of ``model`` (alive when the stop began) has left
+    its release marker (``triton_model.release_marker``: Triton finalizes none before every request is answered),
+    or, with no stub known, once the model is UNAVAILABLE; else the reason it was not drained."""
     from ..serving.triton_model import release_marker
 
     markers = [Path(release_marker(str(release_dir), model, pid)) for pid in stubs] if release_dir else []
     while True:
-        if markers and all(m.exists() for m in markers):
+        if any(m.exists() for m in markers):
             return None
         if not server.alive():
             return "tritonserver died while draining"
         if server.model_states(_poll_timeout(until)).get(model) == "UNAVAILABLE":
             if not markers:
                 return None
-            if not all(m.exists() for m in markers):  # unloaded, yet a stub never reached finalize()
+            if not any(m.exists() for m in markers):  # unloaded, yet no stub reached finalize()
                 return f"a stub of {model} ended without finalizing (the backend found it unhealthy)"
         if time.monotonic() > until:
-            return None if markers and all(m.exists() for m in markers) else "in flight"
+            return None if any(m.exists() for m in markers) else "in flight"
         time.sleep(0.02)
 
 
