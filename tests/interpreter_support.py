@@ -4,6 +4,9 @@ Triton 3.6's interpreter computes ``tl.fma(x, y, z)`` as ``x * y + z`` in numpy:
 ``fma.rn.f32`` rounds once. The kernels' LayerNorm (ATen's Welford steps as nvcc's fmas) and the probabilities'
 Markstein division depend on that single rounding, so the logic tests install ``exact_fma`` first: the float32
 fma rounded once (``kkdeploy.kernels.layer_norm.fma32``), the function the CPU emulations use.
+
+``scalar_index`` lets the interpreter run with numpy 2.4: it turns a scalar tensor into a Python int with
+``int(array)``, which numpy 2.4 refuses for a 1-element array of one dimension (fixed upstream by squeezing).
 """
 
 from __future__ import annotations
@@ -25,3 +28,16 @@ def exact_fma() -> None:
         return interpreter.TensorHandle(out, z.dtype.scalar)
 
     interpreter.InterpreterBuilder.create_fma = create_fma
+
+
+def scalar_index() -> None:
+    """Make this process's Triton interpreter take a 1-element array as an index (``range(0, K, BLOCK_K)``)."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched

@@ -293,6 +293,9 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     def exact(shape, denominator, gen):  # small multiples of 1/denominator: every GEMM sum is exact
         return (torch.randint(-4, 5, shape, generator=gen).float() / denominator).half()
 
+    def np_rsqrt(t):  # the interpreter's tl.math.rsqrt: numpy's 1 / sqrt in float32 (torch's CPU 1 / sqrt differs
+        return torch.from_numpy(1 / np.sqrt(t.numpy()))  # from it by an ulp on some inputs)
+
     def erf32(t):  # the interpreter's tl.erf: math.erf in float64, rounded to float32
         return torch.from_numpy(np.vectorize(math.erf, otypes=[np.float64])(t.double().numpy()).astype(np.float32))
 
@@ -333,7 +336,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
             total, normed = triton_linear_layer_norm(x, w, b, r, mask, lw, lb, 1e-5, epilogue, BLOCK_M=64,
                                                      LN_RELOAD=reload, zero_invalid=zero_invalid)
             want_total = triton_linear(x, w, b, r, mask, epilogue)
-            want = emulate_layer_norm_rows(want_total, lw, lb, 1e-5, rsqrt=lambda t: 1 / torch.sqrt(t))
+            want = emulate_layer_norm_rows(want_total, lw, lb, 1e-5, rsqrt=np_rsqrt)
             if zero_invalid:
                 want = want.masked_fill(~mask[:, None], 0)
             results.append({"m": m, "n": n, "k": k, "epilogue": epilogue + "+layer_norm", "reload": reload,
@@ -357,7 +360,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     total, normed = triton_linear_layer_norm(x, w, b, r[:96], mask[:96], lw, lb, 1e-5, "masked_sum", prologue="gelu",
                                              BLOCK_M=64, zero_invalid=True)
     want_total = triton_linear(gx, w, b, r[:96], mask[:96], "masked_sum", BLOCK_M=64)
-    want = emulate_layer_norm_rows(want_total, lw, lb, 1e-5, rsqrt=lambda t: 1 / torch.sqrt(t))
+    want = emulate_layer_norm_rows(want_total, lw, lb, 1e-5, rsqrt=np_rsqrt)
     want = want.masked_fill(~mask[:96, None], 0)
     results.append({"m": 96, "n": 128, "k": 64, "epilogue": "gelu_prologue+masked_sum+layer_norm",
                     "differing": int((total.view(torch.int16) != want_total.view(torch.int16)).sum())

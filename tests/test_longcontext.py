@@ -464,6 +464,8 @@ def test_validation_plan_adds_full_length_trials_only_for_paths_the_reduced_shap
     assert sdpa.uncovered == ["all-valid/sdpa@100000"] and not sdpa.feasible  # SDPA rounds anew at every length
     assert "would take" in sdpa.reason and sdpa.full_length.batch_size == 2
     monkeypatch.setattr(bs, "fast_path_reason", lambda device, dtype, row_len=None, rows=None: None)
+    import kkdeploy.kernels.scores_attention as sa  # no scores kernel here: where Triton is importable it would
+    monkeypatch.setattr(sa, "triton_available", lambda: False)  # look up a proof for this (absent) GPU
     fast = plan_validation(config, reduced, 0, torch.float16, "cuda", query_tile=128, rate=5e14, bandwidth=4e12)
     assert set(fast.uncovered) == {f"{m}/tiled/{r}/block-kernel" for m in ("all-valid", "padded")
                                    for r in ("cut-rows", "full-rows")}
