@@ -9,6 +9,7 @@ compiles for a GPU target offline, and its wheel bundles ptxas. Use the Triton t
     python3 scripts/offline_ptx.py --triton /tmp/triton36 linear EPILOGUE=5 BLOCK_M=64 BLOCK_N=128 BLOCK_K=64 \\
         LN_RELOAD=1 --num-warps 8 --num-stages 3
     python3 scripts/offline_ptx.py --triton /tmp/triton36 attention BLOCK_M=64 NCACHED=4 --num-warps 4
+    python3 scripts/offline_ptx.py --triton /tmp/triton36 entry D=32 BK_D=32 --num-warps 8 --num-stages 2
 
 Constexprs not given take the defaults below (the op's launch on shape 6); ``--fp-fusion`` compiles with Triton's
 default fp contraction instead of the kernels' ``enable_fp_fusion=False``. Prints one line of counts.
@@ -40,6 +41,17 @@ KERNELS = {
         "eps": "fp32"},
         {"EPILOGUE": 3, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
          "LN_RELOAD": 0, "A_GELU": 0, "LN_ZERO_INVALID": 0}),
+    "entry": ("kkdeploy.kernels._layer_triton", "_entry_kernel", {
+        **{name: "*fp16" for name in ("X", "HN", "QKV", "G", "B", "WQKV", "BQKV")}, "S": "i32", "eps": "fp32"},
+        {"D": 128, "BLOCK_M": 64, "BN_QKV": 128, "BK_D": 64, "ACCURATE": 1}),
+    "layer": ("kkdeploy.kernels._layer_triton", "_layer_kernel", {
+        **{name: "*fp16" for name in ("X", "QKV")}, "MASK": "*i1",
+        **{name: "*fp16" for name in ("CTX", "X1", "H2", "FF", "X2", "HN", "QKV_NEXT", "WO", "BO", "LN2_G", "LN2_B",
+                                      "W1", "B1", "W2", "B2", "LNN_G", "LNN_B", "WQKV", "BQKV")},
+        "S": "i32", "scale": "fp32", "eps2": "fp32", "epsn": "fp32"},
+        {"D": 128, "F": 128, "H": 4, "HEAD_DIM": 32, "DH_PAD": 32, "LANES": 32, "SUB": 1, "ONE_PASS": 0, "NCACHED": 4,
+         "FAST_DIV": 1, "CAUSAL": 1, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 64, "BK_D": 64, "BK_F": 64,
+         "BN_F": 128, "BN_QKV": 128, "GELU_PROLOGUE": 1, "LAST": 0, "FUSE_ATTENTION": 0}),
 }
 COUNTED = {"wgmma": r"wgmma\.mma_async", "mma.sync": r"\bmma\.sync", "fma.rn": r"fma\.rn\.f32",
            "div.rn": r"div\.rn\.f32", "rsqrt": r"rsqrt\.approx", "ex2": r"ex2\.approx", "bar.sync": r"bar\.sync"}
@@ -53,7 +65,8 @@ def parse_constexprs(pairs: list[str], defaults: dict) -> dict:
             raise SystemExit(f"offline_ptx: {pair!r}: give NAME=VALUE with NAME one of {', '.join(defaults)}")
         values[name] = int(value)
     return {k: bool(v) if k in ("CAUSAL", "HAS_MASK", "ACCURATE", "DEBUG", "ONE_PASS", "FAST_DIV", "LN_RELOAD",
-                                "A_GELU", "LN_ZERO_INVALID") else v for k, v in values.items()}
+                                "A_GELU", "LN_ZERO_INVALID", "GELU_PROLOGUE", "LAST", "FUSE_ATTENTION") else v
+            for k, v in values.items()}
 
 
 def main(argv=None) -> int:
