@@ -21,7 +21,7 @@
 #   prove-N.json     `kkdeploy prove` per shape: the build's proof step on its own (which kernels, which launches)
 #   custom.tgz, custom.md  the custom-shape step: builds and benches of non-official shapes with our own weights
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
-# attention, prove, custom, bench, profile, customops, ortstrict, ortjudge, shape14build. A step's =SECONDS caps its wall time.
+# attention, prove, custom, bench, profile, customops, ortstrict, ortjudge, shape14build, layers. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -145,10 +145,20 @@ step_shape14tiles() {
 step_setup() {
   # Carried wheels (.whl/*.whl), installed once per machine into /tmp/site without dependencies: polygraphy
   # (the validator needs it) and, when carried, ModelOpt AutoCast's set for the -autocast candidates.
+  # The serving carry (scripts/serving_carry.sh) stages its wheels under .whl/serving/: its polygraphy serves too.
   [ -e /tmp/site/.kk-wheels ] && return 0
-  python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl && touch /tmp/site/.kk-wheels
+  local wheels
+  wheels=$(ls .whl/*.whl 2>/dev/null; ls .whl/serving/polygraphy-*.whl 2>/dev/null)
+  [ -n "$wheels" ] || { echo "setup: no wheels under .whl/ (carry [\".whl\"])" >&2; return 2; }
+  python3 -m pip install -q --no-deps --no-index --target /tmp/site $wheels && touch /tmp/site/.kk-wheels
   python3 -c "import polygraphy; print('polygraphy', polygraphy.__version__)"
   python3 -c "import modelopt.onnx.autocast, modelopt; print('modelopt', modelopt.__version__)" 2>/dev/null || true
+}
+step_layers() {
+  # Issue 31: whole blocks in one or two launches (kkdeploy.kernels.layer_kernels), op by op against the reference
+  # and timed against eager and torch-graph in one process. LAYERS_SHAPES, LAYERS_ARGS (e.g. --weights own:4711).
+  python3 scripts/layer_kernels_h200.py --shapes "${LAYERS_SHAPES:-2,3,4,7,12}" --json "$OUT/layers.json" \
+    ${LAYERS_ARGS:-}
 }
 step_prove() {
   # The build's proof step on its own, per official shape (PROVE_SHAPES): each kernel op's launches proven here.
