@@ -19,7 +19,9 @@ buffers the program itself wrote, behind ``tl.debug_barrier()`` (a CTA's global 
 threads after ``bar.sync``), and those buffers stay in L2. Each part writes its own buffer, so a proof can compare
 every intermediate with the reference's op by op and name the first one that differs.
 
-``_entry_kernel`` is the first block's norm1 and Q|K|V, so a model of L blocks is L + 1 launches.
+``_entry_kernel`` is the first block's norm1 and Q|K|V, so a model of L blocks is L + 1 launches. With
+``FUSE_ATTENTION`` off, part A is the attention kernel's own launch (one program per head) before each block's, and
+the block launch starts at B: 2L + 1 launches, and no program holds the attention's registers beside the GEMMs'.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ interpreter (``tests/test_layer_kernels.py``) against the same tiles launched on
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -100,7 +100,6 @@ class LayerLaunch:
     num_stages: int = 2
     split: bool = True
     libdevice: str = "cuda"
-    extra: dict = field(default_factory=dict)
 
     def name(self) -> str:
         return (f"{self.attention}{'_split' if self.split else ''}{'' if self.gelu_prologue else '_gelu_epilogue'}"
