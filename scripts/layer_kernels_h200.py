@@ -30,7 +30,9 @@ from engines.cuda_graph import CapturedCall  # noqa: E402
 from kkdeploy.config import official_config  # noqa: E402
 from kkdeploy.inputs import generate_case, padded_case  # noqa: E402
 from kkdeploy.kernels.layer_kernels import (LayerKernels, LayerLaunch, compare_intermediates,  # noqa: E402
-                                            default_launch, differing, reference_intermediates)
+                                            default_launch, reference_intermediates)
+from kkdeploy.kernels.proof import differing_elements as differing  # noqa: E402
+from kkdeploy.kernels.timing import event_median_ms  # noqa: E402
 from kkdeploy.models.reference import ReferenceTransformer  # noqa: E402
 from kkdeploy.models.weights import init_weights  # noqa: E402
 from validation.strict import strict_fail_mask  # noqa: E402
@@ -46,19 +48,12 @@ def model_for(config, weights: str, device):
 
 
 def median_ms(fn, repeats: int, rounds: int) -> float:
+    """The median over ``rounds`` of each round's median (``event_median_ms``), 10 warm-up calls before each."""
     per_round = []
     for _ in range(rounds):
         for _ in range(10):
             fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(repeats):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        per_round.append(statistics.median(times))
+        per_round.append(event_median_ms(fn, repeats))
     return statistics.median(per_round)
 
 

@@ -315,7 +315,7 @@ def kernel_lanes(seq_len: int) -> int:
 
 def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=None, sub=None,
                      num_warps=None, num_stages=None, debug=False, validate=True, one_pass=False, cached=False,
-                     fast_div=False):
+                     fast_div=False, out=None, libdevice=None):
     """Launch the kernel; returns the context [B, S, D] fp16 (and, with ``debug``, the fp16 scores and
     probabilities [B, H, S, S] as the reference computes them; causal-skipped entries are filled with
     the reference's values -inf and 0). ``validate=False``: the caller already checked the inputs.
@@ -323,7 +323,9 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
     and probability is computed once instead of three times, and P.V is one tl.dot over the row.
     ``cached`` (S <= 4 * lanes): the three-pass arithmetic with each chunk's scores and exps computed once and
     kept in registers (at most 4 chunks), P.V chained chunk by chunk as in the third pass.
-    ``fast_div``: the probabilities' division as one reciprocal per row and two fmas per element (``_pv_chunk``)."""
+    ``fast_div``: the probabilities' division as one reciprocal per row and two fmas per element (``_pv_chunk``).
+    ``out``: a [B, S, D] float16 tensor (unit last stride) to write the context into instead of a new one;
+    ``libdevice``: the libdevice.10.bc this launch links instead of Triton's bundled copy."""
     if validate:
         check_attention_inputs(q, k, v, valid_token_mask, num_heads, causal)
         if q.dtype != torch.float16:
@@ -353,7 +355,8 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         num_warps = 8 if (dh_pad >= 256 or block_m >= 128 or one_pass) else 4
     if num_stages is None and dh_pad >= 256:
         num_stages = 2  # 3 stages of [64, 256] K and V tiles pass the H200's 227 KiB of shared memory
-    out = torch.empty((b, s, d), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((b, s, d), dtype=q.dtype, device=q.device)
     if debug:
         scores = torch.full((b, num_heads, s, s), float("-inf"), dtype=q.dtype, device=q.device)
         probs = torch.zeros((b, num_heads, s, s), dtype=q.dtype, device=q.device)
@@ -369,6 +372,8 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         launch["num_stages"] = num_stages
     if not INTERPRET:
         launch.update(COMPILE_FLAGS)
+        if libdevice:
+            launch["extern_libs"] = {"libdevice": libdevice}
     _faithful_attention_kernel[grid](
         q, k, v, mask, out, scores, probs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from kkdeploy.errors import KKError
-from kkdeploy.models.reference import attention_core, zero_invalid_rows
+from kkdeploy.models.reference import zero_invalid_rows
 
-from .fused_linear import LN_WIDTHS
+from .fused_linear import LN_WIDTHS, packed
 from .paths import triton_available
+from .proof import differing_elements
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: the attention forms a layer launch can take (``faithful_attention.LAUNCHES`` at 64 rows: wgmma tiles)
@@ -131,12 +131,22 @@ class LayerKernels:
             raise KKError(f"unknown attention form {self.launch.attention!r}; the forms are {', '.join(ATTENTION_FORMS)}")
         if ATTENTION_FORMS[self.launch.attention]["cached"] and config.seq_len > 128:
             raise KKError(f"attention form {self.launch.attention!r} holds rows of at most 128 keys (S = {config.seq_len})")
-        self.model = model  # the packed tensors below are copies; the norms' parameters are read in place
+        self.model = model  # the packed Q|K|V tensors are copies; every other parameter is read in place
         with torch.no_grad():
-            self.qkv_weights = [torch.cat([b.attention.q_proj.weight, b.attention.k_proj.weight,
-                                           b.attention.v_proj.weight]).contiguous() for b in model.layers]
-            self.qkv_biases = [torch.cat([b.attention.q_proj.bias, b.attention.k_proj.bias,
-                                          b.attention.v_proj.bias]).contiguous() for b in model.layers]
+            qkv = [packed([p.weight for p in projections], [p.bias for p in projections])
+                   for projections in ((b.attention.q_proj, b.attention.k_proj, b.attention.v_proj)
+                                       for b in model.layers)]
+        self.qkv_weights, self.qkv_biases = [w for w, _ in qkv], [b for _, b in qkv]
+        from ._fused_linear_triton import COMPILE_FLAGS  # the proven kernels' IEEE arithmetic
+
+        # compile options of every launch, the libdevice looked up once here, not per call
+        self.flags = {} if INTERPRET else dict(COMPILE_FLAGS)
+        self.libdevice = None
+        if not INTERPRET and self.launch.libdevice == "cuda":
+            self.libdevice = cuda_libdevice()
+            if self.libdevice is None:
+                raise KKError(f"layer kernels: CUDA's libdevice not found (set {LIBDEVICE_ENV} to its libdevice.10.bc)")
+            self.flags["extern_libs"] = {"libdevice": self.libdevice}
         self._buffers: dict = {}
         self.compiled: dict = {}  # launch name -> Triton's compiled kernel (registers, spills)
 
@@ -161,7 +171,7 @@ class LayerKernels:
         import triton
 
         from . import _layer_triton as kernels
-        from ._faithful_attention_triton import COMPILE_FLAGS, kernel_lanes
+        from ._faithful_attention_triton import kernel_lanes, triton_attention
         from .faithful_attention import fp32_scale
 
         c, launch = self.config, self.launch
@@ -183,13 +193,7 @@ class LayerKernels:
         cached = form["cached"]
         ncached = -(-s // lanes) if cached else 0
         tiles = dict(BLOCK_M=BLOCK_M, BN_QKV=min(128, _pow2(3 * d)), BK_D=min(64, max(16, _pow2(d))))
-        flags = {} if INTERPRET else dict(COMPILE_FLAGS)
-        if not INTERPRET and launch.libdevice == "cuda":
-            path = cuda_libdevice()
-            if path is None:
-                raise KKError(f"layer kernels: CUDA's libdevice not found (set {LIBDEVICE_ENV} to its libdevice.10.bc)")
-            flags["extern_libs"] = {"libdevice": path}
-        run = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **flags)
+        run = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **self.flags)
         grid = (triton.cdiv(s, BLOCK_M), b)
         layers = list(self.model.layers)
         first = layers[0].norm1
@@ -202,8 +206,11 @@ class LayerKernels:
             next_norm = self.model.final_norm if last else layers[i + 1].norm1
             nxt = i if last else i + 1  # the last block writes no Q|K|V: any buffer stands in
             att = block.attention
-            if launch.split:
-                self._split_attention(buf["qkv"][i], mask, has_mask, buf["ctx"][i], b, s, ncached, lanes, form, flags)
+            if launch.split:  # the attention kernel's own launch (cached64w4's tiles) into the block's CTX buffer
+                q, k, v = buf["qkv"][i].view(b, s, 3 * d).split(d, dim=-1)
+                triton_attention(q, k, v, valid_token_mask, heads, c.causal, block_m=BLOCK_M, num_warps=4,
+                                 cached=cached, fast_div=form["fast_div"], validate=False,
+                                 out=buf["ctx"][i].view(b, s, d), libdevice=self.libdevice)
             self.compiled["last" if last else "layer"] = kernels._layer_kernel[grid](
                 layer_input, buf["qkv"][i], mask, buf["ctx"][i], buf["x1"][i], buf["h2"][i], buf["ff"][i],
                 buf["x2"][i], buf["hn"][i], buf["qkv"][nxt],
@@ -217,29 +224,6 @@ class LayerKernels:
                 GELU_PROLOGUE=launch.gelu_prologue, LAST=last, FUSE_ATTENTION=not launch.split, **tiles, **run)
             layer_input = buf["x2"][i]
         return buf["hn"][-1].view(b, s, d)
-
-    def _split_attention(self, qkv, mask, has_mask: bool, ctx, b: int, s: int, ncached: int, lanes: int, form: dict,
-                         flags: dict) -> None:
-        """The attention kernel's own launch (64 rows, 4 warps: ``cached64w4``'s tiles) from the packed Q|K|V rows
-        into the block's CTX buffer."""
-        import triton
-
-        from ._faithful_attention_triton import _faithful_attention_kernel
-        from .faithful_attention import fp32_scale
-
-        c = self.config
-        d, heads = c.d_model, c.num_heads
-        dh = d // heads
-        q, k, v = qkv.view(b, s, 3 * d).split(d, dim=-1)
-        out = ctx.view(b, s, d)
-        stride_mb, stride_ms = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
-        self.compiled["attention"] = _faithful_attention_kernel[(triton.cdiv(s, BLOCK_M), b * heads)](
-            q, k, v, mask, out, out, out,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            stride_mb, stride_ms, s, heads, fp32_scale(dh),
-            HEAD_DIM=dh, DH_PAD=max(16, _pow2(dh)), BLOCK_M=BLOCK_M, LANES=lanes, SUB=1, CAUSAL=bool(c.causal),
-            HAS_MASK=has_mask, ACCURATE=not INTERPRET, DEBUG=False, ONE_PASS=False, NCACHED=ncached,
-            FAST_DIV=form["fast_div"], num_warps=4, **flags)
 
     def kernel_stats(self) -> dict:
         """Registers and spills of each launch as compiled here (Triton's CompiledKernel), for reports."""
@@ -261,49 +245,35 @@ class LayerKernels:
 @torch.no_grad()
 def reference_intermediates(model, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor],
                             gelu_prologue: bool = True) -> dict:
-    """The reference's tensors at the points the layer launches write them, by the reference's own modules (the
-    ATen ops eager runs): what ``compare_intermediates`` holds the kernels' buffers to."""
-    layers = list(model.layers)
-    b, s, d = x.shape
-    rows = lambda t: t.reshape(b * s, -1)  # noqa: E731
-    h = layers[0].norm1(x)
+    """The reference's tensors at the points the layer launches write them (``model_proofs.capture_layers``: the
+    reference's blocks op by op, the ATen ops eager runs), as [rows, width]: what ``compare_intermediates`` holds
+    the kernels' buffers to."""
+    from .model_proofs import capture_layers
 
-    def qkv(block, h):
-        att = block.attention
-        return torch.cat([att.q_proj(h), att.k_proj(h), att.v_proj(h)], dim=-1)
-
-    out = {"hn0": rows(h), "qkv0": rows(qkv(layers[0], h)), "blocks": []}
-    for i, block in enumerate(layers):
-        att = block.attention
-        q, k, v = (att.split_heads(p(h)) for p in (att.q_proj, att.k_proj, att.v_proj))
-        ctx = attention_core(q, k, v, valid_token_mask, att.scale, att.causal).transpose(1, 2).reshape(b, s, d)
-        x1 = x + zero_invalid_rows(att.out_proj(ctx), valid_token_mask)
-        h2 = block.norm2(x1)
-        ff = block.ffn_in(h2)
-        g = F.gelu(ff, approximate="none")
-        x2 = zero_invalid_rows(x1 + block.ffn_out(g), valid_token_mask)
-        last = i + 1 == len(layers)
-        if last:
-            hn = zero_invalid_rows(model.final_norm(x2), valid_token_mask)
+    n = len(model.layers)
+    layers = capture_layers(model, x, valid_token_mask, range(n))
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    qkv = lambda layer: rows(torch.cat([layer.q, layer.k, layer.v], dim=-1))  # noqa: E731
+    blocks = []
+    for i in range(n):
+        layer = layers[i]
+        if i + 1 < n:
+            hn, qkv_next = layers[i + 1].h, qkv(layers[i + 1])
         else:
-            hn = layers[i + 1].norm1(x2)
-        out["blocks"].append({"ctx": rows(ctx), "x1": rows(x1), "h2": rows(h2), "ff": rows(ff if gelu_prologue else g),
-                              "x2": rows(x2), "hn": rows(hn), "qkv_next": None if last else rows(qkv(layers[i + 1], hn))})
-        x, h = x2, hn
-    return out
-
-
-def differing(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Elements whose bits differ (NaN payloads and signed zeros included)."""
-    return int((a.contiguous().view(torch.int16) != b.contiguous().view(torch.int16)).sum())
+            hn, qkv_next = zero_invalid_rows(model.final_norm(layer.out), valid_token_mask), None
+        blocks.append({"ctx": rows(layer.context), "x1": rows(layer.mid), "h2": rows(layer.h2),
+                       "ff": rows(layer.f if gelu_prologue else layer.g), "x2": rows(layer.out), "hn": rows(hn),
+                       "qkv_next": qkv_next})
+    return {"hn0": rows(layers[0].h), "qkv0": qkv(layers[0]), "blocks": blocks}
 
 
 def compare_intermediates(got: dict, want: dict) -> dict:
     """Differing elements per part: {"hn0": n, "qkv0": n, "blocks": [{part: n}], "first": "block 2 x1" or None}."""
-    report = {"hn0": differing(got["hn0"], want["hn0"]), "qkv0": differing(got["qkv0"], want["qkv0"]), "blocks": []}
+    report = {"hn0": differing_elements(got["hn0"], want["hn0"]),
+              "qkv0": differing_elements(got["qkv0"], want["qkv0"]), "blocks": []}
     first = next((name for name in ("hn0", "qkv0") if report[name]), None)
     for i, (g, w) in enumerate(zip(got["blocks"], want["blocks"])):
-        row = {part: differing(g[part], w[part]) for part in PARTS if w[part] is not None}
+        row = {part: differing_elements(g[part], w[part]) for part in PARTS if w[part] is not None}
         report["blocks"].append(row)
         if first is None:
             first = next((f"block {i} {part}" for part in PARTS if row.get(part)), None)

@@ -72,6 +72,7 @@ class _Layer:
     context: torch.Tensor  # out_proj's input
     mid: torch.Tensor  # x after the attention's residual: norm2's input, ffn_out's residual
     h2: torch.Tensor  # norm2(mid): ffn_in's input
+    f: torch.Tensor  # ffn_in(h2): GELU's input
     g: torch.Tensor  # GELU(ffn_in(h2)): ffn_out's input
     out: torch.Tensor  # the block's output
 
@@ -91,10 +92,11 @@ def capture_layers(model, x: torch.Tensor, mask: torch.Tensor, keep: Iterable[in
         context = attention.attend(attention.split_heads(q), attention.split_heads(k), attention.split_heads(v), mask)
         mid = x + zero_invalid_rows(attention.out_proj(context), mask)
         h2 = block.norm2(mid)
-        g = F.gelu(block.ffn_in(h2), approximate="none")
+        f = block.ffn_in(h2)
+        g = F.gelu(f, approximate="none")
         out = zero_invalid_rows(mid + block.ffn_out(g), mask)
         if i in keep:
-            kept[i] = _Layer(x, h, q, k, v, context, mid, h2, g, out)
+            kept[i] = _Layer(x, h, q, k, v, context, mid, h2, f, g, out)
         x = out
     return kept
 
