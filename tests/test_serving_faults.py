@@ -155,7 +155,7 @@ class Load:
                 sent = time.monotonic()
                 try:
                     got = client.send(k)
-                    self.events.append((time.monotonic(), "ok" if got in self.answers[k].values() else "wrong", "",
+                    self.events.append((time.monotonic(), "ok" if loadtest.answered_by(self.answers[k], got) is not None else "wrong", "",
                                         sent))
                 except Exception as exc:  # noqa: BLE001 - an error is allowed, a wrong answer never
                     self.events.append((time.monotonic(), "error", str(exc)[:200], sent))

@@ -83,7 +83,7 @@ def test_percentiles_breakdown_and_a_wrong_answer_is_counted():
     assert s["engine_us_per_run"] == 200 and s["avg_batch_sequences"] == 3 and s["padding_rows_fraction"] == 0.0769
     assert s["runs_by_bucket"] == {"4": 3, "1": 1}
     p = plan(pool=3)
-    answers = [{1: "a"}, {1: "b"}, {1: "c", 2: "d"}]
+    answers = [{1: ("a",)}, {1: ("b",)}, {1: ("c",), 2: ("d", "e")}]
     records = [(0, 0.0, 0.01, "a", None), (2, 0.1, 0.02, "d", None), (1, 0.2, 0.03, "zz", None),
                (1, 0.3, 0.04, None, "InferenceServerException: down")]
     summary = loadtest.summarize(p, records, answers, delta, 1.0)
@@ -126,7 +126,7 @@ def test_cpu_target_batch1_grpc_from_two_processes_every_answer_exact(shape3, in
             xt = torch.from_numpy(x)
             mt = None if mask is None else torch.from_numpy(mask)
             y = runner(xt, mt)
-            assert loadtest.digest(y.numpy().tobytes()) == found[1]
+            assert loadtest.digest(y.numpy().tobytes()) == found[1][0]
             assert compare_outputs(reference.eval()(xt, mt), y, *CONTRACTS["strict"]).passed
 
 
@@ -240,3 +240,32 @@ def test_stage_clock_never_holds_its_lock_across_a_push():
     clock.close()  # nor does finalize()
     assert time.monotonic() - began < 1.0
     release.set()
+
+
+def test_expected_answers_hold_both_mask_routes_of_a_bucket():
+    """A payload without padding may reach a bucket gathered with other valid rows only (the engine's all-valid
+    route) or beside padding rows (the padded route); an engine may answer the two in different bits (the PyTorch
+    fallback on the CPU does, with trained-like weights), and both were validated: both are expected."""
+    from kkdeploy.pipeline.runtime import BucketedRunner
+
+    class Engine:  # row-independent; each bucket and each route its own answer
+        backend, reason = "fake", "test"
+        fallback = torch.nn.Linear(1, 1)
+
+        def __init__(self, size):
+            self.size = size
+
+        def __call__(self, x, mask):
+            return x * (10.0 * self.size + (1.0 if bool(mask.all()) else 0.0))
+
+    runner = BucketedRunner({1: Engine(1), 2: Engine(2)})
+    p = plan(mix=[[1, 1.0]], padding=[0.0, 0.25], pool=2)
+    pool = loadtest.make_pool(p)
+    answers = loadtest.expected_answers(runner, pool)
+    unpadded, padded = answers
+    assert len(unpadded[1]) == 1 and len(unpadded[2]) == 2  # bucket 2: beside padding, or beside a valid row
+    assert len(padded[2]) == 1  # a padded payload makes the batch padded wherever it goes
+    x = torch.from_numpy(pool[0][0])
+    gathered = runner.run_bucket(2, torch.cat([x, x * 0.5]), torch.ones(2, x.shape[1], dtype=torch.bool))[:1]
+    assert loadtest.answered_by(unpadded, loadtest.digest(gathered.numpy().tobytes())) == 2
+    assert loadtest.answered_by(unpadded, "not an answer") is None

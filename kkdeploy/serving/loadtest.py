@@ -162,9 +162,12 @@ def digest_array(array: np.ndarray) -> str:
     return digest(memoryview(np.ascontiguousarray(array)).cast("B"))
 
 
-def expected_answers(runner, pool, device=None) -> list[dict[int, str]]:
-    """For each payload, ``{bucket: digest}`` of the direct engine's answer at every bucket that holds it: the
-    payload's rows first, padding rows zero and fully masked, as the server lays out a batch."""
+def expected_answers(runner, pool, device=None) -> list[dict[int, tuple[str, ...]]]:
+    """For each payload, ``{bucket: digests}``: the direct engine's answers at every bucket that holds it, in each
+    layout the server may give it. The payload's rows come first, then either padding rows (zero, fully masked), or,
+    for a payload without padding, valid rows of other requests: a bucket filled with valid rows only takes the
+    engine's all-valid route, which may run other kernels than the padded one (each route was validated on its own;
+    the PyTorch fallback on the CPU answers the two in different bits). Match a response with ``answered_by``."""
     import torch
 
     from ..pipeline.runtime import bucketed
@@ -175,18 +178,28 @@ def expected_answers(runner, pool, device=None) -> list[dict[int, str]]:
     with torch.inference_mode():
         for x, mask in pool:
             n = x.shape[0]
+            xt = torch.from_numpy(x).to(device=device, dtype=dtype)
             found = {}
             for size in runner.sizes:
                 if size < n:
                     continue
                 xb = torch.zeros((size, *x.shape[1:]), dtype=dtype, device=device)
-                xb[:n] = torch.from_numpy(x).to(device)
+                xb[:n] = xt
                 mb = torch.zeros((size, x.shape[1]), dtype=torch.bool, device=device)
                 mb[:n] = True if mask is None else torch.from_numpy(mask).to(device)
-                y = runner.run_bucket(size, xb, mb)[:n]
-                found[size] = digest(y.detach().cpu().contiguous().numpy().tobytes())
+                digests = [digest(runner.run_bucket(size, xb, mb)[:n].detach().cpu().contiguous().numpy().tobytes())]
+                if size > n and bool(mb[:n].all()):  # gathered with other valid rows: the all-valid route
+                    full = xt.repeat(-(-size // n), *([1] * (xt.dim() - 1)))[:size]
+                    y = runner.run_bucket(size, full, torch.ones_like(mb))[:n]
+                    digests.append(digest(y.detach().cpu().contiguous().numpy().tobytes()))
+                found[size] = tuple(dict.fromkeys(digests))
             answers.append(found)
     return answers
+
+
+def answered_by(found: dict[int, tuple[str, ...]], got: str | None) -> int | None:
+    """The bucket whose answer ``got`` (a response's digest) is, from ``expected_answers``; None: a wrong answer."""
+    return next((bucket for bucket, digests in found.items() if got in digests), None)
 
 
 # -- one client thread --------------------------------------------------------------------------------------------
@@ -480,7 +493,7 @@ def run_load(plan: LoadPlan, answers: list[dict] | None, progress=None) -> dict:
             if error:
                 raise KKError(f"client process {index} failed before the load: {error}")
             if pool_answers is not None:
-                warm_bad += sum(1 for k, d in warm if d not in pool_answers[k].values())
+                warm_bad += sum(1 for k, d in warm if answered_by(pool_answers[k], d) is None)
         time.sleep(0.6)  # the warm-up's stage counters are pushed (at most every 0.5 s) before the snapshot
         before = read_metrics(metrics_url, plan.model)
         start_at.value = time.time()
@@ -532,11 +545,11 @@ def summarize(plan: LoadPlan, records: list, answers: list[dict] | None, delta: 
     wrong, buckets_matched = [], {}
     if answers is not None:
         for r in ok:
-            match = [b for b, d in answers[r[0]].items() if d == r[3]]
-            if not match:
+            bucket = answered_by(answers[r[0]], r[3])
+            if bucket is None:
                 wrong.append(r)
             else:
-                buckets_matched[match[0]] = buckets_matched.get(match[0], 0) + 1
+                buckets_matched[bucket] = buckets_matched.get(bucket, 0) + 1
     sequences = sum(pool[r[0]][0].shape[0] for r in ok) if pool is not None else None
     span = max((r[1] + r[2] for r in ok), default=0.0) if ok else wall_s
     summary = {
