@@ -21,7 +21,7 @@
 #   prove-N.json     `kkdeploy prove` per shape: the build's proof step on its own (which kernels, which launches)
 #   custom.tgz, custom.md  the custom-shape step: builds and benches of non-official shapes with our own weights
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
-# attention, prove, custom, bench, profile, customops, ortstrict, ortjudge, shape14build, layers. A step's =SECONDS caps its wall time.
+# attention, prove, custom, bench, profile, customops, ortstrict, ortjudge, shape14build, layers, buildtime. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -153,6 +153,32 @@ step_setup() {
   python3 -m pip install -q --no-deps --no-index --target /tmp/site $wheels && touch /tmp/site/.kk-wheels
   python3 -c "import polygraphy; print('polygraphy', polygraphy.__version__)"
   python3 -c "import modelopt.onnx.autocast, modelopt; print('modelopt', modelopt.__version__)" 2>/dev/null || true
+}
+step_buildtime() {
+  # Issue 28's build-time target: `kkdeploy build` of BUILDTIME_SHAPES (default 6) with default backends and weights
+  # of our own (scripts/make_weights.py --seed 600 + shape), cold caches unless the machine is warm; the stages line
+  # and the child compiles (pipeline.compile_ahead) printed, manifests into buildtime.tgz. BUILDTIME_ARGS: extra flags.
+  for s in ${BUILDTIME_SHAPES:-6}; do
+    python3 scripts/make_weights.py --shape "$s" --seed $((600 + s)) --out "$WORK/w$s.safetensors" > /dev/null
+    python3 -m kkdeploy build --shape "$s" --device cuda --force --weights "$WORK/w$s.safetensors" \
+      ${BUILDTIME_ARGS:-} --out "$WORK/bt-$s" || echo "buildtime shape $s: exit $?"
+    python3 - "$WORK/bt-$s/manifest.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+print("BUILDTIME", m["config"], "build_seconds", m.get("build_seconds"), m.get("build_stages"))
+w = m.get("compile_warmup") or {}
+print("WARMUP workers", w.get("workers"), "proof_seconds", w.get("proof_seconds"))
+for c in w.get("children", []):
+    print("  child", c)
+for c in m["candidates"]:
+    o = c.get("options") or {}
+    print("  cand", c["name"], c["status"], "build_s", c.get("build_seconds"), "compile_s", o.get("compile_seconds"),
+          "proof_s", o.get("proof_seconds"))
+print("CHOICE", m["choice"])
+PY
+  done
+  (cd "$WORK" && tar czf "$OUT/buildtime.tgz" --exclude='*.pt2' --exclude='*.safetensors' --exclude='*.inductor-cache' \
+     --exclude='*.onnx' bt-*)
 }
 step_layers() {
   # Issue 31: whole blocks in one or two launches (kkdeploy.kernels.layer_kernels), op by op against the reference

@@ -21,6 +21,7 @@ from validation.trials import DEFAULT_PADDING_RATIO
 from .. import artifacts
 from .calibration import layer_calibrator
 from .chooser import FALLBACK, choose
+from .compile_ahead import start_compile_warmup
 from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_TIME_BUDGET_S, DEFAULT_WARMUPS
 from ..config import TransformerConfig, dtype_name, tf32_default, tf32_mode
 from ..console import console, progress_bar, table
@@ -58,6 +59,7 @@ class BuildRequest:
     options: dict = field(default_factory=dict)  # backend/exporter options, recorded in the manifest
     probe_timeout_s: float | None = None  # fresh-process load check; None: engines.fresh_process.DEFAULT_TIMEOUT_S
     batch_buckets: list[int] | None = None  # smaller batch sizes built and validated beside B
+    compile_workers: int | None = None  # child processes compiling ahead (pipeline.compile_ahead); None: by cores
 
 
 def default_out_dir(shape_id: int | None, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> Path:
@@ -180,20 +182,28 @@ def probe_fresh_processes(request: BuildRequest, stage: Path, results: list[Cand
             result.status, result.reason = outcome.status, outcome.reason
 
 
-def load_runners(request: BuildRequest, stage: Path, results: list[CandidateResult]) -> dict:
-    """Load every built candidate here; one that was probed must compute here what it computed there."""
+def load_runners(request: BuildRequest, stage: Path, results: list[CandidateResult], built: dict | None = None) -> dict:
+    """Load every built candidate here, or take the runner its builder compiled (``built``, by name: a compiled
+    graph is not compiled a second time; every later load checks the artifact reproduces its recorded output); one
+    that was probed must compute here what it computed there."""
     from engines.base import output_fingerprint
 
+    built = built if built is not None else {}
     runners = {}
     for result in results:
         if result.status != BUILT:
+            if result.name in built:
+                built.pop(result.name).close()
             continue
-        try:
-            runner = get_backend(result.backend).load(stage, result.to_dict(), request.config, request.dtype,
-                                                      request.device)
-        except Exception as exc:
-            result.status, result.reason = BUILD_FAILED, f"load failed: {type(exc).__name__}: {exc}"
-            continue
+        if result.name in built:
+            runner = built.pop(result.name)
+        else:
+            try:
+                runner = get_backend(result.backend).load(stage, result.to_dict(), request.config, request.dtype,
+                                                          request.device)
+            except Exception as exc:
+                result.status, result.reason = BUILD_FAILED, f"load failed: {type(exc).__name__}: {exc}"
+                continue
         probed = result.fresh_process
         if probed and output_fingerprint(runner, request.config, request.dtype, request.device,
                                          padding_ratios=probed["padding_ratios"]) != probed["fingerprint"]:
@@ -328,11 +338,19 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
             stages.mark("export")
             bar.advance()
 
-            results = build_candidates(request, ctx, bar)
+            ctx.built_runners = {}  # compiled runners the builders hand over: validated as they are, not reloaded
+            warmup = start_compile_warmup(request, ctx, stage / artifacts.WEIGHTS_FILE, bar)
+            ctx.compile_warmup = warmup
+            try:
+                results = build_candidates(request, ctx, bar)
+            finally:
+                ctx.compile_warmup = None
+                if warmup is not None:
+                    warmup.close()
             stages.mark("candidates")
             probe_fresh_processes(request, stage, results, bar)
             stages.mark("fresh processes")
-            runners = load_runners(request, stage, results)
+            runners = load_runners(request, stage, results, ctx.built_runners)
             stages.mark("load")
 
             bar.describe("validate")
@@ -378,6 +396,8 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
                                      export_info, stage, atol, rtol, time.perf_counter() - started)
             manifest["build_stages"] = stages.seconds
             manifest["timing"] = timing
+            if warmup is not None:
+                manifest["compile_warmup"] = warmup.summary()
             if buckets:
                 top = [*buckets, (request.config.batch_size, ".", manifest)]
                 records = [bucket_record(size, rel, m, stage) for size, rel, m in top]
