@@ -161,8 +161,8 @@ step_buildtime() {
   for s in ${BUILDTIME_SHAPES:-6}; do
     python3 scripts/make_weights.py --shape "$s" --seed $((600 + s)) --out "$WORK/w$s.safetensors" > /dev/null
     python3 -m kkdeploy build --shape "$s" --device cuda --force --weights "$WORK/w$s.safetensors" \
-      ${BUILDTIME_ARGS:-} --out "$WORK/bt-$s" || echo "buildtime shape $s: exit $?"
-    python3 - "$WORK/bt-$s/manifest.json" <<'PY'
+      ${BUILDTIME_ARGS:-} --out "$WORK/bt-$s${BUILDTIME_TAG:-}" || echo "buildtime shape $s: exit $?"
+    python3 - "$WORK/bt-$s${BUILDTIME_TAG:-}/manifest.json" <<'PY'
 import json, sys
 m = json.load(open(sys.argv[1]))
 print("BUILDTIME", m["config"], "build_seconds", m.get("build_seconds"), m.get("build_stages"))
