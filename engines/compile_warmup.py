@@ -1,21 +1,21 @@
-"""Compile a build's ``torch.compile`` candidates in child processes first, so the build's own compiles hit warm caches.
+"""Compile a build's first ``torch.compile`` candidate in a child process while the build proves its kernels.
 
-Why: a build compiles its Inductor candidates one after another, and Inductor's code generation is single-threaded
-Python. On shape 6 (B = 10000, H200, cold caches) five compiles took about 50 of a 78 s build. The same compiles run
-side by side in child processes fill Inductor's on-disk caches (FX graph, AOTAutograd and Triton kernels, under
-``TORCHINDUCTOR_CACHE_DIR``, which children share with their parent), so that the build's own compile of each is a
-cache hit of a few seconds.
+Why: a build's first Inductor compile is its costly one (on shape 6, H200, cold caches: 9.8 s; the next four took
+1.5-2.9 s each, since they share its Triton kernels), and the kernel proofs of the our-kernel candidates (15 s
+there) run on the main process before it compiles anything else. A child process compiles that first candidate
+meanwhile, into Inductor's on-disk caches (FX graph, AOTAutograd and Triton kernels, under
+``TORCHINDUCTOR_CACHE_DIR``, which a child shares with its parent), so that the build's own compile is a cache hit.
 
 What a child compiles is what the build compiles next: the same ``CompiledRunner`` on the same weights (the
 staged weights file), dtype, device and TF32 setting, stopped after the compile (no CUDA-graph capture, no call).
 Nothing a child computes is trusted: the build validates what it compiled itself, and a child that fails, hangs or
 has not finished in time costs only the time (the build then compiles cold, and the record says so). The graph of
-our GEMMs depends on their proofs (``kernels.fused_blocks.block_plan``), so its child starts once the proofs are in
-the on-disk proof cache.
+our GEMMs depends on their proofs (``kernels.fused_blocks.block_plan``); a child for it starts only once the proofs
+are in the on-disk proof cache.
 
-``CompileWarmup(weights, config, dtype, device, tf32=..., workers=N)``: ``start(names)`` queues children (at most
-``workers`` at once), ``wait(name)`` blocks until that child is done and returns its record, ``close()`` stops what
-is left. The child is ``python -m engines.compile_warmup REQUEST.json RESULT.json``.
+``CompileWarmup(weights, config, dtype, device, tf32=..., workers=N)``: ``start(names)`` starts children while
+fewer than ``workers`` run, ``wait(name)`` blocks until that child is done and returns its record, ``close()`` stops
+what is left. The child is ``python -m engines.compile_warmup REQUEST.json RESULT.json``.
 """
 
 from __future__ import annotations
@@ -38,25 +38,27 @@ from .fresh_process import kill_group
 
 #: seconds a build waits for one child before compiling that candidate itself
 DEFAULT_WAIT_S = 300.0
-#: CPU cores each concurrent child is given in the default worker count (Inductor compiles Triton kernels in a
-#: worker pool of its own)
-CORES_PER_WORKER = 4
+#: CPU cores a machine needs before a build starts a child by default
+MIN_CORES = 4
 
 
 def default_workers(device: torch.device, candidates: int) -> int:
-    """Children a build runs at once by default: none on the CPU (a CPU compile is the build's whole job there,
-    and CI has 2 cores), else one per ``CORES_PER_WORKER`` cores, at most one per candidate; none for fewer than two
-    candidates (one compile gains nothing from a child)."""
-    if torch.device(device).type != "cuda" or candidates < 2:
+    """Children a build runs by default: one, on a GPU machine with at least ``MIN_CORES`` cores and two or more
+    candidates to compile; none on the CPU (a CPU compile is the build's whole job there, and CI has 2 cores).
+
+    One, measured (H200, 16 cores, shape 6, cold caches): the first compile is the costly one (9.8 s; the other
+    four took 1.5-2.9 s each, since they share its Triton kernels), and the kernel proofs (15 s) run meanwhile. Four
+    children slowed the proofs to 19 s and each other's compiles to 13-14 s, and the build gained nothing."""
+    if torch.device(device).type != "cuda" or candidates < 2 or (os.cpu_count() or 1) < MIN_CORES:
         return 0
-    return max(0, min(candidates, (os.cpu_count() or 1) // CORES_PER_WORKER))
+    return 1
 
 
 @dataclass
 class WarmupRecord:
-    """What one child did, for the manifest: ``status`` is ok, failed, timed-out, stopped or queued."""
+    """What one child did, for the manifest: ``status`` is running, ok, failed, timed-out or stopped."""
     name: str
-    status: str = "queued"
+    status: str = "running"
     reason: str = ""
     child_seconds: float = 0.0  # from the child's start to its end
     waited_seconds: float = 0.0  # what the build spent waiting for it
@@ -78,29 +80,31 @@ class CompileWarmup:
         self.tf32, self.workers, self.wait_s = bool(tf32), max(1, int(workers)), float(wait_s)
         self.records: dict[str, WarmupRecord] = {}
         self.proof_seconds = 0.0  # kernel proofs the build ran while the first children compiled
-        self._queue: list[str] = []
         self._running: dict[str, tuple[subprocess.Popen, float, Path]] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="kkdeploy-warmup-")
 
     # -- scheduling ---------------------------------------------------------------------------------------------
-    def start(self, names) -> None:
-        """Queue a child for each name not queued before; children start while fewer than ``workers`` run."""
-        for name in names:
-            if name not in self.records:
-                self.records[name] = WarmupRecord(name)
-                self._queue.append(name)
+    def start(self, names) -> list[str]:
+        """Start a child for each name not seen before while fewer than ``workers`` run; the names started. The
+        others are not queued: a child started late would finish after the build got to its candidate."""
         self._pump()
+        begun = []
+        for name in names:
+            if name not in self.records and len(self._running) < self.workers:
+                self.records[name] = WarmupRecord(name)
+                self._spawn(name)
+                begun.append(name)
+        return begun
 
     def _pump(self) -> None:
+        """Record every child that is done."""
         for name in list(self._running):
             child = self._running[name][0]
             if child.poll() is not None:
                 self._finish(name, child.returncode)
-        while self._queue and len(self._running) < self.workers:
-            self._spawn(self._queue.pop(0))
 
     def _spawn(self, name: str) -> None:
-        folder = Path(self._tmp.name) / f"{len(self.records)}-{len(self._running)}-{time.monotonic_ns()}"
+        folder = Path(self._tmp.name) / f"{len(self.records)}-{time.monotonic_ns()}"
         folder.mkdir()
         request = {"name": name, "weights": str(self.weights.resolve()), "config": self.config.to_dict(),
                    "dtype": dtype_name(self.dtype), "device": str(self.device), "tf32": self.tf32,
@@ -112,7 +116,6 @@ class CompileWarmup:
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         self._running[name] = (child, time.perf_counter(), folder)
-        self.records[name].status = "running"
 
     def _finish(self, name: str, returncode: int) -> None:
         child, started, folder = self._running.pop(name)
@@ -133,17 +136,14 @@ class CompileWarmup:
 
     # -- the build's side ---------------------------------------------------------------------------------------
     def wait(self, name: str) -> WarmupRecord | None:
-        """Block until ``name``'s child is done (started now if it was still queued), at most ``wait_s`` seconds;
-        its record, or None where no child was asked for. A child past the limit is stopped: the build compiles."""
+        """Block until ``name``'s child is done, at most ``wait_s`` seconds; its record, or None where no child
+        compiled it. A child past the limit is stopped: the build compiles."""
         record = self.records.get(name)
         if record is None:
             return None
-        if name in self._queue:  # the build got here first: start it now, beside what runs
-            self._queue.remove(name)
-            self._spawn(name)
         started = time.perf_counter()
         while True:
-            self._pump()  # finishes every child that is done (this one too) and starts queued ones
+            self._pump()
             if name not in self._running:
                 break
             child = self._running[name][0]
@@ -158,18 +158,15 @@ class CompileWarmup:
             except subprocess.TimeoutExpired:
                 pass
         record.waited_seconds = round(record.waited_seconds + time.perf_counter() - started, 3)
-        self._pump()
         return record
 
     def close(self) -> None:
-        """Stop every child still running or queued (the build is done or failed), and remove their files."""
+        """Stop every child still running (the build is done or failed), and remove their files."""
+        self._pump()
         for name, (child, _, _) in list(self._running.items()):
             kill_group(child)
             self.records[name].status = "stopped"
         self._running.clear()
-        for name in self._queue:
-            self.records[name].status, self.records[name].reason = "stopped", "never started"
-        self._queue.clear()
         self._tmp.cleanup()
 
     def __enter__(self) -> "CompileWarmup":

@@ -29,26 +29,24 @@ def started(tmp_path) -> list[str]:
     return log.read_text().split() if log.is_file() else []
 
 
-def test_default_workers_only_on_a_gpu_machine_with_cores_to_spare(monkeypatch):
+def test_default_workers_one_child_on_a_gpu_machine_with_cores_to_spare(monkeypatch):
     monkeypatch.setattr(compile_warmup.os, "cpu_count", lambda: 16)
     assert default_workers(CPU, 5) == 0  # a CPU compile is the build's whole job there
     assert default_workers(CUDA, 1) == 0  # one compile gains nothing from a child
-    assert default_workers(CUDA, 5) == 4 and default_workers(CUDA, 2) == 2
+    assert default_workers(CUDA, 5) == 1 and default_workers(CUDA, 2) == 1
     monkeypatch.setattr(compile_warmup.os, "cpu_count", lambda: 2)
     assert default_workers(CUDA, 5) == 0
 
 
 def test_children_run_at_most_workers_at_once_and_the_build_waits_for_its_own(tmp_path):
     with warmup(tmp_path, workers=1) as w:
-        w.start(["sleep-0.2", "sleep-0.1"])
-        assert started(tmp_path) in ([], ["sleep-0.2"])  # one at a time: the second is queued
-        assert w.records["sleep-0.1"].status == "queued"
-        record = w.wait("sleep-0.1")  # the build reached it first: started now, waited for
+        assert w.start(["sleep-0.2", "sleep-0.1"]) == ["sleep-0.2"]  # one slot; the other is not queued
+        assert w.wait("sleep-0.1") is None  # no child compiled it: the build compiles it itself
+        record = w.wait("sleep-0.2")
         assert record.status == "ok" and record.compile_seconds == 0.5 and record.waited_seconds > 0
-        first = w.wait("sleep-0.2")
-        assert first.status == "ok"
-        assert sorted(started(tmp_path)) == ["sleep-0.1", "sleep-0.2"]
-        assert w.wait("never-asked") is None
+        assert w.start(["sleep-0.2", "sleep-0.1"]) == ["sleep-0.1"]  # the slot is free again; none twice
+        assert w.wait("sleep-0.1").status == "ok"
+        assert started(tmp_path) == ["sleep-0.2", "sleep-0.1"]
     summary = w.summary()
     assert summary["workers"] == 1 and [c["status"] for c in summary["children"]] == ["ok", "ok"]
 
@@ -71,12 +69,11 @@ def test_a_child_past_the_limit_is_stopped_and_the_build_goes_on(tmp_path):
     assert record.status == "timed-out" and "compiled here" in record.reason
 
 
-def test_close_stops_running_and_queued_children(tmp_path):
-    w = warmup(tmp_path, workers=1)
+def test_close_stops_running_children(tmp_path):
+    w = warmup(tmp_path, workers=2)
     w.start(["sleep-30", "sleep-31"])
     w.close()
-    statuses = {r.name: (r.status, r.reason) for r in w.records.values()}
-    assert statuses == {"sleep-30": ("stopped", ""), "sleep-31": ("stopped", "never started")}
+    assert {r.name: r.status for r in w.records.values()} == {"sleep-30": "stopped", "sleep-31": "stopped"}
 
 
 def test_load_runners_takes_the_built_runner_and_closes_the_failed_ones(tmp_path):
@@ -129,3 +126,50 @@ def test_a_child_compile_fills_the_cache_the_build_then_hits(tmp_path, monkeypat
     assert manifest["compile_warmup"]["children"] == [child] and manifest["compile_warmup"]["workers"] == 1
     assert counters["inductor"]["fxgraph_cache_hit"] > hits
     assert json.loads((out / "manifest.json").read_text())["compile_warmup"]["workers"] == 1
+
+
+def test_the_build_proves_kernels_while_the_first_child_compiles_and_starts_the_gemm_graph_after(tmp_path,
+                                                                                                 monkeypatch):
+    from engines.base import BuildContext
+    from kkdeploy.kernels import model_proofs
+    from kkdeploy.pipeline import compile_ahead
+    from kkdeploy.pipeline.build import BuildRequest
+    from kkdeploy.models.weights import build_models
+
+    events = []
+
+    class Recorder:
+        def __init__(self, weights, config, dtype, device, *, tf32, workers):
+            self.records, self.workers = {}, workers
+            events.append(("workers", workers))
+
+        def start(self, names):
+            events.append(("start", list(names)))
+            self.records.update(dict.fromkeys(names))
+
+        def close(self):
+            events.append(("close",))
+
+    def prove(model, config, dtype, device, kinds):
+        events.append(("prove", list(kinds)))
+        return model_proofs.ModelProofs(seconds=1.5)
+
+    monkeypatch.setattr(compile_warmup, "CompileWarmup", Recorder)
+    monkeypatch.setattr(model_proofs, "prove_model_kernels", prove)
+
+    class Bar:
+        def describe(self, text):
+            events.append(("bar", text))
+
+    reference, _ = build_models(TINY, torch.float32, CPU)
+    ctx = BuildContext(TINY, torch.float32, CPU, reference, tmp_path)
+    request = BuildRequest(TINY, torch.float32, CPU, tmp_path, compile_workers=2,
+                           backends=["torch-compile", "torch-compile-faithful-gemms", "torch-graph"])
+    assert compile_ahead.torch_compile_candidates(request, ctx) == ["torch-compile", "torch-compile-faithful-gemms"]
+    made = compile_ahead.start_compile_warmup(request, ctx, tmp_path / "w.safetensors", Bar())
+    assert made.proof_seconds == 1.5
+    assert events == [("workers", 2), ("start", ["torch-compile"]),
+                      ("bar", "prove kernels (compiling torch-compile in a child process)"),
+                      ("prove", ["attention", "layer_norm", "linear"]), ("start", ["torch-compile-faithful-gemms"])]
+    request.compile_workers = None  # the default on the CPU: no child, no early proofs
+    assert compile_ahead.start_compile_warmup(request, ctx, tmp_path / "w.safetensors", Bar()) is None
