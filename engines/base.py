@@ -51,8 +51,6 @@ class BuildContext:
     # The custom-op library's proof records (``engines.custom_op_proof``, ``ProofRecord``s), made once per build by
     # the first ORT candidate that needs them and shared by the others.
     custom_op_proofs: list | None = None
-    # Child processes compiling torch.compile candidates ahead of the build (``engines.compile_warmup``), or None.
-    compile_warmup: Any = None
     # Where a builder may leave the runner it compiled, by candidate name, for the pipeline to validate and time
     # instead of loading the artifact again; None: a builder closes what it compiled (``keep_or_close``).
     built_runners: dict[str, Any] | None = None

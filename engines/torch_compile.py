@@ -162,18 +162,6 @@ def prove_candidate_kernels(name: str, model, config: TransformerConfig, dtype: 
     return proofs
 
 
-def warmable(name: str) -> bool:
-    """Whether a child process can compile ``name`` ahead of the build (``engines.compile_warmup``): the faithful
-    family, whose graph is fixed by the model and, for our GEMMs, by their proofs; not the fused variants, whose
-    float16 blocks come from a calibration the build runs first."""
-    return name not in FUSED_VARIANTS
-
-
-def needs_proofs_to_compile(name: str) -> bool:
-    """Whether the graph itself depends on kernel proofs (our GEMMs: ``block_plan`` picks which blocks fuse)."""
-    return uses_kernel_linear(name)
-
-
 def default_variants(device: torch.device, dtype: torch.dtype = torch.float16, contract: str = "strict") -> list[str]:
     """CPU: the faithful graph only (compiles are slow there); CUDA: the last-layer SDPA one and the faithful
     attention kernel too, and for a float32 judge build the fused ones (SDPA everywhere; under strict, fused
@@ -209,7 +197,7 @@ class CompiledModuleRunner(Runner):
 
     def __init__(self, module: torch.nn.Module, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
                  *, name: str, all_valid_only: bool, options: dict | None = None, cuda_graph: bool = True,
-                 keep_alive=None, compile_only: bool = False):
+                 keep_alive=None):
         super().__init__(config, dtype, device)
         self.backend = self.name = name
         self.all_valid_only = all_valid_only
@@ -226,11 +214,6 @@ class CompiledModuleRunner(Runner):
         capture = self.device.type == "cuda" and cuda_graph
         with torch._dynamo.config.patch(recompile_limit=limit):
             self._forward(x, torch.ones(x.shape[:2], dtype=torch.bool, device=self.device))  # compiles now
-            if compile_only:  # a warm-up child (engines.compile_warmup): the caches hold the graph now
-                self.compile_seconds = round(time.perf_counter() - start, 3)
-                self.captured = None
-                self._mask_cache = AllValidMaskCache()
-                return
             if not capture:  # callers pass inference tensors too, which Dynamo guards apart: compile that now
                 with torch.inference_mode():
                     x, mask = x.clone(), torch.ones(x.shape[:2], dtype=torch.bool, device=self.device)
@@ -264,7 +247,7 @@ class CompiledRunner(CompiledModuleRunner):
     """The faithful variant: the exported reference with its sensitive ops opaque, faithful Inductor settings."""
 
     def __init__(self, model: torch.nn.Module, config: TransformerConfig, dtype: torch.dtype,
-                 device: torch.device, name: str = FAITHFUL, cuda_graph: bool = True, compile_only: bool = False):
+                 device: torch.device, name: str = FAITHFUL, cuda_graph: bool = True):
         from . import inductor_ops  # noqa: F401  registers the opaque ops the graph calls
         from .inductor import export_variant, faithful_inductor_configs, parse_variant
 
@@ -277,7 +260,7 @@ class CompiledRunner(CompiledModuleRunner):
         export_seconds = time.perf_counter() - start
         super().__init__(exported.module(), config, dtype, device, name=name,
                          all_valid_only=bool(parse_variant(variant, config)[1]), options=faithful_inductor_configs(),
-                         cuda_graph=cuda_graph, keep_alive=model, compile_only=compile_only)
+                         cuda_graph=cuda_graph, keep_alive=model)
         self.compile_seconds = round(self.compile_seconds + export_seconds, 3)
 
 
@@ -331,9 +314,6 @@ class TorchCompileBackend(Backend):
                 proofs = prove_candidate_kernels(candidate, ctx.model, ctx.config, ctx.dtype, device, siblings)
                 recipe.update({"kernel_proofs": proofs.to_list(), "proof_seconds": proofs.seconds,
                                "proofs_reused": proofs.reused})
-            warm = ctx.compile_warmup.wait(candidate) if ctx.compile_warmup is not None else None
-            if warm is not None:
-                recipe["compile_warmup"] = warm.to_dict()
             runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)
             recipe.update(kernel_paths_record(candidate, ctx.config, ctx.dtype, device))
         ratios = fingerprint_padding(runner.all_valid_only)

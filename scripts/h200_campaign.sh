@@ -156,8 +156,9 @@ step_setup() {
 }
 step_buildtime() {
   # Issue 28's build-time target: `kkdeploy build` of BUILDTIME_SHAPES (default 6) with default backends and weights
-  # of our own (scripts/make_weights.py --seed 600 + shape), cold caches unless the machine is warm; the stages line
-  # and the child compiles (pipeline.compile_ahead) printed, manifests into buildtime.tgz. BUILDTIME_ARGS: extra flags.
+  # of our own (scripts/make_weights.py --seed 600 + shape), cold caches unless the machine is warm; the stages and
+  # each candidate's compile and proof seconds printed, manifests into buildtime.tgz. BUILDTIME_ARGS: extra flags,
+  # BUILDTIME_TAG: a suffix for the output folder (two builds of one shape in one call).
   for s in ${BUILDTIME_SHAPES:-6}; do
     python3 scripts/make_weights.py --shape "$s" --seed $((600 + s)) --out "$WORK/w$s.safetensors" > /dev/null
     python3 -m kkdeploy build --shape "$s" --device cuda --force --weights "$WORK/w$s.safetensors" \
@@ -166,14 +167,12 @@ step_buildtime() {
 import json, sys
 m = json.load(open(sys.argv[1]))
 print("BUILDTIME", m["config"], "build_seconds", m.get("build_seconds"), m.get("build_stages"))
-w = m.get("compile_warmup") or {}
-print("WARMUP workers", w.get("workers"), "proof_seconds", w.get("proof_seconds"))
-for c in w.get("children", []):
-    print("  child", c)
 for c in m["candidates"]:
     o = c.get("options") or {}
     print("  cand", c["name"], c["status"], "build_s", c.get("build_seconds"), "compile_s", o.get("compile_seconds"),
           "proof_s", o.get("proof_seconds"))
+    for r in o.get("kernel_proofs") or []:
+        print("    proof", r.get("op"), r.get("shape"), "s", r.get("seconds"), "chosen", r.get("chosen"))
 print("CHOICE", m["choice"])
 PY
   done

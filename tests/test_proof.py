@@ -185,3 +185,75 @@ def test_a_kernel_op_asking_on_every_call_reads_the_disk_once(tmp_path, monkeypa
         assert len(reads) == 3
     finally:
         proof.forget_proofs()
+
+
+# -- compiles ahead (kkdeploy.kernels.precompile) ------------------------------------------------------------------
+class FakeKernel:
+    """Records how it was called: launched (``kernel[grid](...)``) or compiled only (``kernel.warmup``)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(("launch", grid, args, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.calls.append(("compile", grid, args, kwargs))
+
+
+def test_a_launch_compiles_only_inside_parallel_compiles():
+    from kkdeploy.kernels import precompile
+
+    kernel = FakeKernel()
+    precompile.launch(kernel, (2, 1), "x", BLOCK=64)
+    with precompile.parallel_compiles(2):
+        assert precompile.compile_only()
+        precompile.launch(kernel, (4, 1), "y", BLOCK=32)
+    assert not precompile.compile_only()
+    assert kernel.calls == [("launch", (2, 1), ("x",), {"BLOCK": 64}), ("compile", (4, 1), ("y",), {"BLOCK": 32})]
+    with precompile.parallel_compiles(0):  # no pool: launches run as they are
+        assert not precompile.compile_only()
+
+
+def test_inside_parallel_compiles_a_proof_runs_each_launch_once_on_its_first_case_and_proves_nothing():
+    import pytest
+
+    from kkdeploy.kernels import precompile
+
+    ran = []
+    references = []
+
+    def case(i):
+        def run(launch):
+            ran.append((launch, i))
+            if launch == "crash":
+                raise RuntimeError("compile failed")
+            return torch.zeros(2)
+
+        return proof.ProofCase(f"case {i}", lambda: references.append(i), run)
+
+    with precompile.parallel_compiles(2), pytest.raises(proof.CompiledAhead):
+        proof.prove_launches("fake", {}, ["a", "crash", "b"], [case(0), case(1)], "cpu", environment={})
+    assert ran == [("a", 0), ("crash", 0), ("b", 0)] and references == []
+
+
+def test_the_compile_pass_leaves_the_proofs_the_same_random_cases(monkeypatch):
+    from kkdeploy.kernels import model_proofs
+
+    class Cases:
+        generator = torch.Generator()
+
+    Cases.generator.manual_seed(5)
+    seen = []
+
+    def fake_prove(kind, name, shape, cases, config, device, budget_s, cache, refusal, launches):
+        seen.append((name, torch.randn(2, generator=cases.generator)))
+        if name == "broken":
+            raise ValueError("not this one")
+        raise proof.CompiledAhead(name)
+
+    monkeypatch.setattr(model_proofs, "_prove", fake_prove)
+    todo = [("linear", "qkv", {}, None), ("linear", "refused", {}, "no GPU"), ("linear", "broken", {}, None)]
+    model_proofs._compile_ahead(todo, Cases, None, torch.device("cpu"), None, 2)
+    assert [name for name, _ in seen] == ["qkv", "broken"]  # a refused op shape has nothing to compile
+    assert torch.equal(torch.randn(2, generator=Cases.generator), seen[0][1])  # the generator was put back

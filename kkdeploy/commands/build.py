@@ -40,10 +40,6 @@ def register(sub):
                         "--warmups/--repeats/--rounds protocol would take longer (the largest shapes), candidates "
                         ">= 1.25x slower than the best in a 3-call screen drop out and the rest get fewer repeats; "
                         "0 runs the full protocol")
-    p.add_argument("--compile-workers", type=int, default=None, metavar="N",
-                   help="child processes that compile the torch-compile candidates ahead of the build, so that its "
-                        "own compiles hit warm caches (default: one per 4 CPU cores on a GPU machine, none on the "
-                        "CPU; 0 turns them off)")
     p.add_argument("--batch-buckets", metavar="N,N,...",
                    help="also build and validate engines at these smaller batch sizes (the artifact's batch is "
                         "always the largest): kkdeploy.load then takes any batch up to it and runs the smallest "
@@ -114,8 +110,6 @@ def run(args) -> int:
         targets = [resolve_config(args)]
     if args.time_budget < 0:
         raise KKError(f"--time-budget must be >= 0 seconds (0 runs the full timing protocol), got {args.time_budget:g}")
-    if args.compile_workers is not None and args.compile_workers < 0:
-        raise KKError(f"--compile-workers must be >= 0 (0 turns the child compiles off), got {args.compile_workers}")
     backends = parse_backends(args.backends, device)
     status = 0
     for shape_id, config in targets:
@@ -135,7 +129,7 @@ def run(args) -> int:
                                trials=args.trials, padding_ratio=args.padding_ratio, contract=args.contract,
                                warmups=args.warmups, repeats=args.repeats, rounds=args.rounds,
                                time_budget_s=args.time_budget, tf32=args.tf32, options=request_options(args),
-                               probe_timeout_s=args.probe_timeout, compile_workers=args.compile_workers,
+                               probe_timeout_s=args.probe_timeout,
                                batch_buckets=buckets)
         manifest = run_build(request)
         print_summary(manifest, out)

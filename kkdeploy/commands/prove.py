@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ..console import console, table
+from ..kernels.precompile import DEFAULT_WORKERS
 from ..errors import KKError
 from .common import add_shape_args, resolve_config, resolve_runtime
 
@@ -26,6 +27,9 @@ def register(sub):
     p.add_argument("--seed", type=int, default=None, help="the inputs' seed (default: the build's first trial seed)")
     p.add_argument("--kinds", default="attention,layer_norm,linear", help=KINDS_HELP)
     p.add_argument("--again", action="store_true", help="prove again even where a proof of this environment exists")
+    p.add_argument("--compile-threads", type=int, default=None, metavar="N",
+                   help="threads compiling the kernels' launches before they are proven (default "
+                        f"{DEFAULT_WORKERS}; 0: each compiles when the proof first runs it)")
     p.add_argument("--json", dest="json_path", help="write the records here as JSON")
     p.set_defaults(func=run, trials=1)
 
@@ -41,10 +45,13 @@ def run(args) -> int:
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise KKError(f"--kinds: unknown kind {', '.join(unknown) or '(none)'}; the kinds are {', '.join(KINDS)}")
+    threads = DEFAULT_WORKERS if args.compile_threads is None else args.compile_threads
+    if threads < 0:
+        raise KKError(f"--compile-threads must be >= 0 (0 compiles each launch when it first runs), got {threads}")
     model = build_models(config, dtype, device, weights=args.weights)[0]
     with console.status("proving kernel ops"):
         proofs = prove_model_kernels(model, config, dtype, device, kinds, reuse=not args.again,
-                                     seed=DEFAULT_SEED if args.seed is None else args.seed)
+                                     seed=DEFAULT_SEED if args.seed is None else args.seed, compile_workers=threads)
     rows = [[r.op, r.shape_text, r.chosen or "aten", f"{r.seconds:.2f}", r.reason] for r in proofs.records]
     console.print(table(f"Kernel proofs ({proofs.seconds} s, {proofs.reused} reused)",
                         ["op", "shape", "runs", "s", "why"], rows))

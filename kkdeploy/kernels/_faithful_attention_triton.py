@@ -33,6 +33,7 @@ import triton.language as tl
 from kkdeploy.errors import KKError
 
 from .faithful_attention import check_attention_inputs, fp32_scale, persistent_softmax_layout
+from .precompile import launch as launch_kernel  # compile-only inside precompile.parallel_compiles
 
 try:  # the CUDA libdevice wrappers (absent or unusable under the interpreter)
     from triton.language.extra.cuda import libdevice as _libdevice
@@ -374,7 +375,7 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         launch.update(COMPILE_FLAGS)
         if libdevice:
             launch["extern_libs"] = {"libdevice": libdevice}
-    _faithful_attention_kernel[grid](
+    launch_kernel(_faithful_attention_kernel, grid,
         q, k, v, mask, out, scores, probs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         stride_mb, stride_ms,

@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra import libdevice as _libdevice
 
 from .fused_linear import LN_WIDTHS  # the LayerNorm epilogue's row widths
+from .precompile import launch as launch_kernel  # compile-only inside precompile.parallel_compiles
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -268,7 +269,7 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
         normed = torch.empty_like(out)
         extra = dict(LN_G=ln_weight.contiguous(), LN_B=ln_bias.contiguous(), OUT2=normed.view(-1, n), eps=float(eps))
     grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
-    _fused_linear_kernel[grid](
+    launch_kernel(_fused_linear_kernel, grid,
         x2, weight, bias, r2, mask1, out2,
         m, n, k,
         x2.stride(0), weight.stride(0), r2.stride(0), out2.stride(0),

@@ -27,7 +27,8 @@ from kkdeploy.inputs import DEFAULT_SEED, padded_case
 
 from . import fused_linear, layer_norm
 from . import faithful_attention as attention_kernel
-from .proof import ProofCache, ProofRecord, lookup_proof
+from .precompile import DEFAULT_WORKERS, parallel_compiles
+from .proof import CompiledAhead, ProofCache, ProofRecord, lookup_proof
 
 #: the kinds of kernel op a candidate can run, in the order they are proven
 KINDS = ("attention", "layer_norm", "linear")
@@ -240,32 +241,63 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
                         kinds: Iterable[str] = KINDS, *, seed: int = DEFAULT_SEED, budget_s: float = BUDGET_S,
                         reuse: bool = True, cache: Optional[ProofCache] = None,
                         progress: Optional[Callable[[str], None]] = None,
-                        launches: Optional[dict[str, list[str]]] = None) -> ModelProofs:
+                        launches: Optional[dict[str, list[str]]] = None,
+                        compile_workers: int = DEFAULT_WORKERS) -> ModelProofs:
     """Prove every kernel op of ``kinds`` at ``model``'s op shapes here (``reuse``: a record already made in this
     environment is taken as it is). Off CUDA or in another dtype the records say why nothing runs. ``launches``
-    ({kind: names}) replaces the launch variants a build proves (a study of every variant: scripts/kernel_selftest.py)."""
+    ({kind: names}) replaces the launch variants a build proves (a study of every variant: scripts/kernel_selftest.py).
+    On CUDA every launch is compiled first, ``compile_workers`` at a time (``precompile``; 0: one by one, as each
+    proof first runs it)."""
     device = torch.device(device)
     kinds = [k for k in KINDS if k in set(kinds)]
     start = time.perf_counter()
     result = ModelProofs()
     cases: Optional[_Cases] = None
+    slots: list = []  # per op shape: its reused record, or (kind, name, shape, refusal) to prove
     for kind, name, shape in kernel_op_shapes(config, kinds):
-        environment = _environment(kind, device)
-        found = lookup_proof(environment, _op(kind), shape, cache=cache) if reuse else None
+        found = lookup_proof(_environment(kind, device), _op(kind), shape, cache=cache) if reuse else None
         if found is not None:
-            result.records.append(found)
+            slots.append(found)
             result.reused += 1
+        else:
+            slots.append((kind, name, shape, _refusal(kind, config, dtype, device)))
+    todo = [slot for slot in slots if isinstance(slot, tuple)]
+    if any(refusal is None for *_, refusal in todo):
+        cases = _Cases(model, config, dtype, device, seed)
+        if compile_workers and device.type == "cuda":
+            if progress:
+                progress(f"compiling the launches of {len(todo)} op shapes")
+            _compile_ahead(todo, cases, config, device, launches, compile_workers)
+    for slot in slots:
+        if not isinstance(slot, tuple):
+            result.records.append(slot)
             continue
+        kind, name, shape, refusal = slot
         if progress:
             progress(f"proving {name} {shape}")
-        refusal = _refusal(kind, config, dtype, device)
-        if refusal is None and cases is None:
-            cases = _Cases(model, config, dtype, device, seed)
         result.records.append(_prove(kind, name, shape, cases if refusal is None else None, config, device,
                                      budget_s, cache, refusal, (launches or {}).get(kind)))
     del cases
     result.seconds = round(time.perf_counter() - start, 3)
     return result
+
+
+def _compile_ahead(todo, cases: _Cases, config, device, launches, workers: int) -> None:
+    """Every launch of every op shape to prove, run once on its first case inside ``parallel_compiles``: Triton
+    compiles them on a thread pool, and the proofs that follow find them compiled. The random inputs the proofs will
+    draw are drawn again afterwards (the generator's state is put back), so the proofs see the same cases."""
+    state = cases.generator.get_state()
+    with parallel_compiles(workers):
+        for kind, name, shape, refusal in todo:
+            if refusal is not None:
+                continue
+            try:
+                _prove(kind, name, shape, cases, config, device, BUDGET_S, None, None, (launches or {}).get(kind))
+            except CompiledAhead:
+                pass
+            except Exception:  # noqa: BLE001 - the proof itself meets it again and records it
+                pass
+    cases.generator.set_state(state)
 
 
 def _refusal(kind: str, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> Optional[str]:

@@ -29,6 +29,7 @@ import torch
 
 from kkdeploy.errors import KKError
 
+from .precompile import compile_only
 from .timing import event_median_ms
 
 #: bump when the record's meaning changes: older cached records are then ignored
@@ -198,6 +199,11 @@ def _captured(fn: Callable[[], object], device: torch.device):
         return None
 
 
+class CompiledAhead(Exception):
+    """Raised by ``prove_launches`` inside ``precompile.parallel_compiles``: it ran each launch once on the first case
+    there, which only hands the launch's compile to the pool; the proof itself runs afterwards."""
+
+
 def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequence[ProofCase],
                    device: torch.device | str, *, environment: Optional[dict] = None,
                    timing_case: Optional[int] = None, repeats: int = 5, budget_s: float = 30.0,
@@ -214,11 +220,18 @@ def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequenc
     timed and the first survivor is chosen (a launch that runs on another stream, such as an ONNX Runtime session,
     cannot be captured for timing, and one launch leaves nothing to choose)."""
     device = torch.device(device)
+    if not launches:
+        raise KKError(f"proof of {op}: no launch variants to prove")
+    if compile_only() and cases:
+        for name in launches:
+            try:
+                cases[0].run(name)
+            except Exception:  # noqa: BLE001 - the proof's own run meets it again and records it
+                pass
+        raise CompiledAhead(op)
     start = clock()
     record = ProofRecord(op=op, shape=dict(shape), environment=environment or environment_key(device))
     results = {name: LaunchResult(name) for name in launches}
-    if not launches:
-        raise KKError(f"proof of {op}: no launch variants to prove")
     for index, case in enumerate(cases):
         if index and clock() - start > budget_s:
             record.reason = f"budget of {budget_s:g} s spent before case {case.label!r}"

@@ -21,7 +21,6 @@ from validation.trials import DEFAULT_PADDING_RATIO
 from .. import artifacts
 from .calibration import layer_calibrator
 from .chooser import FALLBACK, choose
-from .compile_ahead import start_compile_warmup
 from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_TIME_BUDGET_S, DEFAULT_WARMUPS
 from ..config import TransformerConfig, dtype_name, tf32_default, tf32_mode
 from ..console import console, progress_bar, table
@@ -59,7 +58,6 @@ class BuildRequest:
     options: dict = field(default_factory=dict)  # backend/exporter options, recorded in the manifest
     probe_timeout_s: float | None = None  # fresh-process load check; None: engines.fresh_process.DEFAULT_TIMEOUT_S
     batch_buckets: list[int] | None = None  # smaller batch sizes built and validated beside B
-    compile_workers: int | None = None  # child processes compiling ahead (pipeline.compile_ahead); None: by cores
 
 
 def default_out_dir(shape_id: int | None, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> Path:
@@ -339,14 +337,7 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
             bar.advance()
 
             ctx.built_runners = {}  # compiled runners the builders hand over: validated as they are, not reloaded
-            warmup = start_compile_warmup(request, ctx, stage / artifacts.WEIGHTS_FILE, bar)
-            ctx.compile_warmup = warmup
-            try:
-                results = build_candidates(request, ctx, bar)
-            finally:
-                ctx.compile_warmup = None
-                if warmup is not None:
-                    warmup.close()
+            results = build_candidates(request, ctx, bar)
             stages.mark("candidates")
             probe_fresh_processes(request, stage, results, bar)
             stages.mark("fresh processes")
@@ -396,8 +387,6 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
                                      export_info, stage, atol, rtol, time.perf_counter() - started)
             manifest["build_stages"] = stages.seconds
             manifest["timing"] = timing
-            if warmup is not None:
-                manifest["compile_warmup"] = warmup.summary()
             if buckets:
                 top = [*buckets, (request.config.batch_size, ".", manifest)]
                 records = [bucket_record(size, rel, m, stage) for size, rel, m in top]
