@@ -30,7 +30,6 @@ On CUDA the compiled call is captured in a CUDA graph (``engines.cuda_graph``).
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -265,15 +264,6 @@ class CompiledRunner(CompiledModuleRunner):
         self.compile_seconds = round(self.compile_seconds + export_seconds, 3)
 
 
-def _warm_compile_pool() -> None:
-    try:
-        from torch._inductor.async_compile import maybe_warm_pool
-
-        maybe_warm_pool()
-    except Exception:  # noqa: BLE001 - an early start is an optimization; the first compile starts it anyway
-        pass
-
-
 class TorchCompileBackend(Backend):
     name = "torch_compile"
 
@@ -282,22 +272,17 @@ class TorchCompileBackend(Backend):
 
         return AOTI.unavailable_reason(device, dtype)  # the same compiler, the same requirements
 
-    _warming: threading.Thread | None = None
-
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
-        """On a GPU, start Inductor's pool of compile workers now, on a thread (Inductor starts it at the first
-        compile, and waits seconds for its sidecar process to import torch): the workers start while the build
-        writes its weights and captures its CUDA-graph candidates. ``build`` waits for the thread first, so only
-        one pool is ever made."""
-        if torch.device(device).type != "cuda" or self._warming is not None:
+        """On a GPU, start Inductor's pool of compile workers now (Inductor starts it at the first compile): the
+        workers import torch while the build writes its weights and captures its CUDA-graph candidates."""
+        if torch.device(device).type != "cuda":
             return
-        self._warming = threading.Thread(target=_warm_compile_pool, name="kkdeploy-inductor-pool", daemon=True)
-        self._warming.start()
+        try:
+            from torch._inductor.async_compile import maybe_warm_pool
 
-    def _prepared(self) -> None:
-        if self._warming is not None:
-            self._warming.join()
-            self._warming = None
+            maybe_warm_pool()
+        except Exception:  # noqa: BLE001 - an early start is an optimization; the first compile starts it anyway
+            pass
 
     def candidates(self, ctx: BuildContext) -> list[str]:
         chosen = ctx.candidate_filter  # from a --backends choice such as torch-compile-fused
@@ -310,8 +295,6 @@ class TorchCompileBackend(Backend):
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
         """Compile once here: it proves the graph compiles, fills the cache file and records the fingerprint."""
         from .inductor import guarded_build
-
-        self._prepared()
 
         return guarded_build(self, ctx, candidate, lambda: self._compile(ctx, candidate))
 

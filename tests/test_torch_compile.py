@@ -321,27 +321,3 @@ def test_torch_compile_starts_no_compile_workers_off_a_gpu(monkeypatch):
 
     monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: pytest.fail("warmed a pool on the CPU"))
     BACKEND.prepare(CPU, torch.float32)
-    assert BACKEND._warming is None
-
-
-def test_on_a_gpu_the_pool_starts_on_a_thread_that_the_first_build_waits_for(monkeypatch):
-    import threading
-
-    import torch._inductor.async_compile as async_compile
-
-    from engines import torch_compile
-
-    started, release = threading.Event(), threading.Event()
-
-    def slow_pool():
-        started.set()
-        release.wait(5)
-
-    monkeypatch.setattr(async_compile, "maybe_warm_pool", slow_pool)
-    backend = torch_compile.TorchCompileBackend()
-    backend.prepare(torch.device("cuda"), torch.float16)  # returns at once: the pool starts on its thread
-    assert started.wait(5) and backend._warming.is_alive()
-    backend.prepare(torch.device("cuda"), torch.float16)  # never a second pool
-    release.set()
-    backend._prepared()
-    assert backend._warming is None
