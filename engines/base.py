@@ -224,10 +224,6 @@ class Backend:
         """Candidate names this backend would build for this context (variants of one backend)."""
         return [self.name]
 
-    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Called once at the start of a build that asked for this backend, before any candidate is built: a
-        chance to start slow one-off work in the background (nothing by default)."""
-
     def loads_native_code(self, entry: dict) -> bool:
         """Whether loading ``entry`` runs native code that could kill the loading process (a package or plan
         deserializer, a custom-op library). Such a candidate is loaded in a fresh process first

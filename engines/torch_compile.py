@@ -272,18 +272,6 @@ class TorchCompileBackend(Backend):
 
         return AOTI.unavailable_reason(device, dtype)  # the same compiler, the same requirements
 
-    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
-        """On a GPU, start Inductor's pool of compile workers now (Inductor starts it at the first compile): the
-        workers import torch while the build writes its weights and captures its CUDA-graph candidates."""
-        if torch.device(device).type != "cuda":
-            return
-        try:
-            from torch._inductor.async_compile import maybe_warm_pool
-
-            maybe_warm_pool()
-        except Exception:  # noqa: BLE001 - an early start is an optimization; the first compile starts it anyway
-            pass
-
     def candidates(self, ctx: BuildContext) -> list[str]:
         chosen = ctx.candidate_filter  # from a --backends choice such as torch-compile-fused
         if chosen is not None:  # float16 blocks exist only inside a float32 model

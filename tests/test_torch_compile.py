@@ -289,35 +289,3 @@ def test_faithful_kernels_is_a_default_cuda_candidate_and_benchable():
     assert KERNELS in default_variants(torch.device("cuda"), torch.float16, "strict")
     assert KERNELS not in default_variants(CPU, torch.float16, "strict")
     assert KERNELS in COMPILE_CANDIDATES
-
-
-def test_a_build_lets_each_requested_backend_prepare_once_before_building(monkeypatch):
-    from kkdeploy.pipeline import build as build_module
-    from kkdeploy.pipeline.build import BuildRequest, prepare_backends
-
-    prepared = []
-
-    class Recording:
-        def __init__(self, key, reason=None):
-            self.key, self.reason = key, reason
-
-        def unavailable_reason(self, device, dtype):
-            return self.reason
-
-        def prepare(self, device, dtype):
-            prepared.append((self.key, str(device), dtype))
-
-    backends = {"torch_compile": Recording("torch_compile"), "torch_graph": Recording("torch_graph"),
-                "trt": Recording("trt", "unavailable: tensorrt is not installed")}
-    monkeypatch.setattr(build_module, "get_backend", lambda key: backends[key])
-    request = BuildRequest(TINY, torch.float16, CPU, None,
-                           backends=["torch-compile", "torch-compile-faithful-gemms", "torch-graph", "trt"])
-    prepare_backends(request)
-    assert prepared == [("torch_compile", "cpu", torch.float16), ("torch_graph", "cpu", torch.float16)]
-
-
-def test_torch_compile_starts_no_compile_workers_off_a_gpu(monkeypatch):
-    import torch._inductor.async_compile as async_compile
-
-    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: pytest.fail("warmed a pool on the CPU"))
-    BACKEND.prepare(CPU, torch.float32)

@@ -125,18 +125,6 @@ class TrialProgress:
         self.bar.describe(f"{self.text} [{self.done}/{self.total}]")
 
 
-def prepare_backends(request: BuildRequest) -> None:
-    """Let each requested backend start its slow one-off work early (``Backend.prepare``); a backend that cannot be
-    imported is left to ``build_candidates`` to record."""
-    for key in dict.fromkeys(backend_choice(name)[0] for name in request.backends):
-        try:
-            backend = get_backend(key)
-        except ImportError:
-            continue
-        if backend.unavailable_reason(request.device, request.dtype) is None:
-            backend.prepare(request.device, request.dtype)
-
-
 def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[CandidateResult]:
     """Build every requested candidate; failures and absences become recorded statuses."""
     results: list[CandidateResult] = []
@@ -325,7 +313,6 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
         steps = 5 + len(request.backends)
         with progress_bar("build", steps) as bar:
             bar.describe("load weights")
-            prepare_backends(request)
             fallbacks = {}
             reference, _ = build_models(request.config, request.dtype, request.device, weights=request.weights,
                                         sdpa_layers=0)
