@@ -92,8 +92,14 @@ def shipped(tmp_path_factory):
     from kkdeploy.pipeline.build import BuildRequest, run_build
 
     out = tmp_path_factory.mktemp("compiled") / "artifacts"
-    run_build(BuildRequest(TINY, torch.float32, CPU, out, backends=["torch-compile"], trials=2,
-                           warmups=1, repeats=3, rounds=1))
+
+    def no_second_compile(*args, **kwargs):
+        raise AssertionError("the build compiled its candidate again to load it")
+
+    with pytest.MonkeyPatch.context() as patch:  # the build validates the runner it compiled, as it is
+        patch.setattr(BACKEND, "load", no_second_compile)
+        run_build(BuildRequest(TINY, torch.float32, CPU, out, backends=["torch-compile"], trials=2,
+                               warmups=1, repeats=3, rounds=1))
     manifest = json.loads((out / "manifest.json").read_text())
     entry = next(c for c in manifest["candidates"] if c["name"] == "torch-compile")
     assert entry["status"] == "passed", entry
@@ -289,3 +295,21 @@ def test_faithful_kernels_is_a_default_cuda_candidate_and_benchable():
     assert KERNELS in default_variants(torch.device("cuda"), torch.float16, "strict")
     assert KERNELS not in default_variants(CPU, torch.float16, "strict")
     assert KERNELS in COMPILE_CANDIDATES
+
+
+def test_load_runners_takes_the_built_runner_and_closes_the_failed_ones(tmp_path):
+    from engines.base import CandidateResult
+    from kkdeploy.pipeline.build import BuildRequest, load_runners
+    from kkdeploy.status import BUILD_FAILED, BUILT
+
+    class Held:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    kept, dropped = Held(), Held()
+    results = [CandidateResult("a", "no-such-backend", BUILT), CandidateResult("b", "no-such-backend", BUILD_FAILED)]
+    built = {"a": kept, "b": dropped}
+    runners = load_runners(BuildRequest(TINY, torch.float32, CPU, tmp_path), tmp_path, results, built)
+    assert runners == {"a": kept} and not kept.closed and dropped.closed and built == {}
