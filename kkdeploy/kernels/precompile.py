@@ -6,7 +6,8 @@ the attention's and the GEMMs' variants). Triton compiles a launch in stages, se
 GIL (LLVM's code generation, ptxas in a child process), and Triton's ``AsyncCompileMode`` hands each compile to an
 executor. So ``parallel_compiles()`` turns every launch made through ``launch`` inside it into a compile-only
 warm-up on a thread pool; on exit every compile has finished and sits in Triton's caches, and the real runs that
-follow hit them. Nothing runs on the GPU inside, and no result computed there is used.
+follow hit them. No Triton kernel runs inside (a launch that is not Triton's, such as the rows LayerNorm's CUDA
+kernel, runs once as usual), and no result computed there is used.
 
 * ``launch(kernel, grid, *args, **kwargs)``: ``kernel[grid](...)``, or only its compile inside ``parallel_compiles``.
 * ``parallel_compiles(workers)``: the context; a no-op under the interpreter (``TRITON_INTERPRET=1``, no compiles).
