@@ -146,12 +146,17 @@ def prove_candidate_kernels(name: str, model, config: TransformerConfig, dtype: 
                             siblings: tuple[str, ...] = (), progress=None):
     """The proof step for candidate ``name`` (``kkdeploy.kernels.model_proofs``): its kernel ops proven here.
 
+    The first of a build's our-kernel candidates proves the kinds of all of them (``siblings``) in one step: one
+    capture of the model's activations and one batch of compiles instead of one per candidate; the others find
+    their records made. The returned records are ``name``'s own kinds'.
+
     Raises ``CandidateSkipped`` when the candidate would add nothing: none of its kernel ops is proven, or (when the
     candidate with one kind fewer is among ``siblings``, this build's other candidates) the kind it adds is not."""
-    from kkdeploy.kernels.model_proofs import prove_model_kernels
+    from kkdeploy.kernels.model_proofs import KINDS, prove_model_kernels
 
     kinds = kernel_kinds(name)
-    proofs = prove_model_kernels(model, config, dtype, device, kinds, progress=progress)
+    shared = [kind for kind in KINDS if any(kind in kernel_kinds(n) for n in (name, *siblings))]
+    proofs = prove_model_kernels(model, config, dtype, device, shared, progress=progress).only(kinds)
     if not any(proofs.proven(kind) for kind in kinds):
         raise CandidateSkipped(f"none of its kernel ops is proven bit-identical and faster here, so it would run "
                                f"ATen's ops only ({'; '.join(proofs.why_not(kind) for kind in kinds)})")

@@ -223,3 +223,18 @@ def test_bench_json_keeps_each_candidates_proofs(monkeypatch, proof_sandbox, mod
     shape = aggregate_shape(ShapeJob("shape-03", 3, official_config(3)), [worker(1.5), worker(0.0)], [])
     entry = shape["backends"][GEMMS]
     assert entry["kernel_proofs"] == records and entry["proof_seconds_per_process"] == [1.5, 0.0]
+
+
+def test_the_first_our_kernel_candidate_proves_for_all_of_them_in_one_step(monkeypatch, proof_sandbox, model):
+    fakes = FakeKernels(monkeypatch)
+    siblings = (KERNEL_ATTENTION, KERNELS, GEMMS)
+    first = prove_candidate_kernels(KERNEL_ATTENTION, model, CONFIG, torch.float16, CPU, siblings)
+    assert [r.op for r in first.records] == [fa.OP] and first.reused == 0  # its own kind's records only
+    runs = len(fakes.calls)
+    kernels = prove_candidate_kernels(KERNELS, model, CONFIG, torch.float16, CPU, siblings)
+    gemms = prove_candidate_kernels(GEMMS, model, CONFIG, torch.float16, CPU, siblings)
+    assert len(fakes.calls) == runs  # the LayerNorm and the GEMMs were proven in the first step
+    assert [r.op for r in kernels.records] == [fa.OP, ln.OP] and kernels.reused == 2
+    assert [r.op for r in gemms.records] == [fa.OP, ln.OP] + [fl.OP] * 6 and gemms.reused == 8
+    alone = prove_candidate_kernels(KERNEL_ATTENTION, model, CONFIG, torch.float16, CPU)  # bench: its kinds only
+    assert [r.op for r in alone.records] == [fa.OP]

@@ -46,9 +46,16 @@ class ModelProofs:
     records: list[ProofRecord] = field(default_factory=list)
     seconds: float = 0.0
     reused: int = 0  # records found already made in this environment
+    reused_records: list[ProofRecord] = field(default_factory=list, repr=False)
 
     def of_kind(self, kind: str) -> list[ProofRecord]:
         return [r for r in self.records if r.op == _op(kind)]
+
+    def only(self, kinds: Iterable[str]) -> "ModelProofs":
+        """The records of ``kinds`` (in the order they were proven), with this step's seconds."""
+        records = [r for kind in KINDS if kind in set(kinds) for r in self.of_kind(kind)]
+        reused = [r for r in records if any(r is other for other in self.reused_records)]
+        return ModelProofs(records, self.seconds, len(reused), reused)
 
     def proven(self, kind: str) -> bool:
         """Whether any op of ``kind`` runs our kernel."""
@@ -259,6 +266,7 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
         if found is not None:
             slots.append(found)
             result.reused += 1
+            result.reused_records.append(found)
         else:
             slots.append((kind, name, shape, _refusal(kind, config, dtype, device)))
     todo = [slot for slot in slots if isinstance(slot, tuple)]
