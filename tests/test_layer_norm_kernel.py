@@ -5,6 +5,7 @@ CUDA source compiling with nvcc's defaults. Bit-identity on the GPU is scripts/l
 """
 
 import shutil
+from dataclasses import replace
 import subprocess
 
 import pytest
@@ -63,9 +64,18 @@ def test_calls_the_kernel_does_not_cover_are_named():
     assert "float16 CUDA only" in ln.rows_kernel_reason(x, [128], torch.ones(128).half(), torch.zeros(128).half())
     with pytest.raises(KKError, match="layer_norm_rows_kernel: cpu torch.float16: the kernel is float16 CUDA only"):
         ln.layer_norm_rows_kernel(x, torch.ones(128).half(), torch.zeros(128).half(), 1e-5)
-    with pytest.raises(KKError, match="rows_per_warp is 1 or 2, got 4"):
-        ln.layer_norm_rows_kernel(x, torch.ones(128).half(), torch.zeros(128).half(), 1e-5, rows_per_warp=4)
+    with pytest.raises(KKError, match=r"rows_per_warp is 1 or 2 \(or 4: ATen's block in one warp\), got 3"):
+        ln.layer_norm_rows_kernel(x, torch.ones(128).half(), torch.zeros(128).half(), 1e-5, rows_per_warp=3)
     assert ln.DEFAULT_ROWS_PER_WARP == 2  # proven with 1 on the H200 (campaign 11) and faster: the op's launch
+
+
+def test_wide_rows_take_the_block_launch_and_narrow_rows_keep_theirs():
+    assert ln.launches_for(128) == ["rows2", "rows1"] and ln.launches_for(4) == ["rows2", "rows1"]
+    assert ln.launches_for(132) == ["block4"] and ln.launches_for(1024) == ["block4"]
+    assert ln.LAUNCHES["block4"] == 4  # the C entry's rows_per_warp for one warp playing ATen's block
+    assert ln.row_reason(384, torch.float16) is None and ln.row_reason(1 << 24, torch.float16) is None
+    assert "rows of 130" in ln.row_reason(130, torch.float16)
+    assert "rows of 33554432" in ln.row_reason(1 << 25, torch.float16)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH on this machine")
@@ -134,10 +144,30 @@ def test_rows_outside_the_kernel_are_named_once_for_calls_and_manifests(monkeypa
     monkeypatch.setattr(faithful_attention, "triton_available", lambda: False)
     monkeypatch.setattr(fused_linear, "triton_available", lambda: False)
 
-    assert ln.row_reason(128, torch.float16) is None and ln.row_reason(32, torch.float16) is None
-    assert "rows of 1024" in ln.row_reason(1024, torch.float16)
+    assert ln.row_reason(128, torch.float16) is None and ln.row_reason(1024, torch.float16) is None
+    assert "rows of 130" in ln.row_reason(130, torch.float16)
     assert "float16 only" in ln.row_reason(128, torch.float32)
-    # shape 8 (D = 1024) on a GPU: recorded as ATen's LayerNorm without asking the device anything
-    record = kernel_paths_record(KERNELS, OFFICIAL_SHAPES[8], torch.float16, torch.device("cuda"))["layer_norm_path"]
-    assert record == {"kernel": "aten", "reason": "rows of 1024: the kernel takes rows of 4..128 elements, a multiple "
-                                                  "of 4; ATen's layer_norm runs"}
+    # rows ATen's vector path does not take, on a GPU: recorded as ATen's LayerNorm without asking the device anything
+    odd = replace(OFFICIAL_SHAPES[3], d_model=130, num_heads=2)
+    record = kernel_paths_record(KERNELS, odd, torch.float16, torch.device("cuda"))["layer_norm_path"]
+    assert record == {"kernel": "aten", "reason": "rows of 130: the kernel takes rows of a multiple of 4 elements up "
+                                                  "to 2^24 (ATen's vector path); ATen's layer_norm runs"}
+
+
+def test_the_proof_tries_only_the_launches_that_take_the_rows(monkeypatch, proof_sandbox):
+    from kkdeploy.kernels.proof import ProofRecord
+
+    tried = []
+
+    def record_launches(op, shape, launches, cases, device, **kwargs):
+        tried.append(list(launches))
+        return ProofRecord(op=op, shape=shape, environment={}, reason="not proven here")
+
+    monkeypatch.setattr(ln, "kernel_refusal", lambda device: None)
+    monkeypatch.setattr(ln, "proof_environment", lambda device: {"fake": True})
+    monkeypatch.setattr(ln, "prove_launches", record_launches)
+    ln.prove_layer_norm("cpu", [], 64, 384)
+    ln.prove_layer_norm("cpu", [], 64, 384, launches=["rows2", "block4"])  # a study asking for every launch
+    ln.prove_layer_norm("cpu", [], 64, 128)
+    ln.prove_layer_norm("cpu", [], 64, 128, launches=list(ln.LAUNCHES))
+    assert tried == [["block4"], ["block4"], ["rows2", "rows1"], ["rows2", "rows1"]]

@@ -11,7 +11,7 @@ Importing this package imports only torch; Triton is imported lazily, on CUDA, w
 keys) and holds a fused causal softmax kernel in CUDA C++ (``csrc/block_softmax.cu``, built by nvcc on demand
 through ``cuda_build``), the long-context path's where a build proved it bit-identical.
 
-``layer_norm`` is ATen's float16 LayerNorm for rows of at most 128, one warp per row (``csrc/layer_norm.cu``,
+``layer_norm`` is ATen's float16 LayerNorm, one warp per row, for any width ATen's vector path takes (``csrc/layer_norm.cu``,
 ATen's Welford steps from ``csrc/welford.cuh``), as the custom op ``kkdeploy_faithful::layer_norm_rows``, used by
 the ``torch-compile-faithful-kernels`` candidate.
 

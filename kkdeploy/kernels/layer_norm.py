@@ -1,15 +1,18 @@
-"""ATen's float16 LayerNorm for narrow rows (<= 128 elements) as one warp per row: the same bits, a launch that fits.
+"""ATen's float16 LayerNorm as one warp per row: the same bits, a launch that fits.
 
 Why: the compiled faithful graph keeps every LayerNorm as ATen's own kernel (Inductor's fused LayerNorm rounds
 differently, design.md §6). ATen's ``vectorized_layer_norm_kernel`` runs one 4-warp block per row, and a row of
 128 float16 values occupies one warp of it: on shape 6 the 9 LayerNorms took 12.7 of the graph's 31.8 ms
 (H200, torch 2.11, ``scripts/profile_candidate.py --shape 6 --candidate torch-compile-faithful-attention``).
 ``csrc/layer_norm.cu`` computes each row with ATen's arithmetic in ATen's order (``csrc/welford.cuh``, shared with
-the ONNX Runtime custom op that was proven bit-identical) on one warp, 8 rows per block.
+the ONNX Runtime custom op that was proven bit-identical) on one warp, 8 rows per block. Rows of at most 128
+elements take the rows1 / rows2 launches (proven on the H200); wider rows take block4, where the warp plays ATen's
+whole block (its four warps' states in each lane, ATen's tree over them in registers; ``emulate_layer_norm_rows``
+spells out the order), proven by the build like every launch before it runs.
 
 * ``rows_kernel_reason(x, normalized_shape, weight, bias)``: None when the kernel computes this call (CUDA,
-  float16, a last dim of 4..128 that is a multiple of 4, weight and bias given, ATen's vector-path alignment),
-  else why ATen runs.
+  float16, a last dim that is a multiple of 4, weight and bias given, ATen's vector-path alignment), else why ATen
+  runs.
 * ``layer_norm_path(device, rows, width)``: whether a proof made in this environment found a launch bit-identical
   to ``F.layer_norm`` at this op shape (``prove_layer_norm``; the build proves its model's LayerNorms);
   ``$KKDEPLOY_LAYER_NORM=aten|kernel`` forces either (validate the result).
@@ -37,12 +40,20 @@ from .proof import ProofCache, ProofCase, ProofRecord, kernel_environment, looku
 OP_NAME = "kkdeploy_faithful::layer_norm_rows"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "layer_norm.cu"
 HEADER = SOURCE.with_name("welford.cuh")
-MAX_ROW = 128  # one warp of 4-wide vectors
-#: the kernel's launches: rows per warp. "rows2": two 16-lane halves, ATen's offset-16 step inside the lane;
-#: "rows1": one row per warp. Each is proven on its own (``prove_layer_norm``).
-LAUNCHES = {"rows2": 2, "rows1": 1}
+MAX_ROW = 128  # one warp of 4-wide vectors: the rows1 / rows2 launches
+MAX_WIDTH = 1 << 24  # ATen's vector path (its float counts stay exact): the block4 launch
+BLOCK_WARPS, BLOCK_THREADS = 4, 128  # ATen's block per row: (32, 4) threads
+#: the kernel's launches (the C entry's ``rows_per_warp``). For rows of at most 128: "rows2", two 16-lane halves per
+#: warp, ATen's offset-16 step inside the lane; "rows1", one row per warp. For wider rows: "block4", one row per warp
+#: playing ATen's 4 warps. Each is proven on its own (``prove_layer_norm``).
+LAUNCHES = {"rows2": 2, "rows1": 1, "block4": 4}
 DEFAULT_LAUNCH = "rows2"
 DEFAULT_ROWS_PER_WARP = LAUNCHES[DEFAULT_LAUNCH]
+
+
+def launches_for(width: int) -> list[str]:
+    """The launches that take rows of ``width``: rows2 and rows1 up to 128 elements, block4 beyond."""
+    return ["rows2", "rows1"] if width <= MAX_ROW else ["block4"]
 PATH_ENV = "KKDEPLOY_LAYER_NORM"
 OP = "layer_norm_rows"
 
@@ -93,7 +104,7 @@ def layer_norm_path(device: torch.device | str, rows: int, width: int) -> LayerN
         return LayerNormPath("aten", refusal)
     if mode == "kernel":
         return LayerNormPath("rows", f"rows kernel (forced by {PATH_ENV}=kernel: validate the result)",
-                             DEFAULT_LAUNCH)
+                             launches_for(width)[0])
     return path_from_proof(LayerNormPath, "rows", lookup_proof(proof_environment(device), OP, proof_shape(rows, width)),
                            f"{rows} rows of {width}", "its model's LayerNorms")
 
@@ -108,11 +119,12 @@ def proven_ms(rows: int, width: int, dtype: torch.dtype, device) -> Optional[tup
 
 
 def row_reason(width: int, dtype: torch.dtype) -> Optional[str]:
-    """None when rows of ``width`` in ``dtype`` are the kernel's (float16, 4..128, a multiple of 4), else why not."""
+    """None when rows of ``width`` in ``dtype`` are the kernel's (float16, a multiple of 4 up to 2^24: ATen's
+    vector path), else why not."""
     if dtype != torch.float16:
         return f"{dtype}: the kernel is float16 only"
-    if not 4 <= width <= MAX_ROW or width % 4:
-        return f"rows of {width}: the kernel takes rows of 4..{MAX_ROW} elements, a multiple of 4"
+    if not 4 <= width <= MAX_WIDTH or width % 4:
+        return f"rows of {width}: the kernel takes rows of a multiple of 4 elements up to 2^24 (ATen's vector path)"
     return None
 
 
@@ -157,40 +169,46 @@ def fma32(a: torch.Tensor, b: torch.Tensor, c) -> torch.Tensor:
 
 def emulate_layer_norm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                             rsqrt: Optional[Callable] = None) -> torch.Tensor:
-    """ATen's float16 vectorized LayerNorm on rows of 4..128 (a multiple of 4), as plain float32 tensor ops in the
-    order of nvcc's code for ``csrc/layer_norm.cu`` (read in its PTX, nvcc 13.0, sm_90): what a fused kernel must
-    reproduce, and a check of that reading against ``F.layer_norm`` on a GPU (``rsqrt``: ``torch.rsqrt``, which
-    on CUDA is the same ``rsqrt.approx.f32``; elsewhere the caller's).
+    """ATen's float16 vectorized LayerNorm on rows of any width its vector path takes (a multiple of 4), as plain
+    float32 tensor ops in the order of nvcc's code for ``csrc/layer_norm.cu`` (read in its PTX, nvcc 13.0, sm_90):
+    what a fused kernel must reproduce, and a check of that reading against ``F.layer_norm`` on a GPU (``rsqrt``:
+    ``torch.rsqrt``, which on CUDA is the same ``rsqrt.approx.f32``; elsewhere the caller's).
 
-    Lane t of a 32-lane warp holds elements 4t..4t+3 (lanes past the row hold nothing); per lane a Welford push per
-    element, ``mean = fma(delta, RN(1/count), mean)``, ``m2 = fma(delta, x - mean, m2)``; then ATen's
-    shuffle-down tree (offsets 16..1: lane i merges lane i + offset), the two merges with the idle warps' empty
-    states, ``var = m2 / N``, ``rstd = rsqrt(var + eps)`` and ``y = fma(g, rstd * (x - mean), b)``. A merge of
-    ``own`` with ``other``: ``count = other.count + own.count``, ``coef = RN(1/count)``, ``mean =
-    fma(coef * other.count, other.mean, own.mean * (own.count * coef))``, ``m2 = fma(delta * delta * other.count,
-    own.count * coef, own.m2 + other.m2)`` with ``delta = own.mean - other.mean`` (zeros where count is 0)."""
+    ATen's block has 128 threads, 4 warps of 32 lanes; thread t folds the 4-wide vectors t, t + 128, ... (threads
+    past the row hold nothing), a Welford push per element: ``mean = fma(delta, RN(1/count), mean)``, ``m2 =
+    fma(delta, x - mean, m2)``. Then ATen's shuffle-down tree in each warp (offsets 16..1: lane i merges lane
+    i + offset), the tree over the warps (warps 0 and 1 merge warps 2 and 3, then warp 0 merges warp 1; for rows
+    of at most 128 elements warps 1..3 are empty, and those merges still happen), ``var = m2 / N``, ``rstd =
+    rsqrt(var + eps)`` and ``y = fma(g, rstd * (x - mean), b)``. A merge of ``own`` with ``other``: ``count =
+    other.count + own.count``, ``coef = RN(1/count)``, ``mean = fma(coef * other.count, other.mean, own.mean *
+    (own.count * coef))``, ``m2 = fma(delta * delta * other.count, own.count * coef, own.m2 + other.m2)`` with
+    ``delta = own.mean - other.mean`` (zeros where count is 0)."""
     rsqrt = rsqrt or torch.rsqrt
     n = x.shape[-1]
     reason = row_reason(n, x.dtype)
     if reason:
         raise KKError(f"emulate_layer_norm_rows: {reason}")
     rows = x.reshape(-1, n).float()
-    m = rows.shape[0]
-    lanes = torch.zeros(m, 32, 4, dtype=torch.float32, device=x.device)
-    lanes[:, : n // 4] = rows.view(m, n // 4, 4)
-    has = torch.zeros(32, dtype=torch.bool, device=x.device)
-    has[: n // 4] = True
-    mean = torch.zeros(m, 32, device=x.device)
-    m2 = torch.zeros(m, 32, device=x.device)
-    count = torch.zeros(m, 32, device=x.device)
-    for k in range(4):
-        value = lanes[:, :, k]
-        delta = value - mean
-        new_count = count + 1
-        new_mean = fma32(delta, torch.ones_like(new_count) / new_count, mean)
-        new_m2 = fma32(delta, value - new_mean, m2)
-        mean, m2, count = (torch.where(has, new, old) for new, old in ((new_mean, mean), (new_m2, m2),
-                                                                     (new_count, count)))
+    m, vectors = rows.shape[0], n // 4
+    turns = -(-vectors // BLOCK_THREADS)  # vectors each of ATen's threads folds, at most
+    flat = torch.zeros(m, turns * BLOCK_THREADS, 4, dtype=torch.float32, device=x.device)
+    flat[:, :vectors] = rows.view(m, vectors, 4)
+    threads = flat.view(m, turns, BLOCK_THREADS, 4)  # [row, turn j, thread t]: vector j * 128 + t
+    has = torch.zeros(turns * BLOCK_THREADS, dtype=torch.bool, device=x.device)
+    has[:vectors] = True
+    has = has.view(turns, BLOCK_THREADS)
+    mean = torch.zeros(m, BLOCK_THREADS, device=x.device)
+    m2 = torch.zeros(m, BLOCK_THREADS, device=x.device)
+    count = torch.zeros(m, BLOCK_THREADS, device=x.device)
+    for turn in range(turns):
+        for k in range(4):
+            value = threads[:, turn, :, k]
+            delta = value - mean
+            new_count = count + 1
+            new_mean = fma32(delta, torch.ones_like(new_count) / new_count, mean)
+            new_m2 = fma32(delta, value - new_mean, m2)
+            mean, m2, count = (torch.where(has[turn], new, old) for new, old in ((new_mean, mean), (new_m2, m2),
+                                                                               (new_count, count)))
 
     def merge(own, other):
         (om, o2, oc), (tm, t2, tc) = own, other
@@ -204,17 +222,16 @@ def emulate_layer_norm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         return (torch.where(live, merged_mean, torch.zeros_like(total)),
                 torch.where(live, merged_m2, torch.zeros_like(total)), total)
 
-    state = (mean, m2, count)
+    state = tuple(t.view(m, BLOCK_WARPS, 32) for t in (mean, m2, count))
     width = 32
     while width > 1:  # lane i (< width / 2) merges lane i + width / 2: lane 0 ends with ATen's warp state
         half = width // 2
-        state = merge(tuple(t[:, :half] for t in state), tuple(t[:, half:width] for t in state))
+        state = merge(tuple(t[..., :half] for t in state), tuple(t[..., half:width] for t in state))
         width = half
-    state = tuple(t[:, 0] for t in state)
-    empty = tuple(torch.zeros(m, device=x.device) for _ in range(3))
-    state = merge(state, empty)
-    state = merge(state, merge(empty, empty))
-    mean, m2, _ = state
+    warps = [tuple(t[:, w, 0] for t in state) for w in range(BLOCK_WARPS)]
+    low = merge(warps[0], warps[2])  # ATen's block step, offset 2: warps 0 and 1 merge warps 2 and 3
+    high = merge(warps[1], warps[3])
+    mean, m2, _ = merge(low, high)  # offset 1: warp 0 merges warp 1
     var = m2 / float(n)
     rstd = rsqrt(var + torch.tensor(eps, dtype=torch.float32))
     g, b = weight.float(), bias.float()
@@ -236,11 +253,14 @@ def _load(device: str):
 def layer_norm_rows_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                            rows_per_warp: int = DEFAULT_ROWS_PER_WARP) -> torch.Tensor:
     """The rows kernel itself (no fallback): what the self-test compares with ``F.layer_norm``."""
-    if rows_per_warp not in (1, 2):
-        raise KKError(f"rows_per_warp is 1 or 2, got {rows_per_warp!r}")
+    if rows_per_warp not in LAUNCHES.values():
+        raise KKError(f"rows_per_warp is 1 or 2 (or 4: ATen's block in one warp), got {rows_per_warp!r}")
     reason = rows_kernel_reason(x, [x.shape[-1]], weight, bias)
     if reason:
         raise KKError(f"layer_norm_rows_kernel: {reason}")
+    if rows_per_warp != LAUNCHES["block4"] and x.shape[-1] > MAX_ROW:
+        raise KKError(f"layer_norm_rows_kernel: rows of {x.shape[-1]} take the block4 launch (rows_per_warp=4); "
+                      f"rows_per_warp 1 and 2 take at most {MAX_ROW}")
     out = torch.empty_like(x)
     lib = _load(str(x.device))
     rc = lib.kk_layer_norm_rows_f16(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),
@@ -299,7 +319,8 @@ def prove_layer_norm(device: torch.device | str, cases: list[ProofCase], rows: i
     refusal = kernel_refusal(device) or row_reason(width, torch.float16)
     if refusal:
         return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
-    record = prove_launches(OP, shape, launches or list(LAUNCHES), cases, device, environment=environment,
+    fitting = [name for name in launches or () if name in launches_for(width)] or launches_for(width)
+    record = prove_launches(OP, shape, fitting, cases, device, environment=environment,
                             budget_s=budget_s, repeats=repeats, against_reference=True)
     remember_proof(record, cache)
     return record

@@ -1,4 +1,5 @@
-// ATen's float16 LayerNorm for rows of at most 128 elements, one warp per row instead of one block per row.
+// ATen's float16 LayerNorm, one warp per row instead of one block per row: rows of at most 128 elements
+// (layer_norm_rows_f16_kernel, layer_norm_rows2_f16_kernel) and rows of any width (layer_norm_block4_f16_kernel).
 //
 // Why: ATen's vectorized_layer_norm_kernel (aten/src/ATen/native/cuda/layer_norm_kernel.cu) launches one block
 // of 4 warps per row and gives thread t the 4-wide vectors t, t + 128, ...; a row of N <= 128 elements has at
@@ -144,20 +145,68 @@ __global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const 
   if (lane + kHalf < vectors) write_vector(data_high, gamma, beta, out4, lane + kHalf, mean, rstd);
 }
 
+// Rows of any width ATen's vector path takes, one warp per row: the warp plays ATen's whole block of 4 warps.
+// Lane l holds the Welford states of ATen's threads l, l + 32, l + 64 and l + 96 (its warps 0..3); each state folds
+// the vectors t, t + 128, ... of its thread t element by element, in ATen's order. Each of the four is reduced by
+// ATen's shuffle-down tree (in the warp, as ATen's warp w reduces its own), then ATen's tree over the block's warps,
+// which ATen runs through shared memory, runs in registers: warps 0 and 1 merge warps 2 and 3, then warp 0 merges
+// warp 1. For rows of at most 128 elements warps 1..3 hold nothing, as in layer_norm_rows_f16_kernel.
+// Why: ATen launches 4 warps per row and synchronizes them twice; one warp per row needs neither.
+constexpr int kBlockWarps = 4;  // ATen: block (32, 4)
+
+__global__ void layer_norm_block4_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
+                                             const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
+                                             int N, float eps) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
+  if (row >= M) return;  // the whole warp leaves together: the shuffles below see full warps
+  const int lane = threadIdx.x % kWarp;
+  const int vectors = N / 4;
+  const Half4* row4 = reinterpret_cast<const Half4*>(X + row * N);
+
+  kk_welford::Moments warps[kBlockWarps];
+#pragma unroll
+  for (int w = 0; w < kBlockWarps; ++w) {
+    kk_welford::Moments s{0.f, 0.f, 0.f};
+    for (int i = lane + w * kWarp; i < vectors; i += kBlockWarps * kWarp) {  // ATen's thread t = lane + 32 w
+      const Half4 data = row4[i];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s = kk_welford::push(__half2float(data.v[k]), s);
+    }
+    warps[w] = kk_welford::warp_merge_down(s);
+  }
+  // ATen's block step (offset 2, then 1): warp y < offset merges warp y + offset.
+  warps[0] = kk_welford::merge(warps[0], warps[2]);
+  warps[1] = kk_welford::merge(warps[1], warps[3]);
+  warps[0] = kk_welford::merge(warps[0], warps[1]);
+  const float mean = __shfl_sync(0xffffffffu, warps[0].mean, 0, kWarp);
+  const float var = __shfl_sync(0xffffffffu, warps[0].m2 / float(N), 0, kWarp);
+  const float rstd = rsqrtf(var + eps);
+
+  Half4* out4 = reinterpret_cast<Half4*>(Y + row * N);
+  for (int i = lane; i < vectors; i += kWarp) write_vector(row4[i], gamma, beta, out4, i, mean, rstd);
+}
+
 }  // namespace
 
 extern "C" {
 
 __attribute__((visibility("default"))) const char* kk_layer_norm_last_error(void) { return g_error.c_str(); }
 
-// y[M, N] = LayerNorm(x[M, N]) * weight + bias (float16, contiguous rows, 8-byte aligned, N % 4 == 0, N <= 128).
+// y[M, N] = LayerNorm(x[M, N]) * weight + bias (float16, contiguous rows, 8-byte aligned, N % 4 == 0).
 // Returns 0, or 1 with kk_layer_norm_last_error().
-// rows_per_warp 1: layer_norm_rows_f16_kernel; 2: layer_norm_rows2_f16_kernel (the op's default). Both proven.
+// rows_per_warp 1: layer_norm_rows_f16_kernel; 2: layer_norm_rows2_f16_kernel (N <= 128 for both);
+// 4: layer_norm_block4_f16_kernel (one row per warp playing ATen's 4 warps; N <= 2^24, ATen's vector-path limit).
+// Each launch runs only where the build proved it bit-identical.
 __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x, const void* weight,
                                                                   const void* bias, void* y, int64_t M, int64_t N,
                                                                   float eps, int rows_per_warp, void* stream) {
   if (M <= 0) return 0;
-  if (N <= 0 || N > 128 || N % 4 != 0) {
+  if (rows_per_warp == 4) {
+    if (N <= 0 || N > (1LL << 24) || N % 4 != 0) {
+      g_error = "kk_layer_norm_rows_f16: rows of 4..2^24 elements, a multiple of 4 (ATen's vector path)";
+      return 1;
+    }
+  } else if (N <= 0 || N > 128 || N % 4 != 0) {
     g_error = "kk_layer_norm_rows_f16: rows of 4..128 elements, a multiple of 4 (ATen's vector path, one warp)";
     return 1;
   }
@@ -166,17 +215,19 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
       g_error = "kk_layer_norm_rows_f16: buffers must be 8-byte aligned (ATen's vector path)";
       return 1;
     }
-  if (rows_per_warp != 1 && rows_per_warp != 2) {
-    g_error = "kk_layer_norm_rows_f16: rows_per_warp is 1 or 2";
+  if (rows_per_warp != 1 && rows_per_warp != 2 && rows_per_warp != 4) {
+    g_error = "kk_layer_norm_rows_f16: rows_per_warp is 1 or 2 (or 4: ATen's block in one warp)";
     return 1;
   }
-  const int64_t rows_per_block = kRowsPerBlock * rows_per_warp;
+  const int64_t rows_per_block = kRowsPerBlock * (rows_per_warp == 2 ? 2 : 1);
   const int64_t blocks = (M + rows_per_block - 1) / rows_per_block;
   if (blocks > 2147483647LL) {
     g_error = "kk_layer_norm_rows_f16: too many rows";
     return 1;
   }
-  auto kernel = rows_per_warp == 1 ? layer_norm_rows_f16_kernel : layer_norm_rows2_f16_kernel;
+  auto kernel = rows_per_warp == 1   ? layer_norm_rows_f16_kernel
+                : rows_per_warp == 2 ? layer_norm_rows2_f16_kernel
+                                     : layer_norm_block4_f16_kernel;
   kernel<<<static_cast<unsigned>(blocks), kRowsPerBlock * kWarp, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const __half*>(x), static_cast<const __half*>(weight), static_cast<const __half*>(bias),
       static_cast<__half*>(y), M, static_cast<int>(N), eps);
