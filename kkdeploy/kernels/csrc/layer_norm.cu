@@ -154,13 +154,17 @@ __global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const 
 // Why: ATen launches 4 warps per row and synchronizes them twice; one warp per row needs neither.
 constexpr int kBlockWarps = 4;  // ATen: block (32, 4)
 
+// This thread's row: one per warp, kRowsPerBlock warps per block.
+__device__ __forceinline__ int64_t warp_row() {
+  return static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
+}
+
 __global__ void layer_norm_block4_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                              const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
                                              int N, float eps) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
-  if (row >= M) return;  // the whole warp leaves together: the shuffles below see full warps
-  const int lane = threadIdx.x % kWarp;
-  const int vectors = N / 4;
+  const int64_t row = warp_row();
+  if (row >= M) return;  // the whole warp leaves together: its shuffles see full warps
+  const int vectors = N / 4, lane = threadIdx.x % kWarp;
   const Half4* row4 = reinterpret_cast<const Half4*>(X + row * N);
 
   kk_welford::Moments warps[kBlockWarps];
