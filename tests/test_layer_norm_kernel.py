@@ -166,8 +166,22 @@ def test_the_proof_tries_only_the_launches_that_take_the_rows(monkeypatch, proof
     monkeypatch.setattr(ln, "kernel_refusal", lambda device: None)
     monkeypatch.setattr(ln, "proof_environment", lambda device: {"fake": True})
     monkeypatch.setattr(ln, "prove_launches", record_launches)
-    ln.prove_layer_norm("cpu", [], 64, 384)
+    unrun = ln.prove_layer_norm("cpu", [], 64, 384)  # a build: block4 has not run on a GPU, so nothing is tried
+    assert not unrun.proven and "block4) has not run on a GPU yet" in unrun.reason
     ln.prove_layer_norm("cpu", [], 64, 384, launches=["rows2", "block4"])  # a study asking for every launch
     ln.prove_layer_norm("cpu", [], 64, 128)
     ln.prove_layer_norm("cpu", [], 64, 128, launches=list(ln.LAUNCHES))
-    assert tried == [["block4"], ["block4"], ["rows2", "rows1"], ["rows2", "rows1"]]
+    assert tried == [["block4"], ["rows2", "rows1"], ["rows2", "rows1"]]
+
+
+def test_a_build_captures_nothing_for_rows_whose_launch_has_not_run_on_a_gpu(monkeypatch):
+    from kkdeploy import TransformerConfig
+    from kkdeploy.kernels import model_proofs
+
+    monkeypatch.setattr(ln, "kernel_refusal", lambda device: None)
+    wide = TransformerConfig(batch_size=2, seq_len=8, d_model=384, num_heads=6, ffn_dim=768, num_layers=1)
+    reason = model_proofs._refusal("layer_norm", wide, torch.float16, torch.device("cuda"))
+    assert reason == ln.unrun_reason(384)
+    assert model_proofs._refusal("layer_norm", wide, torch.float16, torch.device("cuda"), ["block4"]) is None
+    narrow = replace(wide, d_model=128, num_heads=4)
+    assert model_proofs._refusal("layer_norm", narrow, torch.float16, torch.device("cuda")) is None

@@ -45,8 +45,11 @@ class ModelProofs:
     """The records of one proof step, and what it spent."""
     records: list[ProofRecord] = field(default_factory=list)
     seconds: float = 0.0
-    reused: int = 0  # records found already made in this environment
-    reused_records: list[ProofRecord] = field(default_factory=list, repr=False)
+    reused_records: list[ProofRecord] = field(default_factory=list, repr=False)  # found already made here
+
+    @property
+    def reused(self) -> int:
+        return len(self.reused_records)
 
     def of_kind(self, kind: str) -> list[ProofRecord]:
         return [r for r in self.records if r.op == _op(kind)]
@@ -54,8 +57,7 @@ class ModelProofs:
     def only(self, kinds: Iterable[str]) -> "ModelProofs":
         """The records of ``kinds`` (in the order they were proven), with this step's seconds."""
         records = [r for kind in KINDS if kind in set(kinds) for r in self.of_kind(kind)]
-        reused = [r for r in records if any(r is other for other in self.reused_records)]
-        return ModelProofs(records, self.seconds, len(reused), reused)
+        return ModelProofs(records, self.seconds, [r for r in self.reused_records if any(r is x for x in records)])
 
     def proven(self, kind: str) -> bool:
         """Whether any op of ``kind`` runs our kernel."""
@@ -265,10 +267,9 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
         found = lookup_proof(_environment(kind, device), _op(kind), shape, cache=cache) if reuse else None
         if found is not None:
             slots.append(found)
-            result.reused += 1
             result.reused_records.append(found)
         else:
-            slots.append((kind, name, shape, _refusal(kind, config, dtype, device)))
+            slots.append((kind, name, shape, _refusal(kind, config, dtype, device, (launches or {}).get(kind))))
     todo = [slot for slot in slots if isinstance(slot, tuple)]
     if any(refusal is None for *_, refusal in todo):
         cases = _Cases(model, config, dtype, device, seed)
@@ -308,14 +309,17 @@ def _compile_ahead(todo, cases: _Cases, config, device, launches, workers: int) 
     cases.generator.set_state(state)
 
 
-def _refusal(kind: str, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+def _refusal(kind: str, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+             launches: Optional[list[str]] = None) -> Optional[str]:
     """Why no kernel of ``kind`` can run here at all (then no activations are captured for it)."""
     if kind == "attention":
         return attention_kernel.kernel_refusal(config.seq_len, config.head_dim, dtype, device)
     if kind == "layer_norm":
         if dtype != torch.float16:
             return f"dtype {dtype}: the rows kernel is float16 only"
-        return layer_norm.kernel_refusal(device) or layer_norm.row_reason(config.d_model, dtype)
+        width = config.d_model
+        return (layer_norm.kernel_refusal(device) or layer_norm.row_reason(width, dtype)
+                or (None if layer_norm.proof_launches(width, launches) else layer_norm.unrun_reason(width)))
     return fused_linear.kernel_refusal(dtype, device)
 
 
