@@ -2,7 +2,7 @@
 """The kernels' GPU self-test: the build's own proof step (``kkdeploy.kernels.model_proofs``) over many shapes.
 
     python3 scripts/kernel_selftest.py --kinds attention,layer_norm,linear --out OUT.json [--shapes 1 2 3]
-        [--all-launches] [--weights-seed N]
+        [--dims B,S,D,H,F,L ...] [--all-launches] [--weights-seed N]
 
 For each official shape (default 1-13), the model in float16 on the GPU (seeded weights, or trained-like weights of
 ``scripts/make_weights.py`` with ``--weights-seed``) goes through ``prove_model_kernels`` with ``reuse=False``:
@@ -39,11 +39,19 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--shapes", type=int, nargs="*", default=list(range(1, 14)), help="official shape ids (1-13)")
+    p.add_argument("--dims", nargs="*", default=[], metavar="B,S,D,H,F,L",
+                   help="non-official shapes too: batch, seq, d_model, heads, ffn, layers (e.g. 16,200,384,6,768,3)")
     p.add_argument("--all-launches", action="store_true", help="every launch variant, not only a build's")
     p.add_argument("--weights-seed", type=int, default=None, help="trained-like weights (scripts/make_weights.py)")
     p.add_argument("--out", required=True, help="JSON report")
     args = p.parse_args(argv)
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    try:
+        args.dims = [tuple(int(v) for v in text.split(",")) for text in args.dims]
+    except ValueError:
+        p.error(f"--dims takes B,S,D,H,F,L (six integers), got {' '.join(args.dims)}")
+    if any(len(d) != 6 for d in args.dims):
+        p.error("--dims takes six integers per shape: batch, seq, d_model, heads, ffn, layers")
     unknown = [k for k in args.kinds if k not in KINDS]
     if unknown or not args.kinds:
         p.error(f"--kinds: unknown {', '.join(unknown) or '(none)'}; the kinds are {', '.join(KINDS)}")
@@ -71,13 +79,15 @@ def main(argv=None) -> int:
               "the CPU tests cover the proof's logic", file=sys.stderr)
         return 2
     from kkdeploy import OFFICIAL_SHAPES
+    from kkdeploy.config import TransformerConfig
     from kkdeploy.console import console, table
     from kkdeploy.kernels.model_proofs import prove_model_kernels
     from kkdeploy.models.weights import build_models
 
     report, table_rows = {"kinds": args.kinds, "all_launches": args.all_launches, "shapes": {}}, []
-    for sid in args.shapes:
-        config = OFFICIAL_SHAPES[sid]
+    configs = {sid: OFFICIAL_SHAPES[sid] for sid in args.shapes}
+    configs.update({",".join(map(str, d)): TransformerConfig(*d) for d in args.dims})
+    for sid, config in configs.items():
         weights = None
         if args.weights_seed is not None:
             from scripts.make_weights import trained_like

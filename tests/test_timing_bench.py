@@ -99,6 +99,18 @@ def test_race_latency_screens_out_the_slow_and_cuts_repeats_to_the_budget(timed)
     assert "2 screened out" in line and "fallback 66 ms" in line and "--time-budget 0" in line
 
 
+def test_a_lone_contender_is_timed_at_the_protocols_floor(timed):
+    # shape 6 on the H200 in campaign 20: after the screen only the winner was left, and its full protocol took ~5 s
+    fns, calls = timed({"gemms": 14.0, "attention": 27.0, "fallback": 66.0})
+    stats, plan = race_latency(fns, "cpu", warmups=20, repeats=100, rounds=3, budget_s=10.0)
+    assert set(plan.screened_out) == {"attention", "fallback"} and plan.candidates == 3
+    assert (plan.warmups, plan.repeats, plan.rounds) == (2, timing_module.MIN_REPEATS, 3)
+    assert stats["gemms"].samples == 3 * timing_module.MIN_REPEATS
+    assert calls.count("gemms") == 2 + timing_module.SCREEN_REPEATS + 3 * (2 + timing_module.MIN_REPEATS)
+    assert "the one left (nothing to decide) timed with 2 warmups" in plan.describe()
+    assert choose_fastest(stats, []) == "gemms"
+
+
 def test_race_latency_never_times_more_than_asked(timed):
     fns, calls = timed({"a": 10.0, "b": 11.0})
     stats, plan = race_latency(fns, "cpu", warmups=1, repeats=3, rounds=1, budget_s=1e-6)

@@ -173,6 +173,38 @@ def test_perturbed_candidate_is_failed_with_exact_counts_and_features():
     assert "12 failed elements in 3/3 trials" in report.reason("perturbed")
 
 
+def test_a_build_stops_a_candidate_at_its_first_failing_trial_with_the_same_verdict():
+    reference, optimized = models_for(SMALL)
+    calls = {"all-valid": 0, "padded": 0}
+
+    def perturbed(x, mask):  # fails every all-valid trial
+        calls["padded" if not bool(mask.all()) else "all-valid"] += 1
+        y = reference(x, mask).clone()
+        y[0, 0, 0] = y[0, 0, 0] + 1.0
+        return y
+
+    def padded_wrong(x, mask):  # exact on all-valid inputs, wrong on padded ones
+        y = reference(x, mask).clone()
+        if not bool(mask.all()):
+            y[0, 0, 0] = y[0, 0, 0] + 1.0
+        return y
+
+    candidates = {"optimized": optimized, "perturbed": perturbed, "padded-wrong": padded_wrong}
+    full = validate_candidates(reference, candidates, SMALL, torch.float32, "cpu", trials=3)
+    calls.update({"all-valid": 0, "padded": 0})
+    fast = validate_candidates(reference, candidates, SMALL, torch.float32, "cpu", trials=3, stop_after_failure=True)
+    for name in candidates:
+        assert fast.status(name) == full.status(name)
+    assert fast.status("padded-wrong") == PASSED_ALL_VALID_ONLY and fast.status("perturbed") == FAILED
+    assert calls == {"all-valid": 1, "padded": 0}  # nothing after the first failing all-valid trial
+    assert len(fast.candidates["perturbed"].records) == 1 and len(full.candidates["perturbed"].records) == 6
+    assert [r.mode for r in fast.candidates["padded-wrong"].records] == ["all-valid"] * 3 + ["padded"]
+    assert len(fast.candidates["optimized"].records) == 6
+    assert "1 failed elements in 1/1 trials" in fast.reason("perturbed")
+    assert "stopped after" in fast.reason("perturbed") and "padded: not run (stopped after" in fast.reason("perturbed")
+    assert "1 failed elements in 1/1 trials" in fast.reason("padded-wrong")
+
+
 def test_tanh_gelu_candidate_is_rejected_with_the_exact_failure_count():
     # fp16, 4 layers: the tanh approximation of GELU breaks the strict rule on a few elements.
     config = TransformerConfig(2, 16, 32, 4, 128, 4)

@@ -352,7 +352,7 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
                     reference, {**runners, **fallback_names}, request.config, request.dtype, request.device,
                     seed=request.seed, trials=request.trials, padding_ratio=request.padding_ratio,
                     contract=request.contract, all_valid_only=all_valid_only,
-                    progress=TrialProgress(bar, 2 * request.trials))
+                    progress=TrialProgress(bar, 2 * request.trials), stop_after_failure=True)
             report.write_json(stage / "validation.json")
             for result in results:
                 if result.name in runners:

@@ -153,6 +153,7 @@ class TimingPlan:
     screened_out: dict[str, float] = field(default_factory=dict)  # name -> its screen median, ms
     estimated_s: float | None = None  # the full protocol's cost, estimated from the screen
     seconds: float = 0.0
+    candidates: int = 0  # how many were timed, screen included (0: not recorded, an older manifest)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -167,6 +168,8 @@ class TimingPlan:
             parts.append(f"{len(self.screened_out)} screened out at >= {SCREEN_KEEP}x the best in "
                          f"{SCREEN_REPEATS} calls ({names})")
         who = "the rest" if self.screened_out else "every candidate"
+        if self.screened_out and len(self.screened_out) == self.candidates - 1:
+            who = "the one left (nothing to decide)"
         parts.append(f"{who} timed with {self.warmups} warmups, {self.repeats} repeats, {self.rounds} rounds")
         return (f"timing: {self.seconds:.1f} s against a {self.budget_s:g} s budget (the full protocol would take "
                 f"about {self.estimated_s:.0f} s; --time-budget 0 runs it): " + "; ".join(parts))
@@ -188,13 +191,14 @@ def race_latency(
     every official shape but 6 and 13), it runs as asked, exactly as ``measure_latency``. Otherwise the candidates
     slower than ``SCREEN_KEEP`` x the best screen median keep their screen figures and drop out, and the rest get
     the protocol with warmups and repeats scaled down to fit (repeats not below ``MIN_REPEATS`` unless fewer were
-    asked for; rounds kept, so the alternation still spreads drift). ``budget_s`` None or <= 0: the full protocol,
-    no screen."""
+    asked for; rounds kept, so the alternation still spreads drift). A lone contender has nothing left to race: it
+    gets 2 warmups and ``MIN_REPEATS`` per round. ``budget_s`` None or <= 0: the full protocol, no screen."""
     _check_counts(warmups, repeats, rounds)
     started = time.perf_counter()
     if budget_s is None or budget_s <= 0:
         stats = measure_latency(fns, device, warmups=warmups, repeats=repeats, rounds=rounds)
-        return stats, TimingPlan(None, warmups, repeats, rounds, True, seconds=round(time.perf_counter() - started, 2))
+        return stats, TimingPlan(None, warmups, repeats, rounds, True, seconds=round(time.perf_counter() - started, 2),
+                                 candidates=len(fns))
     screen = measure_latency(fns, device, warmups=min(warmups, 2), repeats=SCREEN_REPEATS, rounds=1)
 
     def cost(names, w: int, r: int) -> float:
@@ -204,13 +208,17 @@ def race_latency(
     if estimated <= budget_s:
         stats = measure_latency(fns, device, warmups=warmups, repeats=repeats, rounds=rounds)
         return stats, TimingPlan(budget_s, warmups, repeats, rounds, True, estimated_s=round(estimated, 2),
-                                 seconds=round(time.perf_counter() - started, 2))
+                                 seconds=round(time.perf_counter() - started, 2), candidates=len(fns))
     best = min(s.median_ms for s in screen.values())
     contenders = [n for n in fns if screen[n].median_ms <= SCREEN_KEEP * best]
     left = max(budget_s - (time.perf_counter() - started), 0.0)
     w, r = warmups, repeats
     full = cost(contenders, w, r)
-    if full > left:
+    if len(contenders) == 1:
+        # Nothing is left to decide: the lone contender, already warm from the screen, gets the protocol's floor (its
+        # median for the record). On shape 6 the full 3 x 120 calls of the winner took ~5 s of a ~60 s build.
+        w, r = min(warmups, 2), min(repeats, MIN_REPEATS)
+    elif full > left:
         scale = left / full
         r = min(repeats, max(MIN_REPEATS, int(repeats * scale)))  # never more than asked for
         w = max(1, min(warmups, int(warmups * scale)))
@@ -218,7 +226,8 @@ def race_latency(
     stats.update(measure_latency({n: fns[n] for n in contenders}, device, warmups=w, repeats=r, rounds=rounds))
     plan = TimingPlan(budget_s, w, r, rounds, False,
                       screened_out={n: round(screen[n].median_ms, 4) for n in fns if n not in contenders},
-                      estimated_s=round(estimated, 2), seconds=round(time.perf_counter() - started, 2))
+                      estimated_s=round(estimated, 2), seconds=round(time.perf_counter() - started, 2),
+                      candidates=len(fns))
     return {n: stats[n] for n in fns}, plan
 
 
