@@ -157,11 +157,13 @@ step_setup() {
 step_buildtime() {
   # Issue 28's build-time target: `kkdeploy build` of BUILDTIME_SHAPES (default 6) with default backends and weights
   # of our own (scripts/make_weights.py --seed 600 + shape), cold caches unless the machine is warm; the stages and
-  # each candidate's compile and proof seconds printed, manifests into buildtime.tgz. BUILDTIME_ARGS: extra flags,
+  # each candidate's compile and proof seconds printed, the process's wall time (scripts/wall_phases.py: to its first
+  # line, to the "build N s" line, to its exit), manifests into buildtime.tgz. BUILDTIME_ARGS: extra flags,
   # BUILDTIME_TAG: a suffix for the output folder (two builds of one shape in one call).
   for s in ${BUILDTIME_SHAPES:-6}; do
     python3 scripts/make_weights.py --shape "$s" --seed $((600 + s)) --out "$WORK/w$s.safetensors" > /dev/null
-    python3 -m kkdeploy build --shape "$s" --device cuda --force --weights "$WORK/w$s.safetensors" \
+    python3 scripts/wall_phases.py --mark '^build [0-9]' -- \
+      python3 -m kkdeploy build --shape "$s" --device cuda --force --weights "$WORK/w$s.safetensors" \
       ${BUILDTIME_ARGS:-} --out "$WORK/bt-$s${BUILDTIME_TAG:-}" || echo "buildtime shape $s: exit $?"
     python3 - "$WORK/bt-$s${BUILDTIME_TAG:-}/manifest.json" <<'PY'
 import json, sys
