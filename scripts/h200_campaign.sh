@@ -27,6 +27,11 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export KKDEPLOY_CACHE_DIR=${KKDEPLOY_CACHE_DIR:-/tmp/kk-cache}
+# The GPU machine cannot reach Debian for ONNX Runtime's C API headers (the custom-op library compiles against them):
+# carry them as .whl/ort-include (cp -r ~/.cache/kkdeploy/ort-headers/*/include .whl/ort-include on a networked machine).
+if [ -z "${KKDEPLOY_ORT_INCLUDE:-}" ] && [ -f .whl/ort-include/onnxruntime_c_api.h ]; then
+  export KKDEPLOY_ORT_INCLUDE=$PWD/.whl/ort-include
+fi
 WORK=/tmp/kk-work
 mkdir -p "$WORK"
 log="$OUT/campaign.log"
