@@ -42,5 +42,37 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def exit_without_teardown(code: int) -> None:
+    """End the process the way the interpreter would, less its teardown of every module and object.
+
+    Why: after a GPU build the interpreter spent 2.1 s tearing down torch, Inductor and the CUDA context (H200, shape
+    6, docs/results.md campaign 20) after everything the command does was done. What the interpreter's exit does that
+    matters runs here, in its order: the threads' exit hooks and the join of every non-daemon thread
+    (``threading._shutdown``: thread pools finish their work), the ``atexit`` handlers (Inductor's compile workers,
+    ``weakref.finalize`` such as temporary directories, multiprocessing's children, logging), and a flush of stdout
+    and stderr. Then ``os._exit``. Where ``threading._shutdown`` does not exist (another Python), the normal exit."""
+    import atexit
+    import os
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is None:
+        sys.exit(code)
+    shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken pipe: nothing more can be said on it
+            pass
+    os._exit(code)
+
+
+def entry() -> None:
+    """The ``kkdeploy`` command (console script and ``python -m kkdeploy``): ``main`` then a quick exit. In-process
+    callers (tests, notebooks) call ``main`` and keep their interpreter."""
+    exit_without_teardown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -18,9 +18,17 @@ import time
 t0 = time.perf_counter()
 atexit.register(lambda: print(f"EXIT atexit-done {time.perf_counter() - t0:.2f}", flush=True))  # registered first: runs last
 sys.argv = ["kkdeploy", *sys.argv[1:]]
-try:
-    runpy.run_module("kkdeploy", run_name="__main__")
-except SystemExit:
+from kkdeploy import cli  # noqa: E402
+
+command = cli.main
+
+
+def timed_main(argv=None):
+    code = command(argv)
     names = [t.name for t in threading.enumerate()]
     print(f"EXIT main-returned {time.perf_counter() - t0:.2f} threads {names}", flush=True)
-    raise
+    return code
+
+
+cli.main = timed_main  # ``cli.entry`` looks it up when it runs
+runpy.run_module("kkdeploy", run_name="__main__")

@@ -22,3 +22,44 @@ def test_missing_dependency_is_one_line_and_exit_2():
     assert "Traceback" not in proc.stderr + proc.stdout
     lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
     assert len(lines) == 1 and "'polygraphy'" in lines[0] and "pip install polygraphy" in lines[0]
+
+
+def test_the_command_exits_quickly_yet_runs_what_the_interpreters_exit_would():
+    # cli.entry ends the process without the interpreter's teardown; thread pools, atexit handlers, finalizers of
+    # temporary directories and buffered output must still be done, and the exit code kept.
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as parent:
+        code = (
+            "import atexit, concurrent.futures, sys, tempfile, time\n"
+            "from kkdeploy import cli\n"
+            "def fake_main(argv=None):\n"
+            "    pool = concurrent.futures.ThreadPoolExecutor(1)\n"
+            "    pool.submit(lambda: (time.sleep(0.3), print('pool work done', flush=True)))\n"
+            "    atexit.register(lambda: print('atexit ran'))\n"
+            f"    fake_main.tmp = tempfile.TemporaryDirectory(dir={parent!r})\n"
+            "    sys.stdout.write('buffered, no newline')\n"
+            "    return 3\n"
+            "cli.main = fake_main\n"
+            "cli.entry()\n"
+            "print('not reached')\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        import os
+
+        left = os.listdir(parent)
+    assert proc.returncode == 3, proc.stderr
+    assert "buffered, no newline" in proc.stdout and "pool work done" in proc.stdout and "atexit ran" in proc.stdout
+    assert "not reached" not in proc.stdout
+    assert left == []  # the temporary directory's finalizer ran
+
+
+def test_python_dash_m_kkdeploy_keeps_the_exit_code_of_an_error():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kkdeploy", "build", "--shape", "99"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
