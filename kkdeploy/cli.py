@@ -46,7 +46,7 @@ def exit_without_teardown(code: int) -> None:
     """End the process the way the interpreter would, less its teardown of every module and object.
 
     Why: after a GPU build the interpreter spent 2.1 s tearing down torch, Inductor and the CUDA context (H200, shape
-    6, docs/results.md campaign 20) after everything the command does was done. What the interpreter's exit does that
+    6, docs/results.md) after everything the command does was done. What the interpreter's exit does that
     matters runs here, in its order: the threads' exit hooks and the join of every non-daemon thread
     (``threading._shutdown``: thread pools finish their work), the ``atexit`` handlers (Inductor's compile workers,
     ``weakref.finalize`` such as temporary directories, multiprocessing's children, logging), and a flush of stdout
