@@ -204,6 +204,11 @@ def test_the_kernel_self_test_is_the_proof_step_and_reads_its_records(monkeypatc
     assert row[:5] == [3, ln.OP, "rows=16 width=16", "1/2", "rows1"] and row[-1] > 0
     with pytest.raises(SystemExit):
         script.parse_args(["--kinds", "softmax", "--out", "x"])
+    args = script.parse_args(["--shapes", "--dims", "16,200,384,6,768,3", "--out", "x"])
+    assert args.shapes == [] and args.dims == [(16, 200, 384, 6, 768, 3)]  # non-official shapes, as the builds take
+    for bad in ("16,200,384", "16,200,384,6,768,x"):
+        with pytest.raises(SystemExit):
+            script.parse_args(["--dims", bad, "--out", "x"])
 
 
 def test_bench_json_keeps_each_candidates_proofs(monkeypatch, proof_sandbox, model):
