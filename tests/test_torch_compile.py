@@ -308,8 +308,9 @@ def test_load_runners_takes_the_built_runner_and_closes_the_failed_ones(tmp_path
         def close(self):
             self.closed = True
 
-    kept, dropped = Held(), Held()
+    kept, dropped, stray = Held(), Held(), Held()
     results = [CandidateResult("a", "no-such-backend", BUILT), CandidateResult("b", "no-such-backend", BUILD_FAILED)]
-    built = {"a": kept, "b": dropped}
+    built = {"a": kept, "b": dropped, "not-a-result": stray}
     runners = load_runners(BuildRequest(TINY, torch.float32, CPU, tmp_path), tmp_path, results, built)
     assert runners == {"a": kept} and not kept.closed and dropped.closed and built == {}
+    assert stray.closed  # nothing validates a runner under a name no result carries: never served, closed

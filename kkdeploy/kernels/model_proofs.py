@@ -28,7 +28,7 @@ from kkdeploy.inputs import DEFAULT_SEED, padded_case
 from . import fused_linear, layer_norm
 from . import faithful_attention as attention_kernel
 from .precompile import DEFAULT_WORKERS, parallel_compiles
-from .proof import CompiledAhead, ProofCache, ProofRecord, lookup_proof
+from .proof import ProofCache, ProofRecord, lookup_proof
 
 #: the kinds of kernel op a candidate can run, in the order they are proven
 KINDS = ("attention", "layer_norm", "linear")
@@ -56,8 +56,10 @@ class ModelProofs:
 
     def only(self, kinds: Iterable[str]) -> "ModelProofs":
         """The records of ``kinds`` (in the order they were proven), with this step's seconds."""
-        records = [r for kind in KINDS if kind in set(kinds) for r in self.of_kind(kind)]
-        return ModelProofs(records, self.seconds, [r for r in self.reused_records if any(r is x for x in records)])
+        wanted = set(kinds)
+        records = [r for kind in KINDS if kind in wanted for r in self.of_kind(kind)]
+        kept = {id(r) for r in records}
+        return ModelProofs(records, self.seconds, [r for r in self.reused_records if id(r) in kept])
 
     def proven(self, kind: str) -> bool:
         """Whether any op of ``kind`` runs our kernel."""
@@ -300,11 +302,9 @@ def _compile_ahead(todo, cases: _Cases, config, device, launches, workers: int) 
         for kind, name, shape, refusal in todo:
             if refusal is not None:
                 continue
-            try:
+            try:  # ends in CompiledAhead once its launches are handed to the pool
                 _prove(kind, name, shape, cases, config, device, BUDGET_S, None, None, (launches or {}).get(kind))
-            except CompiledAhead:
-                pass
-            except Exception:  # noqa: BLE001 - the proof itself meets it again and records it
+            except Exception:  # noqa: BLE001 - CompiledAhead, or an error the proof itself meets again and records
                 pass
     cases.generator.set_state(state)
 

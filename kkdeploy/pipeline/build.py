@@ -210,6 +210,9 @@ def load_runners(request: BuildRequest, stage: Path, results: list[CandidateResu
             runner.close()
             continue
         runners[result.name] = runner
+    for runner in built.values():  # handed over under a name no result carries: nothing validates it
+        runner.close()
+    built.clear()
     return runners
 
 

@@ -174,6 +174,10 @@ def expected_answers(runner, pool, device=None) -> list[dict[int, tuple[str, ...
 
     runner = bucketed(runner)
     device, dtype = runner_device(runner)
+
+    def answer(size: int, xb, mb, n: int) -> str:
+        return digest_array(runner.run_bucket(size, xb, mb)[:n].detach().cpu().numpy())
+
     answers = []
     with torch.inference_mode():
         for x, mask in pool:
@@ -187,11 +191,10 @@ def expected_answers(runner, pool, device=None) -> list[dict[int, tuple[str, ...
                 xb[:n] = xt
                 mb = torch.zeros((size, x.shape[1]), dtype=torch.bool, device=device)
                 mb[:n] = True if mask is None else torch.from_numpy(mask).to(device)
-                digests = [digest(runner.run_bucket(size, xb, mb)[:n].detach().cpu().contiguous().numpy().tobytes())]
+                digests = [answer(size, xb, mb, n)]
                 if size > n and bool(mb[:n].all()):  # gathered with other valid rows: the all-valid route
                     full = xt.repeat(-(-size // n), *([1] * (xt.dim() - 1)))[:size]
-                    y = runner.run_bucket(size, full, torch.ones_like(mb))[:n]
-                    digests.append(digest(y.detach().cpu().contiguous().numpy().tobytes()))
+                    digests.append(answer(size, full, torch.ones_like(mb), n))
                 found[size] = tuple(dict.fromkeys(digests))
             answers.append(found)
     return answers
