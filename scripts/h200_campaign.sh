@@ -20,8 +20,9 @@
 #                    over the official shapes, every launch variant (bitwise or not, and timed against ATen)
 #   prove-N.json     `kkdeploy prove` per shape: the build's proof step on its own (which kernels, which launches)
 #   custom.tgz, custom.md  the custom-shape step: builds and benches of non-official shapes with our own weights
+#   customprofile/   where the time goes on non-official shapes: the proof's records and a kernel profile per candidate
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
-# attention, prove, custom, bench, profile, customops, ortstrict, ortjudge, shape14build, layers, buildtime. A step's =SECONDS caps its wall time.
+# attention, prove, custom, customprofile, bench, profile, customops, ortstrict, ortjudge, shape14build, layers, buildtime. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -244,6 +245,26 @@ step_profile() {
   done
 }
 
+step_customprofile() {
+  # Where the time goes on the custom shapes that sit below 1.5x plain torch-compile (CUSTOMPROFILE_SHAPES:
+  # "SEED:B,S,D,H,F,L", the seeds the custom step gives them): the proof step's records (which launch runs, ATen's ms
+  # beside it), then eager, torch-compile and the three our-kernel candidates profiled kernel by kernel in one process.
+  mkdir -p "$OUT/customprofile"
+  for pair in ${CUSTOMPROFILE_SHAPES:-4247:16,200,384,6,768,3 4245:1,1024,1024,16,1024,2}; do
+    seed=${pair%%:*}; spec=${pair#*:}
+    IFS=, read -r b s d h f l <<< "$spec"
+    dims="--batch-size $b --seq-len $s --d-model $d --heads $h --ffn-dim $f --layers $l"
+    w="$WORK/w-$spec.safetensors"; mkdir -p "$WORK"
+    python3 scripts/make_weights.py $dims --seed "$seed" --out "$w" > /dev/null
+    python3 -m kkdeploy prove $dims --device cuda --weights "$w" --json "$OUT/customprofile/prove-$spec.json" \
+      || echo "prove $spec: exit $?"
+    python3 scripts/profile_candidate.py --dims "$spec" --weights "$w" --device cuda --dtype float16 --contract strict \
+      --candidate "${CUSTOMPROFILE_CANDIDATES:-torch-compile,torch-compile-faithful-attention,torch-compile-faithful-kernels,torch-compile-faithful-gemms}" \
+      --calls 50 --warmups 20 --top 30 --out "$OUT/customprofile/prof-$spec" > "$OUT/customprofile/prof-$spec.txt" 2>&1 \
+      || echo "profile $spec: exit $?"
+    grep -E "ms per call|^  [a-z]" "$OUT/customprofile/prof-$spec.txt"
+  done
+}
 step_customops() {
   # Issue 20 Part B: the CUDA kernels of the kkdeploy custom ops against ATen, op by op, every official shape
   # (needs nvcc and ONNX Runtime's C API headers: carry them and set KKDEPLOY_ORT_INCLUDE). --ort when

@@ -2,9 +2,12 @@
 """Where a bench candidate's time goes: a kernel profile of eager and one candidate on one shape (issue 6).
 
     python scripts/profile_candidate.py --shape 8 [--device auto] [--dtype float32] [--contract judge]
-        [--candidate NAME] [--calls 20] [--warmups 10] [--trials 5] [--top 12] [--out DIR]
+        [--candidate NAME[,NAME...]] [--calls 20] [--warmups 10] [--trials 5] [--top 12] [--out DIR]
+    python scripts/profile_candidate.py --dims B,S,D,H,F,L --weights W.safetensors --dtype float16 \
+        --contract strict --candidate torch-compile,torch-compile-faithful-kernels
 
-The candidate is built by ``kkdeploy.pipeline.bench.make_candidate``, so it is the very runner `kkdeploy bench`
+A non-official shape (``--dims``) and a weights file (``--weights``) profile what a user's build would time; several
+candidates are profiled one after another in the same process, beside the same eager run. Each candidate is built by ``kkdeploy.pipeline.bench.make_candidate``, so it is the very runner `kkdeploy bench`
 times (same calibration, same compile, same TF32 setting, same timed input). After ``--warmups`` calls,
 ``--calls`` calls of eager and of the candidate run under torch.profiler: device kernels on a GPU, CPU ops
 otherwise. Per backend it prints the time per call by class (GEMM, attention, Triton fusion, copy or cast,
@@ -26,7 +29,7 @@ import torch  # noqa: E402
 
 from kkdeploy.pipeline.bench import (EAGER, BenchOptions, environment, jobs_for, make_candidate,  # noqa: E402
                             parse_candidates, set_process_tf32)
-from kkdeploy.config import dtype_name, parse_dtype, resolve_device  # noqa: E402
+from kkdeploy.config import TransformerConfig, dtype_name, parse_dtype, resolve_device  # noqa: E402
 from kkdeploy.errors import KKError  # noqa: E402
 from kkdeploy.inputs import DEFAULT_SEED, TIMED_SEED_OFFSET, generate_case  # noqa: E402
 from kkdeploy.models.weights import build_models  # noqa: E402
@@ -114,14 +117,29 @@ def print_report(name: str, result: dict, top: int) -> None:
               f"{r['class']} | {r['name'][:100]} |")
 
 
+def parse_dims(text: str) -> TransformerConfig:
+    """``B,S,D,H,F,L`` as `kkdeploy build`'s custom-shape flags would give them, with the same checks."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 6:
+        raise KKError(f"--dims takes six integers B,S,D,H,F,L (batch, sequence, width, heads, FFN, layers), got {text!r}")
+    b, s, d, h, f, layers = values
+    return TransformerConfig(batch_size=b, seq_len=s, d_model=d, num_heads=h, ffn_dim=f, num_layers=layers)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", type=int, required=True, help="official shape id")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--shape", type=int, help="official shape id")
+    where.add_argument("--dims", help="a non-official shape: B,S,D,H,F,L (batch, sequence, width, heads, FFN, layers)")
+    parser.add_argument("--weights", default=None, help="safetensors file or torch state dict (default: seeded)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--contract", default="judge", choices=("strict", "judge"))
-    parser.add_argument("--candidate", default=None, help="a `kkdeploy bench` candidate (default: the "
-                        "half-GEMM mixed one of this device)")
+    parser.add_argument("--candidate", default=None, help="`kkdeploy bench` candidates, comma-separated (default: "
+                        "the half-GEMM mixed one of this device)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--warmups", type=int, default=10)
     parser.add_argument("--trials", type=int, default=5, help="calibration trials of a -mixed candidate")
@@ -129,20 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="profile-out")
     args = parser.parse_args(argv)
     try:
-        config = jobs_for([args.shape], None)[0].config  # bench's checks: unknown id, long-context shape
+        config = (jobs_for([args.shape], None) if args.dims is None  # bench's checks: unknown id, long context
+                  else jobs_for(None, parse_dims(args.dims)))[0].config
         if args.calls < 1 or args.warmups < 0:
             raise KKError("--calls must be >= 1 and --warmups >= 0")
         device, dtype = resolve_device(args.device), parse_dtype(args.dtype)
         names = parse_candidates(args.candidate or default_candidate(device))
-        if len(names) > 1:
-            raise KKError(f"--candidate takes one bench candidate, got {len(names)}: {', '.join(names)}")
-        name = names[0]
         options = BenchOptions(device=str(device), dtype=dtype_name(dtype), contract=args.contract,
-                               trials=args.trials, candidates=[name]).check()
+                               trials=args.trials, candidates=names, weights=args.weights).check()
         tf32 = set_process_tf32(options, device, dtype)  # as the bench worker
-        reference, _ = build_models(config, dtype, device, sdpa_layers=0)
-        info: dict = {}
-        runner, _ = make_candidate(name, reference, config, dtype, device, options, info, {})
+        reference, _ = build_models(config, dtype, device, weights=args.weights, sdpa_layers=0)
+        infos: dict[str, dict] = {name: {} for name in names}
+        runners = {name: make_candidate(name, reference, config, dtype, device, options, infos[name], {})[0]
+                   for name in names}
     except KKError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -151,11 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     x, mask = generate_case(config, device, dtype, DEFAULT_SEED + TIMED_SEED_OFFSET)
     report = {"shape_id": args.shape, "config": config.to_dict(), "dtype": dtype_name(dtype),
               "contract": args.contract, "tf32": tf32, "calls": args.calls, "warmups": args.warmups,
-              "environment": environment(device), "candidate_info": info, "backends": {}}
-    print(f"profile shape {args.shape} ({config.describe()}), {dtype_name(dtype)} on {device}, "
-          f"contract {args.contract}, tf32 {'on' if tf32 else 'off'}: {EAGER} vs {name}")
+              "weights": args.weights or "seeded", "environment": environment(device), "candidate_info": infos,
+              "backends": {}}
+    where = f"shape {args.shape}" if args.dims is None else "custom shape"
+    print(f"profile {where} ({config.describe()}), {dtype_name(dtype)} on {device}, weights "
+          f"{args.weights or 'seeded'}, contract {args.contract}, tf32 {'on' if tf32 else 'off'}: {EAGER} vs "
+          f"{', '.join(names)}")
     with torch.inference_mode():
-        for label, model in ((EAGER, reference), (name, runner)):
+        for label, model in ((EAGER, reference), *runners.items()):
             trace = out / f"trace-{label}.json"
             report["backends"][label] = profile_runner(model, x, mask, device, args.warmups, args.calls, trace)
             print_report(label, report["backends"][label], args.top)

@@ -39,7 +39,7 @@ def test_profiles_eager_and_the_fused_candidate_on_the_cpu(profiler, tmp_path, c
     assert code == 0
     report = json.loads((out / "profile.json").read_text())
     assert report["shape_id"] == 3 and report["dtype"] == "float32" and report["tf32"] is False
-    assert report["candidate_info"]["half_gemm_kernel"] == EMULATED  # the candidate bench would run here
+    assert report["candidate_info"]["fused-half-gemm"]["half_gemm_kernel"] == EMULATED  # the candidate bench would run here
     eager, fused = report["backends"]["eager"], report["backends"]["fused-half-gemm"]
     for result in (eager, fused):
         classes = result["classes_ms_per_call"]
@@ -61,10 +61,35 @@ def test_profiles_eager_and_the_fused_candidate_on_the_cpu(profiler, tmp_path, c
     (["--shape", "14"], "shape 14 is long-context"),
     (["--shape", "3", "--candidate", "tensorrt"], "unknown bench candidate"),
     (["--shape", "3", "--calls", "0"], "--calls must be >= 1"),
-    (["--shape", "3", "--candidate", "fused,fused-half-gemm"], "--candidate takes one bench candidate, got 2"),
+    (["--dims", "2,16,32"], "--dims takes six integers B,S,D,H,F,L"),
+    (["--dims", "2,16,33,2,64,2"], "d_model 33 is not divisible by num_heads 2"),
+    (["--dims", "2,16,32,2,64,2", "--weights", "/nonexistent.safetensors"], "does not exist"),
 ])
 def test_bad_arguments_get_one_line(profiler, tmp_path, capsys, argv, message):
     assert profiler.main(argv + ["--device", "cpu", "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "p").exists()
+
+
+def test_profiles_a_custom_shape_with_a_weights_file_and_two_candidates(profiler, tmp_path, capsys):
+    """What a user's own model would run: --dims and --weights, several candidates beside one eager run."""
+    import torch
+
+    from kkdeploy.config import TransformerConfig
+    from kkdeploy.models.weights import build_models
+
+    config = TransformerConfig(batch_size=2, seq_len=16, d_model=32, num_heads=2, ffn_dim=64, num_layers=2)
+    reference, _ = build_models(config, torch.float32, torch.device("cpu"), seed=77)
+    weights = tmp_path / "w.pt"
+    torch.save(reference.state_dict(), weights)
+    out = tmp_path / "prof"
+    code = profiler.main(["--dims", "2,16,32,2,64,2", "--weights", str(weights), "--device", "cpu",
+                          "--candidate", "fused,fused-half-gemm", "--calls", "2", "--warmups", "1", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "profile.json").read_text())
+    assert report["shape_id"] is None and report["weights"] == str(weights)
+    assert report["config"]["d_model"] == 32 and report["config"]["num_layers"] == 2
+    assert list(report["backends"]) == ["eager", "fused", "fused-half-gemm"]
+    assert set(report["candidate_info"]) == {"fused", "fused-half-gemm"}
+    assert "custom shape" in capsys.readouterr().out
