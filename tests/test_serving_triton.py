@@ -198,7 +198,7 @@ def test_front_groups_and_pads_without_splitting_a_request():
 
 
 def test_one_hop_gather_reuses_its_buffers_and_rewrites_every_row():
-    """``_Batched._run`` without a server: a recording runner sees what the engine would get. Buffers are reused,
+    """``BucketEngine.run`` without a server: a recording runner sees what the engine would get. Buffers are reused,
     so every run must rewrite every row: padding rows zero and masked after a full run left data in them; a full
     bucket of mask-less requests gets the bucket's all-True mask, the same tensor each time and never written."""
     from kkdeploy.pipeline.runtime import BucketedRunner
@@ -212,27 +212,27 @@ def test_one_hop_gather_reuses_its_buffers_and_rewrites_every_row():
             seen.append((x.clone(), mask.clone(), mask))
             return x * 2
 
-    model = triton_model._Batched.__new__(triton_model._Batched)
+    model = triton_model.BucketEngine.__new__(triton_model.BucketEngine)
     model.runner = BucketedRunner({1: Engine(), 2: Engine(), 4: Engine()})
     model.row_shape, model.dtype, model.device, model.cuda = [3, 2], torch.float32, torch.device("cpu"), False
     model.inference_mode, model.buffers = torch.inference_mode, {}
     model.all_valid = {b: torch.ones([b, 3], dtype=torch.bool) for b in (1, 2, 4)}
     full = [torch.full((2, 3, 2), 5.0), torch.full((2, 3, 2), 7.0)]
-    ys, size, n, _, _ = model._run(full, [None, None])
+    ys, size, n, _, _ = model.run(full, [None, None])
     assert (size, n) == (4, 4) and torch.equal(torch.cat(ys), 2 * torch.cat(full))
     assert seen[-1][2] is model.all_valid[4]
     version = model.all_valid[4]._version
     masked = torch.tensor([[True, True, False]])
-    ys, size, n, _, _ = model._run([torch.ones(1, 3, 2), 3 * torch.ones(2, 3, 2)], [masked, None])
+    ys, size, n, _, _ = model.run([torch.ones(1, 3, 2), 3 * torch.ones(2, 3, 2)], [masked, None])
     x, mask, _ = seen[-1]
     assert (size, n) == (4, 3) and [tuple(y.shape) for y in ys] == [(1, 3, 2), (2, 3, 2)]
     assert torch.equal(x[:3], torch.cat([torch.ones(1, 3, 2), 3 * torch.ones(2, 3, 2)])) and not x[3].any()
     assert torch.equal(mask, torch.tensor([[True, True, False], [True] * 3, [True] * 3, [False] * 3]))
     assert torch.equal(ys[1], 6 * torch.ones(2, 3, 2))
-    ys, size, n, _, _ = model._run(full, [None, None])  # back to all valid: the cached mask, untouched
+    ys, size, n, _, _ = model.run(full, [None, None])  # back to all valid: the cached mask, untouched
     assert seen[-1][2] is model.all_valid[4] and model.all_valid[4]._version == version
     assert model.all_valid[4].all() and len(model.buffers) == 1  # one bucket ran: one set of buffers
-    ys, size, n, _, _ = model._run([torch.ones(1, 3, 2)], [None])  # one sequence: bucket 1, its own buffers
+    ys, size, n, _, _ = model.run([torch.ones(1, 3, 2)], [None])  # one sequence: bucket 1, its own buffers
     assert (size, n) == (1, 1) and len(model.buffers) == 2 and ys[0].shape == (1, 3, 2)
     # Bound for a GPU, several requests' host rows are gathered on the host and cross in one copy each
     # (into the bucket's reused buffers: here plain ones, pinned on a GPU; stale contents are overwritten)

@@ -149,7 +149,7 @@ def canary_answers(run_bucket, sizes, seq_len: int, d_model: int, dtype, device)
 def gather_host(xs: list, masks: list, x_out, mask_out):
     """``(x, mask)``: several requests' host rows written into the first rows of ``x_out`` and ``mask_out`` (a
     missing mask: every token valid) and returned as those rows, so that each crosses to the device in one copy.
-    The buffers are the bucket's own, pinned and reused (``_Batched._staging``): nothing is allocated per run."""
+    The buffers are the bucket's own, pinned and reused (``BucketEngine._staging``): nothing is allocated per run."""
     import torch
 
     n = sum(int(xi.shape[0]) for xi in xs)
@@ -463,23 +463,20 @@ class _TritonMetrics:
                 metric.increment(value)
 
 
-class _Batched:
-    """One hop: the gathered requests run on the smallest validated bucket that holds them, in this process."""
+class BucketEngine:
+    """The one-hop engine without Triton: the gathered requests' rows run on the smallest validated bucket that
+    holds them. The Python backend's batched role (``_Batched``) and kkdeploy's in-process backend
+    (``kkdeploy.serving.inprocess``) both serve through it, so the two cannot batch, pad or answer differently."""
 
-    def __init__(self, config: dict, args: dict):
-        import triton_python_backend_utils as pb_utils
-
+    def __init__(self, name: str, artifacts: str, device: str, row_shape: list[int], dtype, max_batch: int,
+                 gpu_outputs: bool = False, canary_file: str | None = None):
         import torch
 
         import kkdeploy
         from kkdeploy.pipeline.runtime import bucketed
 
-        self.name = config["name"]
-        version_dir = os.path.join(args["model_repository"], args["model_version"])
-        artifacts = os.path.join(version_dir, parameter(config, ARTIFACTS, "artifacts"))
-        device = "cpu"
-        if parameter(config, DEVICE_TYPE, "cpu") == "cuda":
-            device = f"cuda:{int(args.get('model_instance_device_id') or 0)}"
+        self.name = name
+        if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         self.device = torch.device(device)
         self.runner = bucketed(kkdeploy.load(artifacts, device=device))
@@ -488,17 +485,15 @@ class _Batched:
             # torch only copies rows here; its idle pool spinning beside ONNX Runtime's on the same cores made
             # every engine run slower (docs/serving.md, CPU benchmark).
             torch.set_num_threads(1)
-        self.max_batch = int(config["max_batch_size"])
+        self.max_batch = int(max_batch)
         if self.max_batch > self.runner.max_batch:
             raise ValueError(f"{self.name}: max_batch_size {self.max_batch} exceeds the largest validated bucket "
                              f"{self.runner.max_batch}; rewrite the repository")
-        self.row_shape = [int(d) for d in next(i["dims"] for i in config["input"] if i["name"] == INPUT_X)]
-        self.dtype = _dtype(config)
+        self.row_shape = [int(d) for d in row_shape]
+        self.dtype = dtype
         self.cuda = self.device.type == "cuda"
-        self.gpu_outputs = self.cuda and gpu_outputs_wanted(config)
-        self.clock = _stage_clock(self.name, self.runner.sizes)
-        described = ", ".join(f"{b}: {r.backend}" for b, r in self.runner.buckets.items())
-        pb_utils.Logger.log_info(f"{self.name}: one hop on {device}, buckets {described}; {self.runner.reason}")
+        self.gpu_outputs = self.cuda and gpu_outputs
+        self.described = ", ".join(f"{b}: {r.backend}" for b, r in self.runner.buckets.items())
         with torch.inference_mode():  # every bucket's first call outside the clock, on both mask routes
             for size in self.runner.sizes:
                 x = torch.zeros([size, *self.row_shape], dtype=self.dtype, device=self.device)
@@ -506,17 +501,12 @@ class _Batched:
                 self.runner.run_bucket(size, x, mask)
                 mask[:, -1] = False
                 self.runner.run_bucket(size, x, mask)
-            canary = parameter(config, CANARY_FILE)
-            if canary:
-                write_canary(canary, self.name, canary_answers(self.runner.run_bucket, self.runner.sizes,
-                                                               self.row_shape[0], self.row_shape[1], self.dtype,
-                                                               self.device))
+            if canary_file:
+                write_canary(canary_file, self.name, canary_answers(self.runner.run_bucket, self.runner.sizes,
+                                                                    self.row_shape[0], self.row_shape[1], self.dtype,
+                                                                    self.device))
             if self.cuda:
                 torch.cuda.synchronize(self.device)
-        # The request path's callables, looked up once (an import or attribute chain per request adds up).
-        from torch.utils.dlpack import from_dlpack, to_dlpack
-
-        self.pb_utils, self.from_dlpack, self.to_dlpack = pb_utils, from_dlpack, to_dlpack
         self.inference_mode = torch.inference_mode
         self.buffers: dict[int, tuple] = {}
         self.host_outputs: dict[int, object] = {}  # bucket -> pinned host buffer for its answers (_to_host)
@@ -525,49 +515,13 @@ class _Batched:
         self.all_valid = {size: torch.ones([size, self.row_shape[0]], dtype=torch.bool, device=self.device)
                           for size in self.runner.sizes}
 
-    def execute(self, requests):
-        """The request path (it is most of a small request's time): one pass over each request's
-        inputs, the rows copied once into the bucket's own buffers, the engine, a DLPack view per response."""
-        pb_utils = self.pb_utils
-        start = time.perf_counter_ns()
-        responses = [None] * len(requests)
-        xs, masks = [], []
-        for request in requests:
-            x = mask = None
-            for tensor in request.inputs():  # one pass: get_input_tensor_by_name walks this list once per name
-                name = tensor.name()
-                if name == INPUT_X:
-                    x = self.from_dlpack(tensor.to_dlpack())
-                elif name == INPUT_MASK:
-                    mask = self.from_dlpack(tensor.to_dlpack())
-            xs.append(x)
-            masks.append(mask)
-        rows = [x.shape[0] for x in xs]
-        groups = [range(len(xs))] if sum(rows) <= self.max_batch else chunks(rows, self.max_batch)
-        for group in groups:
-            try:
-                outputs, size, n, gathered, ran = self._run([xs[i] for i in group], [masks[i] for i in group])
-                for i, y in zip(group, outputs):
-                    responses[i] = pb_utils.InferenceResponse(output_tensors=[self._output(y)])
-                self.clock.record(gathered - start, ran - gathered, time.perf_counter_ns() - ran, size, n)
-            except Exception as exc:  # noqa: BLE001 - the engine's error goes back to each caller
-                for i in group:
-                    responses[i] = _error(f"{self.name}: {type(exc).__name__}: {exc}", _code(exc))
-            start = time.perf_counter_ns()
-        return responses
+    @property
+    def sizes(self) -> list[int]:
+        return self.runner.sizes
 
-    def _output(self, y):
-        if self.gpu_outputs:
-            try:
-                return _to_triton(OUTPUT_Y, y, keep_device=True)
-            except Exception as exc:  # noqa: BLE001 - a backend built without GPU tensor support
-                self.gpu_outputs = False
-                self.pb_utils.Logger.log_warn(f"{self.name}: GPU outputs refused ({type(exc).__name__}: {exc}); "
-                                              f"copying outputs to the CPU in model.py from now on")
-        if self.cuda:
-            return _to_triton(OUTPUT_Y, y)
-        # on the CPU, y (a fresh tensor from the engine, or a row range of one) is already contiguous host memory
-        return self.pb_utils.Tensor.from_dlpack(OUTPUT_Y, self.to_dlpack(y if y.is_contiguous() else y.contiguous()))
+    def groups(self, rows: list[int]):
+        """The requests' indices in runs of at most ``max_batch`` sequences (one run unless they hold more)."""
+        return [range(len(rows))] if sum(rows) <= self.max_batch else chunks(rows, self.max_batch)
 
     def _buffers(self, size: int):
         """The bucket's input and mask buffers on the engine's device, made on first use (a bucket that never
@@ -597,8 +551,8 @@ class _Batched:
     def _to_host(self, size: int, y):
         """``y`` (``n`` rows of a ``size`` bucket's answer) in the bucket's pinned host buffer, made on first use and
         reused: ``y.cpu()`` allocated fresh pageable memory per run, whose page faults and staged copy took 12.9 ms
-        of a 16 MB shape-13 answer (H200, docs/results.md). The stub copies each response into its shared memory
-        before execute is called again, so the buffer is free by the next run."""
+        of a 16 MB shape-13 answer (H200, docs/results.md). The stub (or the in-process backend) copies each
+        response out before the next run, so the buffer is free by then."""
         import torch
 
         host = self.host_outputs.get(size)
@@ -610,7 +564,9 @@ class _Batched:
         torch.cuda.current_stream(self.device).synchronize()
         return out
 
-    def _run(self, xs, masks):
+    def run(self, xs, masks):
+        """``(outputs, bucket, rows, gathered_ns, ran_ns)``: one run of these requests' rows; each output is a
+        request's rows (host memory unless ``gpu_outputs``), valid until the next run."""
         import torch
 
         n = 0
@@ -662,6 +618,73 @@ class _Batched:
         if len(xs) == 1 and n == y.shape[0]:
             return [y], size, n, gathered, ran
         return [y[a:b] for a, b in bounds], size, n, gathered, ran
+
+
+class _Batched:
+    """One hop in the Python backend: Triton tensors in and out (DLPack) around a ``BucketEngine``."""
+
+    def __init__(self, config: dict, args: dict):
+        import triton_python_backend_utils as pb_utils
+
+        self.name = config["name"]
+        version_dir = os.path.join(args["model_repository"], args["model_version"])
+        device = "cpu"
+        if parameter(config, DEVICE_TYPE, "cpu") == "cuda":
+            device = f"cuda:{int(args.get('model_instance_device_id') or 0)}"
+        self.engine = BucketEngine(
+            self.name, os.path.join(version_dir, parameter(config, ARTIFACTS, "artifacts")), device,
+            next(i["dims"] for i in config["input"] if i["name"] == INPUT_X), _dtype(config),
+            int(config["max_batch_size"]), gpu_outputs=gpu_outputs_wanted(config),
+            canary_file=parameter(config, CANARY_FILE))
+        self.clock = _stage_clock(self.name, self.engine.sizes)
+        pb_utils.Logger.log_info(f"{self.name}: one hop on {device}, buckets {self.engine.described}; "
+                                 f"{self.engine.runner.reason}")
+        # The request path's callables, looked up once (an import or attribute chain per request adds up).
+        from torch.utils.dlpack import from_dlpack, to_dlpack
+
+        self.pb_utils, self.from_dlpack, self.to_dlpack = pb_utils, from_dlpack, to_dlpack
+
+    def execute(self, requests):
+        """The request path (it is most of a small request's time): one pass over each request's
+        inputs, the rows copied once into the bucket's own buffers, the engine, a DLPack view per response."""
+        pb_utils = self.pb_utils
+        start = time.perf_counter_ns()
+        responses = [None] * len(requests)
+        xs, masks = [], []
+        for request in requests:
+            x = mask = None
+            for tensor in request.inputs():  # one pass: get_input_tensor_by_name walks this list once per name
+                name = tensor.name()
+                if name == INPUT_X:
+                    x = self.from_dlpack(tensor.to_dlpack())
+                elif name == INPUT_MASK:
+                    mask = self.from_dlpack(tensor.to_dlpack())
+            xs.append(x)
+            masks.append(mask)
+        for group in self.engine.groups([x.shape[0] for x in xs]):
+            try:
+                outputs, size, n, gathered, ran = self.engine.run([xs[i] for i in group], [masks[i] for i in group])
+                for i, y in zip(group, outputs):
+                    responses[i] = pb_utils.InferenceResponse(output_tensors=[self._output(y)])
+                self.clock.record(gathered - start, ran - gathered, time.perf_counter_ns() - ran, size, n)
+            except Exception as exc:  # noqa: BLE001 - the engine's error goes back to each caller
+                for i in group:
+                    responses[i] = _error(f"{self.name}: {type(exc).__name__}: {exc}", _code(exc))
+            start = time.perf_counter_ns()
+        return responses
+
+    def _output(self, y):
+        if self.engine.gpu_outputs:
+            try:
+                return _to_triton(OUTPUT_Y, y, keep_device=True)
+            except Exception as exc:  # noqa: BLE001 - a backend built without GPU tensor support
+                self.engine.gpu_outputs = False
+                self.pb_utils.Logger.log_warn(f"{self.name}: GPU outputs refused ({type(exc).__name__}: {exc}); "
+                                              f"copying outputs to the CPU in model.py from now on")
+        if self.engine.cuda:
+            return _to_triton(OUTPUT_Y, y)
+        # on the CPU, y (a fresh tensor from the engine, or a row range of one) is already contiguous host memory
+        return self.pb_utils.Tensor.from_dlpack(OUTPUT_Y, self.to_dlpack(y if y.is_contiguous() else y.contiguous()))
 
 
 def _dtype(config: dict):
