@@ -45,6 +45,10 @@ def register(sub):
     p.add_argument("--device", help="device of the direct engine (default: the artifacts')")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take (default 60)")
+    p.add_argument("--client", choices=["lean", "tritonclient"], default="lean",
+                   help="gRPC without shared memory: lean (default) sends each payload's request serialized once, "
+                        "as perf_analyzer does; tritonclient builds and parses every message in Python "
+                        "(HTTP and shared memory always use tritonclient)")
     from .triton_repo import add_topology_args
 
     add_topology_args(p)
@@ -115,7 +119,7 @@ def run(args) -> int:
         protocol=protocol, processes=args.processes, concurrency=args.concurrency, rate=args.rate,
         arrival=args.arrival, requests=args.requests or None, duration_s=args.duration, warmup=args.warmup,
         mix=loadtest.parse_mix(args.mix), padding=loadtest.parse_ratios(args.padding), pool=args.pool,
-        seed=args.seed, shared_memory=args.shared_memory, timeout_s=args.timeout) for protocol in protocols]
+        seed=args.seed, shared_memory=args.shared_memory, timeout_s=args.timeout, client=args.client) for protocol in protocols]
     for plan in plans:
         plan.check()
     buckets = [b["batch"] for b in (manifest.get("batch_buckets") or {}).get("buckets", [])] or [config["batch_size"]]
