@@ -103,7 +103,8 @@ class Server:
                                                  topology=topology, available_backends=install.backends(),
                                                  max_queue_delay_us=delay_us, output_device=output_device,
                                                  instances=instances)
-        self.label = (self.info.topology + ("" if self.info.output_device == "cpu" else ", GPU outputs")
+        self.label = (self.info.topology + (", in-process" if self.info.engine_backend == "kkdeploy" else "")
+                      + ("" if self.info.output_device == "cpu" else ", GPU outputs")
                       + ("" if instances == 1 else f", {instances} instances"))
         taken: set[int] = set()
         for _ in range(3):
@@ -163,7 +164,7 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
     sat_conc = 8 if args.quick or row_bytes * min(big, 64) > (1 << 20) else 64
     if shape == "6":
         plans = [("batch-1 c=1", dict(processes=1, concurrency=1, requests=n(1000), mix=[[1, 1.0]], pool=16))]
-        layouts = [("one-hop", "cpu", 1)]
+        layouts = [("one-hop", "cpu", 1, engine) for engine in args.engines]
     else:
         full = min(big, 64)
         plans = [
@@ -182,29 +183,30 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
         # one hop with host outputs (the default); then its saturation with 4 and 2 model instances (one stub's
         # Python work per execute, ~0.5 ms on the H200, is what bounds one instance, not the GPU); then the layouts
         # before it: GPU outputs, two hops
-        # (topology, output device, instances)
-        layouts = [("one-hop", "cpu", 1)]
+        # (topology, output device, instances, engine): each --engines one-hop engine (kkdeploy's in-process
+        # backend, the Python backend), then the layouts before them
+        layouts = [("one-hop", "cpu", 1, engine) for engine in args.engines]
         if shape == "3":
-            layouts += [("one-hop", "cpu", n) for n in args.instances if n > 1]
+            layouts += [("one-hop", "cpu", n, engine) for engine in args.engines for n in args.instances if n > 1]
             if args.before:
                 if args.device != "cpu":  # a CPU artifact's answers are in host memory either way
-                    layouts.append(("one-hop", "gpu", 1))
-                layouts.append(("two-hop", "cpu", 1))
-    for layout, outputs, instances in layouts:
+                    layouts.append(("one-hop", "gpu", 1, "auto"))
+                layouts.append(("two-hop", "cpu", 1, "python"))
+    for layout, outputs, instances, engine in layouts:
         if time.monotonic() > deadline:
             result["runs"].append({"skipped": f"{layout}, {outputs} outputs, {instances} instances: out of budget"})
             continue
-        with Server(artifacts, layout, engine="auto" if layout == "one-hop" else "python",
-                    output_device=outputs, instances=instances) as server:
+        with Server(artifacts, layout, engine=engine, output_device=outputs, instances=instances) as server:
             for name, kw in plans:
-                if server.label != "one-hop" and ("mixed" in name or "shared" in name):
+                if server.label not in ("one-hop", "one-hop, in-process") and ("mixed" in name or "shared" in name):
                     continue  # before/after compares the batch-1 and saturation runs
                 if instances > 1 and "saturation" not in name:
                     continue  # more instances are for throughput
                 if time.monotonic() > deadline:
                     result["runs"].append({"name": name, "topology": server.label, "skipped": "out of budget"})
                     continue
-                result["runs"].append(run_plan(server, runner, name, protocol="grpc", warmup=20, **kw))
+                result["runs"].append(run_plan(server, runner, name, protocol="grpc", warmup=20, client=args.client,
+                                               **kw))
     return result
 
 
@@ -365,6 +367,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small custom shape instead of the official ones (CPU)")
     p.add_argument("--instances", default="4,2",
                    help="model instance counts for shape 3's extra saturation runs (default 4,2)")
+    p.add_argument("--engines", default="inprocess,auto",
+                   help="one-hop engines to measure side by side: inprocess (kkdeploy's backend in tritonserver's "
+                        "process), auto (the Python backend) (default inprocess,auto)")
+    p.add_argument("--client", default="lean", choices=["lean", "tritonclient"],
+                   help="the load test's gRPC client (default lean: requests serialized once per payload)")
     p.add_argument("--no-before", dest="before", action="store_false",
                    help="skip the layouts before (GPU outputs, two hops)")
     p.add_argument("--fault-instances", type=int, default=1,
@@ -373,6 +380,7 @@ def main(argv=None) -> int:
                    help="build the shapes without measuring them (for the fault runs alone)")
     args = p.parse_args(argv)
     args.instances = [int(n) for n in args.instances.split(",") if n.strip()]
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     started = time.monotonic()
     deadline = started + args.budget
     out = Path(args.out)

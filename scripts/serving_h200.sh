@@ -16,4 +16,6 @@ python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site "
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export KKDEPLOY_TRITONSERVER=/tmp/kk-triton/pytriton/tritonserver KKDEPLOY_CACHE_DIR=/tmp/kk-cache
 python3 -c "import sysconfig,sys; assert sysconfig.get_config_var('Py_ENABLE_SHARED'), 'no shared libpython: the Python-backend stub cannot embed this Python'; print(sys.version.split()[0], 'shared libpython ok')"
+# kkdeploy's in-process backend (--engines inprocess, the default's first) is compiled here: a C++ compiler and Python.h
+python3 -c "import sysconfig,os,shutil; h=os.path.join(sysconfig.get_paths()['include'],'Python.h'); print('in-process backend:', shutil.which(os.environ.get('CXX') or 'g++') or 'NO C++ COMPILER', '|', h if os.path.isfile(h) else 'NO Python.h')"
 exec python3 scripts/serving_h200.py --out "$OUT" --budget "${BUDGET:-420}" "$@"

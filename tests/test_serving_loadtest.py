@@ -130,11 +130,12 @@ def test_cpu_target_batch1_grpc_from_two_processes_every_answer_exact(shape3, in
             assert compare_outputs(reference.eval()(xt, mt), y, *CONTRACTS["strict"]).passed
 
 
-def test_http_and_grpc_open_loop_mixed_batches_through_system_shared_memory(shape3, install):
+@pytest.mark.parametrize("engine", ["auto", "inprocess"])
+def test_http_and_grpc_open_loop_mixed_batches_through_system_shared_memory(shape3, install, engine):
     from kkdeploy.commands.loadtest import local_server
 
     runner = kkdeploy.load(shape3)
-    args = types.SimpleNamespace(artifacts=str(shape3), model_name="kkdeploy", engine="auto", topology="auto",
+    args = types.SimpleNamespace(artifacts=str(shape3), model_name="kkdeploy", engine=engine, topology="auto",
                                  instances=1, max_queue_delay_us=200, host="127.0.0.1")
     taken: set[int] = set()
     for _ in range(3):

@@ -99,7 +99,7 @@ def run(args) -> int:
     # ignored, Python then installs no handler, and `kill -INT` would do nothing.
     previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     workdir = Path(tempfile.mkdtemp(prefix="kkdeploy-serve-"))
-    server = None
+    server = info = None
     models: list[str] = []
     token = secrets.token_hex(8)
     canary_file = workdir / "canary.json"
@@ -148,7 +148,8 @@ def run(args) -> int:
             watchdog = Watchdog(server, models, canary, lambda line: console.print(line, soft_wrap=True),
                                 interval_s=args.watch_interval, probe_every_s=args.probe_interval or float("inf"),
                                 heal_timeout_s=args.heal_timeout,
-                                restart=lambda limit_s: server.restart(min(limit_s, args.ready_timeout), ours))
+                                restart=lambda limit_s: server.restart(min(limit_s, args.ready_timeout), ours),
+                                stubs=not in_process(info))
             watchdog.baseline()
         while watchdog is not None or server.alive():  # the watchdog restarts a server that died
             if watchdog is not None:
@@ -158,12 +159,12 @@ def run(args) -> int:
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return stop(server, models, args.drain_timeout, release_dir)
+        return stop(server, models, args.drain_timeout, release_dir, in_process=in_process(info))
     except HealFailed as exc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         err_console.print(f"[bold red]error:[/] {keep_log(server, str(exc))}; exiting {EXIT_NOT_HEALED} so that a "
                           f"supervisor restarts kkdeploy serve", soft_wrap=True)
-        stop(server, models, args.drain_timeout, release_dir)
+        stop(server, models, args.drain_timeout, release_dir, in_process=in_process(info))
         return EXIT_NOT_HEALED
     except KKError as exc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -221,7 +222,15 @@ def check_canary(args, info, server, canary_file: Path):
     return canary
 
 
-def stop(server, models: list[str], drain_timeout_s: float, release_dir: Path | None = None) -> int:
+def in_process(info) -> bool:
+    """Whether the served model runs in tritonserver's own process (kkdeploy's in-process backend)."""
+    from ..serving.triton_repo import INPROCESS_BACKEND
+
+    return info is not None and info.topology == "one-hop" and info.engine_backend == INPROCESS_BACKEND
+
+
+def stop(server, models: list[str], drain_timeout_s: float, release_dir: Path | None = None,
+         in_process: bool = False) -> int:
     """Drain, then stop the server and everything it started, within ``drain_timeout_s + AFTER_DRAIN_S`` of now
     (``STOP_BUDGET_S`` with the default); 0 for a clean stop, else 1 with the reason.
 
@@ -251,7 +260,9 @@ def stop(server, models: list[str], drain_timeout_s: float, release_dir: Path | 
     client, internal = models[0], models[1:]
     console.print(f"stopping: unloading {client} (not ready); in-flight requests get up to {drain_timeout_s:g} s, "
                   f"the whole stop {drain_timeout_s + AFTER_DRAIN_S:g} s", soft_wrap=True)
-    stubs = server.stub_pids().get(client, [])
+    # the processes whose finalize() leaves the release marker: the stubs, or the server itself when the engine runs
+    # in it (kkdeploy's in-process backend finalizes its instances as soon as no request holds the model)
+    stubs = [server.pid] if in_process else server.stub_pids().get(client, [])
     server.unload(client, timeout_s=0.5)
     undrained = wait_released(server, client, stubs, release_dir, began + drain_timeout_s + RELEASE_S)
     drained = undrained is None

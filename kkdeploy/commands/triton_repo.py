@@ -24,10 +24,14 @@ def register(sub):
 
 def add_topology_args(p) -> None:
     """--engine, --topology, --instances: shared with `kkdeploy serve`."""
-    p.add_argument("--engine", choices=["auto", "native", "python"], default="auto",
+    from ..serving.triton_repo import ENGINE_CHOICES
+
+    p.add_argument("--engine", choices=list(ENGINE_CHOICES), default="auto",
                    help="auto (default): one hop, the engine inside the batching Python model through kkdeploy.load; "
-                        "native: an onnxruntime/tensorrt engine model behind a Python front (two hops, batch B "
-                        "only); python: kkdeploy.load")
+                        "inprocess: one hop, the engine inside tritonserver's own process through kkdeploy's C++ "
+                        "backend (compiled here for this Python; no stub, no shared-memory hop); native: an "
+                        "onnxruntime/tensorrt engine model behind a Python front (two hops, batch B only); python: "
+                        "kkdeploy.load")
     p.add_argument("--topology", choices=["auto", "one-hop", "two-hop"], default="auto",
                    help="auto (default): one-hop unless --engine native; two-hop: the front + engine layout of "
                         "before the one-hop layout (to compare against it)")

@@ -44,7 +44,8 @@ from ..errors import KKError
 # The exported graph's names (exporters.onnx_graph INPUT_NAMES / OUTPUT_NAMES; a test keeps them in step).
 INPUT_X, INPUT_MASK, OUTPUT_Y = "x", "valid_token_mask", "y"
 REPO_SCHEMA = "kkdeploy.triton-repo/1"
-ENGINE_CHOICES = ("auto", "native", "python")
+ENGINE_CHOICES = ("auto", "native", "python", "inprocess")
+INPROCESS_BACKEND = "kkdeploy"  # backend_build.BACKEND_NAME: kkdeploy's own backend, in tritonserver's process
 TOPOLOGIES = ("auto", "one-hop", "two-hop")
 OUTPUT_DEVICES = ("cpu", "gpu")
 NATIVE_BACKENDS = {"ort": "onnxruntime", "trt": "tensorrt"}  # kkdeploy backend -> Triton backend
@@ -135,6 +136,14 @@ def plan_topology(manifest: dict, engine: str = "auto", topology: str = "auto",
     if topology == "one-hop" and engine == "native":
         raise KKError("--engine native needs the two-hop layout (a native engine has a fixed batch and needs the "
                       "Python front to pad to it); drop --topology one-hop or use --engine auto")
+    if engine == "inprocess":
+        if topology == "two-hop":
+            raise KKError("--engine inprocess is a one-hop model (the engine inside tritonserver's process); drop "
+                          "--topology two-hop")
+        return "one-hop", INPROCESS_BACKEND, (
+            f"one hop, in-process: Triton's batcher feeds kkdeploy's C++ backend, which runs the shipped "
+            f"{manifest['choice']['candidate']} through kkdeploy.load inside tritonserver's own process (no stub), on "
+            f"the smallest batch bucket holding each gathered batch")
     if topology == "two-hop" or (topology == "auto" and engine == "native"):
         backend, reason = plan_engine(manifest, engine, available)
         return "two-hop", backend, reason
@@ -175,23 +184,27 @@ def front_config(name: str, engine_model: str, config: TransformerConfig, dtype:
 
 
 def batched_config(name: str, config: TransformerConfig, dtype: str, device_type: str, buckets: list[int],
-                   delay_us: int, instances: int = 1, output_device: str = "cpu") -> str:
+                   delay_us: int, instances: int = 1, output_device: str = "cpu", backend: str = "python") -> str:
     """The one-hop model: dynamic batching up to the largest bucket, the buckets as preferred sizes, and the
-    engine in the same Python model (``kkdeploy_role: batched``); on a GPU, answers handed to Triton in host memory
-    or, with ``output_device="gpu"``, as GPU tensors (``triton_model.gpu_outputs_wanted``)."""
+    engine in the same model (``kkdeploy_role: batched``): Python backend, or kkdeploy's in-process backend
+    (``backend="kkdeploy"``); on a GPU, answers handed to Triton in host memory or, with ``output_device="gpu"``,
+    as GPU tensors (``triton_model.gpu_outputs_wanted``)."""
     t = TRITON_DTYPES[dtype]
     s, d = config.seq_len, config.d_model
     kind = "KIND_GPU" if device_type == "cuda" else "KIND_CPU"
     params = {"kkdeploy_role": "batched", "kkdeploy_artifacts": "artifacts", "kkdeploy_device_type": device_type}
     if device_type == "cuda":
-        # Inputs that arrive in GPU memory (CUDA shared memory from a client) reach model.py on the GPU, uncopied.
-        params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
+        if backend == "python":
+            # Inputs in GPU memory (CUDA shared memory from a client) reach model.py on the GPU, uncopied.
+            params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
         params["kkdeploy_output_device"] = output_device
+    where = ("kkdeploy's C++ backend runs kkdeploy.load inside tritonserver's process" if backend != "python"
+             else "this model runs kkdeploy.load")
     return (
-        f"# One hop: Triton's batcher gathers 1..{max(buckets)} sequences into this model, which runs kkdeploy.load on\n"
+        f"# One hop: Triton's batcher gathers 1..{max(buckets)} sequences; {where} on\n"
         f"# the smallest validated batch bucket that holds them ({', '.join(map(str, buckets))}), padding inside it\n"
-        f"# with fully masked rows, and returns each request its own rows (see model.py).\n"
-        f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max(buckets)}\n'
+        f"# with fully masked rows, and returns each request its own rows.\n"
+        f'name: "{name}"\nbackend: "{backend}"\nmax_batch_size: {max(buckets)}\n'
         f"input [\n{_tensor(INPUT_X, t, [s, d])},\n{_tensor(INPUT_MASK, 'TYPE_BOOL', [s], optional=True)}\n]\n"
         f"output [\n{_tensor(OUTPUT_Y, t, [s, d])}\n]\n"
         f"dynamic_batching {{ preferred_batch_size: [ {', '.join(map(str, buckets))} ] "
@@ -286,7 +299,8 @@ def render_readme(info: RepositoryInfo, manifest: dict) -> str:
         "",
         "| model | backend | batch | inputs | output |",
         "|---|---|---|---|---|",
-        f"| `{info.model}` (call this one) | python ({'one hop: the engine runs in it' if one_hop else 'front'}) | "
+        f"| `{info.model}` (call this one) | "
+        f"{info.engine_backend if one_hop else 'python'} ({'one hop: the engine runs in it' if one_hop else 'front'}) | "
         f"1..{info.max_batch} sequences per request, dynamic batching | "
         f"`x` [n,{s},{d}] {info.dtype}, `valid_token_mask` [n,{s}] bool (optional: all valid) | `y` [n,{s},{d}] |",
         *([] if one_hop else [
@@ -327,6 +341,11 @@ def render_readme(info: RepositoryInfo, manifest: dict) -> str:
         "Python engine model needs `kkdeploy` installed with its dependencies (`kkdeploy.load` checks library "
         "versions against the manifest). Tensors cross the Python backend as DLPack, so numpy 1.x or 2.x both work.",
     ]
+    if info.engine_backend == INPROCESS_BACKEND:
+        lines.append(f"`{info.model}/1/libtriton_{INPROCESS_BACKEND}.so` is kkdeploy's in-process backend, compiled for "
+                     "the Python that wrote this repository (it embeds that interpreter in tritonserver: its shared "
+                     "libpython, torch and kkdeploy must be there at the same paths). For another machine, write the "
+                     "repository there, or use `--engine python`.")
     if info.engine_backend == "onnxruntime":
         lines.append(f"The onnxruntime backend should carry onnxruntime {versions.get('onnxruntime')}, the version "
                      "this graph was validated with (another version may round differently).")
@@ -369,7 +388,7 @@ def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: s
     device_type = manifest["environment"]["device"].get("type", "cpu")
     choice = manifest["choice"]
     entry = next((c for c in manifest["candidates"] if c.get("name") == choice["candidate"]), None)
-    if backend != "python" and entry is None:
+    if backend not in ("python", INPROCESS_BACKEND) and entry is None:
         raise KKError(f"the chosen candidate {choice['candidate']!r} is not in the manifest; rebuild the artifacts")
     engine_model = model_name if layout == "one-hop" else f"{model_name}_engine"
     buckets = artifact_buckets(manifest) if layout == "one-hop" else [config.batch_size]
@@ -383,13 +402,22 @@ def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: s
                           instances=int(instances),
                           output_device=output_device if layout == "one-hop" and device_type == "cuda" else "cpu")
     extra = _params(parameters or {})
+    library = None
+    if backend == INPROCESS_BACKEND:  # compiled for this machine's Python before anything is written
+        from .backend_build import LIBRARY_NAME, backend_library
+
+        library = backend_library(log=lambda message: console.print(f"[dim]{message}[/]"))
     with artifacts.staged_directory(target, force=force) as stage:
         front = stage / model_name
         (front / "1").mkdir(parents=True)
-        shutil.copyfile(TEMPLATE, front / "1" / "model.py")
+        if library is not None:  # Triton finds a model's backend library in its version directory first
+            shutil.copy2(library, front / "1" / LIBRARY_NAME)
+        else:
+            shutil.copyfile(TEMPLATE, front / "1" / "model.py")
         if layout == "one-hop":
             (front / "config.pbtxt").write_text(batched_config(model_name, config, dtype, device_type, buckets,
-                                                               max_queue_delay_us, instances, info.output_device)
+                                                               max_queue_delay_us, instances, info.output_device,
+                                                               backend=backend if library is not None else "python")
                                                 + extra)
             _copy_artifacts(root, manifest, front / "1" / "artifacts")
         else:
@@ -437,7 +465,7 @@ def _copy_artifacts(root: Path, manifest: dict, copy: Path) -> None:
 def print_summary(info: RepositoryInfo) -> None:
     console.print(f"repository [bold]{info.path}[/]")
     if info.topology == "one-hop":
-        console.print(f"  {info.model}: one hop, python backend, dynamic batching of 1..{info.max_batch} sequences "
+        console.print(f"  {info.model}: one hop, {info.engine_backend} backend, dynamic batching of 1..{info.max_batch} sequences "
                       f"on buckets {info.buckets} — {info.engine_reason}", soft_wrap=True)
         return
     b = info.batch_size

@@ -122,8 +122,11 @@ class Watchdog:
     """``step()`` from the serving loop: checks what is due, heals what is broken, raises HealFailed."""
 
     def __init__(self, server, models: list[str], canary: Canary | None, log, *, interval_s: float = 0.5,
-                 probe_every_s: float = 5.0, heal_timeout_s: float = 50.0, restart=None):
+                 probe_every_s: float = 5.0, heal_timeout_s: float = 50.0, restart=None, stubs: bool = True):
         self.server, self.models, self.canary, self.log = server, list(models), canary, log
+        # False for kkdeploy's in-process backend: the engine runs in tritonserver itself, so there are no stubs to
+        # watch (a crash there takes the server down, which is healed by a restart).
+        self.stubs_expected = stubs
         self.restart = restart  # (timeout_s) -> None: the server started again where it died (TritonServer.restart)
         self.interval_s, self.probe_every_s, self.heal_timeout_s = interval_s, probe_every_s, heal_timeout_s
         self.stubs: dict[str, list[int]] = {}
@@ -133,6 +136,9 @@ class Watchdog:
 
     def baseline(self, timeout_s: float = 10.0) -> None:
         """Remember each model's stubs (a Python-backend model has one per instance)."""
+        if not self.stubs_expected:
+            self.stubs = {}
+            return
         deadline = time.monotonic() + timeout_s
         while True:
             found = self.server.stub_pids()

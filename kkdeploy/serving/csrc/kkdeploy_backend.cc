@@ -1,0 +1,692 @@
+// kkdeploy's in-process Triton backend: the one-hop engine inside tritonserver's own process.
+//
+// Why. Triton's Python backend runs a model in a separate stub process and moves every request and response
+// through shared memory and a message queue: on the H200 that hop, the stub's Python and the copies cost about
+// 0.35 ms per execution beside a 0.15 ms engine call, and instances in separate processes time-slice the GPU
+// (docs/serving.md). This backend embeds the Python interpreter in tritonserver itself: Triton's request buffers
+// are handed to `kkdeploy.serving.inprocess` as raw pointers (wrapped as torch tensors without a copy), the
+// gathered batch runs through the same `BucketEngine` as the Python backend's one-hop model, and each answer is
+// copied once, by this file, from the engine's host buffer into the response.
+//
+// Division of labour: C++ speaks Triton's C API (typed against the headers in triton/, Triton 2.51's API),
+// Python does everything with tensors. The interpreter is started once per process with Python's signal handlers
+// left out (SIGINT and SIGTERM stay Triton's, so its graceful stop works), and the GIL is released between
+// calls. Python is never finalized: tritonserver exits with it loaded (finalizing torch and CUDA at exit hangs).
+//
+// Built on the serving machine by kkdeploy/serving/backend_build.py, linked against that machine's libpython.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlfcn.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "triton/core/tritonbackend.h"
+
+namespace {
+
+#ifndef KKDEPLOY_LIBPYTHON
+#error "build with -DKKDEPLOY_LIBPYTHON=\"<path of the libpython3.X.so to embed>\" (backend_build.py does)"
+#endif
+
+const char* kModule = "kkdeploy.serving.inprocess";
+const char* kInputX = "x";
+const char* kInputMask = "valid_token_mask";
+const char* kOutputY = "y";
+
+uint64_t NowNs()
+{
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+TRITONSERVER_Error* Error(TRITONSERVER_Error_Code code, const std::string& message)
+{
+  return TRITONSERVER_ErrorNew(code, message.c_str());
+}
+
+void Log(TRITONSERVER_LogLevel level, const std::string& message)
+{
+  TRITONSERVER_Error* err = TRITONSERVER_LogMessage(level, __FILE__, __LINE__, message.c_str());
+  if (err != nullptr) {
+    TRITONSERVER_ErrorDelete(err);
+  }
+}
+
+// Holds the GIL for a scope, from any Triton thread.
+class Gil {
+ public:
+  Gil() : state_(PyGILState_Ensure()) {}
+  ~Gil() { PyGILState_Release(state_); }
+  Gil(const Gil&) = delete;
+  Gil& operator=(const Gil&) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
+// "Type: message" of the pending Python exception (cleared). Needs the GIL.
+std::string PythonError()
+{
+  PyObject* type = nullptr;
+  PyObject* value = nullptr;
+  PyObject* traceback = nullptr;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyErr_NormalizeException(&type, &value, &traceback);
+  std::string text = "unknown Python error";
+  if (type != nullptr) {
+    PyObject* name = PyObject_GetAttrString(type, "__name__");
+    PyObject* str = value != nullptr ? PyObject_Str(value) : nullptr;
+    const char* n = name != nullptr ? PyUnicode_AsUTF8(name) : nullptr;
+    const char* s = str != nullptr ? PyUnicode_AsUTF8(str) : nullptr;
+    text = std::string(n != nullptr ? n : "Exception") + ": " + (s != nullptr ? s : "");
+    Py_XDECREF(name);
+    Py_XDECREF(str);
+  }
+  PyErr_Clear();
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(traceback);
+  return text;
+}
+
+std::mutex python_mutex;
+PyObject* python_module = nullptr;  // kkdeploy.serving.inprocess, imported once
+
+// Starts the interpreter (once per process) and imports the Python half. The site directories of the Python
+// that wrote the repository (KKDEPLOY_SITE_DIRS, set by `kkdeploy serve`) are added first, with their .pth files,
+// so that a virtualenv or an editable install is importable, as in the Python backend's model.py.
+TRITONSERVER_Error* EnsurePython()
+{
+  std::lock_guard<std::mutex> lock(python_mutex);
+  if (python_module != nullptr) {
+    return nullptr;
+  }
+  if (!Py_IsInitialized()) {
+    // Triton opens backends with RTLD_LOCAL, so libpython (a dependency of this library) would be invisible to
+    // the extension modules that Python imports (torch, numpy: they expect its symbols in the global scope).
+    // Open it again, globally, before the interpreter starts.
+    if (dlopen(KKDEPLOY_LIBPYTHON, RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+      const char* why = dlerror();
+      return Error(
+          TRITONSERVER_ERROR_INTERNAL, std::string("kkdeploy backend: cannot load ") + KKDEPLOY_LIBPYTHON + ": " +
+                                           (why != nullptr ? why : "unknown error"));
+    }
+    PyConfig config;
+    PyConfig_InitPythonConfig(&config);
+    config.install_signal_handlers = 0;  // SIGINT/SIGTERM stay tritonserver's
+    config.parse_argv = 0;
+    PyStatus status = Py_InitializeFromConfig(&config);
+    PyConfig_Clear(&config);
+    if (PyStatus_Exception(status)) {
+      return Error(
+          TRITONSERVER_ERROR_INTERNAL,
+          std::string("kkdeploy backend: cannot start Python: ") +
+              (status.err_msg != nullptr ? status.err_msg : "unknown error"));
+    }
+    PyEval_SaveThread();  // the GIL is taken per call from here on
+  }
+  Gil gil;
+  const char* bootstrap =
+      "import os, site\n"
+      "for _d in filter(None, os.environ.get('KKDEPLOY_SITE_DIRS', '').split(os.pathsep)):\n"
+      "    site.addsitedir(_d)\n";
+  if (PyRun_SimpleString(bootstrap) != 0) {
+    return Error(TRITONSERVER_ERROR_INTERNAL, "kkdeploy backend: the site directories could not be added");
+  }
+  python_module = PyImport_ImportModule(kModule);
+  if (python_module == nullptr) {
+    return Error(
+        TRITONSERVER_ERROR_INTERNAL,
+        std::string("kkdeploy backend: cannot import ") + kModule + " (is kkdeploy installed for this Python?): " +
+            PythonError());
+  }
+  return nullptr;
+}
+
+// Custom metrics, as the Python backend's model.py exports them: kkdeploy_stage_us_total{stage},
+// kkdeploy_rows_total{kind}, kkdeploy_bucket_executions_total{bucket}. Families are per process.
+struct Families {
+  TRITONSERVER_MetricFamily* stage = nullptr;
+  TRITONSERVER_MetricFamily* rows = nullptr;
+  TRITONSERVER_MetricFamily* executions = nullptr;
+};
+
+Families* MetricFamilies()
+{
+  static std::once_flag once;
+  static Families families;
+  std::call_once(once, [] {
+    auto make = [](TRITONSERVER_MetricFamily** family, const char* name, const char* description) {
+      TRITONSERVER_Error* err =
+          TRITONSERVER_MetricFamilyNew(family, TRITONSERVER_METRIC_KIND_COUNTER, name, description);
+      if (err != nullptr) {  // metrics off: the model serves without them
+        TRITONSERVER_ErrorDelete(err);
+        *family = nullptr;
+      }
+    };
+    make(&families.stage, "kkdeploy_stage_us_total", "microseconds inside the kkdeploy model by stage");
+    make(&families.rows, "kkdeploy_rows_total", "rows run by the engine: real (requested) and padding");
+    make(&families.executions, "kkdeploy_bucket_executions_total", "engine runs per batch bucket");
+  });
+  return &families;
+}
+
+TRITONSERVER_Metric* NewMetric(
+    TRITONSERVER_MetricFamily* family, const std::string& model, const char* key, const std::string& value)
+{
+  if (family == nullptr) {
+    return nullptr;
+  }
+  TRITONSERVER_Parameter* labels[2] = {
+      TRITONSERVER_ParameterNew("model", TRITONSERVER_PARAMETER_STRING, model.c_str()),
+      TRITONSERVER_ParameterNew(key, TRITONSERVER_PARAMETER_STRING, value.c_str())};
+  TRITONSERVER_Metric* metric = nullptr;
+  TRITONSERVER_Error* err =
+      TRITONSERVER_MetricNew(&metric, family, const_cast<const TRITONSERVER_Parameter**>(labels), 2);
+  TRITONSERVER_ParameterDelete(labels[0]);
+  TRITONSERVER_ParameterDelete(labels[1]);
+  if (err != nullptr) {
+    TRITONSERVER_ErrorDelete(err);
+    return nullptr;
+  }
+  return metric;
+}
+
+void Increment(TRITONSERVER_Metric* metric, double value)
+{
+  if (metric != nullptr && value > 0) {
+    TRITONSERVER_Error* err = TRITONSERVER_MetricIncrement(metric, value);
+    if (err != nullptr) {
+      TRITONSERVER_ErrorDelete(err);
+    }
+  }
+}
+
+struct ModelState {
+  std::string name;
+  PyObject* model = nullptr;  // inprocess.Model
+  TRITONSERVER_DataType output_type = TRITONSERVER_TYPE_INVALID;
+  TRITONSERVER_Metric* stage[3] = {nullptr, nullptr, nullptr};  // gather, engine, respond
+  TRITONSERVER_Metric* rows[2] = {nullptr, nullptr};  // real, padding
+  std::mutex metrics_mutex;
+  std::map<long, TRITONSERVER_Metric*> executions;  // bucket -> counter, made on the bucket's first run
+
+  void Count(long gather_ns, long engine_ns, long respond_ns, long bucket, long real)
+  {
+    Increment(stage[0], gather_ns / 1000.0);
+    Increment(stage[1], engine_ns / 1000.0);
+    Increment(stage[2], respond_ns / 1000.0);
+    Increment(rows[0], static_cast<double>(real));
+    Increment(rows[1], static_cast<double>(bucket - real));
+    TRITONSERVER_Metric* runs = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(metrics_mutex);
+      auto found = executions.find(bucket);
+      if (found == executions.end()) {
+        found = executions
+                    .emplace(bucket, NewMetric(MetricFamilies()->executions, name, "bucket", std::to_string(bucket)))
+                    .first;
+      }
+      runs = found->second;
+    }
+    Increment(runs, 1.0);
+  }
+
+  ~ModelState()
+  {
+    for (TRITONSERVER_Metric* m : stage) {
+      if (m != nullptr) TRITONSERVER_MetricDelete(m);
+    }
+    for (TRITONSERVER_Metric* m : rows) {
+      if (m != nullptr) TRITONSERVER_MetricDelete(m);
+    }
+    for (auto& entry : executions) {
+      if (entry.second != nullptr) TRITONSERVER_MetricDelete(entry.second);
+    }
+  }
+};
+
+struct InstanceState {
+  ModelState* model = nullptr;
+  PyObject* instance = nullptr;  // inprocess.Instance
+};
+
+// (shape, [(pointer, bytes, memory type, memory type id), ...]) of one input, or Py_None when the request has
+// none by that name. Needs the GIL. Returns nullptr with `error` set when Triton refuses.
+PyObject* DescribeInput(TRITONBACKEND_Request* request, const char* name, TRITONSERVER_Error** error)
+{
+  TRITONBACKEND_Input* input = nullptr;
+  TRITONSERVER_Error* missing = TRITONBACKEND_RequestInput(request, name, &input);
+  if (missing != nullptr) {
+    TRITONSERVER_ErrorDelete(missing);
+    Py_RETURN_NONE;
+  }
+  const char* input_name = nullptr;
+  TRITONSERVER_DataType datatype;
+  const int64_t* shape = nullptr;
+  uint32_t dims = 0;
+  uint64_t byte_size = 0;
+  uint32_t buffers = 0;
+  *error = TRITONBACKEND_InputProperties(input, &input_name, &datatype, &shape, &dims, &byte_size, &buffers);
+  if (*error != nullptr) {
+    return nullptr;
+  }
+  PyObject* py_shape = PyTuple_New(dims);
+  for (uint32_t i = 0; i < dims; ++i) {
+    PyTuple_SET_ITEM(py_shape, i, PyLong_FromLongLong(shape[i]));
+  }
+  PyObject* py_buffers = PyList_New(buffers);
+  for (uint32_t i = 0; i < buffers; ++i) {
+    const void* buffer = nullptr;
+    uint64_t size = 0;
+    TRITONSERVER_MemoryType memory_type = TRITONSERVER_MEMORY_CPU;
+    int64_t memory_type_id = 0;
+    *error = TRITONBACKEND_InputBuffer(input, i, &buffer, &size, &memory_type, &memory_type_id);
+    if (*error != nullptr) {
+      Py_DECREF(py_shape);
+      Py_DECREF(py_buffers);
+      return nullptr;
+    }
+    PyList_SET_ITEM(
+        py_buffers, i,
+        Py_BuildValue(
+            "(KKiL)", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(buffer)),
+            static_cast<unsigned long long>(size), static_cast<int>(memory_type),
+            static_cast<long long>(memory_type_id)));
+  }
+  return Py_BuildValue("(NN)", py_shape, py_buffers);
+}
+
+struct Outcome {
+  bool ok = false;
+  TRITONSERVER_Error_Code code = TRITONSERVER_ERROR_INTERNAL;
+  std::string message;
+  std::vector<int64_t> shape;
+  const void* source = nullptr;  // the engine's answer for this request, valid until the next execute
+  uint64_t bytes = 0;
+  bool source_on_host = true;
+};
+
+// Reads what inprocess.Instance.execute returned for one request: (shape, pointer, bytes, on_host) or
+// (code, message). Needs the GIL.
+Outcome ReadOutcome(PyObject* item)
+{
+  Outcome outcome;
+  if (!PyTuple_Check(item)) {
+    outcome.message = "kkdeploy backend: execute() returned a malformed answer";
+    return outcome;
+  }
+  if (PyTuple_GET_SIZE(item) == 2) {
+    outcome.code = static_cast<TRITONSERVER_Error_Code>(PyLong_AsLong(PyTuple_GET_ITEM(item, 0)));
+    const char* text = PyUnicode_AsUTF8(PyTuple_GET_ITEM(item, 1));
+    outcome.message = text != nullptr ? text : "error";
+    PyErr_Clear();
+    return outcome;
+  }
+  if (PyTuple_GET_SIZE(item) != 4) {
+    outcome.message = "kkdeploy backend: execute() returned a malformed answer";
+    return outcome;
+  }
+  PyObject* shape = PyTuple_GET_ITEM(item, 0);
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); ++i) {
+    outcome.shape.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i)));
+  }
+  outcome.source = reinterpret_cast<const void*>(
+      static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 1))));
+  outcome.bytes = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 2));
+  outcome.source_on_host = PyObject_IsTrue(PyTuple_GET_ITEM(item, 3)) == 1;
+  outcome.ok = !PyErr_Occurred();
+  if (!outcome.ok) {
+    outcome.message = "kkdeploy backend: " + PythonError();
+  }
+  return outcome;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The entry points Triton looks up (the library is built with hidden visibility for everything else).
+#define KKDEPLOY_EXPORT __attribute__((visibility("default")))
+
+KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_Initialize(TRITONBACKEND_Backend* /* backend */)
+{
+  uint32_t major = 0;
+  uint32_t minor = 0;
+  TRITONSERVER_Error* err = TRITONBACKEND_ApiVersion(&major, &minor);
+  if (err != nullptr) {
+    return err;
+  }
+  if (major != TRITONBACKEND_API_VERSION_MAJOR || minor < TRITONBACKEND_API_VERSION_MINOR) {
+    return Error(
+        TRITONSERVER_ERROR_UNSUPPORTED,
+        "kkdeploy backend: built for Triton's backend API " + std::to_string(TRITONBACKEND_API_VERSION_MAJOR) +
+            "." + std::to_string(TRITONBACKEND_API_VERSION_MINOR) + ", this server has " + std::to_string(major) +
+            "." + std::to_string(minor));
+  }
+  return nullptr;
+}
+
+KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInitialize(TRITONBACKEND_Model* model)
+{
+  const char* name = nullptr;
+  uint64_t version = 0;
+  TRITONBACKEND_ArtifactType artifact_type;
+  const char* location = nullptr;
+  TRITONSERVER_Message* config = nullptr;
+  TRITONSERVER_Error* err = TRITONBACKEND_ModelName(model, &name);
+  if (err == nullptr) err = TRITONBACKEND_ModelVersion(model, &version);
+  if (err == nullptr) err = TRITONBACKEND_ModelRepository(model, &artifact_type, &location);
+  if (err == nullptr) err = TRITONBACKEND_ModelConfig(model, 1, &config);
+  if (err != nullptr) {
+    return err;
+  }
+  const char* json = nullptr;
+  size_t json_size = 0;
+  err = TRITONSERVER_MessageSerializeToJson(config, &json, &json_size);
+  std::string config_json = err == nullptr ? std::string(json, json_size) : std::string();
+  TRITONSERVER_MessageDelete(config);
+  if (err != nullptr) {
+    return err;
+  }
+  err = EnsurePython();
+  if (err != nullptr) {
+    return err;
+  }
+  auto* state = new ModelState();
+  state->name = name;
+  {
+    Gil gil;
+    state->model = PyObject_CallMethod(
+        python_module, "Model", "ssK", config_json.c_str(), location, static_cast<unsigned long long>(version));
+    if (state->model == nullptr) {
+      std::string why = PythonError();
+      delete state;
+      return Error(TRITONSERVER_ERROR_INVALID_ARG, std::string("kkdeploy model ") + name + ": " + why);
+    }
+    PyObject* type = PyObject_GetAttrString(state->model, "output_datatype");
+    const char* type_name = type != nullptr ? PyUnicode_AsUTF8(type) : nullptr;
+    state->output_type = type_name != nullptr ? TRITONSERVER_StringToDataType(type_name) : TRITONSERVER_TYPE_INVALID;
+    Py_XDECREF(type);
+    PyErr_Clear();
+  }
+  if (state->output_type == TRITONSERVER_TYPE_INVALID) {
+    {
+      Gil gil;
+      Py_CLEAR(state->model);
+    }
+    delete state;
+    return Error(TRITONSERVER_ERROR_INVALID_ARG, std::string("kkdeploy model ") + name + ": no output datatype");
+  }
+  Families* families = MetricFamilies();
+  const char* stages[3] = {"gather", "engine", "respond"};
+  for (int i = 0; i < 3; ++i) {
+    state->stage[i] = NewMetric(families->stage, state->name, "stage", stages[i]);
+  }
+  state->rows[0] = NewMetric(families->rows, state->name, "kind", "real");
+  state->rows[1] = NewMetric(families->rows, state->name, "kind", "padding");
+  return TRITONBACKEND_ModelSetState(model, state);
+}
+
+KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelFinalize(TRITONBACKEND_Model* model)
+{
+  void* vstate = nullptr;
+  TRITONSERVER_Error* err = TRITONBACKEND_ModelState(model, &vstate);
+  if (err != nullptr) {
+    return err;
+  }
+  auto* state = reinterpret_cast<ModelState*>(vstate);
+  if (state != nullptr) {
+    {
+      Gil gil;
+      Py_CLEAR(state->model);
+    }
+    delete state;
+  }
+  return nullptr;
+}
+
+KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceInitialize(TRITONBACKEND_ModelInstance* instance)
+{
+  const char* name = nullptr;
+  TRITONSERVER_InstanceGroupKind kind;
+  int32_t device_id = 0;
+  TRITONBACKEND_Model* model = nullptr;
+  void* vmodel = nullptr;
+  TRITONSERVER_Error* err = TRITONBACKEND_ModelInstanceName(instance, &name);
+  if (err == nullptr) err = TRITONBACKEND_ModelInstanceKind(instance, &kind);
+  if (err == nullptr) err = TRITONBACKEND_ModelInstanceDeviceId(instance, &device_id);
+  if (err == nullptr) err = TRITONBACKEND_ModelInstanceModel(instance, &model);
+  if (err == nullptr) err = TRITONBACKEND_ModelState(model, &vmodel);
+  if (err != nullptr) {
+    return err;
+  }
+  auto* state = new InstanceState();
+  state->model = reinterpret_cast<ModelState*>(vmodel);
+  {
+    Gil gil;
+    state->instance = PyObject_CallMethod(
+        state->model->model, "instance", "ssi", name, TRITONSERVER_InstanceGroupKindString(kind), device_id);
+    if (state->instance == nullptr) {
+      std::string why = PythonError();
+      delete state;
+      return Error(TRITONSERVER_ERROR_INTERNAL, std::string("kkdeploy instance ") + name + ": " + why);
+    }
+  }
+  return TRITONBACKEND_ModelInstanceSetState(instance, state);
+}
+
+KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceFinalize(TRITONBACKEND_ModelInstance* instance)
+{
+  void* vstate = nullptr;
+  TRITONSERVER_Error* err = TRITONBACKEND_ModelInstanceState(instance, &vstate);
+  if (err != nullptr) {
+    return err;
+  }
+  auto* state = reinterpret_cast<InstanceState*>(vstate);
+  if (state != nullptr) {
+    {
+      Gil gil;
+      PyObject* done = PyObject_CallMethod(state->instance, "finalize", nullptr);
+      if (done == nullptr) {
+        Log(TRITONSERVER_LOG_WARN, "kkdeploy instance finalize: " + PythonError());
+      }
+      Py_XDECREF(done);
+      Py_CLEAR(state->instance);
+    }
+    delete state;
+  }
+  return nullptr;
+}
+
+// One execution: the requests' inputs described to Python (pointers, no copy), one Python call that gathers,
+// runs the bucket and returns where each answer lies, then each answer copied into its response here (host to
+// host: memcpy without the GIL; anything involving GPU memory: back to Python, which copies with torch).
+KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
+    TRITONBACKEND_ModelInstance* instance, TRITONBACKEND_Request** requests, const uint32_t request_count)
+{
+  const uint64_t exec_start = NowNs();
+  void* vstate = nullptr;
+  TRITONSERVER_Error* err = TRITONBACKEND_ModelInstanceState(instance, &vstate);
+  if (err != nullptr) {
+    return err;  // Triton fails and releases the requests
+  }
+  auto* state = reinterpret_cast<InstanceState*>(vstate);
+  ModelState* model = state->model;
+
+  std::vector<Outcome> outcomes(request_count);
+  std::vector<long> stats;  // gather_ns, engine_ns, respond_ns, bucket, real per run
+  uint64_t compute_start = 0;
+  uint64_t compute_end = 0;
+  {
+    Gil gil;
+    PyObject* described = PyList_New(request_count);
+    std::vector<bool> refused(request_count, false);
+    for (uint32_t r = 0; r < request_count; ++r) {
+      TRITONSERVER_Error* problem = nullptr;
+      PyObject* x = DescribeInput(requests[r], kInputX, &problem);
+      PyObject* mask = problem == nullptr ? DescribeInput(requests[r], kInputMask, &problem) : nullptr;
+      if (problem != nullptr) {
+        outcomes[r].code = TRITONSERVER_ErrorCode(problem);
+        outcomes[r].message = TRITONSERVER_ErrorMessage(problem);
+        TRITONSERVER_ErrorDelete(problem);
+        refused[r] = true;
+        Py_XDECREF(x);
+        Py_XDECREF(mask);
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(described, r, Py_None);
+        continue;
+      }
+      PyList_SET_ITEM(described, r, Py_BuildValue("(NN)", x, mask));
+    }
+    compute_start = NowNs();
+    PyObject* answer = PyObject_CallMethod(state->instance, "execute", "O", described);
+    compute_end = NowNs();
+    Py_DECREF(described);
+    std::string failure;
+    if (answer == nullptr) {
+      failure = "kkdeploy backend: " + PythonError();
+    } else if (!PyTuple_Check(answer) || PyTuple_GET_SIZE(answer) != 2 ||
+               !PyList_Check(PyTuple_GET_ITEM(answer, 0)) ||
+               PyList_GET_SIZE(PyTuple_GET_ITEM(answer, 0)) != static_cast<Py_ssize_t>(request_count)) {
+      failure = "kkdeploy backend: execute() returned a malformed answer";
+    } else {
+      PyObject* items = PyTuple_GET_ITEM(answer, 0);
+      for (uint32_t r = 0; r < request_count; ++r) {
+        if (!refused[r]) {
+          outcomes[r] = ReadOutcome(PyList_GET_ITEM(items, r));
+        }
+      }
+      PyObject* runs = PyTuple_GET_ITEM(answer, 1);
+      for (Py_ssize_t i = 0; PyList_Check(runs) && i < PyList_GET_SIZE(runs); ++i) {
+        PyObject* run = PyList_GET_ITEM(runs, i);
+        for (Py_ssize_t k = 0; PyTuple_Check(run) && k < 5 && k < PyTuple_GET_SIZE(run); ++k) {
+          stats.push_back(PyLong_AsLong(PyTuple_GET_ITEM(run, k)));
+        }
+      }
+      PyErr_Clear();
+    }
+    Py_XDECREF(answer);
+    if (!failure.empty()) {
+      for (uint32_t r = 0; r < request_count; ++r) {
+        if (!refused[r]) {
+          outcomes[r].ok = false;
+          outcomes[r].code = TRITONSERVER_ERROR_INTERNAL;
+          outcomes[r].message = failure;
+        }
+      }
+    }
+  }
+
+  // The responses. Each output buffer is asked for in host memory; a buffer Triton places elsewhere (a client's
+  // CUDA shared-memory region), or an answer the engine left on the GPU, is copied by Python.
+  std::vector<TRITONBACKEND_Response*> responses(request_count, nullptr);
+  std::vector<TRITONSERVER_Error*> send_errors(request_count, nullptr);
+  std::vector<std::tuple<uint32_t, void*, uint64_t, int, int64_t>> deferred;
+  uint64_t rows = 0;
+  for (uint32_t r = 0; r < request_count; ++r) {
+    Outcome& outcome = outcomes[r];
+    TRITONSERVER_Error* problem = TRITONBACKEND_ResponseNew(&responses[r], requests[r]);
+    if (problem != nullptr) {  // no response object: nothing can be sent for this request
+      Log(TRITONSERVER_LOG_ERROR, std::string("kkdeploy backend: ") + TRITONSERVER_ErrorMessage(problem));
+      TRITONSERVER_ErrorDelete(problem);
+      responses[r] = nullptr;
+      continue;
+    }
+    if (!outcome.ok) {
+      send_errors[r] = Error(outcome.code, outcome.message);
+      continue;
+    }
+    if (!outcome.shape.empty()) {
+      rows += static_cast<uint64_t>(outcome.shape[0]);
+    }
+    TRITONBACKEND_Output* output = nullptr;
+    problem = TRITONBACKEND_ResponseOutput(
+        responses[r], &output, kOutputY, model->output_type, outcome.shape.data(),
+        static_cast<uint32_t>(outcome.shape.size()));
+    void* buffer = nullptr;
+    TRITONSERVER_MemoryType memory_type = TRITONSERVER_MEMORY_CPU;
+    int64_t memory_type_id = 0;
+    if (problem == nullptr) {
+      problem = TRITONBACKEND_OutputBuffer(output, &buffer, outcome.bytes, &memory_type, &memory_type_id);
+    }
+    if (problem != nullptr) {
+      send_errors[r] = problem;
+      continue;
+    }
+    if (outcome.source_on_host && memory_type != TRITONSERVER_MEMORY_GPU) {
+      std::memcpy(buffer, outcome.source, outcome.bytes);
+    } else {
+      deferred.emplace_back(r, buffer, outcome.bytes, static_cast<int>(memory_type), memory_type_id);
+    }
+  }
+  if (!deferred.empty()) {
+    Gil gil;
+    PyObject* targets = PyList_New(deferred.size());
+    for (size_t i = 0; i < deferred.size(); ++i) {
+      PyList_SET_ITEM(
+          targets, i,
+          Py_BuildValue(
+              "(IKKiL)", std::get<0>(deferred[i]),
+              static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(std::get<1>(deferred[i]))),
+              static_cast<unsigned long long>(std::get<2>(deferred[i])), std::get<3>(deferred[i]),
+              static_cast<long long>(std::get<4>(deferred[i]))));
+    }
+    PyObject* done = PyObject_CallMethod(state->instance, "copy_out", "O", targets);
+    Py_DECREF(targets);
+    if (done == nullptr) {
+      std::string why = "kkdeploy backend: " + PythonError();
+      for (auto& target : deferred) {
+        send_errors[std::get<0>(target)] = Error(TRITONSERVER_ERROR_INTERNAL, why);
+      }
+    }
+    Py_XDECREF(done);
+  }
+  const uint64_t exec_end = NowNs();
+  for (uint32_t r = 0; r < request_count; ++r) {
+    bool success = responses[r] != nullptr && send_errors[r] == nullptr;
+    if (responses[r] != nullptr) {
+      TRITONSERVER_Error* problem =
+          TRITONBACKEND_ResponseSend(responses[r], TRITONSERVER_RESPONSE_COMPLETE_FINAL, send_errors[r]);
+      if (send_errors[r] != nullptr) {
+        TRITONSERVER_ErrorDelete(send_errors[r]);
+      }
+      if (problem != nullptr) {
+        Log(TRITONSERVER_LOG_ERROR, std::string("kkdeploy backend: ") + TRITONSERVER_ErrorMessage(problem));
+        TRITONSERVER_ErrorDelete(problem);
+        success = false;
+      }
+    }
+    TRITONSERVER_Error* problem = TRITONBACKEND_ModelInstanceReportStatistics(
+        instance, requests[r], success, exec_start, compute_start, compute_end, exec_end);
+    if (problem != nullptr) {
+      TRITONSERVER_ErrorDelete(problem);
+    }
+    problem = TRITONBACKEND_RequestRelease(requests[r], TRITONSERVER_REQUEST_RELEASE_ALL);
+    if (problem != nullptr) {
+      TRITONSERVER_ErrorDelete(problem);
+    }
+  }
+  if (rows > 0) {
+    TRITONSERVER_Error* problem = TRITONBACKEND_ModelInstanceReportBatchStatistics(
+        instance, rows, exec_start, compute_start, compute_end, exec_end);
+    if (problem != nullptr) {
+      TRITONSERVER_ErrorDelete(problem);
+    }
+  }
+  for (size_t i = 0; i + 4 < stats.size(); i += 5) {
+    model->Count(stats[i], stats[i + 1], stats[i + 2], stats[i + 3], stats[i + 4]);
+  }
+  return nullptr;
+}
+
+}  // extern "C"

@@ -1,0 +1,205 @@
+"""The Python half of kkdeploy's in-process Triton backend (``csrc/kkdeploy_backend.cc``).
+
+The backend embeds this interpreter in ``tritonserver`` itself, so a request never leaves the server's process:
+no Python-backend stub, no shared-memory message queue, no copy into and out of the stub. The C++ half speaks
+Triton's C API and calls in here with plain Python values:
+
+* ``Model(config_json, repository, version)`` once per model; ``model.instance(name, kind, device_id)`` once per
+  model instance (its ``BucketEngine``: ``kkdeploy.load`` of ``<version>/artifacts``, every check it makes);
+* ``instance.execute(requests)`` once per execution. Each request is ``(x, mask)``, each input ``(shape, buffers)``
+  with ``buffers`` a list of ``(pointer, bytes, memory type, memory type id)`` in Triton's own memory (wrapped as
+  torch tensors here, not copied), ``mask`` None when the request sent none. The answer is ``(outcomes, runs)``:
+  per request ``(shape, pointer, bytes, on_host)`` of its answer, valid until the next execute of this instance,
+  or ``(error code, message)``; per engine run ``(gather_ns, engine_ns, respond_ns, bucket, real rows)`` for the
+  metrics;
+* ``instance.copy_out(targets)`` when an answer must go where the C++ half does not copy (GPU memory on either
+  side): ``(request index, pointer, bytes, memory type, memory type id)``;
+* ``instance.finalize()`` when Triton unloads the instance (the release marker ``kkdeploy serve`` waits for).
+
+The batching, padding and answers are the Python backend's one-hop model's (``triton_model.BucketEngine``), so the
+two backends cannot differ in what they compute; the serving tests check both bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+
+from .triton_model import (ARTIFACTS, CANARY_FILE, DEVICE_TYPE, INPUT_X, OUTPUT_Y, RELEASE_DIR, BucketEngine,
+                           gpu_outputs_wanted, parameter, release_marker)
+
+# TRITONSERVER_Error_Code and TRITONSERVER_MemoryType (triton/core/tritonserver.h)
+ERROR_INTERNAL, ERROR_INVALID_ARG = 1, 3
+MEMORY_CPU, MEMORY_CPU_PINNED, MEMORY_GPU = 0, 1, 2
+TRITON_TYPES = {"TYPE_FP32": "FP32", "TYPE_FP16": "FP16", "TYPE_BF16": "BF16"}
+
+
+def _torch_dtype(triton_type: str):
+    import torch
+
+    return {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16,
+            "TYPE_BOOL": torch.bool}[triton_type]
+
+
+class _CudaMemory:
+    """A device buffer Triton owns, seen by torch through ``__cuda_array_interface__`` (no copy)."""
+
+    def __init__(self, pointer: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False),
+                                         "version": 3, "strides": None}
+
+
+def wrap_buffer(pointer: int, nbytes: int, memory_type: int, memory_id: int):
+    """A uint8 torch tensor over ``nbytes`` at ``pointer`` in Triton's memory: host or GPU, never copied."""
+    import torch
+
+    if memory_type == MEMORY_GPU:
+        return torch.as_tensor(_CudaMemory(pointer, nbytes), device=f"cuda:{memory_id}")
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(pointer), dtype=torch.uint8)
+
+
+def input_tensor(described, dtype):
+    """The request's tensor (``(shape, buffers)`` from the C++ half), or None. One buffer: a view of Triton's
+    memory; several (a tensor Triton holds in pieces): joined into one tensor on the first piece's device."""
+    import torch
+
+    if described is None:
+        return None
+    shape, buffers = described
+    parts = [wrap_buffer(*b) for b in buffers]
+    raw = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts])
+    return raw.view(dtype).view(shape)
+
+
+def error_code(exc: BaseException) -> int:
+    """A caller's mistake (a KKError or ValueError from the engine) is INVALID_ARG (HTTP 400), anything else
+    INTERNAL (500), as in the Python backend's model."""
+    from ..errors import KKError
+
+    return ERROR_INVALID_ARG if isinstance(exc, (KKError, ValueError)) else ERROR_INTERNAL
+
+
+class Model:
+    """One Triton model served in-process: its config, and the instances Triton asks for."""
+
+    def __init__(self, config_json: str, repository: str, version: int):
+        config = json.loads(config_json)
+        self.config = config
+        self.name = config["name"]
+        self.version_dir = os.path.join(repository, str(version))
+        x = next(i for i in config["input"] if i["name"] == INPUT_X)
+        y = next(o for o in config["output"] if o["name"] == OUTPUT_Y)
+        self.row_shape = [int(d) for d in x["dims"]]
+        self.input_dtype = x["data_type"]
+        if y["data_type"] not in TRITON_TYPES:
+            raise ValueError(f"output {OUTPUT_Y} has type {y['data_type']}; kkdeploy serves "
+                             f"{', '.join(TRITON_TYPES)}")
+        self.output_datatype = TRITON_TYPES[y["data_type"]]  # read by the C++ half
+        self.max_batch = int(config["max_batch_size"])
+
+    def instance(self, name: str, kind: str, device_id: int) -> "Instance":
+        return Instance(self, name, kind, device_id)
+
+
+class Instance:
+    """One model instance: a ``BucketEngine`` on its device, and the answers of its last execution."""
+
+    def __init__(self, model: Model, name: str, kind: str, device_id: int):
+        import torch
+
+        self.model, self.name = model, name
+        config = model.config
+        device = "cpu"
+        if parameter(config, DEVICE_TYPE, "cpu") == "cuda":
+            device = f"cuda:{int(device_id) if kind == 'GPU' else 0}"
+        self.engine = BucketEngine(
+            model.name, os.path.join(model.version_dir, parameter(config, ARTIFACTS, "artifacts")), device,
+            model.row_shape, _torch_dtype(model.input_dtype), model.max_batch,
+            gpu_outputs=gpu_outputs_wanted(config), canary_file=parameter(config, CANARY_FILE))
+        self.x_dtype, self.mask_dtype = _torch_dtype(model.input_dtype), torch.bool
+        self.released = release_marker(parameter(config, RELEASE_DIR), model.name, os.getpid())
+        self.last: dict = {}  # request index -> its answer, from the last execution: alive until the next one
+        self.engine_thread = None
+        print(f"{model.name} ({name}): in-process on {device}, buckets {self.engine.described}; "
+              f"{self.engine.runner.reason}", file=sys.stderr, flush=True)
+
+    def execute(self, requests: list) -> tuple[list, list]:
+        """``(outcomes, runs)`` for one execution (see the module docstring)."""
+        start = time.perf_counter_ns()
+        if self.engine_thread != threading.get_ident():
+            self._enter_thread()
+        outcomes: list = [None] * len(requests)
+        xs, masks, index = [], [], []
+        for i, described in enumerate(requests):
+            if described is None:  # the C++ half already has this request's error
+                outcomes[i] = (ERROR_INTERNAL, "input refused")
+                continue
+            try:
+                x, mask = input_tensor(described[0], self.x_dtype), input_tensor(described[1], self.mask_dtype)
+            except Exception as exc:  # noqa: BLE001 - one malformed request must not fail the others
+                outcomes[i] = (error_code(exc), f"{self.model.name}: {type(exc).__name__}: {exc}")
+                continue
+            xs.append(x)
+            masks.append(mask)
+            index.append(i)
+        runs, kept = [], {}
+        if not xs:  # every request refused or malformed: nothing to run
+            self.last = kept
+            return outcomes, runs
+        for group in self.engine.groups([x.shape[0] for x in xs]):
+            try:
+                outputs, size, n, gathered, ran = self.engine.run([xs[k] for k in group], [masks[k] for k in group])
+                for k, y in zip(group, outputs):
+                    y = y if y.is_contiguous() else y.contiguous()
+                    kept[index[k]] = y
+                    outcomes[index[k]] = (tuple(y.shape), y.data_ptr(), y.numel() * y.element_size(),
+                                          y.device.type == "cpu")
+                runs.append((gathered - start, ran - gathered, time.perf_counter_ns() - ran, size, n))
+            except Exception as exc:  # noqa: BLE001 - the engine's error goes back to each caller
+                for k in group:
+                    outcomes[index[k]] = (error_code(exc), f"{self.model.name}: {type(exc).__name__}: {exc}")
+            start = time.perf_counter_ns()
+        self.last = kept
+        return outcomes, runs
+
+    def _enter_thread(self) -> None:
+        """Triton runs an instance's executions on a thread of its own. There, torch's CPU ops with an OpenMP pool
+        of more than one thread are several times slower than on a main thread (measured on this project's 2-core
+        CPU machine, the same CPU artifact: 0.32 ms a call on the main thread, 1.67 ms on another thread, 0.29 ms
+        there with one thread). The thread count is per calling thread in OpenMP, so a CPU engine's thread runs
+        one; scale out with instances. A CUDA engine's host side is launches and copies: its threads are left as they
+        are."""
+        import torch
+
+        self.engine_thread = threading.get_ident()
+        if self.engine.cuda:  # the current device is per thread too: the instance's GPU, not device 0
+            torch.cuda.set_device(self.engine.device)
+        else:
+            torch.set_num_threads(1)
+
+    def copy_out(self, targets: list) -> None:
+        """Copy answers into response buffers that involve GPU memory (the C++ half copies host to host)."""
+        import torch
+
+        gpu = False
+        for request, pointer, nbytes, memory_type, memory_id in targets:
+            source = self.last[request]
+            destination = wrap_buffer(pointer, nbytes, memory_type, memory_id)
+            destination.copy_(source.reshape(-1).view(torch.uint8), non_blocking=False)
+            gpu = gpu or memory_type == MEMORY_GPU or source.device.type == "cuda"
+        if gpu:
+            torch.cuda.synchronize()
+
+    def finalize(self) -> None:
+        """Triton unloads this instance: every request it held is answered. Leave the release marker."""
+        self.last = {}
+        if self.released:
+            try:
+                with open(self.released, "w"):
+                    pass
+            except OSError:  # serve's directory is gone: nobody waits for this
+                pass

@@ -1,0 +1,143 @@
+"""kkdeploy's in-process Triton backend (`--engine inprocess`): the C++ library compiled here, its Python half driven
+without a server through raw pointers as the C++ half drives it, and a real tritonserver serving it under load from
+two client processes, every answer bit for bit the direct engine's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kkdeploy
+from kkdeploy.cli import main as cli
+from kkdeploy.errors import KKError
+from kkdeploy.pipeline.runtime import bucketed
+from kkdeploy.serving import backend_build, inprocess, loadtest, triton_server
+from kkdeploy.serving.triton_repo import write_repository
+
+pytestmark = pytest.mark.slow
+SHAPE = ["--batch-size", "2", "--seq-len", "8", "--d-model", "16", "--heads", "2", "--ffn-dim", "16", "--layers", "2",
+         "--device", "cpu", "--trials", "2", "--warmups", "2", "--repeats", "5", "--rounds", "1"]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("inprocess") / "a"
+    assert cli(["build", *SHAPE, "--batch-buckets", "1,2", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def repository(small, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("inprocess-repo") / "repo"
+    info = write_repository(small, out, engine="inprocess",
+                            parameters={"kkdeploy_release_dir": str(out.parent)})
+    assert info.engine_backend == "kkdeploy" and info.topology == "one-hop" and info.buckets == [1, 2]
+    return out
+
+
+def test_the_library_is_built_once_and_exports_triton_s_entry_points(repository):
+    library = backend_build.backend_library()
+    assert library.is_file() and backend_build.backend_library() == library  # cached by its key
+    copied = repository / "kkdeploy" / "1" / backend_build.LIBRARY_NAME
+    assert copied.read_bytes() == library.read_bytes()
+    nm = shutil.which("nm")
+    if nm:
+        symbols = subprocess.run([nm, "-D", "--defined-only", str(library)], capture_output=True, text=True).stdout
+        exported = {line.split()[-1] for line in symbols.splitlines() if " T " in line}
+        assert exported == {"TRITONBACKEND_Initialize", "TRITONBACKEND_ModelInitialize", "TRITONBACKEND_ModelFinalize",
+                            "TRITONBACKEND_ModelInstanceInitialize", "TRITONBACKEND_ModelInstanceFinalize",
+                            "TRITONBACKEND_ModelInstanceExecute"}
+
+
+def test_the_repository_names_the_backend_and_refuses_two_hops(small, repository, tmp_path):
+    config = (repository / "kkdeploy" / "config.pbtxt").read_text()
+    assert 'backend: "kkdeploy"' in config and "max_batch_size: 2" in config
+    assert "preferred_batch_size: [ 1, 2 ]" in config and "FORCE_CPU_ONLY_INPUT_TENSORS" not in config
+    assert not (repository / "kkdeploy" / "1" / "model.py").exists()  # no Python-backend model
+    assert (repository / "kkdeploy" / "1" / "artifacts" / "manifest.json").is_file()
+    assert "in-process backend" in (repository / "README.md").read_text()
+    with pytest.raises(KKError, match="--engine inprocess is a one-hop model"):
+        write_repository(small, tmp_path / "r", engine="inprocess", topology="two-hop")
+    assert not (tmp_path / "r").exists()
+
+
+def _described(array: np.ndarray):
+    """An input as the C++ half describes it: (shape, [(pointer, bytes, memory type, id)])."""
+    return tuple(array.shape), [(array.ctypes.data, array.nbytes, inprocess.MEMORY_CPU, 0)]
+
+
+def test_the_python_half_answers_through_pointers_as_the_engine_does(small, repository):
+    """What ``TRITONBACKEND_ModelInstanceExecute`` does, without a server: inputs handed over as pointers into host
+    memory (not copied), one execution of three requests, each answer read where the outcome points; a request past
+    the largest bucket is the caller's error (INVALID_ARG); finalize leaves the release marker."""
+    config = json.loads(json.dumps(_config_json(repository)))
+    model = inprocess.Model(json.dumps(config), str(repository / "kkdeploy"), 1)
+    assert model.output_datatype == "FP32" and model.max_batch == 2
+    instance = model.instance("kkdeploy_0_0", "CPU", 0)
+    rng = np.random.default_rng(0)
+    x1 = rng.standard_normal((1, 8, 16)).astype(np.float32)
+    x2 = rng.standard_normal((1, 8, 16)).astype(np.float32)
+    mask2 = np.ones((1, 8), dtype=bool)
+    mask2[0, 6:] = False
+    x3 = rng.standard_normal((3, 8, 16)).astype(np.float32)
+    outcomes, runs = instance.execute([(_described(x1), None), (_described(x2), _described(mask2)),
+                                       (_described(x3), None)])
+    direct = bucketed(kkdeploy.load(small))
+    with torch.inference_mode():
+        x = torch.from_numpy(np.concatenate([x1, x2]))
+        mask = torch.from_numpy(np.concatenate([np.ones((1, 8), dtype=bool), mask2]))
+        expected = direct.run_bucket(2, x, mask).numpy()
+    for i, want in enumerate((expected[:1], expected[1:])):
+        shape, pointer, nbytes, on_host = outcomes[i]
+        assert shape == (1, 8, 16) and on_host and nbytes == want.nbytes
+        got = np.frombuffer((np.ctypeslib.ctypes.c_char * nbytes).from_address(pointer), dtype=np.float32)
+        assert got.tobytes() == want.tobytes()  # bit for bit the engine's bucket-2 answer
+    code, message = outcomes[2]
+    assert code == inprocess.ERROR_INVALID_ARG and "3" in message
+    assert len(runs) == 1 and runs[0][3:] == (2, 2)  # (…, bucket, real rows): the run that answered; the error ran none
+    # copy_out: an answer into a response buffer (here host memory: the path the C++ half takes for GPU memory)
+    target = np.zeros((1, 8, 16), dtype=np.float32)
+    instance.copy_out([(1, target.ctypes.data, target.nbytes, inprocess.MEMORY_CPU, 0)])
+    assert target.tobytes() == expected[1:].tobytes()
+    # a buffer that does not hold its shape (Triton checks sizes first; this half still refuses it alone)
+    outcomes, runs = instance.execute([(((1, 8, 16), [(x1.ctypes.data, 100, inprocess.MEMORY_CPU, 0)]), None)])
+    assert outcomes[0][0] == inprocess.ERROR_INTERNAL and "RuntimeError" in outcomes[0][1] and runs == []
+    instance.finalize()
+    assert (repository.parent / f"kkdeploy.{__import__('os').getpid()}").is_file()
+
+
+def _config_json(repository: Path) -> dict:
+    """The model config as Triton hands it to a backend (the fields the Python half reads)."""
+    text = (repository / "kkdeploy" / "config.pbtxt").read_text()
+    params = dict(__import__("re").findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', text))
+    return {"name": "kkdeploy", "max_batch_size": 2,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": ["8", "16"]},
+                      {"name": "valid_token_mask", "data_type": "TYPE_BOOL", "dims": ["8"], "optional": True}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": ["8", "16"]}],
+            "parameters": {k: {"string_value": v} for k, v in params.items()}}
+
+
+def test_batch1_grpc_from_two_processes_in_process_every_answer_exact(small, tmp_path):
+    triton_server.find_server() or triton_server.install_server()
+    out = tmp_path / "lt.json"
+    done = subprocess.run([sys.executable, "-m", "kkdeploy", "loadtest", "--artifacts", str(small), "--serve",
+                           "--engine", "inprocess", "--protocol", "grpc", "--processes", "2", "--concurrency", "4",
+                           "--requests", "400", "--mix", "1:0.7,2:0.3", "--padding", "0,0.25", "--pool", "16",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "in-process" in done.stdout
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["requests"] == run["answered"] == run["bitwise_equal"] == 400
+    assert run["errors"] == run["wrong"] == run["warmup_wrong"] == 0
+    server = run["server"]
+    assert server["requests"] == 400 and set(server["runs_by_bucket"]) <= {"1", "2"}
+    assert server["runs_by_bucket"]  # the backend's own metrics reach /metrics (kkdeploy_bucket_executions_total)
+    assert server["engine_us_per_run"] > 0 and server["compute_infer_duration_us_per_request"] > 0
+    assert server["executions"] > 0 and server["engine_runs"] == server["executions"]
