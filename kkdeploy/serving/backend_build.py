@@ -2,7 +2,7 @@
 
 The backend embeds the interpreter, so it is linked against the serving Python's ``libpython3.X.so`` and compiled
 where it serves: with the C++ compiler found here (``$CXX``, else ``g++`` or ``c++``), against Triton's backend API
-headers shipped in ``csrc/triton`` (Triton 2.51, the server bundled by nvidia-pytriton 0.7.0). The library is
+headers shipped in ``csrc/third_party/triton`` (Triton 2.51, the server bundled by nvidia-pytriton 0.7.0). The library is
 cached under ``$KKDEPLOY_CACHE_DIR/triton-backend/<key>/libtriton_kkdeploy.so``, keyed by the sources' bytes, the
 compiler's version and the Python it embeds, and written atomically (a half-written library is never found).
 """
@@ -22,8 +22,9 @@ from ..errors import KKError
 BACKEND_NAME = "kkdeploy"  # config.pbtxt's ``backend:``; Triton looks for ``libtriton_kkdeploy.so``
 LIBRARY_NAME = f"libtriton_{BACKEND_NAME}.so"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "kkdeploy_backend.cc", CSRC / "triton" / "core" / "tritonbackend.h",
-           CSRC / "triton" / "core" / "tritonserver.h"]
+THIRD_PARTY = CSRC / "third_party"  # Triton's backend API headers (BSD-3, triton-inference-server/core)
+SOURCES = [CSRC / "kkdeploy_backend.cc", THIRD_PARTY / "triton" / "core" / "tritonbackend.h",
+           THIRD_PARTY / "triton" / "core" / "tritonserver.h"]
 
 
 def cache_root() -> Path:
@@ -81,7 +82,7 @@ def backend_library(log=None) -> Path:
     """The compiled backend for this Python, built on first use (a few seconds) and cached."""
     cxx = compiler()
     compile_flags, link_flags = python_link_flags()
-    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", f"-I{CSRC}", *compile_flags]
+    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", f"-I{THIRD_PARTY}", *compile_flags]
     target_dir = cache_root() / "triton-backend" / build_key(cxx, flags + link_flags)
     target = target_dir / LIBRARY_NAME
     if target.is_file():

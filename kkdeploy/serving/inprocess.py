@@ -30,7 +30,7 @@ import threading
 import time
 
 from .triton_model import (ARTIFACTS, CANARY_FILE, DEVICE_TYPE, INPUT_X, OUTPUT_Y, RELEASE_DIR, BucketEngine,
-                           gpu_outputs_wanted, parameter, release_marker)
+                           gpu_outputs_wanted, leave_release_marker, parameter, release_marker)
 
 # TRITONSERVER_Error_Code and TRITONSERVER_MemoryType (triton/core/tritonserver.h)
 ERROR_INTERNAL, ERROR_INVALID_ARG = 1, 3
@@ -121,6 +121,10 @@ class Instance:
             model.row_shape, _torch_dtype(model.input_dtype), model.max_batch,
             gpu_outputs=gpu_outputs_wanted(config), canary_file=parameter(config, CANARY_FILE))
         self.x_dtype, self.mask_dtype = _torch_dtype(model.input_dtype), torch.bool
+        # Instances are threads of one process here, sharing one CUDA context: each runs on a stream of its own, so
+        # one instance's engine can run on the GPU while another's Python gathers (the Python backend's instances
+        # are processes whose contexts take turns on the GPU). Every run ends with its stream synchronized.
+        self.stream = torch.cuda.Stream(self.engine.device) if self.engine.cuda else None
         self.released = release_marker(parameter(config, RELEASE_DIR), model.name, os.getpid())
         self.last: dict = {}  # request index -> its answer, from the last execution: alive until the next one
         self.engine_thread = None
@@ -152,7 +156,7 @@ class Instance:
             return outcomes, runs
         for group in self.engine.groups([x.shape[0] for x in xs]):
             try:
-                outputs, size, n, gathered, ran = self.engine.run([xs[k] for k in group], [masks[k] for k in group])
+                outputs, size, n, gathered, ran = self._run([xs[k] for k in group], [masks[k] for k in group])
                 for k, y in zip(group, outputs):
                     y = y if y.is_contiguous() else y.contiguous()
                     kept[index[k]] = y
@@ -165,6 +169,14 @@ class Instance:
             start = time.perf_counter_ns()
         self.last = kept
         return outcomes, runs
+
+    def _run(self, xs, masks):
+        if self.stream is None:
+            return self.engine.run(xs, masks)
+        import torch
+
+        with torch.cuda.stream(self.stream):
+            return self.engine.run(xs, masks)
 
     def _enter_thread(self) -> None:
         """Triton runs an instance's executions on a thread of its own. There, torch's CPU ops with an OpenMP pool
@@ -191,15 +203,10 @@ class Instance:
             destination = wrap_buffer(pointer, nbytes, memory_type, memory_id)
             destination.copy_(source.reshape(-1).view(torch.uint8), non_blocking=False)
             gpu = gpu or memory_type == MEMORY_GPU or source.device.type == "cuda"
-        if gpu:
-            torch.cuda.synchronize()
+        if gpu:  # the copies ran on this thread's current stream; the response is sent once they are done
+            torch.cuda.current_stream().synchronize()
 
     def finalize(self) -> None:
         """Triton unloads this instance: every request it held is answered. Leave the release marker."""
         self.last = {}
-        if self.released:
-            try:
-                with open(self.released, "w"):
-                    pass
-            except OSError:  # serve's directory is gone: nobody waits for this
-                pass
+        leave_release_marker(self.released)

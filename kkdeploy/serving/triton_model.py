@@ -100,6 +100,16 @@ def release_marker(directory: str | None, model: str, pid: int) -> str | None:
     return os.path.join(directory, f"{model}.{pid}") if directory else None
 
 
+def leave_release_marker(path: str | None) -> None:
+    """Create the release marker (``release_marker``), if there is one to leave."""
+    if path:
+        try:
+            with open(path, "w"):
+                pass
+        except OSError:  # serve's directory is gone: nobody waits for this
+            pass
+
+
 def _exit_now() -> None:
     """The stub's last ``atexit`` handler (registered in ``finalize``, so it runs first): the process ends here
     instead of tearing the interpreter down (torch's and ONNX Runtime's exit handlers, module teardown: about
@@ -213,12 +223,7 @@ class TritonPythonModel:
         it reaches this process). Last, the stub is set to exit without the interpreter's teardown."""
         import atexit
 
-        if self.released:
-            try:
-                with open(self.released, "w"):
-                    pass
-            except OSError:  # serve's directory is gone: nobody waits for this
-                pass
+        leave_release_marker(self.released)
         clock = getattr(self.impl, "clock", None)
         if clock is not None:
             try:

@@ -8,7 +8,7 @@
 // gathered batch runs through the same `BucketEngine` as the Python backend's one-hop model, and each answer is
 // copied once, by this file, from the engine's host buffer into the response.
 //
-// Division of labour: C++ speaks Triton's C API (typed against the headers in triton/, Triton 2.51's API),
+// Division of labour: C++ speaks Triton's C API (typed against the headers in third_party/triton/, Triton 2.51's API),
 // Python does everything with tensors. The interpreter is started once per process with Python's signal handlers
 // left out (SIGINT and SIGTERM stay Triton's, so its graceful stop works), and the GIL is released between
 // calls. Python is never finalized: tritonserver exits with it loaded (finalizing torch and CUDA at exit hangs).
