@@ -38,7 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-STEPS = {"3": 200, "6": 100, "13": 120, "faults": 60, "faults-gpu": 60}  # seconds each needs at least
+STEPS = {"3": 200, "6": 100, "13": 120, "faults": 60, "faults-gpu": 60, "faults-inprocess": 60}  # seconds each needs
+FAULT_STEPS = ("faults", "faults-gpu", "faults-inprocess")  # on shape 3's artifact: the stub (or the server) killed
 
 
 def log(text: str) -> None:
@@ -210,10 +211,11 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
     return result
 
 
-def faults(artifacts: Path, args, output_device: str = "cpu") -> dict:
+def faults(artifacts: Path, args, output_device: str = "cpu", engine: str = "auto") -> dict:
     """Issue 33 on this machine: kill -9 of the stub under gRPC load, then SIGINT under load. Every wrong answer is
     recorded with its time from the kill (a wrong answer is never allowed; ``output_device`` gpu reproduces the
-    layout in which one was seen)."""
+    layout in which one was seen). ``engine`` inprocess: the engine runs inside tritonserver, which has no stub, so
+    the server itself is killed (a crash in the engine looks like that) and the watchdog restarts it."""
     import kkdeploy
     from kkdeploy.serving import loadtest, triton_server
 
@@ -225,7 +227,7 @@ def faults(artifacts: Path, args, output_device: str = "cpu") -> dict:
     proc = subprocess.Popen([sys.executable, "-m", "kkdeploy", "serve", "--artifacts", str(artifacts),
                              "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
                              "--probe-interval", "2", "--output-device", output_device,
-                             "--instances", str(args.fault_instances)],
+                             "--instances", str(args.fault_instances), "--engine", engine],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[tuple[float, str]] = []
     threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in iter(proc.stdout.readline, "")],
@@ -288,10 +290,13 @@ def faults(artifacts: Path, args, output_device: str = "cpu") -> dict:
             t.start()
         time.sleep(3)
         workdir = re.search(r"repository (\S+)/repository", "".join(ln for _, ln in lines)).group(1)
-        stub = next(pid for pid, _, st, cmd in triton_server._process_table()
-                    if "triton_python_backend_stub" in cmd and workdir in cmd and st != "Z")
+        if engine == "inprocess":
+            victim = int(re.search(r"tritonserver pid (\d+)", "".join(ln for _, ln in lines)).group(1))
+        else:
+            victim = next(pid for pid, _, st, cmd in triton_server._process_table()
+                          if "triton_python_backend_stub" in cmd and workdir in cmd and st != "Z")
         killed = time.monotonic()
-        os.kill(stub, signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         healed = seen(r"watchdog: .* healed in", 60)
         time.sleep(2)
         not_ready = next((t for t, s in ready if t >= killed and s != 200), None)
@@ -318,6 +323,8 @@ def faults(artifacts: Path, args, output_device: str = "cpu") -> dict:
         out["wrong_answers_total"] = sum(1 for _, k in events if k == "wrong")
         out["output_device"] = output_device
         out["instances"] = args.fault_instances
+        out["engine"] = engine
+        out["killed"] = "tritonserver" if engine == "inprocess" else "stub"
         log(f"faults: {json.dumps(out)}")
         return out
     finally:
@@ -345,12 +352,13 @@ def table(results: dict) -> str:
             rows.append(f"| {shape} | {run['topology']} | {run['name']} | {run['answered']}/{run['requests']} | "
                         f"{run['bitwise_equal']} | {run['req_per_s']} | {run['seq_per_s']} | {lat['p50']} | "
                         f"{lat['p99']} | {direct[bucket]['median_ms']} ({bucket}) | {direct[largest]['seq_per_s']} |")
-    for step in ("faults", "faults-gpu"):
+    for step in FAULT_STEPS:
         f = results.get(step) or {}
         if f.get("kill9"):
             k, s = f["kill9"], f["sigint_under_load"]
             rows.append("")
-            rows.append(f"{step} ({f.get('output_device', 'cpu')} outputs): kill -9 stub -> not ready after "
+            rows.append(f"{step} ({f.get('output_device', 'cpu')} outputs): kill -9 {f.get('killed', 'stub')} -> "
+                        f"not ready after "
                         f"{k['not_ready_after_s']} s, healed after {k['healed_after_s']} s, wrong answers "
                         f"{f['wrong_answers_total']} (at {k.get('wrong_at_s_from_kill')} s from the kill); SIGINT "
                         f"under load -> stopped in {s['stop_s']} s, exit {s['exit_code']}, left {s['left']}")
@@ -398,14 +406,15 @@ def main(argv=None) -> int:
         artifacts = {}
         for step in only:
             left = deadline - time.monotonic()
-            need = 60 if args.build_only and step not in ("faults", "faults-gpu") else STEPS.get(step, 60)
+            need = 60 if args.build_only and step not in FAULT_STEPS else STEPS.get(step, 60)
             if left < need:
                 results["skipped"].append(f"{step}: {left:.0f} s left")
                 log(f"skip {step}: {left:.0f} s left")
                 continue
-            if step in ("faults", "faults-gpu"):
+            if step in FAULT_STEPS:
                 if "3" in artifacts:
-                    results[step] = faults(artifacts["3"], args, "gpu" if step == "faults-gpu" else "cpu")
+                    results[step] = faults(artifacts["3"], args, "gpu" if step == "faults-gpu" else "cpu",
+                                           "inprocess" if step == "faults-inprocess" else "auto")
                 continue
             built = build(step, buckets[step], args, work, weights, timeout_s=min(left - 30, 300))
             if built is None:
@@ -416,7 +425,7 @@ def main(argv=None) -> int:
             results.setdefault("builds", {})[step] = manifest.get("batch_buckets") or manifest["choice"]
             try:
                 later = only[only.index(step) + 1:]  # the fault runs need this artifact: keep their time
-                reserve = sum(STEPS[f] for f in ("faults", "faults-gpu") if f in later) if step == "3" else 0
+                reserve = sum(STEPS[f] for f in FAULT_STEPS if f in later) if step == "3" else 0
                 if not args.build_only:
                     results["shapes"][step] = measure_shape(step, built, args, deadline - 20 - reserve)
             except Exception as exc:  # noqa: BLE001 - the next step still runs
