@@ -65,6 +65,8 @@ def test_the_repository_names_the_backend_and_refuses_two_hops(small, repository
     assert "in-process backend" in (repository / "README.md").read_text()
     with pytest.raises(KKError, match="--engine inprocess is a one-hop model"):
         write_repository(small, tmp_path / "r", engine="inprocess", topology="two-hop")
+    with pytest.raises(KKError, match="--kubernetes with --engine inprocess: .* use --engine python"):
+        write_repository(small, tmp_path / "r", engine="inprocess", kubernetes=True)
     assert not (tmp_path / "r").exists()
 
 
@@ -141,3 +143,30 @@ def test_batch1_grpc_from_two_processes_in_process_every_answer_exact(small, tmp
     assert server["runs_by_bucket"]  # the backend's own metrics reach /metrics (kkdeploy_bucket_executions_total)
     assert server["engine_us_per_run"] > 0 and server["compute_infer_duration_us_per_request"] > 0
     assert server["executions"] > 0 and server["engine_runs"] == server["executions"]
+
+
+def test_what_the_build_needs_is_a_one_line_error_naming_the_fix(monkeypatch, tmp_path):
+    """No compiler, a Python without a shared libpython, a compile that fails: each a KKError that names the fix
+    (or --engine python), and no library is left half-written in the cache."""
+    import sysconfig
+
+    monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr(backend_build.shutil, "which", lambda name: None)
+    with pytest.raises(KKError, match="no C\\+\\+ compiler was found .*--engine python"):
+        backend_build.backend_library()
+    monkeypatch.undo()
+    monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(backend_build.sysconfig, "get_config_var",
+                        lambda name: 0 if name == "Py_ENABLE_SHARED" else real(name))
+    with pytest.raises(KKError, match="no shared libpython.*--engine python"):
+        backend_build.backend_library()
+    monkeypatch.undo()
+    monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++;\n")
+    monkeypatch.setattr(backend_build, "SOURCES", [broken, *backend_build.SOURCES[1:]])
+    with pytest.raises(KKError, match="compiling the in-process Triton backend failed: .*error"):
+        backend_build.backend_library()
+    assert not list((tmp_path / "cache").rglob("*.so")) and not list((tmp_path / "cache").rglob("*.tmp"))

@@ -380,6 +380,10 @@ def write_repository(artifacts_dir, out, model_name: str = "kkdeploy", engine: s
         raise KKError(f"--instances must be at least 1, got {instances}")
     if output_device not in OUTPUT_DEVICES:
         raise KKError(f"--output-device must be one of {', '.join(OUTPUT_DEVICES)}, got {output_device!r}")
+    if kubernetes and engine == "inprocess":
+        raise KKError("--kubernetes with --engine inprocess: the in-process backend is compiled for this machine's "
+                      "Python and embeds it, which a cluster's Triton image does not have; use --engine python (or "
+                      "auto) for a cluster")
     root = Path(artifacts_dir).resolve()
     manifest = read_artifacts(root)
     layout, backend, reason = plan_topology(manifest, engine, topology, available_backends)
