@@ -197,7 +197,17 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
         if time.monotonic() > deadline:
             result["runs"].append({"skipped": f"{layout}, {outputs} outputs, {instances} instances: out of budget"})
             continue
-        with Server(artifacts, layout, engine=engine, output_device=outputs, instances=instances) as server:
+        server = None
+        try:
+            server = Server(artifacts, layout, engine=engine, output_device=outputs, instances=instances)
+            server.__enter__()
+        except Exception as exc:  # noqa: BLE001 - e.g. the in-process backend cannot be built or load here
+            result["runs"].append({"skipped": f"{layout}, engine {engine}: {type(exc).__name__}: {str(exc)[:300]}"})
+            log(f"shape {shape}: {result['runs'][-1]['skipped']}")
+            if server is not None:
+                server.__exit__(None, None, None)
+            continue  # the other layouts still run
+        try:
             for name, kw in plans:
                 if server.label not in ("one-hop", "one-hop, in-process") and ("mixed" in name or "shared" in name):
                     continue  # before/after compares the batch-1 and saturation runs
@@ -208,6 +218,8 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
                     continue
                 result["runs"].append(run_plan(server, runner, name, protocol="grpc", warmup=20, client=args.client,
                                                **kw))
+        finally:
+            server.__exit__(None, None, None)
     return result
 
 

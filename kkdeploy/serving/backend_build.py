@@ -59,8 +59,8 @@ def python_link_flags() -> tuple[list[str], list[str]]:
                       f"--engine python")
     # the backend re-opens libpython with RTLD_GLOBAL (Triton opens backends locally; torch's extension modules
     # need the interpreter's symbols in the global scope)
-    return ([f"-I{include}", f'-DKKDEPLOY_LIBPYTHON="{library}"'],
-            [f"-L{libdir}", f"-Wl,-rpath,{libdir}", f"-lpython{version}", "-ldl"])
+    # linked by its path: a distribution's runtime package ships libpython3.X.so.1.0 without the bare .so symlink
+    return ([f"-I{include}", f'-DKKDEPLOY_LIBPYTHON="{library}"'], [str(library), f"-Wl,-rpath,{libdir}", "-ldl"])
 
 
 def _compiler_version(cxx: str) -> str:
