@@ -60,7 +60,9 @@ def python_link_flags() -> tuple[list[str], list[str]]:
     # the backend re-opens libpython with RTLD_GLOBAL (Triton opens backends locally; torch's extension modules
     # need the interpreter's symbols in the global scope)
     # linked by its path: a distribution's runtime package ships libpython3.X.so.1.0 without the bare .so symlink
-    return ([f"-I{include}", f'-DKKDEPLOY_LIBPYTHON="{library}"'], [str(library), f"-Wl,-rpath,{libdir}", "-ldl"])
+    # and its home (sys.base_prefix), where the interpreter finds its standard library inside tritonserver
+    return ([f"-I{include}", f'-DKKDEPLOY_LIBPYTHON="{library}"', f'-DKKDEPLOY_PYTHONHOME="{sys.base_prefix}"'],
+            [str(library), f"-Wl,-rpath,{libdir}", "-ldl"])
 
 
 def _compiler_version(cxx: str) -> str:

@@ -21,6 +21,7 @@
 #include <dlfcn.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -32,8 +33,8 @@
 
 namespace {
 
-#ifndef KKDEPLOY_LIBPYTHON
-#error "build with -DKKDEPLOY_LIBPYTHON=\"<path of the libpython3.X.so to embed>\" (backend_build.py does)"
+#if !defined(KKDEPLOY_LIBPYTHON) || !defined(KKDEPLOY_PYTHONHOME)
+#error "build with -DKKDEPLOY_LIBPYTHON=\"<libpython3.X.so to embed>\" -DKKDEPLOY_PYTHONHOME=\"<its prefix>\" (backend_build.py does)"
 #endif
 
 const char* kModule = "kkdeploy.serving.inprocess";
@@ -124,7 +125,15 @@ TRITONSERVER_Error* EnsurePython()
     PyConfig_InitPythonConfig(&config);
     config.install_signal_handlers = 0;  // SIGINT/SIGTERM stay tritonserver's
     config.parse_argv = 0;
-    PyStatus status = Py_InitializeFromConfig(&config);
+    PyStatus status = PyStatus_Ok();
+    if (getenv("PYTHONHOME") == nullptr) {
+      // The interpreter would look for its standard library beside the running program (tritonserver): name the
+      // home of the Python this library was built for, unless the environment names one.
+      status = PyConfig_SetBytesString(&config, &config.home, KKDEPLOY_PYTHONHOME);
+    }
+    if (!PyStatus_Exception(status)) {
+      status = Py_InitializeFromConfig(&config);
+    }
     PyConfig_Clear(&config);
     if (PyStatus_Exception(status)) {
       return Error(
