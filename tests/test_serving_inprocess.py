@@ -170,3 +170,39 @@ def test_what_the_build_needs_is_a_one_line_error_naming_the_fix(monkeypatch, tm
     with pytest.raises(KKError, match="compiling the in-process Triton backend failed: .*error"):
         backend_build.backend_library()
     assert not list((tmp_path / "cache").rglob("*.so")) and not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+def test_a_server_without_pythonhome_still_finds_the_interpreter_s_home(repository, tmp_path):
+    """A Triton install other than the bundled one gets no PYTHONHOME from `kkdeploy serve`: the backend names the
+    home of the Python it was built for, and the model loads and answers (the canary's first request)."""
+    import os
+    import time
+    import urllib.request
+
+    install = triton_server.find_server() or triton_server.install_server()
+    ports = {}
+    for name in ("http", "grpc", "metrics"):
+        ports[name] = triton_server.free_port(avoid=set(ports.values()))
+    server = triton_server.TritonServer(install, repository, tmp_path / "work",
+                                        **{f"{k}_port": v for k, v in ports.items()})
+    env = server.environment()
+    env.pop("PYTHONHOME", None)
+    server.workdir.mkdir(parents=True)
+    log = tmp_path / "log.txt"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(server.command(server.backend_directory()), env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        ready = False
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not ready:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{ports['http']}/v2/health/ready", timeout=1) as r:
+                    ready = r.status == 200
+            except OSError:
+                time.sleep(0.2)
+        assert ready, log.read_text()[-2000:]
+        assert "in-process on cpu" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
