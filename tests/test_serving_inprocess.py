@@ -206,3 +206,30 @@ def test_a_server_without_pythonhome_still_finds_the_interpreter_s_home(reposito
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_model_reloaded_in_process_answers_exactly_again(small, repository, tmp_path):
+    """The watchdog heals a broken model by unloading and loading it: in process, that finalizes the instance
+    and loads a new engine in the same interpreter. Three reloads, every answer exact after each."""
+    install = triton_server.find_server() or triton_server.install_server()
+    ports = {}
+    for name in ("http", "grpc", "metrics"):
+        ports[name] = triton_server.free_port(avoid=set(ports.values()))
+    plan = loadtest.LoadPlan(model="kkdeploy", seq_len=8, d_model=16, dtype="float32", grpc_port=ports["grpc"],
+                             http_port=ports["http"], mix=[[1, 1.0], [2, 1.0]], padding=[0.0, 0.25], pool=6, seed=9)
+    pool = loadtest.make_pool(plan)
+    answers = loadtest.expected_answers(kkdeploy.load(small), pool)
+    with triton_server.TritonServer(install, repository, tmp_path / "work",
+                                    extra_args=["--model-control-mode=explicit", "--load-model=*"],
+                                    **{f"{k}_port": v for k, v in ports.items()}) as server:
+        server.wait_ready(120)
+        client = loadtest.Client(plan, pool, {}, "reload")
+        try:
+            for attempt in range(4):
+                if attempt:
+                    assert server.unload("kkdeploy", 10) and server.load("kkdeploy", 120)
+                exact = [loadtest.answered_by(answers[k], client.send(k)) is not None for k in range(len(pool))]
+                assert all(exact), (attempt, exact)
+        finally:
+            client.close()
+    assert server.log_text().count("in-process on cpu") == 4  # one engine per load, in the one process
