@@ -132,7 +132,7 @@ def test_batch1_grpc_from_two_processes_in_process_every_answer_exact(small, tmp
     done = subprocess.run([sys.executable, "-m", "kkdeploy", "loadtest", "--artifacts", str(small), "--serve",
                            "--engine", "inprocess", "--protocol", "grpc", "--processes", "2", "--concurrency", "4",
                            "--requests", "400", "--mix", "1:0.7,2:0.3", "--padding", "0,0.25", "--pool", "16",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--direct", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "in-process" in done.stdout
     (run,) = json.loads(out.read_text())["runs"]
@@ -143,6 +143,10 @@ def test_batch1_grpc_from_two_processes_in_process_every_answer_exact(small, tmp
     assert server["runs_by_bucket"]  # the backend's own metrics reach /metrics (kkdeploy_bucket_executions_total)
     assert server["engine_us_per_run"] > 0 and server["compute_infer_duration_us_per_request"] > 0
     assert server["executions"] > 0 and server["engine_runs"] == server["executions"]
+    against = run["against_engine"]  # --direct: the load set against the engine alone, in the same process
+    assert against["largest_bucket"] == 2 and 0 < against["fraction_of_engine"]
+    assert "p50_over_engine_ms" not in against  # a mix of batch sizes has no one engine latency
+    assert "Against the engine alone" in done.stdout
 
 
 def test_what_the_build_needs_is_a_one_line_error_naming_the_fix(monkeypatch, tmp_path):

@@ -270,3 +270,17 @@ def test_expected_answers_hold_both_mask_routes_of_a_bucket():
     gathered = runner.run_bucket(2, torch.cat([x, x * 0.5]), torch.ones(2, x.shape[1], dtype=torch.bool))[:1]
     assert loadtest.answered_by(unpadded, loadtest.digest(gathered.numpy().tobytes())) == 2
     assert loadtest.answered_by(unpadded, "not an answer") is None
+
+
+def test_a_load_is_set_against_the_engine_alone():
+    direct = {"1": {"median_ms": 0.13, "seq_per_s": 7692.3}, "2": {"median_ms": 0.14, "seq_per_s": 14285.7},
+              "4": {"median_ms": 0.16, "seq_per_s": 25000.0}}
+    one = {"plan": {"mix": [[1, 1.0]]}, "seq_per_s": 800.0, "latency_ms": {"p50": 0.55}}
+    a = loadtest.against_engine(one, direct)
+    assert a["largest_bucket"] == 4 and a["fraction_of_engine"] == 0.032 and a["bucket"] == 1
+    assert a["engine_ms"] == 0.13 and a["p50_over_engine_ms"] == 0.42  # above the engine at the bucket it ran on
+    three = {"plan": {"mix": [[3, 1.0]]}, "seq_per_s": 15000.0, "latency_ms": {"p50": 16.0}}
+    assert loadtest.against_engine(three, direct)["bucket"] == 4  # the smallest bucket holding 3 sequences
+    assert loadtest.against_engine(three, direct)["fraction_of_engine"] == 0.6
+    mixed = {"plan": {"mix": [[1, 0.5], [4, 0.5]]}, "seq_per_s": 5000.0, "latency_ms": {"p50": 3.0}}
+    assert "p50_over_engine_ms" not in loadtest.against_engine(mixed, direct)  # no one engine latency to set it against

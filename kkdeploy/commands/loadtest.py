@@ -150,6 +150,9 @@ def run(args) -> int:
             with progress_bar(f"load {plan.protocol} {plan.loop} loop", plan.processes) as bar:
                 summary = loadtest.run_load(plan, answers, progress=lambda n: bar.advance())
             results.append(summary)
+    if direct:
+        for summary in results:
+            summary["against_engine"] = loadtest.against_engine(summary, {str(k): v for k, v in direct.items()})
     print_results(results, direct)
     data = {"artifacts": str(Path(args.artifacts).resolve()), "buckets": buckets, "direct_engine": direct,
             "runs": results, "perf_analyzer_equivalent": [loadtest.perf_analyzer_command(p) for p in plans]}
@@ -201,6 +204,16 @@ def print_results(results: list[dict], direct: dict | None) -> None:
     console.print(table("Load (every answer checked bit for bit against the direct engine)",
                         ["protocol", "loop", "procs", "answered", "errors", "bitwise", "req/s", "seq/s", "p50 ms",
                          "p90 ms", "p99 ms"], rows))
+    if direct:
+        against = []
+        for r in results:
+            a = r["against_engine"]
+            over = a.get("p50_over_engine_ms")
+            against.append([r["plan"]["protocol"], f"{100 * a['fraction_of_engine']:.1f}%" if a["fraction_of_engine"]
+                            else "-", a["largest_bucket"], "-" if over is None else f"{over:+.3f}",
+                            "-" if over is None else f"{a['engine_ms']} (bucket {a['bucket']})"])
+        console.print(table("Against the engine alone", ["protocol", "seq/s, % of the engine's", "at bucket",
+                                                         "p50 - engine ms", "engine ms"], against))
 
 
 def _ms(us):

@@ -667,6 +667,24 @@ def server_breakdown(delta: dict) -> dict:
     return out
 
 
+def against_engine(summary: dict, direct: dict) -> dict:
+    """The served load set against the engine alone (``direct_engine``): the fraction of the engine's sequences per
+    second at its largest bucket, and, for a load of one batch size, the median latency above the engine's own at the
+    smallest bucket that holds that batch (what the server and the client add)."""
+    sizes = sorted(int(b) for b in direct)
+    largest = str(sizes[-1])
+    out = {"largest_bucket": sizes[-1], "engine_seq_per_s": direct[largest]["seq_per_s"],
+           "fraction_of_engine": _r(summary["seq_per_s"] / direct[largest]["seq_per_s"], 4)
+           if summary.get("seq_per_s") and direct[largest].get("seq_per_s") else None}
+    batches = sorted({int(n) for n, _ in summary["plan"]["mix"]})
+    p50 = (summary.get("latency_ms") or {}).get("p50")
+    if len(batches) == 1 and p50 is not None:
+        bucket = next((b for b in sizes if b >= batches[0]), sizes[-1])
+        out.update(bucket=bucket, engine_ms=direct[str(bucket)]["median_ms"],
+                   p50_over_engine_ms=_r(p50 - direct[str(bucket)]["median_ms"]))
+    return out
+
+
 def perf_analyzer_command(plan: LoadPlan) -> str:
     """The perf_analyzer call closest to ``plan`` (for a machine with NVIDIA's SDK container)."""
     port = plan.grpc_port if plan.protocol == "grpc" else plan.http_port
