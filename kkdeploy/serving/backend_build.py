@@ -60,8 +60,10 @@ def python_link_flags() -> tuple[list[str], list[str]]:
     # the backend re-opens libpython with RTLD_GLOBAL (Triton opens backends locally; torch's extension modules
     # need the interpreter's symbols in the global scope)
     # linked by its path: a distribution's runtime package ships libpython3.X.so.1.0 without the bare .so symlink
-    # and its home (sys.base_prefix), where the interpreter finds its standard library inside tritonserver
-    return ([f"-I{include}", f'-DKKDEPLOY_LIBPYTHON="{library}"', f'-DKKDEPLOY_PYTHONHOME="{sys.base_prefix}"'],
+    # and its home (sys.base_prefix), where the interpreter finds its standard library inside tritonserver, and the
+    # executable torch's compile workers are started with
+    return ([f"-I{include}", f'-DKKDEPLOY_LIBPYTHON="{library}"', f'-DKKDEPLOY_PYTHONHOME="{sys.base_prefix}"',
+             f'-DKKDEPLOY_PYTHON_EXECUTABLE="{sys.executable}"'],
             [str(library), f"-Wl,-rpath,{libdir}", "-ldl"])
 
 

@@ -128,8 +128,8 @@ class Instance:
         self.released = release_marker(parameter(config, RELEASE_DIR), model.name, os.getpid())
         self.last: dict = {}  # request index -> its answer, from the last execution: alive until the next one
         self.engine_thread = None
-        print(f"{model.name} ({name}): in-process on {device}, buckets {self.engine.described}; "
-              f"{self.engine.runner.reason}", file=sys.stderr, flush=True)
+        print(f"{model.name} ({name}): in-process on {device} (Python {sys.version.split()[0]}, {sys.executable}), "
+              f"buckets {self.engine.described}; {self.engine.runner.reason}", file=sys.stderr, flush=True)
 
     def execute(self, requests: list) -> tuple[list, list]:
         """``(outcomes, runs)`` for one execution (see the module docstring)."""

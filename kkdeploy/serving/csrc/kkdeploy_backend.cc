@@ -33,8 +33,8 @@
 
 namespace {
 
-#if !defined(KKDEPLOY_LIBPYTHON) || !defined(KKDEPLOY_PYTHONHOME)
-#error "build with -DKKDEPLOY_LIBPYTHON=\"<libpython3.X.so to embed>\" -DKKDEPLOY_PYTHONHOME=\"<its prefix>\" (backend_build.py does)"
+#if !defined(KKDEPLOY_LIBPYTHON) || !defined(KKDEPLOY_PYTHONHOME) || !defined(KKDEPLOY_PYTHON_EXECUTABLE)
+#error "build with -DKKDEPLOY_LIBPYTHON, -DKKDEPLOY_PYTHONHOME and -DKKDEPLOY_PYTHON_EXECUTABLE (backend_build.py does)"
 #endif
 
 const char* kModule = "kkdeploy.serving.inprocess";
@@ -130,6 +130,11 @@ TRITONSERVER_Error* EnsurePython()
       // The interpreter would look for its standard library beside the running program (tritonserver): name the
       // home of the Python this library was built for, unless the environment names one.
       status = PyConfig_SetBytesString(&config, &config.home, KKDEPLOY_PYTHONHOME);
+    }
+    if (!PyStatus_Exception(status)) {
+      // sys.executable: what torch starts its compile workers with (Inductor's subprocess pool). Inside
+      // tritonserver it would be guessed from PATH; name the Python this library was built for.
+      status = PyConfig_SetBytesString(&config, &config.executable, KKDEPLOY_PYTHON_EXECUTABLE);
     }
     if (!PyStatus_Exception(status)) {
       status = Py_InitializeFromConfig(&config);
