@@ -118,6 +118,9 @@ def test_the_python_half_answers_through_pointers_as_the_engine_does(small, repo
     # a buffer that does not hold its shape (Triton checks sizes first; this half still refuses it alone)
     outcomes, runs = instance.execute([(((1, 8, 16), [(x1.ctypes.data, 100, inprocess.MEMORY_CPU, 0)]), None)])
     assert outcomes[0][0] == inprocess.ERROR_INTERNAL and "RuntimeError" in outcomes[0][1] and runs == []
+    outcomes, runs = instance.execute([(None, None), (_described(x1), None)])  # no x at all, then a good request
+    assert outcomes[0] == (inprocess.ERROR_INVALID_ARG, "kkdeploy: ValueError: the request has no input 'x'")
+    assert outcomes[1][0] == (1, 8, 16) and runs[0][3:] == (1, 1)
     instance.finalize()
     assert (repository.parent / f"kkdeploy.{__import__('os').getpid()}").is_file()
 

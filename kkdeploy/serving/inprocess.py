@@ -144,6 +144,8 @@ class Instance:
                 continue
             try:
                 x, mask = input_tensor(described[0], self.x_dtype), input_tensor(described[1], self.mask_dtype)
+                if x is None:  # Triton checks required inputs first; kept from the engine all the same
+                    raise ValueError(f"the request has no input {INPUT_X!r}")
             except Exception as exc:  # noqa: BLE001 - one malformed request must not fail the others
                 outcomes[i] = (error_code(exc), f"{self.model.name}: {type(exc).__name__}: {exc}")
                 continue
