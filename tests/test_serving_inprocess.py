@@ -62,7 +62,9 @@ def test_the_repository_names_the_backend_and_refuses_two_hops(small, repository
     assert "preferred_batch_size: [ 1, 2 ]" in config and "FORCE_CPU_ONLY_INPUT_TENSORS" not in config
     assert not (repository / "kkdeploy" / "1" / "model.py").exists()  # no Python-backend model
     assert (repository / "kkdeploy" / "1" / "artifacts" / "manifest.json").is_file()
-    assert "in-process backend" in (repository / "README.md").read_text()
+    readme = (repository / "README.md").read_text()
+    assert "in-process backend" in readme and sys.executable in readme
+    assert "KKDEPLOY_SITE_DIRS=" in readme  # how to start it by hand with this Python's site directories
     with pytest.raises(KKError, match="--engine inprocess is a one-hop model"):
         write_repository(small, tmp_path / "r", engine="inprocess", topology="two-hop")
     with pytest.raises(KKError, match="--kubernetes with --engine inprocess: .* use --engine python"):

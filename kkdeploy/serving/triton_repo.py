@@ -337,15 +337,26 @@ def render_readme(info: RepositoryInfo, manifest: dict) -> str:
         f"[1,{s},{d}], \"datatype\": \"{TRITON_DTYPES[info.dtype][5:]}\", \"data\": [...]}}]}}'",
         "```",
         "",
-        "Requirements: the Python-backend models run in Triton's Python environment: the front needs `torch`; a "
-        "Python engine model needs `kkdeploy` installed with its dependencies (`kkdeploy.load` checks library "
-        "versions against the manifest). Tensors cross the Python backend as DLPack, so numpy 1.x or 2.x both work.",
     ]
+    if info.engine_backend != INPROCESS_BACKEND:
+        lines.append("Requirements: the Python-backend models run in Triton's Python environment: the front needs "
+                     "`torch`; a Python engine model needs `kkdeploy` installed with its dependencies (`kkdeploy.load` "
+                     "checks library versions against the manifest). Tensors cross the Python backend as DLPack, so "
+                     "numpy 1.x or 2.x both work.")
     if info.engine_backend == INPROCESS_BACKEND:
+        import os
+        import sys
+
+        from .triton_server import ENV_SITE_DIRS, _site_dirs
+
         lines.append(f"`{info.model}/1/libtriton_{INPROCESS_BACKEND}.so` is kkdeploy's in-process backend, compiled for "
-                     "the Python that wrote this repository (it embeds that interpreter in tritonserver: its shared "
-                     "libpython, torch and kkdeploy must be there at the same paths). For another machine, write the "
-                     "repository there, or use `--engine python`.")
+                     f"the Python that wrote this repository ({sys.executable}, {sys.version.split()[0]}): it embeds "
+                     "that interpreter in tritonserver, so its shared libpython, torch and kkdeploy must be there at "
+                     "the same paths. For another machine, write the repository there, or use `--engine python`. "
+                     "Started by hand, tritonserver needs that Python's site directories (a virtualenv or an editable "
+                     "install is not on the embedded interpreter's default path):")
+        lines += ["", "```bash", f"{ENV_SITE_DIRS}={os.pathsep.join(_site_dirs())} tritonserver --model-repository "
+                  "$PWD", "```", ""]
     if info.engine_backend == "onnxruntime":
         lines.append(f"The onnxruntime backend should carry onnxruntime {versions.get('onnxruntime')}, the version "
                      "this graph was validated with (another version may round differently).")
