@@ -166,29 +166,21 @@ def test_the_proof_tries_only_the_launches_that_take_the_rows(monkeypatch, proof
     monkeypatch.setattr(ln, "kernel_refusal", lambda device: None)
     monkeypatch.setattr(ln, "proof_environment", lambda device: {"fake": True})
     monkeypatch.setattr(ln, "prove_launches", record_launches)
-    ln.prove_layer_norm("cpu", [], 64, 384)  # a build: block4 has run on a GPU, so a build tries it
+    ln.prove_layer_norm("cpu", [], 64, 384)  # a build: block4, the one launch that takes wide rows
     ln.prove_layer_norm("cpu", [], 64, 384, launches=["rows2", "block4"])  # a study asking for every launch
     ln.prove_layer_norm("cpu", [], 64, 128)
     ln.prove_layer_norm("cpu", [], 64, 128, launches=list(ln.LAUNCHES))
     assert tried == [["block4"], ["block4"], ["rows2", "rows1"], ["rows2", "rows1"]]
-    monkeypatch.setattr(ln, "UNRUN_LAUNCHES", frozenset({"block4"}))  # a launch that has not run on a GPU
-    unrun = ln.prove_layer_norm("cpu", [], 64, 384)
-    assert not unrun.proven and "block4) has not run on a GPU yet" in unrun.reason
-    assert len(tried) == 4  # nothing tried for it in a build
-    ln.prove_layer_norm("cpu", [], 64, 384, launches=["block4"])  # a study still proves it by name
-    assert tried[-1] == ["block4"]
 
 
-def test_a_build_captures_nothing_for_rows_whose_launch_has_not_run_on_a_gpu(monkeypatch):
+def test_a_build_captures_activations_for_rows_of_any_width_the_kernel_takes(monkeypatch):
     from kkdeploy import TransformerConfig
     from kkdeploy.kernels import model_proofs
 
     monkeypatch.setattr(ln, "kernel_refusal", lambda device: None)
     wide = TransformerConfig(batch_size=2, seq_len=8, d_model=384, num_heads=6, ffn_dim=768, num_layers=1)
-    assert model_proofs._refusal("layer_norm", wide, torch.float16, torch.device("cuda")) is None  # block4 has run
-    monkeypatch.setattr(ln, "UNRUN_LAUNCHES", frozenset({"block4"}))
-    reason = model_proofs._refusal("layer_norm", wide, torch.float16, torch.device("cuda"))
-    assert reason == ln.unrun_reason(384)
-    assert model_proofs._refusal("layer_norm", wide, torch.float16, torch.device("cuda"), ["block4"]) is None
+    assert model_proofs._refusal("layer_norm", wide, torch.float16, torch.device("cuda")) is None  # block4 proves it
     narrow = replace(wide, d_model=128, num_heads=4)
     assert model_proofs._refusal("layer_norm", narrow, torch.float16, torch.device("cuda")) is None
+    odd = replace(wide, d_model=130, num_heads=2)
+    assert "multiple of 4" in model_proofs._refusal("layer_norm", odd, torch.float16, torch.device("cuda"))

@@ -51,29 +51,17 @@ DEFAULT_LAUNCH = "rows2"
 DEFAULT_ROWS_PER_WARP = LAUNCHES[DEFAULT_LAUNCH]
 
 
-#: launches written but not yet run on a GPU: a build's proof leaves them out and proves them only when asked by
-#: name (``scripts/kernel_selftest.py --kinds layer_norm --all-launches``), so no build depends on a kernel no GPU
-#: has run. The campaign that proves one takes it off this list (block4: bit-identical on rows of 256-1024 on the
-#: H200, docs/layer-norm-kernel.md).
-UNRUN_LAUNCHES: frozenset = frozenset()
-
-
 def launches_for(width: int) -> list[str]:
     """The launches that take rows of ``width``: rows2 and rows1 up to 128 elements, block4 beyond."""
     return ["rows2", "rows1"] if width <= MAX_ROW else ["block4"]
 
 
 def proof_launches(width: int, asked: Optional[list[str]] = None) -> list[str]:
-    """The launches a proof tries on rows of ``width``: those ``asked`` for that take them, else those that take them
-    and have run on a GPU (none, for rows wider than 128, until block4 has)."""
+    """The launches a proof tries on rows of ``width``: those ``asked`` for that take them, else every one that does."""
     chosen = [name for name in asked or () if name in launches_for(width)]
-    return chosen or [name for name in launches_for(width) if name not in UNRUN_LAUNCHES]
+    return chosen or launches_for(width)
 
 
-def unrun_reason(width: int) -> str:
-    launches = ", ".join(launches_for(width))
-    return (f"rows of {width}: their launch ({launches}) has not run on a GPU yet, so builds leave them to ATen's "
-            f"layer_norm")
 PATH_ENV = "KKDEPLOY_LAYER_NORM"
 OP = "layer_norm_rows"
 
@@ -339,10 +327,7 @@ def prove_layer_norm(device: torch.device | str, cases: list[ProofCase], rows: i
     refusal = kernel_refusal(device) or row_reason(width, torch.float16)
     if refusal:
         return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
-    fitting = proof_launches(width, launches)
-    if not fitting:
-        return ProofRecord(op=OP, shape=shape, environment=environment, reason=unrun_reason(width))
-    record = prove_launches(OP, shape, fitting, cases, device, environment=environment,
+    record = prove_launches(OP, shape, proof_launches(width, launches), cases, device, environment=environment,
                             budget_s=budget_s, repeats=repeats, against_reference=True)
     remember_proof(record, cache)
     return record

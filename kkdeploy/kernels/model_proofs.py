@@ -271,7 +271,7 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
             slots.append(found)
             result.reused_records.append(found)
         else:
-            slots.append((kind, name, shape, _refusal(kind, config, dtype, device, (launches or {}).get(kind))))
+            slots.append((kind, name, shape, _refusal(kind, config, dtype, device)))
     todo = [slot for slot in slots if isinstance(slot, tuple)]
     if any(refusal is None for *_, refusal in todo):
         cases = _Cases(model, config, dtype, device, seed)
@@ -309,17 +309,14 @@ def _compile_ahead(todo, cases: _Cases, config, device, launches, workers: int) 
     cases.generator.set_state(state)
 
 
-def _refusal(kind: str, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
-             launches: Optional[list[str]] = None) -> Optional[str]:
+def _refusal(kind: str, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> Optional[str]:
     """Why no kernel of ``kind`` can run here at all (then no activations are captured for it)."""
     if kind == "attention":
         return attention_kernel.kernel_refusal(config.seq_len, config.head_dim, dtype, device)
     if kind == "layer_norm":
         if dtype != torch.float16:
             return f"dtype {dtype}: the rows kernel is float16 only"
-        width = config.d_model
-        return (layer_norm.kernel_refusal(device) or layer_norm.row_reason(width, dtype)
-                or (None if layer_norm.proof_launches(width, launches) else layer_norm.unrun_reason(width)))
+        return layer_norm.kernel_refusal(device) or layer_norm.row_reason(config.d_model, dtype)
     return fused_linear.kernel_refusal(dtype, device)
 
 
