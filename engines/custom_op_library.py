@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from kkdeploy.errors import KKError
-from kkdeploy.kernels.cuda_build import (NVCC_FLAGS, cache_root, compiler_version, cuda_architecture, gencode,
-                                         last_line, nvcc, require_gpu, run)
+from kkdeploy.kernels.cuda_build import (NVCC_FLAGS, cache_root, compiler_version, cuda_architecture, cxx_compiler,
+                                         gencode, last_line, nvcc, require_gpu, run)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "custom_ops"
 SOURCES = ("kkdeploy_ops.cc",)
@@ -51,12 +51,8 @@ BUILDER_VERSION = "2"
 
 
 def compiler() -> str:
-    """The C++ compiler: ``$CXX``, else g++; a one-line KKError with the fix when there is none."""
-    cxx = os.environ.get("CXX") or "g++"
-    if shutil.which(cxx) is None:
-        raise KKError(f"the kkdeploy custom ops need a C++17 compiler and {cxx!r} is not on PATH; "
-                      f"install one (apt-get install g++) or set CXX")
-    return cxx
+    """The C++ compiler (``cuda_build.cxx_compiler``)."""
+    return cxx_compiler("the kkdeploy custom ops")
 
 
 def header_api_version(include: Path) -> int:

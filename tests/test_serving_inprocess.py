@@ -167,23 +167,23 @@ def test_what_the_build_needs_is_a_one_line_error_naming_the_fix(monkeypatch, tm
     import sysconfig
 
     monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("CXX", "")
-    monkeypatch.setattr(backend_build.shutil, "which", lambda name: None)
-    with pytest.raises(KKError, match="no C\\+\\+ compiler was found .*--engine python"):
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.raises(KKError, match="in-process Triton backend need a C\\+\\+17 compiler .* set CXX; or serve with "
+                                      "--engine python"):
         backend_build.backend_library()
     monkeypatch.undo()
     monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
     real = sysconfig.get_config_var
-    monkeypatch.setattr(backend_build.sysconfig, "get_config_var",
-                        lambda name: 0 if name == "Py_ENABLE_SHARED" else real(name))
-    with pytest.raises(KKError, match="no shared libpython.*--engine python"):
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: 0 if name == "Py_ENABLE_SHARED" else real(name))
+    with pytest.raises(KKError, match="without a shared libpython, which kkdeploy's in-process Triton backend embeds"):
         backend_build.backend_library()
     monkeypatch.undo()
     monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++;\n")
     monkeypatch.setattr(backend_build, "SOURCES", [broken, *backend_build.SOURCES[1:]])
-    with pytest.raises(KKError, match="compiling the in-process Triton backend failed: .*error"):
+    with pytest.raises(KKError, match="compiling kkdeploy.s in-process Triton backend failed: .*error.*"
+                                      "--engine python"):
         backend_build.backend_library()
     assert not list((tmp_path / "cache").rglob("*.so")) and not list((tmp_path / "cache").rglob("*.tmp"))
 

@@ -34,6 +34,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("KKDEPLOY_CACHE_DIR") or "~/.cache/kkdeploy").expanduser()
 
 
+def cxx_compiler(what: str, otherwise: str = "") -> str:
+    """The C++ compiler: ``$CXX``, else g++; a one-line KKError naming ``what`` needs it and the fix when there is
+    none (``otherwise``: a way around it, appended)."""
+    cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        raise KKError(f"{what} need a C++17 compiler and {cxx!r} is not on PATH; install one (apt-get install g++) or "
+                      f"set CXX{otherwise}")
+    return cxx
+
+
 def run(cmd: list[str], cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 

@@ -1,9 +1,9 @@
 """Compile kkdeploy's in-process Triton backend (``csrc/kkdeploy_backend.cc``) for this machine's Python.
 
 The backend embeds the interpreter, so it is linked against the serving Python's ``libpython3.X.so`` and compiled
-where it serves: with the C++ compiler found here (``$CXX``, else ``g++`` or ``c++``), against Triton's backend API
-headers shipped in ``csrc/third_party/triton`` (Triton 2.51, the server bundled by nvidia-pytriton 0.7.0). The library is
-cached under ``$KKDEPLOY_CACHE_DIR/triton-backend/<key>/libtriton_kkdeploy.so``, keyed by the sources' bytes, the
+where it serves: with the C++ compiler found here (``$CXX``, else ``g++``: ``cuda_build.cxx_compiler``), against
+Triton's backend API headers shipped in ``csrc/third_party/triton`` (Triton 2.51, the server bundled by nvidia-pytriton
+0.7.0). The library is cached under ``$KKDEPLOY_CACHE_DIR/triton-backend/<key>/libtriton_kkdeploy.so``, keyed by the sources' bytes, the
 compiler's version and the Python it embeds, and written atomically (a half-written library is never found).
 """
 
@@ -11,80 +11,55 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 from ..errors import KKError
+from ..kernels.cuda_build import cache_root, compiler_version, cxx_compiler
+from .triton_server import python_library_dir
 
 BACKEND_NAME = "kkdeploy"  # config.pbtxt's ``backend:``; Triton looks for ``libtriton_kkdeploy.so``
 LIBRARY_NAME = f"libtriton_{BACKEND_NAME}.so"
+WHAT = "kkdeploy's in-process Triton backend"
+OTHERWISE = "; or serve with --engine python"
 CSRC = Path(__file__).with_name("csrc")
 THIRD_PARTY = CSRC / "third_party"  # Triton's backend API headers (BSD-3, triton-inference-server/core)
 SOURCES = [CSRC / "kkdeploy_backend.cc", THIRD_PARTY / "triton" / "core" / "tritonbackend.h",
            THIRD_PARTY / "triton" / "core" / "tritonserver.h"]
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("KKDEPLOY_CACHE_DIR") or "~/.cache/kkdeploy").expanduser()
-
-
-def compiler() -> str:
-    """The C++ compiler: ``$CXX``, else g++ or c++ on PATH; a one-line error naming the fix otherwise."""
-    for name in filter(None, (os.environ.get("CXX"), "g++", "c++")):
-        found = shutil.which(name)
-        if found:
-            return found
-    raise KKError("the in-process backend is compiled on the serving machine and no C++ compiler was found "
-                  "(set CXX or install g++); or serve with --engine python")
-
-
 def python_link_flags() -> tuple[list[str], list[str]]:
     """``(compile flags, link flags)`` that embed this Python: its headers, its shared libpython."""
-    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        raise KKError(f"this Python ({sys.executable}) has no shared libpython, which the in-process backend "
-                      f"embeds; use a Python built with --enable-shared, or serve with --engine python")
+    libdir = python_library_dir(WHAT)  # a Python without a shared libpython is a one-line error
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").is_file():
-        raise KKError(f"Python.h is missing from {include}: install this Python's headers (python3-dev), or serve "
-                      f"with --engine python")
-    libdir = sysconfig.get_config_var("LIBDIR")
+        raise KKError(f"Python.h is missing from {include}: install this Python's headers (python3-dev){OTHERWISE}")
     version = f"{sys.version_info.major}.{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    soname = sysconfig.get_config_var("INSTSONAME") or f"libpython{version}.so"
-    library = Path(libdir) / soname
+    library = libdir / (sysconfig.get_config_var("INSTSONAME") or f"libpython{version}.so")
     if not library.exists():
-        raise KKError(f"{library} is missing: this Python's shared libpython is needed to embed it; or serve with "
-                      f"--engine python")
-    # the backend re-opens libpython with RTLD_GLOBAL (Triton opens backends locally; torch's extension modules
-    # need the interpreter's symbols in the global scope)
-    # linked by its path: a distribution's runtime package ships libpython3.X.so.1.0 without the bare .so symlink
-    # and its home (sys.base_prefix), where the interpreter finds its standard library inside tritonserver, and the
-    # executable torch's compile workers are started with
+        raise KKError(f"{library} is missing: this Python's shared libpython is needed to embed it{OTHERWISE}")
+    # linked by its path (a distribution's runtime package ships libpython3.X.so.1.0 without the bare .so symlink);
+    # the backend re-opens it with RTLD_GLOBAL (Triton opens backends locally; torch's extension modules need the
+    # interpreter's symbols in the global scope); its home (sys.base_prefix), where the interpreter finds its
+    # standard library inside tritonserver; and the executable torch's compile workers are started with
     return ([f"-I{include}", f'-DKKDEPLOY_LIBPYTHON="{library}"', f'-DKKDEPLOY_PYTHONHOME="{sys.base_prefix}"',
              f'-DKKDEPLOY_PYTHON_EXECUTABLE="{sys.executable}"'],
             [str(library), f"-Wl,-rpath,{libdir}", "-ldl"])
-
-
-def _compiler_version(cxx: str) -> str:
-    try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown"
 
 
 def build_key(cxx: str, flags: list[str]) -> str:
     digest = hashlib.sha256()
     for path in SOURCES:
         digest.update(path.read_bytes())
-    digest.update("\0".join([_compiler_version(cxx), sys.version, *flags]).encode())
+    digest.update("\0".join([compiler_version(cxx), sys.version, *flags]).encode())
     return digest.hexdigest()[:24]
 
 
 def backend_library(log=None) -> Path:
     """The compiled backend for this Python, built on first use (a few seconds) and cached."""
-    cxx = compiler()
+    cxx = cxx_compiler(WHAT, OTHERWISE)
     compile_flags, link_flags = python_link_flags()
     flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", f"-I{THIRD_PARTY}", *compile_flags]
     target_dir = cache_root() / "triton-backend" / build_key(cxx, flags + link_flags)
@@ -94,15 +69,15 @@ def backend_library(log=None) -> Path:
     target_dir.mkdir(parents=True, exist_ok=True)
     partial = target_dir / f".{LIBRARY_NAME}.{os.getpid()}.tmp"
     if log is not None:
-        log(f"compiling the in-process Triton backend ({Path(cxx).name}, Python {sys.version.split()[0]})")
+        log(f"compiling {WHAT} ({Path(cxx).name}, Python {sys.version.split()[0]})")
     command = [cxx, *flags, "-o", str(partial), str(SOURCES[0]), *link_flags]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise KKError(f"compiling the in-process Triton backend failed to run: {exc}") from None
+        raise KKError(f"compiling {WHAT} failed to run: {exc}") from None
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[-300:])
-        raise KKError(f"compiling the in-process Triton backend failed: {first}; or serve with --engine python")
+        raise KKError(f"compiling {WHAT} failed: {first}{OTHERWISE}")
     os.replace(partial, target)
     return target

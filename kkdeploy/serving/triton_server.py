@@ -256,13 +256,13 @@ def _death_signal_hook():
     return hook
 
 
-def python_library_dir() -> Path:
-    """The folder holding this Python's ``libpython3.X.so``: the stub must embed this interpreter, not another
-    3.X that the loader would find first (Debian's, for a pyenv Python)."""
+def python_library_dir(embedder: str = "the Triton Python-backend stub") -> Path:
+    """The folder holding this Python's ``libpython3.X.so``: the stub (or kkdeploy's in-process backend) must embed
+    this interpreter, not another 3.X that the loader would find first (Debian's, for a pyenv Python)."""
     if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        raise KKError(f"this Python ({sys.executable}) was built without a shared libpython, which the Triton "
-                      f"Python-backend stub embeds: use a Python built with --enable-shared (Debian's python3, "
-                      f"pyenv with PYTHON_CONFIGURE_OPTS=--enable-shared) or the NGC Triton container")
+        raise KKError(f"this Python ({sys.executable}) was built without a shared libpython, which {embedder} "
+                      f"embeds: use a Python built with --enable-shared (Debian's python3, pyenv with "
+                      f"PYTHON_CONFIGURE_OPTS=--enable-shared) or the NGC Triton container")
     return Path(sysconfig.get_config_var("LIBDIR"))
 
 
