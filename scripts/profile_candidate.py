@@ -7,8 +7,9 @@
         --contract strict --candidate torch-compile,torch-compile-faithful-kernels
 
 A non-official shape (``--dims``) and a weights file (``--weights``) profile what a user's build would time; several
-candidates are profiled one after another in the same process, beside the same eager run. Each candidate is built by ``kkdeploy.pipeline.bench.make_candidate``, so it is the very runner `kkdeploy bench`
-times (same calibration, same compile, same TF32 setting, same timed input). After ``--warmups`` calls,
+candidates are profiled one after another in the same process, beside the same eager run. Each candidate is built
+by ``kkdeploy.pipeline.bench.make_candidate``, so it is the very runner `kkdeploy bench` times (same calibration,
+same compile, same TF32 setting, same timed input). After ``--warmups`` calls,
 ``--calls`` calls of eager and of the candidate run under torch.profiler: device kernels on a GPU, CPU ops
 otherwise. Per backend it prints the time per call by class (GEMM, attention, Triton fusion, copy or cast,
 other) and the top kernels, and writes ``profile.json`` and one Chrome trace per backend under ``--out``.
@@ -124,7 +125,8 @@ def parse_dims(text: str) -> TransformerConfig:
     except ValueError:
         values = []
     if len(values) != 6:
-        raise KKError(f"--dims takes six integers B,S,D,H,F,L (batch, sequence, width, heads, FFN, layers), got {text!r}")
+        raise KKError(f"--dims takes six integers B,S,D,H,F,L (batch, sequence, width, heads, FFN, layers), "
+                      f"got {text!r}")
     b, s, d, h, f, layers = values
     return TransformerConfig(batch_size=b, seq_len=s, d_model=d, num_heads=h, ffn_dim=f, num_layers=layers)
 

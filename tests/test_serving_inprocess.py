@@ -112,7 +112,8 @@ def test_the_python_half_answers_through_pointers_as_the_engine_does(small, repo
         assert got.tobytes() == want.tobytes()  # bit for bit the engine's bucket-2 answer
     code, message = outcomes[2]
     assert code == inprocess.ERROR_INVALID_ARG and "3" in message
-    assert len(runs) == 1 and runs[0][3:] == (2, 2)  # (…, bucket, real rows): the run that answered; the error ran none
+    # (…, bucket, real rows): the run that answered; the refused request ran none
+    assert len(runs) == 1 and runs[0][3:] == (2, 2)
     # copy_out: an answer into a response buffer (here host memory: the path the C++ half takes for GPU memory)
     target = np.zeros((1, 8, 16), dtype=np.float32)
     instance.copy_out([(1, target.ctypes.data, target.nbytes, inprocess.MEMORY_CPU, 0)])

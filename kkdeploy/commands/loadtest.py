@@ -119,7 +119,8 @@ def run(args) -> int:
         protocol=protocol, processes=args.processes, concurrency=args.concurrency, rate=args.rate,
         arrival=args.arrival, requests=args.requests or None, duration_s=args.duration, warmup=args.warmup,
         mix=loadtest.parse_mix(args.mix), padding=loadtest.parse_ratios(args.padding), pool=args.pool,
-        seed=args.seed, shared_memory=args.shared_memory, timeout_s=args.timeout, client=args.client) for protocol in protocols]
+        seed=args.seed, shared_memory=args.shared_memory, timeout_s=args.timeout, client=args.client)
+        for protocol in protocols]
     for plan in plans:
         plan.check()
     buckets = [b["batch"] for b in (manifest.get("batch_buckets") or {}).get("buckets", [])] or [config["batch_size"]]

@@ -226,7 +226,7 @@ def in_process(info) -> bool:
     """Whether the served model runs in tritonserver's own process (kkdeploy's in-process backend)."""
     from ..serving.triton_repo import INPROCESS_BACKEND
 
-    return info is not None and info.topology == "one-hop" and info.engine_backend == INPROCESS_BACKEND
+    return info is not None and info.engine_backend == INPROCESS_BACKEND
 
 
 def stop(server, models: list[str], drain_timeout_s: float, release_dir: Path | None = None,

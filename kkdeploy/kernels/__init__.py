@@ -11,9 +11,9 @@ Importing this package imports only torch; Triton is imported lazily, on CUDA, w
 keys) and holds a fused causal softmax kernel in CUDA C++ (``csrc/block_softmax.cu``, built by nvcc on demand
 through ``cuda_build``), the long-context path's where a build proved it bit-identical.
 
-``layer_norm`` is ATen's float16 LayerNorm, one warp per row, for any width ATen's vector path takes (``csrc/layer_norm.cu``,
-ATen's Welford steps from ``csrc/welford.cuh``), as the custom op ``kkdeploy_faithful::layer_norm_rows``, used by
-the ``torch-compile-faithful-kernels`` candidate.
+``layer_norm`` is ATen's float16 LayerNorm, one warp per row, for any width ATen's vector path takes
+(``csrc/layer_norm.cu``, ATen's Welford steps from ``csrc/welford.cuh``), as the custom op
+``kkdeploy_faithful::layer_norm_rows``, used by the ``torch-compile-faithful-kernels`` candidate.
 
 ``fused_linear`` is the reference's Linear with its next elementwise ops (residual add, mask, GELU) in a Triton
 GEMM's epilogue, and Q/K/V in one launch, as the custom op ``kkdeploy_faithful::linear``, used by the

@@ -3,7 +3,8 @@
 The backend embeds the interpreter, so it is linked against the serving Python's ``libpython3.X.so`` and compiled
 where it serves: with the C++ compiler found here (``$CXX``, else ``g++``: ``cuda_build.cxx_compiler``), against
 Triton's backend API headers shipped in ``csrc/third_party/triton`` (Triton 2.51, the server bundled by nvidia-pytriton
-0.7.0). The library is cached under ``$KKDEPLOY_CACHE_DIR/triton-backend/<key>/libtriton_kkdeploy.so``, keyed by the sources' bytes, the
+0.7.0). The library is cached under ``$KKDEPLOY_CACHE_DIR/triton-backend/<key>/libtriton_kkdeploy.so``, keyed by the
+sources' bytes, the
 compiler's version and the Python it embeds, and written atomically (a half-written library is never found).
 """
 

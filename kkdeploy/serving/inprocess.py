@@ -30,19 +30,11 @@ import threading
 import time
 
 from .triton_model import (ARTIFACTS, CANARY_FILE, DEVICE_TYPE, INPUT_X, OUTPUT_Y, RELEASE_DIR, BucketEngine,
-                           gpu_outputs_wanted, leave_release_marker, parameter, release_marker)
+                           gpu_outputs_wanted, leave_release_marker, parameter, release_marker, torch_dtype)
 
 # TRITONSERVER_Error_Code and TRITONSERVER_MemoryType (triton/core/tritonserver.h)
 ERROR_INTERNAL, ERROR_INVALID_ARG = 1, 3
 MEMORY_CPU, MEMORY_CPU_PINNED, MEMORY_GPU = 0, 1, 2
-TRITON_TYPES = {"TYPE_FP32": "FP32", "TYPE_FP16": "FP16", "TYPE_BF16": "BF16"}
-
-
-def _torch_dtype(triton_type: str):
-    import torch
-
-    return {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16,
-            "TYPE_BOOL": torch.bool}[triton_type]
 
 
 class _CudaMemory:
@@ -94,11 +86,11 @@ class Model:
         x = next(i for i in config["input"] if i["name"] == INPUT_X)
         y = next(o for o in config["output"] if o["name"] == OUTPUT_Y)
         self.row_shape = [int(d) for d in x["dims"]]
-        self.input_dtype = x["data_type"]
-        if y["data_type"] not in TRITON_TYPES:
-            raise ValueError(f"output {OUTPUT_Y} has type {y['data_type']}; kkdeploy serves "
-                             f"{', '.join(TRITON_TYPES)}")
-        self.output_datatype = TRITON_TYPES[y["data_type"]]  # read by the C++ half
+        try:
+            self.x_dtype, _ = torch_dtype(x["data_type"]), torch_dtype(y["data_type"])
+        except KeyError as exc:
+            raise ValueError(f"{self.name}: data type {exc} is not one kkdeploy serves (FP32, FP16, BF16)") from None
+        self.output_datatype = y["data_type"].removeprefix("TYPE_")  # read by the C++ half: "FP16", ...
         self.max_batch = int(config["max_batch_size"])
 
     def instance(self, name: str, kind: str, device_id: int) -> "Instance":
@@ -118,13 +110,13 @@ class Instance:
             device = f"cuda:{int(device_id) if kind == 'GPU' else 0}"
         self.engine = BucketEngine(
             model.name, os.path.join(model.version_dir, parameter(config, ARTIFACTS, "artifacts")), device,
-            model.row_shape, _torch_dtype(model.input_dtype), model.max_batch,
+            model.row_shape, model.x_dtype, model.max_batch,
             gpu_outputs=gpu_outputs_wanted(config), canary_file=parameter(config, CANARY_FILE))
-        self.x_dtype, self.mask_dtype = _torch_dtype(model.input_dtype), torch.bool
+        self.x_dtype, self.mask_dtype = model.x_dtype, torch.bool
         # Instances are threads of one process here, sharing one CUDA context: each runs on a stream of its own, so
         # one instance's engine can run on the GPU while another's Python gathers (the Python backend's instances
         # are processes whose contexts take turns on the GPU). Every run ends with its stream synchronized.
-        self.stream = torch.cuda.Stream(self.engine.device) if self.engine.cuda else None
+        self.on_stream = torch.cuda.stream(torch.cuda.Stream(self.engine.device)) if self.engine.cuda else None
         self.released = release_marker(parameter(config, RELEASE_DIR), model.name, os.getpid())
         self.last: dict = {}  # request index -> its answer, from the last execution: alive until the next one
         self.engine_thread = None
@@ -173,11 +165,9 @@ class Instance:
         return outcomes, runs
 
     def _run(self, xs, masks):
-        if self.stream is None:
+        if self.on_stream is None:
             return self.engine.run(xs, masks)
-        import torch
-
-        with torch.cuda.stream(self.stream):
+        with self.on_stream:  # the instance's stream context, made once (re-entered every run)
             return self.engine.run(xs, masks)
 
     def _enter_thread(self) -> None:

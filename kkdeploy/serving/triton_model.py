@@ -692,8 +692,13 @@ class _Batched:
         return self.pb_utils.Tensor.from_dlpack(OUTPUT_Y, self.to_dlpack(y if y.is_contiguous() else y.contiguous()))
 
 
-def _dtype(config: dict):
+def torch_dtype(triton_type: str):
+    """The torch dtype of a config.pbtxt data type (``TYPE_FP16``, ...); a KeyError for one kkdeploy does not serve."""
     import torch
 
-    kind = next(i["data_type"] for i in config["input"] if i["name"] == INPUT_X)
-    return {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16}[kind]
+    return {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16,
+            "TYPE_BOOL": torch.bool}[triton_type]
+
+
+def _dtype(config: dict):
+    return torch_dtype(next(i["data_type"] for i in config["input"] if i["name"] == INPUT_X))

@@ -300,7 +300,8 @@ def render_readme(info: RepositoryInfo, manifest: dict) -> str:
         "| model | backend | batch | inputs | output |",
         "|---|---|---|---|---|",
         f"| `{info.model}` (call this one) | "
-        f"{info.engine_backend if one_hop else 'python'} ({'one hop: the engine runs in it' if one_hop else 'front'}) | "
+        f"{info.engine_backend if one_hop else 'python'} "
+        f"({'one hop: the engine runs in it' if one_hop else 'front'}) | "
         f"1..{info.max_batch} sequences per request, dynamic batching | "
         f"`x` [n,{s},{d}] {info.dtype}, `valid_token_mask` [n,{s}] bool (optional: all valid) | `y` [n,{s},{d}] |",
         *([] if one_hop else [
@@ -349,9 +350,9 @@ def render_readme(info: RepositoryInfo, manifest: dict) -> str:
 
         from .triton_server import ENV_SITE_DIRS, _site_dirs
 
-        lines.append(f"`{info.model}/1/libtriton_{INPROCESS_BACKEND}.so` is kkdeploy's in-process backend, compiled for "
-                     f"the Python that wrote this repository ({sys.executable}, {sys.version.split()[0]}): it embeds "
-                     "that interpreter in tritonserver, so its shared libpython, torch and kkdeploy must be there at "
+        lines.append(f"`{info.model}/1/libtriton_{INPROCESS_BACKEND}.so` is kkdeploy's in-process backend, compiled "
+                     f"for the Python that wrote this repository ({sys.executable}, {sys.version.split()[0]}): it "
+                     "embeds that interpreter in tritonserver, so its shared libpython, torch and kkdeploy must be there at "
                      "the same paths. For another machine, write the repository there, or use `--engine python`. "
                      "Started by hand, tritonserver needs that Python's site directories (a virtualenv or an editable "
                      "install is not on the embedded interpreter's default path):")
@@ -480,7 +481,8 @@ def _copy_artifacts(root: Path, manifest: dict, copy: Path) -> None:
 def print_summary(info: RepositoryInfo) -> None:
     console.print(f"repository [bold]{info.path}[/]")
     if info.topology == "one-hop":
-        console.print(f"  {info.model}: one hop, {info.engine_backend} backend, dynamic batching of 1..{info.max_batch} sequences "
+        console.print(f"  {info.model}: one hop, {info.engine_backend} backend, dynamic batching of "
+                      f"1..{info.max_batch} sequences "
                       f"on buckets {info.buckets} — {info.engine_reason}", soft_wrap=True)
         return
     b = info.batch_size
