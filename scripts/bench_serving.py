@@ -163,10 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     install = triton_server.find_server() or triton_server.install_server(log=print)
     info = triton_repo.write_repository(root, work / "repository", available_backends=install.backends(),
                                         max_queue_delay_us=args.max_queue_delay_us)
-    ports: set[int] = set()
-    for _ in range(3):
-        ports.add(triton_server.free_port(avoid=ports))
-    http, grpc, metrics_port = sorted(ports)
+    http, grpc, metrics_port = triton_server.free_ports().values()
     served = []
     with triton_server.TritonServer(install, Path(info.path), work, http_port=http, grpc_port=grpc,
                                     metrics_port=metrics_port) as server:

@@ -107,10 +107,7 @@ class Server:
         self.label = (self.info.topology + (", in-process" if self.info.engine_backend == "kkdeploy" else "")
                       + ("" if self.info.output_device == "cpu" else ", GPU outputs")
                       + ("" if instances == 1 else f", {instances} instances"))
-        taken: set[int] = set()
-        for _ in range(3):
-            taken.add(triton_server.free_port(avoid=taken))
-        self.ports = dict(zip(("http", "grpc", "metrics"), sorted(taken)))
+        self.ports = triton_server.free_ports()
         self.server = triton_server.TritonServer(install, Path(self.info.path), self.work, exit_timeout_s=2,
                                                  **{f"{k}_port": v for k, v in self.ports.items()})
 
@@ -231,10 +228,8 @@ def faults(artifacts: Path, args, output_device: str = "cpu", engine: str = "aut
     import kkdeploy
     from kkdeploy.serving import loadtest, triton_server
 
-    taken: set[int] = set()
-    for _ in range(3):
-        taken.add(triton_server.free_port(avoid=taken))
-    http, grpc, metrics = sorted(taken)
+    ports = triton_server.free_ports()
+    http, grpc, metrics = ports["http"], ports["grpc"], ports["metrics"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "kkdeploy", "serve", "--artifacts", str(artifacts),
                              "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),

@@ -54,13 +54,6 @@ def oracle(small):
     return pool, loadtest.expected_answers(kkdeploy.load(small), pool)
 
 
-def free_ports() -> dict:
-    taken: set[int] = set()
-    for _ in range(3):
-        taken.add(triton_server.free_port(avoid=taken))
-    return dict(zip(("http", "grpc", "metrics"), sorted(taken)))
-
-
 class Serve:
     """``kkdeploy serve`` as a subprocess; its lines with the time they arrived."""
 
@@ -185,7 +178,7 @@ class Load:
 def watched_under_load(artifacts, oracle, *extra: str):
     """``kkdeploy serve`` with its watchdog (a canary every 2 s; ``extra`` arguments after), ready and answering a
     gRPC and an HTTP client in a loop for 2 s; yields ``(serve, load)`` and leaves nothing behind."""
-    ports = free_ports()
+    ports = triton_server.free_ports()
     serve = Serve(artifacts, ports, "--probe-interval", "2", "--heal-timeout", "45", *extra)
     load = None
     try:
@@ -276,7 +269,7 @@ def test_a_server_killed_under_load_is_restarted_never_a_wrong_answer(small, ins
 
 
 def test_two_simultaneous_starts_on_one_port_give_exactly_one_ready(small, install):
-    ports = free_ports()
+    ports = triton_server.free_ports()
     first, second = Serve(small, ports), Serve(small, ports)
     try:
         deadline = time.monotonic() + 150
@@ -354,7 +347,7 @@ def test_a_signal_under_load_stops_within_the_budget_cleanly_leaving_nothing(sma
                                                                             engine):
     from kkdeploy.commands.serve import STOP_BUDGET_S
 
-    ports = free_ports()
+    ports = triton_server.free_ports()
     serve = Serve(small, ports, "--instances", str(instances), "--engine", engine)
     load = None
     try:
@@ -386,7 +379,7 @@ def test_a_signal_under_load_stops_within_the_budget_cleanly_leaving_nothing(sma
 def test_sigint_stops_a_serve_started_with_sigint_ignored(small, install):
     # A background job of a non-interactive shell inherits SIGINT ignored, and Python then installs no handler:
     # `kill -INT` did nothing, and every stop test failed when the test suite itself ran as such a job.
-    ports = free_ports()
+    ports = triton_server.free_ports()
     serve = Serve(small, ports, "--no-watchdog", sigint_ignored=True)
     try:
         assert serve.wait_for(r"^ready in", 120), serve.text
@@ -421,7 +414,7 @@ def test_requests_in_flight_at_the_signal_are_answered_before_the_stop(unbuckete
     from kkdeploy.commands.serve import STOP_BUDGET_S
 
     artifacts, oracle = unbucketed
-    ports = free_ports()
+    ports = triton_server.free_ports()
     serve = Serve(artifacts, ports, "--max-queue-delay-us", "800000")
     load = None
     try:
@@ -449,7 +442,7 @@ def test_requests_in_flight_at_the_signal_are_answered_before_the_stop(unbuckete
 def test_a_stop_that_cannot_drain_exits_non_zero_and_still_leaves_nothing(small, install, oracle):
     from kkdeploy.commands.serve import AFTER_DRAIN_S
 
-    ports = free_ports()
+    ports = triton_server.free_ports()
     serve = Serve(small, ports, "--drain-timeout", "1", "--no-watchdog")
     frozen = None
     try:
@@ -492,7 +485,7 @@ MALFORMED = {  # what Triton's HTTP front answers (it decides these, before any 
 
 
 def test_malformed_http_bodies_get_triton_s_status_and_the_server_keeps_answering(small, install, oracle):
-    ports = free_ports()
+    ports = triton_server.free_ports()
     serve = Serve(small, ports, "--probe-interval", "1")
     try:
         assert serve.wait_for(r"^ready in", 120), serve.text
@@ -519,7 +512,7 @@ def test_malformed_http_bodies_get_triton_s_status_and_the_server_keeps_answerin
 
 
 def test_a_model_that_cannot_be_healed_makes_serve_exit_3_with_the_reason(small, install):
-    ports = free_ports()
+    ports = triton_server.free_ports()
     serve = Serve(small, ports, "--heal-timeout", "6")
     try:
         assert serve.wait_for(r"^ready in", 120), serve.text

@@ -72,13 +72,6 @@ def test_the_repository_names_the_backend_and_refuses_two_hops(small, repository
     assert not (tmp_path / "r").exists()
 
 
-def free_ports() -> dict:
-    ports: dict = {}
-    for name in ("http", "grpc", "metrics"):
-        ports[name] = triton_server.free_port(avoid=set(ports.values()))
-    return ports
-
-
 def _described(array: np.ndarray):
     """An input as the C++ half describes it: (shape, [(pointer, bytes, memory type, id)])."""
     return tuple(array.shape), [(array.ctypes.data, array.nbytes, inprocess.MEMORY_CPU, 0)]
@@ -197,7 +190,7 @@ def test_a_server_without_pythonhome_still_finds_the_interpreter_s_home(reposito
     import urllib.request
 
     install = triton_server.find_server() or triton_server.install_server()
-    ports = free_ports()
+    ports = triton_server.free_ports()
     server = triton_server.TritonServer(install, repository, tmp_path / "work",
                                         **{f"{k}_port": v for k, v in ports.items()})
     env = server.environment()
@@ -228,7 +221,7 @@ def test_a_model_reloaded_in_process_answers_exactly_again(small, repository, tm
     """The watchdog heals a broken model by unloading and loading it: in process, that finalizes the instance
     and loads a new engine in the same interpreter. Three reloads, every answer exact after each."""
     install = triton_server.find_server() or triton_server.install_server()
-    ports = free_ports()
+    ports = triton_server.free_ports()
     plan = loadtest.LoadPlan(model="kkdeploy", seq_len=8, d_model=16, dtype="float32", grpc_port=ports["grpc"],
                              http_port=ports["http"], mix=[[1, 1.0], [2, 1.0]], padding=[0.0, 0.25], pool=6, seed=9)
     pool = loadtest.make_pool(plan)

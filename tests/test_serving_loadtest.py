@@ -137,10 +137,7 @@ def test_http_and_grpc_open_loop_mixed_batches_through_system_shared_memory(shap
     runner = kkdeploy.load(shape3)
     args = types.SimpleNamespace(artifacts=str(shape3), model_name="kkdeploy", engine=engine, topology="auto",
                                  instances=1, max_queue_delay_us=200, host="127.0.0.1")
-    taken: set[int] = set()
-    for _ in range(3):
-        taken.add(triton_server.free_port(avoid=taken))
-    ports = dict(zip(("http", "grpc", "metrics"), sorted(taken)))
+    ports = triton_server.free_ports()
     with local_server(args, ports) as (server, info, _):
         for protocol, shm in (("http", "system"), ("grpc", "system"), ("http", "none")):
             p = loadtest.LoadPlan(model="kkdeploy", seq_len=128, d_model=128, dtype="float32", protocol=protocol,

@@ -156,10 +156,7 @@ def served(built, install, tmp_path_factory):
     info = triton_repo.write_repository(built, work / "repository", available_backends=install.backends())
     assert info.engine_backend == "python" and info.candidate == "ort-cpu"
     assert (info.topology, info.buckets) == ("one-hop", [1, 2, 4])
-    ports: set[int] = set()
-    for _ in range(3):
-        ports.add(triton_server.free_port(avoid=ports))
-    http, grpc, metrics_port = sorted(ports)
+    http, grpc, metrics_port = triton_server.free_ports().values()
     server = triton_server.TritonServer(install, Path(info.path), work, http_port=http, grpc_port=grpc,
                                         metrics_port=metrics_port)
     server.start()
@@ -448,10 +445,7 @@ def test_all_valid_and_padded_requests_match_the_reference(served, reference, pr
 
 
 def _start(install, repository: Path, work: Path) -> triton_server.TritonServer:
-    ports: set[int] = set()
-    for _ in range(3):
-        ports.add(triton_server.free_port(avoid=ports))
-    http, grpc, metrics_port = sorted(ports)
+    http, grpc, metrics_port = triton_server.free_ports().values()
     server = triton_server.TritonServer(install, repository, work, http_port=http, grpc_port=grpc,
                                         metrics_port=metrics_port)
     server.start()
@@ -625,10 +619,7 @@ def _env(**extra) -> dict:
 
 
 def test_serve_runs_until_interrupted_and_leaves_nothing(fallback_built, install):
-    ports: set[int] = set()
-    for _ in range(3):
-        ports.add(triton_server.free_port(avoid=ports))
-    http, grpc, metrics_port = sorted(ports)
+    http, grpc, metrics_port = triton_server.free_ports().values()
     proc = subprocess.Popen([sys.executable, "-m", "kkdeploy", "serve", "--artifacts", str(fallback_built),
                              "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics_port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
@@ -699,3 +690,9 @@ def test_a_crashed_server_is_reported_by_its_signal_not_a_backtrace_frame(tmp_pa
     assert server.failure_reason().startswith("Signal (6) received.")
     server.log_path.write_text("I1204 12:00:00.000 1 server.cc:1] the last words\n 3# 0x1 in x\n")
     assert server.failure_reason().startswith("the last words")  # no signal: the last line that is not a frame
+
+
+def test_free_ports_are_three_distinct_ports_nothing_listens_on():
+    ports = triton_server.free_ports()
+    assert list(ports) == ["http", "grpc", "metrics"] and len(set(ports.values())) == 3
+    assert not any(triton_server.port_in_use("127.0.0.1", port) for port in ports.values())

@@ -73,7 +73,8 @@ def local_server(args, ports: dict | None = None):
                                 available_backends=install.backends(), topology=args.topology,
                                 instances=args.instances)
         for attempt in range(1 if ports else 3):
-            chosen = dict(ports) if ports else _free_ports(args.host)
+            chosen = dict(ports) if ports else triton_server.free_ports(
+                args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1")
             server = triton_server.TritonServer(install, Path(info.path), workdir, address=args.host,
                                                 **{f"{k}_port": v for k, v in chosen.items()})
             try:
@@ -90,15 +91,6 @@ def local_server(args, ports: dict | None = None):
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _free_ports(host: str) -> dict:
-    from ..serving import triton_server
-
-    taken: set[int] = set()
-    for _ in range(3):
-        taken.add(triton_server.free_port(host if host not in ("0.0.0.0", "") else "127.0.0.1", avoid=taken))
-    return dict(zip(("http", "grpc", "metrics"), sorted(taken)))
 
 
 def run(args) -> int:

@@ -221,6 +221,14 @@ def free_port(host: str = "127.0.0.1", avoid: set[int] = frozenset()) -> int:
     raise KKError("no free port found")  # pragma: no cover
 
 
+def free_ports(host: str = "127.0.0.1") -> dict[str, int]:
+    """``{"http", "grpc", "metrics": port}``: three distinct ports nothing listens on now (``free_port``)."""
+    taken: set[int] = set()
+    for _ in range(3):
+        taken.add(free_port(host, avoid=taken))
+    return dict(zip(("http", "grpc", "metrics"), sorted(taken)))
+
+
 def check_ports(host: str, ports: dict[str, int]) -> None:
     """One-line errors for an invalid, repeated or taken port, before the server tries them."""
     seen: dict[int, str] = {}
