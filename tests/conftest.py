@@ -19,6 +19,9 @@ torch.set_num_threads(2)
 
 SMALL = TransformerConfig(batch_size=3, seq_len=16, d_model=32, num_heads=4, ffn_dim=48, num_layers=2, causal=True)
 SMALL_NONCAUSAL = TransformerConfig(3, 16, 32, 4, 48, 2, causal=False)
+#: `kkdeploy build` arguments of the serving tests' small CPU artifact (a few seconds to build, quick protocol)
+SERVING_BUILD = ["--batch-size", "2", "--seq-len", "8", "--d-model", "16", "--heads", "2", "--ffn-dim", "16",
+                 "--layers", "2", "--device", "cpu", "--trials", "2", "--warmups", "2", "--repeats", "5", "--rounds", "1"]
 
 
 @pytest.fixture

@@ -27,16 +27,15 @@ import pytest
 import kkdeploy
 from kkdeploy.cli import main as cli
 from kkdeploy.serving import loadtest, triton_server
+from tests.conftest import SERVING_BUILD
 
 pytestmark = pytest.mark.slow
-SHAPE = ["--batch-size", "2", "--seq-len", "8", "--d-model", "16", "--heads", "2", "--ffn-dim", "16", "--layers", "2",
-         "--device", "cpu", "--trials", "2", "--warmups", "2", "--repeats", "5", "--rounds", "1"]
 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("faults") / "a"
-    assert cli(["build", *SHAPE, "--batch-buckets", "1", "--out", str(out)]) == 0
+    assert cli(["build", *SERVING_BUILD, "--batch-buckets", "1", "--out", str(out)]) == 0
     return out
 
 
@@ -401,7 +400,7 @@ def unbucketed(tmp_path_factory):
     """An artifact without batch buckets (one bucket of B = 2) and single-sequence requests with their answers:
     Triton's batcher holds a lone request for its --max-queue-delay-us, waiting for a second sequence."""
     out = tmp_path_factory.mktemp("faults") / "b"
-    assert cli(["build", *SHAPE, "--out", str(out)]) == 0
+    assert cli(["build", *SERVING_BUILD, "--out", str(out)]) == 0
     plan = loadtest.LoadPlan(model="kkdeploy", seq_len=8, d_model=16, dtype="float32", mix=[[1, 1.0]],
                              padding=[0.0, 0.25], pool=6, seed=7)
     pool = loadtest.make_pool(plan)

@@ -20,16 +20,15 @@ from kkdeploy.errors import KKError
 from kkdeploy.pipeline.runtime import bucketed
 from kkdeploy.serving import backend_build, inprocess, loadtest, triton_server
 from kkdeploy.serving.triton_repo import write_repository
+from tests.conftest import SERVING_BUILD
 
 pytestmark = pytest.mark.slow
-SHAPE = ["--batch-size", "2", "--seq-len", "8", "--d-model", "16", "--heads", "2", "--ffn-dim", "16", "--layers", "2",
-         "--device", "cpu", "--trials", "2", "--warmups", "2", "--repeats", "5", "--rounds", "1"]
 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("inprocess") / "a"
-    assert cli(["build", *SHAPE, "--batch-buckets", "1,2", "--out", str(out)]) == 0
+    assert cli(["build", *SERVING_BUILD, "--batch-buckets", "1,2", "--out", str(out)]) == 0
     return out
 
 
