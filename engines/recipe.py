@@ -3,7 +3,7 @@
 Names such as ``torch-compile-fused-half-gemm-mixed`` or ``ort-cuda-graph-autocast`` used to be
 parsed by a regex in every engine. Here they are one small grammar over one small value:
 
-    name = backend ["-" provider] ["-graph"] [attention suffix] [precision suffix]
+    name = backend ["-" provider] ["-graph"] [attention suffix] [precision suffix] ["-pdl"]
 
     backend     ort (provider cpu|cuda) | trt | torch-graph | torch-compile | inductor
     capture     "-graph": ONNX Runtime replays a CUDA graph (torch-graph and torch-compile always
@@ -18,6 +18,8 @@ parsed by a regex in every engine. Here they are one small grammar over one smal
                 "-faithful-gemms" both plus our GEMMs with fused epilogues (kkdeploy.kernels.fused_linear)
     precision   "" the model's dtype; "-mixed" calibrated float16 blocks; "-autocast" ModelOpt AutoCast;
                 "-half-gemm" float16 GEMM inputs with float32 accumulation; "-half-gemm-mixed" both
+    launch      "-pdl" (torch-compile's faithful graphs): kernels go out as programmatic dependent launches, each
+                starting while the one before drains (kkdeploy/kernels/dependent_launch.py); the same arithmetic
 
 ``parse(name)`` and ``Recipe.name`` are inverse to each other for every name a backend accepts, so
 artifacts written under the old names load unchanged, and the manifest and summary table show the
@@ -37,6 +39,7 @@ ATTENTION_SUFFIX = {"reference": "", "reference-nomask": "-nomask", "sdpa-last":
                     "faithful-gemms": "-faithful-gemms"}
 # Old spellings of attention forms, as manifests written before a rename record them -> today's name.
 ATTENTION_ALIASES = {"faithful-kernel": "faithful-attention"}
+PDL_SUFFIX = "-pdl"
 PRECISION_SUFFIX = {"model": "", "fp16-blocks": "-mixed", "autocast": "-autocast", "half-gemm": "-half-gemm",
                     "half-gemm+fp16-blocks": "-half-gemm-mixed"}
 
@@ -62,7 +65,7 @@ def _name_pattern(backends: tuple[str, ...]) -> re.Pattern:
     return re.compile(
         rf"^(?P<backend>{'|'.join(map(re.escape, backends))})(?:-(?P<provider>cpu|cuda))?(?P<graph>-graph)?"
         r"(?P<attention>-nomask|-sdpa(?P<k>\d+)|-fused|-faithful-attention|-faithful-kernels|-faithful-gemms)?"
-        r"(?P<precision>-half-gemm-mixed|-half-gemm|-mixed|-autocast)?$")
+        r"(?P<precision>-half-gemm-mixed|-half-gemm|-mixed|-autocast)?(?P<pdl>-pdl)?$")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class Recipe:
     attention: str = "reference"
     sdpa_layers: int = 0  # with attention "sdpa-last": how many final blocks
     precision: str = "model"
+    dependent_launch: bool = False  # "-pdl": programmatic dependent launches (torch-compile's faithful graphs)
 
     def __post_init__(self) -> None:  # a recipe read back from an old manifest speaks today's names
         object.__setattr__(self, "attention", ATTENTION_ALIASES.get(self.attention, self.attention))
@@ -86,6 +90,8 @@ class Recipe:
             parts.append("-graph")
         parts.append(ATTENTION_SUFFIX[self.attention] + (str(self.sdpa_layers) if self.attention == "sdpa-last" else ""))
         parts.append(PRECISION_SUFFIX[self.precision])
+        if self.dependent_launch:
+            parts.append(PDL_SUFFIX)
         return "".join(parts)
 
     @property
@@ -102,6 +108,8 @@ class Recipe:
         bits = [attention] + ([self.precision] if self.precision != "model" else [])
         if self.graph_capture:
             bits.append("cuda graph")
+        if self.dependent_launch:
+            bits.append("dependent launches")
         return ", ".join(bits)
 
 
@@ -111,7 +119,7 @@ def parse(name: str) -> Recipe:
     match = _name_pattern(tuple(backends)).match(name)
     if match is None:
         raise KKError(f"unknown candidate {name!r}: names are <backend>[-cpu|-cuda][-graph][-nomask|-sdpa<k>|-fused|"
-                      f"-faithful-attention|-faithful-kernels|-faithful-gemms][-half-gemm][-mixed|-autocast] with backend one of "
+                      f"-faithful-attention|-faithful-kernels|-faithful-gemms][-half-gemm][-mixed|-autocast][-pdl] with backend one of "
                       f"{', '.join(backends)}")
     backend = match["backend"]
     attention = {None: "reference", "-nomask": "reference-nomask", "-fused": "fused",
@@ -120,7 +128,7 @@ def parse(name: str) -> Recipe:
                      match["attention"], "sdpa-last")
     precision = {v: k for k, v in PRECISION_SUFFIX.items()}[match["precision"] or ""]
     recipe = Recipe(backend, match["provider"] or "", bool(match["graph"]), attention,
-                    int(match["k"]) if match["k"] else 0, precision)
+                    int(match["k"]) if match["k"] else 0, precision, bool(match["pdl"]))
     attentions, precisions = backends[backend].attentions, backends[backend].precisions
     if (backend == "ort") != bool(recipe.provider) or (recipe.graph_capture and not (backend == "ort" and recipe.provider == "cuda")):
         raise KKError(f"unknown candidate {name!r}: only ONNX Runtime takes -cpu/-cuda, and only ort-cuda takes -graph")
@@ -129,6 +137,8 @@ def parse(name: str) -> Recipe:
                       f"{sorted(precisions)}")
     if attention == "sdpa-last" and recipe.sdpa_layers < 1:
         raise KKError(f"unknown candidate {name!r}: -sdpa<k> needs k >= 1")
+    if recipe.dependent_launch and (backend != "torch-compile" or attention == "fused"):
+        raise KKError(f"unknown candidate {name!r}: -pdl applies to torch-compile's faithful graphs (not -fused)")
     if backend == "torch-compile" and precision != "model" and attention != "fused":
         raise KKError(f"unknown candidate {name!r}: torch-compile's float16 blocks and half GEMMs come with -fused")
     return recipe

@@ -44,7 +44,7 @@ from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache
 from .base import (AllValidRouter, Backend, BuildContext, CandidateResult, CandidateSkipped,
                    Runner, fingerprint_padding, output_fingerprint, requested_variants)
 from .cuda_graph import CapturedCall
-from .recipe import Recipe, parse as parse_recipe
+from .recipe import PDL_SUFFIX, Recipe, parse as parse_recipe
 from .registry import BackendChoice, BackendDescriptor, register
 
 FAITHFUL = "torch-compile"
@@ -67,7 +67,7 @@ def inductor_variant(name: str) -> str:
     recipe = parse_recipe(name)
     if recipe.backend == "torch-compile" and recipe.precision == "model":
         if recipe.attention in ("reference", "sdpa-last"):
-            return replace(recipe, backend="inductor").name
+            return replace(recipe, backend="inductor", dependent_launch=False).name
         if recipe.attention in OUR_KERNEL_FORMS:
             return "inductor"
     raise KKError(f"unknown torch-compile variant {name!r}; use {FAITHFUL}, {FAITHFUL}-sdpa<k> or {KERNEL_ATTENTION}")
@@ -91,6 +91,16 @@ KERNEL_KINDS = {"faithful-attention": ("attention",), "faithful-kernels": ("atte
                 "faithful-gemms": ("attention", "layer_norm", "linear")}
 #: our-kernel candidate -> the candidate with one kernel kind fewer
 SMALLER = {KERNELS: KERNEL_ATTENTION, GEMMS: KERNELS}
+
+
+def uses_dependent_launch(name: str) -> bool:
+    """Whether candidate ``name`` launches its kernels as programmatic dependent launches ("-pdl")."""
+    return parse_recipe(name).dependent_launch
+
+
+def without_pdl(name: str) -> str:
+    """The same candidate with plain launches (what its "-pdl" form is timed against)."""
+    return name.removesuffix(PDL_SUFFIX)
 
 
 def kernel_kinds(name: str) -> tuple[str, ...]:
@@ -160,7 +170,9 @@ def prove_candidate_kernels(name: str, model, config: TransformerConfig, dtype: 
     if not any(proofs.proven(kind) for kind in kinds):
         raise CandidateSkipped(f"none of its kernel ops is proven bit-identical and faster here, so it would run "
                                f"ATen's ops only ({'; '.join(proofs.why_not(kind) for kind in kinds)})")
-    smaller = SMALLER.get(name)
+    smaller = SMALLER.get(without_pdl(name))
+    if smaller is not None and uses_dependent_launch(name):
+        smaller = f"{smaller}{PDL_SUFFIX}"
     if smaller in siblings and not proofs.proven(kinds[-1]):
         raise CandidateSkipped(f"the {kinds[-1]} kernel it adds to {smaller} is not proven here "
                                f"({proofs.why_not(kinds[-1])})")
@@ -202,11 +214,12 @@ class CompiledModuleRunner(Runner):
 
     def __init__(self, module: torch.nn.Module, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
                  *, name: str, all_valid_only: bool, options: dict | None = None, cuda_graph: bool = True,
-                 keep_alive=None):
+                 keep_alive=None, dependent_launch: bool = False):
         super().__init__(config, dtype, device)
         self.backend = self.name = name
         self.all_valid_only = all_valid_only
         self.keep_alive = keep_alive
+        self.dependent_launch = dependent_launch  # our kernels' launches as PDL (the graph's capture records them)
         start = time.perf_counter()
         self.compiled = torch.compile(module.requires_grad_(False), options=options or {}, dynamic=False,
                                       fullgraph=True)
@@ -230,6 +243,11 @@ class CompiledModuleRunner(Runner):
 
     def _forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # Always the same grad mode: Dynamo guards on it, and a second mode would mean a second compile.
+        if self.dependent_launch:  # our custom ops read it when they launch (at capture, or per uncaptured call)
+            from kkdeploy.kernels.dependent_launch import dependent_launches
+
+            with dependent_launches(True), torch.inference_mode():
+                return self.compiled(x, mask)
         with torch.inference_mode():
             return self.compiled(x, mask)
 
@@ -257,6 +275,15 @@ class CompiledRunner(CompiledModuleRunner):
         from .inductor import export_variant, faithful_inductor_configs, parse_variant
 
         variant = inductor_variant(name)
+        options = faithful_inductor_configs()
+        pdl = uses_dependent_launch(name)
+        if pdl:
+            from kkdeploy.kernels.dependent_launch import inductor_options, refusal
+
+            why = refusal(device)
+            if why:
+                raise KKError(f"{name}: {why}; use {without_pdl(name)}")
+            options.update(inductor_options())
         start = time.perf_counter()
         exported = export_variant(model, config, dtype, torch.device(device), variant,
                                   kernel_attention=uses_kernel_attention(name),
@@ -264,8 +291,9 @@ class CompiledRunner(CompiledModuleRunner):
                                   kernel_linear=uses_kernel_linear(name))
         export_seconds = time.perf_counter() - start
         super().__init__(exported.module(), config, dtype, device, name=name,
-                         all_valid_only=bool(parse_variant(variant, config)[1]), options=faithful_inductor_configs(),
-                         cuda_graph=cuda_graph, keep_alive=model)
+                         all_valid_only=bool(parse_variant(variant, config)[1]), options=options,
+                         cuda_graph=cuda_graph, keep_alive=model, dependent_launch=pdl)
+        self.inductor_configs = options
         self.compile_seconds = round(self.compile_seconds + export_seconds, 3)
 
 
@@ -314,12 +342,19 @@ class TorchCompileBackend(Backend):
             recipe = {"inductor_configs": {}, "fp16_layers": list(layers), "half_gemm": half,
                       "half_gemm_kernel": fused.half_gemm_kernel, "calibration": calibration}
         else:
+            if uses_dependent_launch(candidate):
+                from kkdeploy.kernels.dependent_launch import refusal
+
+                why = refusal(device)
+                if why:
+                    raise CandidateSkipped(f"{why}; {without_pdl(candidate)} is the same graph with plain launches")
             if kernel_kinds(candidate):
                 siblings = tuple(self.candidates(ctx))
                 proofs = prove_candidate_kernels(candidate, ctx.model, ctx.config, ctx.dtype, device, siblings)
                 recipe.update({"kernel_proofs": proofs.to_list(), "proof_seconds": proofs.seconds,
                                "proofs_reused": proofs.reused})
             runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)
+            recipe["inductor_configs"] = dict(runner.inductor_configs)
             recipe.update(kernel_paths_record(candidate, ctx.config, ctx.dtype, device))
         ratios = fingerprint_padding(runner.all_valid_only)
         fingerprint = output_fingerprint(runner, ctx.config, ctx.dtype, device, padding_ratios=ratios)

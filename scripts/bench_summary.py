@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One table over many `kkdeploy bench` runs: per shape, the best passing backend and the geomean.
 
-    python scripts/bench_summary.py DIR_OR_BENCH_JSON... [--md OUT.md] [--png OUT.png]
+    python scripts/bench_summary.py DIR_OR_BENCH_JSON... [--versus NAME] [--pdl] [--md OUT.md] [--png OUT.png]
 
 Reads every ``bench.json`` found under the arguments (a campaign benches each shape in its own
 invocation, so that a time limit keeps what finished). For each shape it reports eager's median,
@@ -134,10 +134,38 @@ def versus(shapes: list[dict], other: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def dependent_launch_pairs(shapes: list[dict], suffix: str = "-pdl") -> str:
+    """Per shape, every candidate timed both plain and as its ``-pdl`` form (programmatic dependent launches) in the
+    same processes: both medians, both statuses and the plain / PDL ratio (above 1: PDL is faster)."""
+    lines, ratios = ["", "| shape | candidate | plain ms (status) | -pdl ms (status) | plain / pdl |",
+                     "|---|---|---|---|---|"], []
+    for s in shapes:
+        for name, dependent in s["backends"].items():
+            if not name.endswith(suffix) or name.removesuffix(suffix) not in s["backends"]:
+                continue
+            plain = s["backends"][name.removesuffix(suffix)]
+            cell = lambda b: f"{b['median_ms']:.4g} ({b['status']})" if b.get("median_ms") else b["status"]  # noqa: E731
+            both = plain.get("median_ms") and dependent.get("median_ms") and \
+                plain["status"] == dependent["status"] == PASSED
+            ratio = plain["median_ms"] / dependent["median_ms"] if both else None
+            if ratio:
+                ratios.append(ratio)
+            lines.append(f"| {s['label']} | {name.removesuffix(suffix)} | {cell(plain)} | {cell(dependent)} | "
+                         f"{f'{ratio:.3f}' if ratio else '-'} |")
+    if len(lines) == 3:
+        return ""
+    if ratios:
+        lines.append(f"\nplain / pdl, both fully passing: geomean {geometric_mean(ratios):.3f}, lowest "
+                     f"{min(ratios):.3f}, highest {max(ratios):.3f} ({len(ratios)} pair(s))")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+")
     parser.add_argument("--versus", help="also compare the fastest fully passing backend with this one, per shape")
+    parser.add_argument("--pdl", action="store_true",
+                        help="also compare each candidate with its -pdl form (dependent launches), per shape")
     parser.add_argument("--md", help="also write the table here")
     parser.add_argument("--png", help="also draw every shape's speedups per backend into one chart")
     args = parser.parse_args()
@@ -145,7 +173,8 @@ def main() -> int:
     if not shapes:
         print("no bench.json found under " + ", ".join(args.paths), file=sys.stderr)
         return 2
-    text = markdown(summarize(shapes), runs) + (versus(shapes, args.versus) if args.versus else "")
+    text = markdown(summarize(shapes), runs) + (versus(shapes, args.versus) if args.versus else "") + \
+        (dependent_launch_pairs(shapes) if args.pdl else "")
     if args.md:
         Path(args.md).write_text(text)
     if args.png:  # one chart over all runs, titled with the first run's protocol and device

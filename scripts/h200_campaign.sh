@@ -21,8 +21,9 @@
 #   prove-N.json     `kkdeploy prove` per shape: the build's proof step on its own (which kernels, which launches)
 #   custom.tgz, custom.md  the custom-shape step: builds and benches of non-official shapes with our own weights
 #   customprofile/   where the time goes on non-official shapes: the proof's records and a kernel profile per candidate
+#   pdl.tgz, pdl.md  the launch-bound shapes with and without programmatic dependent launches, one process each
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
-# attention, prove, custom, customprofile, bench, profile, customops, ortstrict, ortjudge, shape14build, layers, buildtime. A step's =SECONDS caps its wall time.
+# attention, prove, custom, customprofile, pdl, bench, profile, customops, ortstrict, ortjudge, shape14build, layers, buildtime. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -264,6 +265,23 @@ step_customprofile() {
       || echo "profile $spec: exit $?"
     grep -E "ms per call|^  [a-z]" "$OUT/customprofile/prof-$spec.txt"
   done
+}
+step_pdl() {
+  # Programmatic dependent launches (kkdeploy/kernels/dependent_launch.py) on the launch-bound shapes: each graph
+  # plain and as its "-pdl" form in one process, eager beside them, every candidate validated on every trial;
+  # weights of our own (PDL_SHAPES, PDL_PROCESSES, PDL_CANDIDATES).
+  mkdir -p "$WORK/pdl"
+  for s in ${PDL_SHAPES:-3 2 12 4 7}; do
+    w="$WORK/w-pdl-$s.safetensors"
+    python3 scripts/make_weights.py --shape "$s" --seed $((600 + s)) --out "$w" > /dev/null
+    python3 -m kkdeploy bench --shape "$s" --dtype float16 --contract strict --processes "${PDL_PROCESSES:-1}" \
+      --weights "$w" --out "$WORK/pdl/shape-$s" \
+      --candidates "${PDL_CANDIDATES:-torch-compile,torch-compile-pdl,torch-compile-faithful-gemms,torch-compile-faithful-gemms-pdl}" \
+      || echo "pdl shape $s: exit $?"
+    (cd "$WORK" && tar czf "$OUT/pdl.tgz" pdl)  # a timeout keeps what finished
+    python3 scripts/bench_summary.py "$WORK/pdl" --pdl --md "$OUT/pdl.md" > /dev/null
+  done
+  cat "$OUT/pdl.md"
 }
 step_customops() {
   # Issue 20 Part B: the CUDA kernels of the kkdeploy custom ops against ATen, op by op, every official shape

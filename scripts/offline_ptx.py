@@ -10,6 +10,7 @@ compiles for a GPU target offline, and its wheel bundles ptxas. Use the Triton t
         LN_RELOAD=1 --num-warps 8 --num-stages 3
     python3 scripts/offline_ptx.py --triton /tmp/triton36 attention BLOCK_M=64 NCACHED=4 --num-warps 4
     python3 scripts/offline_ptx.py --triton /tmp/triton36 entry D=32 BK_D=32 --num-warps 8 --num-stages 2
+    python3 scripts/offline_ptx.py --triton /tmp/triton36 linear --num-warps 8 --pdl   # the PDL form's arithmetic
 
 Constexprs not given take the defaults below (the op's launch on shape 6); ``--fp-fusion`` compiles with Triton's
 default fp contraction instead of the kernels' ``enable_fp_fusion=False``. Prints one line of counts.
@@ -34,13 +35,13 @@ KERNELS = {
                                     "stride_ob", "stride_os", "stride_mb", "stride_ms", "S", "H")},
         "scale": "fp32"},
         {"HEAD_DIM": 32, "DH_PAD": 32, "BLOCK_M": 64, "LANES": 32, "SUB": 1, "CAUSAL": 1, "HAS_MASK": 1,
-         "ACCURATE": 1, "DEBUG": 0, "ONE_PASS": 0, "NCACHED": 0, "FAST_DIV": 0}),
+         "ACCURATE": 1, "DEBUG": 0, "ONE_PASS": 0, "NCACHED": 0, "FAST_DIV": 0, "PDL": 0}),
     "linear": ("kkdeploy.kernels._fused_linear_triton", "_fused_linear_kernel", {
         **{name: "*fp16" for name in ("X", "W", "B", "R", "OUT", "LN_G", "LN_B", "OUT2")}, "MASK": "*i1",
         **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")},
         "eps": "fp32"},
         {"EPILOGUE": 3, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
-         "LN_RELOAD": 0, "A_GELU": 0, "LN_ZERO_INVALID": 0}),
+         "LN_RELOAD": 0, "A_GELU": 0, "LN_ZERO_INVALID": 0, "PDL": 0}),
     "entry": ("kkdeploy.kernels._layer_triton", "_entry_kernel", {
         **{name: "*fp16" for name in ("X", "HN", "QKV", "G", "B", "WQKV", "BQKV")}, "S": "i32", "eps": "fp32"},
         {"D": 128, "BLOCK_M": 64, "BN_QKV": 128, "BK_D": 64, "ACCURATE": 1}),
@@ -53,6 +54,8 @@ KERNELS = {
          "FAST_DIV": 1, "CAUSAL": 1, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 64, "BK_D": 64, "BK_F": 64,
          "BN_F": 128, "BN_QKV": 128, "GELU_PROLOGUE": 1, "LAST": 0, "FUSE_ATTENTION": 0}),
 }
+#: the kernels with a dependent-launch form (kkdeploy/kernels/dependent_launch.py)
+PDL_KERNELS = ("attention", "linear")
 COUNTED = {"wgmma": r"wgmma\.mma_async", "mma.sync": r"\bmma\.sync", "fma.rn": r"fma\.rn\.f32",
            "div.rn": r"div\.rn\.f32", "rsqrt": r"rsqrt\.approx", "ex2": r"ex2\.approx", "bar.sync": r"bar\.sync"}
 
@@ -65,8 +68,28 @@ def parse_constexprs(pairs: list[str], defaults: dict) -> dict:
             raise SystemExit(f"offline_ptx: {pair!r}: give NAME=VALUE with NAME one of {', '.join(defaults)}")
         values[name] = int(value)
     return {k: bool(v) if k in ("CAUSAL", "HAS_MASK", "ACCURATE", "DEBUG", "ONE_PASS", "FAST_DIV", "LN_RELOAD",
-                                "A_GELU", "LN_ZERO_INVALID", "GELU_PROLOGUE", "LAST", "FUSE_ATTENTION") else v
+                                "A_GELU", "LN_ZERO_INVALID", "GELU_PROLOGUE", "LAST", "FUSE_ATTENTION", "PDL") else v
             for k, v in values.items()}
+
+
+def compile_ptx(kernel: str, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                fp_fusion: bool = False) -> str:
+    """The PTX of one of KERNELS for sm_90a, compiled here by the Triton on ``sys.path`` (no GPU needed), with the
+    options our launchers pass (no fp contraction unless ``fp_fusion``)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, name, runtime, _ = KERNELS[kernel]
+    fn = getattr(importlib.import_module(module), name)
+    signature = {**runtime, **{k: "constexpr" for k in constexprs}}
+    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion,
+               "enable_reflect_ftz": False}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled.asm["ptx"]
 
 
 def main(argv=None) -> int:
@@ -78,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-stages", type=int, default=3)
     ap.add_argument("--fp-fusion", action="store_true", help="Triton's default fp contraction (the kernels: off)")
     ap.add_argument("--ptx", type=Path, help="also write the PTX here")
+    ap.add_argument("--pdl", action="store_true",
+                    help="also compile the dependent-launch form (PDL=1) and say whether its arithmetic is the same")
     args = ap.parse_args(argv)
     ptxas = args.triton / "triton" / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file():
@@ -85,21 +110,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     sys.path[:0] = [str(args.triton), str(REPO)]
-    import importlib
-
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    module, name, runtime, defaults = KERNELS[args.kernel]
-    fn = getattr(importlib.import_module(module), name)
-    constexprs = parse_constexprs(args.constexprs, defaults)
-    signature = {**runtime, **{k: "constexpr" for k in constexprs}}
-    options = {"num_warps": args.num_warps, "num_stages": args.num_stages, "enable_fp_fusion": args.fp_fusion,
-               "enable_reflect_ftz": False}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
-    ptx = compiled.asm["ptx"]
+    constexprs = parse_constexprs(args.constexprs, KERNELS[args.kernel][3])
+    ptx = compile_ptx(args.kernel, constexprs, args.num_warps, args.num_stages, args.fp_fusion)
     if args.ptx:
         args.ptx.write_text(ptx)
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,6 +128,14 @@ def main(argv=None) -> int:
           f"{' fp-fusion' if args.fp_fusion else ''}: registers {registers.group(1) if registers else '?'}, "
           f"spill stores/loads {spills.group(1) if spills else '?'}/{spills.group(2) if spills else '?'} bytes; "
           f"{counts}")
+    if args.pdl and args.kernel in PDL_KERNELS:
+        from kkdeploy.kernels.dependent_launch import ptx_difference
+
+        differences = ptx_difference(ptx, compile_ptx(args.kernel, {**constexprs, "PDL": True}, args.num_warps,
+                                                      args.num_stages, args.fp_fusion))
+        print("PDL form: " + ("the same instructions and arithmetic, plus griddepcontrol.wait/launch_dependents"
+                              if not differences else "differs: " + "; ".join(differences[:5])))
+        return 1 if differences else (0 if run.returncode == 0 else 1)
     return 0 if run.returncode == 0 else 1
 
 

@@ -33,6 +33,7 @@ import triton.language as tl
 from kkdeploy.errors import KKError
 
 from .faithful_attention import check_attention_inputs, fp32_scale, persistent_softmax_layout
+from .dependent_launch import launch_options
 from .precompile import launch as launch_kernel  # compile-only inside precompile.parallel_compiles
 
 try:  # the CUDA libdevice wrappers (absent or unusable under the interpreter)
@@ -171,7 +172,11 @@ def _faithful_attention_kernel(
     LANES: tl.constexpr, SUB: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
     ONE_PASS: tl.constexpr = False, NCACHED: tl.constexpr = 0, FAST_DIV: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -373,6 +378,7 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         launch["num_stages"] = num_stages
     if not INTERPRET:
         launch.update(COMPILE_FLAGS)
+        launch.update(launch_options())  # inside dependent_launches(True): PDL
         if libdevice:
             launch["extern_libs"] = {"libdevice": libdevice}
     launch_kernel(_faithful_attention_kernel, grid,

@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra import libdevice as _libdevice
 
 from .fused_linear import LN_WIDTHS  # the LayerNorm epilogue's row widths
+from .dependent_launch import launch_options
 from .precompile import launch as launch_kernel  # compile-only inside precompile.parallel_compiles
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -163,8 +164,11 @@ def _fused_linear_kernel(
     EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LN_G=None, LN_B=None, OUT2=None, eps=0.0, LN_RELOAD: tl.constexpr = False, A_GELU: tl.constexpr = False,
-    LN_ZERO_INVALID: tl.constexpr = False,
+    LN_ZERO_INVALID: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -263,6 +267,7 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
     flags = {key: config.pop(key, value) for key, value in COMPILE_FLAGS.items()}
     if not INTERPRET:
         launch.update(flags)
+        launch.update(launch_options())  # inside dependent_launches(True): PDL
     extra, normed = {}, None
     if layer_norm is not None:
         ln_weight, ln_bias, eps = layer_norm

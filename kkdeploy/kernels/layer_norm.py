@@ -34,6 +34,7 @@ import torch
 from kkdeploy.errors import KKError
 
 from .cuda_build import load_problem
+from .dependent_launch import enabled as dependent_launch_enabled
 from .paths import KernelPath, path_from_proof
 from .proof import ProofCache, ProofCase, ProofRecord, kernel_environment, lookup_proof, prove_launches, remember_proof
 
@@ -254,7 +255,7 @@ def _load(device: str):
     lib = ctypes.CDLL(str(build_kernel_library("kkdeploy_layer_norm", [SOURCE, HEADER], device)))
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     lib.kk_layer_norm_last_error.restype = ctypes.c_char_p
-    lib.kk_layer_norm_rows_f16.argtypes = [vp, vp, vp, vp, i64, i64, ctypes.c_float, ctypes.c_int, vp]
+    lib.kk_layer_norm_rows_f16.argtypes = [vp, vp, vp, vp, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, vp]
     return lib
 
 
@@ -273,7 +274,7 @@ def layer_norm_rows_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     lib = _load(str(x.device))
     rc = lib.kk_layer_norm_rows_f16(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),
                                     x.numel() // x.shape[-1], x.shape[-1], float(eps), int(rows_per_warp),
-                                    torch.cuda.current_stream(x.device).cuda_stream)
+                                    int(dependent_launch_enabled()), torch.cuda.current_stream(x.device).cuda_stream)
     if rc != 0:
         raise KKError(lib.kk_layer_norm_last_error().decode())
     return out

@@ -127,8 +127,12 @@ MIXED_CANDIDATES = {"cpu": ["mixed", "mixed-sdpa", "fused-mixed", "fused-half-ge
 FUSED_CANDIDATES = {"cpu": ["fused", "fused-half-gemm"],
                     "cuda": ["torch-compile-fused", "torch-compile-fused-half-gemm"]}
 ALL_MIXED = MIXED_CANDIDATES["cpu"] + MIXED_CANDIDATES["cuda"] + FUSED_CANDIDATES["cpu"] + FUSED_CANDIDATES["cuda"]
-COMPILED = COMPILE_CANDIDATES + [n for n in ALL_MIXED if n.startswith("torch-compile-")]  # opt-in on the CPU
-BENCH_CANDIDATES = ["optimized-sdpa0", "optimized-sdpa1"] + GRAPH_CANDIDATES + COMPILE_CANDIDATES + ALL_MIXED
+# The same graphs with programmatic dependent launches (kkdeploy/kernels/dependent_launch.py; Hopper and later):
+# opt-in, to be timed beside the plain form in one process.
+PDL_CANDIDATES = [f"{name}-pdl" for name in COMPILE_CANDIDATES if name != "torch-compile-sdpa1"]
+COMPILED = COMPILE_CANDIDATES + PDL_CANDIDATES + [n for n in ALL_MIXED if n.startswith("torch-compile-")]  # opt-in on the CPU
+BENCH_CANDIDATES = (["optimized-sdpa0", "optimized-sdpa1"] + GRAPH_CANDIDATES + COMPILE_CANDIDATES + PDL_CANDIDATES
+                    + ALL_MIXED)
 
 
 def default_candidates(device: torch.device, dtype: torch.dtype, contract: str) -> list[str]:
@@ -178,14 +182,20 @@ def make_candidate(name: str, reference, config: TransformerConfig, dtype: torch
             variant, config, dtype, device, reference.state_dict())
         return CudaGraphRunner(model, config, dtype, device, all_valid_only=variant["all_valid_only"]), \
             variant["all_valid_only"]
-    if name in COMPILE_CANDIDATES:
+    if name in COMPILE_CANDIDATES or name in PDL_CANDIDATES:
         from engines.base import CandidateSkipped
         from engines.torch_compile import (BACKEND, CompiledRunner, kernel_kinds, kernel_paths_record,
-                                           prove_candidate_kernels)
+                                           prove_candidate_kernels, uses_dependent_launch)
 
         reason = BACKEND.unavailable_reason(device, dtype)
         if reason:
             raise KKError(reason)
+        if uses_dependent_launch(name):
+            from kkdeploy.kernels.dependent_launch import refusal
+
+            why = refusal(device)
+            if why:
+                raise KKError(f"skipped: {why}")
         if kernel_kinds(name):  # the build's proof step: our kernels run only where proven here
             try:
                 proofs = prove_candidate_kernels(name, reference, config, dtype, device)

@@ -30,13 +30,25 @@ constexpr int kRowsPerBlock = 8;  // 256 threads: 8 rows
 
 thread_local std::string g_error;
 
+// Programmatic dependent launch (kkdeploy/kernels/dependent_launch.py): wait until every earlier kernel's writes are
+// visible, then let the next kernel start. Only the kPdl instantiations have it; the plain ones are the proven code.
+template <bool kPdl>
+__device__ __forceinline__ void dependent_launch_entry() {
+  if constexpr (kPdl) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+}
+
 struct alignas(8) Half4 {
   __half v[4];
 };
 
+template <bool kPdl>
 __global__ void layer_norm_rows_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                            const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
                                            int N, float eps) {
+  dependent_launch_entry<kPdl>();
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
   if (row >= M) return;  // the whole warp leaves together: the shuffles below see full warps
   const int lane = threadIdx.x % kWarp;
@@ -106,9 +118,11 @@ __device__ __forceinline__ void write_vector(const Half4 data, const __half* gam
 // shuffle step (offset 16: lane t merges lane t + 16) is a merge inside the lane, and the offsets 8..1 are
 // shuffles within the half. Every merge ATen's lane 0 depends on happens with the same operands in the same order;
 // half the instructions per row. Each launch runs where the build proved it bit-identical (layer_norm.prove_layer_norm).
+template <bool kPdl>
 __global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                             const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
                                             int N, float eps) {
+  dependent_launch_entry<kPdl>();
   constexpr int kHalf = kWarp / 2;
   const int64_t warp_row = (static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp) * 2;
   if (warp_row >= M) return;  // both rows of this warp are past the end: the whole warp leaves together
@@ -159,9 +173,11 @@ __device__ __forceinline__ int64_t warp_row() {
   return static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
 }
 
+template <bool kPdl>
 __global__ void layer_norm_block4_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                              const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
                                              int N, float eps) {
+  dependent_launch_entry<kPdl>();
   const int64_t row = warp_row();
   if (row >= M) return;  // the whole warp leaves together: its shuffles see full warps
   const int vectors = N / 4, lane = threadIdx.x % kWarp;
@@ -200,10 +216,12 @@ __attribute__((visibility("default"))) const char* kk_layer_norm_last_error(void
 // Returns 0, or 1 with kk_layer_norm_last_error().
 // rows_per_warp 1: layer_norm_rows_f16_kernel; 2: layer_norm_rows2_f16_kernel (N <= 128 for both);
 // 4: layer_norm_block4_f16_kernel (one row per warp playing ATen's 4 warps; N <= 2^24, ATen's vector-path limit).
-// Each launch runs only where the build proved it bit-identical.
+// Each launch runs only where the build proved it bit-identical. pdl 1: a programmatic dependent launch (the same
+// arithmetic, plus griddepcontrol.wait and launch_dependents at the kernel's start).
 __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x, const void* weight,
                                                                   const void* bias, void* y, int64_t M, int64_t N,
-                                                                  float eps, int rows_per_warp, void* stream) {
+                                                                  float eps, int rows_per_warp, int pdl,
+                                                                  void* stream) {
   if (M <= 0) return 0;
   if (rows_per_warp == 4) {
     if (N <= 0 || N > (1LL << 24) || N % 4 != 0) {
@@ -229,13 +247,34 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
     g_error = "kk_layer_norm_rows_f16: too many rows";
     return 1;
   }
-  auto kernel = rows_per_warp == 1   ? layer_norm_rows_f16_kernel
-                : rows_per_warp == 2 ? layer_norm_rows2_f16_kernel
-                                     : layer_norm_block4_f16_kernel;
-  kernel<<<static_cast<unsigned>(blocks), kRowsPerBlock * kWarp, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const __half*>(x), static_cast<const __half*>(weight), static_cast<const __half*>(bias),
-      static_cast<__half*>(y), M, static_cast<int>(N), eps);
-  const cudaError_t err = cudaGetLastError();
+  using Kernel = void (*)(const __half*, const __half*, const __half*, __half*, int64_t, int, float);
+  const Kernel kernel = rows_per_warp == 1 ? (pdl ? layer_norm_rows_f16_kernel<true> : layer_norm_rows_f16_kernel<false>)
+                        : rows_per_warp == 2
+                            ? (pdl ? layer_norm_rows2_f16_kernel<true> : layer_norm_rows2_f16_kernel<false>)
+                            : (pdl ? layer_norm_block4_f16_kernel<true> : layer_norm_block4_f16_kernel<false>);
+  const auto* xh = static_cast<const __half*>(x);
+  const auto* wh = static_cast<const __half*>(weight);
+  const auto* bh = static_cast<const __half*>(bias);
+  auto* yh = static_cast<__half*>(y);
+  const int n = static_cast<int>(N);
+  cudaError_t err;
+  if (pdl) {
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(blocks));
+    config.blockDim = dim3(kRowsPerBlock * kWarp);
+    config.dynamicSmemBytes = 0;
+    config.stream = static_cast<cudaStream_t>(stream);
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    err = cudaLaunchKernelEx(&config, kernel, xh, wh, bh, yh, M, n, eps);
+  } else {
+    kernel<<<static_cast<unsigned>(blocks), kRowsPerBlock * kWarp, 0, static_cast<cudaStream_t>(stream)>>>(
+        xh, wh, bh, yh, M, n, eps);
+    err = cudaGetLastError();
+  }
   if (err != cudaSuccess) {
     g_error = std::string("layer_norm_rows_f16_kernel: ") + cudaGetErrorString(err);
     return 1;
