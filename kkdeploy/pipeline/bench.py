@@ -129,7 +129,7 @@ FUSED_CANDIDATES = {"cpu": ["fused", "fused-half-gemm"],
 ALL_MIXED = MIXED_CANDIDATES["cpu"] + MIXED_CANDIDATES["cuda"] + FUSED_CANDIDATES["cpu"] + FUSED_CANDIDATES["cuda"]
 # The same graphs with programmatic dependent launches (kkdeploy/kernels/dependent_launch.py; Hopper and later):
 # opt-in, to be timed beside the plain form in one process.
-PDL_CANDIDATES = [f"{name}-pdl" for name in COMPILE_CANDIDATES if name != "torch-compile-sdpa1"]
+PDL_CANDIDATES = [f"{name}-pdl" for name in COMPILE_CANDIDATES]
 COMPILED = COMPILE_CANDIDATES + PDL_CANDIDATES + [n for n in ALL_MIXED if n.startswith("torch-compile-")]  # opt-in on the CPU
 BENCH_CANDIDATES = (["optimized-sdpa0", "optimized-sdpa1"] + GRAPH_CANDIDATES + COMPILE_CANDIDATES + PDL_CANDIDATES
                     + ALL_MIXED)
