@@ -438,3 +438,57 @@ def test_the_offline_compile_script_knows_every_kernel_argument():
         tree = ast.parse((repo / (module.replace(".", "/") + ".py")).read_text())
         fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
         assert sorted(a.arg for a in fn.args.args) == sorted([*runtime, *constexprs]), name
+
+
+def test_the_gelu_launches_link_cuda_libdevice_and_prove_with_it(monkeypatch, tmp_path):
+    """ATen's GELU is CUDA's ``erff``: the launches with a GELU part (epilogue or prologue) link CUDA's libdevice for
+    themselves only, and the file is part of the GEMM proofs' environment key, so a proof made with another libdevice
+    is not taken for one made with it."""
+    from kkdeploy.kernels import _fused_linear_triton as kernel
+    from kkdeploy.kernels import fused_linear, libdevice
+
+    launches: list[dict] = []
+    monkeypatch.setattr(kernel, "INTERPRET", False)
+    monkeypatch.setattr(kernel, "launch_kernel", lambda fn, grid, *args, **kwargs: launches.append(kwargs))
+    bc = tmp_path / "libdevice.10.bc"
+    bc.write_bytes(b"CUDA libdevice")
+    monkeypatch.setenv(libdevice.LIBDEVICE_ENV, str(bc))
+    x, w, b = torch.zeros(64, 32, dtype=torch.float16), torch.zeros(32, 32, dtype=torch.float16), torch.zeros(32)
+    kernel.triton_linear(x, w, b)
+    kernel.triton_linear(x, w, b, epilogue="gelu")
+    kernel.triton_linear(x, w, b, torch.zeros(64, 32, dtype=torch.float16), None, "masked_sum", prologue="gelu")
+    assert "extern_libs" not in launches[0]
+    assert launches[1]["extern_libs"] == {"libdevice": str(bc)} == launches[2]["extern_libs"]
+
+    with_file = fused_linear.proof_environment("cpu")
+    other = tmp_path / "other.bc"
+    other.write_bytes(b"another libdevice")
+    monkeypatch.setenv(libdevice.LIBDEVICE_ENV, str(other))
+    assert fused_linear.proof_environment("cpu") != with_file
+
+
+def test_a_build_proves_ffn_in_with_its_gelu_and_the_plan_takes_it_where_proven(monkeypatch, proof_sandbox):
+    """The proof step's GELU-epilogue launch (one kernel instead of the GEMM and ATen's GELU): timed against both of
+    those, and fused into the block where its proof found a tile bit-identical and faster."""
+    from kkdeploy.kernels import model_proofs
+
+    config = TransformerConfig(batch_size=4, seq_len=32, d_model=32, num_heads=2, ffn_dim=64, num_layers=1)
+    m = 4 * 32
+    assert fb.gelu_launches(config) == {"ffn_in_gelu": (m, 64, 32, "gelu")}
+    assert ("linear", "ffn_in_gelu", fl.proof_shape(m, 64, 32, "gelu")) in \
+        model_proofs.kernel_op_shapes(config, ["linear"])
+    torch.manual_seed(3)
+    x, w, b = torch.randn(m, 32), torch.randn(64, 32), torch.randn(64)
+    (y,) = fl.compiled_baseline(x, [w], [b], epilogue="gelu")()
+    assert torch.equal(y, F.gelu(F.linear(x, w, b), approximate="none"))  # the two launches the fused one replaces
+    w2, b2 = torch.randn(16, 32), torch.randn(16)
+    (z,) = fl.compiled_baseline(x, [w2], [b2], prologue="gelu")()
+    assert torch.equal(z, F.linear(F.gelu(x, approximate="none"), w2, b2))
+
+    monkeypatch.setattr(fl, "triton_available", lambda: True)
+    cuda = torch.device("cuda")
+    _remember_linear(proof_sandbox, m, 64, 32, "none", chosen="m64")
+    assert fb.block_plan(config, torch.float16, cuda)["gelu"] is False  # the GELU form not proven here
+    _remember_linear(proof_sandbox, m, 64, 32, "gelu", chosen="m64", ms=0.004, aten_ms=0.007)
+    plan = fb.block_plan(config, torch.float16, cuda)
+    assert plan["gelu"] and not plan["gelu_prologue"]

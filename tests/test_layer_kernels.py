@@ -83,19 +83,23 @@ def test_cpu_and_unknown_forms_are_one_line_errors(monkeypatch):
 
 
 def test_cuda_libdevice_lookup(monkeypatch, tmp_path):
+    from kkdeploy.kernels import libdevice
+
     path = tmp_path / "libdevice.10.bc"
     path.write_bytes(b"BC")
-    monkeypatch.setenv(lk.LIBDEVICE_ENV, str(path))
-    assert lk.cuda_libdevice() == str(path)
-    monkeypatch.setenv(lk.LIBDEVICE_ENV, str(tmp_path / "missing.bc"))
+    monkeypatch.setenv(libdevice.LIBDEVICE_ENV, str(path))
+    assert libdevice.cuda_libdevice() == str(path)
+    assert libdevice.gelu_libdevice() == str(path) and libdevice.libdevice_sources() == (path,)
+    monkeypatch.setenv(libdevice.LIBDEVICE_ENV, str(tmp_path / "missing.bc"))
     with pytest.raises(KKError, match="no such file"):
-        lk.cuda_libdevice()
-    monkeypatch.delenv(lk.LIBDEVICE_ENV)
+        libdevice.cuda_libdevice()
+    monkeypatch.delenv(libdevice.LIBDEVICE_ENV)
     root = tmp_path / "cuda"
     (root / "nvvm" / "libdevice").mkdir(parents=True)
     (root / "nvvm" / "libdevice" / "libdevice.10.bc").write_bytes(b"BC")
     monkeypatch.setenv("CUDA_HOME", str(root))
-    assert lk.cuda_libdevice() == str(root / "nvvm" / "libdevice" / "libdevice.10.bc")
+    assert libdevice.cuda_libdevice() == str(root / "nvvm" / "libdevice" / "libdevice.10.bc")
+    assert lk.cuda_libdevice is libdevice.cuda_libdevice  # the layer launches link the same file
 
 
 def test_launch_names_say_what_runs():

@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - older layouts
 
 from .fused_linear import LN_WIDTHS  # the LayerNorm epilogue's row widths
 from .dependent_launch import launch_options
+from .libdevice import gelu_libdevice
 from .precompile import launch as launch_kernel  # compile-only inside precompile.parallel_compiles
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -268,6 +269,10 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
     if not INTERPRET:
         launch.update(flags)
         launch.update(launch_options())  # inside dependent_launches(True): PDL
+        if code == EPILOGUE_CODES["gelu"] or config.get("A_GELU"):
+            libdevice = gelu_libdevice()  # ATen's erff: CUDA's libdevice, for this launch only
+            if libdevice:
+                launch["extern_libs"] = {"libdevice": libdevice}
     extra, normed = {}, None
     if layer_norm is not None:
         ln_weight, ln_bias, eps = layer_norm

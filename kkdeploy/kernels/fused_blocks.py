@@ -34,6 +34,14 @@ def layer_norm_launches(config) -> dict[str, tuple[int, int, int, str]]:
     return {"out_proj_ln": (m, d, d, "add_masked+layer_norm"), "ffn_out_ln": (m, d, f, "masked_sum+layer_norm")}
 
 
+def gelu_launches(config) -> dict[str, tuple[int, int, int, str]]:
+    """ffn_in with the GELU in its epilogue: one launch instead of the GEMM and ATen's GELU (one kernel fewer per block,
+    which the launch-bound shapes feel). Bit-identical only with CUDA's libdevice (``kkdeploy.kernels.libdevice``);
+    its proof says whether it is, and whether it is faster than the two launches it replaces."""
+    m, d, f = config.batch_size * config.seq_len, config.d_model, config.ffn_dim
+    return {"ffn_in_gelu": (m, f, d, "gelu")}
+
+
 def layer_norm_epilogues_pay(config, dtype: torch.dtype, device) -> bool:
     """Whether the LayerNorm epilogues are proven here and faster than what they replace: per block, two residual
     launches plus two LayerNorms (our rows kernel where proven, else ATen's), by the proofs' own timings."""

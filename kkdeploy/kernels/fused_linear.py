@@ -90,8 +90,11 @@ def proof_shape(m: int, n: int, k: int, form: str) -> dict:
 
 
 def proof_environment(device: torch.device | str) -> dict:
-    """The environment key of the kernel's proofs (device, torch, CUDA, Triton, the kernel's source)."""
-    return kernel_environment(device, OP, SOURCES)
+    """The environment key of the kernel's proofs (device, torch, CUDA, Triton, the kernel's source, and the CUDA
+    libdevice its GELU launches link: ``kkdeploy.kernels.libdevice``)."""
+    from .libdevice import libdevice_sources
+
+    return kernel_environment(device, OP, SOURCES + libdevice_sources())
 
 
 def kernel_refusal(dtype: torch.dtype, device) -> Optional[str]:
@@ -329,12 +332,17 @@ def fused_linear(x, weights, biases, residual=None, mask=None, epilogue: str = "
 
 
 # -- the proof ------------------------------------------------------------------------------------------------
-def compiled_baseline(x, weights, biases, residual=None, epilogue: str = "none", layer_norm=None):
-    """What the faithful compiled graph runs instead of one launch, for timing: cuBLAS's GEMMs one by one (no
-    concatenation: the graph keeps Q, K and V apart), then one elementwise pass where Inductor fuses the residual
-    and mask (an add stands for it), then ATen's LayerNorm where the launch has that epilogue."""
+def compiled_baseline(x, weights, biases, residual=None, epilogue: str = "none", layer_norm=None,
+                      prologue: str = "none"):
+    """What the faithful compiled graph runs instead of one launch, for timing: ATen's GELU first where the launch has
+    the GELU prologue, cuBLAS's GEMMs one by one (no concatenation: the graph keeps Q, K and V apart), then ATen's
+    GELU where the launch has the GELU epilogue, or one elementwise pass where Inductor fuses the residual and mask
+    (an add stands for it), then ATen's LayerNorm where the launch has that epilogue."""
     def run():
-        ys = [F.linear(x, w, b) for w, b in zip(weights, biases)]
+        source = F.gelu(x, approximate="none") if prologue == "gelu" else x
+        ys = [F.linear(source, w, b) for w, b in zip(weights, biases)]
+        if epilogue == "gelu":
+            ys = [F.gelu(ys[0], approximate="none")]
         if epilogue in ("add_masked", "masked_sum") and residual is not None:
             ys = [torch.add(ys[0], residual)]
         if layer_norm is not None:
@@ -352,7 +360,7 @@ def linear_case(label: str, x, weights, biases, residual=None, mask=None, epilog
     weights, biases = list(weights), list(biases)
     return ProofCase(label, lambda: reference_linear(x, weights, biases, residual, mask, epilogue, prologue),
                      lambda launch: run_launch(x, weights, biases, residual, mask, epilogue, prologue, launch),
-                     compiled_baseline(x, weights, biases, residual, epilogue))
+                     compiled_baseline(x, weights, biases, residual, epilogue, prologue=prologue))
 
 
 def linear_layer_norm_case(label: str, x, weight, bias, residual, mask, ln_weight, ln_bias, eps: float,
@@ -367,7 +375,7 @@ def linear_layer_norm_case(label: str, x, weight, bias, residual, mask, ln_weigh
                                                  prologue, zero_invalid, launch))
 
     return ProofCase(label, reference, run,
-                     compiled_baseline(x, [weight], [bias], residual, epilogue, (ln_weight, ln_bias, eps)))
+                     compiled_baseline(x, [weight], [bias], residual, epilogue, (ln_weight, ln_bias, eps), prologue))
 
 
 def prove_linear(device: torch.device | str, cases: list[ProofCase], m: int, n: int, k: int, form_: str, *,

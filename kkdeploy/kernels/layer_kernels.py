@@ -30,6 +30,7 @@ from kkdeploy.errors import KKError
 from kkdeploy.models.reference import zero_invalid_rows
 
 from .fused_linear import LN_WIDTHS, packed
+from .libdevice import LIBDEVICE_ENV, cuda_libdevice  # noqa: F401  (the layer launches link it; re-exported)
 from .paths import triton_available
 from .proof import differing_elements
 
@@ -62,29 +63,6 @@ def refusal(config, dtype: torch.dtype, device) -> Optional[str]:
         return f"ffn_dim = {config.ffn_dim}: a multiple of 16 is needed (tl.dot's K)"
     if not triton_available():
         return "triton is not importable"
-    return None
-
-
-#: where CUDA's own libdevice may be (the one ATen's ``erff`` and ``expf`` were compiled from); Triton links its own
-#: copy by default, and the two differ in ``erff`` on 151 float16 inputs (docs/fused-linear.md)
-LIBDEVICE_ENV = "KKDEPLOY_CUDA_LIBDEVICE"
-
-
-def cuda_libdevice() -> Optional[str]:
-    """The path of CUDA's libdevice.10.bc here ($KKDEPLOY_CUDA_LIBDEVICE, $CUDA_HOME, /usr/local/cuda*), or None."""
-    import glob
-
-    env = os.environ.get(LIBDEVICE_ENV)
-    if env:
-        if not os.path.isfile(env):
-            raise KKError(f"{LIBDEVICE_ENV}={env}: no such file (point it at CUDA's nvvm/libdevice/libdevice.10.bc)")
-        return env
-    roots = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
-    roots += sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
-    for root in filter(None, roots):
-        path = os.path.join(root, "nvvm", "libdevice", "libdevice.10.bc")
-        if os.path.isfile(path):
-            return path
     return None
 
 

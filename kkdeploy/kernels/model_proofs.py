@@ -213,15 +213,16 @@ class _Cases:
         if name == "out_proj":
             return fused_linear.linear_case(label, inputs(layer.context), [attention.out_proj.weight],
                                             [attention.out_proj.bias], inputs(layer.x), mask, "add_masked")
-        if name == "ffn_in":
-            return fused_linear.linear_case(label, inputs(layer.h2), [block.ffn_in.weight], [block.ffn_in.bias])
+        if name in ("ffn_in", "ffn_in_gelu"):
+            return fused_linear.linear_case(label, inputs(layer.h2), [block.ffn_in.weight], [block.ffn_in.bias],
+                                            epilogue="gelu" if name == "ffn_in_gelu" else "none")
         return fused_linear.linear_case(label, inputs(layer.g), [block.ffn_out.weight], [block.ffn_out.bias],
                                         inputs(layer.mid), mask, "masked_sum")
 
 
 def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str]) -> list[tuple[str, str, dict]]:
     """(kind, name, op shape) of every kernel op of ``kinds`` in a model of ``config``."""
-    from .fused_blocks import layer_norm_launches, linear_launches
+    from .fused_blocks import gelu_launches, layer_norm_launches, linear_launches
 
     b, s, d, h = config.batch_size, config.seq_len, config.d_model, config.num_heads
     shapes = []
@@ -230,7 +231,7 @@ def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str]) -> list[tu
     if "layer_norm" in kinds:
         shapes.append(("layer_norm", "layer_norm", layer_norm.proof_shape(b * s, d)))
     if "linear" in kinds:
-        launches = {**linear_launches(config), **layer_norm_launches(config)}
+        launches = {**linear_launches(config), **gelu_launches(config), **layer_norm_launches(config)}
         for name, (m, n, k, form) in launches.items():
             shapes.append(("linear", name, fused_linear.proof_shape(m, n, k, form)))
     return shapes
