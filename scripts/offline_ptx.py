@@ -42,6 +42,11 @@ KERNELS = {
         "eps": "fp32"},
         {"EPILOGUE": 3, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
          "LN_RELOAD": 0, "A_GELU": 0, "LN_ZERO_INVALID": 0, "PDL": 0}),
+    "linear_tma": ("kkdeploy.kernels._fused_linear_triton", "_fused_linear_tma_kernel", {
+        "XD": "tensordesc<fp16[128, 64]>", "WD": "tensordesc<fp16[128, 64]>", "B": "*fp16", "R": "*fp16",
+        "MASK": "*i1", "OUT": "*fp16", **{name: "i32" for name in ("M", "N", "K", "stride_rm", "stride_om")}},
+        {"EPILOGUE": 3, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "A_GELU": 0,
+         "PDL": 0}),
     "entry": ("kkdeploy.kernels._layer_triton", "_entry_kernel", {
         **{name: "*fp16" for name in ("X", "HN", "QKV", "G", "B", "WQKV", "BQKV")}, "S": "i32", "eps": "fp32"},
         {"D": 128, "BLOCK_M": 64, "BN_QKV": 128, "BK_D": 64, "ACCURATE": 1}),
@@ -55,7 +60,7 @@ KERNELS = {
          "BN_F": 128, "BN_QKV": 128, "GELU_PROLOGUE": 1, "LAST": 0, "FUSE_ATTENTION": 0}),
 }
 #: the kernels with a dependent-launch form (kkdeploy/kernels/dependent_launch.py)
-PDL_KERNELS = ("attention", "linear")
+PDL_KERNELS = ("attention", "linear", "linear_tma")
 COUNTED = {"wgmma": r"wgmma\.mma_async", "mma.sync": r"\bmma\.sync", "fma.rn": r"fma\.rn\.f32",
            "div.rn": r"div\.rn\.f32", "rsqrt": r"rsqrt\.approx", "ex2": r"ex2\.approx", "bar.sync": r"bar\.sync"}
 

@@ -130,9 +130,10 @@ def test_the_plan_follows_the_proofs_made_here(monkeypatch, proof_sandbox):
 
 
 def test_the_tiles_a_build_proves():
-    assert fl.proof_launches(128) == ["auto", "m64", "n64"]
-    assert fl.proof_launches(384) == ["auto", "m64", "n64", "n256"]
-    assert fl.proof_launches(32) == ["auto", "m64"]
+    assert fl.proof_launches(128, k=128) == ["auto", "m64", "n64", "tma"]
+    assert fl.proof_launches(384, k=768) == ["auto", "m64", "n64", "n256", "tma", "tma_n256"]
+    assert fl.proof_launches(32, k=32) == ["auto", "m64", "tma"]
+    assert fl.proof_launches(128, k=36) == ["auto", "m64", "n64"]  # rows of 72 bytes: no TMA
     assert fl.proof_launches(128, layer_norm=True) == ["auto"]
     assert fl.tile_config("n64", 128, 128) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
     with pytest.raises(KKError, match="unknown GEMM tile 'm32'"):
@@ -492,3 +493,72 @@ def test_a_build_proves_ffn_in_with_its_gelu_and_the_plan_takes_it_where_proven(
     _remember_linear(proof_sandbox, m, 64, 32, "gelu", chosen="m64", ms=0.004, aten_ms=0.007)
     plan = fb.block_plan(config, torch.float16, cuda)
     assert plan["gelu"] and not plan["gelu_prologue"]
+
+
+TMA_SCRIPT = """
+import json, torch
+from kkdeploy.kernels._fused_linear_triton import triton_linear
+from kkdeploy.kernels.fused_linear import TILES
+results = []
+g = torch.Generator().manual_seed(11)
+# M, N, K: tails in every dimension (rows past M, a K past the last full BLOCK_K, N under BLOCK_N)
+for m, n, k, epilogue, prologue in ((100, 48, 40, "none", "none"), (130, 96, 64, "add_masked", "none"),
+                                    (64, 32, 136, "masked_sum", "gelu"), (70, 40, 32, "gelu", "none")):
+    x = (torch.randn(m, k, generator=g) * 2).half()
+    w, b = (torch.randn(n, k, generator=g) / 4).half(), torch.randn(n, generator=g).half()
+    r = torch.randn(m, n, generator=g).half()
+    mask = torch.rand(m, generator=g) > 0.3
+    residual = r if epilogue in ("add_masked", "masked_sum") else None
+    keep = mask if residual is not None else None
+    for tile in ("tma", "tma_n256"):
+        config = dict(TILES[tile], BLOCK_K=32) if k > 64 else dict(TILES[tile])
+        got = triton_linear(x, w, b, residual, keep, epilogue, prologue, **config)
+        plain = {key: v for key, v in config.items() if key != "TMA"}
+        want = triton_linear(x, w, b, residual, keep, epilogue, prologue, **plain)
+        results.append({"case": [m, n, k, epilogue, prologue, tile],
+                        "differing": int((got.view(torch.int16) != want.view(torch.int16)).sum())})
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_the_tma_tile_computes_what_the_pointer_tile_of_its_size_computes():
+    """Under the interpreter: the TMA tile against the pointer-load tile of the same sizes, bit for bit, with rows,
+    columns and a K step past the ends (TMA's zero fill against the masked loads' ``other``), every epilogue and
+    the GELU prologue."""
+    results = run_interpreter_script(TMA_SCRIPT)
+    assert len(results) == 8
+    assert all(r["differing"] == 0 for r in results), results
+
+
+def test_the_tma_tile_has_the_pointer_tiles_arithmetic_on_sm90():
+    """Compiled here for sm_90a (Triton 3.6.0, as on the H200): the operands arrive by TMA, and the tile issues the
+    pointer-load tile's wgmma instructions and floating-point arithmetic, in its order."""
+    pytest.importorskip("triton")
+    import re
+
+    from kkdeploy.kernels.dependent_launch import _FLOAT, opcodes
+
+    script = load_script("offline_ptx")
+    values = {**script.KERNELS["linear"][3], "EPILOGUE": 3, "HAS_MASK": True}
+    tma_values = {key: values[key] for key in script.KERNELS["linear_tma"][3]}
+    plain = script.compile_ptx("linear", values, 8, 4)
+    tma = script.compile_ptx("linear_tma", tma_values, 8, 4)
+    assert re.findall(r"cp\.async\.bulk\.tensor", tma) and not re.findall(r"cp\.async\.bulk\.tensor", plain)
+    shapes = lambda ptx: sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx)))  # noqa: E731
+    assert shapes(tma) == shapes(plain) == ["wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16"]
+    arithmetic = lambda ptx: [op for op in opcodes(ptx) if _FLOAT.search(op) and "wait_group" not in op]  # noqa: E731
+    assert arithmetic(tma) == arithmetic(plain)
+
+
+def test_tma_descriptors_copy_an_unaligned_view_and_refuse_a_stride_tma_cannot_read():
+    pytest.importorskip("triton")
+    from kkdeploy.kernels._fused_linear_triton import tma_descriptors
+
+    base = torch.zeros(4 * 64 + 1, dtype=torch.float16)
+    x = base[1:].view(4, 64)  # 2 bytes past an aligned base
+    w = torch.zeros(32, 64, dtype=torch.float16)
+    xd, wd = tma_descriptors(x, w, 64, 32, 64)
+    assert xd.base.data_ptr() % 16 == 0 and torch.equal(xd.base, x) and xd.base.data_ptr() != x.data_ptr()
+    assert wd.base is w and wd.block_shape == [32, 64]
+    with pytest.raises(ValueError, match="multiple of 8 float16 values, not 36"):
+        tma_descriptors(torch.zeros(4, 36, dtype=torch.float16), torch.zeros(8, 36, dtype=torch.float16), 64, 8, 32)

@@ -39,7 +39,7 @@ try:  # the CUDA libdevice wrappers (absent or unusable under the interpreter)
 except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra import libdevice as _libdevice
 
-from .fused_linear import LN_WIDTHS  # the LayerNorm epilogue's row widths
+from .fused_linear import LN_WIDTHS, TMA_ALIGNMENT, tma_fits  # the LayerNorm epilogue's row widths; TMA's needs
 from .dependent_launch import launch_options
 from .libdevice import gelu_libdevice
 from .precompile import launch as launch_kernel  # compile-only inside precompile.parallel_compiles
@@ -180,6 +180,40 @@ def _fused_linear_kernel(
 
 
 @triton.jit
+def _fused_linear_tma_kernel(
+    XD, WD, B, R, MASK, OUT,
+    M, N, K,
+    stride_rm, stride_om,
+    EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A_GELU: tl.constexpr = False, PDL: tl.constexpr = False,
+):
+    """``_fused_linear_kernel``'s tile with its operands brought in by Hopper's tensor memory accelerator (TMA):
+    ``XD`` and ``WD`` describe X [M, K] and W [N, K], and each k-step copies a [BLOCK_M, BLOCK_K] and a [BLOCK_N,
+    BLOCK_K] box into shared memory without the threads computing addresses (rows and columns past the end arrive as
+    zeros, as the masked loads' ``other``). The accumulation is the same: ``tl.dot`` over K in order on one float32
+    accumulator, then the same epilogue (no LayerNorm epilogue here)."""
+    if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K in order, one accumulator
+        a = XD.load([m0, k0])
+        if A_GELU:  # the GELU prologue, as in the pointer-load tile
+            a = _gelu16(a, ACCURATE)
+        w = WD.load([n0, k0])
+        acc = tl.dot(a, tl.trans(w), acc)
+    _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_rm, stride_om,
+                     EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, None, None, None, 0.0, False, False)
+
+
+@triton.jit
 def _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, K,
                  stride_xm, stride_wn, stride_rm, stride_om,
                  EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
@@ -198,7 +232,17 @@ def _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, K,
             a = _gelu16(a, ACCURATE)
         w = tl.load(W + offs_n[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & (kk[None, :] < K), other=0.0)
         acc = tl.dot(a, tl.trans(w), acc)
+    _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, stride_rm, stride_om,
+                     EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, LN_G, LN_B, OUT2, eps, LN_RELOAD, LN_ZERO_INVALID)
 
+
+@triton.jit
+def _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, stride_rm, stride_om,
+                     EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     LN_G, LN_B, OUT2, eps, LN_RELOAD: tl.constexpr, LN_ZERO_INVALID: tl.constexpr):
+    """The tile's float32 accumulator to its outputs: the bias, the epilogue, the store and, for EPILOGUE >= 4, the
+    rows' next LayerNorm (shared by the pointer-load tile above and the TMA kernel below)."""
     bias = tl.load(B + offs_n, mask=col_ok, other=0.0).to(tl.float32)
     y = (acc + bias[None, :]).to(tl.float16)  # the bias inside the float32 accumulator, one rounding
 
@@ -279,6 +323,18 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
         normed = torch.empty_like(out)
         extra = dict(LN_G=ln_weight.contiguous(), LN_B=ln_bias.contiguous(), OUT2=normed.view(-1, n), eps=float(eps))
     grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
+    if config.pop("TMA", False):
+        if layer_norm is not None:
+            raise ValueError("the TMA tile has no LayerNorm epilogue")
+        xd, wd = tma_descriptors(x2, weight, config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"])
+        launch_kernel(_fused_linear_tma_kernel, grid,
+            xd, wd, bias, r2, mask1, out2,
+            m, n, k,
+            r2.stride(0), out2.stride(0),
+            EPILOGUE=code, HAS_MASK=has_mask, ACCURATE=not INTERPRET, BLOCK_M=config["BLOCK_M"],
+            BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], A_GELU=bool(config.get("A_GELU")), **launch,
+        )
+        return out, normed
     launch_kernel(_fused_linear_kernel, grid,
         x2, weight, bias, r2, mask1, out2,
         m, n, k,
@@ -286,6 +342,21 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
         EPILOGUE=code, HAS_MASK=has_mask, ACCURATE=not INTERPRET, **config, **extra, **launch,
     )
     return out, normed
+
+
+def tma_descriptors(x2: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: int, block_k: int):
+    """The host-side TMA descriptors of X [M, K] and W [N, K] for one launch. A view whose base is not 16-byte
+    aligned is copied first (the same values, so the same results); a K whose rows are not a multiple of 16 bytes
+    has no TMA tile (``tma_fits``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x2.shape
+    if not tma_fits(k):
+        raise ValueError(f"the TMA tile reads rows of a multiple of 8 float16 values, not {k}")
+    if x2.data_ptr() % TMA_ALIGNMENT or x2.stride(0) != k:
+        x2 = x2.contiguous() if x2.stride(0) != k else x2.clone()
+    return (TensorDescriptor(x2, [m, k], [k, 1], [block_m, block_k]),
+            TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [block_n, block_k]))
 
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual=None, mask=None,

@@ -63,21 +63,39 @@ TILES: dict[str, dict] = {
     "m64": dict(BLOCK_M=64, num_warps=4, num_stages=4),
     "n64": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
     "n256": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
+    # the operands brought in by Hopper's TMA (``_fused_linear_tma_kernel``): the same k16 chain of wgmma, no
+    # per-thread address arithmetic, deeper pipelines. Compiled offline for sm_90a, the same wgmma instructions and
+    # arithmetic as the pointer-load tile of the same size (tests/test_fused_linear.py).
+    "tma": dict(BLOCK_M=128, num_warps=8, num_stages=4, TMA=True),
+    "tma_n256": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3, TMA=True),
 }
 
 
-def tile_fits(launch: str, n: int) -> bool:
-    """Whether a tile is worth a compile for outputs of width ``n`` (a wider tile than the row only idles)."""
-    block_n = TILES[launch].get("BLOCK_N")
+#: what Hopper's TMA needs of a tensor it reads: a 16-byte aligned base and row stride
+TMA_ALIGNMENT = 16
+
+
+def tma_fits(k: int) -> bool:
+    """Whether rows of ``k`` float16 values can be read by TMA (a row stride of a multiple of 16 bytes)."""
+    return (k * 2) % TMA_ALIGNMENT == 0
+
+
+def tile_fits(launch: str, n: int, k: Optional[int] = None) -> bool:
+    """Whether a tile is worth a compile for outputs of width ``n`` (a wider tile than the row only idles), and, for
+    a TMA tile, whether rows of ``k`` can be read by TMA (when ``k`` is given)."""
+    tile = TILES[launch]
+    if tile.get("TMA") and k is not None and not tma_fits(k):
+        return False
+    block_n = tile.get("BLOCK_N")
     if block_n is None:
         return True
     return n >= block_n * 2 if block_n == 64 else n >= block_n
 
 
-def proof_launches(n: int, layer_norm: bool = False) -> list[str]:
-    """The tiles a build proves for a launch of output width ``n`` (the LayerNorm epilogue holds whole rows in one
-    tile of its own: "auto" only)."""
-    return ["auto"] if layer_norm else [name for name in TILES if tile_fits(name, n)]
+def proof_launches(n: int, layer_norm: bool = False, k: Optional[int] = None) -> list[str]:
+    """The tiles a build proves for a launch of output width ``n`` and depth ``k`` (the LayerNorm epilogue holds whole
+    rows in one tile of its own: "auto" only)."""
+    return ["auto"] if layer_norm else [name for name in TILES if tile_fits(name, n, k)]
 
 
 class LinearPath(KernelPath):
@@ -393,7 +411,7 @@ def prove_linear(device: torch.device | str, cases: list[ProofCase], m: int, n: 
         refusal = f"the LayerNorm epilogue takes rows of {', '.join(map(str, LN_WIDTHS))}, not {n}"
     if refusal:
         return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
-    record = prove_launches(OP, shape, launches or proof_launches(n, layer_norm), cases, device,
+    record = prove_launches(OP, shape, launches or proof_launches(n, layer_norm, k), cases, device,
                             environment=environment, budget_s=budget_s, repeats=repeats, against_reference=True)
     remember_proof(record, cache)
     return record
