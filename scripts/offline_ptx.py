@@ -89,6 +89,9 @@ def compile_ptx(kernel: str, constexprs: dict, num_warps: int = 4, num_stages: i
 
     module, name, runtime, _ = KERNELS[kernel]
     fn = getattr(importlib.import_module(module), name)
+    if kernel == "linear_tma":  # a descriptor's type holds its block shape
+        runtime = {**runtime, "XD": f"tensordesc<fp16[{constexprs['BLOCK_M']}, {constexprs['BLOCK_K']}]>",
+                   "WD": f"tensordesc<fp16[{constexprs['BLOCK_N']}, {constexprs['BLOCK_K']}]>"}
     signature = {**runtime, **{k: "constexpr" for k in constexprs}}
     options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion,
                "enable_reflect_ftz": False}
