@@ -193,3 +193,19 @@ def test_the_rows_layer_norm_pdl_form_has_the_same_arithmetic_for_sm90(tmp_path)
         assert dependent.count("griddepcontrol.wait") == 1 and dependent.count("griddepcontrol.launch_dependents") == 1
         assert ptx_difference(plain, dependent) == [], launch
     assert "int pdl" in layer_norm.SOURCE.read_text()
+
+
+def test_the_compiled_runner_holds_dependent_launches_around_its_calls(monkeypatch):
+    """What a -pdl runner's compile, capture and uncaptured calls run inside (the custom ops read it when they
+    launch); a plain runner's run outside it."""
+    from engines.torch_compile import CompiledModuleRunner
+
+    monkeypatch.setattr(dependent_launch, "INTERPRET", False)
+    seen = []
+    for flag in (True, False):
+        runner = CompiledModuleRunner.__new__(CompiledModuleRunner)  # the wiring only: no compile
+        runner.dependent_launch = flag
+        runner.compiled = lambda x, mask: seen.append((dependent_launch.enabled(), torch.is_inference_mode_enabled()))
+        runner._forward(torch.zeros(1), torch.ones(1, dtype=torch.bool))
+    assert seen == [(True, True), (False, True)]
+    assert not dependent_launch.enabled()
