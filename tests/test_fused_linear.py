@@ -563,5 +563,8 @@ def test_tma_descriptors_copy_an_unaligned_view_and_refuse_a_stride_tma_cannot_r
     xd, wd = tma_descriptors(x, w, 64, 32, 64)
     assert xd.base.data_ptr() % 16 == 0 and torch.equal(xd.base, x) and xd.base.data_ptr() != x.data_ptr()
     assert wd.base is w and wd.block_shape == [32, 64]
+    wide = torch.zeros(4, 192, dtype=torch.float16)[:, 64:128]  # rows of a wider tensor: read in place
+    xd, _ = tma_descriptors(wide, w, 64, 32, 64)
+    assert xd.base.data_ptr() == wide.data_ptr() and xd.strides == [192, 1]
     with pytest.raises(ValueError, match="multiple of 8 float16 values, not 36"):
         tma_descriptors(torch.zeros(4, 36, dtype=torch.float16), torch.zeros(8, 36, dtype=torch.float16), 64, 8, 32)

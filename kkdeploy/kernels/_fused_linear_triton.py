@@ -345,17 +345,17 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
 
 
 def tma_descriptors(x2: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: int, block_k: int):
-    """The host-side TMA descriptors of X [M, K] and W [N, K] for one launch. A view whose base is not 16-byte
-    aligned is copied first (the same values, so the same results); a K whose rows are not a multiple of 16 bytes
-    has no TMA tile (``tma_fits``)."""
+    """The host-side TMA descriptors of X [M, K] and W [N, K] for one launch. A view whose base or row stride is not
+    16-byte aligned is copied first (the same values, so the same results); a K whose rows are not a multiple of 16
+    bytes has no TMA tile (``tma_fits``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = x2.shape
     if not tma_fits(k):
         raise ValueError(f"the TMA tile reads rows of a multiple of 8 float16 values, not {k}")
-    if x2.data_ptr() % TMA_ALIGNMENT or x2.stride(0) != k:
-        x2 = x2.contiguous() if x2.stride(0) != k else x2.clone()
-    return (TensorDescriptor(x2, [m, k], [k, 1], [block_m, block_k]),
+    if x2.data_ptr() % TMA_ALIGNMENT or (x2.stride(0) * x2.element_size()) % TMA_ALIGNMENT:
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    return (TensorDescriptor(x2, [m, k], [x2.stride(0), 1], [block_m, block_k]),
             TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [block_n, block_k]))
 
 
