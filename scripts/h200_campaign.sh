@@ -267,19 +267,30 @@ step_customprofile() {
   done
 }
 step_pdl() {
-  # Programmatic dependent launches (kkdeploy/kernels/dependent_launch.py) on the launch-bound shapes: each graph
-  # plain and as its "-pdl" form in one process, eager beside them, every candidate validated on every trial;
-  # weights of our own (PDL_SHAPES, PDL_PROCESSES, PDL_CANDIDATES).
+  # Programmatic dependent launches (kkdeploy/kernels/dependent_launch.py): each graph plain and as its "-pdl" form in
+  # one process, eager beside them, every candidate validated on every trial, weights of our own. Official shapes
+  # PDL_SHAPES (seed 600+N), then custom ones PDL_DIMS ("SEED:B,S,D,H,F,L", e.g. the custom step's two below 1.5x:
+  # "4247:16,200,384,6,768,3 4245:1,1024,1024,16,1024,2"); PDL_PROCESSES, PDL_CANDIDATES.
   mkdir -p "$WORK/pdl"
-  for s in ${PDL_SHAPES:-3 2 12 4 7}; do
+  candidates=${PDL_CANDIDATES:-torch-compile,torch-compile-pdl,torch-compile-faithful-attention,torch-compile-faithful-attention-pdl,torch-compile-faithful-gemms,torch-compile-faithful-gemms-pdl}
+  for s in ${PDL_SHAPES-3 2 12 4 7}; do
     w="$WORK/w-pdl-$s.safetensors"
     python3 scripts/make_weights.py --shape "$s" --seed $((600 + s)) --out "$w" > /dev/null
     python3 -m kkdeploy bench --shape "$s" --dtype float16 --contract strict --processes "${PDL_PROCESSES:-1}" \
-      --weights "$w" --out "$WORK/pdl/shape-$s" \
-      --candidates "${PDL_CANDIDATES:-torch-compile,torch-compile-pdl,torch-compile-faithful-gemms,torch-compile-faithful-gemms-pdl}" \
-      || echo "pdl shape $s: exit $?"
+      --weights "$w" --out "$WORK/pdl/shape-$s" --candidates "$candidates" || echo "pdl shape $s: exit $?"
     (cd "$WORK" && tar czf "$OUT/pdl.tgz" pdl)  # a timeout keeps what finished
-    python3 scripts/bench_summary.py "$WORK/pdl" --pdl --md "$OUT/pdl.md" > /dev/null
+    python3 scripts/bench_summary.py "$WORK/pdl" --pdl --versus torch-compile --md "$OUT/pdl.md" > /dev/null
+  done
+  for pair in ${PDL_DIMS:-}; do
+    seed=${pair%%:*}; spec=${pair#*:}
+    IFS=, read -r b s d h f l <<< "$spec"
+    dims="--batch-size $b --seq-len $s --d-model $d --heads $h --ffn-dim $f --layers $l"
+    w="$WORK/w-pdl-$spec.safetensors"
+    python3 scripts/make_weights.py $dims --seed "$seed" --out "$w" > /dev/null
+    python3 -m kkdeploy bench $dims --dtype float16 --contract strict --processes "${PDL_PROCESSES:-1}" \
+      --weights "$w" --out "$WORK/pdl/custom-$spec" --candidates "$candidates" || echo "pdl $spec: exit $?"
+    (cd "$WORK" && tar czf "$OUT/pdl.tgz" pdl)
+    python3 scripts/bench_summary.py "$WORK/pdl" --pdl --versus torch-compile --md "$OUT/pdl.md" > /dev/null
   done
   cat "$OUT/pdl.md"
 }
