@@ -24,6 +24,14 @@ SERVING_BUILD = ["--batch-size", "2", "--seq-len", "8", "--d-model", "16", "--he
                  "--layers", "2", "--device", "cpu", "--trials", "2", "--warmups", "2", "--repeats", "5", "--rounds", "1"]
 
 
+def build_serving_artifact(out: Path, *extra: str) -> Path:
+    """The serving tests' small CPU artifact at ``out`` (``extra``: more build flags, e.g. --batch-buckets 1,2)."""
+    from kkdeploy.cli import main as cli
+
+    assert cli(["build", *SERVING_BUILD, *extra, "--out", str(out)]) == 0
+    return out
+
+
 @pytest.fixture
 def small_config():
     return SMALL

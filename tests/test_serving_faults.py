@@ -25,18 +25,15 @@ import numpy as np
 import pytest
 
 import kkdeploy
-from kkdeploy.cli import main as cli
 from kkdeploy.serving import loadtest, triton_server
-from tests.conftest import SERVING_BUILD
+from tests.conftest import build_serving_artifact
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("faults") / "a"
-    assert cli(["build", *SERVING_BUILD, "--batch-buckets", "1", "--out", str(out)]) == 0
-    return out
+    return build_serving_artifact(tmp_path_factory.mktemp("faults") / "a", "--batch-buckets", "1")
 
 
 @pytest.fixture(scope="module")
@@ -399,8 +396,7 @@ def signal_and_wait(serve, signum) -> tuple[float, int, float]:
 def unbucketed(tmp_path_factory):
     """An artifact without batch buckets (one bucket of B = 2) and single-sequence requests with their answers:
     Triton's batcher holds a lone request for its --max-queue-delay-us, waiting for a second sequence."""
-    out = tmp_path_factory.mktemp("faults") / "b"
-    assert cli(["build", *SERVING_BUILD, "--out", str(out)]) == 0
+    out = build_serving_artifact(tmp_path_factory.mktemp("faults") / "b")
     plan = loadtest.LoadPlan(model="kkdeploy", seq_len=8, d_model=16, dtype="float32", mix=[[1, 1.0]],
                              padding=[0.0, 0.25], pool=6, seed=7)
     pool = loadtest.make_pool(plan)

@@ -15,21 +15,18 @@ import pytest
 import torch
 
 import kkdeploy
-from kkdeploy.cli import main as cli
 from kkdeploy.errors import KKError
 from kkdeploy.pipeline.runtime import bucketed
 from kkdeploy.serving import backend_build, inprocess, loadtest, triton_server
 from kkdeploy.serving.triton_repo import write_repository
-from tests.conftest import SERVING_BUILD
+from tests.conftest import build_serving_artifact
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("inprocess") / "a"
-    assert cli(["build", *SERVING_BUILD, "--batch-buckets", "1,2", "--out", str(out)]) == 0
-    return out
+    return build_serving_artifact(tmp_path_factory.mktemp("inprocess") / "a", "--batch-buckets", "1,2")
 
 
 @pytest.fixture(scope="module")
