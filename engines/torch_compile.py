@@ -30,6 +30,7 @@ On CUDA the compiled call is captured in a CUDA graph (``engines.cuda_graph``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -40,11 +41,12 @@ from kkdeploy.artifacts import WEIGHTS_FILE, first_difference
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError, error_summary
 from kkdeploy.inputs import DEFAULT_SEED, AllValidMaskCache
+from kkdeploy.kernels.dependent_launch import dependent_launches, inductor_options, refusal as pdl_refusal
 
 from .base import (AllValidRouter, Backend, BuildContext, CandidateResult, CandidateSkipped,
                    Runner, fingerprint_padding, output_fingerprint, requested_variants)
 from .cuda_graph import CapturedCall
-from .recipe import PDL_SUFFIX, Recipe, parse as parse_recipe
+from .recipe import Recipe, parse as parse_recipe
 from .registry import BackendChoice, BackendDescriptor, register
 
 FAITHFUL = "torch-compile"
@@ -89,8 +91,8 @@ def uses_kernel_linear(name: str) -> bool:
 #: the form below it last
 KERNEL_KINDS = {"faithful-attention": ("attention",), "faithful-kernels": ("attention", "layer_norm"),
                 "faithful-gemms": ("attention", "layer_norm", "linear")}
-#: our-kernel candidate -> the candidate with one kernel kind fewer
-SMALLER = {KERNELS: KERNEL_ATTENTION, GEMMS: KERNELS}
+#: our-kernel form -> the form with one kernel kind fewer (a candidate's smaller sibling keeps its other fields)
+SMALLER_FORM = {"faithful-kernels": "faithful-attention", "faithful-gemms": "faithful-kernels"}
 
 
 def uses_dependent_launch(name: str) -> bool:
@@ -98,9 +100,13 @@ def uses_dependent_launch(name: str) -> bool:
     return parse_recipe(name).dependent_launch
 
 
-def without_pdl(name: str) -> str:
-    """The same candidate with plain launches (what its "-pdl" form is timed against)."""
-    return name.removesuffix(PDL_SUFFIX)
+def dependent_launch_refusal(name: str, device: torch.device) -> str | None:
+    """Why candidate ``name`` cannot run here because of its "-pdl" (one line naming its plain form), or None."""
+    if not uses_dependent_launch(name):
+        return None
+    why = pdl_refusal(device)
+    plain = replace(parse_recipe(name), dependent_launch=False).name
+    return f"{why}; {plain} is the same graph with plain launches" if why else None
 
 
 def kernel_kinds(name: str) -> tuple[str, ...]:
@@ -170,9 +176,9 @@ def prove_candidate_kernels(name: str, model, config: TransformerConfig, dtype: 
     if not any(proofs.proven(kind) for kind in kinds):
         raise CandidateSkipped(f"none of its kernel ops is proven bit-identical and faster here, so it would run "
                                f"ATen's ops only ({'; '.join(proofs.why_not(kind) for kind in kinds)})")
-    smaller = SMALLER.get(without_pdl(name))
-    if smaller is not None and uses_dependent_launch(name):
-        smaller = f"{smaller}{PDL_SUFFIX}"
+    recipe = parse_recipe(name)
+    smaller = replace(recipe, attention=SMALLER_FORM[recipe.attention]).name if recipe.attention in SMALLER_FORM \
+        else None
     if smaller in siblings and not proofs.proven(kinds[-1]):
         raise CandidateSkipped(f"the {kinds[-1]} kernel it adds to {smaller} is not proven here "
                                f"({proofs.why_not(kinds[-1])})")
@@ -243,12 +249,9 @@ class CompiledModuleRunner(Runner):
 
     def _forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # Always the same grad mode: Dynamo guards on it, and a second mode would mean a second compile.
-        if self.dependent_launch:  # our custom ops read it when they launch (at capture, or per uncaptured call)
-            from kkdeploy.kernels.dependent_launch import dependent_launches
-
-            with dependent_launches(True), torch.inference_mode():
-                return self.compiled(x, mask)
-        with torch.inference_mode():
+        # A -pdl runner's custom ops read dependent_launches when they launch (at capture, or per uncaptured call).
+        launches = dependent_launches(True) if self.dependent_launch else contextlib.nullcontext()
+        with launches, torch.inference_mode():
             return self.compiled(x, mask)
 
     def infer(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -278,11 +281,9 @@ class CompiledRunner(CompiledModuleRunner):
         options = faithful_inductor_configs()
         pdl = uses_dependent_launch(name)
         if pdl:
-            from kkdeploy.kernels.dependent_launch import inductor_options, refusal
-
-            why = refusal(device)
+            why = dependent_launch_refusal(name, torch.device(device))
             if why:
-                raise KKError(f"{name}: {why}; use {without_pdl(name)}")
+                raise KKError(f"{name}: {why}")
             options.update(inductor_options())
         start = time.perf_counter()
         exported = export_variant(model, config, dtype, torch.device(device), variant,
@@ -342,12 +343,9 @@ class TorchCompileBackend(Backend):
             recipe = {"inductor_configs": {}, "fp16_layers": list(layers), "half_gemm": half,
                       "half_gemm_kernel": fused.half_gemm_kernel, "calibration": calibration}
         else:
-            if uses_dependent_launch(candidate):
-                from kkdeploy.kernels.dependent_launch import refusal
-
-                why = refusal(device)
-                if why:
-                    raise CandidateSkipped(f"{why}; {without_pdl(candidate)} is the same graph with plain launches")
+            why = dependent_launch_refusal(candidate, device)
+            if why:
+                raise CandidateSkipped(why)
             if kernel_kinds(candidate):
                 siblings = tuple(self.candidates(ctx))
                 proofs = prove_candidate_kernels(candidate, ctx.model, ctx.config, ctx.dtype, device, siblings)

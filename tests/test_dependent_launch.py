@@ -29,12 +29,14 @@ def test_the_pdl_suffix_is_part_of_the_candidate_grammar():
 
 
 def test_a_pdl_candidate_keeps_its_graph_kernels_and_smaller_sibling():
-    from engines.torch_compile import inductor_variant, kernel_kinds, uses_dependent_launch, without_pdl
+    from engines.torch_compile import dependent_launch_refusal, inductor_variant, kernel_kinds, uses_dependent_launch
 
     assert kernel_kinds("torch-compile-faithful-gemms-pdl") == kernel_kinds("torch-compile-faithful-gemms")
     assert inductor_variant("torch-compile-sdpa1-pdl") == inductor_variant("torch-compile-sdpa1") == "inductor-sdpa1"
     assert uses_dependent_launch("torch-compile-pdl") and not uses_dependent_launch("torch-compile")
-    assert without_pdl("torch-compile-faithful-gemms-pdl") == "torch-compile-faithful-gemms"
+    why = dependent_launch_refusal("torch-compile-faithful-gemms-pdl", torch.device("cpu"))
+    assert "CUDA feature" in why and why.endswith("torch-compile-faithful-gemms is the same graph with plain launches")
+    assert dependent_launch_refusal("torch-compile-faithful-gemms", torch.device("cpu")) is None
 
 
 def test_launch_options_exist_only_inside_the_context(monkeypatch):
@@ -98,7 +100,7 @@ def test_a_pdl_candidate_is_refused_on_the_cpu_with_its_plain_form_named():
 
     config = TransformerConfig(batch_size=1, seq_len=8, d_model=16, num_heads=2, ffn_dim=16, num_layers=1)
     with pytest.raises(KKError, match=r"torch-compile-pdl: programmatic dependent launch is a CUDA feature.*"
-                                      r"use torch-compile$"):
+                                      r"torch-compile is the same graph with plain launches$"):
         CompiledRunner(torch.nn.Module(), config, torch.float32, torch.device("cpu"), name="torch-compile-pdl")
 
 

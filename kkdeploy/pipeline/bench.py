@@ -185,17 +185,14 @@ def make_candidate(name: str, reference, config: TransformerConfig, dtype: torch
     if name in COMPILE_CANDIDATES or name in PDL_CANDIDATES:
         from engines.base import CandidateSkipped
         from engines.torch_compile import (BACKEND, CompiledRunner, kernel_kinds, kernel_paths_record,
-                                           prove_candidate_kernels, uses_dependent_launch)
+                                           prove_candidate_kernels, dependent_launch_refusal)
 
         reason = BACKEND.unavailable_reason(device, dtype)
         if reason:
             raise KKError(reason)
-        if uses_dependent_launch(name):
-            from kkdeploy.kernels.dependent_launch import refusal
-
-            why = refusal(device)
-            if why:
-                raise KKError(f"skipped: {why}")
+        why = dependent_launch_refusal(name, device)
+        if why:
+            raise KKError(f"skipped: {why}")
         if kernel_kinds(name):  # the build's proof step: our kernels run only where proven here
             try:
                 proofs = prove_candidate_kernels(name, reference, config, dtype, device)
