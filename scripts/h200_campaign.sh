@@ -273,24 +273,22 @@ step_pdl() {
   # "4247:16,200,384,6,768,3 4245:1,1024,1024,16,1024,2"); PDL_PROCESSES, PDL_CANDIDATES.
   mkdir -p "$WORK/pdl"
   candidates=${PDL_CANDIDATES:-torch-compile,torch-compile-pdl,torch-compile-faithful-attention,torch-compile-faithful-attention-pdl,torch-compile-faithful-gemms,torch-compile-faithful-gemms-pdl}
-  for s in ${PDL_SHAPES-3 2 12 4 7}; do
-    w="$WORK/w-pdl-$s.safetensors"
-    python3 scripts/make_weights.py --shape "$s" --seed $((600 + s)) --out "$w" > /dev/null
-    python3 -m kkdeploy bench --shape "$s" --dtype float16 --contract strict --processes "${PDL_PROCESSES:-1}" \
-      --weights "$w" --out "$WORK/pdl/shape-$s" --candidates "$candidates" || echo "pdl shape $s: exit $?"
-    (cd "$WORK" && tar czf "$OUT/pdl.tgz" pdl)  # a timeout keeps what finished
-    python3 scripts/bench_summary.py "$WORK/pdl" --pdl --versus torch-compile --md "$OUT/pdl.md" > /dev/null
-  done
-  for pair in ${PDL_DIMS:-}; do
-    seed=${pair%%:*}; spec=${pair#*:}
-    IFS=, read -r b s d h f l <<< "$spec"
-    dims="--batch-size $b --seq-len $s --d-model $d --heads $h --ffn-dim $f --layers $l"
-    w="$WORK/w-pdl-$spec.safetensors"
-    python3 scripts/make_weights.py $dims --seed "$seed" --out "$w" > /dev/null
-    python3 -m kkdeploy bench $dims --dtype float16 --contract strict --processes "${PDL_PROCESSES:-1}" \
-      --weights "$w" --out "$WORK/pdl/custom-$spec" --candidates "$candidates" || echo "pdl $spec: exit $?"
+  pdl_bench() {  # NAME SEED SHAPE-FLAGS...: weights of our own, one bench, the table rewritten (a timeout keeps the rest)
+    local name=$1 seed=$2; shift 2
+    python3 scripts/make_weights.py "$@" --seed "$seed" --out "$WORK/w-pdl-$name.safetensors" > /dev/null
+    python3 -m kkdeploy bench "$@" --dtype float16 --contract strict --processes "${PDL_PROCESSES:-1}" \
+      --weights "$WORK/w-pdl-$name.safetensors" --out "$WORK/pdl/$name" --candidates "$candidates" \
+      || echo "pdl $name: exit $?"
     (cd "$WORK" && tar czf "$OUT/pdl.tgz" pdl)
     python3 scripts/bench_summary.py "$WORK/pdl" --pdl --versus torch-compile --md "$OUT/pdl.md" > /dev/null
+  }
+  for s in ${PDL_SHAPES-3 2 12 4 7}; do
+    pdl_bench "shape-$s" $((600 + s)) --shape "$s"
+  done
+  for pair in ${PDL_DIMS:-}; do
+    IFS=, read -r b s d h f l <<< "${pair#*:}"
+    pdl_bench "custom-${pair#*:}" "${pair%%:*}" --batch-size "$b" --seq-len "$s" --d-model "$d" --heads "$h" \
+      --ffn-dim "$f" --layers "$l"
   done
   cat "$OUT/pdl.md"
 }

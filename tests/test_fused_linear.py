@@ -539,7 +539,7 @@ def test_the_tma_tile_has_the_pointer_tiles_arithmetic_on_sm90():
     pytest.importorskip("triton")
     import re
 
-    from kkdeploy.kernels.dependent_launch import _FLOAT, opcodes
+    from kkdeploy.kernels.dependent_launch import arithmetic_opcodes
 
     script = load_script("offline_ptx")
     values = {**script.KERNELS["linear"][3], "EPILOGUE": 3, "HAS_MASK": True}
@@ -549,7 +549,7 @@ def test_the_tma_tile_has_the_pointer_tiles_arithmetic_on_sm90():
     assert re.findall(r"cp\.async\.bulk\.tensor", tma) and not re.findall(r"cp\.async\.bulk\.tensor", plain)
     shapes = lambda ptx: sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx)))  # noqa: E731
     assert shapes(tma) == shapes(plain) == ["wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16"]
-    arithmetic = lambda ptx: [op for op in opcodes(ptx) if _FLOAT.search(op) and "wait_group" not in op]  # noqa: E731
+    arithmetic = lambda ptx: [op for op in arithmetic_opcodes(ptx) if "wait_group" not in op]  # noqa: E731
     assert arithmetic(tma) == arithmetic(plain)
 
 

@@ -94,7 +94,7 @@ def inductor_options() -> dict:
 _COMMENT = re.compile(r"//.*$")
 _SKIPPED = (".", "{", "}", "$", "@%")  # directives, braces, labels; predicated lines keep their opcode below
 #: opcodes whose order is the arithmetic: floating point, tensor-core MMA, conversions, special functions
-_FLOAT = re.compile(r"\.(f16|f16x2|bf16|bf16x2|f32|f64)\b|^(wgmma|mma|ex2|lg2|rsqrt|rcp|sqrt|div|fma)")
+_ARITHMETIC = re.compile(r"\.(f16|f16x2|bf16|bf16x2|f32|f64)\b|^(wgmma|mma|ex2|lg2|rsqrt|rcp|sqrt|div|fma)")
 
 
 def opcodes(ptx: str) -> list[str]:
@@ -112,6 +112,11 @@ def opcodes(ptx: str) -> list[str]:
     return found
 
 
+def arithmetic_opcodes(ptx: str) -> list[str]:
+    """The floating-point, MMA and conversion instructions of ``opcodes(ptx)``, in order: what decides the bits."""
+    return [op for op in opcodes(ptx) if _ARITHMETIC.search(op)]
+
+
 def ptx_difference(plain: str, dependent: str) -> list[str]:
     """How the PDL form's PTX differs from the plain form's, the two PDL instructions aside: empty when both hold
     the same instructions, as many of each, and the same floating-point, MMA and conversion instructions in the
@@ -119,11 +124,9 @@ def ptx_difference(plain: str, dependent: str) -> list[str]:
     an instruction renumbers every later register, and the scheduler may interleave address computations anew."""
     from collections import Counter
 
-    a, b = opcodes(plain), opcodes(dependent)
-    differences = [f"{op}: {Counter(a)[op]} -> {Counter(b)[op]}" for op in sorted(set(a) | set(b))
-                   if Counter(a)[op] != Counter(b)[op]]
-    fa, fb = [op for op in a if _FLOAT.search(op)], [op for op in b if _FLOAT.search(op)]
-    for i, (x, y) in enumerate(zip(fa, fb)):
+    a, b = Counter(opcodes(plain)), Counter(opcodes(dependent))
+    differences = [f"{op}: {a[op]} -> {b[op]}" for op in sorted(set(a) | set(b)) if a[op] != b[op]]
+    for i, (x, y) in enumerate(zip(arithmetic_opcodes(plain), arithmetic_opcodes(dependent))):
         if x != y:
             differences.append(f"arithmetic instruction {i}: {x} -> {y}")
             break

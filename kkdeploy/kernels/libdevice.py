@@ -51,6 +51,11 @@ def gelu_libdevice() -> Optional[str]:
 
 
 def libdevice_sources() -> tuple[Path, ...]:
-    """The file ``gelu_libdevice`` links, as a source of the proofs' environment key (none where there is none)."""
-    found = gelu_libdevice()
+    """The file ``gelu_libdevice`` links, as a source of the proofs' environment key (none where there is none).
+    Asked at every uncaptured GEMM call (through the proofs' lookup): the answer is made once per path."""
+    return _sources(gelu_libdevice())
+
+
+@functools.lru_cache(maxsize=8)
+def _sources(found: Optional[str]) -> tuple[Path, ...]:
     return (Path(found),) if found else ()
