@@ -591,6 +591,20 @@ def test_watchdog_logic_with_a_scripted_server():
     assert failing.calls[-1] == "unload kk"  # left unready for the supervisor
     assert len(lines) == 1 and "broken" in lines[0]
 
+    # A stub that dies while the canary asks (the canary's request fails with it): the cause is named, not the symptom
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    class KillingCanary:
+        def ask(self, url):
+            victim.kill()
+            victim.wait()
+            return "the canary's request failed: the stub is gone"
+
+    racing = FakeServer({"kk": [os.getpid(), victim.pid]})
+    dog = Watchdog(racing, ["kk"], KillingCanary(), lines.append, probe_every_s=0.0)
+    dog.baseline(timeout_s=0.1)
+    assert dog.problem() == (["kk"], f"the Python-backend stub of kk (pid {victim.pid}) died")
+
     # The server itself died (a crash while loading, say): started again, every model with it, then the canary
     lines.clear()
     crashed = FakeServer({"kk": [os.getpid()]})

@@ -151,15 +151,21 @@ class Watchdog:
         """``(models to reload, why)`` or None."""
         if not self.server.alive():
             return list(self.models), f"tritonserver died ({self.server.failure_reason()})"
+        dead = self._dead_stub()
+        if dead:
+            return dead
+        if self.canary is not None and time.monotonic() >= self.next_probe:
+            self.next_probe = time.monotonic() + self.probe_every_s
+            wrong = self.canary.ask(self.server.http_url)
+            if wrong:  # a stub that died while the canary asked is the cause to name, not the canary's symptom
+                return self._dead_stub() or (list(self.models), wrong)
+        return None
+
+    def _dead_stub(self) -> tuple[list[str], str] | None:
         for model, pids in self.stubs.items():
             for pid in pids:
                 if not pid_alive(pid):
                     return [model], f"the Python-backend stub of {model} (pid {pid}) died"
-        if self.canary is not None and time.monotonic() >= self.next_probe:
-            self.next_probe = time.monotonic() + self.probe_every_s
-            wrong = self.canary.ask(self.server.http_url)
-            if wrong:
-                return list(self.models), wrong
         return None
 
     def _confirm(self, models: list[str], start: float, how: str) -> str | None:
