@@ -125,6 +125,15 @@ def test_choose_fallback_when_it_is_faster():
     assert choice["candidate"] == FALLBACK and "ort-cpu 4.000 ms" in choice["reason"]
 
 
+def test_a_fallback_that_only_ties_is_not_called_the_fastest():
+    # The CPU build of shape 3 saw ort-cpu at 4.915 ms and the fallback at 4.929 ms: the fallback ships as the
+    # simpler of two tied options, and the reason must say so rather than call it the fastest.
+    choice = choose([_c("ort-cpu", PASSED)], {"ort-cpu": 4.915}, 4.929)
+    assert choice["candidate"] == "pytorch-fallback"
+    assert "ties the fastest" in choice["reason"] and "fastest among" not in choice["reason"]
+    assert "ort-cpu 4.915 ms" in choice["reason"]
+
+
 def test_choose_all_valid_only_scope():
     choice = choose([_c("torch-graph-sdpa1", PASSED_ALL_VALID_ONLY, "torch_graph")], {"torch-graph-sdpa1": 0.2}, 1.0)
     assert choice["candidate"] == "torch-graph-sdpa1" and choice["all_valid_only"]

@@ -44,11 +44,12 @@ def choose(candidates: list[dict], latencies_ms: dict[str, float], fallback_late
     winner = min(tied, key=simplicity_rank)
     ranking = ", ".join(f"{n} {ms:.3f} ms" for n, ms in sorted(contenders.items(), key=lambda kv: kv[1]))
     if winner == FALLBACK:
-        return {"candidate": FALLBACK, "all_valid_only": False,
-                "reason": f"the PyTorch fallback was fastest among validated options ({ranking})"}
+        why = ("the PyTorch fallback was fastest among validated options" if len(tied) == 1 else
+               f"the PyTorch fallback ties the fastest validated candidate within {TIE_TOLERANCE:.0%} and is simpler")
+        return {"candidate": FALLBACK, "all_valid_only": False, "reason": f"{why} ({ranking})"}
     entry = next(c for c in passed if c["name"] == winner)
     all_valid_only = entry["status"] == PASSED_ALL_VALID_ONLY
-    tie_note = " (tie within 2%: simpler backend)" if len(tied) > 1 else ""
+    tie_note = f" (tie within {TIE_TOLERANCE:.0%}: simpler backend)" if len(tied) > 1 else ""
     choice = {"candidate": winner, "backend": entry["backend"], "all_valid_only": all_valid_only,
               "reason": f"fastest validated candidate{tie_note}: {ranking}"}
     if all_valid_only:
