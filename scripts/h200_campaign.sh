@@ -23,7 +23,8 @@
 #   customprofile/   where the time goes on non-official shapes: the proof's records and a kernel profile per candidate
 #   pdl.tgz, pdl.md  the launch-bound shapes with and without programmatic dependent launches, one process each
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
-# attention, prove, custom, customprofile, pdl, bench, profile, customops, ortstrict, ortjudge, shape14build, layers, buildtime. A step's =SECONDS caps its wall time.
+# attention, prove, custom, customprofile, pdl, bench, profile, customops, ortstrict, ortjudge, shape14build, layers, buildtime,
+# scoresoftmax, inductoronly. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -34,7 +35,7 @@ export KKDEPLOY_CACHE_DIR=${KKDEPLOY_CACHE_DIR:-/tmp/kk-cache}
 if [ -z "${KKDEPLOY_ORT_INCLUDE:-}" ] && [ -f .whl/ort-include/onnxruntime_c_api.h ]; then
   export KKDEPLOY_ORT_INCLUDE=$PWD/.whl/ort-include
 fi
-WORK=/tmp/kk-work
+WORK=${WORK:-/tmp/kk-work}
 mkdir -p "$WORK"
 log="$OUT/campaign.log"
 BUILD_SHAPES=${BUILD_SHAPES:-2 3 12}  # BUILD_DTYPE (float16), BUILD_BACKENDS, BUILD_ARGS (extra flags)

@@ -1,0 +1,50 @@
+"""The H200 campaign script's plumbing, on the CPU.
+
+Device time is scarce (30 minutes a session), so a misspelt flag or a summary script that no longer takes its
+options must fail here, not in the first 600-second call on the GPU. The GPU figures themselves come from the
+device runs; these tests only check that the steps are wired to the commands they name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CAMPAIGN = ROOT / "scripts" / "h200_campaign.sh"
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "scripts").glob("*.sh")), ids=lambda p: p.name)
+def test_every_shell_script_parses(script):
+    run = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def test_the_header_lists_exactly_the_steps_the_script_defines():
+    text = CAMPAIGN.read_text()
+    header = re.search(r"^# Steps: (.*?)\. A step's", text, re.S | re.M).group(1)
+    listed = {s.strip() for s in header.replace("#", " ").split(",")}
+    defined = set(re.findall(r"^step_(\w+)\(\)", text, re.M))
+    assert listed == defined
+
+
+def test_the_pdl_step_runs_end_to_end_and_pairs_each_graph_with_its_pdl_form(tmp_path):
+    # A tiny custom shape with weights of our own: make_weights, the bench, the tarball and the paired summary.
+    # On the CPU the -pdl form is refused in one line and recorded skipped; the pairing table must still say so.
+    env = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), PDL_SHAPES="",
+               PDL_DIMS="9:2,16,32,2,64,1", PDL_CANDIDATES="torch-compile,torch-compile-pdl",
+               KKDEPLOY_CACHE_DIR=str(tmp_path / "cache"), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    run = subprocess.run(["bash", str(CAMPAIGN), "pdl=300"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=400)
+    log = (tmp_path / "out" / "campaign.log").read_text()
+    assert run.returncode == 0 and "=== step pdl done: exit 0" in log, log[-3000:]
+    assert (tmp_path / "out" / "pdl.tgz").stat().st_size > 0
+    pairs = (tmp_path / "out" / "pdl.md").read_text()
+    row = next(line for line in pairs.splitlines() if "| torch-compile |" in line and "plain / pdl" not in line)
+    assert "(passed)" in row and "skipped" in row, pairs
+    assert "pdl custom-2,16,32,2,64,1: exit" not in log, log[-3000:]  # the bench itself exited 0
