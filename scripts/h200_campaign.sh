@@ -43,6 +43,7 @@ export OUT WORK BUILD_SHAPES
 
 step_env() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -m kkdeploy env  # every backend, kernel and serving part: ready, or why not
   python3 - <<'PY'
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))

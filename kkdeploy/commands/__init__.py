@@ -3,7 +3,7 @@
 import importlib
 import pkgutil
 
-_ORDER = ["shapes", "check", "export", "prove", "build", "run", "inspect", "bench", "triton_repo", "serve", "loadtest"]
+_ORDER = ["shapes", "env", "check", "export", "prove", "build", "run", "inspect", "bench", "triton_repo", "serve", "loadtest"]
 
 
 def _discover():

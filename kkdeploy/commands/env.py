@@ -1,0 +1,190 @@
+"""`kkdeploy env`: what this machine can build, prove and serve, and for each thing it cannot, why.
+
+Why a command: otherwise the answers are spread over a build's summary table (a candidate `unavailable` or
+`skipped`), a proof record and the server's first error. A deployment engineer asks them before the first build.
+A GPU campaign records them first, so every figure after it comes with its machine. Nothing here builds an engine,
+compiles a kernel or starts a server: each line is the same check the build, the proof step or `kkdeploy serve`
+makes before its own work, asked without doing that work.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..artifacts import device_info, library_versions, write_json
+from ..config import default_dtype, parse_dtype, resolve_device
+from ..console import console, table
+from ..errors import KKError
+
+ENV_FORMAT = "kkdeploy-env/1"
+OK, OFF, ERROR = "ok", "off", "error"  # an "error" is a check that itself failed: a bug to report, named in detail
+
+
+@dataclass
+class Check:
+    area: str  # "backend", "kernel", "proofs", "serving"
+    name: str
+    status: str  # OK, OFF or ERROR
+    detail: str  # what it is or will use when OK; why not when OFF
+
+
+def _asked(area: str, name: str, ask) -> Check:
+    """``ask()`` returns ``(None, what)`` when the thing is there, ``(reason, "")`` when not. A KKError is a reason
+    (a one-line answer by design); anything else is a failing check, kept as one line so the report still prints."""
+    try:
+        reason, what = ask()
+    except KKError as exc:
+        reason, what = str(exc), ""
+    except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
+        return Check(area, name, ERROR, f"{type(exc).__name__}: {exc}".splitlines()[0])
+    if reason:
+        return Check(area, name, OFF, reason.removeprefix("unavailable: "))
+    return Check(area, name, OK, what)
+
+
+def backend_checks(device: torch.device, dtype: torch.dtype) -> list[Check]:
+    """Every registered backend: available here (and the candidates a build would make of it), or the reason the
+    build would record it ``unavailable``."""
+    from engines import get_backend, registry
+
+    defaults = set(registry.default_choices(device.type))
+    checks = []
+    for desc in registry.DESCRIPTORS.values():
+        def ask(desc=desc):
+            reason = get_backend(desc.key).unavailable_reason(device, dtype)
+            if reason:
+                return reason, ""
+            by_default = any(choice.name in defaults for choice in desc.choices)
+            names = ", ".join(desc.variants(device, dtype))
+            return None, f"{names}{'' if by_default else ' (on request: --backends)'}"
+        checks.append(_asked("backend", desc.recipe_name or desc.choices[0].name, ask))
+    return checks
+
+
+def kernel_checks(device: torch.device, dtype: torch.dtype) -> list[Check]:
+    """Our kernels, shape limits aside: whether each can run here at all (each build then proves it per op shape).
+    The rows LayerNorm is C++ compiled on first use, so on a GPU this asks for its compiler, not for a compile."""
+    from ..kernels import cuda_build, dependent_launch, faithful_attention, fused_linear, layer_norm
+    from ..kernels.libdevice import gelu_libdevice
+
+    def attention():
+        head_dim = min(faithful_attention.MAX_FUSED_HEAD_DIM, 64)
+        return faithful_attention.kernel_refusal(128, head_dim, dtype, device), \
+            f"Triton; rows up to {faithful_attention.MAX_FUSED_SEQ_LEN} keys, head dims up to {head_dim}"
+
+    def gemms():
+        return fused_linear.kernel_refusal(dtype, device), "Triton tl.dot tiles, bias and epilogues in FP32"
+
+    def rows_layer_norm():
+        if device.type != "cuda" or dtype != torch.float16:
+            return (layer_norm.kernel_refusal(device) or f"dtype {dtype}: the rows kernel is float16 only"), ""
+        compiler = cuda_build.nvcc()
+        return None, f"CUDA C++, compiled on first use by {cuda_build.compiler_version(compiler)}"
+
+    def libdevice():
+        if device.type != "cuda":
+            return f"{device.type} device: no GEMM launch links it", ""
+        found = gelu_libdevice()
+        if found is None:
+            return ("CUDA's libdevice.10.bc not found ($KKDEPLOY_CUDA_LIBDEVICE, $CUDA_HOME, /usr/local/cuda*): GEMM "
+                    "launches with a GELU part link Triton's copy, and their proofs say whether that is bit-identical"), ""
+        return None, f"{found} (ATen's erff, for the GEMM launches with a GELU part)"
+
+    return [_asked("kernel", "attention", attention), _asked("kernel", "GEMMs", gemms),
+            _asked("kernel", "rows LayerNorm", rows_layer_norm), _asked("kernel", "CUDA libdevice", libdevice),
+            _asked("kernel", "dependent launches (-pdl)",
+                   lambda: (dependent_launch.refusal(device), "Hopper programmatic dependent launch, off by default"))]
+
+
+def proof_checks(device: torch.device) -> list[Check]:
+    """Where the proofs of this environment are kept, and how many records the cache holds."""
+    from ..kernels.proof import cache_root, environment_key
+
+    def cache():
+        key = environment_key(device)
+        root = cache_root()
+        records = len(list(root.glob("*.json"))) if root.is_dir() else 0
+        what = ", ".join(f"{k} {v}" for k, v in key.items() if k != "device_type")
+        return None, f"{root}: {records} record(s); this environment: {what}"
+
+    return [_asked("proofs", "proof cache", cache)]
+
+
+def serving_checks() -> list[Check]:
+    """What `kkdeploy serve` and `kkdeploy loadtest` need: the server binary, a Python the Python-backend stub can
+    embed, a compiler for kkdeploy's in-process backend, and the client library."""
+    from ..kernels.cuda_build import compiler_version, cxx_compiler
+    from ..serving.backend_build import OTHERWISE, WHAT, python_link_flags
+    from ..serving.triton_server import INSTALL_COMMAND, find_server, python_library_dir
+
+    def server():
+        found = find_server()
+        return (None, found.describe()) if found else (f"no tritonserver found: run `{INSTALL_COMMAND}`", "")
+
+    def stub():
+        return None, f"this Python embeds (libpython in {python_library_dir()})"
+
+    def inprocess():
+        cxx = cxx_compiler(WHAT, OTHERWISE)
+        python_link_flags()
+        return None, f"compiled on first use by {compiler_version(cxx)} for Python {platform.python_version()}"
+
+    def client():
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return None, f"tritonclient {version('tritonclient')}"
+        except PackageNotFoundError:
+            return "tritonclient is not installed: pip install 'tritonclient[grpc,http]' (kkdeploy loadtest)", ""
+
+    return [_asked("serving", "tritonserver", server), _asked("serving", "Python backend", stub),
+            _asked("serving", "in-process backend", inprocess), _asked("serving", "load generator client", client)]
+
+
+def collect(device: torch.device, dtype: torch.dtype) -> dict:
+    """The whole report: the machine, the library versions, and one check per line."""
+    info = device_info(device)
+    if device.type == "cuda":
+        info["memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+    versions = library_versions()
+    from ..kernels.proof import _triton_version
+
+    versions["triton"] = _triton_version()
+    checks = backend_checks(device, dtype) + kernel_checks(device, dtype) + proof_checks(device) + serving_checks()
+    return {"format": ENV_FORMAT, "device": info, "dtype": str(dtype).removeprefix("torch."),
+            "python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "versions": versions, "checks": [asdict(c) for c in checks]}
+
+
+def register(sub):
+    p = sub.add_parser("env", help="what this machine can build, prove and serve, and why not where it cannot")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
+    p.add_argument("--dtype", choices=["float32", "float16"], help="default: float16 on CUDA, float32 on CPU")
+    p.add_argument("--json", dest="json_path", help="write the report here as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    device = resolve_device(args.device)
+    dtype = parse_dtype(args.dtype) if args.dtype else default_dtype(device)
+    report = collect(device, dtype)
+    d = report["device"]
+    versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v)
+    console.print(f"{d['name']} ({d['type']} {d['capability']}{', %s GiB' % d['memory_gib'] if 'memory_gib' in d else ''})"
+                  f", {report['dtype']}; Python {report['python']} on {report['platform']}, {report['cpus']} CPUs",
+                  soft_wrap=True)
+    console.print(f"versions: {versions}", soft_wrap=True)
+    rows = [[c["area"], c["name"], c["status"], c["detail"]] for c in report["checks"]]
+    console.print(table("What this machine can do", ["area", "what", "status", "detail or why not"], rows))
+    off = sum(c["status"] != OK for c in report["checks"])
+    console.print(f"{len(rows) - off} of {len(rows)} ready; every 'off' line says why and what would turn it on")
+    if args.json_path:
+        write_json(Path(args.json_path), report)
+        console.print(f"wrote {args.json_path}")
+    return 0

@@ -1,0 +1,79 @@
+"""`kkdeploy env`: one line per thing the machine can or cannot do, each 'off' with its reason; JSON for machines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engines import registry
+from kkdeploy.cli import main
+from kkdeploy.commands import env
+
+
+def _report(tmp_path, *args):
+    path = tmp_path / "env.json"
+    assert main(["env", "--device", "cpu", "--json", str(path), *args]) == 0
+    return json.loads(path.read_text())
+
+
+def _check(report, area, name):
+    return next(c for c in report["checks"] if c["area"] == area and c["name"] == name)
+
+
+def test_every_backend_kernel_and_serving_part_has_a_line_and_every_off_line_a_reason(tmp_path, capsys):
+    report = _report(tmp_path)
+    assert report["format"] == env.ENV_FORMAT and report["device"]["type"] == "cpu" and report["dtype"] == "float32"
+    names = [c["name"] for c in report["checks"] if c["area"] == "backend"]
+    assert sorted(names) == sorted(d.recipe_name or d.choices[0].name for d in registry.DESCRIPTORS.values())
+    assert {c["name"] for c in report["checks"] if c["area"] == "serving"} == {
+        "tritonserver", "Python backend", "in-process backend", "load generator client"}
+    for check in report["checks"]:
+        assert check["status"] in (env.OK, env.OFF), check  # no check may fail on a healthy machine
+        assert check["detail"], check
+    # on the CPU: CUDA graphs, every kernel of ours and dependent launches are off, each saying why
+    assert "CUDA" in _check(report, "backend", "torch-graph")["detail"]
+    kernels = [c for c in report["checks"] if c["area"] == "kernel"]
+    assert len(kernels) == 5 and all(c["status"] == env.OFF and "cpu" in c["detail"] for c in kernels), kernels
+    # the CPU build's default backend is ready, and a backend built only on request says so
+    assert _check(report, "backend", "ort")["status"] == env.OK
+    assert _check(report, "backend", "ort")["detail"] == "ort-cpu"
+    assert "on request" in _check(report, "backend", "torch-compile")["detail"]
+    out = capsys.readouterr().out
+    assert "What this machine can do" in out and "ready; every 'off' line says why" in out
+
+
+def test_a_checks_own_one_line_error_is_its_reason(tmp_path, monkeypatch):
+    # A server named by the variable but absent: the same one-line error `kkdeploy serve` gives, as the reason.
+    monkeypatch.setenv("KKDEPLOY_TRITONSERVER", str(tmp_path / "no-such-triton"))
+    check = _check(_report(tmp_path), "serving", "tritonserver")
+    assert check["status"] == env.OFF and "KKDEPLOY_TRITONSERVER" in check["detail"] and "no bin/tritonserver" in check["detail"]
+
+
+def test_a_check_that_breaks_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    from engines.torch_graph import BACKEND
+
+    def broken(device, dtype):
+        raise RuntimeError("driver exploded\nsecond line")
+
+    monkeypatch.setattr(BACKEND, "unavailable_reason", broken)
+    report = _report(tmp_path)
+    check = _check(report, "backend", "torch-graph")
+    assert check == {"area": "backend", "name": "torch-graph", "status": env.ERROR,
+                     "detail": "RuntimeError: driver exploded"}
+    assert _check(report, "backend", "ort")["status"] == env.OK and len(report["checks"]) > 10
+
+
+def test_float16_on_the_cpu_is_reported_not_refused(tmp_path):
+    assert _report(tmp_path, "--dtype", "float16")["dtype"] == "float16"
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:0"])
+def test_a_device_this_machine_lacks_is_a_one_line_error(device, capsys):
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["env", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
