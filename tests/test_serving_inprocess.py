@@ -213,6 +213,22 @@ def test_a_server_without_pythonhome_still_finds_the_interpreter_s_home(reposito
         proc.wait(timeout=30)
 
 
+def test_the_server_s_python_finds_the_running_source_tree_without_an_install(repository, tmp_path):
+    """The embedded interpreter has no current directory on sys.path: run from a source checkout whose install is
+    absent or points elsewhere, it failed to import kkdeploy.serving.inprocess. `kkdeploy serve` now names the folder
+    holding the running kkdeploy (and engines/, validation/) last among the site directories it passes."""
+    import os
+
+    root = Path(kkdeploy.__file__).resolve().parents[1]
+    dirs = triton_server._site_dirs()
+    assert dirs[-1] == str(root) and dirs.count(str(root)) == 1
+    assert all((root / package / "__init__.py").is_file() for package in ("kkdeploy", "engines", "validation"))
+    install = triton_server.find_server() or triton_server.install_server()
+    server = triton_server.TritonServer(install, repository, tmp_path / "work",
+                                        **{f"{k}_port": v for k, v in triton_server.free_ports().items()})
+    assert str(root) in server.environment()[triton_server.ENV_SITE_DIRS].split(os.pathsep)
+
+
 def test_a_model_reloaded_in_process_answers_exactly_again(small, repository, tmp_path):
     """The watchdog heals a broken model by unloading and loading it: in process, that finalizes the instance
     and loads a new engine in the same interpreter. Three reloads, every answer exact after each."""

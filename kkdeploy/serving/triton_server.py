@@ -275,11 +275,17 @@ def python_library_dir(embedder: str = "the Triton Python-backend stub") -> Path
 
 
 def _site_dirs() -> list[str]:
+    """Where the server's Python (the stub, or the interpreter the in-process backend embeds) finds what this one
+    imports: the site directories, and last the folder that holds the running ``kkdeploy`` (with ``engines`` and
+    ``validation`` beside it), for a source checkout run without an install or beside a stale one."""
     import site
 
     dirs = list(site.getsitepackages())
     if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
         dirs.append(site.getusersitepackages())
+    source_root = str(Path(__file__).resolve().parents[2])
+    if source_root not in dirs:
+        dirs.append(source_root)
     return dirs
 
 
