@@ -39,27 +39,19 @@ WORK=${WORK:-/tmp/kk-work}
 mkdir -p "$WORK"
 log="$OUT/campaign.log"
 BUILD_SHAPES=${BUILD_SHAPES:-2 3 12}  # BUILD_DTYPE (float16), BUILD_BACKENDS, BUILD_ARGS (extra flags)
-export OUT WORK BUILD_SHAPES
+# CAMPAIGN_DEVICE=cpu runs a step's commands on the CPU: a dry run of its plumbing (flags, files, summaries) before
+# device time is spent on it; the kernel self-tests need a GPU and say so.
+DEVICE=${CAMPAIGN_DEVICE:-cuda}
+export OUT WORK BUILD_SHAPES DEVICE
 
 step_env() {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -m kkdeploy env  # every backend, kernel and serving part: ready, or why not
-  python3 - <<'PY'
-import importlib, torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
-for m in ("onnx", "onnxruntime", "polygraphy", "rich", "safetensors", "matplotlib", "tensorrt"):
-    try:
-        mod = importlib.import_module(m)
-        extra = mod.get_available_providers() if m == "onnxruntime" else ""
-        print(m, getattr(mod, "__version__", "?"), extra)
-    except Exception as exc:
-        print(m, "MISSING:", type(exc).__name__, exc)
-PY
+  [ "$DEVICE" = cpu ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -m kkdeploy env --device "$DEVICE"  # every backend, kernel and serving part: ready, or why not
 }
 
 step_build() {
   for s in $BUILD_SHAPES; do
-    python3 -m kkdeploy build --shape "$s" --device cuda --dtype "${BUILD_DTYPE:-float16}" --force ${BUILD_ARGS:-} \
+    python3 -m kkdeploy build --shape "$s" --device "$DEVICE" --dtype "${BUILD_DTYPE:-float16}" --force ${BUILD_ARGS:-} \
       --backends "${BUILD_BACKENDS:-trt,ort-cuda,torch-graph}" --out "$WORK/shape-$s" || echo "build shape $s: exit $?"
   done
   (cd "$WORK" && tar czf "$OUT/builds.tgz" --exclude='*.onnx' --exclude='*.plan' --exclude='*.pt2' \
@@ -71,15 +63,15 @@ step_crashproof() {
   # Issue 17 on the GPU: an inductor-only build survives its crashing loader (run alongside, it compiles on
   # the CPU); a default build serves padded calls in 5 fresh processes; every built candidate of shapes 2, 3
   # and 12 is then loaded once more in a fresh process (scripts/fresh_process_table.py).
-  ( python3 -m kkdeploy build --shape 3 --device cuda --force --backends inductor --out "$WORK/s3-inductor" \
+  ( python3 -m kkdeploy build --shape 3 --device "$DEVICE" --force --backends inductor --out "$WORK/s3-inductor" \
       > "$WORK/s3-inductor.log" 2>&1; echo "CRASHPROOF inductor-only build exit $?" >> "$WORK/s3-inductor.log" ) &
-  python3 -m kkdeploy build --shape 3 --device cuda --force --out "$WORK/s3-default"
+  python3 -m kkdeploy build --shape 3 --device "$DEVICE" --force --out "$WORK/s3-default"
   echo "CRASHPROOF default build exit $?"
   for i in 1 2 3 4 5; do
     python3 -m kkdeploy run --artifacts "$WORK/s3-default" --padding-ratio 0.25; echo "CRASHPROOF run $i exit $?"
   done
   for s in ${CRASHPROOF_SHAPES:-2 12}; do
-    python3 -m kkdeploy build --shape "$s" --device cuda --force --out "$WORK/s$s"; echo "CRASHPROOF build shape $s exit $?"
+    python3 -m kkdeploy build --shape "$s" --device "$DEVICE" --force --out "$WORK/s$s"; echo "CRASHPROOF build shape $s exit $?"
   done
   wait; cat "$WORK/s3-inductor.log"
   (cd "$WORK" && tar czf "$OUT/crashproof.tgz" --exclude='*.pt2' --exclude='*.safetensors' --exclude='*.inductor-cache' \
@@ -90,7 +82,7 @@ step_crashproof() {
 
 step_inductoronly() {
   # Issue 17's first command alone: every AOTInductor package is probed in a fresh process.
-  python3 -m kkdeploy build --shape 3 --device cuda --force --backends inductor --out "$WORK/s3-inductor"
+  python3 -m kkdeploy build --shape 3 --device "$DEVICE" --force --backends inductor --out "$WORK/s3-inductor"
   echo "CRASHPROOF inductor-only build exit $?"
   python3 -c "import json; m = json.load(open('$WORK/s3-inductor/manifest.json')); [print('FRESH', c['name'], c['status'], c['reason'], c.get('fresh_process', {}).get('seconds')) for c in m['candidates']]; print('CHOICE', m['choice'])"
   (cd "$WORK" && tar czf "$OUT/inductor-only.tgz" --exclude='*.pt2' --exclude='*.safetensors' --exclude='*.onnx' s3-inductor)
@@ -125,7 +117,7 @@ step_shape14build() {
       [ -f "$wfile" ] || python3 scripts/make_weights.py --shape 14 --seed "${SHAPE14_SEED:-77}" --out "$wfile"
       wargs="--weights $wfile"
     fi
-    python3 -m kkdeploy build --shape 14 --force $wargs ${SHAPE14_BUILD_ARGS:-} \
+    python3 -m kkdeploy build --shape 14 --device "$DEVICE" --force $wargs ${SHAPE14_BUILD_ARGS:-} \
       --out "$WORK/s14-$w" || echo "shape14 build $w: exit $?"
     cp "$WORK/s14-$w/manifest.json" "$OUT/s14-$w-manifest.json" 2>/dev/null
     for r in ${SHAPE14_RUN_PADDING:-0 0.25}; do
@@ -172,7 +164,7 @@ step_buildtime() {
   for s in ${BUILDTIME_SHAPES:-6}; do
     python3 scripts/make_weights.py --shape "$s" --seed $((600 + s)) --out "$WORK/w$s.safetensors" > /dev/null
     python3 scripts/wall_phases.py --mark '^build [0-9]' -- \
-      python3 -m kkdeploy build --shape "$s" --device cuda --force --weights "$WORK/w$s.safetensors" \
+      python3 -m kkdeploy build --shape "$s" --device "$DEVICE" --force --weights "$WORK/w$s.safetensors" \
       ${BUILDTIME_ARGS:-} --out "$WORK/bt-$s${BUILDTIME_TAG:-}" || echo "buildtime shape $s: exit $?"
     python3 - "$WORK/bt-$s${BUILDTIME_TAG:-}/manifest.json" <<'PY'
 import json, sys
@@ -199,7 +191,7 @@ step_layers() {
 step_prove() {
   # The build's proof step on its own, per official shape (PROVE_SHAPES): each kernel op's launches proven here.
   for s in ${PROVE_SHAPES:-3 6 8 13}; do
-    python3 -m kkdeploy prove --shape "$s" --device cuda --json "$OUT/prove-$s.json" || echo "prove shape $s: exit $?"
+    python3 -m kkdeploy prove --shape "$s" --device "$DEVICE" --json "$OUT/prove-$s.json" || echo "prove shape $s: exit $?"
   done
 }
 step_custom() {
@@ -213,10 +205,10 @@ step_custom() {
     w="$WORK/custom/w-$spec.safetensors"; mkdir -p "$WORK/custom"
     python3 scripts/make_weights.py $dims --seed $((4242 + i)) --out "$w" > /dev/null
     start=$(date +%s.%N)
-    python3 -m kkdeploy build $dims --device cuda --weights "$w" --backends torch-compile --force ${CUSTOM_BUILD_ARGS:-} \
+    python3 -m kkdeploy build $dims --device "$DEVICE" --weights "$w" --backends torch-compile --force ${CUSTOM_BUILD_ARGS:-} \
       --out "$WORK/custom/build-$spec" || echo "custom build $spec: exit $?"
     echo "custom build $spec: $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s wall"
-    python3 -m kkdeploy bench $dims --device cuda --weights "$w" --processes 1 --out "$WORK/custom/bench-$spec" \
+    python3 -m kkdeploy bench $dims --device "$DEVICE" --weights "$w" --processes 1 --out "$WORK/custom/bench-$spec" \
       --candidates "${CUSTOM_CANDIDATES:-torch-compile,torch-compile-faithful-attention,torch-compile-faithful-kernels,torch-compile-faithful-gemms}" \
       ${CUSTOM_BENCH_ARGS:-} || echo "custom bench $spec: exit $?"
     (cd "$WORK" && tar czf "$OUT/custom.tgz" --exclude='*.safetensors' --exclude='*.inductor-cache' custom)
@@ -231,7 +223,7 @@ step_bench() {
   # the summary its column, geomean and the three shapes furthest from their limit (docs/benchmark.md, Roofline).
   dt=${BENCH_DTYPE:-float16}; ct=${BENCH_CONTRACT:-strict}
   for s in ${BENCH_SHAPES:-2 3 12 1 4 5 7 9 10 11 8 13 6}; do
-    python3 -m kkdeploy bench --shape "$s" --dtype "$dt" --contract "$ct" --processes "${BENCH_PROCESSES:-3}" \
+    python3 -m kkdeploy bench --shape "$s" --device "$DEVICE" --dtype "$dt" --contract "$ct" --processes "${BENCH_PROCESSES:-3}" \
       ${BENCH_ARGS:-} --out "$WORK/bench-$dt-$ct/shape-$s" || echo "bench shape $s: exit $?"
     # after every shape: a timeout keeps what finished
     (cd "$WORK" && tar czf "$OUT/bench-$dt-$ct.tgz" "bench-$dt-$ct")
@@ -242,7 +234,7 @@ step_bench() {
 step_profile() {
   # PROFILE_SHAPES (8 6 5 11), PROFILE_ARGS (extra flags, e.g. --candidate torch-compile-fused-mixed)
   for s in ${PROFILE_SHAPES:-8 6 5 11}; do
-    python3 scripts/profile_candidate.py --shape "$s" --device cuda ${PROFILE_ARGS:-} --out "$WORK/profile/shape-$s" \
+    python3 scripts/profile_candidate.py --shape "$s" --device "$DEVICE" ${PROFILE_ARGS:-} --out "$WORK/profile/shape-$s" \
       || echo "profile shape $s: exit $?"
     [ -d "$WORK/profile" ] && (cd "$WORK" && tar czf "$OUT/profile.tgz" profile)  # a timeout keeps what finished
   done
@@ -259,9 +251,9 @@ step_customprofile() {
     dims="--batch-size $b --seq-len $s --d-model $d --heads $h --ffn-dim $f --layers $l"
     w="$WORK/w-$spec.safetensors"; mkdir -p "$WORK"
     python3 scripts/make_weights.py $dims --seed "$seed" --out "$w" > /dev/null
-    python3 -m kkdeploy prove $dims --device cuda --weights "$w" --json "$OUT/customprofile/prove-$spec.json" \
+    python3 -m kkdeploy prove $dims --device "$DEVICE" --weights "$w" --json "$OUT/customprofile/prove-$spec.json" \
       || echo "prove $spec: exit $?"
-    python3 scripts/profile_candidate.py --dims "$spec" --weights "$w" --device cuda --dtype float16 --contract strict \
+    python3 scripts/profile_candidate.py --dims "$spec" --weights "$w" --device "$DEVICE" --dtype float16 --contract strict \
       --candidate "${CUSTOMPROFILE_CANDIDATES:-torch-compile,torch-compile-faithful-attention,torch-compile-faithful-kernels,torch-compile-faithful-gemms}" \
       --calls 50 --warmups 20 --top 30 --out "$OUT/customprofile/prof-$spec" > "$OUT/customprofile/prof-$spec.txt" 2>&1 \
       || echo "profile $spec: exit $?"
@@ -278,7 +270,7 @@ step_pdl() {
   pdl_bench() {  # NAME SEED SHAPE-FLAGS...: weights of our own, one bench, the table rewritten (a timeout keeps the rest)
     local name=$1 seed=$2; shift 2
     python3 scripts/make_weights.py "$@" --seed "$seed" --out "$WORK/w-pdl-$name.safetensors" > /dev/null
-    python3 -m kkdeploy bench "$@" --dtype float16 --contract strict --processes "${PDL_PROCESSES:-1}" \
+    python3 -m kkdeploy bench "$@" --device "$DEVICE" --dtype float16 --contract strict --processes "${PDL_PROCESSES:-1}" \
       --weights "$WORK/w-pdl-$name.safetensors" --out "$WORK/pdl/$name" --candidates "$candidates" \
       || echo "pdl $name: exit $?"
     (cd "$WORK" && tar czf "$OUT/pdl.tgz" pdl)
@@ -304,7 +296,7 @@ step_ortstrict() {
   # Issue 20 Part B end to end: FP16 strict builds whose graph uses the kkdeploy ops for every Linear, LayerNorm
   # and GELU (ORTSTRICT_SHAPES, ORTSTRICT_BACKENDS), then one table; the torch-compile rows are the yardstick.
   for s in ${ORTSTRICT_SHAPES:-3 2 12}; do
-    python3 -m kkdeploy build --shape "$s" --device cuda --dtype float16 --force --linear custom --layer-norm custom \
+    python3 -m kkdeploy build --shape "$s" --device "$DEVICE" --dtype float16 --force --linear custom --layer-norm custom \
       --gelu custom --backends "${ORTSTRICT_BACKENDS:-ort-cuda,torch-compile}" --out "$WORK/strict-$s" \
       || echo "ortstrict shape $s: exit $?"
     python3 scripts/build_table.py "$WORK"/strict-* --md "$OUT/ortstrict.md" --json "$OUT/ortstrict.json" > /dev/null
@@ -316,7 +308,7 @@ step_ortjudge() {
   # to the fused torch candidate, shape by shape (ORTJUDGE_SHAPES, ORTJUDGE_BACKENDS); the table is rewritten
   # after every shape, so a timeout keeps what finished.
   for s in ${ORTJUDGE_SHAPES:-3 2 12 1 4 7 9 10 5 11 8 13 6}; do
-    python3 -m kkdeploy build --shape "$s" --device cuda --dtype float32 --contract judge --force \
+    python3 -m kkdeploy build --shape "$s" --device "$DEVICE" --dtype float32 --contract judge --force \
       --backends "${ORTJUDGE_BACKENDS:-ort-cuda,torch-compile-fused-half-gemm-mixed}" --out "$WORK/judge-$s" \
       || echo "ortjudge shape $s: exit $?"
     python3 scripts/build_table.py "$WORK"/judge-* --md "$OUT/ortjudge.md" --json "$OUT/ortjudge.json" > /dev/null

@@ -159,11 +159,22 @@ def main(argv: list[str] | None = None) -> int:
                                trials=args.trials, candidates=names, weights=args.weights).check()
         tf32 = set_process_tf32(options, device, dtype)  # as the bench worker
         reference, _ = build_models(config, dtype, device, weights=args.weights, sdpa_layers=0)
-        infos: dict[str, dict] = {name: {} for name in names}
-        runners = {name: make_candidate(name, reference, config, dtype, device, options, infos[name], {})[0]
-                   for name in names}
     except KKError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # A candidate that cannot run here (its kernels unproven, a CUDA-only graph on the CPU) is recorded and the
+    # others are still profiled, as the bench does: one refusal must not cost the whole call on the GPU.
+    infos: dict[str, dict] = {name: {} for name in names}
+    runners, skipped = {}, {}
+    for name in names:
+        try:
+            runners[name] = make_candidate(name, reference, config, dtype, device, options, infos[name], {})[0]
+        except KKError as exc:
+            skipped[name] = str(exc)
+            print(f"{name}: {exc}")
+    if not runners and names:
+        print(f"error: none of the candidates can run here ({'; '.join(f'{n}: {r}' for n, r in skipped.items())})",
+              file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {"shape_id": args.shape, "config": config.to_dict(), "dtype": dtype_name(dtype),
               "contract": args.contract, "tf32": tf32, "calls": args.calls, "warmups": args.warmups,
               "weights": args.weights or "seeded", "environment": environment(device), "candidate_info": infos,
-              "backends": {}}
+              "skipped": skipped, "backends": {}}
     where = f"shape {args.shape}" if args.dims is None else "custom shape"
     print(f"profile {where} ({config.describe()}), {dtype_name(dtype)} on {device}, weights "
           f"{args.weights or 'seeded'}, contract {args.contract}, tf32 {'on' if tf32 else 'off'}: {EAGER} vs "
-          f"{', '.join(names)}")
+          f"{', '.join(runners) or 'no candidate'}")
     with torch.inference_mode():
         for label, model in ((EAGER, reference), *runners.items()):
             trace = out / f"trace-{label}.json"

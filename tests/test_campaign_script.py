@@ -33,18 +33,38 @@ def test_the_header_lists_exactly_the_steps_the_script_defines():
     assert listed == defined
 
 
+def _campaign(tmp_path, *steps, **env):
+    env = dict(os.environ, CAMPAIGN_DEVICE="cpu", OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"),
+               KKDEPLOY_CACHE_DIR=str(tmp_path / "cache"), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+               **env)
+    subprocess.run(["bash", str(CAMPAIGN), *steps], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    return (tmp_path / "out" / "campaign.log").read_text()
+
+
+def test_the_env_step_reports_the_machine_through_kkdeploy_env(tmp_path):
+    log = _campaign(tmp_path, "env=60")
+    assert "=== step env done: exit 0" in log and "What this machine can do" in log, log[-3000:]
+
+
 def test_the_pdl_step_runs_end_to_end_and_pairs_each_graph_with_its_pdl_form(tmp_path):
     # A tiny custom shape with weights of our own: make_weights, the bench, the tarball and the paired summary.
     # On the CPU the -pdl form is refused in one line and recorded skipped; the pairing table must still say so.
-    env = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), PDL_SHAPES="",
-               PDL_DIMS="9:2,16,32,2,64,1", PDL_CANDIDATES="torch-compile,torch-compile-pdl",
-               KKDEPLOY_CACHE_DIR=str(tmp_path / "cache"), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    run = subprocess.run(["bash", str(CAMPAIGN), "pdl=300"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=400)
-    log = (tmp_path / "out" / "campaign.log").read_text()
-    assert run.returncode == 0 and "=== step pdl done: exit 0" in log, log[-3000:]
+    log = _campaign(tmp_path, "pdl=300", PDL_SHAPES="", PDL_DIMS="9:2,16,32,2,64,1",
+                    PDL_CANDIDATES="torch-compile,torch-compile-pdl")
+    assert "=== step pdl done: exit 0" in log, log[-3000:]
     assert (tmp_path / "out" / "pdl.tgz").stat().st_size > 0
     pairs = (tmp_path / "out" / "pdl.md").read_text()
     row = next(line for line in pairs.splitlines() if "| torch-compile |" in line and "plain / pdl" not in line)
     assert "(passed)" in row and "skipped" in row, pairs
     assert "pdl custom-2,16,32,2,64,1: exit" not in log, log[-3000:]  # the bench itself exited 0
+
+
+def test_the_customprofile_step_profiles_what_can_run_and_names_what_cannot(tmp_path):
+    # On the CPU the three our-kernel candidates are refused (CUDA-only kernels); torch-compile and eager are still
+    # profiled, as an unproven candidate on the GPU must not cost the others.
+    log = _campaign(tmp_path, "customprofile=300", CUSTOMPROFILE_SHAPES="9:2,16,32,2,64,1")
+    assert "=== step customprofile done: exit 0" in log, log[-3000:]
+    text = (tmp_path / "out" / "customprofile" / "prof-2,16,32,2,64,1.txt").read_text()
+    assert "torch-compile: " in text and "ms per call" in text
+    assert "torch-compile-faithful-gemms: skipped:" in text
+    assert (tmp_path / "out" / "customprofile" / "prove-2,16,32,2,64,1.json").is_file()

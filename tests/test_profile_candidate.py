@@ -93,3 +93,24 @@ def test_profiles_a_custom_shape_with_a_weights_file_and_two_candidates(profiler
     assert list(report["backends"]) == ["eager", "fused", "fused-half-gemm"]
     assert set(report["candidate_info"]) == {"fused", "fused-half-gemm"}
     assert "custom shape" in capsys.readouterr().out
+
+
+def test_a_candidate_that_cannot_run_here_is_recorded_and_the_others_are_profiled(profiler, tmp_path, capsys):
+    """One refusal (here a CUDA feature on the CPU) must not cost the other candidates' profiles: on the GPU an
+    unproven our-kernel candidate is refused the same way."""
+    out = tmp_path / "prof"
+    code = profiler.main(["--dims", "2,16,32,2,64,2", "--device", "cpu", "--candidate", "torch-compile-pdl,fused",
+                          "--calls", "2", "--warmups", "1", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "profile.json").read_text())
+    assert list(report["backends"]) == ["eager", "fused"]
+    assert "dependent launch" in report["skipped"]["torch-compile-pdl"]
+    assert "torch-compile-pdl: skipped:" in capsys.readouterr().out
+
+
+def test_when_no_candidate_can_run_the_error_is_one_line_naming_each_reason(profiler, tmp_path, capsys):
+    assert profiler.main(["--dims", "2,16,32,2,64,2", "--device", "cpu", "--candidate", "torch-compile-pdl",
+                          "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: none of the candidates can run here (torch-compile-pdl: skipped:")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "p").exists()
