@@ -14,8 +14,10 @@ import runpy
 import sys
 import threading
 import time
+from pathlib import Path
 
 t0 = time.perf_counter()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, as the other scripts: no install needed
 atexit.register(lambda: print(f"EXIT atexit-done {time.perf_counter() - t0:.2f}", flush=True))  # registered first: runs last
 sys.argv = ["kkdeploy", *sys.argv[1:]]
 from kkdeploy import cli  # noqa: E402

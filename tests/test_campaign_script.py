@@ -68,3 +68,11 @@ def test_the_customprofile_step_profiles_what_can_run_and_names_what_cannot(tmp_
     assert "torch-compile: " in text and "ms per call" in text
     assert "torch-compile-faithful-gemms: skipped:" in text
     assert (tmp_path / "out" / "customprofile" / "prove-2,16,32,2,64,1.json").is_file()
+
+
+def test_every_script_that_imports_the_project_runs_from_a_checkout_without_an_install():
+    # The GPU machine gets a copy of the working tree, not an install; a script that relies on one fails there.
+    imports = re.compile(r"^\s*(from|import) (kkdeploy|engines|validation|exporters)\b", re.M)
+    lacking = [p.name for p in sorted((ROOT / "scripts").glob("*.py"))
+               if imports.search(p.read_text()) and "sys.path.insert(0" not in p.read_text()]
+    assert lacking == []
