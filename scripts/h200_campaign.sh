@@ -221,10 +221,17 @@ step_bench() {
   # BENCH_DTYPE float16|float32, BENCH_CONTRACT strict|judge, BENCH_PROCESSES (3), BENCH_ARGS (extra flags).
   # Every bench.json carries each timed backend's roofline (fraction of the limit measured in its processes), and
   # the summary its column, geomean and the three shapes furthest from their limit (docs/benchmark.md, Roofline).
+  # BENCH_WEIGHTS_SEED: weights of our own per shape (scripts/make_weights.py, seed BENCH_WEIGHTS_SEED + shape),
+  # the held-out weights issue 31's figures ask for; unset, the seeded ones.
   dt=${BENCH_DTYPE:-float16}; ct=${BENCH_CONTRACT:-strict}
   for s in ${BENCH_SHAPES:-2 3 12 1 4 5 7 9 10 11 8 13 6}; do
+    wargs=""
+    if [ -n "${BENCH_WEIGHTS_SEED:-}" ]; then
+      python3 scripts/make_weights.py --shape "$s" --seed $((BENCH_WEIGHTS_SEED + s)) --out "$WORK/wb$s.safetensors"
+      wargs="--weights $WORK/wb$s.safetensors"
+    fi
     python3 -m kkdeploy bench --shape "$s" --device "$DEVICE" --dtype "$dt" --contract "$ct" --processes "${BENCH_PROCESSES:-3}" \
-      ${BENCH_ARGS:-} --out "$WORK/bench-$dt-$ct/shape-$s" || echo "bench shape $s: exit $?"
+      $wargs ${BENCH_ARGS:-} --out "$WORK/bench-$dt-$ct/shape-$s" || echo "bench shape $s: exit $?"
     # after every shape: a timeout keeps what finished
     (cd "$WORK" && tar czf "$OUT/bench-$dt-$ct.tgz" "bench-$dt-$ct")
     python3 scripts/bench_summary.py "$WORK/bench-$dt-$ct" --md "$OUT/summary-$dt-$ct.md" > /dev/null

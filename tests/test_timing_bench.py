@@ -180,6 +180,14 @@ def test_bench_command_writes_json_markdown_and_png(tmp_path, capsys):
     (shape,) = data["shapes"]
     assert shape["label"] == "custom-B2-S8-D16-H2-F24-L2" and shape["processes"] == 1  # the dimensions tell custom runs apart and shape["errors"] == []
     assert shape["config"]["d_model"] == 16 and shape["tokens"] == 16
+    # which weights stand behind the figures, hashed as a build's manifest hashes them (seeded here)
+    from kkdeploy.config import TransformerConfig
+    import torch
+
+    from kkdeploy.models.weights import build_models, weights_sha256
+
+    seeded = build_models(TransformerConfig(2, 8, 16, 2, 24, 2), torch.float32, torch.device("cpu"))[0]
+    assert shape["weights_sha256"] == weights_sha256(seeded)
     backends = shape["backends"]
     assert backends["eager"]["status"] == "reference" and backends["eager"]["speedup"] == pytest.approx(1.0)
     for name in ("eager", "optimized-sdpa0", "optimized-sdpa1"):
@@ -208,6 +216,7 @@ def test_bench_command_writes_json_markdown_and_png(tmp_path, capsys):
     md = (out / "bench.md").read_text()
     assert "| shape | backend | status |" in md and "| custom-B2-S8-D16-H2-F24-L2 | optimized-sdpa1 | passed |" in md
     assert "fraction of limit (bound) |" in md and "## Roofline" in md
+    assert f"- weights: seeded; sha256 per shape: custom-B2-S8-D16-H2-F24-L2 {shape['weights_sha256'][:16]}" in md
     assert "roofline custom-B2-S8-D16-H2-F24-L2: " in capsys.readouterr().out  # the printed summary: work and limits per shape
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     validation = json.loads((out / "logs" / "validation-custom-B2-S8-D16-H2-F24-L2-p0.json").read_text())
@@ -228,6 +237,10 @@ def test_aggregation_pools_processes_and_a_failure_anywhere_fails(tmp_path):
     passing = aggregate_shape(job, [_worker_result(0, "passed", [1.0, 2.0, 3.0]),
                                     _worker_result(1, "passed", [2.0, 2.0, 2.0])], [])
     engine = passing["backends"]["engine"]
+    assert "weights_sha256" not in passing  # the workers reported none
+    mixed = aggregate_shape(job, [dict(_worker_result(0, "passed", [1.0]), weights_sha256="a"),
+                                  dict(_worker_result(1, "passed", [1.0]), weights_sha256="b")], [])
+    assert mixed["weights_sha256"] == ["a", "b"]  # processes that disagree are shown, not hidden
     assert engine["status"] == "passed" and engine["samples"] == 6
     assert engine["median_ms"] == pytest.approx(2.0) and engine["speedup"] == pytest.approx(2.0)
     assert engine["process_medians_ms"] == pytest.approx([2.0, 2.0])

@@ -403,8 +403,11 @@ def run_worker(job: ShapeJob, options: BenchOptions, process_index: int, log_dir
     close_all(r for n, r in runners.items() if n in report.passed())
     for name, s in stats.items():
         backends[name]["latency"] = s.to_dict(include_times=True)
+    from ..models.weights import weights_sha256
+
     return {"label": job.label, "shape_id": job.shape_id, "config": job.config.to_dict(), "process": process_index,
             "pid": os.getpid(), "device": str(device), "dtype": dtype_name(dtype), "tf32": tf32, "limits": limits,
+            "weights_sha256": weights_sha256(reference),
             "validation_seconds": round(report.seconds, 3), "seconds": round(time.perf_counter() - started, 3),
             "backends": backends}
 
@@ -514,6 +517,10 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str], dtype
             entry["speedup_over_eager_floor"] = floor / entry["median_ms"]
     shape = {"label": job.label, "shape_id": job.shape_id, "config": config.to_dict(), "tokens": tokens,
              "processes": len(results), "errors": errors, "backends": backends}
+    # which weights stand behind the figures: the reference's state as the build's manifest hashes it
+    digests = sorted({r["weights_sha256"] for r in results if r.get("weights_sha256")})
+    if digests:
+        shape["weights_sha256"] = digests[0] if len(digests) == 1 else digests
     dtype = dtype or next((r["dtype"] for r in results if "dtype" in r), None)
     if dtype is not None:
         from ..config import parse_dtype
@@ -575,7 +582,9 @@ def markdown_table(data: dict) -> str:
         f"{p['padding_ratio']}), timed input seed {p['seed'] + TIMED_SEED_OFFSET}, {p['warmups']} warmups, "
         f"{p['repeats']} repeats, {p['rounds']} alternating rounds, {p['processes']} process(es) per shape; "
         f"timing by {p['timer']}",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), "",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
+        f"- weights: {p.get('weights') or 'seeded'}; sha256 per shape: " + ", ".join(
+            f"{s['label']} {str(s['weights_sha256'])[:16]}" for s in data["shapes"] if s.get("weights_sha256")), "",
         "| shape | backend | status | failed elements | median ms | p90 ms | peak MiB (extra) | tokens/s | speedup "
         "| over eager's fastest round | fraction of limit (bound) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
