@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,10 +72,10 @@ def kernel_checks(device: torch.device, dtype: torch.dtype) -> list[Check]:
     from ..kernels import cuda_build, dependent_launch, faithful_attention, fused_linear, layer_norm
     from ..kernels.libdevice import gelu_libdevice
 
-    def attention():
-        head_dim = min(faithful_attention.MAX_FUSED_HEAD_DIM, 64)
-        return faithful_attention.kernel_refusal(128, head_dim, dtype, device), \
-            f"Triton; rows up to {faithful_attention.MAX_FUSED_SEQ_LEN} keys, head dims up to {head_dim}"
+    def attention():  # asked for a shape inside its limits: only the device, dtype and Triton decide
+        return faithful_attention.kernel_refusal(128, 64, dtype, device), \
+            (f"Triton; rows up to {faithful_attention.MAX_FUSED_SEQ_LEN} keys, head dims up to "
+             f"{faithful_attention.MAX_FUSED_HEAD_DIM}")
 
     def gemms():
         return fused_linear.kernel_refusal(dtype, device), "Triton tl.dot tiles, bias and epilogues in FP32"
@@ -153,9 +152,12 @@ def collect(device: torch.device, dtype: torch.dtype) -> dict:
     if device.type == "cuda":
         info["memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
     versions = library_versions()
-    from ..kernels.proof import _triton_version
+    try:
+        from importlib.metadata import version
 
-    versions["triton"] = _triton_version()
+        versions["triton"] = version("triton")
+    except Exception:  # noqa: BLE001 - not installed (PackageNotFoundError) or unreadable: no version to report
+        versions["triton"] = None
     checks = backend_checks(device, dtype) + kernel_checks(device, dtype) + proof_checks(device) + serving_checks()
     return {"format": ENV_FORMAT, "device": info, "dtype": str(dtype).removeprefix("torch."),
             "python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
