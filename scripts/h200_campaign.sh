@@ -22,9 +22,10 @@
 #   custom.tgz, custom.md  the custom-shape step: builds and benches of non-official shapes with our own weights
 #   customprofile/   where the time goes on non-official shapes: the proof's records and a kernel profile per candidate
 #   pdl.tgz, pdl.md  the launch-bound shapes with and without programmatic dependent launches, one process each
+#   ncu.tgz          Nsight Compute per kernel (scripts/ncu_profile.py): ncu.csv, ncu.json, ncu.md per shape
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
 # attention, prove, custom, customprofile, pdl, bench, profile, customops, ortstrict, ortjudge, shape14build, layers, buildtime,
-# scoresoftmax, inductoronly. A step's =SECONDS caps its wall time.
+# scoresoftmax, inductoronly, ncu. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -292,6 +293,29 @@ step_pdl() {
       --ffn-dim "$f" --layers "$l"
   done
   cat "$OUT/pdl.md"
+}
+step_ncu() {
+  # Each kernel of a candidate's call under Nsight Compute (scripts/ncu_profile.py): time share, DRAM and SM
+  # throughput against their peaks, occupancy, registers; the largest terms of shapes NCU_SHAPES (weights of our own,
+  # seed 600+N) and custom NCU_DIMS ("SEED:B,S,D,H,F,L"). NCU_CANDIDATE (torch-compile-faithful-gemms), NCU_ARGS.
+  mkdir -p "$WORK/ncu"
+  ncu_one() {  # NAME SEED "WEIGHT-FLAGS" PROFILE-FLAGS...: make_weights takes the shape as flags, the profile as --dims
+    local name=$1 seed=$2 wflags=$3; shift 3
+    python3 scripts/make_weights.py $wflags --seed "$seed" --out "$WORK/w-ncu-$name.safetensors" > /dev/null
+    python3 scripts/ncu_profile.py "$@" --weights "$WORK/w-ncu-$name.safetensors" --device "$DEVICE" \
+      --candidate "${NCU_CANDIDATE:-torch-compile-faithful-gemms}" ${NCU_ARGS:-} --out "$WORK/ncu/$name" \
+      > "$WORK/ncu/$name.log" 2>&1 || echo "ncu $name: exit $?"
+    tail -n 40 "$WORK/ncu/$name.log"
+    (cd "$WORK" && tar czf "$OUT/ncu.tgz" ncu)
+  }
+  for s in ${NCU_SHAPES-6 13 8 3}; do
+    ncu_one "shape-$s" $((600 + s)) "--shape $s" --shape "$s"
+  done
+  for pair in ${NCU_DIMS:-}; do
+    IFS=, read -r b s d h f l <<< "${pair#*:}"
+    ncu_one "custom-${pair#*:}" "${pair%%:*}" "--batch-size $b --seq-len $s --d-model $d --heads $h --ffn-dim $f --layers $l" \
+      --dims "${pair#*:}"
+  done
 }
 step_customops() {
   # Issue 20 Part B: the CUDA kernels of the kkdeploy custom ops against ATen, op by op, every official shape

@@ -76,3 +76,17 @@ def test_every_script_that_imports_the_project_runs_from_a_checkout_without_an_i
     lacking = [p.name for p in sorted((ROOT / "scripts").glob("*.py"))
                if imports.search(p.read_text()) and not re.search(r"sys\.path(\.insert\(0|\[:0\])", p.read_text())]
     assert lacking == []
+
+
+def test_the_ncu_step_makes_weights_of_our_own_and_calls_the_profiler_per_shape(tmp_path):
+    # On the CPU the profiler refuses in one line (a GPU tool); the step still made each shape's weights, called
+    # it with them (official and custom shapes) and kept every log in ncu.tgz.
+    log = _campaign(tmp_path, "ncu=120", NCU_SHAPES="3", NCU_DIMS="9:2,16,32,2,64,1")
+    assert "=== step ncu done: exit 0" in log, log[-3000:]
+    assert log.count("Nsight Compute profiles CUDA kernels") == 2
+    work = tmp_path / "work"
+    assert (work / "w-ncu-shape-3.safetensors").is_file() and (work / "w-ncu-custom-2,16,32,2,64,1.safetensors").is_file()
+    import tarfile
+
+    with tarfile.open(tmp_path / "out" / "ncu.tgz") as tar:
+        assert {"ncu/shape-3.log", "ncu/custom-2,16,32,2,64,1.log"} <= set(tar.getnames())
