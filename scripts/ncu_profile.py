@@ -37,9 +37,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_candidate's --dims parser, loaded as a test loads us
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_candidate's helpers, loaded as a test loads us
 
 from kkdeploy.errors import KKError  # noqa: E402
+from profile_candidate import kernel_class, parse_dims  # noqa: E402  the same kernel classes and --dims parser
 
 #: what ncu collects per kernel (base units: nsecond, byte, %; counts as numbers)
 METRICS = {
@@ -58,19 +59,6 @@ BUSY_PCT = 60.0  # a unit at or above this share of its peak is what bounds the 
 TIME_UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6,
               "s": 1e6}  # -> microseconds
 BYTE_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
-# First match wins, as in profile_candidate.py; our own kernels by their names.
-KERNEL_CLASSES = (
-    ("attention", ("attention", "flash", "fmha", "sdpa", "softmax")),
-    ("gemm", ("fused_linear", "gemm", "nvjet", "cutlass", "xmma", "cublas")),
-    ("layer norm", ("layer_norm", "layernorm")),
-    ("triton fusion", ("triton_",)),
-    ("copy/cast", ("memcpy", "memset", "copy")),
-)
-
-
-def kernel_class(name: str) -> str:
-    low = name.lower()
-    return next((cls for cls, needles in KERNEL_CLASSES if any(n in low for n in needles)), "other")
 
 
 def find_ncu() -> str:
@@ -233,8 +221,6 @@ def inner(args) -> int:
 
 def _config(args):
     if args.dims is not None:
-        from profile_candidate import parse_dims
-
         return parse_dims(args.dims)
     from kkdeploy.config import official_config
 

@@ -35,12 +35,14 @@ from kkdeploy.errors import KKError  # noqa: E402
 from kkdeploy.inputs import DEFAULT_SEED, TIMED_SEED_OFFSET, generate_case  # noqa: E402
 from kkdeploy.models.weights import build_models  # noqa: E402
 
-# First match wins: attention kernels often carry "cutlass" or "gemm" in their names too.
+# First match wins: attention kernels often carry "cutlass" or "gemm" in their names too. Our own kernels by their
+# names (_faithful_attention_kernel, causal_block_softmax_kernel, _fused_linear_kernel, layer_norm_*_f16_kernel).
 KERNEL_CLASSES = (
-    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated", "block_softmax")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "fused_linear", "aten::mm", "aten::addmm", "aten::bmm",
               "aten::_addmm")),
     ("triton", ("triton_",)),
+    ("layer norm", ("layer_norm", "layernorm")),
     ("copy/cast", ("memcpy", "memset", "copy", "aten::to", "aten::_to_copy")),
 )
 CLASSES = [name for name, _ in KERNEL_CLASSES] + ["other"]

@@ -71,7 +71,7 @@ def test_the_summary_is_per_call_with_shares_bounds_and_the_largest_terms(ncu):
     assert rows["triton_poi_fused_add_0"]["bound"] == "latency"
     assert [r["name"] for r in summary["largest"]] == ["_faithful_attention_kernel", "_fused_linear_kernel",
                                                       "triton_poi_fused_add_0"]
-    assert summary["classes_us_per_call"] == {"attention": 5.0, "gemm": 4.0, "triton fusion": 1.0}
+    assert summary["classes_us_per_call"] == {"attention": 5.0, "gemm": 4.0, "triton": 1.0}
     md = ncu.markdown(summary, "ncu: test", top=10)
     assert "| 5.00 | 50.0% | 1 | attention | compute | 20 | 80 |" in md and "4 kernels, 10.0 µs per call" in md
 
@@ -79,7 +79,7 @@ def test_the_summary_is_per_call_with_shares_bounds_and_the_largest_terms(ncu):
 @pytest.mark.parametrize("name, cls", [
     ("_fused_linear_kernel", "gemm"), ("_fused_linear_tma_kernel", "gemm"),
     ("_faithful_attention_kernel", "attention"), ("layer_norm_block4_f16_kernel", "layer norm"),
-    ("triton_per_fused_native_layer_norm_0", "layer norm"), ("triton_poi_fused_where_1", "triton fusion"),
+    ("triton_per_fused_native_layer_norm_0", "triton"), ("triton_poi_fused_where_1", "triton"),
     ("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTN", "gemm"), ("causal_block_softmax_kernel", "attention"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
 ])

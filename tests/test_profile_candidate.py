@@ -26,7 +26,11 @@ def profiler():
     ("Memcpy DtoD (Device -> Device)", "copy/cast"),
     ("aten::addmm", "gemm"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
-    ("aten::native_layer_norm", "other"),
+    ("aten::native_layer_norm", "layer norm"),
+    ("layer_norm_rows2_f16_kernel", "layer norm"),
+    ("_fused_linear_kernel", "gemm"),
+    ("_faithful_attention_kernel", "attention"),
+    ("aten::_softmax", "other"), ("causal_block_softmax_kernel", "attention"),
 ])
 def test_kernel_class(profiler, name, cls):
     assert profiler.kernel_class(name) == cls
