@@ -11,7 +11,7 @@ candidates are profiled one after another in the same process, beside the same e
 by ``kkdeploy.pipeline.bench.make_candidate``, so it is the very runner `kkdeploy bench` times (same calibration,
 same compile, same TF32 setting, same timed input). After ``--warmups`` calls,
 ``--calls`` calls of eager and of the candidate run under torch.profiler: device kernels on a GPU, CPU ops
-otherwise. Per backend it prints the time per call by class (GEMM, attention, Triton fusion, copy or cast,
+otherwise. Per backend it prints the time per call by class (GEMM, attention, Triton fusion, layer norm, copy or cast,
 other) and the top kernels, and writes ``profile.json`` and one Chrome trace per backend under ``--out``.
 Accuracy is not checked here: `kkdeploy bench` does that.
 """
