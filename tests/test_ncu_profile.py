@@ -132,3 +132,14 @@ def test_bad_arguments_and_the_cpu_get_one_line(ncu, tmp_path, capsys, argv, mes
     assert ncu.main(argv + ["--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_the_inner_process_builds_the_candidate_as_the_bench_does_and_runs_the_calls(ncu, capsys):
+    # What runs under ncu on the GPU, here without it: the bench's own make_candidate, then the calls.
+    import json
+
+    code = ncu.main(["--dims", "2,16,32,2,64,2", "--device", "cpu", "--dtype", "float32", "--candidate",
+                     "optimized-sdpa0", "--calls", "2", "--warmups", "1", "--inner"])
+    assert code == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["candidate"] == "optimized-sdpa0" and record["config"]["d_model"] == 32
