@@ -33,7 +33,7 @@ def test_every_backend_kernel_and_serving_part_has_a_line_and_every_off_line_a_r
         assert check["detail"], check
     # on the CPU: CUDA graphs, every kernel of ours and dependent launches are off, each saying why
     assert "CUDA" in _check(report, "backend", "torch-graph")["detail"]
-    kernels = [c for c in report["checks"] if c["area"] == "kernel"]
+    kernels = [c for c in report["checks"] if c["area"] == "kernel" and c["name"] != "ONNX Runtime custom ops"]
     assert len(kernels) == 5 and all(c["status"] == env.OFF and "cpu" in c["detail"] for c in kernels), kernels
     # the CPU build's default backend is ready, and a backend built only on request says so
     assert _check(report, "backend", "ort")["status"] == env.OK
@@ -77,3 +77,18 @@ def test_a_device_this_machine_lacks_is_a_one_line_error(device, capsys):
     assert main(["env", "--device", device]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_onnx_runtime_custom_ops_line_names_its_headers_without_fetching_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path / "empty-cache"))
+    check = _check(_report(tmp_path), "kernel", "ONNX Runtime custom ops")
+    assert check["status"] == env.OFF and "not cached" in check["detail"] and "KKDEPLOY_ORT_INCLUDE" in check["detail"]
+    assert not (tmp_path / "empty-cache" / "ort-headers").exists()  # nothing was fetched
+    include = tmp_path / "include"
+    include.mkdir()
+    monkeypatch.setenv("KKDEPLOY_ORT_INCLUDE", str(include))
+    check = _check(_report(tmp_path), "kernel", "ONNX Runtime custom ops")
+    assert check["status"] == env.OFF and "has no onnxruntime_c_api.h" in check["detail"]
+    (include / "onnxruntime_c_api.h").write_text("#define ORT_API_VERSION 21\n")
+    check = _check(_report(tmp_path), "kernel", "ONNX Runtime custom ops")
+    assert check["status"] == env.OK and "api21" in check["detail"] and str(include) in check["detail"]

@@ -95,10 +95,30 @@ def kernel_checks(device: torch.device, dtype: torch.dtype) -> list[Check]:
                     "launches with a GELU part link Triton's copy, and their proofs say whether that is bit-identical"), ""
         return None, f"{found} (ATen's erff, for the GEMM launches with a GELU part)"
 
+    def ort_custom_ops():
+        """The ONNX Runtime custom-op library (exports with --linear/--layer-norm/--gelu custom), compiled on first use
+        against ONNX Runtime's C API headers: a build fetches them once when neither the cache nor the variable has them."""
+        import os
+
+        from engines import custom_op_library
+
+        compiler = custom_op_library.compiler()
+        if os.environ.get("KKDEPLOY_ORT_INCLUDE"):
+            include, label = custom_op_library.ort_headers()  # checks the directory, fetches nothing
+        else:
+            cached = sorted((cuda_build.cache_root() / "ort-headers").glob("*/include/onnxruntime_c_api.h"))
+            if not cached:
+                return ("ONNX Runtime's C API headers are not cached: the first build exporting custom ops fetches "
+                        "them (apt-get download libonnxruntime-dev), or set KKDEPLOY_ORT_INCLUDE"), ""
+            include, label = cached[0].parent, cached[0].parent.parent.name
+        cuda = f", CUDA kernels by {cuda_build.compiler_version(cuda_build.nvcc())}" if device.type == "cuda" else ""
+        return None, f"compiled on first use by {cuda_build.compiler_version(compiler)} against {label} ({include}){cuda}"
+
     return [_asked("kernel", "attention", attention), _asked("kernel", "GEMMs", gemms),
             _asked("kernel", "rows LayerNorm", rows_layer_norm), _asked("kernel", "CUDA libdevice", libdevice),
             _asked("kernel", "dependent launches (-pdl)",
-                   lambda: (dependent_launch.refusal(device), "Hopper programmatic dependent launch, off by default"))]
+                   lambda: (dependent_launch.refusal(device), "Hopper programmatic dependent launch, off by default")),
+            _asked("kernel", "ONNX Runtime custom ops", ort_custom_ops)]
 
 
 def proof_checks(device: torch.device) -> list[Check]:
