@@ -78,6 +78,16 @@ def test_issue_31_orders_of_magnitude():
 
 
 # -- the fraction ----------------------------------------------------------------------------------------------------
+def test_a_fraction_above_one_is_shown_as_a_limit_measured_low():
+    from kkdeploy.pipeline.roofline import format_fraction
+
+    assert format_fraction({"fraction": 0.31, "bound": "launch"}) == "0.31 launch"
+    assert format_fraction({"fraction": 0.057, "bound": "compute"}) == "0.057 compute"
+    # a CPU's float16 GEMM probe ran slower than the model's own GEMMs: the call "beat" the limit
+    assert format_fraction({"fraction": 2.7, "bound": "compute"}) == "2.70 compute (limit measured low)"
+    assert format_fraction(None) == "-" and format_fraction({"fraction": None}) == "-"
+
+
 def test_fraction_is_the_largest_term_over_the_median():
     work = {"flops": {"total": 10**9}, "bytes": {"total": 2 * 10**6}}
     # compute 1e9 / 100e12 s = 0.01 ms; memory 2e6 / 1e12 s = 0.002 ms; launch 0.005 + 40 x 0.001 = 0.045 ms

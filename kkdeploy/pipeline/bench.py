@@ -770,7 +770,7 @@ def _draw_fractions(ax, shapes: list[dict], color_of: dict) -> None:
             if r.get("fraction") is not None:
                 xs.append(j - 0.4 + width * (i + 0.5))
                 ys.append(r["fraction"])
-                value, bound = format_fraction(r).split()
+                value, bound = format_fraction(r).split()[:2]
                 tags.append(f"{value}{bound[0].upper()}")
         ax.bar(xs, ys, width, label=name, color=color_of.get(name, "0.6"))
         for x, y, tag in zip(xs, ys, tags):
