@@ -98,8 +98,6 @@ def kernel_checks(device: torch.device, dtype: torch.dtype) -> list[Check]:
     def ort_custom_ops():
         """The ONNX Runtime custom-op library (exports with --linear/--layer-norm/--gelu custom), compiled on first use
         against ONNX Runtime's C API headers: a build fetches them once when neither the cache nor the variable has them."""
-        import os
-
         from engines import custom_op_library
 
         compiler = custom_op_library.compiler()
