@@ -100,6 +100,7 @@ def test_the_command_profiles_only_the_calls_and_each_graph_node(ncu, tmp_path):
                               400)
     joined = " ".join(command)
     assert "--profile-from-start off" in joined and "--graph-profiling node" in joined
+    assert "--target-processes application-only" in joined  # not Inductor's compile workers
     assert "--csv --page raw --print-units base" in joined and f"--log-file {tmp_path / 'ncu.csv'}" in joined
     assert command[command.index("--metrics") + 1].split(",") == list(ncu.METRICS.values())
     assert command[-3:] == ["python3", "ncu_profile.py", "--inner"]
