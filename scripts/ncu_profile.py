@@ -82,7 +82,8 @@ def find_ncu() -> str:
 def ncu_command(ncu: str, csv_path: Path, inner: list[str], launch_count: int) -> list[str]:
     """ncu around ``inner`` (the inner process's argv): only the kernels between cudaProfilerStart and Stop, graph
     nodes one by one, in that process alone (Inductor's compile workers and ptxas are left uninstrumented)."""
-    return [ncu, "--target-processes", "application-only", "--profile-from-start", "off", "--graph-profiling", "node", "--launch-count", str(launch_count),
+    return [ncu, "--target-processes", "application-only", "--profile-from-start", "off", "--graph-profiling", "node",
+            "--launch-count", str(launch_count),
             "--metrics", ",".join(METRICS.values()), "--csv", "--page", "raw", "--print-units", "base",
             "--log-file", str(csv_path), *inner]
 
