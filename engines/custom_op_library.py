@@ -74,10 +74,15 @@ def ort_headers() -> tuple[Path, str]:
             raise KKError(f"KKDEPLOY_ORT_INCLUDE={override} has no onnxruntime_c_api.h; point it at ONNX Runtime's "
                           f"include directory (e.g. a cached ~/.cache/kkdeploy/ort-headers/*/include)")
         return include, f"api{header_api_version(include)}"
-    root = cache_root() / "ort-headers"
-    for done in sorted(root.glob("*/include/onnxruntime_c_api.h")):
+    return cached_ort_headers() or _download_headers(cache_root() / "ort-headers")
+
+
+def cached_ort_headers() -> tuple[Path, str] | None:
+    """``ort_headers``'s answer where an earlier build already fetched the headers into the cache, else None (nothing
+    is fetched: `kkdeploy env` asks this)."""
+    for done in sorted((cache_root() / "ort-headers").glob("*/include/onnxruntime_c_api.h")):
         return done.parent, done.parent.parent.name
-    return _download_headers(root)
+    return None
 
 
 def _download_headers(root: Path) -> tuple[Path, str]:

@@ -103,12 +103,11 @@ def kernel_checks(device: torch.device, dtype: torch.dtype) -> list[Check]:
         compiler = custom_op_library.compiler()
         if os.environ.get("KKDEPLOY_ORT_INCLUDE"):
             include, label = custom_op_library.ort_headers()  # checks the directory, fetches nothing
+        elif custom_op_library.cached_ort_headers() is None:
+            return ("ONNX Runtime's C API headers are not cached: the first build exporting custom ops fetches "
+                    "them (apt-get download libonnxruntime-dev), or set KKDEPLOY_ORT_INCLUDE"), ""
         else:
-            cached = sorted((cuda_build.cache_root() / "ort-headers").glob("*/include/onnxruntime_c_api.h"))
-            if not cached:
-                return ("ONNX Runtime's C API headers are not cached: the first build exporting custom ops fetches "
-                        "them (apt-get download libonnxruntime-dev), or set KKDEPLOY_ORT_INCLUDE"), ""
-            include, label = cached[0].parent, cached[0].parent.parent.name
+            include, label = custom_op_library.cached_ort_headers()
         cuda = f", CUDA kernels by {cuda_build.compiler_version(cuda_build.nvcc())}" if device.type == "cuda" else ""
         return None, f"compiled on first use by {cuda_build.compiler_version(compiler)} against {label} ({include}){cuda}"
 
@@ -169,13 +168,9 @@ def collect(device: torch.device, dtype: torch.dtype) -> dict:
     info = device_info(device)
     if device.type == "cuda":
         info["memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
-    versions = library_versions()
-    try:
-        from importlib.metadata import version
+    from ..kernels.proof import triton_version
 
-        versions["triton"] = version("triton")
-    except Exception:  # noqa: BLE001 - not installed (PackageNotFoundError) or unreadable: no version to report
-        versions["triton"] = None
+    versions = dict(library_versions(), triton=triton_version())  # the version a proof's environment key holds
     checks = backend_checks(device, dtype) + kernel_checks(device, dtype) + proof_checks(device) + serving_checks()
     return {"format": ENV_FORMAT, "device": info, "dtype": str(dtype).removeprefix("torch."),
             "python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),

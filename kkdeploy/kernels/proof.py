@@ -47,7 +47,8 @@ def differing_elements(ours: torch.Tensor, ref: torch.Tensor) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_version() -> Optional[str]:
+def triton_version() -> Optional[str]:
+    """Triton's installed version (a proof's environment key holds it), or None where it is not installed."""
     try:
         from importlib.metadata import version
 
@@ -61,7 +62,7 @@ def environment_key(device: torch.device | str, extra: Optional[dict] = None) ->
     source hash and compiler). Two environments with equal keys run the same machine code."""
     device = torch.device(device)
     key = {"device_type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda,
-           "triton": _triton_version()}
+           "triton": triton_version()}
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         key.update({"device_name": torch.cuda.get_device_name(index),
