@@ -350,7 +350,7 @@ class TorchCompileBackend(Backend):
                 siblings = tuple(self.candidates(ctx))
                 proofs = prove_candidate_kernels(candidate, ctx.model, ctx.config, ctx.dtype, device, siblings)
                 recipe.update({"kernel_proofs": proofs.to_list(), "proof_seconds": proofs.seconds,
-                               "proofs_reused": proofs.reused})
+                               "proof_phases": proofs.phases, "proofs_reused": proofs.reused})
             runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)
             recipe["inductor_configs"] = dict(runner.inductor_configs)
             recipe.update(kernel_paths_record(candidate, ctx.config, ctx.dtype, device))

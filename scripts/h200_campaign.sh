@@ -161,12 +161,26 @@ step_buildtime() {
   # of our own (scripts/make_weights.py --seed 600 + shape), cold caches unless the machine is warm; the stages and
   # each candidate's compile and proof seconds printed, the process's wall time (scripts/wall_phases.py: to its first
   # line, to the "build N s" line, to its exit), manifests into buildtime.tgz. BUILDTIME_ARGS: extra flags,
-  # BUILDTIME_TAG: a suffix for the output folder (two builds of one shape in one call).
+  # BUILDTIME_TAG: a suffix for the output folder (two builds of one shape in one call). BUILDTIME_PROFILE=1: the
+  # build runs in-process under cProfile instead (its main thread: where the seconds go, function by function),
+  # the 45 costliest by cumulative time printed, the stats in $OUT/bt-N.prof.
   for s in ${BUILDTIME_SHAPES:-6}; do
     python3 scripts/make_weights.py --shape "$s" --seed $((600 + s)) --out "$WORK/w$s.safetensors" > /dev/null
-    python3 scripts/wall_phases.py --mark '^build [0-9]' -- \
-      python3 -m kkdeploy build --shape "$s" --device "$DEVICE" --force --weights "$WORK/w$s.safetensors" \
-      ${BUILDTIME_ARGS:-} --out "$WORK/bt-$s${BUILDTIME_TAG:-}" || echo "buildtime shape $s: exit $?"
+    set -- build --shape "$s" --device "$DEVICE" --force --weights "$WORK/w$s.safetensors" ${BUILDTIME_ARGS:-} \
+      --out "$WORK/bt-$s${BUILDTIME_TAG:-}"
+    if [ -n "${BUILDTIME_PROFILE:-}" ]; then
+      python3 - "$OUT/bt-$s${BUILDTIME_TAG:-}.prof" "$@" <<'PY' || echo "buildtime shape $s: exit $?"
+import cProfile, pstats, sys
+from kkdeploy.cli import main
+profile = cProfile.Profile()
+rc = profile.runcall(main, sys.argv[2:])
+profile.dump_stats(sys.argv[1])
+pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
+sys.exit(rc)
+PY
+    else
+      python3 scripts/wall_phases.py --mark '^build [0-9]' -- python3 -m kkdeploy "$@" || echo "buildtime shape $s: exit $?"
+    fi
     python3 - "$WORK/bt-$s${BUILDTIME_TAG:-}/manifest.json" <<'PY'
 import json, sys
 m = json.load(open(sys.argv[1]))
@@ -174,7 +188,7 @@ print("BUILDTIME", m["config"], "build_seconds", m.get("build_seconds"), m.get("
 for c in m["candidates"]:
     o = c.get("options") or {}
     print("  cand", c["name"], c["status"], "build_s", c.get("build_seconds"), "compile_s", o.get("compile_seconds"),
-          "proof_s", o.get("proof_seconds"))
+          "proof_s", o.get("proof_seconds"), o.get("proof_phases") or "")
     for r in o.get("kernel_proofs") or []:
         print("    proof", r.get("op"), r.get("shape"), "s", r.get("seconds"), "chosen", r.get("chosen"))
 print("CHOICE", m["choice"])

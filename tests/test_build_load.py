@@ -72,6 +72,10 @@ def test_the_manifest_says_where_the_build_spent_its_time(shape3):
                               (("a", 1.0), ("b", 30.0), ("c", 0.01), ("d", 19.0), ("e", 0.5))]}
     assert stages_line(made_up) == ("build 61.0 s: weights 1.0, candidates 50.0 (the slowest: b 30.0, d 19.0, a 1.0), "
                                     "validate 10.0")
+    made_up["candidates"][1]["options"] = {"proof_seconds": 14.3, "proof_phases": {"cases": 1.04, "compile": 7.1,
+                                                                                  "prove": 6.16}}
+    assert stages_line(made_up) == ("build 61.0 s: weights 1.0, candidates 50.0 (the slowest: b 30.0, d 19.0, a 1.0), "
+                                    "of which the kernel proof 14.3 (cases 1.0, compile 7.1, prove 6.2), validate 10.0")
 
 
 def test_load_serves_and_matches_reference(shape3):

@@ -135,7 +135,8 @@ def test_the_tiles_a_build_proves():
     assert fl.proof_launches(32, k=32) == ["auto", "m64"]
     assert fl.proof_launches(128, layer_norm=True) == ["auto"]
     # the TMA tiles: studied (every tile, scripts/kernel_selftest.py --all-launches), not yet in builds
-    assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256"}
+    assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "s4", "k128", "w4", "m256", "n256s4", "m64n64"}
+    assert not fl.tile_fits("k128", 128, 64) and fl.tile_fits("k128", 128, 128)  # no k-step longer than K
     assert fl.tile_fits("tma", 128, 128) and fl.tile_fits("tma_n256", 384, 768)
     assert not fl.tile_fits("tma", 128, 36)  # rows of 72 bytes: TMA reads multiples of 16
     assert fl.tile_config("n64", 128, 128) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}

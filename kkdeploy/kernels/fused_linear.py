@@ -69,6 +69,15 @@ TILES: dict[str, dict] = {
     # a GPU run shows them bit-identical and faster somewhere (scripts/kernel_selftest.py --all-launches).
     "tma": dict(BLOCK_M=128, num_warps=8, num_stages=4, TMA=True),
     "tma_n256": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3, TMA=True),
+    # pointer-load tiles for the GEMMs that take longest (shape 8's K = 1024, the custom shapes' few rows): a deeper
+    # pipeline, a longer k-step, one warpgroup, taller or smaller tiles. Studied (``--all-launches``) before any joins
+    # BUILD_TILES, on the same terms as the TMA tiles.
+    "s4": dict(BLOCK_M=128, num_warps=8, num_stages=4),
+    "k128": dict(BLOCK_M=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "w4": dict(BLOCK_M=128, num_warps=4, num_stages=3),
+    "m256": dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3),
+    "n256s4": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=4),
+    "m64n64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
 }
 #: the tiles a build proves (each one a compile per op shape: a build's time counts them)
 BUILD_TILES = ("auto", "m64", "n64", "n256")
@@ -88,6 +97,8 @@ def tile_fits(launch: str, n: int, k: Optional[int] = None) -> bool:
     a TMA tile, whether rows of ``k`` can be read by TMA (when ``k`` is given)."""
     tile = TILES[launch]
     if tile.get("TMA") and k is not None and not tma_fits(k):
+        return False
+    if k is not None and tile.get("BLOCK_K", 0) > max(16, k):  # a k-step longer than K only adds zeros
         return False
     block_n = tile.get("BLOCK_N")
     if block_n is None:

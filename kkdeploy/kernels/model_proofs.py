@@ -45,6 +45,9 @@ class ModelProofs:
     """The records of one proof step, and what it spent."""
     records: list[ProofRecord] = field(default_factory=list)
     seconds: float = 0.0
+    #: where ``seconds`` went: the model's inputs captured ("cases"), the launches compiled ahead ("compile"), the
+    #: proofs themselves ("prove"); what a build's time is trimmed by
+    phases: dict = field(default_factory=dict)
     reused_records: list[ProofRecord] = field(default_factory=list, repr=False)  # found already made here
 
     @property
@@ -59,7 +62,7 @@ class ModelProofs:
         wanted = set(kinds)
         records = [r for kind in KINDS if kind in wanted for r in self.of_kind(kind)]
         kept = {id(r) for r in records}
-        return ModelProofs(records, self.seconds, [r for r in self.reused_records if id(r) in kept])
+        return ModelProofs(records, self.seconds, [r for r in self.reused_records if id(r) in kept], self.phases)
 
     def proven(self, kind: str) -> bool:
         """Whether any op of ``kind`` runs our kernel."""
@@ -274,12 +277,22 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
         else:
             slots.append((kind, name, shape, _refusal(kind, config, dtype, device)))
     todo = [slot for slot in slots if isinstance(slot, tuple)]
+    mark = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        result.phases[name] = round(result.phases.get(name, 0.0) + now - mark, 3)
+        mark = now
+
     if any(refusal is None for *_, refusal in todo):
         cases = _Cases(model, config, dtype, device, seed)
+        phase("cases")
         if compile_workers and device.type == "cuda":
             if progress:
                 progress(f"compiling the launches of {len(todo)} op shapes")
             _compile_ahead(todo, cases, config, device, launches, compile_workers)
+            phase("compile")
     for slot in slots:
         if not isinstance(slot, tuple):
             result.records.append(slot)
@@ -290,6 +303,7 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
         result.records.append(_prove(kind, name, shape, cases if refusal is None else None, config, device,
                                      budget_s, cache, refusal, (launches or {}).get(kind)))
     del cases
+    phase("prove")
     result.seconds = round(time.perf_counter() - start, 3)
     return result
 

@@ -444,8 +444,22 @@ def stages_line(manifest: dict) -> str | None:
             slow = [f"{n} {t:.1f}" for t, n in slow if t >= 0.05]
             if slow:
                 text += f" (the slowest: {', '.join(slow)})"
+            proof = proof_phases_text(manifest)
+            if proof:
+                text += f", of which {proof}"
         parts.append(text)
     return f"build {manifest.get('build_seconds', sum(stages.values())):.1f} s: " + ", ".join(parts)
+
+
+def proof_phases_text(manifest: dict) -> str | None:
+    """``the kernel proof 14.3 (cases 1.2, compile 7.1, prove 6.0)``: the proof step that ran (the candidate that
+    proved for its siblings), or None where no proof ran here."""
+    for candidate in manifest.get("candidates", []):
+        options = candidate.get("options") or {}
+        phases, seconds = options.get("proof_phases"), options.get("proof_seconds")
+        if phases and seconds:
+            return f"the kernel proof {seconds:.1f} (" + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) + ")"
+    return None
 
 
 def timing_line(manifest: dict) -> str | None:
