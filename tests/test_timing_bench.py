@@ -88,15 +88,29 @@ def test_race_latency_screens_out_the_slow_and_cuts_repeats_to_the_budget(timed)
     assert plan.screened_out["fallback"] == pytest.approx(66.0)
     assert not plan.full_protocol and plan.rounds == 3
     assert timing_module.MIN_REPEATS <= plan.repeats < 100 and 1 <= plan.warmups <= 20
-    # the screened-out keep their screen figures; the contenders get rounds x repeats samples
+    # the screened-out keep their screen figures. The contenders race round by round: after the first, kernels
+    # (1.21x) has lost by more than DECIDED_MARGIN, and gemms finishes alone at the lone contender's floor
     assert stats["attention"].samples == timing_module.SCREEN_REPEATS
-    assert stats["gemms"].samples == stats["kernels"].samples == 3 * plan.repeats
+    assert plan.decided == {"kernels": 1}
+    assert stats["kernels"].samples == plan.repeats and len(stats["kernels"].round_medians_ms) == 1
+    assert stats["gemms"].samples == plan.repeats + 2 * timing_module.MIN_REPEATS
+    assert stats["gemms"].round_medians_ms == pytest.approx([14.0] * 3)
     assert calls.count("fallback") == 2 + timing_module.SCREEN_REPEATS
     assert plan.seconds <= 10.0 + 1e-9  # the budget held, screen included
     assert list(stats) == list(fns)  # every candidate has figures, in the order given
     assert choose_fastest(stats, []) == "gemms"
     line = plan.describe()
     assert "2 screened out" in line and "fallback 66 ms" in line and "--time-budget 0" in line
+    assert "not timed further: kernels after 1 round" in line
+
+
+def test_contenders_within_the_margin_race_every_round(timed):
+    # 3% apart: no round can settle it, so both get the whole (budgeted) protocol and the chooser decides
+    fns, calls = timed({"gemms": 14.0, "kernels": 14.4, "fallback": 66.0})
+    stats, plan = race_latency(fns, "cpu", warmups=20, repeats=100, rounds=3, budget_s=10.0)
+    assert plan.decided == {} and "not timed further" not in plan.describe()
+    assert stats["gemms"].samples == stats["kernels"].samples == 3 * plan.repeats
+    assert choose_fastest(stats, []) == "gemms"
 
 
 def test_a_lone_contender_is_timed_at_the_protocols_floor(timed):
