@@ -45,10 +45,10 @@ class ModelProofs:
     """The records of one proof step, and what it spent."""
     records: list[ProofRecord] = field(default_factory=list)
     seconds: float = 0.0
+    reused_records: list[ProofRecord] = field(default_factory=list, repr=False)  # found already made here
     #: where ``seconds`` went: the model's inputs captured ("cases"), the launches compiled ahead ("compile"), the
     #: proofs themselves ("prove"); what a build's time is trimmed by
     phases: dict = field(default_factory=dict)
-    reused_records: list[ProofRecord] = field(default_factory=list, repr=False)  # found already made here
 
     @property
     def reused(self) -> int:
@@ -62,7 +62,8 @@ class ModelProofs:
         wanted = set(kinds)
         records = [r for kind in KINDS if kind in wanted for r in self.of_kind(kind)]
         kept = {id(r) for r in records}
-        return ModelProofs(records, self.seconds, [r for r in self.reused_records if id(r) in kept], self.phases)
+        return ModelProofs(records, self.seconds, [r for r in self.reused_records if id(r) in kept],
+                           dict(self.phases))
 
     def proven(self, kind: str) -> bool:
         """Whether any op of ``kind`` runs our kernel."""
