@@ -257,3 +257,15 @@ def test_the_compile_pass_leaves_the_proofs_the_same_random_cases(monkeypatch):
     model_proofs._compile_ahead(todo, Cases, None, torch.device("cpu"), None, 2)
     assert [name for name, _ in seen] == ["qkv", "broken"]  # a refused op shape has nothing to compile
     assert torch.equal(torch.randn(2, generator=Cases.generator), seen[0][1])  # the generator was put back
+
+
+def test_a_proof_replays_a_graph_enough_to_time_it_and_no_more():
+    """Each timed repeat spans at least REPLAYED_MS of replays (a replay's own launch stays under 1% of it), and no
+    more than GRAPH_REPLAYS: a 5 us launch is replayed 20 times as before, a 1 ms one once (shape 6's 1-15 ms
+    launches were replayed 20 times per repeat, most of their proofs' seconds)."""
+    from kkdeploy.kernels.proof import GRAPH_REPLAYS, REPLAYED_MS, graph_replays
+
+    assert graph_replays(0.005) == GRAPH_REPLAYS == 20
+    assert graph_replays(0.1) == 5 and graph_replays(0.1) * 0.1 >= REPLAYED_MS
+    assert graph_replays(1.1) == graph_replays(14.7) == 1
+    assert graph_replays(0.0) == GRAPH_REPLAYS  # a replay too short to register: the most replays

@@ -79,8 +79,12 @@ TILES: dict[str, dict] = {
     "n256s4": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=4),
     "m64n64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
 }
-#: the tiles a build proves (each one a compile per op shape: a build's time counts them)
-BUILD_TILES = ("auto", "m64", "n64", "n256")
+#: the tiles a build proves (each one a compile per op shape: a build's time counts them). The TMA tiles and the
+#: 64 x 64 tile joined after a study on the H200 found them bit-identical everywhere and the fastest of ours on some
+#: launches (docs/fused-linear.md)
+BUILD_TILES = ("auto", "m64", "n64", "n256", "tma", "tma_n256", "m64n64")
+#: tiles worth a compile only where the "auto" tile's grid leaves streaming multiprocessors idle (few rows)
+SMALL_GRID_TILES = ("m64n64",)
 
 
 #: what Hopper's TMA needs of a tensor it reads: a 16-byte aligned base and row stride
@@ -92,10 +96,20 @@ def tma_fits(k: int) -> bool:
     return (k * 2) % TMA_ALIGNMENT == 0
 
 
-def tile_fits(launch: str, n: int, k: Optional[int] = None) -> bool:
+def auto_programs(m: int, n: int) -> int:
+    """The programs of the "auto" tile (``launch_config``: 128 rows, the row up to 128 columns) for [m, n]."""
+    block_n = min(128, max(16, 1 << max(0, n - 1).bit_length()))
+    return -(-m // 128) * -(-n // block_n)
+
+
+def tile_fits(launch: str, n: int, k: Optional[int] = None, m: Optional[int] = None,
+              sms: Optional[int] = None) -> bool:
     """Whether a tile is worth a compile for outputs of width ``n`` (a wider tile than the row only idles), and, for
-    a TMA tile, whether rows of ``k`` can be read by TMA (when ``k`` is given)."""
+    a TMA tile, whether rows of ``k`` can be read by TMA (when ``k`` is given). A ``SMALL_GRID_TILES`` tile needs
+    ``m`` rows few enough that the "auto" tile runs fewer programs than the device's ``sms``."""
     tile = TILES[launch]
+    if launch in SMALL_GRID_TILES and (m is None or sms is None or auto_programs(m, n) >= sms):
+        return False
     if tile.get("TMA") and k is not None and not tma_fits(k):
         return False
     if k is not None and tile.get("BLOCK_K", 0) > max(16, k):  # a k-step longer than K only adds zeros
@@ -106,10 +120,17 @@ def tile_fits(launch: str, n: int, k: Optional[int] = None) -> bool:
     return n >= block_n * 2 if block_n == 64 else n >= block_n
 
 
-def proof_launches(n: int, layer_norm: bool = False, k: Optional[int] = None) -> list[str]:
-    """The tiles a build proves for a launch of output width ``n`` and depth ``k`` (the LayerNorm epilogue holds whole
-    rows in one tile of its own: "auto" only)."""
-    return ["auto"] if layer_norm else [name for name in BUILD_TILES if tile_fits(name, n, k)]
+def proof_launches(n: int, layer_norm: bool = False, k: Optional[int] = None, m: Optional[int] = None,
+                   sms: Optional[int] = None) -> list[str]:
+    """The tiles a build proves for a launch [m, k] x [k, n] on a device of ``sms`` multiprocessors (the LayerNorm
+    epilogue holds whole rows in one tile of its own: "auto" only)."""
+    return ["auto"] if layer_norm else [name for name in BUILD_TILES if tile_fits(name, n, k, m, sms)]
+
+
+def multiprocessors(device) -> Optional[int]:
+    """The device's streaming multiprocessors (None off CUDA)."""
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
 class LinearPath(KernelPath):
@@ -425,7 +446,7 @@ def prove_linear(device: torch.device | str, cases: list[ProofCase], m: int, n: 
         refusal = f"the LayerNorm epilogue takes rows of {', '.join(map(str, LN_WIDTHS))}, not {n}"
     if refusal:
         return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
-    record = prove_launches(OP, shape, launches or proof_launches(n, layer_norm, k), cases, device,
+    record = prove_launches(OP, shape, launches or proof_launches(n, layer_norm, k, m, multiprocessors(device)), cases, device,
                             environment=environment, budget_s=budget_s, repeats=repeats, against_reference=True)
     remember_proof(record, cache)
     return record

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -157,6 +158,17 @@ class ProofRecord:
 
 #: graph replays per timed sample: a replay of one small kernel takes a few microseconds
 GRAPH_REPLAYS = 20
+#: the milliseconds of replays a timed repeat spans at least (``graph_replays``)
+REPLAYED_MS = 0.5
+
+
+def graph_replays(one_ms: float) -> int:
+    """Replays per timed repeat for a graph whose one replay took ``one_ms``: enough to span ``REPLAYED_MS`` (a
+    replay's own launch is then under 1% of what is timed), at most ``GRAPH_REPLAYS``. Shape 6's launches of 1-15 ms
+    were replayed 20 times per repeat, 2.5 s of its 3 s attention proof, for no better figure."""
+    if one_ms <= 0:
+        return GRAPH_REPLAYS
+    return max(1, min(GRAPH_REPLAYS, math.ceil(REPLAYED_MS / one_ms)))
 
 
 def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -170,8 +182,9 @@ def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> f
     if device.type == "cuda":
         graph = _captured(fn, device)
         if graph is not None:
-            replays = event_median_ms(lambda: [graph.replay() for _ in range(GRAPH_REPLAYS)], repeats, device)
-            return round(replays / GRAPH_REPLAYS, 5)
+            count = graph_replays(event_median_ms(graph.replay, 1, device))
+            replays = event_median_ms(lambda: [graph.replay() for _ in range(count)], repeats, device)
+            return round(replays / count, 5)
         return event_median_ms(fn, repeats, device)
     times = []
     for _ in range(max(1, repeats)):
