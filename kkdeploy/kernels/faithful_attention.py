@@ -38,6 +38,7 @@ Triton is imported lazily, on CUDA, when the kernel actually runs.
 
 from __future__ import annotations
 
+import functools
 import struct
 from pathlib import Path
 from typing import Callable, Optional
@@ -50,7 +51,8 @@ from kkdeploy.models.reference import attention_core
 
 # triton_available is looked up here at call time, so tests can patch it on this module
 from .paths import KernelPath, path_from_proof, path_mode, triton_available
-from .proof import ProofCache, ProofCase, ProofRecord, kernel_environment, lookup_proof, prove_launches, remember_proof
+from .proof import (ProofCache, ProofCase, ProofRecord, kernel_environment, launch_table_digest, lookup_proof,
+                    prove_launches, remember_proof)
 
 OP_NAMESPACE = "kkdeploy_faithful"
 OP_NAME = f"{OP_NAMESPACE}::attention"
@@ -238,7 +240,13 @@ def proof_shape(batch_heads: int, seq_len: int, head_dim: int, causal: bool = Tr
 
 def proof_environment(device: torch.device | str) -> dict:
     """The environment key of the kernel's proofs (device, torch, CUDA, Triton, the kernel's source)."""
-    return kernel_environment(device, OP, SOURCES)
+    return kernel_environment(device, OP, SOURCES, launches=launches_digest())
+
+
+@functools.lru_cache(maxsize=None)
+def launches_digest() -> str:
+    """The launch table's digest, once per process (the op asks for its environment on every call)."""
+    return launch_table_digest(LAUNCHES, BUILD_LAUNCHES)
 
 
 def kernel_refusal(seq_len: int, head_dim: int, dtype: torch.dtype, device) -> Optional[str]:

@@ -29,6 +29,7 @@ The custom op ``kkdeploy_faithful::linear(x, weights, biases, residual, mask, ep
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Optional
 
@@ -38,7 +39,8 @@ import torch.nn.functional as F
 from kkdeploy.errors import KKError
 
 from .paths import KernelPath, path_from_proof, path_mode, triton_available
-from .proof import ProofCache, ProofCase, ProofRecord, kernel_environment, lookup_proof, prove_launches, remember_proof
+from .proof import (ProofCache, ProofCase, ProofRecord, kernel_environment, launch_table_digest, lookup_proof,
+                    prove_launches, remember_proof)
 
 OP_NAME = "kkdeploy_faithful::linear"
 EPILOGUES = ("none", "gelu", "add_masked", "masked_sum")
@@ -147,7 +149,13 @@ def proof_environment(device: torch.device | str) -> dict:
     libdevice its GELU launches link: ``kkdeploy.kernels.libdevice``)."""
     from .libdevice import libdevice_sources
 
-    return kernel_environment(device, OP, SOURCES + libdevice_sources())
+    return kernel_environment(device, OP, SOURCES + libdevice_sources(), launches=tiles_digest())
+
+
+@functools.lru_cache(maxsize=None)
+def tiles_digest() -> str:
+    """The tile table's digest, once per process (the op asks for its environment on every call)."""
+    return launch_table_digest(TILES, BUILD_TILES, SMALL_GRID_TILES)
 
 
 def kernel_refusal(dtype: torch.dtype, device) -> Optional[str]:

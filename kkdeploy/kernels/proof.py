@@ -410,8 +410,10 @@ def source_digest(*paths: Path) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_environment(device, op: str, sources: tuple, compiler: str) -> dict:
+def _kernel_environment(device, op: str, sources: tuple, compiler: str, launches: str) -> dict:
     extra = {"kernel": op, "source": source_digest(*sources)}
+    if launches:
+        extra["launches"] = launches
     if compiler == "nvcc":
         from .cuda_build import NVCC_FLAGS, compiler_version, nvcc
 
@@ -423,8 +425,18 @@ def _kernel_environment(device, op: str, sources: tuple, compiler: str) -> dict:
     return environment_key(device, extra)
 
 
-def kernel_environment(device: torch.device | str, op: str, sources: Sequence[Path], compiler: str = "triton") -> dict:
+def kernel_environment(device: torch.device | str, op: str, sources: Sequence[Path], compiler: str = "triton",
+                       launches: str = "") -> dict:
     """The environment key of one kernel's proofs: device, torch, CUDA, Triton, the kernel's source hash and, for a
-    CUDA C++ kernel (``compiler="nvcc"``), nvcc's version and flags. Computed once per device and process (the op
-    asks on every call), and the same dict each time: read it, never change it."""
-    return _kernel_environment(device, op, tuple(sources), compiler)
+    CUDA C++ kernel (``compiler="nvcc"``), nvcc's version and flags. ``launches``: a digest of the kernel's launch
+    table (``launch_table_digest``), so that a record made when a launch's settings, or the set a build proves, were
+    different is not found. Computed once per device and process (the op asks on every call), and the same dict
+    each time: read it, never change it."""
+    return _kernel_environment(device, op, tuple(sources), compiler, launches)
+
+
+def launch_table_digest(*tables) -> str:
+    """A short hash of a kernel's launch variants (name -> settings) and the names a build proves: a proof's
+    "proven" means these settings, and a cached record made before a tile changed or joined the build's set would
+    otherwise vouch for another kernel, or leave the new tile unproven."""
+    return hashlib.sha256(json.dumps(tables, sort_keys=True, default=str).encode()).hexdigest()[:16]
