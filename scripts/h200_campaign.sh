@@ -179,7 +179,8 @@ pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
 sys.exit(rc)
 PY
     else
-      python3 scripts/wall_phases.py --mark '^build [0-9]' -- python3 -m kkdeploy "$@" || echo "buildtime shape $s: exit $?"
+      python3 scripts/wall_phases.py --mark '^build [0-9]' -- python3 -m kkdeploy "$@" \
+        || echo "buildtime shape $s: exit $?"
     fi
     python3 - "$WORK/bt-$s${BUILDTIME_TAG:-}/manifest.json" <<'PY'
 import json, sys

@@ -454,7 +454,8 @@ def prove_linear(device: torch.device | str, cases: list[ProofCase], m: int, n: 
         refusal = f"the LayerNorm epilogue takes rows of {', '.join(map(str, LN_WIDTHS))}, not {n}"
     if refusal:
         return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
-    record = prove_launches(OP, shape, launches or proof_launches(n, layer_norm, k, m, multiprocessors(device)), cases, device,
-                            environment=environment, budget_s=budget_s, repeats=repeats, against_reference=True)
+    tiles = launches or proof_launches(n, layer_norm, k, m, multiprocessors(device))
+    record = prove_launches(OP, shape, tiles, cases, device, environment=environment, budget_s=budget_s,
+                            repeats=repeats, against_reference=True)
     remember_proof(record, cache)
     return record

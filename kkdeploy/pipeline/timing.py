@@ -270,7 +270,8 @@ def _merged(parts: Sequence[LatencyStats]) -> LatencyStats:
     """One contender's rounds as one ``LatencyStats`` (as ``measure_latency`` would have made them in one call)."""
     peaks = [p.peak_memory_bytes for p in parts if p.peak_memory_bytes is not None]
     extras = [p.peak_extra_bytes for p in parts if p.peak_extra_bytes is not None]
-    return LatencyStats.from_times([t for p in parts for t in p.times_ms], [m for p in parts for m in p.round_medians_ms],
+    return LatencyStats.from_times([t for p in parts for t in p.times_ms],
+                                   [m for p in parts for m in p.round_medians_ms],
                                    max(peaks) if peaks else None, max(extras) if extras else None)
 
 
