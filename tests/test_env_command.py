@@ -26,6 +26,7 @@ def test_every_backend_kernel_and_serving_part_has_a_line_and_every_off_line_a_r
     assert report["format"] == env.ENV_FORMAT and report["device"]["type"] == "cpu" and report["dtype"] == "float32"
     names = [c["name"] for c in report["checks"] if c["area"] == "backend"]
     assert sorted(names) == sorted(d.recipe_name or d.choices[0].name for d in registry.DESCRIPTORS.values())
+    assert _check(report, "validation", "Polygraphy comparator")["status"] == env.OK
     assert {c["name"] for c in report["checks"] if c["area"] == "serving"} == {
         "tritonserver", "Python backend", "in-process backend", "load generator client"}
     for check in report["checks"]:
@@ -92,3 +93,38 @@ def test_the_onnx_runtime_custom_ops_line_names_its_headers_without_fetching_the
     (include / "onnxruntime_c_api.h").write_text("#define ORT_API_VERSION 21\n")
     check = _check(_report(tmp_path), "kernel", "ONNX Runtime custom ops")
     assert check["status"] == env.OK and "api21" in check["detail"] and str(include) in check["detail"]
+
+
+NO_POLYGRAPHY = """
+import sys
+
+class Missing:  # this interpreter as on a machine without Polygraphy
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "polygraphy":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Missing())
+"""
+
+
+def test_without_polygraphy_env_says_so_and_a_build_refuses_in_one_line(tmp_path):
+    """Polygraphy is the build's validator, not every command's: `kkdeploy env` still reports the machine, with
+    the validator off and the fix, and `kkdeploy build` stops in one line naming the package (no traceback)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "sitecustomize.py").write_text(NO_POLYGRAPHY)
+    repo = Path(__file__).resolve().parents[1]
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(repo)]))
+    out = tmp_path / "env.json"
+    done = subprocess.run([sys.executable, "-m", "kkdeploy", "env", "--device", "cpu", "--json", str(out)],
+                          capture_output=True, text=True, env=environ, timeout=300)
+    assert done.returncode == 0, done.stderr
+    check = _check(json.loads(out.read_text()), "validation", "Polygraphy comparator")
+    assert check["status"] == env.OFF and "pip install polygraphy" in check["detail"]
+    built = subprocess.run([sys.executable, "-m", "kkdeploy", "build", "--shape", "3", "--device", "cpu",
+                            "--out", str(tmp_path / "b")], capture_output=True, text=True, env=environ, timeout=300)
+    assert built.returncode == 2 and "Traceback" not in built.stderr
+    assert "needs the Python package 'polygraphy'" in built.stderr and not (tmp_path / "b").exists()

@@ -27,7 +27,7 @@ OK, OFF, ERROR = "ok", "off", "error"  # an "error" is a check that itself faile
 
 @dataclass
 class Check:
-    area: str  # "backend", "kernel", "proofs", "serving"
+    area: str  # "validation", "backend", "kernel", "proofs", "serving"
     name: str
     status: str  # OK, OFF or ERROR
     detail: str  # what it is or will use when OK; why not when OFF
@@ -45,6 +45,23 @@ def _asked(area: str, name: str, ask) -> Check:
     if reason:
         return Check(area, name, OFF, reason.removeprefix("unavailable: "))
     return Check(area, name, OK, what)
+
+
+def validation_checks() -> list[Check]:
+    """What every build validates its candidates with: Polygraphy's comparator (``validation.polygraphy_glue``).
+    Loading an artifact and serving it do not need it."""
+    def comparator():
+        try:
+            import validation.polygraphy_glue  # noqa: F401 - the build's own import
+        except ModuleNotFoundError as exc:
+            package = (exc.name or "polygraphy").split(".")[0]
+            return (f"{package} is not importable: pip install {package} (every build validates with it; "
+                    "kkdeploy.load and serving do not need it)"), ""
+        from importlib.metadata import version
+
+        return None, f"polygraphy {version('polygraphy')}: every candidate's trials, element by element"
+
+    return [_asked("validation", "Polygraphy comparator", comparator)]
 
 
 def backend_checks(device: torch.device, dtype: torch.dtype) -> list[Check]:
@@ -171,7 +188,8 @@ def collect(device: torch.device, dtype: torch.dtype) -> dict:
     from ..kernels.proof import triton_version
 
     versions = dict(library_versions(), triton=triton_version())  # the version a proof's environment key holds
-    checks = backend_checks(device, dtype) + kernel_checks(device, dtype) + proof_checks(device) + serving_checks()
+    checks = (validation_checks() + backend_checks(device, dtype) + kernel_checks(device, dtype)
+              + proof_checks(device) + serving_checks())
     return {"format": ENV_FORMAT, "device": info, "dtype": str(dtype).removeprefix("torch."),
             "python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
             "versions": versions, "checks": [asdict(c) for c in checks]}

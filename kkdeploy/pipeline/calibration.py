@@ -17,7 +17,6 @@ import torch
 
 from engines.base import close_all
 from exporters.precision import bisect_fp16_layers
-from validation.validator import validate_candidates
 
 from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS
 
@@ -31,6 +30,8 @@ def calibrate_layers(reference, runner_for_layers, *, all_valid_only: bool, cont
     the search itself is ``exporters.precision.bisect_fp16_layers``. Returns its record plus, per tried set,
     ``failed_elements`` per mask mode and, for a failing set, the validator's ``reason``.
     """
+    from validation.validator import validate_candidates  # Polygraphy's glue: loaded by a build, not by every command
+
     failures: dict[tuple[int, ...], dict] = {}
 
     def passes(layers: tuple[int, ...]) -> bool:
