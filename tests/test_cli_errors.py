@@ -13,15 +13,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_missing_dependency_is_one_line_and_exit_2():
+def _without_polygraphy(*argv: str) -> tuple[int, list[str]]:
     code = ("import sys; sys.modules['polygraphy'] = None\n"  # as if polygraphy were not installed
             "from kkdeploy.cli import main\n"
-            "sys.exit(main(['run', '--artifacts', 'nowhere']))")
+            f"sys.exit(main({list(argv)!r}))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
     assert "Traceback" not in proc.stderr + proc.stdout
-    lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
-    assert len(lines) == 1 and "'polygraphy'" in lines[0] and "pip install polygraphy" in lines[0]
+    return proc.returncode, [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+
+
+def test_missing_dependency_is_one_line_and_exit_2(tmp_path):
+    # a build and a bench validate with Polygraphy: they stop before any work, in one line naming the package
+    for command in (["build", "--shape", "3", "--out", str(tmp_path / "b")], ["bench", "--shape", "3"]):
+        code, lines = _without_polygraphy(*command)
+        assert code == 2 and len(lines) == 1, lines
+        assert "'polygraphy'" in lines[0] and "pip install polygraphy" in lines[0]
+    assert not (tmp_path / "b").exists()
+    # the rest of the command table does not need it: `run` gets as far as its own one-line answer
+    code, lines = _without_polygraphy("run", "--artifacts", "nowhere")
+    assert code == 2 and len(lines) == 1 and "nowhere is not a directory" in lines[0]
 
 
 def test_the_command_exits_quickly_yet_runs_what_the_interpreters_exit_would():

@@ -14,7 +14,7 @@ from ..console import console, progress_bar, table
 from ..errors import KKError
 from ..pipeline.bench import DEFAULT_PROCESSES
 from .common import (CUSTOM_SHAPE_FLAGS, add_contract_arg, add_protocol_args, add_runtime_args, add_shape_args,
-                     add_tf32_arg, resolve_config, resolve_runtime)
+                     add_tf32_arg, require_validator, resolve_config, resolve_runtime)
 
 
 def register(sub):
@@ -42,6 +42,7 @@ def register(sub):
 def run(args) -> int:
     from ..pipeline.bench import BENCH_SHAPES, BenchOptions, jobs_for, parse_candidates, run_bench, tf32_enabled
 
+    require_validator()
     if args._worker:
         return run_worker_process(args)
     custom_given = [CUSTOM_SHAPE_FLAGS[f] for f in CUSTOM_SHAPE_FLAGS if getattr(args, f, None) is not None]

@@ -19,7 +19,7 @@ from ..console import console
 from ..errors import KKError
 from ..pipeline.timing import DEFAULT_TIME_BUDGET_S
 from .common import (add_contract_arg, add_protocol_args, add_runtime_args, add_shape_args, add_tf32_arg,
-                     resolve_config, resolve_runtime)
+                     require_validator, resolve_config, resolve_runtime)
 
 
 def register(sub):
@@ -91,6 +91,7 @@ def request_options(args) -> dict:
 
 
 def run(args) -> int:
+    require_validator()
     device, dtype = resolve_runtime(args)
     if not 0 < args.padding_ratio < 1:
         raise KKError(f"--padding-ratio must be in (0, 1), got {args.padding_ratio}")

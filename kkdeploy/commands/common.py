@@ -82,3 +82,9 @@ def resolve_runtime(args):
     if args.trials is not None and args.trials < 1:
         raise KKError(f"--trials must be at least 1, got {args.trials}")
     return device, dtype
+
+
+def require_validator() -> None:
+    """Load Polygraphy's comparator glue now: a build or bench validates every candidate with it, and without it
+    the command stops here in one line (the CLI names the package), not after minutes of export and compiles."""
+    import validation.polygraphy_glue  # noqa: F401
