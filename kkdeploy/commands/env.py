@@ -120,11 +120,12 @@ def kernel_checks(device: torch.device, dtype: torch.dtype) -> list[Check]:
         compiler = custom_op_library.compiler()
         if os.environ.get("KKDEPLOY_ORT_INCLUDE"):
             include, label = custom_op_library.ort_headers()  # checks the directory, fetches nothing
-        elif custom_op_library.cached_ort_headers() is None:
-            return ("ONNX Runtime's C API headers are not cached: the first build exporting custom ops fetches "
-                    "them (apt-get download libonnxruntime-dev), or set KKDEPLOY_ORT_INCLUDE"), ""
         else:
-            include, label = custom_op_library.cached_ort_headers()
+            cached = custom_op_library.cached_ort_headers()
+            if cached is None:
+                return ("ONNX Runtime's C API headers are not cached: the first build exporting custom ops fetches "
+                        "them (apt-get download libonnxruntime-dev), or set KKDEPLOY_ORT_INCLUDE"), ""
+            include, label = cached
         cuda = f", CUDA kernels by {cuda_build.compiler_version(cuda_build.nvcc())}" if device.type == "cuda" else ""
         return None, f"compiled on first use by {cuda_build.compiler_version(compiler)} against {label} ({include}){cuda}"
 

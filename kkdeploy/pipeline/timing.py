@@ -251,8 +251,8 @@ def _race_rounds(fns: Mapping[str, Callable[[], object]], device, warmups: int, 
     samples: dict[str, list[LatencyStats]] = {name: [] for name in fns}
     running, decided = list(fns), {}
     for index in range(rounds):
-        w, r = (warmups, repeats) if len(fns) == 1 or len(running) > 1 else (min(warmups, 2),
-                                                                              min(repeats, MIN_REPEATS))
+        left_alone = len(running) == 1 < len(fns)  # the others lost: the leader's record needs only the floor
+        w, r = (min(warmups, 2), min(repeats, MIN_REPEATS)) if left_alone else (warmups, repeats)
         got = measure_latency({n: fns[n] for n in running}, device, warmups=w, repeats=r, rounds=1)
         for name, stat in got.items():
             samples[name].append(stat)
