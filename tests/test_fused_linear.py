@@ -130,20 +130,13 @@ def test_the_plan_follows_the_proofs_made_here(monkeypatch, proof_sandbox):
 
 
 def test_the_tiles_a_build_proves():
-    assert fl.proof_launches(128, k=128) == ["auto", "m64", "n64", "tma"]
-    assert fl.proof_launches(384, k=768) == ["auto", "m64", "n64", "n256", "tma", "tma_n256"]
-    assert fl.proof_launches(32, k=32) == ["auto", "m64", "tma"]
-    assert fl.proof_launches(32, k=36) == ["auto", "m64"]  # rows of 72 bytes: no TMA
+    assert fl.proof_launches(128, k=128) == ["auto", "m64", "n64"]
+    assert fl.proof_launches(384, k=768) == ["auto", "m64", "n64", "n256"]
+    assert fl.proof_launches(32, k=32) == ["auto", "m64"]
     assert fl.proof_launches(128, layer_norm=True) == ["auto"]
-    # 64 x 64 only where the auto tile leaves multiprocessors idle: 1,024 rows x 1,024 columns is 64 programs of
-    # 128 x 128 on the H200's 132; 8,192 rows are 512
-    assert fl.auto_programs(1024, 1024) == 64 and fl.auto_programs(8192, 1024) == 512 and fl.auto_programs(3, 40) == 1
-    assert "m64n64" in fl.proof_launches(1024, k=1024, m=1024, sms=132)
-    assert "m64n64" not in fl.proof_launches(1024, k=1024, m=8192, sms=132)
-    assert "m64n64" not in fl.proof_launches(1024, k=1024)  # no device figures: not proven
-    assert not fl.tile_fits("m64n64", 64, 64, m=64, sms=132)  # a row under two 64-column tiles
-    # studied (every tile, scripts/kernel_selftest.py --all-launches), not in builds: never the fastest of ours
-    assert set(fl.TILES) - set(fl.BUILD_TILES) == {"s4", "k128", "w4", "m256", "n256s4"}
+    # studied (every tile, scripts/kernel_selftest.py --all-launches), not in builds: the TMA and 64 x 64 tiles wait
+    # for a build on the GPU to ship them through the strict validation; the rest were never the fastest of ours
+    assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "m64n64", "s4", "k128", "w4", "m256", "n256s4"}
     assert not fl.tile_fits("k128", 128, 64) and fl.tile_fits("k128", 128, 128)  # no k-step longer than K
     assert fl.tile_fits("tma", 128, 128) and fl.tile_fits("tma_n256", 384, 768)
     assert not fl.tile_fits("tma", 128, 36)  # rows of 72 bytes: TMA reads multiples of 16

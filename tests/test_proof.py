@@ -271,24 +271,18 @@ def test_a_proof_replays_a_graph_enough_to_time_it_and_no_more():
     assert graph_replays(0.0) == GRAPH_REPLAYS  # a replay too short to register: the most replays
 
 
-def test_a_changed_launch_table_is_another_environment(monkeypatch):
-    """A tile's settings, or the set of tiles a build proves, are part of what a proof holds for: a record cached
-    before a tile changed (or joined the build's set) is not found, so it is proven again."""
+def test_a_changed_launch_table_is_another_environment():
+    """A launch's settings, or the set of launches a build proves, are part of what a proof holds for: a record
+    cached before a tile changed (or joined the build's set) is not found, so it is proven again."""
     from kkdeploy.kernels import faithful_attention as fa
     from kkdeploy.kernels import fused_linear as fl
+    from kkdeploy.kernels import layer_norm as ln
 
-    before = fl.proof_environment("cpu")
-    assert before["launches"] == proof.launch_table_digest(fl.TILES, fl.BUILD_TILES, fl.SMALL_GRID_TILES)
-    assert fl.proof_environment("cpu") is before  # one dict per device: the op's hot path freezes it once
-    monkeypatch.setitem(fl.TILES, "m64", dict(fl.TILES["m64"], num_stages=3))
-    fl.tiles_digest.cache_clear()  # once per process: a table changes between processes (a new release)
-    changed = fl.proof_environment("cpu")
-    assert changed["launches"] != before["launches"]
-    assert {k: v for k, v in changed.items() if k != "launches"} == {k: v for k, v in before.items() if k != "launches"}
-    monkeypatch.setattr(fl, "BUILD_TILES", fl.BUILD_TILES[:-1])
-    fl.tiles_digest.cache_clear()
-    assert fl.proof_environment("cpu")["launches"] not in (before["launches"], changed["launches"])
-    monkeypatch.undo()
-    fl.tiles_digest.cache_clear()
-    assert fl.proof_environment("cpu") is before
+    environment = fl.proof_environment("cpu")
+    assert environment["launches"] == fl.TILES_DIGEST == proof.launch_table_digest(fl.TILES, fl.BUILD_TILES)
+    assert fl.proof_environment("cpu") is environment  # one dict per device: the op's hot path freezes it once
+    changed = dict(fl.TILES, m64=dict(fl.TILES["m64"], num_stages=3))
+    assert proof.launch_table_digest(changed, fl.BUILD_TILES) != fl.TILES_DIGEST
+    assert proof.launch_table_digest(fl.TILES, (*fl.BUILD_TILES, "tma")) != fl.TILES_DIGEST
     assert fa.proof_environment("cpu")["launches"] == proof.launch_table_digest(fa.LAUNCHES, fa.BUILD_LAUNCHES)
+    assert ln.LAUNCHES_DIGEST == proof.launch_table_digest(ln.LAUNCHES)

@@ -38,7 +38,6 @@ Triton is imported lazily, on CUDA, when the kernel actually runs.
 
 from __future__ import annotations
 
-import functools
 import struct
 from pathlib import Path
 from typing import Callable, Optional
@@ -104,6 +103,8 @@ DEFAULT_LAUNCH = "bm64"
 #: registers for short rows. The others stay for studies (``prove_attention(launches=...)``); a build does not
 #: spend compiles on tiles that lower to other MMA instructions or were never faster (docs/faithful-attention.md).
 BUILD_LAUNCHES = ("cached64w4_mdiv", "cached64w4", "bm64_mdiv", "bm64", "bm128x2")
+#: what a proof's "proven" means: these launches' settings, and the set a build proves (part of the proofs' key)
+LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, BUILD_LAUNCHES)
 
 
 def launch_fits(name: str, seq_len: int) -> bool:
@@ -240,13 +241,7 @@ def proof_shape(batch_heads: int, seq_len: int, head_dim: int, causal: bool = Tr
 
 def proof_environment(device: torch.device | str) -> dict:
     """The environment key of the kernel's proofs (device, torch, CUDA, Triton, the kernel's source)."""
-    return kernel_environment(device, OP, SOURCES, launches=launches_digest())
-
-
-@functools.lru_cache(maxsize=None)
-def launches_digest() -> str:
-    """The launch table's digest, once per process (the op asks for its environment on every call)."""
-    return launch_table_digest(LAUNCHES, BUILD_LAUNCHES)
+    return kernel_environment(device, OP, SOURCES, launches=LAUNCHES_DIGEST)
 
 
 def kernel_refusal(seq_len: int, head_dim: int, dtype: torch.dtype, device) -> Optional[str]:

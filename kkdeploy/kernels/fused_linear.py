@@ -29,7 +29,6 @@ The custom op ``kkdeploy_faithful::linear(x, weights, biases, residual, mask, ep
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Optional
 
@@ -81,12 +80,14 @@ TILES: dict[str, dict] = {
     "n256s4": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=4),
     "m64n64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
 }
-#: the tiles a build proves (each one a compile per op shape: a build's time counts them). The TMA tiles and the
-#: 64 x 64 tile joined after a study on the H200 found them bit-identical everywhere and the fastest of ours on some
-#: launches (docs/fused-linear.md)
-BUILD_TILES = ("auto", "m64", "n64", "n256", "tma", "tma_n256", "m64n64")
-#: tiles worth a compile only where the "auto" tile's grid leaves streaming multiprocessors idle (few rows)
-SMALL_GRID_TILES = ("m64n64",)
+#: the tiles a build proves (each one a compile per op shape: a build's time counts them). The H200 study found
+#: "tma", "tma_n256" and "m64n64" bit-identical on every op shape it tried and the fastest of ours on some
+#: (docs/fused-linear.md); they join only once a build on the GPU has shipped them through its strict validation
+BUILD_TILES = ("auto", "m64", "n64", "n256")
+
+
+#: what a proof's "proven" means: these tiles' settings, and the set a build proves (part of the proofs' key)
+TILES_DIGEST = launch_table_digest(TILES, BUILD_TILES)
 
 
 #: what Hopper's TMA needs of a tensor it reads: a 16-byte aligned base and row stride
@@ -98,20 +99,10 @@ def tma_fits(k: int) -> bool:
     return (k * 2) % TMA_ALIGNMENT == 0
 
 
-def auto_programs(m: int, n: int) -> int:
-    """The programs of the "auto" tile (``launch_config``: 128 rows, the row up to 128 columns) for [m, n]."""
-    block_n = min(128, max(16, 1 << max(0, n - 1).bit_length()))
-    return -(-m // 128) * -(-n // block_n)
-
-
-def tile_fits(launch: str, n: int, k: Optional[int] = None, m: Optional[int] = None,
-              sms: Optional[int] = None) -> bool:
+def tile_fits(launch: str, n: int, k: Optional[int] = None) -> bool:
     """Whether a tile is worth a compile for outputs of width ``n`` (a wider tile than the row only idles), and, for
-    a TMA tile, whether rows of ``k`` can be read by TMA (when ``k`` is given). A ``SMALL_GRID_TILES`` tile needs
-    ``m`` rows few enough that the "auto" tile runs fewer programs than the device's ``sms``."""
+    a TMA tile, whether rows of ``k`` can be read by TMA (when ``k`` is given)."""
     tile = TILES[launch]
-    if launch in SMALL_GRID_TILES and (m is None or sms is None or auto_programs(m, n) >= sms):
-        return False
     if tile.get("TMA") and k is not None and not tma_fits(k):
         return False
     if k is not None and tile.get("BLOCK_K", 0) > max(16, k):  # a k-step longer than K only adds zeros
@@ -122,17 +113,10 @@ def tile_fits(launch: str, n: int, k: Optional[int] = None, m: Optional[int] = N
     return n >= block_n * 2 if block_n == 64 else n >= block_n
 
 
-def proof_launches(n: int, layer_norm: bool = False, k: Optional[int] = None, m: Optional[int] = None,
-                   sms: Optional[int] = None) -> list[str]:
-    """The tiles a build proves for a launch [m, k] x [k, n] on a device of ``sms`` multiprocessors (the LayerNorm
-    epilogue holds whole rows in one tile of its own: "auto" only)."""
-    return ["auto"] if layer_norm else [name for name in BUILD_TILES if tile_fits(name, n, k, m, sms)]
-
-
-def multiprocessors(device) -> Optional[int]:
-    """The device's streaming multiprocessors (None off CUDA)."""
-    device = torch.device(device)
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+def proof_launches(n: int, layer_norm: bool = False, k: Optional[int] = None) -> list[str]:
+    """The tiles a build proves for a launch of output width ``n`` and depth ``k`` (the LayerNorm epilogue holds whole
+    rows in one tile of its own: "auto" only)."""
+    return ["auto"] if layer_norm else [name for name in BUILD_TILES if tile_fits(name, n, k)]
 
 
 class LinearPath(KernelPath):
@@ -149,13 +133,7 @@ def proof_environment(device: torch.device | str) -> dict:
     libdevice its GELU launches link: ``kkdeploy.kernels.libdevice``)."""
     from .libdevice import libdevice_sources
 
-    return kernel_environment(device, OP, SOURCES + libdevice_sources(), launches=tiles_digest())
-
-
-@functools.lru_cache(maxsize=None)
-def tiles_digest() -> str:
-    """The tile table's digest, once per process (the op asks for its environment on every call)."""
-    return launch_table_digest(TILES, BUILD_TILES, SMALL_GRID_TILES)
+    return kernel_environment(device, OP, SOURCES + libdevice_sources(), launches=TILES_DIGEST)
 
 
 def kernel_refusal(dtype: torch.dtype, device) -> Optional[str]:
@@ -454,7 +432,7 @@ def prove_linear(device: torch.device | str, cases: list[ProofCase], m: int, n: 
         refusal = f"the LayerNorm epilogue takes rows of {', '.join(map(str, LN_WIDTHS))}, not {n}"
     if refusal:
         return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
-    tiles = launches or proof_launches(n, layer_norm, k, m, multiprocessors(device))
+    tiles = launches or proof_launches(n, layer_norm, k)
     record = prove_launches(OP, shape, tiles, cases, device, environment=environment, budget_s=budget_s,
                             repeats=repeats, against_reference=True)
     remember_proof(record, cache)

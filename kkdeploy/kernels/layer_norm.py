@@ -36,7 +36,8 @@ from kkdeploy.errors import KKError
 from .cuda_build import load_problem
 from .dependent_launch import enabled as dependent_launch_enabled
 from .paths import KernelPath, path_from_proof
-from .proof import ProofCache, ProofCase, ProofRecord, kernel_environment, lookup_proof, prove_launches, remember_proof
+from .proof import (ProofCache, ProofCase, ProofRecord, kernel_environment, launch_table_digest, lookup_proof,
+                    prove_launches, remember_proof)
 
 OP_NAME = "kkdeploy_faithful::layer_norm_rows"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "layer_norm.cu"
@@ -49,6 +50,8 @@ BLOCK_WARPS, BLOCK_THREADS = 4, 128  # ATen's block per row: (32, 4) threads
 #: playing ATen's 4 warps. Each is proven on its own (``prove_layer_norm``).
 LAUNCHES = {"rows2": 2, "rows1": 1, "block4": 4}
 DEFAULT_LAUNCH = "rows2"
+#: what a proof's "proven" means: these launches' rows per warp (part of the proofs' key)
+LAUNCHES_DIGEST = launch_table_digest(LAUNCHES)
 DEFAULT_ROWS_PER_WARP = LAUNCHES[DEFAULT_LAUNCH]
 
 
@@ -78,7 +81,7 @@ def proof_shape(rows: int, width: int) -> dict:
 
 def proof_environment(device: torch.device | str) -> dict:
     """The environment key of the kernel's proofs (device, torch, CUDA, the kernel's sources, nvcc and its flags)."""
-    return kernel_environment(device, OP, (SOURCE, HEADER), compiler="nvcc")
+    return kernel_environment(device, OP, (SOURCE, HEADER), compiler="nvcc", launches=LAUNCHES_DIGEST)
 
 
 def kernel_refusal(device: torch.device | str) -> Optional[str]:
