@@ -5,7 +5,13 @@ inputs all-valid and padded (0.25, the generator's padding). Each call compares 
 write with the reference's own ops (``layer_kernels.compare_intermediates``: differing elements per part, and the
 first part that differs), and the output with ``reference_forward`` under the strict rule. Then, in the same
 process: eager ``reference_forward``, the reference captured in a CUDA graph (``torch-graph``) and the layer
-launches captured in a CUDA graph, each the median of ``--rounds`` rounds of ``--repeats`` timed calls.
+launches captured in a CUDA graph, each the median of ``--rounds`` rounds of ``--repeats`` timed calls. The captured
+launches are checked again on a padded input after the timed replays.
+
+``persistent`` in a launch spec runs the whole model as one persistent launch (``_model_triton``)::
+
+    python3 scripts/layer_kernels_h200.py --shapes 3,12 --weights own:4711 \
+        --launches cached_mdiv:1:8:split,cached_mdiv:1:8:persistent,cached_mdiv:1:4:persistent,cached_mdiv:1:8:persistent:p2
 
     python3 scripts/layer_kernels_h200.py --shapes 2,3,4,7,12 --json $OUT/layers.json
 """
@@ -86,7 +92,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="2,3,4,7,12")
     parser.add_argument("--weights", default="seeded,own:4711")
     parser.add_argument("--launches", default="default", help="default, or attention:gelu_prologue:warps[:split]"
-                        "[:tritonlib],... e.g. cached:1:8,cached_mdiv:0:4:split")
+                        "[:persistent][:p<programs per SM>][:tritonlib],... e.g. cached:1:8,cached_mdiv:0:4:split,"
+                        "cached_mdiv:1:8:persistent:p2")
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-time", action="store_true")
@@ -104,9 +111,11 @@ def main(argv=None) -> int:
                 launches = []
                 for spec in args.launches.split(","):
                     attention, prologue, warps, *more = spec.split(":")
+                    per_sm = next((int(m[1:]) for m in more if m[:1] == "p" and m[1:].isdigit()), 1)
                     launches.append(LayerLaunch(attention=attention, gelu_prologue=prologue == "1",
                                                 num_warps=int(warps), split="split" in more,
-                                                libdevice="triton" if "tritonlib" in more else "cuda"))
+                                                libdevice="triton" if "tritonlib" in more else "cuda",
+                                                persistent="persistent" in more, programs_per_sm=per_sm))
             for launch in launches:
                 t0 = time.perf_counter()
                 try:
@@ -136,9 +145,13 @@ def main(argv=None) -> int:
                                               torch.float16, device)
                         same = differing(layers(x, mask), model.reference_forward(x, mask))
                         layer_ms = median_ms(lambda: layers(x, mask), args.repeats, args.rounds)
+                        # after thousands of replays (the persistent launch resets its own counters each call)
+                        xp, maskp = padded_case(config, device, torch.float16, 1238, 0.25)
+                        same_after = differing(layers(xp, maskp), model.reference_forward(xp, maskp))
                         layers.close()
                     row.update(eager_ms=round(eager, 4), torch_graph_ms=round(graph_ms, 4), layers_ms=round(layer_ms, 4),
-                               captured_differing=same)
+                               captured_differing=same, captured_differing_after_timing=same_after)
+                    bad += same + same_after
                     timing = f"{eager:8.3f} {graph_ms:8.3f} {layer_ms:8.4f} {eager / layer_ms:7.2f}x"
                 row["kernels"] = kernels.kernel_stats()
                 spills = sum(k["spills"] or 0 for k in row["kernels"].values())

@@ -11,6 +11,7 @@ compiles for a GPU target offline, and its wheel bundles ptxas. Use the Triton t
     python3 scripts/offline_ptx.py --triton /tmp/triton36 attention BLOCK_M=64 NCACHED=4 --num-warps 4
     python3 scripts/offline_ptx.py --triton /tmp/triton36 entry D=32 BK_D=32 --num-warps 8 --num-stages 2
     python3 scripts/offline_ptx.py --triton /tmp/triton36 linear --num-warps 8 --pdl   # the PDL form's arithmetic
+    python3 scripts/offline_ptx.py --triton /tmp/triton36 model --num-warps 8 --num-stages 2  # the persistent model
 
 Constexprs not given take the defaults below (the op's launch on shape 6); ``--fp-fusion`` compiles with Triton's
 default fp contraction instead of the kernels' ``enable_fp_fusion=False``. Prints one line of counts.
@@ -58,6 +59,15 @@ KERNELS = {
         {"D": 128, "F": 128, "H": 4, "HEAD_DIM": 32, "DH_PAD": 32, "LANES": 32, "SUB": 1, "ONE_PASS": 0, "NCACHED": 4,
          "FAST_DIV": 1, "CAUSAL": 1, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 64, "BK_D": 64, "BK_F": 64,
          "BN_F": 128, "BN_QKV": 128, "GELU_PROLOGUE": 1, "LAST": 0, "FUSE_ATTENTION": 0}),
+    "model": ("kkdeploy.kernels._model_triton", "_model_kernel", {
+        "X": "*fp16", "MASK": "*i1",
+        **{name: "*fp16" for name in ("HN0", "QKV", "CTX", "X1", "H2", "FF", "X2", "HN")}, "SYNC": "*i32",
+        **{name: "*fp16" for name in ("LN1_G", "LN1_B", "WQKV", "BQKV", "WO", "BO", "LN2_G", "LN2_B", "W1", "B1",
+                                      "W2", "B2", "LNN_G", "LNN_B")}, "EPS2": "*fp32", "EPSN": "*fp32",
+        **{name: "i32" for name in ("S", "M", "NQB", "NRT")}, "scale": "fp32", "eps1": "fp32"},
+        {"L": 4, "D": 128, "F": 128, "H": 4, "HEAD_DIM": 32, "DH_PAD": 32, "LANES": 32, "NCACHED": 4, "FAST_DIV": 1,
+         "CAUSAL": 1, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 64, "BK_D": 64, "BK_F": 64, "BN_F": 128,
+         "BN_QKV": 128, "SYNC_BLOCK": 1024, "ROW_CHAIN": 1}),
 }
 #: the kernels with a dependent-launch form (kkdeploy/kernels/dependent_launch.py)
 PDL_KERNELS = ("attention", "linear", "linear_tma")
@@ -73,7 +83,8 @@ def parse_constexprs(pairs: list[str], defaults: dict) -> dict:
             raise SystemExit(f"offline_ptx: {pair!r}: give NAME=VALUE with NAME one of {', '.join(defaults)}")
         values[name] = int(value)
     return {k: bool(v) if k in ("CAUSAL", "HAS_MASK", "ACCURATE", "DEBUG", "ONE_PASS", "FAST_DIV", "LN_RELOAD",
-                                "A_GELU", "LN_ZERO_INVALID", "GELU_PROLOGUE", "LAST", "FUSE_ATTENTION", "PDL") else v
+                                "A_GELU", "LN_ZERO_INVALID", "GELU_PROLOGUE", "LAST", "FUSE_ATTENTION", "PDL",
+                                "ROW_CHAIN") else v
             for k, v in values.items()}
 
 

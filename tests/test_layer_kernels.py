@@ -124,7 +124,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     results = []
     for (b, s, d, h, f, l, padded, attention, prologue) in [
             (2, 40, 32, 2, 64, 2, True, "cached_mdiv", True),
-            (1, 70, 64, 4, 128, 1, False, "three_pass", False), (2, 40, 32, 2, 64, 2, True, "cached_mdiv:split", True)]:
+            (1, 70, 64, 4, 128, 1, False, "three_pass", False), (2, 40, 32, 2, 64, 2, True, "cached_mdiv:split", True),
+            (2, 70, 32, 2, 160, 2, True, "cached_mdiv:persistent", True)]:
         torch.manual_seed(0)
         config = TransformerConfig(b, s, d, h, f, l, causal=True)
         model = ReferenceTransformer(config)
@@ -134,9 +135,10 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         model = model.half().eval()
         x = torch.randn(b, s, d).half()
         mask = (torch.arange(s)[None, :] < torch.tensor([s, s - 13])[:b, None]) if padded else None
-        split = attention.endswith(":split")
+        split, persistent = attention.endswith(":split"), attention.endswith(":persistent")
         attention = attention.split(":")[0]
-        kernels = LayerKernels(model, LayerLaunch(attention=attention, gelu_prologue=prologue, split=split))
+        kernels = LayerKernels(model, LayerLaunch(attention=attention, gelu_prologue=prologue, split=split,
+                                                  persistent=persistent))
         with torch.no_grad():
             out = kernels(x, mask).clone()
         got = kernels.intermediates(b, s)
@@ -188,8 +190,89 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 
 def test_layer_kernels_under_the_interpreter():
     results = run_interpreter_script(INTERPRETER_SCRIPT)
-    assert len(results) == 3
+    assert len(results) == 4
     for r in results:
         assert r["parts"] and all(n == 0 for n in r["parts"].values()), r
         assert r["max_err"] < 0.01, r  # the float32 reference: the kernels compute the model, not just themselves
         assert r["invalid_rows_zero"] and r["out_is_hn"], r
+
+
+def test_persistent_launch_names_and_refusals(monkeypatch):
+    from kkdeploy.kernels import _model_triton
+
+    assert lk.LayerLaunch(persistent=True).name() == "persistent_cached_mdiv_w8_p1"
+    assert lk.LayerLaunch(persistent=True, num_warps=4, programs_per_sm=2).name() == "persistent_cached_mdiv_w4_p2"
+    assert lk.LayerLaunch(persistent=True, row_chain=False).name() == "persistent_cached_mdiv_w8_p1_nochain"
+    # the ticket, the exit count, then five counters per (block, row tile)
+    assert _model_triton.sync_size(layers=4, row_tiles=8) == 2 + 5 * 4 * 8
+    model = build_models(CONFIG, torch.float16, "cpu")[0]
+    monkeypatch.setattr(lk, "INTERPRET", True)
+    monkeypatch.setattr(lk, "triton_available", lambda: True)
+    with pytest.raises(KKError, match="GELU on ffn_out's input only"):
+        lk.LayerKernels(model, lk.LayerLaunch(persistent=True, gelu_prologue=False))
+    with pytest.raises(KKError, match="programs_per_sm = 0: at least 1"):
+        lk.LayerKernels(model, lk.LayerLaunch(persistent=True, programs_per_sm=0))
+    kernels = lk.LayerKernels(model, lk.LayerLaunch(persistent=True))
+    assert kernels.stacked["wqkv"].shape == (2, 96, 32) and kernels.stacked["lnn_g"].shape == (2, 32)
+    assert torch.equal(kernels.stacked["lnn_g"][1], model.final_norm.weight)  # the last block's next norm
+    assert torch.equal(kernels.stacked["lnn_g"][0], model.layers[1].norm1.weight)
+    assert kernels.stacked["eps2"].dtype == torch.float32
+    buf = kernels.buffers(2, 24)  # one tensor per kind, the blocks' buffers its views
+    assert buf["stacks"]["ff"].shape == (2, 48, 64) and buf["ff"][1].data_ptr() == buf["stacks"]["ff"][1].data_ptr()
+    assert kernels.sync(2, 24).shape == (2 + 5 * 2 * 2, ) and int(kernels.sync(2, 24).abs().sum()) == 0
+
+
+PERSISTENT_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import torch
+    from kkdeploy.config import TransformerConfig
+    from kkdeploy.models.reference import ReferenceTransformer
+    from kkdeploy.kernels.layer_kernels import LayerKernels, LayerLaunch, compare_intermediates
+
+    def frozen(report):
+        return {"hn0": report["hn0"].clone(), "qkv0": report["qkv0"].clone(),
+                "blocks": [{k: None if v is None else v.clone() for k, v in blk.items()} for blk in report["blocks"]]}
+
+    results = []
+    for (b, s, d, h, f, l, padded, attention, causal, chain) in [
+            (2, 70, 32, 2, 64, 2, True, "cached_mdiv", True, True), (2, 70, 32, 2, 64, 2, True, "cached_mdiv", True, False),
+            (2, 24, 32, 2, 160, 2, True, "three_pass_mdiv", False, True),  # two ffn_in tiles: never chained
+            (1, 40, 64, 4, 128, 1, False, "three_pass", True, True)]:
+        torch.manual_seed(0)
+        model = ReferenceTransformer(TransformerConfig(b, s, d, h, f, l, causal=causal))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        model = model.half().eval()
+        split = LayerKernels(model, LayerLaunch(attention=attention))
+        persistent = LayerKernels(model, LayerLaunch(attention=attention, persistent=True, row_chain=chain))
+        calls = []
+        for seed in (1, 2):  # two calls: the second runs on the counters the first one's last program zeroed
+            torch.manual_seed(seed)
+            x = torch.randn(b, s, d).half()
+            mask = (torch.arange(s)[None, :] < torch.tensor([s, s - 13])[:b, None]) if padded else None
+            with torch.no_grad():
+                want_out = split(x, mask).clone()
+                want = frozen(split.intermediates(b, s))
+                got_out = persistent(x, mask).clone()
+            calls.append({"report": compare_intermediates(persistent.intermediates(b, s), want),
+                          "out_equal": bool(torch.equal(got_out, want_out)),
+                          "sync_zero": bool((persistent.sync(b, s) == 0).all())})
+        results.append({"case": [b, s, d, h, f, l, padded, attention, causal, chain], "calls": calls})
+    print("RESULTS " + json.dumps(results))
+    """
+)
+
+
+def test_persistent_launch_equals_the_split_launches_under_the_interpreter():
+    """Every buffer of the one-launch model equals the split launches' (which equal the tiles launched one by one,
+    above): causal and not, padded and not, two row tiles per sequence, two ffn_in column tiles, the row chain and
+    not, two calls."""
+    results = run_interpreter_script(PERSISTENT_SCRIPT)
+    assert len(results) == 4
+    for r in results:
+        for call in r["calls"]:
+            assert call["report"]["first"] is None, r
+            assert all(n == 0 for n in call["report"]["blocks"][0].values()), r
+            assert call["out_equal"] and call["sync_zero"], r

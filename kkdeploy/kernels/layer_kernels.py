@@ -78,8 +78,17 @@ class LayerLaunch:
     num_stages: int = 2
     split: bool = True
     libdevice: str = "cuda"
+    #: the whole model in one launch (``_model_triton``): work items taken from a ticket by a grid of
+    #: ``programs_per_sm`` programs per multiprocessor, readiness counters between them
+    persistent: bool = False
+    programs_per_sm: int = 1
+    #: (persistent) out_proj, ffn_in and ffn_out of a row tile as one work item, where ffn_in is one column tile
+    row_chain: bool = True
 
     def name(self) -> str:
+        if self.persistent:
+            return (f"persistent_{self.attention}_w{self.num_warps}_p{self.programs_per_sm}"
+                    f"{'' if self.row_chain else '_nochain'}{'' if self.libdevice == 'cuda' else '_tritonlib'}")
         return (f"{self.attention}{'_split' if self.split else ''}{'' if self.gelu_prologue else '_gelu_epilogue'}"
                 f"_w{self.num_warps}{'' if self.libdevice == 'cuda' else '_tritonlib'}")
 
@@ -109,12 +118,17 @@ class LayerKernels:
             raise KKError(f"unknown attention form {self.launch.attention!r}; the forms are {', '.join(ATTENTION_FORMS)}")
         if ATTENTION_FORMS[self.launch.attention]["cached"] and config.seq_len > 128:
             raise KKError(f"attention form {self.launch.attention!r} holds rows of at most 128 keys (S = {config.seq_len})")
+        if self.launch.persistent and not self.launch.gelu_prologue:
+            raise KKError("the persistent launch computes GELU on ffn_out's input only (gelu_prologue=True)")
+        if self.launch.programs_per_sm < 1:
+            raise KKError(f"programs_per_sm = {self.launch.programs_per_sm}: at least 1")
         self.model = model  # the packed Q|K|V tensors are copies; every other parameter is read in place
         with torch.no_grad():
             qkv = [packed([p.weight for p in projections], [p.bias for p in projections])
                    for projections in ((b.attention.q_proj, b.attention.k_proj, b.attention.v_proj)
                                        for b in model.layers)]
         self.qkv_weights, self.qkv_biases = [w for w, _ in qkv], [b for _, b in qkv]
+        self.stacked = self._stacked_weights() if self.launch.persistent else None
         from ._fused_linear_triton import COMPILE_FLAGS  # the proven kernels' IEEE arithmetic
 
         # compile options of every launch, the libdevice looked up once here, not per call
@@ -128,22 +142,59 @@ class LayerKernels:
         self._buffers: dict = {}
         self.compiled: dict = {}  # launch name -> Triton's compiled kernel (registers, spills)
 
+    def _stacked_weights(self) -> dict:
+        """Every block's parameters stacked [L, ...] (copies), for the persistent launch that indexes them by block;
+        the next LayerNorm of block l is block l + 1's norm1, or final_norm for the last."""
+        layers = list(self.model.layers)
+        nxt = [b.norm1 for b in layers[1:]] + [self.model.final_norm]
+        stack = lambda ts: torch.stack([t.detach() for t in ts]).contiguous()  # noqa: E731
+        eps = lambda norms: torch.tensor([float(n.eps) for n in norms], dtype=torch.float32,  # noqa: E731
+                                         device=self.model.device)
+        with torch.no_grad():
+            return {
+                "wqkv": stack(self.qkv_weights), "bqkv": stack(self.qkv_biases),
+                "wo": stack([b.attention.out_proj.weight for b in layers]),
+                "bo": stack([b.attention.out_proj.bias for b in layers]),
+                "ln2_g": stack([b.norm2.weight for b in layers]), "ln2_b": stack([b.norm2.bias for b in layers]),
+                "w1": stack([b.ffn_in.weight for b in layers]), "b1": stack([b.ffn_in.bias for b in layers]),
+                "w2": stack([b.ffn_out.weight for b in layers]), "b2": stack([b.ffn_out.bias for b in layers]),
+                "lnn_g": stack([n.weight for n in nxt]), "lnn_b": stack([n.bias for n in nxt]),
+                "eps2": eps([b.norm2 for b in layers]), "epsn": eps(nxt),
+            }
+
     def buffers(self, batch: int, seq_len: int) -> dict:
-        """The launches' buffers for inputs [batch, seq_len, D] (made once per shape; a graph captures them)."""
+        """The launches' buffers for inputs [batch, seq_len, D] (made once per shape; a graph captures them). Each
+        kind is one [L, rows, width] tensor, listed per block as views: the persistent launch indexes the block."""
         key = (batch, seq_len)
         if key not in self._buffers:
             c, dev = self.config, self.model.device
             m, d, f, n = batch * seq_len, c.d_model, c.ffn_dim, len(self.model.layers)
-
-            def new(width: int) -> torch.Tensor:
-                return torch.empty(m, width, dtype=torch.float16, device=dev)
-
-            self._buffers[key] = {
-                "hn0": new(d), "qkv": [new(3 * d) for _ in range(n)], "ctx": [new(d) for _ in range(n)],
-                "x1": [new(d) for _ in range(n)], "h2": [new(d) for _ in range(n)], "ff": [new(f) for _ in range(n)],
-                "x2": [new(d) for _ in range(n)], "hn": [new(d) for _ in range(n)],
-            }
+            stacks = {name: torch.empty(n, m, width, dtype=torch.float16, device=dev)
+                      for name, width in (("qkv", 3 * d), ("ctx", d), ("x1", d), ("h2", d), ("ff", f), ("x2", d),
+                                          ("hn", d))}
+            self._buffers[key] = {"hn0": torch.empty(m, d, dtype=torch.float16, device=dev), "stacks": stacks,
+                                  **{name: list(t.unbind(0)) for name, t in stacks.items()}}
         return self._buffers[key]
+
+    def sync(self, batch: int, seq_len: int) -> torch.Tensor:
+        """The persistent launch's ticket and readiness counters, zeroed once: each call's last program zeroes them
+        for the next."""
+        from . import _model_triton
+
+        key = ("sync", batch, seq_len)
+        if key not in self._buffers:
+            tiles = batch * -(-seq_len // BLOCK_M)
+            self._buffers[key] = torch.zeros(_model_triton.sync_size(len(self.model.layers), tiles),
+                                             dtype=torch.int32, device=self.model.device)
+        return self._buffers[key]
+
+    def programs(self, items: int) -> int:
+        """The persistent grid: ``programs_per_sm`` per multiprocessor, never more than the items; two under the
+        interpreter (one takes every ticket, the other finds none: both paths run)."""
+        if INTERPRET:
+            return 2
+        sms = torch.cuda.get_device_properties(self.model.device).multi_processor_count
+        return max(1, min(items, sms * self.launch.programs_per_sm))
 
     def forward(self, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         import triton
@@ -175,6 +226,27 @@ class LayerKernels:
         grid = (triton.cdiv(s, BLOCK_M), b)
         layers = list(self.model.layers)
         first = layers[0].norm1
+        if launch.persistent:
+            from . import _model_triton
+
+            w, stacks = self.stacked, buf["stacks"]
+            nqb = triton.cdiv(s, BLOCK_M)
+            nrt = b * nqb
+            bn_f = min(128, max(16, _pow2(f)))
+            chain = launch.row_chain and f <= bn_f
+            row_items = 1 if chain else 2 + -(-f // bn_f)
+            items = nrt * (1 + len(layers) * (-(-3 * d // tiles["BN_QKV"]) + heads + row_items))
+            self.compiled["model"] = _model_triton._model_kernel[(self.programs(items), )](
+                x2d, mask, buf["hn0"], stacks["qkv"], stacks["ctx"], stacks["x1"], stacks["h2"], stacks["ff"],
+                stacks["x2"], stacks["hn"], self.sync(b, s),
+                first.weight, first.bias, w["wqkv"], w["bqkv"], w["wo"], w["bo"], w["ln2_g"], w["ln2_b"],
+                w["w1"], w["b1"], w["w2"], w["b2"], w["lnn_g"], w["lnn_b"], w["eps2"], w["epsn"],
+                s, b * s, nqb, nrt, fp32_scale(d // heads), float(first.eps),
+                L=len(layers), D=d, F=f, H=heads, HEAD_DIM=dh, DH_PAD=max(16, _pow2(dh)), LANES=lanes,
+                NCACHED=ncached, FAST_DIV=form["fast_div"], CAUSAL=bool(c.causal), HAS_MASK=has_mask,
+                ACCURATE=not INTERPRET, BK_F=min(64, max(16, _pow2(f))), BN_F=bn_f, SYNC_BLOCK=1024, ROW_CHAIN=chain,
+                **tiles, **run)
+            return buf["hn"][-1].view(b, s, d)
         self.compiled["entry"] = kernels._entry_kernel[grid](
             x2d, buf["hn0"], buf["qkv"][0], first.weight, first.bias, self.qkv_weights[0], self.qkv_biases[0], s,
             float(first.eps), D=d, ACCURATE=not INTERPRET, **tiles, **run)

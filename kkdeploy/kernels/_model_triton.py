@@ -1,0 +1,272 @@
+"""The whole model in one persistent launch (imported lazily: it imports triton).
+
+The split layer launches (``_layer_triton``) lose to the compiled graph because each block's launch runs five GEMM
+tiles one after another on a handful of programs, while the graph spreads each op over many programs and pays a
+launch per op. This kernel keeps the spread and drops the launches: a grid about as large as the GPU holds, whose
+programs take **work items** in dependency order from a ticket counter until none are left.
+
+Items, in ticket order (a row tile is BLOCK_M query rows of one sequence: ``rt = b * NQB + qb``):
+
+* entry, per row tile: the first block's norm1 of X -> HN0;
+* per layer, then:
+  - Q|K|V, per (row tile, column tile of BN_QKV) -> QKV[l];
+  - attention, per (row tile, head) -> CTX[l] (``_attention_tile``; it reads the keys of earlier row tiles);
+  - out_proj, ``x + where(mask, ., 0)`` and norm2, per row tile -> X1[l], H2[l];
+  - ffn_in, per (row tile, column tile of BN_F) -> FF[l];
+  - ffn_out with GELU on its input, ``where(mask, x1 + ., 0)`` and the next LayerNorm (the next block's norm1, or
+    final_norm with the invalid rows zeroed), per row tile -> X2[l], HN[l].
+
+  With ``ROW_CHAIN`` (ffn_in in one column tile: F <= BN_F, every official shape but 8), out_proj, ffn_in and
+  ffn_out of a row tile are one item: they depend on each other in that order anyway, and the chain saves two
+  hand-offs per block.
+
+**No deadlock, however few programs are resident.** A program takes ``item = atomic_add(ticket, 1)`` only while it
+runs, and an item waits only on items with smaller tickets. Those were taken by programs that are running, and
+they finish without waiting on anything later. So the grid needs no co-residency guarantee (unlike a grid barrier).
+
+**Readiness counters** (int32, per layer and row tile): a producer stores its tile, runs ``tl.debug_barrier()``
+(every thread's stores are done) and then one ``atomic_add(counter, 1, sem="release")`` at GPU scope. A consumer
+spins on ``atomic_add(counter, 0, sem="acquire")`` until the count it needs: the Q|K|V column tiles of every row
+tile its keys come from, the heads of its rows, the ffn_in column tiles of its rows. Release and acquire at GPU
+scope are cumulative in PTX's memory model, so what the producer's CTA stored before the barrier is visible to the
+consumer after its acquire; that is the pattern of cooperative groups' grid sync.
+
+**The arithmetic is the proven tiles'**: the same ``@triton.jit`` functions the build's proofs launch on their own
+(``_linear_tile`` with the bias in the float32 accumulator and its epilogues, ``_attention_tile``,
+``_rows_layer_norm``) with the tile sizes of the split layer launches, so each item writes what the split launches
+write, and ``compare_intermediates`` holds every buffer to the reference op by op.
+
+**The counters reset themselves.** The last program out (an ``exit`` counter) zeroes the ticket and every counter
+for the next call, so a call is one launch, and a CUDA graph captures it as one node.
+
+Under Triton's interpreter the programs run one after another: the first takes every ticket in order, every wait
+is already satisfied, and the others find no work. That checks the item decoding, the buffers and the arithmetic
+on the CPU; the memory ordering between programs is the GPU's to show (every element is validated there).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._faithful_attention_triton import _attention_tile
+from ._fused_linear_triton import _linear_tile, _rows_layer_norm
+
+# The sync buffer (int32): the ticket, the exit count, then KINDS readiness counters per (layer, row tile).
+TICKET = tl.constexpr(0)
+EXIT = tl.constexpr(1)
+HEADER = tl.constexpr(2)
+HN_READY = tl.constexpr(0)  # the block's input rows normalized (norm1): 1 when ready
+QKV_DONE = tl.constexpr(1)  # Q|K|V column tiles written: NQKV when ready
+ATT_DONE = tl.constexpr(2)  # heads written: H when ready
+X1_DONE = tl.constexpr(3)  # out_proj, the residual and norm2 written: 1
+FF_DONE = tl.constexpr(4)  # ffn_in column tiles written: NFF
+KINDS = tl.constexpr(5)
+
+
+def sync_size(layers: int, row_tiles: int) -> int:
+    """int32 elements of the sync buffer for a model of ``layers`` blocks over ``row_tiles`` row tiles."""
+    return HEADER.value + KINDS.value * layers * row_tiles
+
+
+@triton.jit
+def _counter(SYNC, layer, kind: tl.constexpr, rt, NRT):
+    """The readiness counter of ``kind`` for row tile ``rt`` of block ``layer``."""
+    return SYNC + HEADER + (layer * KINDS + kind) * NRT + rt
+
+
+@triton.jit
+def _wait(COUNTER, target):
+    """Spin until ``*COUNTER >= target`` (acquire at GPU scope: the producers' stores are visible after it)."""
+    seen = tl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _signal(COUNTER):
+    """Publish this program's stores: every thread's first (the barrier), then one release increment."""
+    tl.debug_barrier()
+    tl.atomic_add(COUNTER, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _ffn_in_tile(H2, W1, B1, FF, lay, rows, row_ok, n0, D: tl.constexpr, F: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BN_F: tl.constexpr, BK_D: tl.constexpr, ACCURATE: tl.constexpr):
+    """ffn_in of block ``lay`` for ``rows``, columns n0 .. n0 + BN_F (no epilogue: ffn_out computes the GELU)."""
+    offs_n = n0 + tl.arange(0, BN_F)
+    _linear_tile(H2, W1 + lay * (F * D), B1 + lay * F, FF, FF, FF, rows, offs_n, row_ok, offs_n < F, F, D,
+                 D, D, F, F, 0, False, ACCURATE, BLOCK_M, BN_F, BK_D, None, None, None, 0.0, False, False, False)
+
+
+@triton.jit
+def _ffn_out_tile(FF, W2, B2, X1, MASK, X2, LNN_G, LNN_B, EPSN, HN, lay, rows, row_ok, last,
+                  D: tl.constexpr, F: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BK_F: tl.constexpr):
+    """ffn_out of block ``lay`` for ``rows`` with GELU on its input, ``where(mask, x1 + ., 0)`` and the next
+    LayerNorm: the next block's norm1, or (``last``) final_norm with the invalid rows zeroed."""
+    offs_dn = tl.arange(0, D)
+    if last:
+        _linear_tile(FF, W2 + lay * (D * F), B2 + lay * D, X1, MASK, X2, rows, offs_dn, row_ok, offs_dn < D, D, F,
+                     F, F, D, D, 5, HAS_MASK, ACCURATE, BLOCK_M, D, BK_F,
+                     LNN_G + lay * D, LNN_B + lay * D, HN, tl.load(EPSN + lay), True, True, True)
+    else:
+        _linear_tile(FF, W2 + lay * (D * F), B2 + lay * D, X1, MASK, X2, rows, offs_dn, row_ok, offs_dn < D, D, F,
+                     F, F, D, D, 5, HAS_MASK, ACCURATE, BLOCK_M, D, BK_F,
+                     LNN_G + lay * D, LNN_B + lay * D, HN, tl.load(EPSN + lay), True, True, False)
+
+
+@triton.jit
+def _model_kernel(
+    X, MASK, HN0, QKV, CTX, X1, H2, FF, X2, HN, SYNC,
+    LN1_G, LN1_B, WQKV, BQKV, WO, BO, LN2_G, LN2_B, W1, B1, W2, B2, LNN_G, LNN_B, EPS2, EPSN,
+    S, M, NQB, NRT, scale, eps1,
+    L: tl.constexpr, D: tl.constexpr, F: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DH_PAD: tl.constexpr, LANES: tl.constexpr, NCACHED: tl.constexpr, FAST_DIV: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BK_D: tl.constexpr, BK_F: tl.constexpr, BN_F: tl.constexpr, BN_QKV: tl.constexpr,
+    SYNC_BLOCK: tl.constexpr, ROW_CHAIN: tl.constexpr,
+):
+    NQKV: tl.constexpr = (3 * D + BN_QKV - 1) // BN_QKV  # Q|K|V column tiles per row tile
+    NFF: tl.constexpr = (F + BN_F - 1) // BN_F  # ffn_in column tiles per row tile
+    n_qkv = NRT * NQKV
+    n_att = NRT * H
+    tl.static_assert(NFF == 1 or not ROW_CHAIN, "ROW_CHAIN needs ffn_in in one column tile")
+    if ROW_CHAIN:  # out_proj, ffn_in and ffn_out of a row tile are one item (ffn_in is one column tile)
+        per_layer = n_qkv + n_att + NRT
+    else:
+        per_layer = n_qkv + n_att + NRT + NRT * NFF + NRT
+    total = NRT + L * per_layer
+    lane_k = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [lane, k]: column 4 lane + k
+    offs_dn = tl.arange(0, D)
+    offs_d = tl.arange(0, DH_PAD)
+
+    item = tl.atomic_add(SYNC + TICKET, 1)
+    while item < total:
+        if item < NRT:
+            # entry: norm1 of the first block, rows of row tile `item`
+            rt = item
+            b = (rt // NQB).to(tl.int64)
+            r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = r < S
+            rows = b * S + r
+            offs3 = rows[:, None, None] * D + lane_k[None, :, :]
+            in_row = row_ok[:, None, None] & (lane_k < D)[None, :, :]
+            v3 = tl.load(X + offs3, mask=in_row, other=0.0).to(tl.float32)
+            tl.store(HN0 + offs3, _rows_layer_norm(v3, LN1_G, LN1_B, eps1, D, BLOCK_M, ACCURATE), mask=in_row)
+            _signal(_counter(SYNC, 0, HN_READY, rt, NRT))
+        else:
+            j = item - NRT
+            layer = j // per_layer
+            j = j % per_layer
+            lay = layer.to(tl.int64)
+            qkv_l = QKV + lay * M * (3 * D)
+            ctx_l = CTX + lay * M * D
+            x1_l = X1 + lay * M * D
+            h2_l = H2 + lay * M * D
+            ff_l = FF + lay * M * F
+            x2_l = X2 + lay * M * D
+            hn_l = HN + lay * M * D
+            if j < n_qkv:
+                # Q|K|V of one row tile, one column tile; its input is norm1 of the block's input
+                rt = j // NQKV
+                n0 = (j % NQKV) * BN_QKV
+                b = (rt // NQB).to(tl.int64)
+                r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_ok = r < S
+                rows = b * S + r
+                _wait(_counter(SYNC, layer, HN_READY, rt, NRT), 1)
+                if layer == 0:
+                    h_in = HN0
+                else:
+                    h_in = HN + (lay - 1) * M * D
+                offs_n = n0 + tl.arange(0, BN_QKV)
+                _linear_tile(h_in, WQKV + lay * (3 * D * D), BQKV + lay * (3 * D), qkv_l, qkv_l, qkv_l,
+                             rows, offs_n, row_ok, offs_n < 3 * D, 3 * D, D,
+                             D, D, 3 * D, 3 * D, 0, False, ACCURATE, BLOCK_M, BN_QKV, BK_D,
+                             None, None, None, 0.0, False, False, False)
+                _signal(_counter(SYNC, layer, QKV_DONE, rt, NRT))
+            elif j < n_qkv + n_att:
+                # attention: one head of one row tile, once the Q|K|V rows of its keys are written
+                j = j - n_qkv
+                rt = j // H
+                h = j % H
+                bb = rt // NQB
+                qb = rt % NQB
+                b = bb.to(tl.int64)
+                if CAUSAL:
+                    last_tile = qb
+                else:
+                    last_tile = NQB - 1
+                for t in range(0, last_tile + 1):
+                    _wait(_counter(SYNC, layer, QKV_DONE, bb * NQB + t, NRT), NQKV)
+                m0 = qb * BLOCK_M
+                r = m0 + tl.arange(0, BLOCK_M)
+                row_ok = r < S
+                rows = b * S + r
+                acc = _attention_tile(qkv_l, qkv_l + D, qkv_l + 2 * D, MASK, ctx_l, ctx_l, b, h, m0,
+                                      S * 3 * D, 3 * D, S * 3 * D, 3 * D, S * 3 * D, 3 * D, S, 1,
+                                      S, H, scale, HEAD_DIM, DH_PAD, BLOCK_M, LANES, 1, CAUSAL, HAS_MASK, ACCURATE,
+                                      False, False, NCACHED, FAST_DIV)
+                c_ptrs = ctx_l + rows[:, None] * D + h * HEAD_DIM + offs_d[None, :]
+                tl.store(c_ptrs, acc.to(tl.float16), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+                _signal(_counter(SYNC, layer, ATT_DONE, rt, NRT))
+            elif j < n_qkv + n_att + NRT:
+                # out_proj, x + where(mask, ., 0), norm2 of one row tile (and, chained, its feed-forward)
+                rt = j - n_qkv - n_att
+                b = (rt // NQB).to(tl.int64)
+                r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_ok = r < S
+                rows = b * S + r
+                _wait(_counter(SYNC, layer, ATT_DONE, rt, NRT), H)
+                if layer == 0:
+                    x_in = X
+                else:
+                    x_in = X2 + (lay - 1) * M * D
+                _linear_tile(ctx_l, WO + lay * (D * D), BO + lay * D, x_in, MASK, x1_l, rows, offs_dn, row_ok,
+                             offs_dn < D, D, D, D, D, D, D, 4, HAS_MASK, ACCURATE, BLOCK_M, D, BK_D,
+                             LN2_G + lay * D, LN2_B + lay * D, h2_l, tl.load(EPS2 + lay), True, False, False)
+                if ROW_CHAIN:  # ffn_in (one column tile) and ffn_out follow in this program: no hand-off
+                    tl.debug_barrier()
+                    _ffn_in_tile(h2_l, W1, B1, ff_l, lay, rows, row_ok, 0, D, F, BLOCK_M, BN_F, BK_D, ACCURATE)
+                    tl.debug_barrier()
+                    _ffn_out_tile(ff_l, W2, B2, x1_l, MASK, x2_l, LNN_G, LNN_B, EPSN, hn_l, lay, rows, row_ok,
+                                  layer == L - 1, D, F, HAS_MASK, ACCURATE, BLOCK_M, BK_F)
+                    if layer < L - 1:  # the next block's Q|K|V tiles wait on this
+                        _signal(_counter(SYNC, layer + 1, HN_READY, rt, NRT))
+                else:
+                    _signal(_counter(SYNC, layer, X1_DONE, rt, NRT))
+            elif j < n_qkv + n_att + NRT + NRT * NFF:
+                # ffn_in of one row tile, one column tile (GELU is computed by ffn_out on the way in)
+                j = j - n_qkv - n_att - NRT
+                rt = j // NFF
+                b = (rt // NQB).to(tl.int64)
+                r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_ok = r < S
+                rows = b * S + r
+                _wait(_counter(SYNC, layer, X1_DONE, rt, NRT), 1)
+                _ffn_in_tile(h2_l, W1, B1, ff_l, lay, rows, row_ok, (j % NFF) * BN_F, D, F, BLOCK_M, BN_F, BK_D,
+                             ACCURATE)
+                _signal(_counter(SYNC, layer, FF_DONE, rt, NRT))
+            else:
+                # ffn_out with GELU on its input, where(mask, x1 + ., 0), the next LayerNorm of one row tile
+                rt = j - n_qkv - n_att - NRT - NRT * NFF
+                b = (rt // NQB).to(tl.int64)
+                r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_ok = r < S
+                rows = b * S + r
+                _wait(_counter(SYNC, layer, FF_DONE, rt, NRT), NFF)
+                _ffn_out_tile(ff_l, W2, B2, x1_l, MASK, x2_l, LNN_G, LNN_B, EPSN, hn_l, lay, rows, row_ok,
+                              layer == L - 1, D, F, HAS_MASK, ACCURATE, BLOCK_M, BK_F)
+                if layer < L - 1:  # the next block's Q|K|V tiles wait on this
+                    _signal(_counter(SYNC, layer + 1, HN_READY, rt, NRT))
+        item = tl.atomic_add(SYNC + TICKET, 1)
+
+    # the last program out zeroes the ticket and the counters for the next call
+    tl.debug_barrier()
+    out = tl.atomic_add(SYNC + EXIT, 1, sem="acq_rel", scope="gpu")
+    if out == tl.num_programs(0) - 1:
+        n_sync = HEADER + KINDS * L * NRT
+        for s0 in range(0, n_sync, SYNC_BLOCK):
+            offs = s0 + tl.arange(0, SYNC_BLOCK)
+            tl.store(SYNC + offs, tl.zeros((SYNC_BLOCK, ), tl.int32), mask=offs < n_sync)
