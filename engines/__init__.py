@@ -12,7 +12,7 @@ import importlib
 
 from . import registry
 from .base import Backend, BuildContext, CandidateResult, Runner
-from . import trt, ort, torch_graph, inductor, torch_compile  # noqa: E402,F401  each registers its descriptor
+from . import trt, ort, torch_graph, inductor, torch_compile, layer_graph  # noqa: E402,F401  each registers its descriptor
 
 
 def backend_module(key: str) -> str:

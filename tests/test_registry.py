@@ -10,7 +10,7 @@ from engines import BuildContext, get_backend, recipe, registry
 from kkdeploy.config import TransformerConfig
 from kkdeploy.pipeline import build, runtime
 
-BUILT_IN = ("trt", "ort", "torch_graph", "inductor", "torch_compile")
+BUILT_IN = ("trt", "ort", "torch_graph", "inductor", "torch_compile", "layer_graph")
 
 
 def test_every_built_in_backend_registers_itself_where_it_lives():
@@ -23,21 +23,25 @@ def test_every_built_in_backend_registers_itself_where_it_lives():
 
 
 def test_the_tables_are_the_ones_kept_by_hand_before():
-    """Derived now; their contents are what the hand-written tables held, so builds and manifests are unchanged."""
+    """Derived now; their contents are what the hand-written tables held, so builds and manifests are unchanged, plus
+    the layer launches' backend (added since, opt-in: no default build asks for it)."""
     assert engines.BACKEND_MODULES == {"trt": "engines.trt", "ort": "engines.ort", "torch_graph": "engines.torch_graph",
-                                       "inductor": "engines.inductor", "torch_compile": "engines.torch_compile"}
+                                       "inductor": "engines.inductor", "torch_compile": "engines.torch_compile",
+                                       "layer_graph": "engines.layer_graph"}
     assert build.BACKEND_CHOICES == {
         "trt": ("trt", None), "ort-cuda": ("ort", ["ort-cuda", "ort-cuda-graph"]), "ort-cpu": ("ort", ["ort-cpu"]),
         "torch-graph": ("torch_graph", None), "inductor": ("inductor", None), "torch-compile": ("torch_compile", None),
         "torch-compile-fused": ("torch_compile", ["torch-compile-fused", "torch-compile-fused-mixed",
-                                                  "torch-compile-fused-half-gemm", "torch-compile-fused-half-gemm-mixed"])}
+                                                  "torch-compile-fused-half-gemm", "torch-compile-fused-half-gemm-mixed"]),
+        "layer-graph": ("layer_graph", ["layer-graph"]), "layer-graph-split": ("layer_graph", ["layer-graph-split"])}
     assert build.RECIPE_BACKEND_KEYS == {"ort": "ort", "trt": "trt", "torch-graph": "torch_graph",
-                                         "torch-compile": "torch_compile", "inductor": "inductor"}
+                                         "torch-compile": "torch_compile", "inductor": "inductor",
+                                         "layer-graph": "layer_graph"}
     assert build.DEFAULT_BACKENDS == {"cpu": ["ort-cpu"], "cuda": ["trt", "ort-cuda", "torch-graph", "torch-compile"]}
     assert build.ONNX_BACKENDS == {"trt", "ort"}
     assert runtime.BACKEND_LIBRARIES == {"ort": ("onnxruntime",), "trt": ("tensorrt",), "torch_graph": ("torch",),
-                                         "inductor": ("torch",), "torch_compile": ("torch",)}
-    assert set(recipe.BACKENDS) == {"ort", "trt", "torch-graph", "torch-compile", "inductor"}
+                                         "inductor": ("torch",), "torch_compile": ("torch",), "layer_graph": ("torch",)}
+    assert set(recipe.BACKENDS) == {"ort", "trt", "torch-graph", "torch-compile", "inductor", "layer-graph"}
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

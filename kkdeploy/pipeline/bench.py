@@ -130,9 +130,11 @@ ALL_MIXED = MIXED_CANDIDATES["cpu"] + MIXED_CANDIDATES["cuda"] + FUSED_CANDIDATE
 # The same graphs with programmatic dependent launches (kkdeploy/kernels/dependent_launch.py; Hopper and later):
 # opt-in, to be timed beside the plain form in one process.
 PDL_CANDIDATES = [f"{name}-pdl" for name in COMPILE_CANDIDATES]
+# The model as our own layer launches in a CUDA graph (engines.layer_graph), proven op by op first: opt-in.
+LAYER_CANDIDATES = ["layer-graph", "layer-graph-split"]
 COMPILED = COMPILE_CANDIDATES + PDL_CANDIDATES + [n for n in ALL_MIXED if n.startswith("torch-compile-")]  # opt-in on the CPU
 BENCH_CANDIDATES = (["optimized-sdpa0", "optimized-sdpa1"] + GRAPH_CANDIDATES + COMPILE_CANDIDATES + PDL_CANDIDATES
-                    + ALL_MIXED)
+                    + ALL_MIXED + LAYER_CANDIDATES)
 
 
 def default_candidates(device: torch.device, dtype: torch.dtype, contract: str) -> list[str]:
@@ -203,6 +205,15 @@ def make_candidate(name: str, reference, config: TransformerConfig, dtype: torch
         info["compile_seconds"] = runner.compile_seconds
         info.update(kernel_paths_record(name, config, dtype, device))
         return runner, runner.all_valid_only
+    if name in LAYER_CANDIDATES:
+        from engines.layer_graph import BACKEND, make_runner, refusal
+
+        reason = BACKEND.unavailable_reason(device, dtype) or refusal(config, dtype, device)
+        if reason:
+            raise KKError(f"skipped: {reason}")
+        runner, record = make_runner(reference, config, dtype, device, name, options.seed)  # proven here first
+        info.update({"launch": record["launch"], "layer_proof": record})
+        return runner, False
     raise KKError(f"unknown bench candidate {name!r}")
 
 

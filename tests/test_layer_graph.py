@@ -1,0 +1,118 @@
+"""engines.layer_graph: the layer launches as build candidates, proven op by op before they are built or served.
+
+On the CPU: availability, the row limit, the candidate names, the proof against the reference's intermediates
+(with stand-in kernels that are the reference, then one element changed), and the one-line reason that names the
+first differing part. Under Triton's interpreter, the real launches on the CPU differ from the CPU's ATen float16
+ops, and the proof says where: that is the refusal path a GPU build takes when a part is not bit-identical.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from engines import layer_graph, recipe, registry
+from kkdeploy import TransformerConfig
+from kkdeploy.errors import KKError
+from kkdeploy.kernels import layer_kernels as lk
+from kkdeploy.models.weights import build_models
+from tests.conftest import run_interpreter_script
+
+CONFIG = TransformerConfig(batch_size=2, seq_len=24, d_model=32, num_heads=2, ffn_dim=64, num_layers=2, causal=True)
+
+
+def test_names_availability_and_the_row_limit():
+    backend = layer_graph.BACKEND
+    assert "CUDA devices" in backend.unavailable_reason(torch.device("cpu"), torch.float16)
+    assert "float16 only" in backend.unavailable_reason(torch.device("cuda"), torch.float32)
+    assert backend.unavailable_reason(torch.device("cuda"), torch.float16) is None
+    assert registry.choice("layer-graph")[1].variants == ("layer-graph", )
+    assert registry.choice("layer-graph-split")[1].variants == ("layer-graph-split", )
+    assert "layer-graph" not in registry.default_choices("cuda")  # opt-in until it is measured faster
+    assert recipe.parse("layer-graph-split").split_launches and not recipe.parse("layer-graph").split_launches
+    assert recipe.parse("layer-graph").describe() == "reference, one persistent launch"
+    with pytest.raises(KKError, match="-split applies to layer-graph only"):
+        recipe.parse("torch-graph-split")
+    big = TransformerConfig(batch_size=10000, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4)
+    assert "1,280,000 rows" in layer_graph.refusal(big, torch.float16, torch.device("cuda"))
+    assert layer_graph.launch_for("layer-graph", CONFIG).persistent
+    assert not layer_graph.launch_for("layer-graph-split", CONFIG).persistent
+
+
+class ReferenceAsKernels:
+    """Stand-in kernels whose buffers are the reference's own intermediates (optionally one element changed)."""
+
+    def __init__(self, model, spoil=None):
+        self.model, self.spoil = model, spoil
+        self.launch = lk.LayerLaunch(persistent=True)
+
+    def __call__(self, x, mask):
+        self.last = lk.reference_intermediates(self.model, x, mask)
+        if self.spoil:
+            block, part = self.spoil
+            self.last["blocks"][block][part][0, 0] += 1
+        return self.last["blocks"][-1]["hn"]
+
+    def intermediates(self, batch, seq_len):
+        return self.last
+
+
+def test_the_proof_passes_kernels_that_are_the_reference_and_names_the_first_differing_part():
+    model = build_models(CONFIG, torch.float32, "cpu")[0]
+    record = layer_graph.prove_layers(ReferenceAsKernels(model), model, CONFIG, torch.float32, torch.device("cpu"), 7)
+    assert record["differing"] == 0 and layer_graph.proof_failure(record) is None
+    assert [(c["seed"], c["padding_ratio"]) for c in record["cases"]] == [(7, 0.0), (7, 0.25), (8, 0.0), (8, 0.25)]
+    assert record["launch"] == "persistent_cached_mdiv_w8_p1"
+    spoiled = layer_graph.prove_layers(ReferenceAsKernels(model, spoil=(1, "x1")), model, CONFIG, torch.float32,
+                                       torch.device("cpu"), 7)
+    assert all(c["first"] == "block 1 x1" for c in spoiled["cases"])
+    assert layer_graph.proof_failure(spoiled) == (
+        "persistent_cached_mdiv_w8_p1 is not bit-identical to the reference's ops: block 1 x1 differs in 1 element "
+        "(seed 7, padding 0.0)")
+
+
+INTERPRETER_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import torch
+    from engines import layer_graph
+    from kkdeploy.config import TransformerConfig
+    from kkdeploy.errors import KKError
+    from kkdeploy.models.weights import build_models
+
+    config = TransformerConfig(batch_size=2, seq_len=24, d_model=32, num_heads=2, ffn_dim=64, num_layers=2,
+                               causal=True)
+    model = build_models(config, torch.float16, "cpu")[0]
+    out = {}
+    for candidate in ("layer-graph", "layer-graph-split"):
+        try:
+            layer_graph.make_runner(model, config, torch.float16, torch.device("cpu"), candidate, 1234)
+            out[candidate] = "built"
+        except KKError as exc:
+            out[candidate] = str(exc)
+    print("RESULTS " + json.dumps(out))
+    """
+)
+
+
+def test_launches_that_differ_from_this_machine_s_ops_are_refused_with_the_part():
+    """The interpreter's launches against the CPU's float16 ATen ops: not bit-identical, so no runner is made,
+    and the reason names the first part that differs (no CUDA graph is ever captured on the CPU)."""
+    results = run_interpreter_script(INTERPRETER_SCRIPT)
+    for candidate, launch in (("layer-graph", "persistent_cached_mdiv_w8_p1"),
+                              ("layer-graph-split", "cached_mdiv_split_w8")):
+        assert results[candidate].startswith(f"{launch} is not bit-identical to the reference's ops: "), results
+        assert "differs in" in results[candidate] and "(seed 1234, padding 0.0)" in results[candidate], results
+
+
+def test_the_bench_takes_them_by_name_and_says_why_not_here():
+    from kkdeploy.pipeline import bench
+
+    assert bench.parse_candidates("layer-graph,layer-graph-split") == ["layer-graph", "layer-graph-split"]
+    assert "layer-graph" not in bench.default_candidates(torch.device("cuda"), torch.float16, "strict")
+    model = build_models(CONFIG, torch.float16, "cpu")[0]
+    with pytest.raises(KKError, match="^skipped: unavailable: the layer launches are Triton kernels for CUDA"):
+        bench.make_candidate("layer-graph", model, CONFIG, torch.float16, torch.device("cpu"),
+                             bench.BenchOptions(device="cpu", dtype=torch.float16), {})
