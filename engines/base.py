@@ -139,6 +139,11 @@ class Runner:
     def release(self) -> None:
         """Drop the references to what this runner holds, dependents first; each runner names its own."""
 
+    def static_call(self):
+        """``engines.cuda_graph.StaticCall`` (the captured graph's input buffers and its replay) for a server that
+        writes its inputs in place, or None: this runner has no capture that serves every mask."""
+        return None
+
     def __enter__(self) -> "Runner":
         return self
 

@@ -9,11 +9,24 @@ nodes (``kkdeploy.pipeline.launches``); the executable graph it replays is the s
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 WARMUP_CALLS = 3
+
+
+@dataclass(frozen=True)
+class StaticCall:
+    """A captured graph's own input buffers and its replay. A caller that writes its inputs straight into ``x`` and
+    ``mask`` (every row, every call) and then calls ``run()`` skips a call's two copies in and its clone out, and the
+    runner's checks: a server's gather already built exactly these tensors. ``run()`` returns the graph's static
+    output, which the next replay overwrites, so the caller copies it out (or is done with it) before then."""
+
+    x: torch.Tensor
+    mask: torch.Tensor
+    run: Callable[[], torch.Tensor]
 
 
 def new_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
@@ -56,6 +69,17 @@ class CapturedCall:
         """Stream operations a call issues besides the replay: the input copy, the mask copy (unless
         all-valid-only) and the output clone."""
         return 2 if self.all_valid_only else 3
+
+    def static_call(self) -> Optional[StaticCall]:
+        """The capture's buffers and replay for a caller that fills them itself; None for an all-valid-only capture,
+        whose mask buffer stays all True and is never copied."""
+        if self.all_valid_only:
+            return None
+        return StaticCall(self.x, self.mask, self._replay)
+
+    def _replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.y
 
     def raw_graph(self) -> int | None:
         """The captured cudaGraph_t (an address), or None where this torch cannot keep it."""

@@ -263,6 +263,9 @@ class CompiledModuleRunner(Runner):
         # It is an inference tensor; outside inference mode the caller gets a normal one (as eager would give).
         return y if torch.is_inference_mode_enabled() else y.clone()
 
+    def static_call(self):
+        return None if self.all_valid_only or self.captured is None else self.captured.static_call()
+
     def release(self) -> None:
         if self.captured is not None:
             self.captured.close()  # the graph replays the compiled kernels on the model's memory: first

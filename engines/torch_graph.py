@@ -58,6 +58,9 @@ class CudaGraphRunner(Runner):
             raise KKError(f"{self.backend} serves all-valid calls only; route padded calls to the fallback")
         return self.captured(x, mask)
 
+    def static_call(self):
+        return None if self.all_valid_only else self.captured.static_call()
+
     def release(self) -> None:
         self.captured.close()  # the graph first: it reads the model's memory
         self.captured = self.model = None

@@ -148,6 +148,7 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
     import kkdeploy
     from kkdeploy.pipeline.runtime import bucketed
     from kkdeploy.serving import loadtest
+    from kkdeploy.serving.triton_model import STATIC_INPUTS_ENV
 
     runner = bucketed(kkdeploy.load(artifacts, device=args.device))
     result = {"buckets": runner.sizes, "backends": {str(b): r.backend for b, r in runner.buckets.items()},
@@ -162,7 +163,7 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
     sat_conc = 8 if args.quick or row_bytes * min(big, 64) > (1 << 20) else 64
     if shape == "6":
         plans = [("batch-1 c=1", dict(processes=1, concurrency=1, requests=n(1000), mix=[[1, 1.0]], pool=16))]
-        layouts = [("one-hop", "cpu", 1, engine) for engine in args.engines]
+        layouts = [("one-hop", "cpu", 1, engine, static) for engine in args.engines for static in args.static]
     else:
         full = min(big, 64)
         plans = [
@@ -183,20 +184,24 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
         # before it: GPU outputs, two hops
         # (topology, output device, instances, engine): each --engines one-hop engine (kkdeploy's in-process
         # backend, the Python backend), then the layouts before them
-        layouts = [("one-hop", "cpu", 1, engine) for engine in args.engines]
+        layouts = [("one-hop", "cpu", 1, engine, static) for engine in args.engines for static in args.static]
         if shape == "3":
-            layouts += [("one-hop", "cpu", n, engine) for engine in args.engines for n in args.instances if n > 1]
+            layouts += [("one-hop", "cpu", n, engine, static) for engine in args.engines for n in args.instances
+                        if n > 1 for static in args.static]
             if args.before:
                 if args.device != "cpu":  # a CPU artifact's answers are in host memory either way
-                    layouts.append(("one-hop", "gpu", 1, "auto"))
-                layouts.append(("two-hop", "cpu", 1, "python"))
-    for layout, outputs, instances, engine in layouts:
+                    layouts.append(("one-hop", "gpu", 1, "auto", args.static[0]))
+                layouts.append(("two-hop", "cpu", 1, "python", args.static[0]))
+    for layout, outputs, instances, engine, static in layouts:
         if time.monotonic() > deadline:
             result["runs"].append({"skipped": f"{layout}, {outputs} outputs, {instances} instances: out of budget"})
             continue
         server = None
+        os.environ[STATIC_INPUTS_ENV] = static  # the server's processes inherit it (BucketEngine reads it)
         try:
             server = Server(artifacts, layout, engine=engine, output_device=outputs, instances=instances)
+            if static == "0":
+                server.label += ", static inputs off"
             server.__enter__()
         except Exception as exc:  # noqa: BLE001 - e.g. the in-process backend cannot be built or load here
             result["runs"].append({"skipped": f"{layout}, engine {engine}: {type(exc).__name__}: {str(exc)[:300]}"})
@@ -385,6 +390,10 @@ def main(argv=None) -> int:
     p.add_argument("--engines", default="inprocess,auto",
                    help="one-hop engines to measure side by side: inprocess (kkdeploy's backend in tritonserver's "
                         "process), auto (the Python backend) (default inprocess,auto)")
+    p.add_argument("--static-inputs", default="on", choices=["on", "off", "both"],
+                   help="one-hop engines write requests straight into a captured graph's buffers (on, the default), "
+                        "or copy them in as before (off), or each one-hop layout twice, on then off, for a "
+                        "before/after in one session (both)")
     p.add_argument("--client", default="lean", choices=["lean", "tritonclient"],
                    help="the load test's gRPC client (default lean: requests serialized once per payload)")
     p.add_argument("--no-before", dest="before", action="store_false",
@@ -396,6 +405,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.instances = [int(n) for n in args.instances.split(",") if n.strip()]
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    args.static = {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.static_inputs]
     started = time.monotonic()
     deadline = started + args.budget
     out = Path(args.out)

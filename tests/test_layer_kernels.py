@@ -236,7 +236,8 @@ PERSISTENT_SCRIPT = textwrap.dedent(
 
     results = []
     for (b, s, d, h, f, l, padded, attention, causal, chain) in [
-            (2, 70, 32, 2, 64, 2, True, "cached_mdiv", True, True), (2, 70, 32, 2, 64, 2, True, "cached_mdiv", True, False),
+            (2, 70, 32, 2, 64, 2, True, "cached_mdiv", True, True),
+            (2, 70, 32, 2, 64, 2, True, "cached_mdiv", True, False),
             (2, 24, 32, 2, 160, 2, True, "three_pass_mdiv", False, True),  # two ffn_in tiles: never chained
             (1, 40, 64, 4, 128, 1, False, "three_pass", True, True)]:
         torch.manual_seed(0)

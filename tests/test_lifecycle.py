@@ -165,3 +165,22 @@ def test_kkdeploy_load_serves_in_a_with_block_and_releases_the_session(tmp_path)
     assert engine.closed and engine.session is None
     with pytest.raises(KKError, match="closed"):
         runner(x, mask)
+
+
+def test_the_served_runner_hands_out_its_engine_s_static_call_only_where_the_engine_serves_every_call():
+    """A server writes straight into a captured graph's buffers (``StaticCall``) only when that graph answers every
+    call: not behind an all-valid router, not from the fallback, not once closed."""
+    sentinel = object()
+
+    class Captured(Held):
+        def static_call(self):
+            return sentinel
+
+    fallback = ReferenceTransformer(CONFIG).eval()
+    assert ServedRunner(fallback, engine=Captured("c")).static_call() is sentinel
+    assert ServedRunner(fallback, engine=Captured("c"), all_valid_only=True).static_call() is None
+    assert ServedRunner(fallback).static_call() is None  # the fallback serves
+    assert ServedRunner(fallback, engine=Held("plain")).static_call() is None  # a runner without a capture
+    served = ServedRunner(fallback, engine=Captured("c"))
+    served.close()
+    assert served.static_call() is None

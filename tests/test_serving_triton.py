@@ -212,7 +212,8 @@ def test_one_hop_gather_reuses_its_buffers_and_rewrites_every_row():
     model = triton_model.BucketEngine.__new__(triton_model.BucketEngine)
     model.runner = BucketedRunner({1: Engine(), 2: Engine(), 4: Engine()})
     model.row_shape, model.dtype, model.device, model.cuda = [3, 2], torch.float32, torch.device("cpu"), False
-    model.inference_mode, model.buffers = torch.inference_mode, {}
+    model.inference_mode, model.buffers, model.static, model.static_all_true = torch.inference_mode, {}, {}, {}
+    model.gpu_outputs = False
     model.all_valid = {b: torch.ones([b, 3], dtype=torch.bool) for b in (1, 2, 4)}
     full = [torch.full((2, 3, 2), 5.0), torch.full((2, 3, 2), 7.0)]
     ys, size, n, _, _ = model.run(full, [None, None])
@@ -240,6 +241,66 @@ def test_one_hop_gather_reuses_its_buffers_and_rewrites_every_row():
     assert x.data_ptr() == x_out.data_ptr() and mask.data_ptr() == mask_out.data_ptr()  # written in place
     x, mask = triton_model.gather_host([2 * torch.ones(1, 3, 2)], [None], x_out, mask_out)  # stale rows rewritten
     assert torch.equal(x, 2 * torch.ones(1, 3, 2)) and mask.all()
+
+
+def test_one_hop_writes_straight_into_a_captured_graph_s_buffers():
+    """A bucket whose engine has a ``StaticCall`` (a CUDA graph serving every mask): the gather writes into the
+    graph's own input buffers and the run is its replay, with no copy in and no clone out. Every row is rewritten
+    each run; the mask buffer is filled all True only when the last run left something else in it; the answers
+    are the engine's, as through its ordinary call."""
+    from engines.cuda_graph import StaticCall
+    from kkdeploy.pipeline.runtime import BucketedRunner
+
+    class Captured:
+        """A capture's shape on the CPU: static buffers, a replay that reads them, a static output."""
+        backend, reason = "captured", ""
+
+        def __init__(self, size):
+            self.x, self.mask = torch.zeros(size, 3, 2), torch.zeros(size, 3, dtype=torch.bool)
+            self.y, self.replays, self.mask_writes = torch.zeros(size, 3, 2), [], 0
+
+        def _replay(self):
+            self.replays.append((self.x.clone(), self.mask.clone()))
+            self.y.copy_(self.x * 2 * self.mask[..., None])
+            return self.y
+
+        def static_call(self):
+            return StaticCall(self.x, self.mask, self._replay)
+
+        def __call__(self, x, mask):  # the ordinary call: never taken when the static call exists
+            raise AssertionError("the ordinary call ran")
+
+    engines = {b: Captured(b) for b in (1, 4)}
+    model = triton_model.BucketEngine.__new__(triton_model.BucketEngine)
+    model.runner = BucketedRunner(engines)
+    model.row_shape, model.dtype, model.device, model.cuda = [3, 2], torch.float32, torch.device("cpu"), False
+    model.inference_mode, model.buffers, model.static_all_true = torch.inference_mode, {}, {}
+    model.static, model.gpu_outputs = {b: triton_model.static_call_of(r) for b, r in engines.items()}, False
+    model.all_valid = {b: torch.ones([b, 3], dtype=torch.bool) for b in (1, 4)}
+    full = [torch.full((2, 3, 2), 5.0), torch.full((2, 3, 2), 7.0)]
+    ys, size, n, _, _ = model.run(full, [None, None])
+    four = engines[4]
+    assert (size, n) == (4, 4) and torch.equal(torch.cat(ys), 2 * torch.cat(full))
+    assert model.buffers[4][0] is four.x and model.buffers[4][1] is four.mask and ys[0].data_ptr() == four.y.data_ptr()
+    assert four.replays[-1][1].all() and model.static_all_true[4]
+    version = four.mask._version
+    model.run(full, [None, None])  # all valid again: the mask already holds all True, not written
+    assert four.mask._version == version and len(four.replays) == 2
+    masked = torch.tensor([[True, True, False]])
+    ys, size, n, _, _ = model.run([torch.ones(1, 3, 2), 3 * torch.ones(2, 3, 2)], [masked, None])
+    x, mask = four.replays[-1]
+    assert (size, n) == (4, 3) and not x[3].any() and not model.static_all_true[4]
+    assert torch.equal(mask, torch.tensor([[True, True, False], [True] * 3, [True] * 3, [False] * 3]))
+    assert torch.equal(ys[0], torch.tensor([[[2.0, 2.0]] * 2 + [[0.0, 0.0]]]))
+    assert torch.equal(ys[1], 6 * torch.ones(2, 3, 2))
+    model.run(full, [None, None])  # all valid after a padded run: the mask is written all True once more
+    assert four.replays[-1][1].all() and model.static_all_true[4]
+    ys, size, n, _, _ = model.run([torch.ones(1, 3, 2)], [None])  # bucket 1: its own graph's buffers
+    assert (size, n) == (1, 1) and len(engines[1].replays) == 1 and torch.equal(ys[0], 2 * torch.ones(1, 3, 2))
+    model.gpu_outputs = True  # answers left on the GPU are read after the run: a copy, not the graph's buffer
+    ys, _, _, _, _ = model.run(full, [None, None])
+    assert ys[0].data_ptr() != four.y.data_ptr() and torch.equal(torch.cat(ys), 2 * torch.cat(full))
+    assert triton_model.static_call_of(object()) is None  # a runner without one
 
 
 def _parse_text(text: str):

@@ -74,6 +74,13 @@ class ServedRunner(Runner):
             return self.engine(x, mask)
         return self._fallback.infer(x, mask)
 
+    def static_call(self):
+        """The engine's ``StaticCall`` when it serves every call (no mask routing), else None."""
+        if self._router is not None or self.engine is None or self.closed:
+            return None
+        static = getattr(self.engine, "static_call", None)
+        return static() if callable(static) else None
+
     def release(self) -> None:
         close_all((self._router, self.padded_engine, self.engine, self._fallback))
         self._router = self.padded_engine = self.engine = self.fallback = None

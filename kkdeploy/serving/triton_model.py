@@ -47,6 +47,9 @@ OUTPUT_DEVICE = "kkdeploy_output_device"  # cpu (default) | gpu
 CANARY_FILE = "kkdeploy_canary_file"  # written by `kkdeploy serve`: where the model records its canary answers
 RELEASE_DIR = "kkdeploy_release_dir"  # written by `kkdeploy serve`: finalize() leaves "<model>.<pid>" there
 CANARY_SEED = 4242
+#: "0" turns off writing straight into captured graphs' buffers (``BucketEngine.static``): the before/after switch a
+#: measurement of that path uses in one session; the server's processes inherit it from ``kkdeploy serve``
+STATIC_INPUTS_ENV = "KKDEPLOY_STATIC_GRAPH_INPUTS"
 INPUT_X, INPUT_MASK, OUTPUT_Y = "x", "valid_token_mask", "y"
 
 
@@ -468,6 +471,12 @@ class _TritonMetrics:
                 metric.increment(value)
 
 
+def static_call_of(runner):
+    """A bucket runner's ``StaticCall`` (``engines.cuda_graph``), or None where it has none."""
+    static = getattr(runner, "static_call", None)
+    return static() if callable(static) else None
+
+
 class BucketEngine:
     """The one-hop engine without Triton: the gathered requests' rows run on the smallest validated bucket that
     holds them. The Python backend's batched role (``_Batched``) and kkdeploy's in-process backend
@@ -513,6 +522,13 @@ class BucketEngine:
             if self.cuda:
                 torch.cuda.synchronize(self.device)
         self.inference_mode = torch.inference_mode
+        # A bucket whose engine is a CUDA graph that serves every mask: the gather writes straight into the graph's
+        # own input buffers and the run is its replay (no copies in, no clone out, no checks of what the gather built).
+        self.static = {}
+        if self.cuda and os.environ.get(STATIC_INPUTS_ENV, "1") != "0":
+            calls = {size: static_call_of(r) for size, r in self.runner.buckets.items()}
+            self.static = {size: call for size, call in calls.items() if call is not None}
+        self.static_all_true: dict[int, bool] = {}  # bucket -> its static mask holds all True from the last run
         self.buffers: dict[int, tuple] = {}
         self.host_outputs: dict[int, object] = {}  # bucket -> pinned host buffer for its answers (_to_host)
         self.host_inputs: dict[int, tuple] = {}  # bucket -> pinned host (x, mask) that gathers requests (_staging)
@@ -535,8 +551,12 @@ class BucketEngine:
         if found is None:
             import torch
 
-            found = (torch.empty([size, *self.row_shape], dtype=self.dtype, device=self.device),
-                     torch.empty([size, self.row_shape[0]], dtype=torch.bool, device=self.device))
+            static = self.static.get(size)
+            if static is not None:  # the captured graph's own inputs
+                found = (static.x, static.mask)
+            else:
+                found = (torch.empty([size, *self.row_shape], dtype=self.dtype, device=self.device),
+                         torch.empty([size, self.row_shape[0]], dtype=torch.bool, device=self.device))
             self.buffers[size] = found
         return found
 
@@ -597,11 +617,18 @@ class BucketEngine:
                 x[a:b].copy_(xi, non_blocking=True)
         if n < size:  # padding rows: zeros, fully masked, never returned
             x[n:].zero_()
+        static = self.static.get(size)
         if n == size and all(m is None for m in masks):
-            # every token valid: the bucket's all-True mask, never written, so an engine that caches "all valid"
-            # by tensor identity and version (an all-valid-only CUDA graph) answers without a device sync
-            mask = self.all_valid[size]
+            if static is not None:  # the graph reads its own mask buffer: all True, written only when it was not
+                if not self.static_all_true.get(size):
+                    mask.fill_(True)
+                    self.static_all_true[size] = True
+            else:
+                # every token valid: the bucket's all-True mask, never written, so an engine that caches "all valid"
+                # by tensor identity and version (an all-valid-only CUDA graph) answers without a device sync
+                mask = self.all_valid[size]
         else:
+            self.static_all_true[size] = False
             if staged:
                 mask[:n].copy_(host_mask, non_blocking=True)
             else:
@@ -614,12 +641,14 @@ class BucketEngine:
                 mask[n:].fill_(False)
         gathered = time.perf_counter_ns()
         with self.inference_mode():
-            y = self.runner.run_bucket(size, x, mask)
+            y = static.run() if static is not None else self.runner.run_bucket(size, x, mask)
         if self.cuda:  # the responses read y: it must be complete (and the clock honest)
             torch.cuda.current_stream(self.device).synchronize()
         ran = time.perf_counter_ns()
         if self.cuda and not self.gpu_outputs:  # the answers cross to the host in one copy per run
             y = self._to_host(size, y[:n])
+        elif static is not None and self.gpu_outputs:  # a GPU answer may be read after this returns (the Python backend's second round
+            y = y.clone()  # trip): not the graph's output buffer, which the next replay overwrites
         if len(xs) == 1 and n == y.shape[0]:
             return [y], size, n, gathered, ran
         return [y[a:b] for a, b in bounds], size, n, gathered, ran
