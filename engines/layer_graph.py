@@ -60,13 +60,22 @@ def launch_for(candidate: str, config: TransformerConfig):
 
 def refusal(config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the layer launches cannot serve this model here (one line), or None."""
-    from kkdeploy.kernels.layer_kernels import refusal as kernel_refusal
+    from kkdeploy.kernels import layer_kernels
+    from kkdeploy.kernels.libdevice import LIBDEVICE_ENV, cuda_libdevice
 
     rows = config.batch_size * config.seq_len
     if rows > MAX_ROWS:
         return (f"B x S = {rows:,} rows: the layer launches keep every block's intermediates, at most "
                 f"{MAX_ROWS:,} rows")
-    return kernel_refusal(config, dtype, device)
+    why = layer_kernels.refusal(config, dtype, device)
+    if why is None and not layer_kernels.INTERPRET:
+        try:
+            if cuda_libdevice() is None:  # the GELU is ATen's only with CUDA's erff
+                why = (f"CUDA's libdevice.10.bc not found (the GELU links it): install the CUDA toolkit's nvvm or "
+                       f"set {LIBDEVICE_ENV}")
+        except KKError as exc:
+            why = str(exc)
+    return why
 
 
 def prove_layers(kernels, model, config: TransformerConfig, dtype: torch.dtype, device: torch.device,

@@ -41,6 +41,20 @@ def test_names_availability_and_the_row_limit():
     assert not layer_graph.launch_for("layer-graph-split", CONFIG).persistent
 
 
+def test_a_machine_without_cuda_s_libdevice_is_told_what_to_install(monkeypatch, tmp_path):
+    from kkdeploy.kernels import libdevice
+
+    monkeypatch.setattr(lk, "refusal", lambda config, dtype, device: None)  # as on a GPU
+    monkeypatch.setattr(lk, "INTERPRET", False)
+    found = libdevice.cuda_libdevice
+    monkeypatch.setattr(libdevice, "cuda_libdevice", lambda: None)
+    why = layer_graph.refusal(CONFIG, torch.float16, torch.device("cuda"))
+    assert why.startswith("CUDA's libdevice.10.bc not found") and libdevice.LIBDEVICE_ENV in why
+    monkeypatch.setattr(libdevice, "cuda_libdevice", found)
+    monkeypatch.setenv(libdevice.LIBDEVICE_ENV, str(tmp_path / "missing.bc"))
+    assert "missing.bc: no such file" in layer_graph.refusal(CONFIG, torch.float16, torch.device("cuda"))
+
+
 class ReferenceAsKernels:
     """Stand-in kernels whose buffers are the reference's own intermediates (optionally one element changed)."""
 
