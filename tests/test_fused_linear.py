@@ -141,6 +141,24 @@ def test_the_tiles_a_build_proves():
     assert fl.tile_fits("tma", 128, 128) and fl.tile_fits("tma_n256", 384, 768)
     assert not fl.tile_fits("tma", 128, 36)  # rows of 72 bytes: TMA reads multiples of 16
     assert fl.tile_config("n64", 128, 128) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
+
+
+def test_tiles_are_proven_only_where_they_can_pay(monkeypatch):
+    """With the studied tiles in BUILD_TILES, a build proves the TMA tiles only at K >= TMA_MIN_K (shape 8, the
+    D = 384 and 1024 shapes) and the 64 x 64 tile only where "auto"'s grid leaves multiprocessors idle: shape 6's launches
+    (K = 128, 10,000 row tiles) compile nothing more."""
+    monkeypatch.setattr(fl, "BUILD_TILES", fl.BUILD_TILES + ("tma", "tma_n256", "m64n64"))
+    # shape 6's Q|K|V: K = 128, 1.28 M rows: neither pays
+    assert fl.proof_launches(384, k=128, m=1_280_000, sms=132) == ["auto", "m64", "n64", "n256"]
+    # shape 8's Q|K|V: K = 1024, 8192 rows (64 x 3 "auto" tiles >= 132): the TMA tiles, not the 64 x 64 one
+    assert fl.proof_launches(3072, k=1024, m=8192, sms=132) == ["auto", "m64", "n64", "n256", "tma", "tma_n256"]
+    # one sequence of 1024 at D = 1024 (8 x 8 "auto" tiles < 132): all three
+    assert fl.proof_launches(1024, k=1024, m=1024, sms=132) == ["auto", "m64", "n64", "n256", "tma", "tma_n256",
+                                                                  "m64n64"]
+    assert fl.tile_pays("m64n64", None, 1024, 1024, None)  # sizes unknown: not ruled out
+    assert not fl.tile_pays("tma", 1024, 1024, 128, 132) and fl.tile_pays("tma", 3200, 384, 384, 132)
+    assert fl.tile_pays("tma", 1024, 1024, None, 132)
+    assert fl.multiprocessors("cpu") is None
     with pytest.raises(KKError, match="unknown GEMM tile 'm32'"):
         fl.tile_config("m32", 128, 128)
 

@@ -113,10 +113,44 @@ def tile_fits(launch: str, n: int, k: Optional[int] = None) -> bool:
     return n >= block_n * 2 if block_n == 64 else n >= block_n
 
 
-def proof_launches(n: int, layer_norm: bool = False, k: Optional[int] = None) -> list[str]:
-    """The tiles a build proves for a launch of output width ``n`` and depth ``k`` (the LayerNorm epilogue holds whole
-    rows in one tile of its own: "auto" only)."""
-    return ["auto"] if layer_norm else [name for name in BUILD_TILES if tile_fits(name, n, k)]
+#: TMA tiles pay where the k-loop is long enough for asynchronous copies to hide latency: the H200 study found them the
+#: fastest of ours at K = 384, 768 and 1024 (docs/fused-linear.md); K <= 128 (shapes 1-7, 9-13) was never studied with
+#: them and keeps the pointer-load tiles, so those builds compile nothing more
+TMA_MIN_K = 256
+#: tiles for launches whose "auto" grid leaves multiprocessors idle: more, smaller tiles
+SMALL_TILES = ("m64n64", )
+
+
+def tile_pays(launch: str, m: Optional[int], n: int, k: Optional[int], sms: Optional[int]) -> bool:
+    """Whether a tile that fits can pay for its compile and proof in a build: a TMA tile where K >= TMA_MIN_K, a
+    small tile where "auto"'s grid of 128 x 128 tiles is smaller than the multiprocessors (``sms``). Unknown sizes
+    (None) do not rule a tile out."""
+    if TILES[launch].get("TMA"):
+        return k is None or k >= TMA_MIN_K
+    if launch in SMALL_TILES:
+        if m is None or sms is None:
+            return True
+        block_n = min(128, max(16, 1 << (max(1, n) - 1).bit_length()))  # "auto": launch_config's tile
+        return -(-m // 128) * -(-n // block_n) < sms
+    return True
+
+
+def multiprocessors(device) -> Optional[int]:
+    """The multiprocessors of a CUDA device (None elsewhere): what a small tile's grid is measured against."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def proof_launches(n: int, layer_norm: bool = False, k: Optional[int] = None, m: Optional[int] = None,
+                   sms: Optional[int] = None) -> list[str]:
+    """The tiles a build proves for a launch [m, k] x [k, n] on a device of ``sms`` multiprocessors: those of
+    BUILD_TILES that fit (``tile_fits``) and can pay (``tile_pays``). The LayerNorm epilogue holds whole rows in one
+    tile of its own: "auto" only."""
+    if layer_norm:
+        return ["auto"]
+    return [name for name in BUILD_TILES if tile_fits(name, n, k) and tile_pays(name, m, n, k, sms)]
 
 
 class LinearPath(KernelPath):
@@ -432,7 +466,7 @@ def prove_linear(device: torch.device | str, cases: list[ProofCase], m: int, n: 
         refusal = f"the LayerNorm epilogue takes rows of {', '.join(map(str, LN_WIDTHS))}, not {n}"
     if refusal:
         return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
-    tiles = launches or proof_launches(n, layer_norm, k)
+    tiles = launches or proof_launches(n, layer_norm, k, m, multiprocessors(device))
     record = prove_launches(OP, shape, tiles, cases, device, environment=environment, budget_s=budget_s,
                             repeats=repeats, against_reference=True)
     remember_proof(record, cache)
