@@ -102,12 +102,16 @@ def prove_layers(kernels, model, config: TransformerConfig, dtype: torch.dtype, 
                       "first": report["first"], "parts": report})
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+    stalls = kernels.stalls() if hasattr(kernels, "stalls") else 0
     return {"launch": kernels.launch.name(), "cases": cases, "differing": sum(c["differing"] for c in cases),
-            "seconds": round(time.perf_counter() - start, 3)}
+            "stalls": stalls, "seconds": round(time.perf_counter() - start, 3)}
 
 
 def proof_failure(record: dict) -> str | None:
     """The one-line reason a proof record rejects the candidate, or None."""
+    if record.get("stalls"):
+        return (f"{record['launch']}: {record['stalls']} waits between its programs gave up (a readiness counter "
+                f"never reached its count); its answers are not trusted")
     bad = next((c for c in record["cases"] if c["differing"]), None)
     if bad is None:
         return None

@@ -82,6 +82,10 @@ def test_the_proof_passes_kernels_that_are_the_reference_and_names_the_first_dif
     spoiled = layer_graph.prove_layers(ReferenceAsKernels(model, spoil=(1, "x1")), model, CONFIG, torch.float32,
                                        torch.device("cpu"), 7)
     assert all(c["first"] == "block 1 x1" for c in spoiled["cases"])
+    stalled = dict(record, stalls=3)
+    assert layer_graph.proof_failure(stalled) == (
+        "persistent_cached_mdiv_w8_p1: 3 waits between its programs gave up (a readiness counter never reached its "
+        "count); its answers are not trusted")
     assert layer_graph.proof_failure(spoiled) == (
         "persistent_cached_mdiv_w8_p1 is not bit-identical to the reference's ops: block 1 x1 differs in 1 element "
         "(seed 7, padding 0.0)")

@@ -203,8 +203,8 @@ def test_persistent_launch_names_and_refusals(monkeypatch):
     assert lk.LayerLaunch(persistent=True).name() == "persistent_cached_mdiv_w8_p1"
     assert lk.LayerLaunch(persistent=True, num_warps=4, programs_per_sm=2).name() == "persistent_cached_mdiv_w4_p2"
     assert lk.LayerLaunch(persistent=True, row_chain=False).name() == "persistent_cached_mdiv_w8_p1_nochain"
-    # the ticket, the exit count, then five counters per (block, row tile)
-    assert _model_triton.sync_size(layers=4, row_tiles=8) == 2 + 5 * 4 * 8
+    # the ticket, the exit count, the stall count, then five counters per (block, row tile)
+    assert _model_triton.sync_size(layers=4, row_tiles=8) == 3 + 5 * 4 * 8
     model = build_models(CONFIG, torch.float16, "cpu")[0]
     monkeypatch.setattr(lk, "INTERPRET", True)
     monkeypatch.setattr(lk, "triton_available", lambda: True)
@@ -219,7 +219,10 @@ def test_persistent_launch_names_and_refusals(monkeypatch):
     assert kernels.stacked["eps2"].dtype == torch.float32
     buf = kernels.buffers(2, 24)  # one tensor per kind, the blocks' buffers its views
     assert buf["stacks"]["ff"].shape == (2, 48, 64) and buf["ff"][1].data_ptr() == buf["stacks"]["ff"][1].data_ptr()
-    assert kernels.sync(2, 24).shape == (2 + 5 * 2 * 2, ) and int(kernels.sync(2, 24).abs().sum()) == 0
+    assert kernels.sync(2, 24).shape == (3 + 5 * 2 * 2, ) and int(kernels.sync(2, 24).abs().sum()) == 0
+    assert kernels.stalls() == 0
+    kernels.sync(2, 24)[_model_triton.STALLS.value] = 2  # as a wait that gave up twice would leave it
+    assert kernels.stalls() == 2
 
 
 PERSISTENT_SCRIPT = textwrap.dedent(
@@ -259,7 +262,7 @@ PERSISTENT_SCRIPT = textwrap.dedent(
                 got_out = persistent(x, mask).clone()
             calls.append({"report": compare_intermediates(persistent.intermediates(b, s), want),
                           "out_equal": bool(torch.equal(got_out, want_out)),
-                          "sync_zero": bool((persistent.sync(b, s) == 0).all())})
+                          "sync_zero": bool((persistent.sync(b, s) == 0).all()), "stalls": persistent.stalls()})
         results.append({"case": [b, s, d, h, f, l, padded, attention, causal, chain], "calls": calls})
     print("RESULTS " + json.dumps(results))
     """
@@ -276,4 +279,4 @@ def test_persistent_launch_equals_the_split_launches_under_the_interpreter():
         for call in r["calls"]:
             assert call["report"]["first"] is None, r
             assert all(n == 0 for n in call["report"]["blocks"][0].values()), r
-            assert call["out_equal"] and call["sync_zero"], r
+            assert call["out_equal"] and call["sync_zero"] and call["stalls"] == 0, r

@@ -39,6 +39,11 @@ write, and ``compare_intermediates`` holds every buffer to the reference op by o
 **The counters reset themselves.** The last program out (an ``exit`` counter) zeroes the ticket and every counter
 for the next call, so a call is one launch, and a CUDA graph captures it as one node.
 
+**Never a hung GPU.** A wait gives up after ``MAX_SPINS`` polls (seconds) and counts a stall in the sync buffer,
+which the kernel never clears. A wait that cannot be met (a bug in the bookkeeping, or a GPU that breaks the
+ticket's assumption) then ends in wrong answers, which the proof reports with the stall count, not in a device that
+never returns.
+
 Under Triton's interpreter the programs run one after another: the first takes every ticket in order, every wait
 is already satisfied, and the others find no work. That checks the item decoding, the buffers and the arithmetic
 on the CPU; the memory ordering between programs is the GPU's to show (every element is validated there).
@@ -52,10 +57,16 @@ import triton.language as tl
 from ._faithful_attention_triton import _attention_tile
 from ._fused_linear_triton import _linear_tile, _rows_layer_norm
 
-# The sync buffer (int32): the ticket, the exit count, then KINDS readiness counters per (layer, row tile).
+# The sync buffer (int32): the ticket, the exit count, the stall count, then KINDS readiness counters per (layer, row
+# tile).
 TICKET = tl.constexpr(0)
 EXIT = tl.constexpr(1)
-HEADER = tl.constexpr(2)
+STALLS = tl.constexpr(2)  # waits that gave up (never reset by the kernel: the host reads and clears it)
+HEADER = tl.constexpr(3)
+#: spins after which a wait gives up (about seconds: an L2 round trip each) and counts a stall: a wait that can never
+#: be met (a bug, or a GPU that breaks the ticket's assumption) then gives wrong answers that the proof and the
+#: validation catch, never a hung GPU
+MAX_SPINS = tl.constexpr(1 << 22)
 HN_READY = tl.constexpr(0)  # the block's input rows normalized (norm1): 1 when ready
 QKV_DONE = tl.constexpr(1)  # Q|K|V column tiles written: NQKV when ready
 ATT_DONE = tl.constexpr(2)  # heads written: H when ready
@@ -76,11 +87,16 @@ def _counter(SYNC, layer, kind: tl.constexpr, rt, NRT):
 
 
 @triton.jit
-def _wait(COUNTER, target):
-    """Spin until ``*COUNTER >= target`` (acquire at GPU scope: the producers' stores are visible after it)."""
+def _wait(COUNTER, target, SYNC):
+    """Spin until ``*COUNTER >= target`` (acquire at GPU scope: the producers' stores are visible after it), or give
+    up after MAX_SPINS and count a stall."""
     seen = tl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
-    while seen < target:
+    spins = 0
+    while (seen < target) & (spins < MAX_SPINS):
         seen = tl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < target:
+        tl.atomic_add(SYNC + STALLS, 1)
 
 
 @triton.jit
@@ -175,7 +191,7 @@ def _model_kernel(
                 r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_ok = r < S
                 rows = b * S + r
-                _wait(_counter(SYNC, layer, HN_READY, rt, NRT), 1)
+                _wait(_counter(SYNC, layer, HN_READY, rt, NRT), 1, SYNC)
                 if layer == 0:
                     h_in = HN0
                 else:
@@ -199,7 +215,7 @@ def _model_kernel(
                 else:
                     last_tile = NQB - 1
                 for t in range(0, last_tile + 1):
-                    _wait(_counter(SYNC, layer, QKV_DONE, bb * NQB + t, NRT), NQKV)
+                    _wait(_counter(SYNC, layer, QKV_DONE, bb * NQB + t, NRT), NQKV, SYNC)
                 m0 = qb * BLOCK_M
                 r = m0 + tl.arange(0, BLOCK_M)
                 row_ok = r < S
@@ -218,7 +234,7 @@ def _model_kernel(
                 r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_ok = r < S
                 rows = b * S + r
-                _wait(_counter(SYNC, layer, ATT_DONE, rt, NRT), H)
+                _wait(_counter(SYNC, layer, ATT_DONE, rt, NRT), H, SYNC)
                 if layer == 0:
                     x_in = X
                 else:
@@ -244,7 +260,7 @@ def _model_kernel(
                 r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_ok = r < S
                 rows = b * S + r
-                _wait(_counter(SYNC, layer, X1_DONE, rt, NRT), 1)
+                _wait(_counter(SYNC, layer, X1_DONE, rt, NRT), 1, SYNC)
                 _ffn_in_tile(h2_l, W1, B1, ff_l, lay, rows, row_ok, (j % NFF) * BN_F, D, F, BLOCK_M, BN_F, BK_D,
                              ACCURATE)
                 _signal(_counter(SYNC, layer, FF_DONE, rt, NRT))
@@ -255,7 +271,7 @@ def _model_kernel(
                 r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_ok = r < S
                 rows = b * S + r
-                _wait(_counter(SYNC, layer, FF_DONE, rt, NRT), NFF)
+                _wait(_counter(SYNC, layer, FF_DONE, rt, NRT), NFF, SYNC)
                 _ffn_out_tile(ff_l, W2, B2, x1_l, MASK, x2_l, LNN_G, LNN_B, EPSN, hn_l, lay, rows, row_ok,
                               layer == L - 1, D, F, HAS_MASK, ACCURATE, BLOCK_M, BK_F)
                 if layer < L - 1:  # the next block's Q|K|V tiles wait on this
@@ -269,4 +285,4 @@ def _model_kernel(
         n_sync = HEADER + KINDS * L * NRT
         for s0 in range(0, n_sync, SYNC_BLOCK):
             offs = s0 + tl.arange(0, SYNC_BLOCK)
-            tl.store(SYNC + offs, tl.zeros((SYNC_BLOCK, ), tl.int32), mask=offs < n_sync)
+            tl.store(SYNC + offs, tl.zeros((SYNC_BLOCK, ), tl.int32), mask=(offs < n_sync) & (offs != STALLS))

@@ -188,6 +188,14 @@ class LayerKernels:
                                              dtype=torch.int32, device=self.model.device)
         return self._buffers[key]
 
+    def stalls(self) -> int:
+        """Waits of the persistent launch that gave up since the buffers were made (``_model_triton.MAX_SPINS``): 0
+        unless a wait could not be met. Reading it waits for the device."""
+        from . import _model_triton
+
+        return sum(int(t[_model_triton.STALLS.value]) for key, t in self._buffers.items()
+                   if isinstance(key, tuple) and key[0] == "sync")
+
     def programs(self, items: int) -> int:
         """The persistent grid: ``programs_per_sm`` per multiprocessor, never more than the items; two under the
         interpreter (one takes every ticket, the other finds none: both paths run)."""
