@@ -8,9 +8,10 @@ process: eager ``reference_forward``, the reference captured in a CUDA graph (``
 launches captured in a CUDA graph, each the median of ``--rounds`` rounds of ``--repeats`` timed calls. The captured
 launches are checked again on a padded input after the timed replays.
 
-``persistent`` in a launch spec runs the whole model as one persistent launch (``_model_triton``)::
+``persistent`` in a launch spec runs the whole model as one persistent launch (``_model_triton``); ``--trace`` adds
+each persistent launch's timeline (waits and runs per kind of work item, from the GPU's clock)::
 
-    python3 scripts/layer_kernels_h200.py --shapes 3,12 --weights own:4711 \
+    python3 scripts/layer_kernels_h200.py --shapes 3,12 --weights own:4711 --trace \
         --launches cached_mdiv:1:8:split,cached_mdiv:1:8:persistent,cached_mdiv:1:4:persistent,cached_mdiv:1:8:persistent:p2
 
     python3 scripts/layer_kernels_h200.py --shapes 2,3,4,7,12 --json $OUT/layers.json
@@ -87,6 +88,20 @@ def check(model, kernels: LayerKernels, config, device, seed: int, padding: floa
             "parts": report}
 
 
+def traced_timeline(model, launch: LayerLaunch, config, device) -> dict:
+    """The persistent launch's timeline on one call after 20 warm-up calls (its traced twin: the same items, the
+    GPU's clock read at each item's start, ready and end; ``LayerKernels.trace``)."""
+    import dataclasses
+
+    traced = LayerKernels(model, dataclasses.replace(launch, trace=True))
+    x, mask = generate_case(config, device, torch.float16, 1234)
+    with torch.inference_mode():
+        for _ in range(20):
+            traced(x, mask)
+        torch.cuda.synchronize(device)
+    return traced.trace()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="2,3,4,7,12")
@@ -97,6 +112,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-time", action="store_true")
+    parser.add_argument("--trace", action="store_true",
+                        help="after timing a persistent launch, run its traced twin (the GPU's clock at each work "
+                             "item's start, ready and end) and report waits and runs per kind")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda")
@@ -154,6 +172,12 @@ def main(argv=None) -> int:
                                captured_differing=same, captured_differing_after_timing=same_after)
                     bad += same + same_after
                     timing = f"{eager:8.3f} {graph_ms:8.3f} {layer_ms:8.4f} {eager / layer_ms:7.2f}x"
+                if args.trace and launch.persistent:
+                    row["trace"] = traced_timeline(model, launch, config, device)
+                    kinds = row["trace"]["kinds"]
+                    timing += "  trace " + " ".join(f"{k} {v['wait_us_median']:.1f}+{v['run_us_median']:.1f}us"
+                                                    for k, v in kinds.items())
+                    timing += f" span {row['trace']['span_us']:.1f}us busy {row['trace']['busy']}"
                 row["kernels"] = kernels.kernel_stats()
                 spills = sum(k["spills"] or 0 for k in row["kernels"].values())
                 regs = max((k["registers"] or 0) for k in row["kernels"].values()) if row["kernels"] else 0

@@ -64,10 +64,10 @@ KERNELS = {
         **{name: "*fp16" for name in ("HN0", "QKV", "CTX", "X1", "H2", "FF", "X2", "HN")}, "SYNC": "*i32",
         **{name: "*fp16" for name in ("LN1_G", "LN1_B", "WQKV", "BQKV", "WO", "BO", "LN2_G", "LN2_B", "W1", "B1",
                                       "W2", "B2", "LNN_G", "LNN_B")}, "EPS2": "*fp32", "EPSN": "*fp32",
-        **{name: "i32" for name in ("S", "M", "NQB", "NRT")}, "scale": "fp32", "eps1": "fp32"},
+        **{name: "i32" for name in ("S", "M", "NQB", "NRT")}, "scale": "fp32", "eps1": "fp32", "TRACE_BUF": "*i64"},
         {"L": 4, "D": 128, "F": 128, "H": 4, "HEAD_DIM": 32, "DH_PAD": 32, "LANES": 32, "NCACHED": 4, "FAST_DIV": 1,
          "CAUSAL": 1, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 64, "BK_D": 64, "BK_F": 64, "BN_F": 128,
-         "BN_QKV": 128, "SYNC_BLOCK": 1024, "ROW_CHAIN": 1}),
+         "BN_QKV": 128, "SYNC_BLOCK": 1024, "ROW_CHAIN": 1, "TRACE": 0}),
 }
 #: the kernels with a dependent-launch form (kkdeploy/kernels/dependent_launch.py)
 PDL_KERNELS = ("attention", "linear", "linear_tma")
@@ -84,7 +84,7 @@ def parse_constexprs(pairs: list[str], defaults: dict) -> dict:
         values[name] = int(value)
     return {k: bool(v) if k in ("CAUSAL", "HAS_MASK", "ACCURATE", "DEBUG", "ONE_PASS", "FAST_DIV", "LN_RELOAD",
                                 "A_GELU", "LN_ZERO_INVALID", "GELU_PROLOGUE", "LAST", "FUSE_ATTENTION", "PDL",
-                                "ROW_CHAIN") else v
+                                "ROW_CHAIN", "TRACE") else v
             for k, v in values.items()}
 
 

@@ -100,6 +100,18 @@ def _wait(COUNTER, target, SYNC):
 
 
 @triton.jit
+def _trace(TRACE_BUF, item, column: tl.constexpr, TRACE: tl.constexpr):
+    """With TRACE: the GPU's nanosecond clock (``%globaltimer``) into column ``column`` of the item's row of
+    TRACE_BUF [items, 4] (program, taken, ready, done); column 0 gets the program id."""
+    if TRACE:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+        if column == 1:
+            tl.store(TRACE_BUF + item.to(tl.int64) * 4, tl.program_id(0).to(tl.int64))
+        tl.store(TRACE_BUF + item.to(tl.int64) * 4 + column, now)
+
+
+@triton.jit
 def _signal(COUNTER):
     """Publish this program's stores: every thread's first (the barrier), then one release increment."""
     tl.debug_barrier()
@@ -141,7 +153,7 @@ def _model_kernel(
     DH_PAD: tl.constexpr, LANES: tl.constexpr, NCACHED: tl.constexpr, FAST_DIV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BK_D: tl.constexpr, BK_F: tl.constexpr, BN_F: tl.constexpr, BN_QKV: tl.constexpr,
-    SYNC_BLOCK: tl.constexpr, ROW_CHAIN: tl.constexpr,
+    SYNC_BLOCK: tl.constexpr, ROW_CHAIN: tl.constexpr, TRACE_BUF=None, TRACE: tl.constexpr = False,
 ):
     NQKV: tl.constexpr = (3 * D + BN_QKV - 1) // BN_QKV  # Q|K|V column tiles per row tile
     NFF: tl.constexpr = (F + BN_F - 1) // BN_F  # ffn_in column tiles per row tile
@@ -159,9 +171,11 @@ def _model_kernel(
 
     item = tl.atomic_add(SYNC + TICKET, 1)
     while item < total:
+        _trace(TRACE_BUF, item, 1, TRACE)  # taken
         if item < NRT:
             # entry: norm1 of the first block, rows of row tile `item`
             rt = item
+            _trace(TRACE_BUF, item, 2, TRACE)  # ready: the entry waits on nothing
             b = (rt // NQB).to(tl.int64)
             r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = r < S
@@ -192,6 +206,7 @@ def _model_kernel(
                 row_ok = r < S
                 rows = b * S + r
                 _wait(_counter(SYNC, layer, HN_READY, rt, NRT), 1, SYNC)
+                _trace(TRACE_BUF, item, 2, TRACE)  # ready
                 if layer == 0:
                     h_in = HN0
                 else:
@@ -216,6 +231,7 @@ def _model_kernel(
                     last_tile = NQB - 1
                 for t in range(0, last_tile + 1):
                     _wait(_counter(SYNC, layer, QKV_DONE, bb * NQB + t, NRT), NQKV, SYNC)
+                _trace(TRACE_BUF, item, 2, TRACE)  # ready
                 m0 = qb * BLOCK_M
                 r = m0 + tl.arange(0, BLOCK_M)
                 row_ok = r < S
@@ -235,6 +251,7 @@ def _model_kernel(
                 row_ok = r < S
                 rows = b * S + r
                 _wait(_counter(SYNC, layer, ATT_DONE, rt, NRT), H, SYNC)
+                _trace(TRACE_BUF, item, 2, TRACE)  # ready
                 if layer == 0:
                     x_in = X
                 else:
@@ -261,6 +278,7 @@ def _model_kernel(
                 row_ok = r < S
                 rows = b * S + r
                 _wait(_counter(SYNC, layer, X1_DONE, rt, NRT), 1, SYNC)
+                _trace(TRACE_BUF, item, 2, TRACE)  # ready
                 _ffn_in_tile(h2_l, W1, B1, ff_l, lay, rows, row_ok, (j % NFF) * BN_F, D, F, BLOCK_M, BN_F, BK_D,
                              ACCURATE)
                 _signal(_counter(SYNC, layer, FF_DONE, rt, NRT))
@@ -272,10 +290,12 @@ def _model_kernel(
                 row_ok = r < S
                 rows = b * S + r
                 _wait(_counter(SYNC, layer, FF_DONE, rt, NRT), NFF, SYNC)
+                _trace(TRACE_BUF, item, 2, TRACE)  # ready
                 _ffn_out_tile(ff_l, W2, B2, x1_l, MASK, x2_l, LNN_G, LNN_B, EPSN, hn_l, lay, rows, row_ok,
                               layer == L - 1, D, F, HAS_MASK, ACCURATE, BLOCK_M, BK_F)
                 if layer < L - 1:  # the next block's Q|K|V tiles wait on this
                     _signal(_counter(SYNC, layer + 1, HN_READY, rt, NRT))
+        _trace(TRACE_BUF, item, 3, TRACE)  # done
         item = tl.atomic_add(SYNC + TICKET, 1)
 
     # the last program out zeroes the ticket and the counters for the next call

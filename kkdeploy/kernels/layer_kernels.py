@@ -84,11 +84,14 @@ class LayerLaunch:
     programs_per_sm: int = 1
     #: (persistent) out_proj, ffn_in and ffn_out of a row tile as one work item, where ffn_in is one column tile
     row_chain: bool = True
+    #: (persistent) record when each work item was taken, ready and done (the GPU's clock): ``LayerKernels.trace()``
+    trace: bool = False
 
     def name(self) -> str:
         if self.persistent:
             return (f"persistent_{self.attention}_w{self.num_warps}_p{self.programs_per_sm}"
-                    f"{'' if self.row_chain else '_nochain'}{'' if self.libdevice == 'cuda' else '_tritonlib'}")
+                    f"{'' if self.row_chain else '_nochain'}{'' if self.libdevice == 'cuda' else '_tritonlib'}"
+                    f"{'_trace' if self.trace else ''}")
         return (f"{self.attention}{'_split' if self.split else ''}{'' if self.gelu_prologue else '_gelu_epilogue'}"
                 f"_w{self.num_warps}{'' if self.libdevice == 'cuda' else '_tritonlib'}")
 
@@ -120,6 +123,8 @@ class LayerKernels:
             raise KKError(f"attention form {self.launch.attention!r} holds rows of at most 128 keys (S = {config.seq_len})")
         if self.launch.persistent and not self.launch.gelu_prologue:
             raise KKError("the persistent launch computes GELU on ffn_out's input only (gelu_prologue=True)")
+        if self.launch.trace and (INTERPRET or not self.launch.persistent):
+            raise KKError("tracing reads the GPU's clock in the persistent launch: CUDA and persistent=True only")
         if self.launch.programs_per_sm < 1:
             raise KKError(f"programs_per_sm = {self.launch.programs_per_sm}: at least 1")
         self.model = model  # the packed Q|K|V tensors are copies; every other parameter is read in place
@@ -196,6 +201,12 @@ class LayerKernels:
         return sum(int(t[_model_triton.STALLS.value]) for key, t in self._buffers.items()
                    if isinstance(key, tuple) and key[0] == "sync")
 
+    def trace(self) -> dict:
+        """The last traced call's timeline (``trace_summary``); reading it waits for the device."""
+        if not self.launch.trace or getattr(self, "trace_buffer", None) is None:
+            raise KKError("no traced call: run a persistent launch with LayerLaunch(trace=True) first")
+        return trace_summary(self.trace_buffer.cpu(), item_kinds(**self.layout))
+
     def programs(self, items: int) -> int:
         """The persistent grid: ``programs_per_sm`` per multiprocessor, never more than the items; two under the
         interpreter (one takes every ticket, the other finds none: both paths run)."""
@@ -244,6 +255,15 @@ class LayerKernels:
             chain = launch.row_chain and f <= bn_f
             row_items = 1 if chain else 2 + -(-f // bn_f)
             items = nrt * (1 + len(layers) * (-(-3 * d // tiles["BN_QKV"]) + heads + row_items))
+            self.layout = dict(row_tiles=nrt, layers=len(layers), qkv_tiles=-(-3 * d // tiles["BN_QKV"]), heads=heads,
+                               ffn_tiles=-(-f // bn_f), chain=chain)
+            trace = {}
+            if launch.trace:
+                key = ("trace", b, s)
+                if key not in self._buffers:
+                    self._buffers[key] = torch.zeros(items, 4, dtype=torch.int64, device=self.model.device)
+                trace = dict(TRACE_BUF=self._buffers[key], TRACE=True)
+                self.trace_buffer = self._buffers[key]
             self.compiled["model"] = _model_triton._model_kernel[(self.programs(items), )](
                 x2d, mask, buf["hn0"], stacks["qkv"], stacks["ctx"], stacks["x1"], stacks["h2"], stacks["ff"],
                 stacks["x2"], stacks["hn"], self.sync(b, s),
@@ -253,7 +273,7 @@ class LayerKernels:
                 L=len(layers), D=d, F=f, H=heads, HEAD_DIM=dh, DH_PAD=max(16, _pow2(dh)), LANES=lanes,
                 NCACHED=ncached, FAST_DIV=form["fast_div"], CAUSAL=bool(c.causal), HAS_MASK=has_mask,
                 ACCURATE=not INTERPRET, BK_F=min(64, max(16, _pow2(f))), BN_F=bn_f, SYNC_BLOCK=1024, ROW_CHAIN=chain,
-                **tiles, **run)
+                **trace, **tiles, **run)
             return buf["hn"][-1].view(b, s, d)
         self.compiled["entry"] = kernels._entry_kernel[grid](
             x2d, buf["hn0"], buf["qkv"][0], first.weight, first.bias, self.qkv_weights[0], self.qkv_biases[0], s,
@@ -298,6 +318,56 @@ class LayerKernels:
                    "x2": buf["x2"][i], "hn": buf["hn"][i], "qkv_next": buf["qkv"][i + 1] if i + 1 < n else None}
                   for i in range(n)]
         return {"hn0": buf["hn0"], "qkv0": buf["qkv"][0], "blocks": blocks}
+
+
+def item_kinds(row_tiles: int, layers: int, qkv_tiles: int, heads: int, ffn_tiles: int, chain: bool) -> list:
+    """(kind, block) of each work item of the persistent launch, in ticket order (``_model_triton``'s layout): the
+    entry's norm1 per row tile, then per block its Q|K|V tiles, attention heads, and out_proj, ffn_in and ffn_out
+    (one "row_chain" item per row tile with ``chain``)."""
+    kinds = [("entry", -1)] * row_tiles
+    for layer in range(layers):
+        kinds += [("qkv", layer)] * (row_tiles * qkv_tiles) + [("attention", layer)] * (row_tiles * heads)
+        if chain:
+            kinds += [("row_chain", layer)] * row_tiles
+        else:
+            kinds += ([("out_proj", layer)] * row_tiles + [("ffn_in", layer)] * (row_tiles * ffn_tiles)
+                      + [("ffn_out", layer)] * row_tiles)
+    return kinds
+
+
+def trace_summary(rows: torch.Tensor, kinds: list) -> dict:
+    """Where a traced call's time went. ``rows`` [items, 4] int64: program, taken, ready (its waits met), done, in
+    the GPU's nanoseconds. Per kind: items, median wait and run (µs) and the run's sum; per block: when its first item
+    was taken and its last done, from the call's start; the call's span, the programs that took work, and how busy
+    they were (run time over span x programs)."""
+    import statistics
+
+    rows = rows.to(torch.int64).tolist()
+    if len(rows) != len(kinds):
+        raise KKError(f"a trace of {len(rows)} items for a layout of {len(kinds)}")
+    start = min(r[1] for r in rows)
+    span = max(r[3] for r in rows) - start
+    us = lambda ns: round(ns / 1000.0, 3)  # noqa: E731
+    per_kind: dict = {}
+    blocks: dict = {}
+    for (program, taken, ready, done), (kind, block) in zip(rows, kinds):
+        entry = per_kind.setdefault(kind, {"wait": [], "run": []})
+        entry["wait"].append(ready - taken)
+        entry["run"].append(done - ready)
+        first, last = blocks.get(block, (taken, done))
+        blocks[block] = (min(first, taken), max(last, done))
+    programs = len({r[0] for r in rows})
+    busy = sum(r[3] - r[2] for r in rows)
+    return {
+        "span_us": us(span), "items": len(rows), "programs": programs,
+        "busy": round(busy / (span * programs), 4) if span and programs else None,
+        "kinds": {kind: {"items": len(v["run"]), "wait_us_median": us(statistics.median(v["wait"])),
+                         "run_us_median": us(statistics.median(v["run"])), "run_us_sum": us(sum(v["run"]))}
+                  for kind, v in per_kind.items()},
+        "blocks": {("entry" if block < 0 else f"block {block}"): {"from_us": us(first - start),
+                                                                  "to_us": us(last - start)}
+                   for block, (first, last) in sorted(blocks.items())},
+    }
 
 
 @torch.no_grad()
