@@ -61,7 +61,7 @@ from ._fused_linear_triton import _linear_tile, _rows_layer_norm
 # tile).
 TICKET = tl.constexpr(0)
 EXIT = tl.constexpr(1)
-STALLS = tl.constexpr(2)  # waits that gave up (never reset by the kernel: the host reads and clears it)
+STALLS = tl.constexpr(2)  # waits that gave up: never reset by the kernel (LayerKernels.stalls reads it)
 HEADER = tl.constexpr(3)
 #: spins after which a wait gives up (about seconds: an L2 round trip each) and counts a stall: a wait that can never
 #: be met (a bug, or a GPU that breaks the ticket's assumption) then gives wrong answers that the proof and the
