@@ -197,7 +197,8 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
             result["runs"].append({"skipped": f"{layout}, {outputs} outputs, {instances} instances: out of budget"})
             continue
         server = None
-        os.environ[STATIC_INPUTS_ENV] = static  # the server's processes inherit it (BucketEngine reads it)
+        before = os.environ.get(STATIC_INPUTS_ENV)
+        os.environ[STATIC_INPUTS_ENV] = static  # the server inherits it as it starts (BucketEngine reads it)
         try:
             server = Server(artifacts, layout, engine=engine, output_device=outputs, instances=instances)
             if static == "0":
@@ -209,6 +210,11 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
             if server is not None:
                 server.__exit__(None, None, None)
             continue  # the other layouts still run
+        finally:  # the models have loaded (or failed to): later steps start servers with the default again
+            if before is None:
+                os.environ.pop(STATIC_INPUTS_ENV, None)
+            else:
+                os.environ[STATIC_INPUTS_ENV] = before
         try:
             for name, kw in plans:
                 if server.label not in ("one-hop", "one-hop, in-process") and ("mixed" in name or "shared" in name):
