@@ -312,3 +312,41 @@ def test_the_persistent_launch_s_trace_says_where_the_time_went(monkeypatch):
     assert lk.LayerLaunch(persistent=True, trace=True).name() == "persistent_cached_mdiv_w8_p1_trace"
     with pytest.raises(KKError, match="no traced call"):
         lk.LayerKernels(model, lk.LayerLaunch(persistent=True)).trace()
+
+
+def test_the_persistent_launch_compiles_for_sm90_with_its_hand_offs_on_one_thread():
+    """Compiled here for sm_90a (Triton 3.6.0, as on the H200), specialized as the JIT specializes a launch: each
+    ticket, release and acquire is one thread's atomic (``@%p``-predicated) whose value reaches the others through
+    shared memory behind ``bar.sync``; the traced twin reads ``%globaltimer`` and the plain launch never does."""
+    pytest.importorskip("triton")
+    import re
+
+    from tests.conftest import load_script
+
+    script = load_script("offline_ptx")
+    values = dict(script.KERNELS["model"][3])
+    ptx = script.compile_ptx("model", values, 8, 2)
+    assert re.findall(r"@%p\d+ atom\.global\.gpu\.acq_rel\.add\.u32", ptx)  # the ticket and the exit count
+    assert re.findall(r"@%p\d+ atom\.global\.gpu\.release\.add\.u32", ptx)  # each hand-off
+    assert re.findall(r"@%p\d+ ld\.global\.gpu\.acquire\.b32", ptx)  # each wait's poll
+    assert re.findall(r"wgmma\.mma_async", ptx) and "globaltimer" not in ptx
+    traced = script.compile_ptx("model", {**values, "TRACE": True}, 8, 2)
+    assert "%globaltimer" in traced
+
+
+def test_the_offline_compile_specializes_as_the_jit_does():
+    """Pointers and the integer arguments divisible by 16 get Triton's divisibility hint, as the JIT gives them on
+    a launch: the attention's K and V chunks then load as vectors, not as one 16-bit value per thread and element
+    (without it the PTX and its register counts are not what the GPU runs)."""
+    pytest.importorskip("triton")
+    import re
+
+    from tests.conftest import load_script
+
+    script = load_script("offline_ptx")
+    for kernel, names in script.DIVISIBLE.items():
+        assert set(names) <= set(script.KERNELS[kernel][2]), kernel
+    values = {**script.KERNELS["attention"][3], "NCACHED": 4, "FAST_DIV": True}
+    vectors = lambda ptx: len(re.findall(r"ld\.global(?:\.\w+)*\.v[248]", ptx))  # noqa: E731
+    assert vectors(script.compile_ptx("attention", values, 4, 3)) > 0
+    assert vectors(script.compile_ptx("attention", values, 4, 3, specialize=False)) == 0
