@@ -31,7 +31,9 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +58,11 @@ METRICS = {
     "block": "launch__block_size",
 }
 BUSY_PCT = 60.0  # a unit at or above this share of its peak is what bounds the kernel (the heuristic above)
+#: ncu's section whose raw metrics say why warps did not issue: each reason's stalled warps per issued instruction
+#: (``smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio``). Read by pattern, not by name, so an ncu
+#: that adds or renames a reason is read all the same; a kernel without them has no ``stalls``.
+STALL_SECTION = "WarpStateStats"
+STALL_COLUMN = re.compile(r"^smsp__average_warps?_issue_stalled_(?P<reason>\w+?)_per_issue_active\.ratio$")
 TIME_UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6,
               "s": 1e6}  # -> microseconds
 BYTE_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
@@ -84,7 +91,8 @@ def ncu_command(ncu: str, csv_path: Path, inner: list[str], launch_count: int) -
     nodes one by one, in that process alone (Inductor's compile workers and ptxas are left uninstrumented)."""
     return [ncu, "--target-processes", "application-only", "--profile-from-start", "off", "--graph-profiling", "node",
             "--launch-count", str(launch_count),
-            "--metrics", ",".join(METRICS.values()), "--csv", "--page", "raw", "--print-units", "base",
+            "--metrics", ",".join(METRICS.values()), "--section", STALL_SECTION, "--csv", "--page", "raw",
+            "--print-units", "base",
             "--log-file", str(csv_path), *inner]
 
 
@@ -114,11 +122,14 @@ def parse_raw_csv(text: str) -> list[dict]:
     if "Kernel Name" not in column or missing:
         raise KKError(f"ncu's CSV lacks {', '.join(missing) or 'Kernel Name'}: this ncu names its metrics otherwise; "
                       f"ncu.csv keeps its output")
+    stall_columns = {m["reason"]: i for i, name in enumerate(header) if (m := STALL_COLUMN.match(name))}
     kernels = []
     for row in data:
         if len(row) < len(header):
             continue
         kernel = {"name": row[column["Kernel Name"]], "stream": row[column["Stream"]] if "Stream" in column else ""}
+        stalls = {reason: _number(row[i]) for reason, i in stall_columns.items()}
+        kernel["stalls"] = {reason: value for reason, value in stalls.items() if value is not None}
         for key, metric in METRICS.items():
             i = column[metric]
             value, unit = _number(row[i]), units[i].strip()
@@ -156,11 +167,15 @@ def summarize(kernels: list[dict], calls: int) -> dict:
             values = [k[key] for k in launches if k.get(key) is not None]
             return sum(values) / len(values) if values else None
 
+        reasons = {reason for k in launches for reason in k.get("stalls", {})}
+        stalls = {reason: statistics.fmean(k["stalls"][reason] for k in launches if reason in k.get("stalls", {}))
+                  for reason in reasons}  # over the launches that report the reason
         row = {"name": name, "class": kernel_class(name), "launches_per_call": len(launches) / calls,
                "us_per_call": us, "share": us / total_us if total_us else None, "dram_bytes_per_call": nbytes,
                "dram_gb_s": nbytes / (us * 1e3) if us else None,
                **{key: mean(key) for key in ("dram_pct", "memory_pct", "sm_pct", "occupancy_pct", "registers")},
-               "grid": launches[0].get("grid"), "block": launches[0].get("block")}
+               "grid": launches[0].get("grid"), "block": launches[0].get("block"),
+               "stalls": dict(sorted(stalls.items(), key=lambda kv: -kv[1]))}  # largest first
         row["bound"] = bound(row)
         rows.append(row)
     rows.sort(key=lambda r: r["us_per_call"], reverse=True)
@@ -168,8 +183,8 @@ def summarize(kernels: list[dict], calls: int) -> dict:
     for r in rows:
         classes[r["class"]] = classes.get(r["class"], 0.0) + r["us_per_call"]
     return {"kernels_per_call": len(kernels) / calls, "us_per_call": total_us, "classes_us_per_call": classes,
-            "largest": [{"name": r["name"], "class": r["class"], "share": r["share"], "bound": r["bound"]}
-                        for r in rows[:3]],
+            "largest": [{"name": r["name"], "class": r["class"], "share": r["share"], "bound": r["bound"],
+                         "stalls": dict(list(r["stalls"].items())[:3])} for r in rows[:3]],
             "kernels": rows}
 
 
@@ -179,13 +194,14 @@ def markdown(summary: dict, title: str, top: int) -> str:
              f"replayed: the shares matter, not the sum). By class: " + ", ".join(
                  f"{c} {us:.1f} µs" for c, us in sorted(summary["classes_us_per_call"].items(), key=lambda kv: -kv[1])),
              "", "| µs/call | share | launches | class | bound | DRAM % | SM % | occupancy % | regs | DRAM GB/s | grid x block "
-             "| kernel |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| stalls (warps per issue) | kernel |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in summary["kernels"][:top]:
         lines.append(f"| {r['us_per_call']:.2f} | {fmt(r['share'], '.1%')} | {r['launches_per_call']:g} | {r['class']} | "
                      f"{r['bound']} | {fmt(r['dram_pct'], '.0f')} | {fmt(r['sm_pct'], '.0f')} | "
                      f"{fmt(r['occupancy_pct'], '.0f')} | {fmt(r['registers'], '.0f')} | {fmt(r['dram_gb_s'], '.0f')} | "
-                     f"{fmt(r['grid'], '.0f')} x {fmt(r['block'], '.0f')} | {r['name'][:90]} |")
+                     f"{fmt(r['grid'], '.0f')} x {fmt(r['block'], '.0f')} | "
+                     f"{', '.join(f'{k} {v:.1f}' for k, v in list(r['stalls'].items())[:3]) or '-'} | {r['name'][:90]} |")
     return "\n".join(lines) + "\n"
 
 

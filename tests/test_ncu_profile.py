@@ -144,3 +144,37 @@ def test_the_inner_process_builds_the_candidate_as_the_bench_does_and_runs_the_c
     assert code == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["candidate"] == "optimized-sdpa0" and record["config"]["d_model"] == 32
+
+
+def test_warp_stall_reasons_are_read_by_pattern_and_ranked_per_kernel(ncu, tmp_path):
+    """The WarpStateStats section's raw metrics (stalled warps per issued instruction, one column per reason) become
+    each kernel's ``stalls``, largest first, each averaged over the launches that report it; the markdown shows the
+    three largest. A
+    CSV without them (an older ncu, or no section) leaves ``stalls`` empty."""
+    long_sb = "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"
+    math = "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio"
+    text = _csv(ncu, [("_faithful_attention_kernel", _launch(5000, 20, 80)),
+                      ("_faithful_attention_kernel", _launch(5000, 20, 80)),
+                      ("_fused_linear_kernel", _launch(1000, 70, 20))])
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith('"ID",'))
+    lines[header] += f',"{long_sb}","{math}"'
+    lines[header + 1] += ',"",""'
+    extra = [(',"6.5","1.0"'), (',"7.5","n/a"'), (',"0.5","2.25"')]
+    for k, row in enumerate(range(header + 2, header + 5)):
+        lines[row] += extra[k]
+    kernels = ncu.parse_raw_csv("\n".join(lines) + "\n")
+    assert kernels[0]["stalls"] == {"long_scoreboard": 6.5, "math_pipe_throttle": 1.0}
+    assert kernels[1]["stalls"] == {"long_scoreboard": 7.5}  # n/a: not a number, left out
+    summary = ncu.summarize(kernels, calls=1)
+    rows = {r["name"]: r for r in summary["kernels"]}
+    assert list(rows["_faithful_attention_kernel"]["stalls"].items()) == [("long_scoreboard", 7.0),
+                                                                         ("math_pipe_throttle", 1.0)]
+    assert list(rows["_fused_linear_kernel"]["stalls"]) == ["math_pipe_throttle", "long_scoreboard"]
+    assert summary["largest"][0]["stalls"] == {"long_scoreboard": 7.0, "math_pipe_throttle": 1.0}
+    assert "| long_scoreboard 7.0, math_pipe_throttle 1.0 | _faithful_attention_kernel |" in ncu.markdown(
+        summary, "t", 5)
+    plain = ncu.parse_raw_csv(_csv(ncu, [("k", _launch(1, 1, 1))]))
+    assert plain[0]["stalls"] == {} and ncu.summarize(plain, 1)["kernels"][0]["stalls"] == {}
+    command = ncu.ncu_command("ncu", tmp_path / "ncu.csv", ["python3"], 10)
+    assert command[command.index("--section") + 1] == "WarpStateStats"
