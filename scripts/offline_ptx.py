@@ -39,7 +39,7 @@ KERNELS = {
                                     "stride_ob", "stride_os", "stride_mb", "stride_ms", "S", "H")},
         "scale": "fp32"},
         {"HEAD_DIM": 32, "DH_PAD": 32, "BLOCK_M": 64, "LANES": 32, "SUB": 1, "CAUSAL": 1, "HAS_MASK": 1,
-         "ACCURATE": 1, "DEBUG": 0, "ONE_PASS": 0, "NCACHED": 0, "FAST_DIV": 0, "PDL": 0}),
+         "ACCURATE": 1, "DEBUG": 0, "ONE_PASS": 0, "NCACHED": 0, "FAST_DIV": 0, "PDL": 0, "RAW_MAX": 0}),
     "linear": ("kkdeploy.kernels._fused_linear_triton", "_fused_linear_kernel", {
         **{name: "*fp16" for name in ("X", "W", "B", "R", "OUT", "LN_G", "LN_B", "OUT2")}, "MASK": "*i1",
         **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")},
@@ -101,7 +101,7 @@ def parse_constexprs(pairs: list[str], defaults: dict) -> dict:
         values[name] = int(value)
     return {k: bool(v) if k in ("CAUSAL", "HAS_MASK", "ACCURATE", "DEBUG", "ONE_PASS", "FAST_DIV", "LN_RELOAD",
                                 "A_GELU", "LN_ZERO_INVALID", "GELU_PROLOGUE", "LAST", "FUSE_ATTENTION", "PDL",
-                                "ROW_CHAIN", "TRACE") else v
+                                "ROW_CHAIN", "TRACE", "RAW_MAX") else v
             for k, v in values.items()}
 
 

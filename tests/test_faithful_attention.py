@@ -354,6 +354,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(
             assert torch.equal(out.view(torch.int16), three.view(torch.int16)), (b, s, d, h, causal, padded)
         # the division as a reciprocal and two fmas (Markstein): the same probabilities, so the same bits
         fast = triton_attention(q, k, v, mask, h, causal, block_m=block_m, fast_div=True, **launch)
+        # the first pass's max from the raw dot products, rounded and scaled once per row: the same max
+        raw = triton_attention(q, k, v, mask, h, causal, block_m=block_m, fast_div=True, raw_max=True, **launch)
         qh, kh, vh = (t.view(b, s, h, dh).transpose(1, 2) for t in (q, k, v))
         ref_scores = torch.matmul(qh, kh.transpose(-2, -1)) * dh ** -0.5
         if causal:
@@ -371,7 +373,18 @@ INTERPRETER_SCRIPT = textwrap.dedent(
             ctx_over_one_ulp=int(((out.double() - ctx64).abs() > ulp).sum()),
             finite=bool(torch.isfinite(out).all()),
             fast_div_same=bool(torch.equal(fast.view(torch.int16), out.view(torch.int16))),
+            raw_max_same=bool(torch.equal(raw.view(torch.int16), fast.view(torch.int16))),
         ))
+    # the raw max on scores that round: normal inputs at three scales (the largest saturate the exponentials)
+    for b, s, d, h, causal, padded, scale in [(2, 150, 64, 2, True, True, 1.0), (1, 200, 32, 1, False, True, 4.0),
+                                              (2, 130, 128, 4, True, False, 16.0)]:
+        q, k = (torch.randn(b, s, d, generator=g).half() * scale for _ in range(2))
+        v = torch.randn(b, s, d, generator=g).half()
+        mask = (torch.arange(s)[None, :] < torch.tensor([s, s - 37])[:b, None]) if padded else None
+        plain = triton_attention(q, k, v, mask, h, causal, fast_div=True)
+        raw = triton_attention(q, k, v, mask, h, causal, fast_div=True, raw_max=True)
+        results.append(dict(case=["raw max", b, s, d, h, causal, padded, scale],
+                            raw_max_same=bool(torch.equal(raw.view(torch.int16), plain.view(torch.int16)))))
     # the custom op's CUDA implementation, made to take the kernel branch on CPU tensors
     import kkdeploy.kernels.faithful_attention as fa
     fa.select_attention_path = lambda *a, **k: fa.AttentionPath("triton", "test", fa.DEFAULT_LAUNCH)
@@ -388,9 +401,10 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 def test_triton_kernel_logic_under_the_interpreter():
     results = run_interpreter_script(INTERPRETER_SCRIPT)
     assert results[-1] == {"case": "cuda impl", "same": True}
-    results = results[:-1]
-    assert len(results) == 17
+    results, raw_max = results[:-4], results[-4:-1]
+    assert len(results) == 17 and all(r["raw_max_same"] for r in raw_max), raw_max
     for r in results:
+        assert r["raw_max_same"], r
         assert r["scores_diff"] == 0, r
         assert r["probs_diff"] == 0, r
         assert r["ctx_over_one_ulp"] == 0, r
@@ -420,7 +434,7 @@ def test_a_build_proves_the_64_row_launches_that_fit():
     """Short rows (<= 128): the register-cached launches and bm64; longer rows: the streaming ones. None of the
     32- and 16-row tiles (other MMA instructions) costs a build a compile."""
     assert fa.proof_launches(128) == ["cached64w4_mdiv", "cached64w4", "bm64"]
-    assert fa.proof_launches(1024) == ["bm64_mdiv", "bm64", "bm128x2"]
+    assert fa.proof_launches(1024) == ["bm64_mdiv_rawmax", "bm64_mdiv", "bm64", "bm128x2"]
     for s in (1, 17, 128, 129, 1024):
         assert all(fa.launch_fits(n, s) and n in fa.LAUNCHES for n in fa.proof_launches(s))
         assert not any(fa.LAUNCHES[n].get("block_m", 64) < 64 for n in fa.proof_launches(s))

@@ -104,14 +104,24 @@ def _row_sum(lane, BLOCK_M: tl.constexpr, LANES: tl.constexpr):
 
 
 @triton.jit
+def _scaled(s, scale):
+    """The reference's score from its fp32 dot product: rounded to fp16, an fp32 multiply by the scale, rounded to
+    fp16 again (held in fp32). Each step is monotone non-decreasing (the scale is positive), so is the whole."""
+    s = s.to(tl.float16).to(tl.float32) * scale  # GEMM output rounded to fp16, then fp32 multiply
+    return s.to(tl.float16).to(tl.float32)  # the scaled scores are fp16 in the reference
+
+
+@triton.jit
 def _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d, S, scale,
-                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
-    """fp32 scores of one key chunk, holding fp16 values (or -inf), rounded where the reference rounds."""
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, RAW: tl.constexpr = False):
+    """fp32 scores of one key chunk, holding fp16 values (or -inf), rounded where the reference rounds. ``RAW``: the
+    fp32 dot products before the roundings and the scale (the masked ones -inf): ``_scaled`` of their max is the
+    max of the scores (``_attention_tile``'s RAW_MAX)."""
     kmask = (offs_n[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(K + k_row0 + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0.0)
     s = tl.dot(q, tl.trans(k))  # fp32 accumulation
-    s = s.to(tl.float16).to(tl.float32) * scale  # GEMM output rounded to fp16, then fp32 multiply
-    s = s.to(tl.float16).to(tl.float32)  # the scaled scores are fp16 in the reference
+    if not RAW:
+        s = _scaled(s, scale)
     valid = offs_n[None, :] < S
     if CAUSAL:
         valid = valid & (offs_n[None, :] <= offs_m[:, None])
@@ -172,6 +182,7 @@ def _faithful_attention_kernel(
     LANES: tl.constexpr, SUB: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
     ONE_PASS: tl.constexpr = False, NCACHED: tl.constexpr = 0, FAST_DIV: tl.constexpr = False,
+    RAW_MAX: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
@@ -184,7 +195,7 @@ def _faithful_attention_kernel(
     acc = _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, pid_m * BLOCK_M,
                           stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_mb, stride_ms,
                           S, H, scale, HEAD_DIM, DH_PAD, BLOCK_M, LANES, SUB, CAUSAL, HAS_MASK, ACCURATE, DEBUG,
-                          ONE_PASS, NCACHED, FAST_DIV)
+                          ONE_PASS, NCACHED, FAST_DIV, RAW_MAX)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DH_PAD)
     o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + h * HEAD_DIM + offs_d[None, :]
@@ -198,7 +209,8 @@ def _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, m0,
                     HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                     LANES: tl.constexpr, SUB: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
-                    ONE_PASS: tl.constexpr, NCACHED: tl.constexpr, FAST_DIV: tl.constexpr):
+                    ONE_PASS: tl.constexpr, NCACHED: tl.constexpr, FAST_DIV: tl.constexpr,
+                    RAW_MAX: tl.constexpr = False):
     """Head ``h`` of sequence ``b`` (int64) for the query rows m0 .. m0 + BLOCK_M - 1: the float32 context
     [BLOCK_M, DH_PAD] before its rounding to float16. The kernel above is one tile per program; ``_layer_triton``
     runs every head of a row block inside a whole layer."""
@@ -290,9 +302,11 @@ def _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, m0,
         run_max = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
         for n0 in range(0, n_end, CHUNK):
             s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
-                             S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+                             S, scale, HEAD_DIM, CAUSAL, HAS_MASK, RAW_MAX)
             run_max = tl.maximum(run_max, s)
         row_max = tl.max(run_max, axis=1)
+        if RAW_MAX:  # max(f(x)) = f(max(x)) for the monotone f: the roundings and the scale once per row
+            row_max = _scaled(row_max, scale)
 
         # pass 2: per-lane sequential sums of expf(s - max), in ATen's element order
         lane = tl.zeros((BLOCK_M, LANES), tl.float32)
@@ -321,7 +335,7 @@ def kernel_lanes(seq_len: int) -> int:
 
 def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=None, sub=None,
                      num_warps=None, num_stages=None, debug=False, validate=True, one_pass=False, cached=False,
-                     fast_div=False, out=None, libdevice=None):
+                     fast_div=False, out=None, libdevice=None, raw_max=False):
     """Launch the kernel; returns the context [B, S, D] fp16 (and, with ``debug``, the fp16 scores and
     probabilities [B, H, S, S] as the reference computes them; causal-skipped entries are filled with
     the reference's values -inf and 0). ``validate=False``: the caller already checked the inputs.
@@ -330,6 +344,8 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
     ``cached`` (S <= 4 * lanes): the three-pass arithmetic with each chunk's scores and exps computed once and
     kept in registers (at most 4 chunks), P.V chained chunk by chunk as in the third pass.
     ``fast_div``: the probabilities' division as one reciprocal per row and two fmas per element (``_pv_chunk``).
+    ``raw_max`` (three passes only): the first pass takes the max of the raw dot products and rounds and scales it
+    once per row, instead of every score: the same max, since the rounding and the scale are monotone;
     ``out``: a [B, S, D] float16 tensor (unit last stride) to write the context into instead of a new one;
     ``libdevice``: the libdevice.10.bc this launch links instead of Triton's bundled copy."""
     if validate:
@@ -388,7 +404,7 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         s, num_heads, scale,
         HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_M=block_m, LANES=lanes, SUB=sub,
         CAUSAL=bool(causal), HAS_MASK=has_mask, ACCURATE=not INTERPRET, DEBUG=bool(debug), ONE_PASS=bool(one_pass),
-        NCACHED=ncached, FAST_DIV=bool(fast_div),
+        NCACHED=ncached, FAST_DIV=bool(fast_div), RAW_MAX=bool(raw_max) and not (one_pass or cached),
         **launch,
     )
     if debug:
