@@ -100,6 +100,15 @@ def _wait(COUNTER, target, SYNC):
 
 
 @triton.jit
+def _row_tile(rt, NQB, S, BLOCK_M: tl.constexpr):
+    """Row tile ``rt`` (BLOCK_M query rows ``(rt % NQB) * BLOCK_M ..`` of sequence ``rt // NQB``): its flat rows
+    (int64) and which of them exist."""
+    b = (rt // NQB).to(tl.int64)
+    r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return b * S + r, r < S
+
+
+@triton.jit
 def _trace(TRACE_BUF, item, column: tl.constexpr, TRACE: tl.constexpr):
     """With TRACE: the GPU's nanosecond clock (``%globaltimer``) into column ``column`` of the item's row of
     TRACE_BUF [items, 4] (program, taken, ready, done); column 0 gets the program id."""
@@ -176,10 +185,7 @@ def _model_kernel(
             # entry: norm1 of the first block, rows of row tile `item`
             rt = item
             _trace(TRACE_BUF, item, 2, TRACE)  # ready: the entry waits on nothing
-            b = (rt // NQB).to(tl.int64)
-            r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = r < S
-            rows = b * S + r
+            rows, row_ok = _row_tile(rt, NQB, S, BLOCK_M)
             offs3 = rows[:, None, None] * D + lane_k[None, :, :]
             in_row = row_ok[:, None, None] & (lane_k < D)[None, :, :]
             v3 = tl.load(X + offs3, mask=in_row, other=0.0).to(tl.float32)
@@ -201,10 +207,7 @@ def _model_kernel(
                 # Q|K|V of one row tile, one column tile; its input is norm1 of the block's input
                 rt = j // NQKV
                 n0 = (j % NQKV) * BN_QKV
-                b = (rt // NQB).to(tl.int64)
-                r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_ok = r < S
-                rows = b * S + r
+                rows, row_ok = _row_tile(rt, NQB, S, BLOCK_M)
                 _wait(_counter(SYNC, layer, HN_READY, rt, NRT), 1, SYNC)
                 _trace(TRACE_BUF, item, 2, TRACE)  # ready
                 if layer == 0:
@@ -246,10 +249,7 @@ def _model_kernel(
             elif j < n_qkv + n_att + NRT:
                 # out_proj, x + where(mask, ., 0), norm2 of one row tile (and, chained, its feed-forward)
                 rt = j - n_qkv - n_att
-                b = (rt // NQB).to(tl.int64)
-                r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_ok = r < S
-                rows = b * S + r
+                rows, row_ok = _row_tile(rt, NQB, S, BLOCK_M)
                 _wait(_counter(SYNC, layer, ATT_DONE, rt, NRT), H, SYNC)
                 _trace(TRACE_BUF, item, 2, TRACE)  # ready
                 if layer == 0:
@@ -273,10 +273,7 @@ def _model_kernel(
                 # ffn_in of one row tile, one column tile (GELU is computed by ffn_out on the way in)
                 j = j - n_qkv - n_att - NRT
                 rt = j // NFF
-                b = (rt // NQB).to(tl.int64)
-                r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_ok = r < S
-                rows = b * S + r
+                rows, row_ok = _row_tile(rt, NQB, S, BLOCK_M)
                 _wait(_counter(SYNC, layer, X1_DONE, rt, NRT), 1, SYNC)
                 _trace(TRACE_BUF, item, 2, TRACE)  # ready
                 _ffn_in_tile(h2_l, W1, B1, ff_l, lay, rows, row_ok, (j % NFF) * BN_F, D, F, BLOCK_M, BN_F, BK_D,
@@ -285,10 +282,7 @@ def _model_kernel(
             else:
                 # ffn_out with GELU on its input, where(mask, x1 + ., 0), the next LayerNorm of one row tile
                 rt = j - n_qkv - n_att - NRT - NRT * NFF
-                b = (rt // NQB).to(tl.int64)
-                r = (rt % NQB) * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_ok = r < S
-                rows = b * S + r
+                rows, row_ok = _row_tile(rt, NQB, S, BLOCK_M)
                 _wait(_counter(SYNC, layer, FF_DONE, rt, NRT), NFF, SYNC)
                 _trace(TRACE_BUF, item, 2, TRACE)  # ready
                 _ffn_out_tile(ff_l, W2, B2, x1_l, MASK, x2_l, LNN_G, LNN_B, EPSN, hn_l, lay, rows, row_ok,
