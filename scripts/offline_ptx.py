@@ -51,6 +51,11 @@ KERNELS = {
         "MASK": "*i1", "OUT": "*fp16", **{name: "i32" for name in ("M", "N", "K", "stride_rm", "stride_om")}},
         {"EPILOGUE": 3, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "A_GELU": 0,
          "PDL": 0}),
+    "linear_tma_persistent": ("kkdeploy.kernels._fused_linear_triton", "_fused_linear_tma_persistent_kernel", {
+        "XD": "tensordesc<fp16[128, 64]>", "WD": "tensordesc<fp16[128, 64]>", "B": "*fp16", "R": "*fp16",
+        "MASK": "*i1", "OUT": "*fp16", **{name: "i32" for name in ("M", "N", "K", "stride_rm", "stride_om")}},
+        {"EPILOGUE": 3, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
+         "NUM_PROGRAMS": 132, "GROUP_M": 8, "A_GELU": 0, "PDL": 0}),
     "entry": ("kkdeploy.kernels._layer_triton", "_entry_kernel", {
         **{name: "*fp16" for name in ("X", "HN", "QKV", "G", "B", "WQKV", "BQKV")}, "S": "i32", "eps": "fp32"},
         {"D": 128, "BLOCK_M": 64, "BN_QKV": 128, "BK_D": 64, "ACCURATE": 1}),
@@ -81,13 +86,14 @@ DIVISIBLE = {
                   "stride_os", "stride_mb", "S"),
     "linear": ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"),
     "linear_tma": ("M", "N", "K", "stride_rm", "stride_om"),
+    "linear_tma_persistent": ("M", "N", "K", "stride_rm", "stride_om"),
     "entry": ("S", ),
     "layer": ("S", ),
     "model": ("S", "M"),
 }
 ONES = {"attention": ("stride_ms", )}
 #: the kernels with a dependent-launch form (kkdeploy/kernels/dependent_launch.py)
-PDL_KERNELS = ("attention", "linear", "linear_tma")
+PDL_KERNELS = ("attention", "linear", "linear_tma", "linear_tma_persistent")
 COUNTED = {"wgmma": r"wgmma\.mma_async", "mma.sync": r"\bmma\.sync", "fma.rn": r"fma\.rn\.f32",
            "div.rn": r"div\.rn\.f32", "rsqrt": r"rsqrt\.approx", "ex2": r"ex2\.approx", "bar.sync": r"bar\.sync"}
 
@@ -117,7 +123,7 @@ def compile_ptx(kernel: str, constexprs: dict, num_warps: int = 4, num_stages: i
 
     module, name, runtime, _ = KERNELS[kernel]
     fn = getattr(importlib.import_module(module), name)
-    if kernel == "linear_tma":  # a descriptor's type holds its block shape
+    if kernel in ("linear_tma", "linear_tma_persistent"):  # a descriptor's type holds its block shape
         runtime = {**runtime, "XD": f"tensordesc<fp16[{constexprs['BLOCK_M']}, {constexprs['BLOCK_K']}]>",
                    "WD": f"tensordesc<fp16[{constexprs['BLOCK_N']}, {constexprs['BLOCK_K']}]>"}
     attrs = {}

@@ -136,7 +136,8 @@ def test_the_tiles_a_build_proves():
     assert fl.proof_launches(128, layer_norm=True) == ["auto"]
     # studied (every tile, scripts/kernel_selftest.py --all-launches), not in builds: the TMA and 64 x 64 tiles wait
     # for a build on the GPU to ship them through the strict validation; the rest were never the fastest of ours
-    assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "m64n64", "s4", "k128", "w4", "m256", "n256s4"}
+    assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "tma_persistent", "m64n64", "s4", "k128", "w4",
+                                                   "m256", "n256s4"}
     assert not fl.tile_fits("k128", 128, 64) and fl.tile_fits("k128", 128, 128)  # no k-step longer than K
     assert fl.tile_fits("tma", 128, 128) and fl.tile_fits("tma_n256", 384, 768)
     assert not fl.tile_fits("tma", 128, 36)  # rows of 72 bytes: TMA reads multiples of 16
@@ -526,17 +527,18 @@ results = []
 g = torch.Generator().manual_seed(11)
 # M, N, K: tails in every dimension (rows past M, a K past the last full BLOCK_K, N under BLOCK_N)
 for m, n, k, epilogue, prologue in ((100, 48, 40, "none", "none"), (130, 96, 64, "add_masked", "none"),
-                                    (64, 32, 136, "masked_sum", "gelu"), (70, 40, 32, "gelu", "none")):
+                                    (64, 32, 136, "masked_sum", "gelu"), (70, 40, 32, "gelu", "none"),
+                                    (300, 200, 64, "add_masked", "none")):  # 6 tiles: 3 per persistent program
     x = (torch.randn(m, k, generator=g) * 2).half()
     w, b = (torch.randn(n, k, generator=g) / 4).half(), torch.randn(n, generator=g).half()
     r = torch.randn(m, n, generator=g).half()
     mask = torch.rand(m, generator=g) > 0.3
     residual = r if epilogue in ("add_masked", "masked_sum") else None
     keep = mask if residual is not None else None
-    for tile in ("tma", "tma_n256"):
+    for tile in ("tma", "tma_n256", "tma_persistent"):
         config = dict(TILES[tile], BLOCK_K=32) if k > 64 else dict(TILES[tile])
         got = triton_linear(x, w, b, residual, keep, epilogue, prologue, **config)
-        plain = {key: v for key, v in config.items() if key != "TMA"}
+        plain = {key: v for key, v in config.items() if key not in ("TMA", "PERSISTENT")}
         want = triton_linear(x, w, b, residual, keep, epilogue, prologue, **plain)
         results.append({"case": [m, n, k, epilogue, prologue, tile],
                         "differing": int((got.view(torch.int16) != want.view(torch.int16)).sum())})
@@ -545,11 +547,11 @@ print("RESULTS " + json.dumps(results))
 
 
 def test_the_tma_tile_computes_what_the_pointer_tile_of_its_size_computes():
-    """Under the interpreter: the TMA tile against the pointer-load tile of the same sizes, bit for bit, with rows,
-    columns and a K step past the ends (TMA's zero fill against the masked loads' ``other``), every epilogue and
-    the GELU prologue."""
+    """Under the interpreter: the TMA tiles (one program per tile, and persistent programs walking several tiles)
+    against the pointer-load tile of the same sizes, bit for bit, with rows, columns and a K step past the ends
+    (TMA's zero fill against the masked loads' ``other``), every epilogue and the GELU prologue."""
     results = run_interpreter_script(TMA_SCRIPT)
-    assert len(results) == 8
+    assert len(results) == 15
     assert all(r["differing"] == 0 for r in results), results
 
 
@@ -571,6 +573,28 @@ def test_the_tma_tile_has_the_pointer_tiles_arithmetic_on_sm90():
     assert shapes(tma) == shapes(plain) == ["wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16"]
     arithmetic = lambda ptx: [op for op in arithmetic_opcodes(ptx) if "wait_group" not in op]  # noqa: E731
     assert arithmetic(tma) == arithmetic(plain)
+
+
+def test_the_persistent_tma_tile_has_the_tma_tiles_arithmetic_on_sm90():
+    """Compiled here for sm_90a: one program walking several tiles issues the TMA tile's wgmma and floating-point
+    instructions, as many of each, for every epilogue and the GELU prologue (the text's order differs: the epilogue
+    is laid out before the k-loop). No ``add.rn.f16`` with zero, which the flattened loop form would add."""
+    pytest.importorskip("triton")
+    import collections
+    import re
+
+    from kkdeploy.kernels.dependent_launch import arithmetic_opcodes
+
+    script = load_script("offline_ptx")
+    floating = lambda ptx: collections.Counter(  # noqa: E731
+        op for op in arithmetic_opcodes(ptx) if "wait_group" not in op and not re.search(r"\.[su](32|64)$", op))
+    for epilogue, gelu in ((0, False), (2, False), (3, False), (1, False), (0, True)):
+        change = {"EPILOGUE": epilogue, "HAS_MASK": True, "A_GELU": gelu}
+        tma = script.compile_ptx("linear_tma", {**script.KERNELS["linear_tma"][3], **change}, 8, 4)
+        persistent = script.compile_ptx("linear_tma_persistent",
+                                        {**script.KERNELS["linear_tma_persistent"][3], **change}, 8, 4)
+        assert floating(persistent) == floating(tma), (epilogue, gelu)
+        assert not re.search(r"add\.rn\.f16\s", persistent)
 
 
 def test_tma_descriptors_copy_an_unaligned_view_and_refuse_a_stride_tma_cannot_read():

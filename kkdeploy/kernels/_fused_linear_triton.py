@@ -214,6 +214,46 @@ def _fused_linear_tma_kernel(
 
 
 @triton.jit
+def _fused_linear_tma_persistent_kernel(
+    XD, WD, B, R, MASK, OUT,
+    M, N, K,
+    stride_rm, stride_om,
+    EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    GROUP_M: tl.constexpr = 8, A_GELU: tl.constexpr = False, PDL: tl.constexpr = False,
+):
+    """``_fused_linear_tma_kernel``'s tiles from one program per multiprocessor (NUM_PROGRAMS), each walking tiles
+    ``pid, pid + NUM_PROGRAMS, ...`` (GROUP_M rows of tiles at a time, so neighbouring programs share W's columns in
+    L2): no block scheduling per tile, as cuBLAS's persistent kernels. Each tile's arithmetic is the TMA tile's: K in
+    order on one float32 accumulator, then the same epilogue (compiled for sm_90a: the same floating-point
+    instructions, as many of each). The loops stay nested: ``tl.range(..., flatten=True)``, which would overlap the
+    next tile's copies with this one's epilogue, makes Triton 3.6 add ``add.rn.f16 y, +0`` after the bias's rounding,
+    which turns a -0.0 into +0.0: not the tile's arithmetic."""
+    if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    for tile in range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS):
+        first_m = (tile // in_group) * GROUP_M
+        group_m = tl.minimum(num_m - first_m, GROUP_M)
+        m0 = (first_m + (tile % group_m)) * BLOCK_M
+        n0 = ((tile % in_group) // group_m) * BLOCK_N
+        offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # K in order, one accumulator
+            a = XD.load([m0, k0])
+            if A_GELU:
+                a = _gelu16(a, ACCURATE)
+            w = WD.load([n0, k0])
+            acc = tl.dot(a, tl.trans(w), acc)
+        _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_rm, stride_om,
+                         EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, None, None, None, 0.0, False, False)
+
+
+@triton.jit
 def _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, K,
                  stride_xm, stride_wn, stride_rm, stride_om,
                  EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
@@ -323,10 +363,23 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
         normed = torch.empty_like(out)
         extra = dict(LN_G=ln_weight.contiguous(), LN_B=ln_bias.contiguous(), OUT2=normed.view(-1, n), eps=float(eps))
     grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
+    persistent = config.pop("PERSISTENT", False)
     if config.pop("TMA", False):
         if layer_norm is not None:
             raise ValueError("the TMA tile has no LayerNorm epilogue")
         xd, wd = tma_descriptors(x2, weight, config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"])
+        if persistent:  # one program per multiprocessor (two under the interpreter), never more than the tiles
+            programs = 2 if INTERPRET else torch.cuda.get_device_properties(x.device).multi_processor_count
+            programs = max(1, min(programs, grid[0] * grid[1]))
+            launch_kernel(_fused_linear_tma_persistent_kernel, (programs, ),
+                xd, wd, bias, r2, mask1, out2,
+                m, n, k,
+                r2.stride(0), out2.stride(0),
+                EPILOGUE=code, HAS_MASK=has_mask, ACCURATE=not INTERPRET, BLOCK_M=config["BLOCK_M"],
+                BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], NUM_PROGRAMS=programs,
+                A_GELU=bool(config.get("A_GELU")), **launch,
+            )
+            return out, normed
         launch_kernel(_fused_linear_tma_kernel, grid,
             xd, wd, bias, r2, mask1, out2,
             m, n, k,

@@ -70,6 +70,10 @@ TILES: dict[str, dict] = {
     # a GPU run shows them bit-identical and faster somewhere (scripts/kernel_selftest.py --all-launches).
     "tma": dict(BLOCK_M=128, num_warps=8, num_stages=4, TMA=True),
     "tma_n256": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3, TMA=True),
+    # the TMA tile from one program per multiprocessor walking its tiles, grouped 8 row tiles at a time for L2:
+    # cuBLAS's persistent strategy for the large GEMMs our tiles trail at K = 1024 (shape 8). Each tile computes what
+    # the TMA tile computes (the same floating-point instructions, compiled for sm_90a).
+    "tma_persistent": dict(BLOCK_M=128, num_warps=8, num_stages=4, TMA=True, PERSISTENT=True),
     # pointer-load tiles for the GEMMs that take longest (shape 8's K = 1024, the custom shapes' few rows): a deeper
     # pipeline, a longer k-step, one warpgroup, taller or smaller tiles. Studied (``--all-launches``) before any joins
     # BUILD_TILES, on the same terms as the TMA tiles.
