@@ -193,7 +193,8 @@ class LayerGraphBackend(Backend):
             raise KKError(f"{name}: {why}")
         state = load_file(str(Path(artifact_dir) / WEIGHTS_FILE))
         model = model_for_variant({"model": "reference"}, config, dtype, device, state)
-        seed = int((options.get("layer_proof") or {}).get("cases", [{}])[0].get("seed", DEFAULT_SEED))
+        cases = (options.get("layer_proof") or {}).get("cases") or [{}]
+        seed = int(cases[0].get("seed", DEFAULT_SEED))  # the build's proof inputs, proven again here
         runner, record = make_runner(model, config, dtype, device, name, seed)
         recorded = options.get("fingerprint") or {}
         got = output_fingerprint(runner, config, dtype, device, recorded.get("seed", DEFAULT_SEED),
