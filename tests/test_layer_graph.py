@@ -134,3 +134,45 @@ def test_the_bench_takes_them_by_name_and_says_why_not_here():
     with pytest.raises(KKError, match="^skipped: unavailable: the layer launches are Triton kernels for CUDA"):
         bench.make_candidate("layer-graph", model, CONFIG, torch.float16, torch.device("cpu"),
                              bench.BenchOptions(device="cpu", dtype=torch.float16), {})
+
+
+def test_loading_proves_again_and_refuses_what_does_not_reproduce(monkeypatch, tmp_path):
+    """``load`` checks the artifact was built for this model, runs the proof again (``make_runner``), and refuses a
+    runner whose output fingerprint is not the build's, in one line (``kkdeploy.load`` then serves the fallback)."""
+    from safetensors.torch import save_file
+
+    from kkdeploy.artifacts import WEIGHTS_FILE
+    from kkdeploy.config import dtype_name
+
+    model = build_models(CONFIG, torch.float16, "cpu")[0]
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / WEIGHTS_FILE))
+    proofs = []
+
+    class Runner:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    made = []
+
+    def make_runner(model, config, dtype, device, candidate, seed):
+        proofs.append((candidate, seed))
+        made.append(Runner())
+        return made[-1], {"launch": "persistent_cached_mdiv_w8_p1", "cases": [], "differing": 0, "stalls": 0}
+
+    monkeypatch.setattr(layer_graph, "refusal", lambda config, dtype, device: None)
+    monkeypatch.setattr(layer_graph, "make_runner", make_runner)
+    monkeypatch.setattr(layer_graph, "output_fingerprint", lambda *a, **k: "f" * 64)
+    options = {"config": CONFIG.to_dict(), "dtype": dtype_name(torch.float16),
+               "layer_proof": {"cases": [{"seed": 77}]}, "fingerprint": {"sha256": "f" * 64}}
+    entry = {"name": "layer-graph", "options": options}
+    runner = layer_graph.BACKEND.load(tmp_path, entry, CONFIG, torch.float16, torch.device("cpu"))
+    assert proofs == [("layer-graph", 77)] and runner.layer_proof["launch"] == "persistent_cached_mdiv_w8_p1"
+    other = dict(entry, options=dict(options, fingerprint={"sha256": "0" * 64}))
+    with pytest.raises(KKError, match="does not reproduce the validated output"):
+        layer_graph.BACKEND.load(tmp_path, other, CONFIG, torch.float16, torch.device("cpu"))
+    assert made[-1].closed and not made[0].closed  # the refused runner's graph and buffers are released
+    wrong = dict(entry, options=dict(options, dtype="float32"))
+    with pytest.raises(KKError, match="was built for float32"):
+        layer_graph.BACKEND.load(tmp_path, wrong, CONFIG, torch.float16, torch.device("cpu"))
