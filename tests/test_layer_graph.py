@@ -176,3 +176,27 @@ def test_loading_proves_again_and_refuses_what_does_not_reproduce(monkeypatch, t
     wrong = dict(entry, options=dict(options, dtype="float32"))
     with pytest.raises(KKError, match="was built for float32"):
         layer_graph.BACKEND.load(tmp_path, wrong, CONFIG, torch.float16, torch.device("cpu"))
+
+
+def test_a_build_records_the_proof_and_hands_its_runner_on(monkeypatch, tmp_path):
+    """``build`` skips (one line) where the launches cannot run, else proves (``make_runner``), fingerprints, and
+    records the proof in the manifest entry's options; the runner goes to the pipeline to validate and time."""
+    from engines.base import BUILT, BuildContext, CandidateSkipped
+
+    model = build_models(CONFIG, torch.float16, "cpu")[0]
+    ctx = BuildContext(config=CONFIG, dtype=torch.float16, device=torch.device("cpu"), model=model, out_dir=tmp_path,
+                       validation_plan={"seed": 99}, built_runners={})
+    with pytest.raises(CandidateSkipped, match="Triton kernels for CUDA|CUDA-only"):
+        layer_graph.BACKEND.build(ctx, "layer-graph")
+    record = {"launch": "cached_mdiv_split_w8", "cases": [{"seed": 99}], "differing": 0, "stalls": 0}
+    seeds = []
+    monkeypatch.setattr(layer_graph, "refusal", lambda config, dtype, device: None)
+    monkeypatch.setattr(layer_graph, "make_runner",
+                        lambda m, c, dt, dev, name, seed: (seeds.append(seed) or object(), record))
+    monkeypatch.setattr(layer_graph, "output_fingerprint", lambda *a, **k: "a" * 64)
+    result = layer_graph.BACKEND.build(ctx, "layer-graph-split")
+    assert result.status == BUILT and result.backend == "layer_graph" and seeds == [99]
+    assert result.options["layer_proof"] is record and result.options["launch"] == "cached_mdiv_split_w8"
+    assert result.options["fingerprint"]["sha256"] == "a" * 64
+    assert result.options["mask_modes"] == ["all-valid", "padded"]
+    assert "layer-graph-split" in ctx.built_runners and result.to_dict()["recipe"]["split_launches"]
