@@ -196,10 +196,16 @@ def _fused_linear_tma_kernel(
     if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    m0 = pid_m * BLOCK_M
-    n0 = pid_n * BLOCK_N
+    _tma_tile(XD, WD, B, R, MASK, OUT, tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, M, N, K, stride_rm,
+              stride_om, EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, BLOCK_K, A_GELU)
+
+
+@triton.jit
+def _tma_tile(XD, WD, B, R, MASK, OUT, m0, n0, M, N, K, stride_rm, stride_om,
+              EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_GELU: tl.constexpr):
+    """The output tile at rows m0.. and columns n0..: TMA copies of X and W per k-step, K in order on one float32
+    accumulator, then the epilogue (shared by the TMA kernel and its persistent form)."""
     offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -238,19 +244,9 @@ def _fused_linear_tma_persistent_kernel(
     for tile in range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS):
         first_m = (tile // in_group) * GROUP_M
         group_m = tl.minimum(num_m - first_m, GROUP_M)
-        m0 = (first_m + (tile % group_m)) * BLOCK_M
-        n0 = ((tile % in_group) // group_m) * BLOCK_N
-        offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # K in order, one accumulator
-            a = XD.load([m0, k0])
-            if A_GELU:
-                a = _gelu16(a, ACCURATE)
-            w = WD.load([n0, k0])
-            acc = tl.dot(a, tl.trans(w), acc)
-        _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_rm, stride_om,
-                         EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, None, None, None, 0.0, False, False)
+        _tma_tile(XD, WD, B, R, MASK, OUT, (first_m + (tile % group_m)) * BLOCK_M,
+                  ((tile % in_group) // group_m) * BLOCK_N, M, N, K, stride_rm, stride_om,
+                  EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, BLOCK_K, A_GELU)
 
 
 @triton.jit
