@@ -243,7 +243,7 @@ def test_one_hop_gather_reuses_its_buffers_and_rewrites_every_row():
     assert torch.equal(x, 2 * torch.ones(1, 3, 2)) and mask.all()
 
 
-def test_one_hop_writes_straight_into_a_captured_graph_s_buffers():
+def test_one_hop_writes_straight_into_a_captured_graph_s_buffers(monkeypatch):
     """A bucket whose engine has a ``StaticCall`` (a CUDA graph serving every mask): the gather writes into the
     graph's own input buffers and the run is its replay, with no copy in and no clone out. Every row is rewritten
     each run; the mask buffer is filled all True only when the last run left something else in it; the answers
@@ -297,6 +297,12 @@ def test_one_hop_writes_straight_into_a_captured_graph_s_buffers():
     assert four.replays[-1][1].all() and model.static_all_true[4]
     ys, size, n, _, _ = model.run([torch.ones(1, 3, 2)], [None])  # bucket 1: its own graph's buffers
     assert (size, n) == (1, 1) and len(engines[1].replays) == 1 and torch.equal(ys[0], 2 * torch.ones(1, 3, 2))
+    # opt-in, and only where the GPU serves: the path has not yet been checked on a GPU
+    monkeypatch.delenv(triton_model.STATIC_INPUTS_ENV, raising=False)
+    assert triton_model.static_calls(engines, cuda=True) == {}
+    monkeypatch.setenv(triton_model.STATIC_INPUTS_ENV, "1")
+    assert set(triton_model.static_calls(engines, cuda=True)) == {1, 4}
+    assert triton_model.static_calls(engines, cuda=False) == {}
     model.gpu_outputs = True  # answers left on the GPU are read after the run: a copy, not the graph's buffer
     ys, _, _, _, _ = model.run(full, [None, None])
     assert ys[0].data_ptr() != four.y.data_ptr() and torch.equal(torch.cat(ys), 2 * torch.cat(full))

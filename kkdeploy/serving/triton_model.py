@@ -47,8 +47,9 @@ OUTPUT_DEVICE = "kkdeploy_output_device"  # cpu (default) | gpu
 CANARY_FILE = "kkdeploy_canary_file"  # written by `kkdeploy serve`: where the model records its canary answers
 RELEASE_DIR = "kkdeploy_release_dir"  # written by `kkdeploy serve`: finalize() leaves "<model>.<pid>" there
 CANARY_SEED = 4242
-#: "0" turns off writing straight into captured graphs' buffers (``BucketEngine.static``): the before/after switch a
-#: measurement of that path uses in one session; the server's processes inherit it from ``kkdeploy serve``
+#: "1" turns on writing straight into captured graphs' buffers (``BucketEngine.static``). Off by default until a
+#: serving run on a GPU has checked its answers bit for bit and timed it against the copying path, in one session
+#: (``scripts/serving_h200.py --static-inputs both``); the server's processes inherit it from ``kkdeploy serve``
 STATIC_INPUTS_ENV = "KKDEPLOY_STATIC_GRAPH_INPUTS"
 INPUT_X, INPUT_MASK, OUTPUT_Y = "x", "valid_token_mask", "y"
 
@@ -477,6 +478,15 @@ def static_call_of(runner):
     return static() if callable(static) else None
 
 
+def static_calls(buckets: dict, cuda: bool) -> dict:
+    """bucket -> ``StaticCall`` of the buckets whose engine has one, where the GPU serves and ``STATIC_INPUTS_ENV``
+    asks for them; else none."""
+    if not cuda or os.environ.get(STATIC_INPUTS_ENV, "0") != "1":
+        return {}
+    calls = {size: static_call_of(runner) for size, runner in buckets.items()}
+    return {size: call for size, call in calls.items() if call is not None}
+
+
 class BucketEngine:
     """The one-hop engine without Triton: the gathered requests' rows run on the smallest validated bucket that
     holds them. The Python backend's batched role (``_Batched``) and kkdeploy's in-process backend
@@ -524,10 +534,7 @@ class BucketEngine:
         self.inference_mode = torch.inference_mode
         # A bucket whose engine is a CUDA graph that serves every mask: the gather writes straight into the graph's
         # own input buffers and the run is its replay (no copies in, no clone out, no checks of what the gather built).
-        self.static = {}
-        if self.cuda and os.environ.get(STATIC_INPUTS_ENV, "1") != "0":
-            calls = {size: static_call_of(r) for size, r in self.runner.buckets.items()}
-            self.static = {size: call for size, call in calls.items() if call is not None}
+        self.static = static_calls(self.runner.buckets, self.cuda)
         self.static_all_true: dict[int, bool] = {}  # bucket -> its static mask holds all True from the last run
         self.buffers: dict[int, tuple] = {}
         self.host_outputs: dict[int, object] = {}  # bucket -> pinned host buffer for its answers (_to_host)
