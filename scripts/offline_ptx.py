@@ -140,6 +140,20 @@ def compile_ptx(kernel: str, constexprs: dict, num_warps: int = 4, num_stages: i
     return compiled.asm["ptx"]
 
 
+def loop_counts(ptx: str) -> list[tuple[int, int]]:
+    """(instructions, conversions) in each loop body of the PTX (a label to a branch back to it), in text order: what
+    one iteration issues per thread, e.g. per key chunk in each pass of the attention."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", line))}
+    loops = []
+    for i, line in enumerate(lines):
+        branch = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if branch and labels.get(branch.group(1), i) < i:
+            body = [x for x in lines[labels[branch.group(1)]:i + 1] if x and not x.startswith((".", "//", "$"))]
+            loops.append((len(body), sum(1 for x in body if re.match(r"(?:@!?%p\d+\s+)?cvt\.", x))))
+    return loops
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernel", choices=sorted(KERNELS))
@@ -149,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-stages", type=int, default=3)
     ap.add_argument("--fp-fusion", action="store_true", help="Triton's default fp contraction (the kernels: off)")
     ap.add_argument("--ptx", type=Path, help="also write the PTX here")
+    ap.add_argument("--loops", action="store_true", help="also print each loop body's instructions and conversions")
     ap.add_argument("--no-specialize", dest="specialize", action="store_false",
                     help="compile without the JIT's specialization of the arguments (DIVISIBLE, ONES)")
     ap.add_argument("--pdl", action="store_true",
@@ -178,6 +193,9 @@ def main(argv=None) -> int:
           f"{' fp-fusion' if args.fp_fusion else ''}: registers {registers.group(1) if registers else '?'}, "
           f"spill stores/loads {spills.group(1) if spills else '?'}/{spills.group(2) if spills else '?'} bytes; "
           f"{counts}")
+    if args.loops:
+        print("loops (instructions/conversions per iteration): "
+              + (", ".join(f"{n}/{c}" for n, c in loop_counts(ptx)) or "none"))
     if args.pdl and args.kernel in PDL_KERNELS:
         from kkdeploy.kernels.dependent_launch import ptx_difference
 

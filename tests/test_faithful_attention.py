@@ -449,3 +449,15 @@ def test_the_self_test_is_the_builds_proof_step(capsys):
         pytest.skip("this machine has a GPU: the script would run")
     assert load_script("faithful_attention_selftest").main(["--out", "/dev/null", "--shapes", "3"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_raw_max_takes_the_roundings_out_of_the_first_pass_on_sm90():
+    """Compiled here for sm_90a (``scripts/offline_ptx.py --loops``): the first pass's loop body of ``bm64_mdiv_rawmax``
+    loses the per-score roundings (its conversions) and instructions; the two later passes are unchanged."""
+    pytest.importorskip("triton")
+    script = load_script("offline_ptx")
+    values = {**script.KERNELS["attention"][3], "FAST_DIV": True}
+    plain = script.loop_counts(script.compile_ptx("attention", values, 4, 3))
+    raw = script.loop_counts(script.compile_ptx("attention", {**values, "RAW_MAX": True}, 4, 3))
+    assert len(plain) == len(raw) == 3 and plain[1:] == raw[1:]
+    assert raw[0][0] < plain[0][0] and raw[0][1] * 10 < plain[0][1]
