@@ -26,6 +26,7 @@ block's intermediates, so a model of more than ``MAX_ROWS`` rows (B x S) is skip
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -51,8 +52,6 @@ PROOF_CASES = ((0, 0.0), (0, 0.25), (1, 0.0), (1, 0.25))
 def launch_for(candidate: str, config: TransformerConfig):
     """The ``LayerLaunch`` a candidate runs: the default attention form for this sequence length, split or one
     persistent launch."""
-    import dataclasses
-
     from kkdeploy.kernels.layer_kernels import default_launch
 
     return dataclasses.replace(default_launch(config), persistent=candidate == PERSISTENT)

@@ -39,7 +39,7 @@ try:  # the CUDA libdevice wrappers (absent or unusable under the interpreter)
 except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra import libdevice as _libdevice
 
-from .fused_linear import LN_WIDTHS, TMA_ALIGNMENT, tma_fits  # the LayerNorm epilogue's row widths; TMA's needs
+from .fused_linear import LN_WIDTHS, TMA_ALIGNMENT, multiprocessors, tma_fits  # LayerNorm rows; TMA; the grid
 from .dependent_launch import launch_options
 from .libdevice import gelu_libdevice
 from .precompile import launch as launch_kernel  # compile-only inside precompile.parallel_compiles
@@ -365,7 +365,7 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
             raise ValueError("the TMA tile has no LayerNorm epilogue")
         xd, wd = tma_descriptors(x2, weight, config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"])
         if persistent:  # one program per multiprocessor (two under the interpreter), never more than the tiles
-            programs = 2 if INTERPRET else torch.cuda.get_device_properties(x.device).multi_processor_count
+            programs = 2 if INTERPRET else multiprocessors(x.device)
             programs = max(1, min(programs, grid[0] * grid[1]))
             launch_kernel(_fused_linear_tma_persistent_kernel, (programs, ),
                 xd, wd, bias, r2, mask1, out2,

@@ -29,7 +29,7 @@ import torch
 from kkdeploy.errors import KKError
 from kkdeploy.models.reference import zero_invalid_rows
 
-from .fused_linear import LN_WIDTHS, packed
+from .fused_linear import LN_WIDTHS, multiprocessors, packed
 from .libdevice import LIBDEVICE_ENV, cuda_libdevice  # noqa: F401  (the layer launches link it; re-exported)
 from .paths import triton_available
 from .proof import differing_elements
@@ -212,8 +212,7 @@ class LayerKernels:
         interpreter (one takes every ticket, the other finds none: both paths run)."""
         if INTERPRET:
             return 2
-        sms = torch.cuda.get_device_properties(self.model.device).multi_processor_count
-        return max(1, min(items, sms * self.launch.programs_per_sm))
+        return max(1, min(items, multiprocessors(self.model.device) * self.launch.programs_per_sm))
 
     def forward(self, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         import triton
