@@ -5,6 +5,7 @@ two client processes, every answer bit for bit the direct engine's."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -246,9 +247,12 @@ def test_a_model_reloaded_in_process_answers_exactly_again(small, repository, tm
         try:
             for attempt in range(4):
                 if attempt:
-                    assert server.unload("kkdeploy", 10) and server.load("kkdeploy", 120)
+                    assert server.reload("kkdeploy", 120), (server.last_load_error, server.log_text()[-3000:])
                 exact = [loadtest.answered_by(answers[k], client.send(k)) is not None for k in range(len(pool))]
                 assert all(exact), (attempt, exact)
+            # a load Triton refuses says why, in Triton's words
+            assert not server.load("no-such-model", 30)
+            assert re.match(r"HTTP 5\d\d: failed to load 'no-such-model'", server.last_load_error), server.last_load_error
         finally:
             client.close()
     assert server.log_text().count("in-process on cpu") == 4  # one engine per load, in the one process

@@ -331,6 +331,7 @@ class TritonServer:
         self.log_path = self.workdir / "tritonserver.log"
         self.process: subprocess.Popen | None = None
         self._shm_regions: set[str] = set()
+        self.last_load_error: str | None = None  # why the last load failed (``load``)
         self.killed = False  # whether the last stop needed SIGKILL
         self.server_killed = False  # whether that SIGKILL found the server itself still running
 
@@ -463,8 +464,50 @@ class TritonServer:
         return self.http_status(f"/v2/repository/models/{model}/unload", "POST", timeout_s) == 200
 
     def load(self, model: str, timeout_s: float = 300.0) -> bool:
-        """Load (or reload) ``model``; returns when Triton has loaded it or failed to."""
-        return self.http_status(f"/v2/repository/models/{model}/load", "POST", timeout_s) == 200
+        """Load (or reload) ``model``; returns when Triton has loaded it or failed to. On failure
+        ``last_load_error`` says why, in Triton's words (or that nothing answered in time)."""
+        import json
+
+        request = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/load", method="POST",
+                                         data=b"{}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+                reply.read()
+                self.last_load_error = None if reply.status == 200 else f"HTTP {reply.status}"
+        except urllib.error.HTTPError as exc:
+            try:
+                said = json.loads(exc.read() or b"null")
+            except (OSError, ValueError):
+                said = None
+            why = said.get("error") if isinstance(said, dict) else None
+            self.last_load_error = f"HTTP {exc.code}: {why or exc.reason}"
+        except (urllib.error.URLError, OSError) as exc:
+            self.last_load_error = f"no answer within {timeout_s:.0f} s ({exc})"
+        return self.last_load_error is None
+
+    def wait_unloaded(self, model: str, timeout_s: float = 30.0) -> bool:
+        """Until ``model`` is neither READY nor UNLOADING. Triton's unload returns once the unload has started
+        (its instances are finalized after), and its documentation asks for the unload to be over before the
+        model is loaded again. False when it is not over within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.model_states().get(model)
+            if state not in ("READY", "UNLOADING"):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def reload(self, model: str, timeout_s: float = 300.0) -> bool:
+        """Unload ``model``, wait for the unload to finish, and load it again (``last_load_error`` says why not)."""
+        deadline = time.monotonic() + timeout_s
+        if not self.unload(model, min(10.0, timeout_s)):
+            self.last_load_error = "Triton refused the unload"
+            return False
+        if not self.wait_unloaded(model, max(1.0, deadline - time.monotonic())):
+            self.last_load_error = f"the unload did not finish within {timeout_s:.0f} s"
+            return False
+        return self.load(model, max(1.0, deadline - time.monotonic()))
 
     def model_states(self, timeout_s: float = 2.0) -> dict[str, str]:
         """``{model: state}`` from the repository index (READY, UNLOADING, UNAVAILABLE, LOADING); empty when the

@@ -229,7 +229,9 @@ class Watchdog:
                 if last is None:
                     return
             else:
-                last = f"Triton could not load {', '.join(order)} ({self.server.failure_reason()})"
+                said = getattr(self.server, "last_load_error", None)
+                why = self.server.failure_reason()
+                last = f"Triton could not load {', '.join(order)} ({f'{said}; ' if said and said not in why else ''}{why})"
             time.sleep(0.5)
         for model in order:  # leave it unready: a supervisor restarts us, the load balancer routes elsewhere
             if self.server.alive():
