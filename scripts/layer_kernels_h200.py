@@ -15,6 +15,13 @@ each persistent launch's timeline (waits and runs per kind of work item, from th
         --launches cached_mdiv:1:8:split,cached_mdiv:1:8:persistent,cached_mdiv:1:4:persistent,cached_mdiv:1:8:persistent:p2
 
     python3 scripts/layer_kernels_h200.py --shapes 2,3,4,7,12 --json $OUT/layers.json
+
+``--dims B,S,D,H,F,L`` adds shapes of one's own. ``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same flow
+under Triton's interpreter, checks only: a dry run of the script, whose launches differ from the CPU's float16 ATen
+ops (those are not CUDA's), so its differing counts say nothing of a GPU::
+
+    TRITON_INTERPRET=1 python3 scripts/layer_kernels_h200.py --device cpu --shapes "" --dims 2,8,16,2,16,2 \
+        --weights seeded --launches cached_mdiv:1:4:persistent
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from make_weights import trained_like  # noqa: E402
 
 from engines.cuda_graph import CapturedCall  # noqa: E402
-from kkdeploy.config import official_config  # noqa: E402
+from kkdeploy.config import TransformerConfig, official_config  # noqa: E402
 from kkdeploy.inputs import generate_case, padded_case  # noqa: E402
 from kkdeploy.kernels.layer_kernels import (LayerKernels, LayerLaunch, compare_intermediates,  # noqa: E402
                                             default_launch, reference_intermediates)
@@ -116,11 +123,32 @@ def main(argv=None) -> int:
                         help="after timing a persistent launch, run its traced twin (the GPU's clock at each work "
                              "item's start, ready and end) and report waits and runs per kind")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dims", nargs="*", default=[], metavar="B,S,D,H,F,L",
+                        help="shapes of one's own too: batch, seq, d_model, heads, ffn, layers (causal)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: a dry run under Triton's interpreter (TRITON_INTERPRET=1), checks only")
     args = parser.parse_args(argv)
-    device = torch.device("cuda")
+    try:
+        dims = [tuple(int(v) for v in text.split(",")) for text in args.dims]
+        shapes = [(int(s), official_config(int(s))) for s in args.shapes.split(",") if s.strip()]
+    except ValueError as exc:
+        parser.error(f"--shapes takes official ids (1-13), --dims B,S,D,H,F,L: {exc}")
+    if any(len(d) != 6 for d in dims):
+        parser.error("--dims takes six integers per shape: batch, seq, d_model, heads, ffn, layers")
+    shapes += [("x".join(map(str, d)), TransformerConfig(*d, causal=True)) for d in dims]
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--device cpu runs Triton's interpreter: set TRITON_INTERPRET=1")
+        from tests.interpreter_support import exact_fma, scalar_index  # the GPU's fma; numpy 2.4's int()
+
+        exact_fma()
+        scalar_index()
+        args.no_time = True  # CUDA graphs and events: a GPU's
     rows, table = [], []
-    for shape in [int(s) for s in args.shapes.split(",")]:
-        config = official_config(shape)
+    for shape, config in shapes:
         for weights in args.weights.split(","):
             model = model_for(config, weights, device)
             if args.launches == "default":
@@ -172,7 +200,7 @@ def main(argv=None) -> int:
                                captured_differing=same, captured_differing_after_timing=same_after)
                     bad += same + same_after
                     timing = f"{eager:8.3f} {graph_ms:8.3f} {layer_ms:8.4f} {eager / layer_ms:7.2f}x"
-                if args.trace and launch.persistent:
+                if args.trace and launch.persistent and device.type == "cuda":
                     row["trace"] = traced_timeline(model, launch, config, device)
                     kinds = row["trace"]["kinds"]
                     timing += "  trace " + " ".join(f"{k} {v['wait_us_median']:.1f}+{v['run_us_median']:.1f}us"
@@ -186,10 +214,11 @@ def main(argv=None) -> int:
                 rows.append(row)
                 table.append(f"{shape:>5} {weights:>9} {launch.name():>24} {bad:>9} {failed:>7} {first:>22} {timing}")
             del model
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                               "rows": rows}, indent=1))
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton's interpreter)"
+        Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": rows}, indent=1))
     print(f"{'shape':>5} {'weights':>9} {'launch':>24} {'bits_diff':>9} {'strict':>7} {'first differing':>22} "
           f"{'eager':>8} {'graph':>8} {'layers':>8} {'x eager':>8}")
     print("\n".join(table))

@@ -10,7 +10,12 @@ Bit-identity with ATen on a GPU is measured by scripts/layer_kernels_h200.py (do
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -350,3 +355,32 @@ def test_the_offline_compile_specializes_as_the_jit_does():
     vectors = lambda ptx: len(re.findall(r"ld\.global(?:\.\w+)*\.v[248]", ptx))  # noqa: E731
     assert vectors(script.compile_ptx("attention", values, 4, 3)) > 0
     assert vectors(script.compile_ptx("attention", values, 4, 3, specialize=False)) == 0
+
+
+def test_the_gpu_study_script_runs_its_whole_flow_under_the_interpreter(tmp_path):
+    """The next GPU session's first call runs scripts/layer_kernels_h200.py with persistent launches: its flow
+    (launch specs, checks, standalone Q|K|V, the JSON) runs here first, under Triton's interpreter. Its differing
+    counts are against the CPU's float16 ATen ops, so only their agreement between launches is asserted."""
+    pytest.importorskip("triton")
+    out = tmp_path / "layers.json"
+    run = subprocess.run(
+        [sys.executable, "scripts/layer_kernels_h200.py", "--device", "cpu", "--shapes", "", "--dims", "2,40,32,2,64,2",
+         "--weights", "own:5", "--launches", "cached_mdiv:1:4:persistent,cached_mdiv:1:4:split,"
+         "cached_mdiv:1:4:persistent:nochain:p2", "--trace", "--json", str(out)],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=600,
+        env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["device"].startswith("cpu")
+    rows = report["rows"]
+    assert [r["launch"] for r in rows] == ["persistent_cached_mdiv_w4_p1", "cached_mdiv_split_w4",
+                                           "persistent_cached_mdiv_w4_p2_nochain"]
+    assert all("error" not in r and len(r["checks"]) == 4 and "eager_ms" not in r for r in rows), rows
+    # the three launches compute the same bits (each check's differing count against the same reference)
+    counts = [[c["output_differing"] for c in r["checks"]] for r in rows]
+    assert counts[0] == counts[1] == counts[2], counts
+    assert all(c["strict_failed"] == 0 for r in rows for c in r["checks"])
+    assert "--device cpu runs Triton's interpreter" in subprocess.run(
+        [sys.executable, "scripts/layer_kernels_h200.py", "--device", "cpu", "--dims", "2,40,32,2,64,2"],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}).stderr
