@@ -625,6 +625,30 @@ def test_watchdog_logic_with_a_scripted_server():
     with pytest.raises(HealFailed, match="tritonserver died"):  # and without a way to restart it: exit with the reason
         Watchdog(crashed, ["kk"], None, lines.append, heal_timeout_s=5).step()
 
+    # Found alive at the fault (a kill -9 is first seen as a reset connection), dead by the reload: the restart is
+    # said in a line of its own before it is healed
+    class DiesWhileUnloading(FakeServer):
+        def unload(self, model, timeout_s=10.0):
+            self.running = False
+            return super().unload(model, timeout_s)
+
+        def load(self, model, timeout_s=300.0):
+            self.calls.append(f"load {model}")
+            return self.running
+
+    lines.clear()
+    dying = DiesWhileUnloading({"kk": [os.getpid()]})
+
+    def restart_dying(limit_s):
+        dying.running = True
+
+    dog = Watchdog(dying, ["kk"], None, lines.append, heal_timeout_s=5, restart=restart_dying)
+    dog.baseline(timeout_s=0.1)
+    dog.heal(["kk"], "the canary's request failed: Connection reset by peer")
+    assert "unloading (not ready) and reloading" in lines[0]
+    assert lines[1] == "watchdog: tritonserver died; restarting tritonserver"
+    assert "healed" in lines[2] and "tritonserver restarted" in lines[2] and len(lines) == 3
+
     # One stub of a model with several instances died: a restart, not an unload (Triton never completes that unload;
     # without a way to restart, the reload is still tried)
     lines.clear()

@@ -203,9 +203,13 @@ class Watchdog:
         self.log(f"watchdog: {', '.join(models)} broken: {why}; {action}")
         last = why
         order = sorted(models, key=lambda m: m != self.models[-1])  # an engine model before its front
+        announced = action.startswith("restarting")
         while time.monotonic() < deadline:
             if restart_now or not self.server.alive():  # died, or died while we reloaded: start it again
                 restart_now = False
+                if not announced:  # found dead after the fault's line (a kill -9 is seen first as a reset peer)
+                    self.log("watchdog: tritonserver died; restarting tritonserver")
+                    announced = True
                 if self.restart is None:
                     raise HealFailed(f"{', '.join(models)} could not be healed: tritonserver died "
                                      f"({self.server.failure_reason()})")
