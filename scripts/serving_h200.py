@@ -397,9 +397,9 @@ def main(argv=None) -> int:
     p.add_argument("--engines", default="inprocess,auto",
                    help="one-hop engines to measure side by side: inprocess (kkdeploy's backend in tritonserver's "
                         "process), auto (the Python backend) (default inprocess,auto)")
-    p.add_argument("--static-inputs", default="off", choices=["on", "off", "both"],
-                   help="one-hop engines copy requests into the engine as kkdeploy serve does by default (off), or "
-                        "write them straight into a captured graph's buffers (on), or each one-hop layout twice, on "
+    p.add_argument("--static-inputs", default="on", choices=["on", "off", "both"],
+                   help="one-hop engines write requests straight into a captured graph's buffers as kkdeploy serve "
+                        "does by default (on), or copy them into the engine (off), or each one-hop layout twice, on "
                         "then off, for a before/after in one session (both)")
     p.add_argument("--client", default="lean", choices=["lean", "tritonclient"],
                    help="the load test's gRPC client (default lean: requests serialized once per payload)")

@@ -297,8 +297,10 @@ def test_one_hop_writes_straight_into_a_captured_graph_s_buffers(monkeypatch):
     assert four.replays[-1][1].all() and model.static_all_true[4]
     ys, size, n, _, _ = model.run([torch.ones(1, 3, 2)], [None])  # bucket 1: its own graph's buffers
     assert (size, n) == (1, 1) and len(engines[1].replays) == 1 and torch.equal(ys[0], 2 * torch.ones(1, 3, 2))
-    # opt-in, and only where the GPU serves: the path has not yet been checked on a GPU
-    monkeypatch.delenv(triton_model.STATIC_INPUTS_ENV, raising=False)
+    # on by default where the GPU serves (checked bitwise and faster on a GPU); "0" turns it off
+    monkeypatch.delenv(triton_model.STATIC_INPUTS_ENV, raising=False)  # on by default
+    assert set(triton_model.static_calls(engines, cuda=True)) == {1, 4}
+    monkeypatch.setenv(triton_model.STATIC_INPUTS_ENV, "0")
     assert triton_model.static_calls(engines, cuda=True) == {}
     monkeypatch.setenv(triton_model.STATIC_INPUTS_ENV, "1")
     assert set(triton_model.static_calls(engines, cuda=True)) == {1, 4}

@@ -47,9 +47,10 @@ OUTPUT_DEVICE = "kkdeploy_output_device"  # cpu (default) | gpu
 CANARY_FILE = "kkdeploy_canary_file"  # written by `kkdeploy serve`: where the model records its canary answers
 RELEASE_DIR = "kkdeploy_release_dir"  # written by `kkdeploy serve`: finalize() leaves "<model>.<pid>" there
 CANARY_SEED = 4242
-#: "1" turns on writing straight into captured graphs' buffers (``BucketEngine.static``). Off by default until a
-#: serving run on a GPU has checked its answers bit for bit and timed it against the copying path, in one session
-#: (``scripts/serving_h200.py --static-inputs both``); the server's processes inherit it from ``kkdeploy serve``
+#: "0" turns off writing straight into captured graphs' buffers (``BucketEngine.static``), on by default since a
+#: serving run on a GPU checked every answer bit for bit and timed it against the copying path in one session
+#: (``scripts/serving_h200.py --static-inputs both``, docs/serving.md); the server's processes inherit it from
+#: ``kkdeploy serve``
 STATIC_INPUTS_ENV = "KKDEPLOY_STATIC_GRAPH_INPUTS"
 INPUT_X, INPUT_MASK, OUTPUT_Y = "x", "valid_token_mask", "y"
 
@@ -480,8 +481,8 @@ def static_call_of(runner):
 
 def static_calls(buckets: dict, cuda: bool) -> dict:
     """bucket -> ``StaticCall`` of the buckets whose engine has one, where the GPU serves and ``STATIC_INPUTS_ENV``
-    asks for them; else none."""
-    if not cuda or os.environ.get(STATIC_INPUTS_ENV, "0") != "1":
+    does not turn them off ("0"); else none."""
+    if not cuda or os.environ.get(STATIC_INPUTS_ENV, "1") == "0":
         return {}
     calls = {size: static_call_of(runner) for size, runner in buckets.items()}
     return {size: call for size, call in calls.items() if call is not None}
