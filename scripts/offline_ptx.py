@@ -39,7 +39,8 @@ KERNELS = {
                                     "stride_ob", "stride_os", "stride_mb", "stride_ms", "S", "H")},
         "scale": "fp32"},
         {"HEAD_DIM": 32, "DH_PAD": 32, "BLOCK_M": 64, "LANES": 32, "SUB": 1, "CAUSAL": 1, "HAS_MASK": 1,
-         "ACCURATE": 1, "DEBUG": 0, "ONE_PASS": 0, "NCACHED": 0, "FAST_DIV": 0, "PDL": 0, "RAW_MAX": 0}),
+         "ACCURATE": 1, "DEBUG": 0, "ONE_PASS": 0, "NCACHED": 0, "FAST_DIV": 0, "PDL": 0, "RAW_MAX": 0,
+         "INTERIOR": 0}),
     "linear": ("kkdeploy.kernels._fused_linear_triton", "_fused_linear_kernel", {
         **{name: "*fp16" for name in ("X", "W", "B", "R", "OUT", "LN_G", "LN_B", "OUT2")}, "MASK": "*i1",
         **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")},
@@ -107,7 +108,7 @@ def parse_constexprs(pairs: list[str], defaults: dict) -> dict:
         values[name] = int(value)
     return {k: bool(v) if k in ("CAUSAL", "HAS_MASK", "ACCURATE", "DEBUG", "ONE_PASS", "FAST_DIV", "LN_RELOAD",
                                 "A_GELU", "LN_ZERO_INVALID", "GELU_PROLOGUE", "LAST", "FUSE_ATTENTION", "PDL",
-                                "ROW_CHAIN", "TRACE", "RAW_MAX") else v
+                                "ROW_CHAIN", "TRACE", "RAW_MAX", "INTERIOR") else v
             for k, v in values.items()}
 
 
@@ -154,6 +155,41 @@ def loop_counts(ptx: str) -> list[tuple[int, int]]:
     return loops
 
 
+#: SASS opcodes by the pipe that issues them on sm_90 (ncu's sm__inst_executed_pipe_*): the integer/compare/select
+#: pipe (alu), the FP32/IMAD pipes (fma, two halves), the transcendental unit (xu), the tensor cores; the rest (loads,
+#: branches, uniform datapath) is "other". ALU issues at half the FMA pipes' combined rate.
+SASS_PIPES = {
+    "alu": ("ISETP", "FSETP", "FSEL", "SEL", "LOP3", "PRMT", "SHF", "IADD3", "FMNMX", "IMNMX", "F2FP", "PLOP3", "LEA",
+            "FCHK", "VIADD"),
+    "fma": ("FFMA", "FADD", "FMUL", "IMAD", "HADD2", "HFMA2", "HMUL2", "IMUL", "MOV"),
+    "xu": ("MUFU", "F2F", "I2F", "F2I"),
+    "tensor": ("HGMMA", "HMMA"),
+}
+
+
+def sass_loops(cubin: Path, cuobjdump: Path) -> list[dict]:
+    """Per loop body of the compiled SASS (a backward branch's span), in address order: its instructions by issue
+    pipe (``SASS_PIPES``), what one iteration costs each pipe per thread."""
+    text = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    code = []
+    for line in text.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[^;]*;", line)
+        if m:
+            target = re.search(r"\bBRA\s+(?:!?U?P\w+,\s*)?(0x[0-9a-f]+)", line)
+            code.append((int(m.group(1), 16), m.group(2), int(target.group(1), 16) if target else None))
+    loops = []
+    for address, _, target in code:
+        if target is not None and target < address:
+            counts = dict.fromkeys([*SASS_PIPES, "other"], 0)
+            for a, op, _ in code:
+                if target <= a <= address:
+                    pipe = next((p for p, ops in SASS_PIPES.items() if op in ops), "other")
+                    counts[pipe] += 1
+            counts["all"] = sum(counts.values())
+            loops.append(counts)
+    return loops
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernel", choices=sorted(KERNELS))
@@ -164,6 +200,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fp-fusion", action="store_true", help="Triton's default fp contraction (the kernels: off)")
     ap.add_argument("--ptx", type=Path, help="also write the PTX here")
     ap.add_argument("--loops", action="store_true", help="also print each loop body's instructions and conversions")
+    ap.add_argument("--sass", action="store_true",
+                    help="also print each SASS loop body's instructions by issue pipe (ptxas and cuobjdump bundled with "
+                         "Triton)")
     ap.add_argument("--no-specialize", dest="specialize", action="store_false",
                     help="compile without the JIT's specialization of the arguments (DIVISIBLE, ONES)")
     ap.add_argument("--pdl", action="store_true",
@@ -186,6 +225,7 @@ def main(argv=None) -> int:
         source.write_text(ptx)
         run = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(source), "-o", str(Path(tmp, "k.cubin"))],
                              capture_output=True, text=True)
+        loops_sass = sass_loops(Path(tmp, "k.cubin"), ptxas.with_name("cuobjdump")) if args.sass else []
     registers = re.search(r"Used (\d+) registers", run.stderr)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
     counts = " ".join(f"{label} {len(re.findall(pattern, ptx))}" for label, pattern in COUNTED.items())
@@ -196,6 +236,9 @@ def main(argv=None) -> int:
     if args.loops:
         print("loops (instructions/conversions per iteration): "
               + (", ".join(f"{n}/{c}" for n, c in loop_counts(ptx)) or "none"))
+    if args.sass:
+        print("SASS loops (per iteration, by pipe): " + ("; ".join(
+            " ".join(f"{k} {v}" for k, v in loop.items()) for loop in loops_sass) or "none"))
     if args.pdl and args.kernel in PDL_KERNELS:
         from kkdeploy.kernels.dependent_launch import ptx_difference
 

@@ -113,28 +113,42 @@ def _scaled(s, scale):
 
 @triton.jit
 def _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d, S, scale,
-                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, RAW: tl.constexpr = False):
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, RAW: tl.constexpr = False,
+                 EDGE: tl.constexpr = True):
     """fp32 scores of one key chunk, holding fp16 values (or -inf), rounded where the reference rounds. ``RAW``: the
     fp32 dot products before the roundings and the scale (the masked ones -inf): ``_scaled`` of their max is the
-    max of the scores (``_attention_tile``'s RAW_MAX)."""
-    kmask = (offs_n[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+    max of the scores (``_attention_tile``'s RAW_MAX). ``EDGE=False``: an interior chunk, every key below S and, where
+    causal, at or before every row of the block: only the padding mask can hide a score, so the bound and causal
+    compares and their selects are left out (the same scores)."""
+    if EDGE:
+        kmask = (offs_n[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+    else:
+        kmask = offs_d[None, :] < HEAD_DIM
     k = tl.load(K + k_row0 + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0.0)
     s = tl.dot(q, tl.trans(k))  # fp32 accumulation
     if not RAW:
         s = _scaled(s, scale)
-    valid = offs_n[None, :] < S
-    if CAUSAL:
-        valid = valid & (offs_n[None, :] <= offs_m[:, None])
-    if HAS_MASK:
-        km = tl.load(MASK + m_row0 + offs_n * stride_ms, mask=offs_n < S, other=0)
-        valid = valid & (km[None, :] != 0)
-    return tl.where(valid, s, float("-inf"))
+    if EDGE:
+        valid = offs_n[None, :] < S
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        if HAS_MASK:
+            km = tl.load(MASK + m_row0 + offs_n * stride_ms, mask=offs_n < S, other=0)
+            valid = valid & (km[None, :] != 0)
+        s = tl.where(valid, s, float("-inf"))
+    elif HAS_MASK:
+        km = tl.load(MASK + m_row0 + offs_n * stride_ms)
+        s = tl.where(km[None, :] != 0, s, float("-inf"))
+    return s
 
 
 @triton.jit
-def _pv_step(p, acc, V, v_row0, stride_vs, offs_n, offs_d, S, HEAD_DIM: tl.constexpr):
-    """acc += p . V[offs_n] (fp32 accumulation, tensor cores), the keys in order."""
-    vmask = (offs_n[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+def _pv_step(p, acc, V, v_row0, stride_vs, offs_n, offs_d, S, HEAD_DIM: tl.constexpr, EDGE: tl.constexpr = True):
+    """acc += p . V[offs_n] (fp32 accumulation, tensor cores), the keys in order (``EDGE=False``: all below S)."""
+    if EDGE:
+        vmask = (offs_n[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+    else:
+        vmask = offs_d[None, :] < HEAD_DIM
     v = tl.load(V + v_row0 + offs_n[:, None] * stride_vs + offs_d[None, :], mask=vmask, other=0.0)
     return tl.dot(p, v, acc)
 
@@ -150,7 +164,7 @@ def _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_n, s, p):
 
 @triton.jit
 def _pv_chunk(e, row_sum, acc, s, V, v_row0, stride_vs, offs_m, offs_n, offs_d, S, HEAD_DIM: tl.constexpr,
-              SCORES, PROBS, b, H, h, DEBUG: tl.constexpr, FAST_DIV: tl.constexpr = False):
+              SCORES, PROBS, b, H, h, DEBUG: tl.constexpr, FAST_DIV: tl.constexpr = False, EDGE: tl.constexpr = True):
     """One chunk's probabilities (IEEE division, fp16) into the P.V chain; returns acc.
 
     ``FAST_DIV``: e / sum correctly rounded without a division per element (Markstein): y = RN(1/sum) once per
@@ -166,7 +180,7 @@ def _pv_chunk(e, row_sum, acc, s, V, v_row0, stride_vs, offs_m, offs_n, offs_d, 
         p = tl.fma(r, y[:, None], q).to(tl.float16)
     else:
         p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
-    acc = _pv_step(p, acc, V, v_row0, stride_vs, offs_n, offs_d, S, HEAD_DIM)
+    acc = _pv_step(p, acc, V, v_row0, stride_vs, offs_n, offs_d, S, HEAD_DIM, EDGE)
     if DEBUG:
         _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_n, s, p)
     return acc
@@ -184,6 +198,7 @@ def _faithful_attention_kernel(
     ONE_PASS: tl.constexpr = False, NCACHED: tl.constexpr = 0, FAST_DIV: tl.constexpr = False,
     RAW_MAX: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    INTERIOR: tl.constexpr = False,
 ):
     if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
         tl.extra.cuda.gdc_wait()
@@ -195,7 +210,7 @@ def _faithful_attention_kernel(
     acc = _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, pid_m * BLOCK_M,
                           stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_mb, stride_ms,
                           S, H, scale, HEAD_DIM, DH_PAD, BLOCK_M, LANES, SUB, CAUSAL, HAS_MASK, ACCURATE, DEBUG,
-                          ONE_PASS, NCACHED, FAST_DIV, RAW_MAX)
+                          ONE_PASS, NCACHED, FAST_DIV, RAW_MAX, INTERIOR)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DH_PAD)
     o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + h * HEAD_DIM + offs_d[None, :]
@@ -210,7 +225,7 @@ def _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, m0,
                     LANES: tl.constexpr, SUB: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
                     ONE_PASS: tl.constexpr, NCACHED: tl.constexpr, FAST_DIV: tl.constexpr,
-                    RAW_MAX: tl.constexpr = False):
+                    RAW_MAX: tl.constexpr = False, INTERIOR: tl.constexpr = False):
     """Head ``h`` of sequence ``b`` (int64) for the query rows m0 .. m0 + BLOCK_M - 1: the float32 context
     [BLOCK_M, DH_PAD] before its rounding to float16. The kernel above is one tile per program; ``_layer_triton``
     runs every head of a row block inside a whole layer."""
@@ -298,32 +313,85 @@ def _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, m0,
                 acc = _pv_chunk(e3, row_sum, acc, s3, V, v_row0, stride_vs, offs_m, 3 * CHUNK + offs_c, offs_d, S,
                                 HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG, FAST_DIV)
     else:  # three passes over chunks of the row
+        # INTERIOR: each pass walks the interior chunks (every key below S and, where causal, at or before the
+        # block's first row) without the bound and causal masks, then the edge chunks with them: the same chunks in
+        # the same order, the same scores, fewer compares and selects per score (the integer and select pipe bounds
+        # shape 13's attention: ncu, docs/faithful-attention.md)
+        n_int = 0
+        if INTERIOR:
+            if CAUSAL:
+                n_int = (tl.minimum(S, m0 + 1) // CHUNK) * CHUNK
+            else:
+                n_int = (S // CHUNK) * CHUNK
         # pass 1: the row max (order-free)
         run_max = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
-        for n0 in range(0, n_end, CHUNK):
-            s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
-                             S, scale, HEAD_DIM, CAUSAL, HAS_MASK, RAW_MAX)
-            run_max = tl.maximum(run_max, s)
+        if INTERIOR:
+            run_max = _max_pass(run_max, q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_c, offs_d,
+                                S, scale, 0, n_int, HEAD_DIM, CHUNK, CAUSAL, HAS_MASK, RAW_MAX, False)
+        run_max = _max_pass(run_max, q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_c, offs_d,
+                            S, scale, n_int, n_end, HEAD_DIM, CHUNK, CAUSAL, HAS_MASK, RAW_MAX, True)
         row_max = tl.max(run_max, axis=1)
         if RAW_MAX:  # max(f(x)) = f(max(x)) for the monotone f: the roundings and the scale once per row
             row_max = _scaled(row_max, scale)
 
         # pass 2: per-lane sequential sums of expf(s - max), in ATen's element order
         lane = tl.zeros((BLOCK_M, LANES), tl.float32)
-        for n0 in range(0, n_end, CHUNK):
-            s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
-                             S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
-            lane = _lane_add(lane, _exp(s - row_max[:, None], ACCURATE), BLOCK_M, LANES, SUB)
+        if INTERIOR:
+            lane = _sum_pass(lane, row_max, q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_c, offs_d,
+                             S, scale, 0, n_int, HEAD_DIM, BLOCK_M, LANES, SUB, CAUSAL, HAS_MASK, ACCURATE, False)
+        lane = _sum_pass(lane, row_max, q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_c, offs_d,
+                         S, scale, n_int, n_end, HEAD_DIM, BLOCK_M, LANES, SUB, CAUSAL, HAS_MASK, ACCURATE, True)
         row_sum = _row_sum(lane, BLOCK_M, LANES)
 
         # pass 3: probabilities (IEEE division, fp16) and P.V in key order
         acc = tl.zeros((BLOCK_M, DH_PAD), tl.float32)
-        for n0 in range(0, n_end, CHUNK):
-            offs_n = n0 + offs_c
-            s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d,
-                             S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
-            acc = _pv_chunk(_exp(s - row_max[:, None], ACCURATE), row_sum, acc, s, V, v_row0, stride_vs, offs_m,
-                            offs_n, offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG, FAST_DIV)
+        if INTERIOR:
+            acc = _pv_pass(acc, row_max, row_sum, q, K, V, k_row0, v_row0, stride_ks, stride_vs, MASK, m_row0,
+                           stride_ms, offs_m, offs_c, offs_d, S, scale, 0, n_int, SCORES, PROBS, b, H, h, HEAD_DIM,
+                           CHUNK, CAUSAL, HAS_MASK, ACCURATE, DEBUG, FAST_DIV, False)
+        acc = _pv_pass(acc, row_max, row_sum, q, K, V, k_row0, v_row0, stride_ks, stride_vs, MASK, m_row0,
+                       stride_ms, offs_m, offs_c, offs_d, S, scale, n_int, n_end, SCORES, PROBS, b, H, h, HEAD_DIM,
+                       CHUNK, CAUSAL, HAS_MASK, ACCURATE, DEBUG, FAST_DIV, True)
+    return acc
+
+
+@triton.jit
+def _max_pass(run_max, q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_c, offs_d, S, scale, lo, hi,
+              HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+              RAW_MAX: tl.constexpr, EDGE: tl.constexpr):
+    """The three-pass kernel's first pass over the key chunks lo .. hi: the running max per (row, column)."""
+    for n0 in range(lo, hi, CHUNK):
+        s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
+                         S, scale, HEAD_DIM, CAUSAL, HAS_MASK, RAW_MAX, EDGE)
+        run_max = tl.maximum(run_max, s)
+    return run_max
+
+
+@triton.jit
+def _sum_pass(lane, row_max, q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_c, offs_d, S, scale,
+              lo, hi, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, LANES: tl.constexpr, SUB: tl.constexpr,
+              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, EDGE: tl.constexpr):
+    """The second pass over the key chunks lo .. hi: each lane's sequential sum of expf(s - max)."""
+    CHUNK: tl.constexpr = LANES * SUB
+    for n0 in range(lo, hi, CHUNK):
+        s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
+                         S, scale, HEAD_DIM, CAUSAL, HAS_MASK, False, EDGE)
+        lane = _lane_add(lane, _exp(s - row_max[:, None], ACCURATE), BLOCK_M, LANES, SUB)
+    return lane
+
+
+@triton.jit
+def _pv_pass(acc, row_max, row_sum, q, K, V, k_row0, v_row0, stride_ks, stride_vs, MASK, m_row0, stride_ms, offs_m,
+             offs_c, offs_d, S, scale, lo, hi, SCORES, PROBS, b, H, h, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
+             FAST_DIV: tl.constexpr, EDGE: tl.constexpr):
+    """The third pass over the key chunks lo .. hi: the probabilities and P.V in key order."""
+    for n0 in range(lo, hi, CHUNK):
+        offs_n = n0 + offs_c
+        s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d,
+                         S, scale, HEAD_DIM, CAUSAL, HAS_MASK, False, EDGE)
+        acc = _pv_chunk(_exp(s - row_max[:, None], ACCURATE), row_sum, acc, s, V, v_row0, stride_vs, offs_m,
+                        offs_n, offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG, FAST_DIV, EDGE)
     return acc
 
 
@@ -335,7 +403,7 @@ def kernel_lanes(seq_len: int) -> int:
 
 def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=None, sub=None,
                      num_warps=None, num_stages=None, debug=False, validate=True, one_pass=False, cached=False,
-                     fast_div=False, out=None, libdevice=None, raw_max=False):
+                     fast_div=False, out=None, libdevice=None, raw_max=False, interior=False):
     """Launch the kernel; returns the context [B, S, D] fp16 (and, with ``debug``, the fp16 scores and
     probabilities [B, H, S, S] as the reference computes them; causal-skipped entries are filled with
     the reference's values -inf and 0). ``validate=False``: the caller already checked the inputs.
@@ -346,6 +414,8 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
     ``fast_div``: the probabilities' division as one reciprocal per row and two fmas per element (``_pv_chunk``).
     ``raw_max`` (three passes only): the first pass takes the max of the raw dot products and rounds and scales it
     once per row, instead of every score: the same max, since the rounding and the scale are monotone;
+    ``interior`` (three passes only): each pass walks the chunks that need no bound or causal mask first, without
+    those masks, then the edge chunks: the same chunks in the same order, the same scores;
     ``out``: a [B, S, D] float16 tensor (unit last stride) to write the context into instead of a new one;
     ``libdevice``: the libdevice.10.bc this launch links instead of Triton's bundled copy."""
     if validate:
@@ -405,6 +475,7 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_M=block_m, LANES=lanes, SUB=sub,
         CAUSAL=bool(causal), HAS_MASK=has_mask, ACCURATE=not INTERPRET, DEBUG=bool(debug), ONE_PASS=bool(one_pass),
         NCACHED=ncached, FAST_DIV=bool(fast_div), RAW_MAX=bool(raw_max) and not (one_pass or cached),
+        INTERIOR=bool(interior) and not (one_pass or cached),
         **launch,
     )
     if debug:
