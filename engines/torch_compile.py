@@ -264,7 +264,7 @@ class CompiledModuleRunner(Runner):
         return y if torch.is_inference_mode_enabled() else y.clone()
 
     def static_call(self):
-        return None if self.all_valid_only or self.captured is None else self.captured.static_call()
+        return None if self.captured is None else self.captured.static_call()  # None for an all-valid-only capture
 
     def release(self) -> None:
         if self.captured is not None:

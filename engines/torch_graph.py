@@ -59,7 +59,7 @@ class CudaGraphRunner(Runner):
         return self.captured(x, mask)
 
     def static_call(self):
-        return None if self.all_valid_only else self.captured.static_call()
+        return self.captured.static_call()  # None for an all-valid-only capture
 
     def release(self) -> None:
         self.captured.close()  # the graph first: it reads the model's memory

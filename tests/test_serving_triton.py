@@ -275,7 +275,7 @@ def test_one_hop_writes_straight_into_a_captured_graph_s_buffers(monkeypatch):
     model.runner = BucketedRunner(engines)
     model.row_shape, model.dtype, model.device, model.cuda = [3, 2], torch.float32, torch.device("cpu"), False
     model.inference_mode, model.buffers, model.static_all_true = torch.inference_mode, {}, {}
-    model.static, model.gpu_outputs = {b: triton_model.static_call_of(r) for b, r in engines.items()}, False
+    model.static, model.gpu_outputs = {b: r.static_call() for b, r in engines.items()}, False
     model.all_valid = {b: torch.ones([b, 3], dtype=torch.bool) for b in (1, 4)}
     full = [torch.full((2, 3, 2), 5.0), torch.full((2, 3, 2), 7.0)]
     ys, size, n, _, _ = model.run(full, [None, None])
@@ -308,7 +308,10 @@ def test_one_hop_writes_straight_into_a_captured_graph_s_buffers(monkeypatch):
     model.gpu_outputs = True  # answers left on the GPU are read after the run: a copy, not the graph's buffer
     ys, _, _, _, _ = model.run(full, [None, None])
     assert ys[0].data_ptr() != four.y.data_ptr() and torch.equal(torch.cat(ys), 2 * torch.cat(full))
-    assert triton_model.static_call_of(object()) is None  # a runner without one
+    from engines.base import Runner
+
+    plain = Runner.__new__(Runner)  # a bucket runner without a capture: the base class's static_call, None
+    assert set(triton_model.static_calls({1: plain, 4: engines[4]}, cuda=True)) == {4}
 
 
 def _parse_text(text: str):

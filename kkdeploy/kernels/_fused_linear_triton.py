@@ -364,24 +364,17 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
         if layer_norm is not None:
             raise ValueError("the TMA tile has no LayerNorm epilogue")
         xd, wd = tma_descriptors(x2, weight, config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"])
+        kernel, tiling = _fused_linear_tma_kernel, {}
         if persistent:  # one program per multiprocessor (two under the interpreter), never more than the tiles
-            programs = 2 if INTERPRET else multiprocessors(x.device)
-            programs = max(1, min(programs, grid[0] * grid[1]))
-            launch_kernel(_fused_linear_tma_persistent_kernel, (programs, ),
-                xd, wd, bias, r2, mask1, out2,
-                m, n, k,
-                r2.stride(0), out2.stride(0),
-                EPILOGUE=code, HAS_MASK=has_mask, ACCURATE=not INTERPRET, BLOCK_M=config["BLOCK_M"],
-                BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], NUM_PROGRAMS=programs,
-                A_GELU=bool(config.get("A_GELU")), **launch,
-            )
-            return out, normed
-        launch_kernel(_fused_linear_tma_kernel, grid,
+            programs = max(1, min(2 if INTERPRET else multiprocessors(x.device), grid[0] * grid[1]))
+            kernel, grid, tiling = _fused_linear_tma_persistent_kernel, (programs, ), dict(NUM_PROGRAMS=programs)
+        launch_kernel(kernel, grid,
             xd, wd, bias, r2, mask1, out2,
             m, n, k,
             r2.stride(0), out2.stride(0),
             EPILOGUE=code, HAS_MASK=has_mask, ACCURATE=not INTERPRET, BLOCK_M=config["BLOCK_M"],
-            BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], A_GELU=bool(config.get("A_GELU")), **launch,
+            BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], A_GELU=bool(config.get("A_GELU")), **tiling,
+            **launch,
         )
         return out, normed
     launch_kernel(_fused_linear_kernel, grid,

@@ -473,18 +473,12 @@ class _TritonMetrics:
                 metric.increment(value)
 
 
-def static_call_of(runner):
-    """A bucket runner's ``StaticCall`` (``engines.cuda_graph``), or None where it has none."""
-    static = getattr(runner, "static_call", None)
-    return static() if callable(static) else None
-
-
 def static_calls(buckets: dict, cuda: bool) -> dict:
     """bucket -> ``StaticCall`` of the buckets whose engine has one, where the GPU serves and ``STATIC_INPUTS_ENV``
     does not turn them off ("0"); else none."""
     if not cuda or os.environ.get(STATIC_INPUTS_ENV, "1") == "0":
         return {}
-    calls = {size: static_call_of(runner) for size, runner in buckets.items()}
+    calls = {size: runner.static_call() for size, runner in buckets.items()}  # ServedRunner.static_call
     return {size: call for size, call in calls.items() if call is not None}
 
 
@@ -655,8 +649,10 @@ class BucketEngine:
         ran = time.perf_counter_ns()
         if self.cuda and not self.gpu_outputs:  # the answers cross to the host in one copy per run
             y = self._to_host(size, y[:n])
-        elif static is not None and self.gpu_outputs:  # a GPU answer may be read after this returns (the Python backend's second round
-            y = y.clone()  # trip): not the graph's output buffer, which the next replay overwrites
+        elif static is not None and self.gpu_outputs:
+            # a GPU answer may be read after this returns (the Python backend's second round trip): a copy, not the
+            # graph's output buffer, which the next replay overwrites
+            y = y.clone()
         if len(xs) == 1 and n == y.shape[0]:
             return [y], size, n, gathered, ran
         return [y[a:b] for a, b in bounds], size, n, gathered, ran
