@@ -125,8 +125,62 @@ class TrialProgress:
         self.bar.describe(f"{self.text} [{self.done}/{self.total}]")
 
 
-def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[CandidateResult]:
-    """Build every requested candidate; failures and absences become recorded statuses."""
+class EagerTwinCheck:
+    """Decides, before anything is compiled, the candidates whose verdict their eager twin already gives.
+
+    A ``-sdpa<k>`` candidate of a backend that holds eager's rounding (a CUDA-graph replay, a faithful compile)
+    computes the bits of the eager model with SDPA in its last k blocks, and the build validates that model anyway:
+    it is the fallback ``pytorch-sdpa<k>``. When the twin fails the first all-valid trial, the candidate cannot pass,
+    so it is skipped rather than compiled. On shape 6 (H100) ``torch-compile-sdpa1`` took 5.3 s to compile, and then
+    it and ``torch-graph-sdpa1`` failed with the twin's count of elements. One all-valid trial is decided lazily,
+    the first time such a candidate comes up; where the twin passes, the candidate is built and validated as before.
+    """
+
+    HOLDS_EAGER_ROUNDING = ("torch-graph", "torch-compile", "inductor")
+
+    def __init__(self, request: BuildRequest, reference, twins: dict):
+        self.request, self.reference, self.twins = request, reference, twins
+        self.verdicts: dict[int, str | None] = {}
+
+    def refusal(self, name: str) -> str | None:
+        """Why ``name`` is not built (its twin failed), or None."""
+        from engines.recipe import parse
+
+        try:
+            recipe = parse(name)
+        except KKError:
+            return None
+        k = recipe.sdpa_layers
+        if (recipe.backend not in self.HOLDS_EAGER_ROUNDING or recipe.attention != "sdpa-last"
+                or recipe.precision != "model" or k not in self.twins):
+            return None
+        if k not in self.verdicts:
+            self.verdicts[k] = self._check(k)
+        return self.verdicts[k]
+
+    def _check(self, k: int) -> str | None:
+        from validation.trials import ALL_VALID
+        from validation.validator import validate_candidates
+
+        twin = f"{FALLBACK}-sdpa{k}"
+        r = self.request
+        with torch.inference_mode():
+            report = validate_candidates(self.reference, {twin: self.twins[k]}, r.config, r.dtype, r.device,
+                                         seed=r.seed, trials=1, padding_ratio=r.padding_ratio, contract=r.contract,
+                                         modes=(ALL_VALID,), stop_after_failure=True)
+        verdict = report.candidates[twin]
+        if verdict.status != FAILED:
+            return None
+        failed = verdict.failed_elements(ALL_VALID)
+        what = f"{failed} failed elements" if failed else "an error"
+        return (f"skipped: its eager twin {twin} failed ({what} on the first all-valid trial); "
+                "it computes the twin's bits")
+
+
+def build_candidates(request: BuildRequest, ctx: BuildContext, bar,
+                     twins: EagerTwinCheck | None = None) -> list[CandidateResult]:
+    """Build every requested candidate; failures and absences become recorded statuses. ``twins`` skips the
+    candidates whose eager twin has already failed (``EagerTwinCheck``)."""
     results: list[CandidateResult] = []
     for user_name in request.backends:
         key, only, exact = backend_choice(user_name)
@@ -149,6 +203,10 @@ def build_candidates(request: BuildRequest, ctx: BuildContext, bar) -> list[Cand
         ctx.candidate_filter = None if only is None else tuple(only)
         for name in exact if exact is not None else backend.candidates(ctx):
             if any(r.name == name for r in results):  # two choices naming one variant build it once
+                continue
+            refusal = twins.refusal(name) if twins is not None else None
+            if refusal is not None:
+                results.append(CandidateResult(name, key, SKIPPED, refusal))
                 continue
             try:
                 results.append(backend.build(ctx, name))
@@ -340,7 +398,7 @@ def build_into(request: BuildRequest, stage: Path, buckets: list | None = None) 
             bar.advance()
 
             ctx.built_runners = {}  # compiled runners the builders hand over: validated as they are, not reloaded
-            results = build_candidates(request, ctx, bar)
+            results = build_candidates(request, ctx, bar, EagerTwinCheck(request, reference, fallbacks))
             stages.mark("candidates")
             probe_fresh_processes(request, stage, results, bar)
             stages.mark("fresh processes")
