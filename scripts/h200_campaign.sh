@@ -23,9 +23,10 @@
 #   customprofile/   where the time goes on non-official shapes: the proof's records and a kernel profile per candidate
 #   pdl.tgz, pdl.md  the launch-bound shapes with and without programmatic dependent launches, one process each
 #   ncu.tgz          Nsight Compute per kernel (scripts/ncu_profile.py): ncu.csv, ncu.json, ncu.md per shape
+#   gather.json      scripts/serving_gather_study.py: where a batch-1 request's gather goes in the in-process backend
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
 # attention, prove, custom, customprofile, pdl, bench, profile, customops, ortstrict, ortjudge, shape14build, layers, buildtime,
-# scoresoftmax, inductoronly, ncu. A step's =SECONDS caps its wall time.
+# scoresoftmax, inductoronly, ncu, gather. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -348,6 +349,18 @@ step_ortstrict() {
     python3 scripts/build_table.py "$WORK"/strict-* --md "$OUT/ortstrict.md" --json "$OUT/ortstrict.json" > /dev/null
   done
   cat "$OUT/ortstrict.md"
+}
+step_gather() {
+  # Issue 30: a shape-3 build (GATHER_SHAPE) with --batch-buckets 1,2,4 and weights of our own (seed 700 + shape), as
+  # the serving runs ship it, then scripts/serving_gather_study.py on it: the in-process backend's execute on host
+  # buffers as Triton hands them over, its gather split into pieces, a lone request copied from pageable memory
+  # against staged through pinned memory (KKDEPLOY_STAGE_SINGLE), every route's answer checked bit for bit.
+  s=${GATHER_SHAPE:-3}
+  python3 scripts/make_weights.py --shape "$s" --seed $((700 + s)) --out "$WORK/wg$s.safetensors" > /dev/null
+  python3 -m kkdeploy build --shape "$s" --device "$DEVICE" --weights "$WORK/wg$s.safetensors" --force \
+    --backends "${GATHER_BACKENDS:-torch-compile-faithful-gemms}" --batch-buckets 1,2,4 --out "$WORK/gather-$s" \
+    | tail -4 || echo "gather build shape $s: exit $?"
+  python3 scripts/serving_gather_study.py --artifacts "$WORK/gather-$s" --device "$DEVICE" --json "$OUT/gather.json"
 }
 step_ortjudge() {
   # Issue 20 Part A: float32 builds under the judge contract (TF32 on, as judged) with every ORT candidate next
