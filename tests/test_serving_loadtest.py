@@ -111,6 +111,8 @@ def test_cpu_target_batch1_grpc_from_two_processes_every_answer_exact(shape3, in
     server = run["server"]
     assert server["requests"] == 120 and set(server["runs_by_bucket"]) <= {"1", "2"}  # batch-1 requests, gathered
     assert run["latency_ms"]["p50"] > 0 and run["req_per_s"] > 0
+    # an empty gRPC call's round trip, measured before the load: less than a request that carries a model's work
+    assert 0 < run["rpc_floor_ms"] < run["latency_ms"]["p50"]
     # The direct engine's answers (what every response equalled bit for bit) are strict-equal to the reference.
     p = loadtest.LoadPlan(**run["plan"])
     pool = loadtest.make_pool(p)
@@ -151,6 +153,7 @@ def test_http_and_grpc_open_loop_mixed_batches_through_system_shared_memory(shap
             assert (summary["answered"], summary["bitwise_equal"], summary["errors"]) == (30, 30, 0), \
                 (protocol, shm, summary["first_errors"])
             assert set(summary["latency_ms_by_batch"]) <= {"1", "2", "3"}
+            assert (summary["rpc_floor_ms"] is None) == (protocol == "http")
     assert not list(Path("/dev/shm").glob("kkdeploy_lt_*"))  # every client region destroyed
 
 

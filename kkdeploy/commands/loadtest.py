@@ -185,15 +185,16 @@ def print_results(results: list[dict], direct: dict | None) -> None:
         client = lat["mean"]
         breakdown.append([r["plan"]["protocol"], client, _ms(per_request),
                           _ms(None if per_request is None or client is None else client * 1000 - per_request),
+                          r.get("rpc_floor_ms"),
                           _ms(s.get("queue_duration_us_per_request")), _ms(s.get("compute_input_duration_us_per_request")),
                           _ms(s.get("compute_infer_duration_us_per_request")),
                           _ms(s.get("compute_output_duration_us_per_request")), _ms(s.get("gather_us_per_run")),
                           _ms(s.get("engine_us_per_run")), _ms(s.get("respond_us_per_run")),
                           s.get("avg_batch_sequences"), s.get("padding_rows_fraction")])
-    console.print(table("Where the time goes, ms: per request (client; Triton: server, queue, input, infer, output) "
-                        "and per engine run (kkdeploy: gather, engine, respond)",
-                        ["proto", "client", "server", "net", "queue", "input", "infer", "output", "gather", "engine",
-                         "respond", "seq/run", "pad"], breakdown))
+    console.print(table("Where the time goes, ms: per request (client; Triton: server, queue, input, infer, output; "
+                        "rpc floor: an empty gRPC call's p50) and per engine run (kkdeploy: gather, engine, respond)",
+                        ["proto", "client", "server", "net", "rpc floor", "queue", "input", "infer", "output", "gather",
+                         "engine", "respond", "seq/run", "pad"], breakdown))
     console.print(table("Load (every answer checked bit for bit against the direct engine)",
                         ["protocol", "loop", "procs", "answered", "errors", "bitwise", "req/s", "seq/s", "p50 ms",
                          "p90 ms", "p99 ms"], rows))

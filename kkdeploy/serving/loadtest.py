@@ -45,6 +45,7 @@ PROTOCOLS = ("grpc", "http")
 SHARED_MEMORY = ("none", "system", "cuda")
 CLIENTS = ("lean", "tritonclient")
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"  # Triton's gRPC inference method
+SERVER_LIVE = "/inference.GRPCInferenceService/ServerLive"  # its cheapest call: no model, no payload
 
 
 @dataclass
@@ -539,10 +540,36 @@ def reachable(plan: LoadPlan) -> None:
                           f"`kkdeploy serve` there, pass its ports, or add --serve") from None
 
 
+def rpc_floor_ms(plan: LoadPlan, calls: int = 300) -> float | None:
+    """The median round trip of Triton's empty gRPC call (``ServerLive``) from this process over one channel, as the
+    lean client sends bytes: what every gRPC request pays the client, grpcio and Triton's frontend before any model
+    work. The breakdown's "net" (client less server) minus this is what the payload itself costs in transit. None
+    over HTTP (its client is another library, so its floor would not be this one)."""
+    if plan.protocol != "grpc":
+        return None
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    payload = service_pb2.ServerLiveRequest().SerializeToString()
+    channel = grpc.insecure_channel(f"{plan.host}:{plan.grpc_port}")
+    try:
+        rpc = channel.unary_unary(SERVER_LIVE)
+        times = []
+        for i in range(20 + calls):  # 20 warm-up calls: the channel's connection is made by the first
+            began = time.perf_counter()
+            rpc(payload, timeout=plan.timeout_s)
+            if i >= 20:
+                times.append((time.perf_counter() - began) * 1000)
+        return _r(percentile(times, 50), 4)
+    finally:
+        channel.close()
+
+
 def run_load(plan: LoadPlan, answers: list[dict] | None, progress=None) -> dict:
     """Run ``plan`` against a running server; ``answers`` from ``expected_answers`` (None: not checked)."""
     plan.check()
     reachable(plan)
+    floor = rpc_floor_ms(plan)  # before the load, with the server idle
     metrics_url = f"http://{plan.host}:{plan.metrics_port}/metrics"
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -598,7 +625,9 @@ def run_load(plan: LoadPlan, answers: list[dict] | None, progress=None) -> dict:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
-    return summarize(plan, records, pool_answers, metrics_delta(before, after), ended - start_at.value, warm_bad)
+    summary = summarize(plan, records, pool_answers, metrics_delta(before, after), ended - start_at.value, warm_bad)
+    summary["rpc_floor_ms"] = floor
+    return summary
 
 
 def summarize(plan: LoadPlan, records: list, answers: list[dict] | None, delta: dict, wall_s: float,
