@@ -118,6 +118,17 @@ def main(argv=None) -> int:
         pieces["x: pageable -> pinned -> device"] = timed(
             lambda: dev_x.copy_(pin_x.copy_(src_x), non_blocking=True))
         pieces["empty stream sync"] = timed(lambda: None)
+        dev_y = torch.empty([1, *row_shape], dtype=dtype, device=engine.device)
+        pin_y = torch.empty([1, *row_shape], dtype=dtype, pin_memory=True)
+        pieces["answer: device -> pinned (respond)"] = timed(lambda: pin_y.copy_(dev_y, non_blocking=True))
+        with instance.on_stream:  # the instance's own stream, as execute runs: entering it costs too
+            pieces["x: pageable -> device, instance stream"] = timed(lambda: dev_x.copy_(src_x, non_blocking=True))
+
+        def enter_and_leave():
+            with instance.on_stream:
+                pass
+
+        pieces["enter and leave the instance's stream"] = timed(enter_and_leave)
 
     for _ in range(args.rounds):
         for name, (reqs, staged) in variants.items():
