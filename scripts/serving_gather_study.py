@@ -5,7 +5,8 @@ buffers as Triton hands them over (pageable memory, wrapped, never copied), time
 The in-process backend measured gather 179 us, engine 139 us and respond 86 us per batch-1 run on shape 3 (H100,
 docs/serving.md), where the inputs are 64 KB. This splits the gather: Python's own work (wrapping Triton's buffers),
 each host-to-device copy from pageable memory, and the same rows staged through the bucket's pinned buffers
-(``KKDEPLOY_STAGE_SINGLE``). Variants alternate round by round so that drift hits them alike; medians are printed.
+(``BucketEngine.stage_single``, off in serving: this study measured it slower). Variants alternate round by round
+so that drift hits them alike; medians are printed.
 
     python3 scripts/serving_gather_study.py --artifacts DIR [--rounds 20 --runs 100] [--json FILE]
     python3 scripts/serving_gather_study.py --artifacts DIR --device cpu   # the plumbing, on the CPU

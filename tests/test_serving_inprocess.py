@@ -258,12 +258,10 @@ def test_a_model_reloaded_in_process_answers_exactly_again(small, repository, tm
     assert server.log_text().count("in-process on cpu") == 4  # one engine per load, in the one process
 
 
-def test_the_gather_study_splits_a_request_s_time_on_the_cpu(small, tmp_path, monkeypatch):
+def test_the_gather_study_splits_a_request_s_time_on_the_cpu(small, tmp_path):
     """`scripts/serving_gather_study.py` (the GPU study of where a batch-1 request's gather goes) drives the
     in-process backend's Python half as Triton does and checks every route answers the same bits; here its
-    plumbing on the CPU. ``KKDEPLOY_STAGE_SINGLE`` is read once, by the engine."""
-    from kkdeploy.serving.triton_model import stage_single_wanted
-
+    plumbing on the CPU."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import serving_gather_study
 
@@ -275,7 +273,3 @@ def test_the_gather_study_splits_a_request_s_time_on_the_cpu(small, tmp_path, mo
     assert set(result["medians_us"]) == {"mask sent, pageable copy", "mask sent, pinned staging",
                                          "no mask, pageable copy", "no mask, pinned staging"}
     assert all(m["execute"] >= m["gather"] > 0 for m in result["medians_us"].values())
-    monkeypatch.delenv("KKDEPLOY_STAGE_SINGLE", raising=False)
-    assert stage_single_wanted() is False
-    monkeypatch.setenv("KKDEPLOY_STAGE_SINGLE", "1")
-    assert stage_single_wanted() is True

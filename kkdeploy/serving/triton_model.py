@@ -161,13 +161,6 @@ def canary_answers(run_bucket, sizes, seq_len: int, d_model: int, dtype, device)
     return answers
 
 
-def stage_single_wanted() -> bool:
-    """``KKDEPLOY_STAGE_SINGLE=1``: a lone request's host rows also cross to the GPU through the bucket's pinned
-    buffers (a host copy, then an asynchronous one) rather than straight from Triton's pageable memory. Off until a
-    GPU measurement says it is faster (``scripts/serving_gather_study.py``)."""
-    return os.environ.get("KKDEPLOY_STAGE_SINGLE", "0") == "1"
-
-
 def gather_host(xs: list, masks: list, x_out, mask_out):
     """``(x, mask)``: several requests' host rows written into the first rows of ``x_out`` and ``mask_out`` (a
     missing mask: every token valid) and returned as those rows, so that each crosses to the device in one copy.
@@ -541,7 +534,10 @@ class BucketEngine:
         self.buffers: dict[int, tuple] = {}
         self.host_outputs: dict[int, object] = {}  # bucket -> pinned host buffer for its answers (_to_host)
         self.host_inputs: dict[int, tuple] = {}  # bucket -> pinned host (x, mask) that gathers requests (_staging)
-        self.stage_single = stage_single_wanted()
+        # A lone request's rows staged through the pinned buffers too: slower on an H100 (gather 84.7 against 65.9 us
+        # with a mask, 67.0 against 43.0 without; scripts/serving_gather_study.py, docs/serving.md), so off; the study
+        # switches it to measure both routes.
+        self.stage_single = False
         # Made outside inference mode (so they have version counters) and never written.
         self.all_valid = {size: torch.ones([size, self.row_shape[0]], dtype=torch.bool, device=self.device)
                           for size in self.runner.sizes}
@@ -616,7 +612,7 @@ class BucketEngine:
             row += k
         # Host inputs of several requests bound for the GPU are gathered on the host first, so that each of x and
         # the mask crosses to the device in one copy per run, not one per request (``stage_single``: a lone
-        # request's too, through pinned memory, instead of a copy from Triton's pageable memory).
+        # request's too, through pinned memory, instead of a copy from Triton's pageable memory; off, measured).
         staged = self.cuda and (len(xs) > 1 or self.stage_single) and xs[0].device.type == "cpu"
         if len(xs) == 1 and not staged:
             (x if n == size else x[:n]).copy_(xs[0], non_blocking=True)
