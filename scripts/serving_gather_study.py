@@ -143,13 +143,15 @@ def main(argv=None) -> int:
 
     medians = {name: {k: round(statistics.median(v), 1) for k, v in s.items()} for name, s in stats.items()}
     result = {"artifacts": str(args.artifacts), "device": torch.cuda.get_device_name() if engine.cuda else "cpu",
+              "host_waits": inprocess.cuda_sync_mode() if engine.cuda else None,
               "torch": torch.__version__, "buckets": engine.described, "static": sorted(engine.static),
               "runs_per_variant": args.rounds * args.runs, "bitwise_same_answers": same,
               "medians_us": medians, "pieces_us": {k: round(v, 1) for k, v in pieces.items()}}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     print(f"{result['device']}, torch {torch.__version__}, buckets {engine.described}; "
-          f"{args.rounds * args.runs} executions per variant; every route's answer bitwise the same: {same}")
+          f"{args.rounds * args.runs} executions per variant; every route's answer bitwise the same: {same}; "
+          f"host waits for the GPU: {result['host_waits']}")
     for name, value in result["pieces_us"].items():
         print(f"  piece: {name:<34} {value:8.1f} us")
     print(f"{'variant':<32} {'gather':>8} {'engine':>8} {'respond':>8} {'execute':>8}  (us, medians)")

@@ -273,3 +273,23 @@ def test_the_gather_study_splits_a_request_s_time_on_the_cpu(small, tmp_path):
     assert set(result["medians_us"]) == {"mask sent, pageable copy", "mask sent, pinned staging",
                                          "no mask, pageable copy", "no mask, pinned staging"}
     assert all(m["execute"] >= m["gather"] > 0 for m in result["medians_us"].values())
+
+
+def test_the_host_wait_mode_of_the_shared_cuda_context_is_named():
+    """``cuda_sync_mode`` reads the scheduling bits of the current context's flags (the in-process instance logs it,
+    since tritonserver owns the context); a driver that is missing or refuses is said, never raised."""
+    import ctypes
+
+    class Driver:
+        def __init__(self, flags: int, result: int = 0):
+            self.flags, self.result = flags, result
+
+        def cuCtxGetFlags(self, out):  # noqa: N802 - the driver's own name
+            ctypes.cast(out, ctypes.POINTER(ctypes.c_uint)).contents.value = self.flags
+            return self.result
+
+    assert [inprocess.cuda_sync_mode(Driver(f)) for f in (0, 1, 2, 4)] == ["auto", "spin", "yield", "blocking-sync"]
+    assert inprocess.cuda_sync_mode(Driver(0x4 | 0x8)) == "blocking-sync"  # other bits (map host) ignored
+    assert inprocess.cuda_sync_mode(Driver(0, result=201)) == "unknown (cuCtxGetFlags returned CUresult 201)"
+    assert inprocess.cuda_sync_mode(object()).startswith("unknown (AttributeError")
+    assert inprocess.cuda_sync_mode().startswith(("unknown", "auto", "spin", "yield", "blocking-sync"))
