@@ -15,6 +15,7 @@ so that drift hits them alike; medians are printed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -48,14 +49,13 @@ def main(argv=None) -> int:
     import torch
 
     from kkdeploy import artifacts as kk_artifacts
+    from kkdeploy.config import TransformerConfig
     from kkdeploy.config import dtype_name as kk_dtype_name
     from kkdeploy.inputs import generate_case
     from kkdeploy.serving import inprocess
     from kkdeploy.serving.triton_model import BucketEngine
 
     manifest = json.loads((args.artifacts / kk_artifacts.MANIFEST).read_text())
-    from kkdeploy.config import TransformerConfig
-
     config = TransformerConfig(**manifest["config"])
     dtype = getattr(torch, manifest["dtype"])
     sizes = (manifest.get("batch_buckets") or {}).get("sizes") or [config.batch_size]
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     engine: BucketEngine = instance.engine
 
     # One request of one sequence, in pageable host memory as Triton holds it: (shape, [(pointer, bytes, type, id)]).
-    x, _ = generate_case(config.__class__(**{**manifest["config"], "batch_size": 1}), "cpu", dtype, 1234)
+    x, _ = generate_case(dataclasses.replace(config, batch_size=1), "cpu", dtype, 1234)
     host_x = np.ascontiguousarray(x.view(torch.uint8).numpy()) if dtype != torch.float32 else x.numpy().copy()
     host_mask = np.ones([1, config.seq_len], dtype=np.bool_)
     x_desc = ([1, *row_shape], [(host_x.ctypes.data, host_x.nbytes, inprocess.MEMORY_CPU, 0)])
