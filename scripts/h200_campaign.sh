@@ -353,8 +353,8 @@ step_ortstrict() {
 step_gather() {
   # Issue 30: a shape-3 build (GATHER_SHAPE) with --batch-buckets 1,2,4 and weights of our own (seed 700 + shape), as
   # the serving runs ship it, then scripts/serving_gather_study.py on it: the in-process backend's execute on host
-  # buffers as Triton hands them over, its gather split into pieces, a lone request copied from pageable memory
-  # against staged through pinned memory (BucketEngine.stage_single), every route's answer checked bit for bit.
+  # buffers as Triton hands them over, its gather split into pieces (among them x copied from pageable memory and
+  # through pinned memory), every route's answer checked bit for bit.
   s=${GATHER_SHAPE:-3}
   python3 scripts/make_weights.py --shape "$s" --seed $((700 + s)) --out "$WORK/wg$s.safetensors" > /dev/null
   python3 -m kkdeploy build --shape "$s" --device "$DEVICE" --weights "$WORK/wg$s.safetensors" --force \

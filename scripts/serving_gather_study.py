@@ -4,9 +4,10 @@ buffers as Triton hands them over (pageable memory, wrapped, never copied), time
 
 The in-process backend measured gather 179 us, engine 139 us and respond 86 us per batch-1 run on shape 3 (H100,
 docs/serving.md), where the inputs are 64 KB. This splits the gather: Python's own work (wrapping Triton's buffers),
-each host-to-device copy from pageable memory, and the same rows staged through the bucket's pinned buffers
-(``BucketEngine.stage_single``, off in serving: this study measured it slower). Variants alternate round by round
-so that drift hits them alike; medians are printed.
+each host-to-device copy from pageable memory, and the same rows through pinned memory. Session 28's run (at
+``522aca2``) also served a lone request staged through the bucket's pinned buffers: slower, so serving has no such
+route any more and the study keeps it as a piece. Variants alternate round by round so that drift hits them alike;
+medians are printed.
 
     python3 scripts/serving_gather_study.py --artifacts DIR [--rounds 20 --runs 100] [--json FILE]
     python3 scripts/serving_gather_study.py --artifacts DIR --device cpu   # the plumbing, on the CPU
@@ -79,14 +80,10 @@ def main(argv=None) -> int:
         assert all(len(o) == 4 for o in outcomes), outcomes
         return runs[0]
 
-    variants = {}
-    for mask_kind, reqs in requests.items():
-        for staged in (False, True):
-            variants[f"{mask_kind}, {'pinned staging' if staged else 'pageable copy'}"] = (reqs, staged)
+    variants = requests  # an all-True mask sent, or none: two routes into the graph, the same bits
     stats = {name: {"gather": [], "engine": [], "respond": [], "execute": []} for name in variants}
     answers = {}
-    for name, (reqs, staged) in variants.items():  # warm up, and the answer of each route for the bitwise check
-        engine.stage_single = staged
+    for name, reqs in variants.items():  # warm up, and the answer of each route for the bitwise check
         for _ in range(20):
             execute(reqs)
         answers[name] = bytes(instance.last[0].cpu().reshape(-1).view(torch.uint8).numpy())
@@ -132,8 +129,7 @@ def main(argv=None) -> int:
         pieces["enter and leave the instance's stream"] = timed(enter_and_leave)
 
     for _ in range(args.rounds):
-        for name, (reqs, staged) in variants.items():
-            engine.stage_single = staged
+        for name, reqs in variants.items():
             for _ in range(args.runs):
                 t = time.perf_counter_ns()
                 gather, eng, respond, _, _ = execute(reqs)

@@ -270,8 +270,7 @@ def test_the_gather_study_splits_a_request_s_time_on_the_cpu(small, tmp_path):
                                       "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["bitwise_same_answers"] is True and result["runs_per_variant"] == 3
-    assert set(result["medians_us"]) == {"mask sent, pageable copy", "mask sent, pinned staging",
-                                         "no mask, pageable copy", "no mask, pinned staging"}
+    assert set(result["medians_us"]) == {"mask sent", "no mask"}
     assert all(m["execute"] >= m["gather"] > 0 for m in result["medians_us"].values())
 
 

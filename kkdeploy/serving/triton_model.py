@@ -534,10 +534,6 @@ class BucketEngine:
         self.buffers: dict[int, tuple] = {}
         self.host_outputs: dict[int, object] = {}  # bucket -> pinned host buffer for its answers (_to_host)
         self.host_inputs: dict[int, tuple] = {}  # bucket -> pinned host (x, mask) that gathers requests (_staging)
-        # A lone request's rows staged through the pinned buffers too: slower on an H100 (gather 84.7 against 65.9 us
-        # with a mask, 67.0 against 43.0 without; scripts/serving_gather_study.py, docs/serving.md), so off; the study
-        # switches it to measure both routes.
-        self.stage_single = False
         # Made outside inference mode (so they have version counters) and never written.
         self.all_valid = {size: torch.ones([size, self.row_shape[0]], dtype=torch.bool, device=self.device)
                           for size in self.runner.sizes}
@@ -611,10 +607,10 @@ class BucketEngine:
             bounds.append((row, row + k))
             row += k
         # Host inputs of several requests bound for the GPU are gathered on the host first, so that each of x and
-        # the mask crosses to the device in one copy per run, not one per request (``stage_single``: a lone
-        # request's too, through pinned memory, instead of a copy from Triton's pageable memory; off, measured).
-        staged = self.cuda and (len(xs) > 1 or self.stage_single) and xs[0].device.type == "cpu"
-        if len(xs) == 1 and not staged:
+        # the mask crosses to the device in one copy per run, not one per request. A lone request is copied straight
+        # from Triton's memory: staging it too was slower on an H100 (gather 84.7 against 65.9 us; docs/serving.md).
+        staged = self.cuda and len(xs) > 1 and xs[0].device.type == "cpu"
+        if len(xs) == 1:
             (x if n == size else x[:n]).copy_(xs[0], non_blocking=True)
         elif staged:
             host_x, host_mask = gather_host(xs, masks, *self._staging(size))
