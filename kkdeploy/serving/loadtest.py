@@ -560,7 +560,7 @@ def rpc_floor_ms(plan: LoadPlan, calls: int = 300) -> float | None:
             rpc(payload, timeout=plan.timeout_s)
             if i >= 20:
                 times.append((time.perf_counter() - began) * 1000)
-        return _r(percentile(times, 50), 4)
+        return _r(percentile(times, 50))
     finally:
         channel.close()
 
