@@ -116,6 +116,9 @@ class Server:
         self.server.start()
         self.server.wait_ready(400)
         log(f"server {self.label} ready in {time.monotonic() - began:.0f} s")
+        self.instances = [ln.strip() for ln in self.server.log_text().splitlines() if "in-process on" in ln]
+        for line in self.instances:  # each in-process instance's line: its device, buckets, host-wait mode
+            log(f"  {line[:400]}")
         return self
 
     def __exit__(self, *exc):
@@ -136,6 +139,7 @@ def run_plan(server: Server, runner, name: str, **kw) -> dict:
     summary = loadtest.run_load(plan, answers)
     summary["name"] = name
     summary["topology"] = server.label
+    summary["instance_lines"] = server.instances
     lat = summary["latency_ms"]
     log(f"{name} [{server.label}]: {summary['answered']}/{summary['requests']} answered, "
         f"{summary['bitwise_equal']} bitwise, {summary['errors']} errors, {summary['req_per_s']} req/s, "
@@ -144,10 +148,17 @@ def run_plan(server: Server, runner, name: str, **kw) -> dict:
     return summary
 
 
+def waits(engine: str, args) -> list[str]:
+    """The host-wait modes to serve an engine with: ``--host-wait``'s for the in-process backend (which sets them on
+    tritonserver's CUDA context), the server's own for the Python backend (its stub has a context of its own)."""
+    return args.host_wait if engine == "inprocess" else ["leave"]
+
+
 def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
     import kkdeploy
     from kkdeploy.pipeline.runtime import bucketed
     from kkdeploy.serving import loadtest
+    from kkdeploy.serving.inprocess import HOST_WAIT_ENV
     from kkdeploy.serving.triton_model import STATIC_INPUTS_ENV
 
     runner = bucketed(kkdeploy.load(artifacts, device=args.device))
@@ -163,7 +174,8 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
     sat_conc = 8 if args.quick or row_bytes * min(big, 64) > (1 << 20) else 64
     if shape == "6":
         plans = [("batch-1 c=1", dict(processes=1, concurrency=1, requests=n(1000), mix=[[1, 1.0]], pool=16))]
-        layouts = [("one-hop", "cpu", 1, engine, static) for engine in args.engines for static in args.static]
+        layouts = [("one-hop", "cpu", 1, engine, static, wait) for engine in args.engines for static in args.static
+                   for wait in waits(engine, args)]
     else:
         full = min(big, 64)
         plans = [
@@ -184,23 +196,27 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
         # before it: GPU outputs, two hops
         # (topology, output device, instances, engine): each --engines one-hop engine (kkdeploy's in-process
         # backend, the Python backend), then the layouts before them
-        layouts = [("one-hop", "cpu", 1, engine, static) for engine in args.engines for static in args.static]
+        layouts = [("one-hop", "cpu", 1, engine, static, wait) for engine in args.engines for static in args.static
+                   for wait in waits(engine, args)]
         if shape == "3":
-            layouts += [("one-hop", "cpu", n, engine, static) for engine in args.engines for n in args.instances
-                        if n > 1 for static in args.static]
+            layouts += [("one-hop", "cpu", n, engine, static, wait) for engine in args.engines for n in args.instances
+                        if n > 1 for static in args.static for wait in waits(engine, args)]
             if args.before:
                 if args.device != "cpu":  # a CPU artifact's answers are in host memory either way
-                    layouts.append(("one-hop", "gpu", 1, "auto", args.static[0]))
-                layouts.append(("two-hop", "cpu", 1, "python", args.static[0]))
-    for layout, outputs, instances, engine, static in layouts:
+                    layouts.append(("one-hop", "gpu", 1, "auto", args.static[0], "leave"))
+                layouts.append(("two-hop", "cpu", 1, "python", args.static[0], "leave"))
+    for layout, outputs, instances, engine, static, wait in layouts:
         if time.monotonic() > deadline:
             result["runs"].append({"skipped": f"{layout}, {outputs} outputs, {instances} instances: out of budget"})
             continue
         server = None
-        before = os.environ.get(STATIC_INPUTS_ENV)
+        before = {k: os.environ.get(k) for k in (STATIC_INPUTS_ENV, HOST_WAIT_ENV)}
         os.environ[STATIC_INPUTS_ENV] = static  # the server inherits it as it starts (BucketEngine reads it)
+        os.environ[HOST_WAIT_ENV] = wait  # the in-process instances set it on the server's context
         try:
             server = Server(artifacts, layout, engine=engine, output_device=outputs, instances=instances)
+            if wait != "leave":
+                server.label += f", host waits {wait}"
             if static == "1":
                 server.label += ", static inputs"
             server.__enter__()
@@ -211,13 +227,14 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
                 server.__exit__(None, None, None)
             continue  # the other layouts still run
         finally:  # the models have loaded (or failed to): later steps start servers with the default again
-            if before is None:
-                os.environ.pop(STATIC_INPUTS_ENV, None)
-            else:
-                os.environ[STATIC_INPUTS_ENV] = before
+            for key, value in before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         try:
             for name, kw in plans:
-                plain = server.label.removesuffix(", static inputs")  # its mixed run checks the new path's answers
+                plain = re.sub(r", (static inputs|host waits \S+)", "", server.label)  # its mixed run checks the new path's answers
                 if plain not in ("one-hop", "one-hop, in-process") and ("mixed" in name or "shared" in name):
                     continue  # before/after compares the batch-1 and saturation runs
                 if instances > 1 and "saturation" not in name:
@@ -401,6 +418,9 @@ def main(argv=None) -> int:
                    help="one-hop engines write requests straight into a captured graph's buffers as kkdeploy serve "
                         "does by default (on), or copy them into the engine (off), or each one-hop layout twice, on "
                         "then off, for a before/after in one session (both)")
+    p.add_argument("--host-wait", default="leave",
+                   help="host-wait modes of the in-process backend's CUDA context, each served in turn: leave (the "
+                        "server's), auto, spin, yield, blocking-sync (default leave; e.g. leave,spin)")
     p.add_argument("--client", default="lean", choices=["lean", "tritonclient"],
                    help="the load test's gRPC client (default lean: requests serialized once per payload)")
     p.add_argument("--no-before", dest="before", action="store_false",
@@ -413,6 +433,14 @@ def main(argv=None) -> int:
     args.instances = [int(n) for n in args.instances.split(",") if n.strip()]
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.static = {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.static_inputs]
+    args.host_wait = [w.strip() for w in args.host_wait.split(",") if w.strip()]
+    from kkdeploy.serving.inprocess import host_wait_wanted
+
+    for wait in args.host_wait:
+        try:
+            host_wait_wanted(wait)
+        except ValueError as exc:
+            p.error(str(exc).replace("KKDEPLOY_HOST_WAIT=", "--host-wait "))
     started = time.monotonic()
     deadline = started + args.budget
     out = Path(args.out)

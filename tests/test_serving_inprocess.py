@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -292,3 +293,39 @@ def test_the_host_wait_mode_of_the_shared_cuda_context_is_named():
     assert inprocess.cuda_sync_mode(Driver(0, result=201)) == "unknown (cuCtxGetFlags returned CUresult 201)"
     assert inprocess.cuda_sync_mode(object()).startswith("unknown (AttributeError")
     assert inprocess.cuda_sync_mode().startswith(("unknown", "auto", "spin", "yield", "blocking-sync"))
+
+
+def test_the_host_wait_mode_can_be_set_and_a_wrong_one_is_refused_before_anything_loads(monkeypatch):
+    """``set_cuda_sync_mode`` writes the scheduling bits with ``cuCtxSetFlags``, keeping the context's other flags,
+    and answers the mode read back; a driver that refuses leaves it unchanged and says so; a name that is no mode is
+    a one-line error that lists the modes (``Instance`` checks it before it builds the engine)."""
+    import ctypes
+
+    class Driver:
+        def __init__(self, flags: int, set_result: int = 0):
+            self.flags, self.set_result, self.written = flags, set_result, []
+
+        def cuCtxGetFlags(self, out):  # noqa: N802 - the driver's own name
+            ctypes.cast(out, ctypes.POINTER(ctypes.c_uint)).contents.value = self.flags
+            return 0
+
+        def cuCtxSetFlags(self, flags):  # noqa: N802
+            self.written.append(flags.value)
+            if self.set_result == 0:
+                self.flags = flags.value
+            return self.set_result
+
+    d = Driver(0x4 | 0x8)  # blocking sync, map host
+    assert inprocess.set_cuda_sync_mode("spin", d) == "spin"
+    assert d.written == [0x1 | 0x8]
+    assert inprocess.set_cuda_sync_mode("auto", d) == "auto" and d.flags == 0x8
+    refused = Driver(0x4, set_result=401)
+    assert inprocess.set_cuda_sync_mode("spin", refused) == "unchanged (CUresult 401); blocking-sync"
+    assert inprocess.set_cuda_sync_mode("spin", object()).startswith("unchanged (AttributeError")
+    with pytest.raises(ValueError, match="is not a host-wait mode; use leave, auto, spin, yield, blocking-sync"):
+        inprocess.set_cuda_sync_mode("busy", d)
+    monkeypatch.setenv(inprocess.HOST_WAIT_ENV, "fast")
+    with pytest.raises(ValueError, match="KKDEPLOY_HOST_WAIT='fast' is not a host-wait mode"):
+        inprocess.Instance(types.SimpleNamespace(config={}, name="m"), "m_0", "GPU", 0)
+    monkeypatch.delenv(inprocess.HOST_WAIT_ENV)
+    assert inprocess.host_wait_wanted() == "leave"

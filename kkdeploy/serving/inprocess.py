@@ -60,6 +60,42 @@ def cuda_sync_mode(lib=None) -> str:
     return SCHED_MODES.get(flags.value & 0x7, f"flags {flags.value:#x}")
 
 
+#: The host-wait mode an in-process instance sets on the server's CUDA context (``cuCtxSetFlags``): ``leave`` (the
+#: default: the context's flags as tritonserver made them), ``auto``, ``spin``, ``yield`` or ``blocking-sync``
+HOST_WAIT_ENV = "KKDEPLOY_HOST_WAIT"
+
+
+def host_wait_wanted(mode: str | None = None) -> str:
+    """``mode`` (default: ``$KKDEPLOY_HOST_WAIT``, else ``leave``), checked before an instance builds anything."""
+    mode = os.environ.get(HOST_WAIT_ENV, "leave") if mode is None else mode
+    if mode != "leave" and mode not in SCHED_MODES.values():
+        raise ValueError(f"{HOST_WAIT_ENV}={mode!r} is not a host-wait mode; use leave, "
+                         f"{', '.join(SCHED_MODES.values())}")
+    return mode
+
+
+def set_cuda_sync_mode(mode: str, lib=None) -> str:
+    """Make the current CUDA context's host waits ``mode`` (a name of ``SCHED_MODES``), keeping its other flags;
+    answers the mode now in force (``cuda_sync_mode``'s words).
+
+    Why: every stage of a batch-1 run ends in a host wait for the GPU, and inside tritonserver each stage took longer
+    than the same Python outside it (see ``cuda_sync_mode``). ``cuCtxSetFlags`` (CUDA 12.1 and later) changes the
+    scheduling bits of a context that is already in use, so the study can serve the same artifact both ways."""
+    bits = {name: value for value, name in SCHED_MODES.items()}
+    host_wait_wanted(mode)
+    try:
+        lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+        flags = ctypes.c_uint(0)
+        result = lib.cuCtxGetFlags(ctypes.byref(flags))
+        if result == 0:
+            result = lib.cuCtxSetFlags(ctypes.c_uint((flags.value & ~0x7) | bits[mode]))
+    except (OSError, AttributeError) as exc:
+        return f"unchanged ({type(exc).__name__}: {exc})"
+    if result != 0:
+        return f"unchanged (CUresult {result}); {cuda_sync_mode(lib)}"
+    return cuda_sync_mode(lib)
+
+
 class _CudaMemory:
     """A device buffer Triton owns, seen by torch through ``__cuda_array_interface__`` (no copy)."""
 
@@ -127,6 +163,7 @@ class Instance:
         import torch
 
         self.model, self.name = model, name
+        wanted = host_wait_wanted()
         config = model.config
         device = "cpu"
         if parameter(config, DEVICE_TYPE, "cpu") == "cuda":
@@ -143,7 +180,13 @@ class Instance:
         self.released = release_marker(parameter(config, RELEASE_DIR), model.name, os.getpid())
         self.last: dict = {}  # request index -> its answer, from the last execution: alive until the next one
         self.engine_thread = None
-        waits = f", host waits for the GPU: {cuda_sync_mode()}" if self.engine.cuda else ""
+        waits = ""
+        if self.engine.cuda:
+            found = cuda_sync_mode()
+            if wanted == "leave":
+                waits = f", host waits for the GPU: {found}"
+            else:  # the server's context, shared by every instance: the last instance made sets it again, the same
+                waits = f", host waits for the GPU: {found}, set to {set_cuda_sync_mode(wanted)} ({HOST_WAIT_ENV})"
         print(f"{model.name} ({name}): in-process on {device} (Python {sys.version.split()[0]}, {sys.executable}"
               f"{waits}), buckets {self.engine.described}; {self.engine.runner.reason}", file=sys.stderr, flush=True)
 
