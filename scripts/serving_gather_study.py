@@ -6,8 +6,10 @@ The in-process backend measured gather 179 us, engine 139 us and respond 86 us p
 docs/serving.md), where the inputs are 64 KB. This splits the gather: Python's own work (wrapping Triton's buffers),
 each host-to-device copy from pageable memory, and the same rows through pinned memory. Session 28's run (at
 ``522aca2``) also served a lone request staged through the bucket's pinned buffers: slower, so serving has no such
-route any more and the study keeps it as a piece. Variants alternate round by round so that drift hits them alike;
-medians are printed.
+route any more and the study keeps it as a piece. Each request is served twice: through the direct route
+(``inprocess.DirectRoute``: memmove into pinned staging, one asynchronous copy each way, one host wait; its engine
+stage includes the answer's copy) and through torch's copies (``BucketEngine.run``). Variants alternate round by
+round so that drift hits them alike; medians are printed.
 
     python3 scripts/serving_gather_study.py --artifacts DIR [--rounds 20 --runs 100] [--json FILE]
     python3 scripts/serving_gather_study.py --artifacts DIR --device cpu   # the plumbing, on the CPU
@@ -75,17 +77,22 @@ def main(argv=None) -> int:
     mask_desc = ([1, config.seq_len], [(host_mask.ctypes.data, host_mask.nbytes, inprocess.MEMORY_CPU, 0)])
     requests = {"mask sent": [(x_desc, mask_desc)], "no mask": [(x_desc, None)]}
 
-    def execute(reqs):
+    direct = instance.direct  # the direct route (memmove, one copy each way, one wait) where it serves
+
+    def execute(reqs, route):
+        instance.direct = direct if route == "direct" else None
         outcomes, runs = instance.execute(reqs)
         assert all(len(o) == 4 for o in outcomes), outcomes
         return runs[0]
 
-    variants = requests  # an all-True mask sent, or none: two routes into the graph, the same bits
+    # an all-True mask sent, or none; through the direct route and through torch's copies: the same bits
+    routes = ["direct", "torch copies"] if direct is not None else ["torch copies"]
+    variants = {f"{name}, {route}": (reqs, route) for route in routes for name, reqs in requests.items()}
     stats = {name: {"gather": [], "engine": [], "respond": [], "execute": []} for name in variants}
     answers = {}
-    for name, reqs in variants.items():  # warm up, and the answer of each route for the bitwise check
+    for name, (reqs, route) in variants.items():  # warm up, and the answer of each route for the bitwise check
         for _ in range(20):
-            execute(reqs)
+            execute(reqs, route)
         answers[name] = bytes(instance.last[0].cpu().reshape(-1).view(torch.uint8).numpy())
     same = len(set(answers.values())) == 1
 
@@ -119,20 +126,12 @@ def main(argv=None) -> int:
         dev_y = torch.empty([1, *row_shape], dtype=dtype, device=engine.device)
         pin_y = torch.empty([1, *row_shape], dtype=dtype, pin_memory=True)
         pieces["answer: device -> pinned (respond)"] = timed(lambda: pin_y.copy_(dev_y, non_blocking=True))
-        with instance.on_stream:  # the instance's own stream, as execute runs: entering it costs too
-            pieces["x: pageable -> device, instance stream"] = timed(lambda: dev_x.copy_(src_x, non_blocking=True))
-
-        def enter_and_leave():
-            with instance.on_stream:
-                pass
-
-        pieces["enter and leave the instance's stream"] = timed(enter_and_leave)
 
     for _ in range(args.rounds):
-        for name, reqs in variants.items():
+        for name, (reqs, route) in variants.items():
             for _ in range(args.runs):
                 t = time.perf_counter_ns()
-                gather, eng, respond, _, _ = execute(reqs)
+                gather, eng, respond, _, _ = execute(reqs, route)
                 total = time.perf_counter_ns() - t
                 for key, ns in (("gather", gather), ("engine", eng), ("respond", respond), ("execute", total)):
                     stats[name][key].append(ns / 1e3)
@@ -150,9 +149,9 @@ def main(argv=None) -> int:
           f"host waits for the GPU: {result['host_waits']}")
     for name, value in result["pieces_us"].items():
         print(f"  piece: {name:<34} {value:8.1f} us")
-    print(f"{'variant':<32} {'gather':>8} {'engine':>8} {'respond':>8} {'execute':>8}  (us, medians)")
+    print(f"{'variant':<24} {'gather':>8} {'engine':>8} {'respond':>8} {'execute':>8}  (us, medians)")
     for name, m in medians.items():
-        print(f"{name:<32} {m['gather']:8.1f} {m['engine']:8.1f} {m['respond']:8.1f} {m['execute']:8.1f}")
+        print(f"{name:<24} {m['gather']:8.1f} {m['engine']:8.1f} {m['respond']:8.1f} {m['execute']:8.1f}")
     instance.finalize()
     return 0 if same else 1
 

@@ -4,7 +4,7 @@ fault. Run by scripts/serving_h200.sh on the H200 (one device call); runs on the
 a dry run of the whole path.
 
     python3 scripts/serving_h200.py --out OUT [--device cuda] [--budget 480] [--only 3,faults,faults-gpu,6,13] [--quick]
-        [--instances 4,2] [--no-before] [--fault-instances 1] [--build-only]
+        [--instances 4,2] [--variants copies,direct,direct+spin] [--no-before] [--fault-instances 1] [--build-only]
 
 Steps, in order of importance, each skipped (and said so) when the remaining budget is too small:
   shape 3 (FP16 strict, weights of our own, buckets 1,2,4): direct engine; one hop: batch-1 gRPC c=1 (p50 against
@@ -148,17 +148,18 @@ def run_plan(server: Server, runner, name: str, **kw) -> dict:
     return summary
 
 
-def waits(engine: str, args) -> list[str]:
-    """The host-wait modes to serve an engine with: ``--host-wait``'s for the in-process backend (which sets them on
-    tritonserver's CUDA context), the server's own for the Python backend (its stub has a context of its own)."""
-    return args.host_wait if engine == "inprocess" else ["leave"]
+def waits(engine: str, args) -> list[tuple[str, str]]:
+    """``(direct route "1"/"0", host-wait mode)`` of each ``--variants`` entry for the in-process backend (which takes
+    the direct route and sets the host-wait mode on tritonserver's CUDA context); the Python backend's own."""
+    return args.variants if engine == "inprocess" else [("1", "leave")]
 
 
 def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
     import kkdeploy
     from kkdeploy.pipeline.runtime import bucketed
     from kkdeploy.serving import loadtest
-    from kkdeploy.serving.inprocess import HOST_WAIT_ENV
+    from kkdeploy.serving.cuda_driver import HOST_WAIT_ENV
+    from kkdeploy.serving.inprocess import DIRECT_ROUTE_ENV
     from kkdeploy.serving.triton_model import STATIC_INPUTS_ENV
 
     runner = bucketed(kkdeploy.load(artifacts, device=args.device))
@@ -203,18 +204,22 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
                         if n > 1 for static in args.static for wait in waits(engine, args)]
             if args.before:
                 if args.device != "cpu":  # a CPU artifact's answers are in host memory either way
-                    layouts.append(("one-hop", "gpu", 1, "auto", args.static[0], "leave"))
-                layouts.append(("two-hop", "cpu", 1, "python", args.static[0], "leave"))
+                    layouts.append(("one-hop", "gpu", 1, "auto", args.static[0], ("1", "leave")))
+                layouts.append(("two-hop", "cpu", 1, "python", args.static[0], ("1", "leave")))
     for layout, outputs, instances, engine, static, wait in layouts:
         if time.monotonic() > deadline:
             result["runs"].append({"skipped": f"{layout}, {outputs} outputs, {instances} instances: out of budget"})
             continue
         server = None
-        before = {k: os.environ.get(k) for k in (STATIC_INPUTS_ENV, HOST_WAIT_ENV)}
+        before = {k: os.environ.get(k) for k in (STATIC_INPUTS_ENV, HOST_WAIT_ENV, DIRECT_ROUTE_ENV)}
         os.environ[STATIC_INPUTS_ENV] = static  # the server inherits it as it starts (BucketEngine reads it)
-        os.environ[HOST_WAIT_ENV] = wait  # the in-process instances set it on the server's context
+        direct, wait = wait
+        os.environ[DIRECT_ROUTE_ENV] = direct  # the in-process instances read these two
+        os.environ[HOST_WAIT_ENV] = wait  # (set on the server's context)
         try:
             server = Server(artifacts, layout, engine=engine, output_device=outputs, instances=instances)
+            if engine == "inprocess" and direct == "0":
+                server.label += ", torch copies"
             if wait != "leave":
                 server.label += f", host waits {wait}"
             if static == "1":
@@ -234,7 +239,8 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
                     os.environ[key] = value
         try:
             for name, kw in plans:
-                plain = re.sub(r", (static inputs|host waits \S+)", "", server.label)  # its mixed run checks the new path's answers
+                # its mixed run checks the new path's answers
+                plain = re.sub(r", (static inputs|host waits \S+|torch copies)", "", server.label)
                 if plain not in ("one-hop", "one-hop, in-process") and ("mixed" in name or "shared" in name):
                     continue  # before/after compares the batch-1 and saturation runs
                 if instances > 1 and "saturation" not in name:
@@ -418,9 +424,11 @@ def main(argv=None) -> int:
                    help="one-hop engines write requests straight into a captured graph's buffers as kkdeploy serve "
                         "does by default (on), or copy them into the engine (off), or each one-hop layout twice, on "
                         "then off, for a before/after in one session (both)")
-    p.add_argument("--host-wait", default="leave",
-                   help="host-wait modes of the in-process backend's CUDA context, each served in turn: leave (the "
-                        "server's), auto, spin, yield, blocking-sync (default leave; e.g. leave,spin)")
+    p.add_argument("--variants", default="direct",
+                   help="the in-process backend's variants, each served in turn: its route, direct (the default) or "
+                        "copies (torch's), and optionally +MODE, the host-wait mode it sets on the server's CUDA "
+                        "context (auto, spin, yield, blocking-sync; default: the server's own). E.g. "
+                        "copies,direct,direct+spin")
     p.add_argument("--client", default="lean", choices=["lean", "tritonclient"],
                    help="the load test's gRPC client (default lean: requests serialized once per payload)")
     p.add_argument("--no-before", dest="before", action="store_false",
@@ -433,14 +441,18 @@ def main(argv=None) -> int:
     args.instances = [int(n) for n in args.instances.split(",") if n.strip()]
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.static = {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.static_inputs]
-    args.host_wait = [w.strip() for w in args.host_wait.split(",") if w.strip()]
-    from kkdeploy.serving.inprocess import host_wait_wanted
+    from kkdeploy.serving.cuda_driver import host_wait_wanted
 
-    for wait in args.host_wait:
+    asked, args.variants = args.variants, []
+    for variant in filter(None, (v.strip() for v in asked.split(","))):
+        route, _, wait = variant.partition("+")
+        if route not in ("direct", "copies"):
+            p.error(f"--variants {variant!r}: the route is direct or copies")
         try:
-            host_wait_wanted(wait)
+            host_wait_wanted(wait or "leave")
         except ValueError as exc:
-            p.error(str(exc).replace("KKDEPLOY_HOST_WAIT=", "--host-wait "))
+            p.error(f"--variants {variant!r}: " + str(exc).split(" is ", 1)[1])
+        args.variants.append(("1" if route == "direct" else "0", wait or "leave"))
     started = time.monotonic()
     deadline = started + args.budget
     out = Path(args.out)

@@ -4,11 +4,14 @@ two client processes, every answer bit for bit the direct engine's."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import torch
 import kkdeploy
 from kkdeploy.errors import KKError
 from kkdeploy.pipeline.runtime import bucketed
-from kkdeploy.serving import backend_build, inprocess, loadtest, triton_server
+from kkdeploy.serving import backend_build, cuda_driver, inprocess, loadtest, triton_server
 from kkdeploy.serving.triton_repo import write_repository
 from tests.conftest import build_serving_artifact
 
@@ -271,7 +274,7 @@ def test_the_gather_study_splits_a_request_s_time_on_the_cpu(small, tmp_path):
                                       "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["bitwise_same_answers"] is True and result["runs_per_variant"] == 3
-    assert set(result["medians_us"]) == {"mask sent", "no mask"}
+    assert set(result["medians_us"]) == {"mask sent, torch copies", "no mask, torch copies"}  # no direct route: CPU
     assert all(m["execute"] >= m["gather"] > 0 for m in result["medians_us"].values())
 
 
@@ -288,11 +291,11 @@ def test_the_host_wait_mode_of_the_shared_cuda_context_is_named():
             ctypes.cast(out, ctypes.POINTER(ctypes.c_uint)).contents.value = self.flags
             return self.result
 
-    assert [inprocess.cuda_sync_mode(Driver(f)) for f in (0, 1, 2, 4)] == ["auto", "spin", "yield", "blocking-sync"]
-    assert inprocess.cuda_sync_mode(Driver(0x4 | 0x8)) == "blocking-sync"  # other bits (map host) ignored
-    assert inprocess.cuda_sync_mode(Driver(0, result=201)) == "unknown (cuCtxGetFlags returned CUresult 201)"
-    assert inprocess.cuda_sync_mode(object()).startswith("unknown (AttributeError")
-    assert inprocess.cuda_sync_mode().startswith(("unknown", "auto", "spin", "yield", "blocking-sync"))
+    assert [cuda_driver.cuda_sync_mode(Driver(f)) for f in (0, 1, 2, 4)] == ["auto", "spin", "yield", "blocking-sync"]
+    assert cuda_driver.cuda_sync_mode(Driver(0x4 | 0x8)) == "blocking-sync"  # other bits (map host) ignored
+    assert cuda_driver.cuda_sync_mode(Driver(0, result=201)) == "unknown (cuCtxGetFlags returned CUresult 201)"
+    assert cuda_driver.cuda_sync_mode(object()).startswith("unknown (AttributeError")
+    assert cuda_driver.cuda_sync_mode().startswith(("unknown", "auto", "spin", "yield", "blocking-sync"))
 
 
 def test_the_host_wait_mode_can_be_set_and_a_wrong_one_is_refused_before_anything_loads(monkeypatch):
@@ -316,16 +319,153 @@ def test_the_host_wait_mode_can_be_set_and_a_wrong_one_is_refused_before_anythin
             return self.set_result
 
     d = Driver(0x4 | 0x8)  # blocking sync, map host
-    assert inprocess.set_cuda_sync_mode("spin", d) == "spin"
+    assert cuda_driver.set_cuda_sync_mode("spin", d) == "spin"
     assert d.written == [0x1 | 0x8]
-    assert inprocess.set_cuda_sync_mode("auto", d) == "auto" and d.flags == 0x8
+    assert cuda_driver.set_cuda_sync_mode("auto", d) == "auto" and d.flags == 0x8
     refused = Driver(0x4, set_result=401)
-    assert inprocess.set_cuda_sync_mode("spin", refused) == "unchanged (CUresult 401); blocking-sync"
-    assert inprocess.set_cuda_sync_mode("spin", object()).startswith("unchanged (AttributeError")
+    assert cuda_driver.set_cuda_sync_mode("spin", refused) == "unchanged (CUresult 401); blocking-sync"
+    assert cuda_driver.set_cuda_sync_mode("spin", object()).startswith("unchanged (AttributeError")
     with pytest.raises(ValueError, match="is not a host-wait mode; use leave, auto, spin, yield, blocking-sync"):
-        inprocess.set_cuda_sync_mode("busy", d)
-    monkeypatch.setenv(inprocess.HOST_WAIT_ENV, "fast")
+        cuda_driver.set_cuda_sync_mode("busy", d)
+    monkeypatch.setenv(cuda_driver.HOST_WAIT_ENV, "fast")
     with pytest.raises(ValueError, match="KKDEPLOY_HOST_WAIT='fast' is not a host-wait mode"):
         inprocess.Instance(types.SimpleNamespace(config={}, name="m"), "m_0", "GPU", 0)
-    monkeypatch.delenv(inprocess.HOST_WAIT_ENV)
-    assert inprocess.host_wait_wanted() == "leave"
+    monkeypatch.delenv(cuda_driver.HOST_WAIT_ENV)
+    assert cuda_driver.host_wait_wanted() == "leave"
+
+
+def _captured_engine(sizes=(1, 4)):
+    """A ``BucketEngine`` on the CPU whose buckets are stand-in captures (static buffers, a replay reading them:
+    ``y = 2 * x * mask``), as ``tests/test_serving_triton.py`` builds one."""
+    from engines.cuda_graph import StaticCall
+    from kkdeploy.pipeline.runtime import BucketedRunner
+    from kkdeploy.serving import triton_model
+
+    class Captured:
+        backend, reason = "captured", ""
+
+        def __init__(self, size):
+            self.x, self.mask = torch.zeros(size, 3, 2), torch.zeros(size, 3, dtype=torch.bool)
+            self.y, self.replays = torch.zeros(size, 3, 2), []
+
+        def _replay(self):
+            self.replays.append((self.x.clone(), self.mask.clone()))
+            self.y.copy_(self.x * 2 * self.mask[..., None])
+            return self.y
+
+        def static_call(self):
+            return StaticCall(self.x, self.mask, self._replay)
+
+    captures = {b: Captured(b) for b in sizes}
+    engine = triton_model.BucketEngine.__new__(triton_model.BucketEngine)
+    engine.runner = BucketedRunner(captures)
+    engine.row_shape, engine.dtype, engine.device, engine.cuda = [3, 2], torch.float32, torch.device("cpu"), False
+    engine.inference_mode, engine.buffers, engine.static_all_true = torch.inference_mode, {}, {}
+    engine.static, engine.gpu_outputs = {b: r.static_call() for b, r in captures.items()}, False
+    engine.all_valid = {b: torch.ones([b, 3], dtype=torch.bool) for b in sizes}
+    engine.host_inputs, engine.host_outputs, engine.max_batch = {}, {}, max(sizes)
+    return engine, captures
+
+
+class _HostDriver:
+    """``cuda_driver.Driver``'s calls on host memory (a CPU tensor's pointer stands for a device pointer)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def to_device(self, dst, src, nbytes, stream):
+        self.calls.append(("to_device", nbytes))
+        ctypes.memmove(dst, src, nbytes)
+
+    def to_host(self, dst, src, nbytes, stream):
+        self.calls.append(("to_host", nbytes))
+        ctypes.memmove(dst, src, nbytes)
+
+    def fill(self, dst, value, nbytes, stream):
+        if nbytes:  # as the driver: no call for nothing
+            self.calls.append(("fill", value, nbytes))
+            ctypes.memset(dst, value, nbytes)
+
+    def wait(self, stream):
+        self.calls.append(("wait",))
+
+
+def _request(x: np.ndarray, mask: np.ndarray | None, memory=inprocess.MEMORY_CPU):
+    """A request as the C++ half describes it: ``((shape, buffers), mask or None)``, pointers into ``x``/``mask``."""
+    described = (list(x.shape), [(x.ctypes.data, x.nbytes, memory, 0)])
+    if mask is None:
+        return (described, None)
+    return (described, (list(mask.shape), [(mask.ctypes.data, mask.nbytes, memory, 0)]))
+
+
+def test_the_direct_route_moves_the_same_bytes_as_torch_s_copies_and_waits_once():
+    """``DirectRoute``: each request's rows land in the bucket's capture (padding rows zero, fully masked), the
+    answer comes back into the bucket's host buffer in one copy, and the host waits once; the answers are those of
+    ``BucketEngine.run`` on the same requests. Requests it cannot take (GPU memory, pieces, a wrong size, more rows
+    than a run holds) are left to that route."""
+    engine, captures = _captured_engine()
+    driver = _HostDriver()
+    route = inprocess.DirectRoute(engine, driver)
+    a = np.arange(6, dtype=np.float32).reshape(1, 3, 2)
+    b = np.full((2, 3, 2), 7.0, dtype=np.float32)
+    mask_a = np.array([[True, True, False]])
+    outcomes, kept, runs = route.execute([_request(a, mask_a), _request(b, None)], time.perf_counter_ns())
+    x, mask = captures[4].replays[-1]
+    assert torch.equal(x[:1], torch.from_numpy(a)) and torch.equal(x[1:3], torch.from_numpy(b)) and not x[3].any()
+    assert torch.equal(mask, torch.tensor([[True, True, False], [True] * 3, [True] * 3, [False] * 3]))
+    host = engine.host_outputs[4]
+    assert [o[1:] for o in outcomes] == [(host.data_ptr(), 24, True), (host.data_ptr() + 24, 48, True)]
+    assert [o[0] for o in outcomes] == [(1, 3, 2), (2, 3, 2)]
+    expected, _, _, _, _ = _captured_engine()[0].run([torch.from_numpy(a), torch.from_numpy(b)],
+                                                     [torch.from_numpy(mask_a), None])
+    assert all(torch.equal(kept[i], expected[i]) for i in range(2))
+    assert driver.calls.count(("wait",)) == 1 and driver.calls[-1] == ("wait",)
+    assert runs[0][3:] == (4, 3) and all(t >= 0 for t in runs[0][:3])
+    # a full bucket of mask-less requests: the mask is written all True once, then left as it is
+    full = np.ones((4, 3, 2), dtype=np.float32)
+    driver.calls.clear()
+    route.execute([_request(full, None)], 0)
+    assert ("fill", 1, 12) in driver.calls and engine.static_all_true[4]
+    driver.calls.clear()
+    outcomes, kept, _ = route.execute([_request(full, None)], 0)
+    assert not [c for c in driver.calls if c[0] == "fill"] and torch.equal(kept[0], 2 * torch.ones(4, 3, 2))
+    route.execute([_request(a, None)], 0)  # bucket 1, all valid
+    assert torch.equal(captures[1].replays[-1][1], torch.ones(1, 3, dtype=torch.bool))
+    # not for this route: the other one answers
+    assert route.execute([_request(a, None, memory=inprocess.MEMORY_GPU)], 0) is None
+    assert route.execute([_request(a, mask_a, memory=inprocess.MEMORY_GPU)], 0) is None
+    pieces = ([1, 3, 2], [(a.ctypes.data, 12, 0, 0), (a.ctypes.data + 12, 12, 0, 0)])
+    assert route.execute([(pieces, None)], 0) is None
+    assert route.execute([(([1, 3, 2], [(a.ctypes.data, 20, 0, 0)]), None)], 0) is None  # bytes != shape
+    assert route.execute([_request(np.zeros((1, 3, 3), np.float32), None)], 0) is None  # another row shape
+    assert route.execute([_request(a, np.array([[True, True]]))], 0) is None  # a mask of another length
+    assert route.execute([_request(full, None), _request(a, None)], 0) is None  # 5 rows: more than one run
+    assert route.execute([None], 0) is None  # the C++ half refused it: the other route answers the error
+    del engine.static[1]
+    assert route.execute([_request(a, None)], 0) is None  # a bucket without a capture
+
+
+def test_an_instance_takes_the_direct_route_and_answers_every_request_when_it_fails():
+    engine, captures = _captured_engine()
+    instance = inprocess.Instance.__new__(inprocess.Instance)
+    instance.model, instance.engine, instance.last = types.SimpleNamespace(name="m"), engine, {}
+    instance.x_dtype, instance.mask_dtype, instance.engine_thread = torch.float32, torch.bool, threading.get_ident()
+    instance.direct = inprocess.DirectRoute(engine, _HostDriver())
+    a = np.full((1, 3, 2), 3.0, dtype=np.float32)
+    outcomes, runs = instance.execute([_request(a, None)])
+    assert outcomes[0][1] == engine.host_outputs[1].data_ptr()
+    assert torch.equal(instance.last[0], torch.from_numpy(2 * a))
+    assert len(captures[1].replays) == 1
+    pieces = ([1, 3, 2], [(a.ctypes.data, 12, 0, 0), (a.ctypes.data + 12, 12, 0, 0)])  # Triton's tensor in two
+    outcomes, _ = instance.execute([(pieces, None)])  # pieces: not the direct route's; BucketEngine.run answers it
+    assert outcomes[0][0] == (1, 3, 2) and len(captures[1].replays) == 2
+    assert torch.equal(instance.last[0], torch.from_numpy(2 * a))
+
+    class Broken(_HostDriver):
+        def wait(self, stream):
+            raise RuntimeError("cuStreamSynchronize failed with CUresult 700")
+
+    instance.direct = inprocess.DirectRoute(engine, Broken())
+    outcomes, runs = instance.execute([_request(a, None), _request(a, None)])
+    assert runs == [] and instance.last == {}
+    assert outcomes == [(inprocess.ERROR_INTERNAL, "m: RuntimeError: cuStreamSynchronize failed with CUresult 700")] * 2

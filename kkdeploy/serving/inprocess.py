@@ -29,71 +29,13 @@ import sys
 import threading
 import time
 
+from .cuda_driver import HOST_WAIT_ENV, cuda_sync_mode, host_wait_wanted, set_cuda_sync_mode
 from .triton_model import (ARTIFACTS, CANARY_FILE, DEVICE_TYPE, INPUT_X, OUTPUT_Y, RELEASE_DIR, BucketEngine,
                            gpu_outputs_wanted, leave_release_marker, parameter, release_marker, torch_dtype)
 
 # TRITONSERVER_Error_Code and TRITONSERVER_MemoryType (triton/core/tritonserver.h)
 ERROR_INTERNAL, ERROR_INVALID_ARG = 1, 3
 MEMORY_CPU, MEMORY_CPU_PINNED, MEMORY_GPU = 0, 1, 2
-
-
-#: CUctx_flags' scheduling bits (cuda.h): how a host thread waits for the GPU (a stream sync, a pageable copy)
-SCHED_MODES = {0: "auto", 1: "spin", 2: "yield", 4: "blocking-sync"}
-
-
-def cuda_sync_mode(lib=None) -> str:
-    """How the current CUDA context makes a host thread wait for the GPU: the scheduling bits of ``cuCtxGetFlags``.
-
-    Why: inside tritonserver each stage of a batch-1 run took longer than the same Python half outside it, on the same
-    H100 artifact's kind (gather 179 against 66 us, engine 139 against 111, respond 86 against 34;
-    ``scripts/serving_gather_study.py``), and each stage ends in a host wait. The in-process backend shares the
-    server's context, whose flags the server may have set; a blocking sync costs a thread wake-up per wait where a spin
-    costs none. So the instance's log line says which it is."""
-    try:
-        lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
-        flags = ctypes.c_uint(0)
-        result = lib.cuCtxGetFlags(ctypes.byref(flags))
-    except (OSError, AttributeError) as exc:
-        return f"unknown ({type(exc).__name__}: {exc})"
-    if result != 0:
-        return f"unknown (cuCtxGetFlags returned CUresult {result})"
-    return SCHED_MODES.get(flags.value & 0x7, f"flags {flags.value:#x}")
-
-
-#: The host-wait mode an in-process instance sets on the server's CUDA context (``cuCtxSetFlags``): ``leave`` (the
-#: default: the context's flags as tritonserver made them), ``auto``, ``spin``, ``yield`` or ``blocking-sync``
-HOST_WAIT_ENV = "KKDEPLOY_HOST_WAIT"
-
-
-def host_wait_wanted(mode: str | None = None) -> str:
-    """``mode`` (default: ``$KKDEPLOY_HOST_WAIT``, else ``leave``), checked before an instance builds anything."""
-    mode = os.environ.get(HOST_WAIT_ENV, "leave") if mode is None else mode
-    if mode != "leave" and mode not in SCHED_MODES.values():
-        raise ValueError(f"{HOST_WAIT_ENV}={mode!r} is not a host-wait mode; use leave, "
-                         f"{', '.join(SCHED_MODES.values())}")
-    return mode
-
-
-def set_cuda_sync_mode(mode: str, lib=None) -> str:
-    """Make the current CUDA context's host waits ``mode`` (a name of ``SCHED_MODES``), keeping its other flags;
-    answers the mode now in force (``cuda_sync_mode``'s words).
-
-    Why: every stage of a batch-1 run ends in a host wait for the GPU, and inside tritonserver each stage took longer
-    than the same Python outside it (see ``cuda_sync_mode``). ``cuCtxSetFlags`` (CUDA 12.1 and later) changes the
-    scheduling bits of a context that is already in use, so the study can serve the same artifact both ways."""
-    bits = {name: value for value, name in SCHED_MODES.items()}
-    host_wait_wanted(mode)
-    try:
-        lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
-        flags = ctypes.c_uint(0)
-        result = lib.cuCtxGetFlags(ctypes.byref(flags))
-        if result == 0:
-            result = lib.cuCtxSetFlags(ctypes.c_uint((flags.value & ~0x7) | bits[mode]))
-    except (OSError, AttributeError) as exc:
-        return f"unchanged ({type(exc).__name__}: {exc})"
-    if result != 0:
-        return f"unchanged (CUresult {result}); {cuda_sync_mode(lib)}"
-    return cuda_sync_mode(lib)
 
 
 class _CudaMemory:
@@ -124,6 +66,112 @@ def input_tensor(described, dtype):
     parts = [wrap_buffer(*b) for b in buffers]
     raw = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts])
     return raw.view(dtype).view(shape)
+
+
+#: "0" turns off the direct route (``DirectRoute``): every execution goes through torch's copies
+DIRECT_ROUTE_ENV = "KKDEPLOY_DIRECT_ROUTE"
+
+
+class DirectRoute:
+    """A CUDA instance's executions whose inputs all lie in host memory, one buffer each, bound for a bucket whose
+    engine is a captured graph serving every mask (``BucketEngine.static``), and whose answers go to host memory.
+
+    Why: outside the server a batch-1 execution spent 66 us gathering (Python wrapping Triton's two buffers as
+    tensors 19 us, each pageable copy 12 us and a host wait), 111 us in the engine and 34 us responding (a copy and a
+    second wait), on an H100 (docs/serving.md). Here no tensor is made for a request: each request's bytes are
+    ``memmove``d into the bucket's pinned staging, cross to the graph's own input buffers in one asynchronous copy
+    each (padding rows zeroed and masked out on the device), the graph replays, the answer comes back in one
+    asynchronous copy into the bucket's pinned answer buffer, and the host waits for the GPU once. The bytes are
+    those ``BucketEngine.run`` writes and reads (the tests compare the two routes); anything else (a request in
+    pieces or in GPU memory, a bucket without a capture, GPU answers, more rows than a run holds) takes that route.
+    The engine stage's clock (``ran``) stops after the one wait, so it includes the answer's copy to the host."""
+
+    def __init__(self, engine, driver):
+        self.engine, self.driver = engine, driver
+        self.seq = engine.row_shape[0]
+        self.x_row = engine.dtype.itemsize
+        for d in engine.row_shape:
+            self.x_row *= d
+        self.stream = 0  # the instance's stream handle, set on its thread (``Instance._enter_thread``)
+
+    def rows(self, requests: list) -> list[int] | None:
+        """Each request's row count, or None where any request is not for this route (the other route answers,
+        errors included)."""
+        rows, seq, x_row, row_shape = [], self.seq, self.x_row, self.engine.row_shape
+        for described in requests:
+            if described is None or described[0] is None:
+                return None
+            (shape, buffers), mask = described[0], described[1]
+            if len(buffers) != 1 or buffers[0][2] == MEMORY_GPU or len(shape) != 1 + len(row_shape):
+                return None
+            k = int(shape[0])
+            if list(shape[1:]) != row_shape or buffers[0][1] != k * x_row:
+                return None
+            if mask is not None:
+                mshape, mbuffers = mask
+                if (len(mbuffers) != 1 or mbuffers[0][2] == MEMORY_GPU or list(mshape) != [k, seq]
+                        or mbuffers[0][1] != k * seq):
+                    return None
+            rows.append(k)
+        return rows
+
+    def execute(self, requests: list, start: int):
+        """``(outcomes, kept, runs)`` as ``Instance.execute`` makes them, or None: not for this route."""
+        engine = self.engine
+        rows = self.rows(requests)
+        if rows is None:
+            return None
+        n = sum(rows)
+        if n == 0 or n > engine.max_batch:
+            return None
+        size = engine.runner.bucket_for(n)
+        static = engine.static.get(size)
+        if static is None:
+            return None
+        driver, stream, seq, x_row = self.driver, self.stream, self.seq, self.x_row
+        stage_x, stage_mask = engine._staging(size)
+        sx, smask = stage_x.data_ptr(), stage_mask.data_ptr()
+        all_valid = all(r[1] is None for r in requests)
+        row = 0
+        for described, k in zip(requests, rows):
+            ctypes.memmove(sx + row * x_row, described[0][1][0][0], k * x_row)
+            if not all_valid:
+                if described[1] is None:
+                    ctypes.memset(smask + row * seq, 1, k * seq)
+                else:
+                    ctypes.memmove(smask + row * seq, described[1][1][0][0], k * seq)
+            row += k
+        x, mask = static.x.data_ptr(), static.mask.data_ptr()
+        driver.to_device(x, sx, n * x_row, stream)
+        driver.fill(x + n * x_row, 0, (size - n) * x_row, stream)  # padding rows: zeros, fully masked
+        if all_valid and n == size:  # the graph's mask buffer: all True, written only when it was not
+            if not engine.static_all_true.get(size):
+                driver.fill(mask, 1, size * seq, stream)
+                engine.static_all_true[size] = True
+        else:
+            engine.static_all_true[size] = False
+            if all_valid:
+                driver.fill(mask, 1, n * seq, stream)
+            else:
+                driver.to_device(mask, smask, n * seq, stream)
+            driver.fill(mask + n * seq, 0, (size - n) * seq, stream)
+        gathered = time.perf_counter_ns()
+        with engine.inference_mode():
+            y = static.run()
+        if not y.is_contiguous():
+            y = y.contiguous()
+        host = engine.host_output(size, y)
+        y_row = y[0].numel() * y.element_size()
+        driver.to_host(host.data_ptr(), y.data_ptr(), n * y_row, stream)
+        driver.wait(stream)
+        ran = time.perf_counter_ns()
+        outcomes, kept, base, row = [], {}, host.data_ptr(), 0
+        answer_shape = tuple(y.shape[1:])
+        for i, k in enumerate(rows):
+            outcomes.append(((k, *answer_shape), base + row * y_row, k * y_row, True))
+            kept[i] = host[row:row + k]
+            row += k
+        return outcomes, kept, [(gathered - start, ran - gathered, time.perf_counter_ns() - ran, size, n)]
 
 
 def error_code(exc: BaseException) -> int:
@@ -176,7 +224,13 @@ class Instance:
         # Instances are threads of one process here, sharing one CUDA context: each runs on a stream of its own, so
         # one instance's engine can run on the GPU while another's Python gathers (the Python backend's instances
         # are processes whose contexts take turns on the GPU). Every run ends with its stream synchronized.
-        self.on_stream = torch.cuda.stream(torch.cuda.Stream(self.engine.device)) if self.engine.cuda else None
+        self.stream = torch.cuda.Stream(self.engine.device) if self.engine.cuda else None
+        self.direct = None
+        if self.engine.cuda and self.engine.static and not self.engine.gpu_outputs \
+                and os.environ.get(DIRECT_ROUTE_ENV, "1") != "0":
+            from .cuda_driver import Driver
+
+            self.direct = DirectRoute(self.engine, Driver())
         self.released = release_marker(parameter(config, RELEASE_DIR), model.name, os.getpid())
         self.last: dict = {}  # request index -> its answer, from the last execution: alive until the next one
         self.engine_thread = None
@@ -187,6 +241,7 @@ class Instance:
                 waits = f", host waits for the GPU: {found}"
             else:  # the server's context, shared by every instance: the last instance made sets it again, the same
                 waits = f", host waits for the GPU: {found}, set to {set_cuda_sync_mode(wanted)} ({HOST_WAIT_ENV})"
+            waits += ", direct route" if self.direct is not None else ", torch copies"
         print(f"{model.name} ({name}): in-process on {device} (Python {sys.version.split()[0]}, {sys.executable}"
               f"{waits}), buckets {self.engine.described}; {self.engine.runner.reason}", file=sys.stderr, flush=True)
 
@@ -195,6 +250,16 @@ class Instance:
         start = time.perf_counter_ns()
         if self.engine_thread != threading.get_ident():
             self._enter_thread()
+        if self.direct is not None:
+            try:
+                done = self.direct.execute(requests, start)
+            except Exception as exc:  # noqa: BLE001 - a failed copy or replay: every caller gets the error
+                message = f"{self.model.name}: {type(exc).__name__}: {exc}"
+                self.last = {}
+                return [(error_code(exc), message) for _ in requests], []
+            if done is not None:
+                outcomes, self.last, runs = done
+                return outcomes, runs
         outcomes: list = [None] * len(requests)
         xs, masks, index = [], [], []
         for i, described in enumerate(requests):
@@ -232,10 +297,7 @@ class Instance:
         return outcomes, runs
 
     def _run(self, xs, masks):
-        if self.on_stream is None:
-            return self.engine.run(xs, masks)
-        with self.on_stream:  # the instance's stream context, made once (re-entered every run)
-            return self.engine.run(xs, masks)
+        return self.engine.run(xs, masks)  # on the instance's stream: current on its thread (_enter_thread)
 
     def _enter_thread(self) -> None:
         """Triton runs an instance's executions on a thread of its own. There, torch's CPU ops with an OpenMP pool
@@ -247,8 +309,11 @@ class Instance:
         import torch
 
         self.engine_thread = threading.get_ident()
-        if self.engine.cuda:  # the current device is per thread too: the instance's GPU, not device 0
-            torch.cuda.set_device(self.engine.device)
+        if self.engine.cuda:  # the current device and stream are per thread too: the instance's GPU and stream, set
+            torch.cuda.set_device(self.engine.device)  # once here, not entered and left every run (5 us a run)
+            torch.cuda.set_stream(self.stream)
+            if self.direct is not None:
+                self.direct.stream = self.stream.cuda_stream
         else:
             torch.set_num_threads(1)
 

@@ -570,8 +570,8 @@ class BucketEngine:
         if found is None:
             import torch
 
-            found = (torch.empty([size, *self.row_shape], dtype=self.dtype, pin_memory=True),
-                     torch.empty([size, self.row_shape[0]], dtype=torch.bool, pin_memory=True))
+            found = (torch.empty([size, *self.row_shape], dtype=self.dtype, pin_memory=self.cuda),
+                     torch.empty([size, self.row_shape[0]], dtype=torch.bool, pin_memory=self.cuda))
             self.host_inputs[size] = found
         return found
 
@@ -582,14 +582,20 @@ class BucketEngine:
         response out before the next run, so the buffer is free by then."""
         import torch
 
-        host = self.host_outputs.get(size)
-        if host is None or host.dtype != y.dtype or host.shape[1:] != y.shape[1:]:
-            host = torch.empty([size, *y.shape[1:]], dtype=y.dtype, pin_memory=True)
-            self.host_outputs[size] = host
-        out = host[:y.shape[0]]
+        out = self.host_output(size, y)[:y.shape[0]]
         out.copy_(y, non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
         return out
+
+    def host_output(self, size: int, y):
+        """The ``size`` bucket's host buffer for answers shaped like ``y``'s rows (pinned where the GPU serves)."""
+        host = self.host_outputs.get(size)
+        if host is None or host.dtype != y.dtype or host.shape[1:] != y.shape[1:]:
+            import torch
+
+            host = torch.empty([size, *y.shape[1:]], dtype=y.dtype, pin_memory=self.cuda)
+            self.host_outputs[size] = host
+        return host
 
     def run(self, xs, masks):
         """``(outputs, bucket, rows, gathered_ns, ran_ns)``: one run of these requests' rows; each output is a
