@@ -24,9 +24,10 @@
 #   pdl.tgz, pdl.md  the launch-bound shapes with and without programmatic dependent launches, one process each
 #   ncu.tgz          Nsight Compute per kernel (scripts/ncu_profile.py): ncu.csv, ncu.json, ncu.md per shape
 #   gather.json      scripts/serving_gather_study.py: where a batch-1 request's gather goes in the in-process backend
+#   (cli: a new user's builds, runs and mistakes with the real CLI, into campaign.log only)
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
 # attention, prove, custom, customprofile, pdl, bench, profile, customops, ortstrict, ortjudge, shape14build, layers, buildtime,
-# scoresoftmax, inductoronly, ncu, gather. A step's =SECONDS caps its wall time.
+# scoresoftmax, inductoronly, ncu, gather, cli. A step's =SECONDS caps its wall time.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -361,6 +362,30 @@ step_gather() {
     --backends "${GATHER_BACKENDS:-torch-compile-faithful-gemms}" --batch-buckets 1,2,4 --out "$WORK/gather-$s" \
     | tail -4 || echo "gather build shape $s: exit $?"
   python3 scripts/serving_gather_study.py --artifacts "$WORK/gather-$s" --device "$DEVICE" --json "$OUT/gather.json"
+}
+step_cli() {
+  # A new user's session with the real CLI on the GPU, no script in between: shape CLI_SHAPE (default 3) built with
+  # the default flags twice, with weights of our own (--weights, scripts/make_weights.py seed 800 + shape) and with
+  # the seeded ones; each artifact run all-valid and padded, and inspected; then two mistakes a user makes (weights
+  # that do not exist, a directory that holds no artifacts), each of which must be a one-line error.
+  s=${CLI_SHAPE:-3}
+  python3 scripts/make_weights.py --shape "$s" --seed $((800 + s)) --out "$WORK/wc$s.safetensors" > /dev/null
+  for w in own seeded; do
+    weights=(); [ "$w" = own ] && weights=(--weights "$WORK/wc$s.safetensors")
+    echo "--- kkdeploy build --shape $s --device $DEVICE ${weights[*]} --out cli-$s-$w"
+    python3 -m kkdeploy build --shape "$s" --device "$DEVICE" --force "${weights[@]}" --out "$WORK/cli-$s-$w" \
+      2>&1 | tail -22 || echo "cli build $w: exit $?"
+    for pad in 0 0.5; do
+      echo "--- kkdeploy run --artifacts cli-$s-$w --padding-ratio $pad --seed 91"
+      python3 -m kkdeploy run --artifacts "$WORK/cli-$s-$w" --padding-ratio "$pad" --seed 91 2>&1 | tail -8 \
+        || echo "cli run $w $pad: exit $?"
+    done
+    python3 -m kkdeploy inspect "$WORK/cli-$s-$w" 2>&1 | head -7
+  done
+  echo "--- mistakes"
+  python3 -m kkdeploy build --shape "$s" --device "$DEVICE" --weights "$WORK/no-such.safetensors" --out "$WORK/cli-x" \
+    2>&1 | tail -3; echo "exit ${PIPESTATUS[0]}"
+  python3 -m kkdeploy run --artifacts "$WORK" 2>&1 | tail -3; echo "exit ${PIPESTATUS[0]}"
 }
 step_ortjudge() {
   # Issue 20 Part A: float32 builds under the judge contract (TF32 on, as judged) with every ORT candidate next
