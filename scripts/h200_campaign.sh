@@ -152,9 +152,12 @@ step_setup() {
   # The serving carry (scripts/serving_carry.sh) stages its wheels under .whl/serving/: its polygraphy serves too.
   [ -e /tmp/site/.kk-wheels ] && return 0
   local wheels
-  wheels=$(ls .whl/*.whl 2>/dev/null; ls .whl/serving/polygraphy-*.whl 2>/dev/null)
-  [ -n "$wheels" ] || { echo "setup: no wheels under .whl/ (carry [\".whl\"])" >&2; return 2; }
-  python3 -m pip install -q --no-deps --no-index --target /tmp/site $wheels && touch /tmp/site/.kk-wheels
+  wheels=$(ls .whl/*.whl 2>/dev/null)
+  # the serving carry's polygraphy only where none is carried on its own (pip refuses the same wheel twice)
+  case "$wheels" in *polygraphy-*) ;; *) wheels="$wheels $(ls .whl/serving/polygraphy-*.whl 2>/dev/null)" ;; esac
+  [ -n "${wheels// /}" ] || { echo "setup: no wheels under .whl/ (carry [\".whl\"])" >&2; return 2; }
+  python3 -m pip install -q --no-deps --no-index --target /tmp/site $wheels || { echo "setup: pip failed" >&2; return 2; }
+  touch /tmp/site/.kk-wheels
   python3 -c "import polygraphy; print('polygraphy', polygraphy.__version__)"
   python3 -c "import modelopt.onnx.autocast, modelopt; print('modelopt', modelopt.__version__)" 2>/dev/null || true
 }

@@ -154,6 +154,13 @@ def waits(engine: str, args) -> list[tuple[str, str]]:
     return args.variants if engine == "inprocess" else [("1", "leave")]
 
 
+def measures_all(label: str) -> bool:
+    """Whether a layout runs every plan (its mixed run checks its answers): the one-hop layouts, in-process or not,
+    whatever their variant (static inputs, route, host-wait mode); the layouts before them run the batch-1 and
+    saturation plans only."""
+    return re.sub(r", (static inputs|host waits [^,]+|torch copies)", "", label) in ("one-hop", "one-hop, in-process")
+
+
 def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
     import kkdeploy
     from kkdeploy.pipeline.runtime import bucketed
@@ -239,9 +246,7 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
                     os.environ[key] = value
         try:
             for name, kw in plans:
-                # its mixed run checks the new path's answers
-                plain = re.sub(r", (static inputs|host waits \S+|torch copies)", "", server.label)
-                if plain not in ("one-hop", "one-hop, in-process") and ("mixed" in name or "shared" in name):
+                if not measures_all(server.label) and ("mixed" in name or "shared" in name):
                     continue  # before/after compares the batch-1 and saturation runs
                 if instances > 1 and "saturation" not in name:
                     continue  # more instances are for throughput

@@ -469,3 +469,20 @@ def test_an_instance_takes_the_direct_route_and_answers_every_request_when_it_fa
     outcomes, runs = instance.execute([_request(a, None), _request(a, None)])
     assert runs == [] and instance.last == {}
     assert outcomes == [(inprocess.ERROR_INTERNAL, "m: RuntimeError: cuStreamSynchronize failed with CUresult 700")] * 2
+
+
+def test_the_serving_study_serves_each_variant_with_every_plan_and_refuses_a_wrong_one(capsys):
+    """``scripts/serving_h200.py --variants``: a variant's words in a layout's label never drop its mixed and
+    shared-memory runs (a host-wait mode once did); a route or a mode that does not exist is a usage error."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import serving_h200
+
+    for label in ("one-hop, in-process, host waits spin, static inputs", "one-hop, in-process, torch copies",
+                  "one-hop, in-process, torch copies, host waits blocking-sync, static inputs", "one-hop"):
+        assert serving_h200.measures_all(label), label
+    for label in ("one-hop, GPU outputs", "two-hop", "one-hop, in-process, GPU outputs, host waits spin"):
+        assert not serving_h200.measures_all(label), label
+    for wrong, said in (("direct+fast", "not a host-wait mode"), ("tcp", "the route is direct or copies")):
+        with pytest.raises(SystemExit):
+            serving_h200.main(["--variants", wrong])
+        assert said in capsys.readouterr().err
