@@ -486,3 +486,35 @@ def test_the_serving_study_serves_each_variant_with_every_plan_and_refuses_a_wro
         with pytest.raises(SystemExit):
             serving_h200.main(["--variants", wrong])
         assert said in capsys.readouterr().err
+
+
+def test_the_driver_checks_every_call_and_makes_none_for_nothing():
+    """``cuda_driver.Driver`` on a stand-in library: each call passes its arguments through, a non-zero CUresult is
+    raised with the call's name, and a copy or fill of zero bytes calls nothing."""
+    class Lib:
+        def __init__(self):
+            self.calls, self.result = [], 0
+
+        def __getattr__(self, name):
+            def call(*args):
+                self.calls.append((name, *args))
+                return self.result
+            return call
+
+    lib = Lib()
+    driver = cuda_driver.Driver(lib)
+    driver.to_device(0x1000, 0x2000, 64, 7)
+    driver.to_host(0x3000, 0x1000, 32, 7)
+    driver.fill(0x1000, 1, 16, 7)
+    driver.wait(7)
+    for nothing in (driver.to_device, driver.to_host):
+        nothing(0x1000, 0x2000, 0, 7)
+    driver.fill(0x1000, 0, 0, 7)
+    assert lib.calls == [("cuMemcpyHtoDAsync_v2", 0x1000, 0x2000, 64, 7),
+                         ("cuMemcpyDtoHAsync_v2", 0x3000, 0x1000, 32, 7),
+                         ("cuMemsetD8Async", 0x1000, 1, 16, 7), ("cuStreamSynchronize", 7)]
+    lib.result = 700
+    with pytest.raises(RuntimeError, match="^cuMemcpyHtoDAsync failed with CUresult 700$"):
+        driver.to_device(0x1000, 0x2000, 64, 7)
+    with pytest.raises(RuntimeError, match="^cuStreamSynchronize failed with CUresult 700$"):
+        driver.wait(7)
