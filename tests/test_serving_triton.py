@@ -752,6 +752,9 @@ def test_serve_bad_setups_are_one_line_errors(built, install, tmp_path):
     assert done.returncode == 2 and "is not a directory" in done.stderr
     done = serve("--artifacts", str(built), "--http-port", "9", "--grpc-port", "9")
     assert done.returncode == 2 and "both 9" in done.stderr
+    done = serve("--artifacts", str(built), env=_env(KKDEPLOY_HOST_WAIT="busy"))  # no server is started for it
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "KKDEPLOY_HOST_WAIT='busy' is not a host-wait mode; use leave, auto, spin" in done.stderr
 
 
 def test_a_crashed_server_is_reported_by_its_signal_not_a_backtrace_frame(tmp_path):

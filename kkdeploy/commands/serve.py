@@ -91,6 +91,12 @@ def run(args) -> int:
     for flag in ("drain_timeout", "watch_interval", "heal_timeout"):
         if getattr(args, flag) <= 0:
             raise KKError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    from ..serving.cuda_driver import host_wait_wanted
+
+    try:  # the server inherits it and each in-process instance would refuse it: say so before anything starts
+        host_wait_wanted()
+    except ValueError as exc:
+        raise KKError(str(exc)) from None
     install = triton_server.locate_server()
     ports = {"http": args.http_port, "grpc": args.grpc_port, "metrics": args.metrics_port}
     triton_server.check_ports(args.address, ports)
