@@ -24,7 +24,7 @@ from kkdeploy.errors import KKError
 from kkdeploy.pipeline.runtime import bucketed
 from kkdeploy.serving import backend_build, cuda_driver, inprocess, loadtest, triton_server
 from kkdeploy.serving.triton_repo import write_repository
-from tests.conftest import build_serving_artifact
+from tests.conftest import build_serving_artifact, captured_bucket_engine
 
 pytestmark = pytest.mark.slow
 
@@ -334,39 +334,6 @@ def test_the_host_wait_mode_can_be_set_and_a_wrong_one_is_refused_before_anythin
     assert cuda_driver.host_wait_wanted() == "leave"
 
 
-def _captured_engine(sizes=(1, 4)):
-    """A ``BucketEngine`` on the CPU whose buckets are stand-in captures (static buffers, a replay reading them:
-    ``y = 2 * x * mask``), as ``tests/test_serving_triton.py`` builds one."""
-    from engines.cuda_graph import StaticCall
-    from kkdeploy.pipeline.runtime import BucketedRunner
-    from kkdeploy.serving import triton_model
-
-    class Captured:
-        backend, reason = "captured", ""
-
-        def __init__(self, size):
-            self.x, self.mask = torch.zeros(size, 3, 2), torch.zeros(size, 3, dtype=torch.bool)
-            self.y, self.replays = torch.zeros(size, 3, 2), []
-
-        def _replay(self):
-            self.replays.append((self.x.clone(), self.mask.clone()))
-            self.y.copy_(self.x * 2 * self.mask[..., None])
-            return self.y
-
-        def static_call(self):
-            return StaticCall(self.x, self.mask, self._replay)
-
-    captures = {b: Captured(b) for b in sizes}
-    engine = triton_model.BucketEngine.__new__(triton_model.BucketEngine)
-    engine.runner = BucketedRunner(captures)
-    engine.row_shape, engine.dtype, engine.device, engine.cuda = [3, 2], torch.float32, torch.device("cpu"), False
-    engine.inference_mode, engine.buffers, engine.static_all_true = torch.inference_mode, {}, {}
-    engine.static, engine.gpu_outputs = {b: r.static_call() for b, r in captures.items()}, False
-    engine.all_valid = {b: torch.ones([b, 3], dtype=torch.bool) for b in sizes}
-    engine.host_inputs, engine.host_outputs, engine.max_batch = {}, {}, max(sizes)
-    return engine, captures
-
-
 class _HostDriver:
     """``cuda_driver.Driver``'s calls on host memory (a CPU tensor's pointer stands for a device pointer)."""
 
@@ -403,7 +370,7 @@ def test_the_direct_route_moves_the_same_bytes_as_torch_s_copies_and_waits_once(
     answer comes back into the bucket's host buffer in one copy, and the host waits once; the answers are those of
     ``BucketEngine.run`` on the same requests. Requests it cannot take (GPU memory, pieces, a wrong size, more rows
     than a run holds) are left to that route."""
-    engine, captures = _captured_engine()
+    engine, captures = captured_bucket_engine()
     driver = _HostDriver()
     route = inprocess.DirectRoute(engine, driver)
     a = np.arange(6, dtype=np.float32).reshape(1, 3, 2)
@@ -416,7 +383,7 @@ def test_the_direct_route_moves_the_same_bytes_as_torch_s_copies_and_waits_once(
     host = engine.host_outputs[4]
     assert [o[1:] for o in outcomes] == [(host.data_ptr(), 24, True), (host.data_ptr() + 24, 48, True)]
     assert [o[0] for o in outcomes] == [(1, 3, 2), (2, 3, 2)]
-    expected, _, _, _, _ = _captured_engine()[0].run([torch.from_numpy(a), torch.from_numpy(b)],
+    expected, _, _, _, _ = captured_bucket_engine()[0].run([torch.from_numpy(a), torch.from_numpy(b)],
                                                      [torch.from_numpy(mask_a), None])
     assert all(torch.equal(kept[i], expected[i]) for i in range(2))
     assert driver.calls.count(("wait",)) == 1 and driver.calls[-1] == ("wait",)
@@ -446,7 +413,7 @@ def test_the_direct_route_moves_the_same_bytes_as_torch_s_copies_and_waits_once(
 
 
 def test_an_instance_takes_the_direct_route_and_answers_every_request_when_it_fails():
-    engine, captures = _captured_engine()
+    engine, captures = captured_bucket_engine()
     instance = inprocess.Instance.__new__(inprocess.Instance)
     instance.model, instance.engine, instance.last = types.SimpleNamespace(name="m"), engine, {}
     instance.x_dtype, instance.mask_dtype, instance.engine_thread = torch.float32, torch.bool, threading.get_ident()

@@ -248,35 +248,9 @@ def test_one_hop_writes_straight_into_a_captured_graph_s_buffers(monkeypatch):
     graph's own input buffers and the run is its replay, with no copy in and no clone out. Every row is rewritten
     each run; the mask buffer is filled all True only when the last run left something else in it; the answers
     are the engine's, as through its ordinary call."""
-    from engines.cuda_graph import StaticCall
-    from kkdeploy.pipeline.runtime import BucketedRunner
+    from tests.conftest import captured_bucket_engine
 
-    class Captured:
-        """A capture's shape on the CPU: static buffers, a replay that reads them, a static output."""
-        backend, reason = "captured", ""
-
-        def __init__(self, size):
-            self.x, self.mask = torch.zeros(size, 3, 2), torch.zeros(size, 3, dtype=torch.bool)
-            self.y, self.replays, self.mask_writes = torch.zeros(size, 3, 2), [], 0
-
-        def _replay(self):
-            self.replays.append((self.x.clone(), self.mask.clone()))
-            self.y.copy_(self.x * 2 * self.mask[..., None])
-            return self.y
-
-        def static_call(self):
-            return StaticCall(self.x, self.mask, self._replay)
-
-        def __call__(self, x, mask):  # the ordinary call: never taken when the static call exists
-            raise AssertionError("the ordinary call ran")
-
-    engines = {b: Captured(b) for b in (1, 4)}
-    model = triton_model.BucketEngine.__new__(triton_model.BucketEngine)
-    model.runner = BucketedRunner(engines)
-    model.row_shape, model.dtype, model.device, model.cuda = [3, 2], torch.float32, torch.device("cpu"), False
-    model.inference_mode, model.buffers, model.static_all_true = torch.inference_mode, {}, {}
-    model.static, model.gpu_outputs = {b: r.static_call() for b, r in engines.items()}, False
-    model.all_valid = {b: torch.ones([b, 3], dtype=torch.bool) for b in (1, 4)}
+    model, engines = captured_bucket_engine((1, 4))
     full = [torch.full((2, 3, 2), 5.0), torch.full((2, 3, 2), 7.0)]
     ys, size, n, _, _ = model.run(full, [None, None])
     four = engines[4]
