@@ -370,8 +370,9 @@ step_gather() {
 step_cli() {
   # A new user's session with the real CLI on the GPU, no script in between: shape CLI_SHAPE (default 3) built with
   # the default flags twice, with weights of our own (--weights, scripts/make_weights.py seed 800 + shape) and with
-  # the seeded ones; each artifact run all-valid and padded, and inspected; then two mistakes a user makes (weights
-  # that do not exist, a directory that holds no artifacts), each of which must be a one-line error.
+  # the seeded ones; each artifact run all-valid and padded, and inspected; one served (below); then two mistakes a
+  # user makes (weights that do not exist, a directory that holds no artifacts), each of which must be a one-line
+  # error.
   s=${CLI_SHAPE:-3}
   python3 scripts/make_weights.py --shape "$s" --seed $((800 + s)) --out "$WORK/wc$s.safetensors" > /dev/null
   for w in own seeded; do
@@ -386,6 +387,26 @@ step_cli() {
     done
     python3 -m kkdeploy inspect "$WORK/cli-$s-$w" 2>&1 | head -7
   done
+  # Then serving it as a user would: `kkdeploy serve` on the artifact with weights of our own (one bucket, the
+  # artifact's batch), the default engine and then the in-process one, a load test from another shell, and Ctrl-C.
+  # On the GPU this needs the serving carry (.whl/serving, scripts/serving_carry.sh); the CPU has its own server.
+  if [ "$DEVICE" = cpu ] || { [ -f .whl/serving/SHA256SUMS ] && . scripts/serving_setup.sh; }; then
+    for engine in auto inprocess; do
+      echo "--- kkdeploy serve --artifacts cli-$s-own --engine $engine; kkdeploy loadtest; Ctrl-C"
+      python3 -m kkdeploy serve --artifacts "$WORK/cli-$s-own" --engine "$engine" > "$WORK/cli-serve.log" 2>&1 &
+      pid=$!
+      for _ in $(seq 1 600); do
+        grep -q "^ready in" "$WORK/cli-serve.log" && break; kill -0 "$pid" 2>/dev/null || break; sleep 0.5
+      done
+      grep -E "^ready in|in-process on|^error" "$WORK/cli-serve.log" | cut -c1-300
+      python3 -m kkdeploy loadtest --artifacts "$WORK/cli-$s-own" --protocol grpc --processes 2 --concurrency 4 \
+        --requests 1500 --mix 1:0.7,4:0.3 --padding 0,0.25 2>&1 | tail -14 || echo "cli loadtest $engine: exit $?"
+      kill -INT "$pid" 2>/dev/null; wait "$pid"; echo "serve exit $?"
+      tail -2 "$WORK/cli-serve.log"
+    done
+  else
+    echo "--- kkdeploy serve: skipped (no serving carry under .whl/serving: carry [\".whl\"])"
+  fi
   echo "--- mistakes"
   python3 -m kkdeploy build --shape "$s" --device "$DEVICE" --weights "$WORK/no-such.safetensors" --out "$WORK/cli-x" \
     2>&1 | tail -3; echo "exit ${PIPESTATUS[0]}"

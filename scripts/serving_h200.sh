@@ -7,14 +7,8 @@
 set -euo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-carried=.whl/serving
-[ -f "$carried/SHA256SUMS" ] || { echo "nothing carried: run scripts/serving_carry.sh here first, carry [\".whl\"]" >&2; exit 2; }
-(cd "$carried" && sha256sum --quiet -c SHA256SUMS)
-mkdir -p /tmp/kk-triton /tmp/site
-[ -x /tmp/kk-triton/pytriton/tritonserver/bin/tritonserver ] || tar -C /tmp/kk-triton -xJf "$carried/tritonserver.tar.xz"
-python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site "$carried"/*.whl 2>&1 | grep -v WARNING || true
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export KKDEPLOY_TRITONSERVER=/tmp/kk-triton/pytriton/tritonserver KKDEPLOY_CACHE_DIR=/tmp/kk-cache
+# shellcheck source=scripts/serving_setup.sh
+. scripts/serving_setup.sh || exit 2
 python3 -c "import sysconfig,sys; assert sysconfig.get_config_var('Py_ENABLE_SHARED'), 'no shared libpython: the Python-backend stub cannot embed this Python'; print(sys.version.split()[0], 'shared libpython ok')"
 # kkdeploy's in-process backend (--engines inprocess, the default's first) is compiled here: a C++ compiler and Python.h
 python3 -c "import sysconfig,os,shutil; h=os.path.join(sysconfig.get_paths()['include'],'Python.h'); print('in-process backend:', shutil.which(os.environ.get('CXX') or 'g++') or 'NO C++ COMPILER', '|', h if os.path.isfile(h) else 'NO Python.h')"
