@@ -148,7 +148,7 @@ def run_plan(server: Server, runner, name: str, **kw) -> dict:
     return summary
 
 
-def waits(engine: str, args) -> list[tuple[str, str]]:
+def variants_of(engine: str, args) -> list[tuple[str, str]]:
     """``(direct route "1"/"0", host-wait mode)`` of each ``--variants`` entry for the in-process backend (which takes
     the direct route and sets the host-wait mode on tritonserver's CUDA context); the Python backend's own."""
     return args.variants if engine == "inprocess" else [("1", "leave")]
@@ -182,8 +182,8 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
     sat_conc = 8 if args.quick or row_bytes * min(big, 64) > (1 << 20) else 64
     if shape == "6":
         plans = [("batch-1 c=1", dict(processes=1, concurrency=1, requests=n(1000), mix=[[1, 1.0]], pool=16))]
-        layouts = [("one-hop", "cpu", 1, engine, static, wait) for engine in args.engines for static in args.static
-                   for wait in waits(engine, args)]
+        layouts = [("one-hop", "cpu", 1, engine, static, variant) for engine in args.engines for static in args.static
+                   for variant in variants_of(engine, args)]
     else:
         full = min(big, 64)
         plans = [
@@ -204,23 +204,22 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
         # before it: GPU outputs, two hops
         # (topology, output device, instances, engine): each --engines one-hop engine (kkdeploy's in-process
         # backend, the Python backend), then the layouts before them
-        layouts = [("one-hop", "cpu", 1, engine, static, wait) for engine in args.engines for static in args.static
-                   for wait in waits(engine, args)]
+        layouts = [("one-hop", "cpu", 1, engine, static, variant) for engine in args.engines for static in args.static
+                   for variant in variants_of(engine, args)]
         if shape == "3":
-            layouts += [("one-hop", "cpu", n, engine, static, wait) for engine in args.engines for n in args.instances
-                        if n > 1 for static in args.static for wait in waits(engine, args)]
+            layouts += [("one-hop", "cpu", n, engine, static, variant) for engine in args.engines for n in args.instances
+                        if n > 1 for static in args.static for variant in variants_of(engine, args)]
             if args.before:
                 if args.device != "cpu":  # a CPU artifact's answers are in host memory either way
                     layouts.append(("one-hop", "gpu", 1, "auto", args.static[0], ("1", "leave")))
                 layouts.append(("two-hop", "cpu", 1, "python", args.static[0], ("1", "leave")))
-    for layout, outputs, instances, engine, static, wait in layouts:
+    for layout, outputs, instances, engine, static, (direct, wait) in layouts:
         if time.monotonic() > deadline:
             result["runs"].append({"skipped": f"{layout}, {outputs} outputs, {instances} instances: out of budget"})
             continue
         server = None
         before = {k: os.environ.get(k) for k in (STATIC_INPUTS_ENV, HOST_WAIT_ENV, DIRECT_ROUTE_ENV)}
         os.environ[STATIC_INPUTS_ENV] = static  # the server inherits it as it starts (BucketEngine reads it)
-        direct, wait = wait
         os.environ[DIRECT_ROUTE_ENV] = direct  # the in-process instances read these two
         os.environ[HOST_WAIT_ENV] = wait  # (set on the server's context)
         try:

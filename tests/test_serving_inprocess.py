@@ -396,6 +396,12 @@ def test_the_direct_route_moves_the_same_bytes_as_torch_s_copies_and_waits_once(
     driver.calls.clear()
     outcomes, kept, _ = route.execute([_request(full, None)], 0)
     assert not [c for c in driver.calls if c[0] == "fill"] and torch.equal(kept[0], 2 * torch.ones(4, 3, 2))
+    # the other route pads the same capture's mask: the next all-valid run here must write it all True again
+    engine.run([torch.ones(1, 3, 2)] * 2, [torch.from_numpy(mask_a), None])
+    driver.calls.clear()
+    outcomes, kept, _ = route.execute([_request(full, None)], 0)
+    assert ("fill", 1, 12) in driver.calls and captures[4].replays[-1][1].all()
+    assert torch.equal(kept[0], 2 * torch.ones(4, 3, 2))
     route.execute([_request(a, None)], 0)  # bucket 1, all valid
     assert torch.equal(captures[1].replays[-1][1], torch.ones(1, 3, dtype=torch.bool))
     # not for this route: the other one answers

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import sys
 import threading
@@ -89,9 +90,7 @@ class DirectRoute:
     def __init__(self, engine, driver):
         self.engine, self.driver = engine, driver
         self.seq = engine.row_shape[0]
-        self.x_row = engine.dtype.itemsize
-        for d in engine.row_shape:
-            self.x_row *= d
+        self.x_row = engine.dtype.itemsize * math.prod(engine.row_shape)
         self.stream = 0  # the instance's stream handle, set on its thread (``Instance._enter_thread``)
 
     def rows(self, requests: list) -> list[int] | None:
@@ -129,7 +128,7 @@ class DirectRoute:
         if static is None:
             return None
         driver, stream, seq, x_row = self.driver, self.stream, self.seq, self.x_row
-        stage_x, stage_mask = engine._staging(size)
+        stage_x, stage_mask = engine.staging(size)
         sx, smask = stage_x.data_ptr(), stage_mask.data_ptr()
         all_valid = all(r[1] is None for r in requests)
         row = 0
@@ -144,12 +143,7 @@ class DirectRoute:
         x, mask = static.x.data_ptr(), static.mask.data_ptr()
         driver.to_device(x, sx, n * x_row, stream)
         driver.fill(x + n * x_row, 0, (size - n) * x_row, stream)  # padding rows: zeros, fully masked
-        if all_valid and n == size:  # the graph's mask buffer: all True, written only when it was not
-            if not engine.static_all_true.get(size):
-                driver.fill(mask, 1, size * seq, stream)
-                engine.static_all_true[size] = True
-        else:
-            engine.static_all_true[size] = False
+        if engine.static_mask_stale(size, all_true=all_valid and n == size):
             if all_valid:
                 driver.fill(mask, 1, n * seq, stream)
             else:
@@ -282,7 +276,8 @@ class Instance:
             return outcomes, runs
         for group in self.engine.groups([x.shape[0] for x in xs]):
             try:
-                outputs, size, n, gathered, ran = self._run([xs[k] for k in group], [masks[k] for k in group])
+                # on the instance's stream: current on its thread (_enter_thread)
+                outputs, size, n, gathered, ran = self.engine.run([xs[k] for k in group], [masks[k] for k in group])
                 for k, y in zip(group, outputs):
                     y = y if y.is_contiguous() else y.contiguous()
                     kept[index[k]] = y
@@ -295,9 +290,6 @@ class Instance:
             start = time.perf_counter_ns()
         self.last = kept
         return outcomes, runs
-
-    def _run(self, xs, masks):
-        return self.engine.run(xs, masks)  # on the instance's stream: current on its thread (_enter_thread)
 
     def _enter_thread(self) -> None:
         """Triton runs an instance's executions on a thread of its own. There, torch's CPU ops with an OpenMP pool

@@ -164,7 +164,7 @@ def canary_answers(run_bucket, sizes, seq_len: int, d_model: int, dtype, device)
 def gather_host(xs: list, masks: list, x_out, mask_out):
     """``(x, mask)``: several requests' host rows written into the first rows of ``x_out`` and ``mask_out`` (a
     missing mask: every token valid) and returned as those rows, so that each crosses to the device in one copy.
-    The buffers are the bucket's own, pinned and reused (``BucketEngine._staging``): nothing is allocated per run."""
+    The buffers are the bucket's own, pinned and reused (``BucketEngine.staging``): nothing is allocated per run."""
     import torch
 
     n = sum(int(xi.shape[0]) for xi in xs)
@@ -533,7 +533,7 @@ class BucketEngine:
         self.static_all_true: dict[int, bool] = {}  # bucket -> its static mask holds all True from the last run
         self.buffers: dict[int, tuple] = {}
         self.host_outputs: dict[int, object] = {}  # bucket -> pinned host buffer for its answers (_to_host)
-        self.host_inputs: dict[int, tuple] = {}  # bucket -> pinned host (x, mask) that gathers requests (_staging)
+        self.host_inputs: dict[int, tuple] = {}  # bucket -> pinned host (x, mask) that gathers requests (staging)
         # Made outside inference mode (so they have version counters) and never written.
         self.all_valid = {size: torch.ones([size, self.row_shape[0]], dtype=torch.bool, device=self.device)
                           for size in self.runner.sizes}
@@ -562,7 +562,19 @@ class BucketEngine:
             self.buffers[size] = found
         return found
 
-    def _staging(self, size: int):
+    def static_mask_stale(self, size: int, all_true: bool) -> bool:
+        """Whether this run must write the mask buffer of ``size``'s capture, and a record of what it holds after the
+        run. A run whose mask is all True (a full bucket of mask-less requests) writes it only when the last run left
+        something else there; any other run writes its rows. Both routes into a capture (``run`` and the in-process
+        backend's direct route) ask here, so neither can trust a buffer the other changed."""
+        if all_true:
+            stale = not self.static_all_true.get(size)
+            self.static_all_true[size] = True
+            return stale
+        self.static_all_true[size] = False
+        return True
+
+    def staging(self, size: int):
         """The bucket's pinned host buffers in which several requests' rows are gathered before one copy each to
         the device (made on first use, reused: the copy is complete when the run's sync returns, before the next
         run writes them)."""
@@ -619,7 +631,7 @@ class BucketEngine:
         if len(xs) == 1:
             (x if n == size else x[:n]).copy_(xs[0], non_blocking=True)
         elif staged:
-            host_x, host_mask = gather_host(xs, masks, *self._staging(size))
+            host_x, host_mask = gather_host(xs, masks, *self.staging(size))
             x[:n].copy_(host_x, non_blocking=True)
         else:
             for (a, b), xi in zip(bounds, xs):
@@ -629,15 +641,14 @@ class BucketEngine:
         static = self.static.get(size)
         if n == size and all(m is None for m in masks):
             if static is not None:  # the graph reads its own mask buffer: all True, written only when it was not
-                if not self.static_all_true.get(size):
+                if self.static_mask_stale(size, all_true=True):
                     mask.fill_(True)
-                    self.static_all_true[size] = True
             else:
                 # every token valid: the bucket's all-True mask, never written, so an engine that caches "all valid"
                 # by tensor identity and version (an all-valid-only CUDA graph) answers without a device sync
                 mask = self.all_valid[size]
         else:
-            self.static_all_true[size] = False
+            self.static_mask_stale(size, all_true=False)  # this run writes every row of the mask
             if staged:
                 mask[:n].copy_(host_mask, non_blocking=True)
             else:
