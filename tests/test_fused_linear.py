@@ -33,7 +33,13 @@ FULL_PLAN = {"gemms": True, "packed_qkv": True, "gelu_prologue": True, "gelu": F
 @pytest.mark.parametrize("plan", [FULL_PLAN, {"gemms": True, "packed_qkv": False, "gelu_prologue": False, "gelu": True,
                                             "layer_norm": False},
                                   {"gemms": True, "packed_qkv": False, "gelu_prologue": False, "gelu": False,
-                                   "layer_norm": False}])
+                                   "layer_norm": False},
+                                  {"gemms": True, "packed_qkv": False, "gelu_prologue": True, "gelu": False,
+                                   "layer_norm": False, "linears": {"qkv": False, "out_proj": False, "ffn_in": False,
+                                                                    "ffn_out": True}},
+                                  {"gemms": True, "packed_qkv": False, "gelu_prologue": False, "gelu": False,
+                                   "layer_norm": False, "linears": {"qkv": True, "out_proj": False, "ffn_in": False,
+                                                                    "ffn_out": False}}])
 def test_block_forward_through_the_op_is_the_reference_block(dtype, ratio, plan):
     model = build_models(CONFIG, dtype, "cpu")[0]
     x, mask = generate_case(CONFIG, "cpu", dtype, 1234, padding_ratio=ratio)
@@ -270,6 +276,29 @@ def test_gemms_candidate_export_is_bitwise_on_the_cpu(ratio, monkeypatch):
     assert targets.count("kkdeploy_faithful.attention.default") == CONFIG.num_layers
     assert targets.count("kkdeploy_faithful.layer_norm_rows.default") == 2 * CONFIG.num_layers + 1
     assert not any("gelu" in t or "addmm" in t or "softmax" in t for t in targets)
+    x, mask = generate_case(CONFIG, "cpu", torch.float32, 1234, padding_ratio=ratio)
+    with torch.no_grad():
+        assert torch.equal(exported.module()(x, mask), model(x, mask))
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.25])
+def test_a_launch_whose_proof_chose_aten_is_the_references_ops_in_the_graph(ratio, monkeypatch):
+    """A launch the proof gave to ATen is not our op (whose fallback would run the GEMM, the mask's inversion,
+    masked_fill and the add as four eager kernels inside one opaque call) but the reference's own ops in the graph,
+    where Inductor fuses the residual and the mask: here out_proj and ffn_out, with Q/K/V and ffn_in ours."""
+    import engines.inductor_ops  # noqa: F401
+    from engines.inductor import export_variant
+
+    linears = {"qkv": True, "out_proj": False, "ffn_in": True, "ffn_out": False}
+    monkeypatch.setattr(fb, "block_plan", lambda *a: {"gemms": True, "packed_qkv": False, "gelu_prologue": False,
+                                                      "gelu": False, "layer_norm": False, "linears": linears})
+    model = build_models(CONFIG, torch.float32, "cpu")[0]
+    exported = export_variant(model, CONFIG, torch.float32, torch.device("cpu"), "inductor", kernel_attention=True,
+                              kernel_layer_norm=True, kernel_linear=True)
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert targets.count("kkdeploy_faithful.linear.default") == 4 * CONFIG.num_layers  # Q, K, V, ffn_in
+    assert targets.count("aten.linear.default") == 2 * CONFIG.num_layers  # out_proj, ffn_out
+    assert targets.count("aten.masked_fill.Scalar") == 2 * CONFIG.num_layers + 1  # theirs; the output's invalid rows
     x, mask = generate_case(CONFIG, "cpu", torch.float32, 1234, padding_ratio=ratio)
     with torch.no_grad():
         assert torch.equal(exported.module()(x, mask), model(x, mask))

@@ -93,6 +93,52 @@ def test_percentiles_breakdown_and_a_wrong_answer_is_counted():
     assert "--concurrency-range=1" in loadtest.perf_analyzer_command(p)
 
 
+def test_lean_grpc_requests_are_tritonclients_bytes_with_and_without_shared_memory():
+    """The lean client's pre-serialized requests are the messages tritonclient would send for the same inputs (equal
+    as messages: a map's entries may be serialized in another order): the payload's bytes; or, through shared
+    memory, the regions (x at offset 0, the mask after it, the answer in the output region) and no bytes at all."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc import _utils, service_pb2
+
+    p = plan(mix=[[2, 1.0]], padding=[0.0, 0.5], pool=2, seed=4, seq_len=64, d_model=32)
+    pool = loadtest.make_pool(p)
+    regions = types.SimpleNamespace(name="kkdeploy_lt_t", input_region="kkdeploy_lt_t_in",
+                                    output_region="kkdeploy_lt_t_out")
+
+    def tritonclients(index: int, shm: bool) -> bytes:
+        x, mask = pool[index]
+        inputs = [grpcclient.InferInput("x", list(x.shape), "FP32")]
+        if mask is not None:
+            inputs.append(grpcclient.InferInput("valid_token_mask", list(mask.shape), "BOOL"))
+        output = grpcclient.InferRequestedOutput("y")
+        if shm:
+            inputs[0].set_shared_memory(regions.input_region, x.nbytes, 0)
+            if mask is not None:
+                inputs[1].set_shared_memory(regions.input_region, mask.nbytes, x.nbytes)
+            output.set_shared_memory(regions.output_region, x.nbytes)
+        else:
+            inputs[0].set_data_from_numpy(x)
+            if mask is not None:
+                inputs[1].set_data_from_numpy(mask)
+        request = _utils._get_inference_request("kkdeploy", inputs, "", "", [output], 0, False, False, 0, None, None)
+        return request
+
+    def parsed(data: bytes):
+        return service_pb2.ModelInferRequest.FromString(data)
+
+    cache: dict = {}
+    plain, shared = loadtest.LeanGrpc(p, pool, cache), loadtest.LeanGrpc(p, pool, cache, shm=regions)
+    try:
+        for index in range(len(pool)):
+            assert parsed(plain.request(index)) == tritonclients(index, shm=False)
+            assert parsed(shared.request(index)) == tritonclients(index, shm=True)
+            assert not parsed(shared.request(index)).raw_input_contents
+            assert len(shared.request(index)) < 400 < pool[index][0].nbytes  # no payload in a shared-memory request
+    finally:
+        plain.close(), shared.close()
+    assert pool[0][1] is None and pool[1][1] is not None  # both kinds of request were compared
+
+
 # -- the CPU target, with a real server -----------------------------------------------------------------------------
 def test_cpu_target_batch1_grpc_from_two_processes_every_answer_exact(shape3, install, tmp_path):
     out = tmp_path / "lt.json"
@@ -141,17 +187,18 @@ def test_http_and_grpc_open_loop_mixed_batches_through_system_shared_memory(shap
                                  instances=1, max_queue_delay_us=200, host="127.0.0.1")
     ports = triton_server.free_ports()
     with local_server(args, ports) as (server, info, _):
-        for protocol, shm in (("http", "system"), ("grpc", "system"), ("http", "none")):
+        for protocol, shm, client in (("http", "system", "lean"), ("grpc", "system", "lean"),
+                                      ("grpc", "system", "tritonclient"), ("http", "none", "lean")):
             p = loadtest.LoadPlan(model="kkdeploy", seq_len=128, d_model=128, dtype="float32", protocol=protocol,
                                   http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"],
                                   processes=1, concurrency=3, rate=40.0, requests=30, warmup=1,
                                   mix=[[1, 0.5], [2, 0.3], [3, 0.2]], padding=[0.0, 0.25], pool=8, seed=3,
-                                  shared_memory=shm)
+                                  shared_memory=shm, client=client)
             answers = loadtest.expected_answers(runner, loadtest.make_pool(p))
             summary = loadtest.run_load(p, answers)
             assert summary["loop"] == "open"
             assert (summary["answered"], summary["bitwise_equal"], summary["errors"]) == (30, 30, 0), \
-                (protocol, shm, summary["first_errors"])
+                (protocol, shm, client, summary["first_errors"])
             assert set(summary["latency_ms_by_batch"]) <= {"1", "2", "3"}
             assert (summary["rpc_floor_ms"] is None) == (protocol == "http")
     assert not list(Path("/dev/shm").glob("kkdeploy_lt_*"))  # every client region destroyed

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .fused_linear import LN_WIDTHS, fused_linear, linear_layer_norm, linear_path
+from .fused_linear import LN_WIDTHS, fused_linear, linear_layer_norm, linear_path, reference_linear
 
 
 def linear_launches(config) -> dict[str, tuple[int, int, int, str]]:
@@ -88,13 +88,25 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
             "layer_norm": layer_norm}
 
 
+def _linear(plan: dict, name: str, x, weights, biases, residual=None, mask=None, epilogue: str = "none",
+            prologue: str = "none") -> torch.Tensor:
+    """One of the block's launches (``linear_launches``' names): our op where the plan has our GEMM for it (or does
+    not say), else the reference's own ops in the graph. Why not the op both ways: the op's fallback runs the ATen
+    composition eagerly inside one opaque call (the GEMM, then the mask's inversion, ``masked_fill`` and the add as
+    three more kernels), where in the graph Inductor fuses the residual and the mask into one elementwise pass with
+    eager's rounding, which is also what the proof timed ATen's side as (``fused_linear.compiled_baseline``)."""
+    if plan.get("linears", {}).get(name, True):
+        return fused_linear(x, weights, biases, residual, mask, epilogue, prologue)
+    return reference_linear(x, list(weights), list(biases), residual, mask, epilogue, prologue)
+
+
 def _projections(attention, h: torch.Tensor, plan: dict):
     """Q, K and V of the normalized rows h: one launch where packed."""
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     if plan["packed_qkv"]:
         qkv = fused_linear(h, [p.weight for p in projections], [p.bias for p in projections])
         return qkv.split(h.shape[-1], dim=-1)
-    return tuple(fused_linear(h, [p.weight], [p.bias]) for p in projections)
+    return tuple(_linear(plan, "qkv", h, [p.weight], [p.bias]) for p in projections)
 
 
 def _attention(attention, h: torch.Tensor, valid_token_mask, plan: dict) -> torch.Tensor:
@@ -109,22 +121,27 @@ def _ffn_input(block, h2: torch.Tensor, plan: dict) -> tuple[torch.Tensor, str]:
     """ffn_out's input and prologue: ffn_in's output with ffn_out computing the GELU, or GELU(ffn_in) already."""
     weights, biases = [block.ffn_in.weight], [block.ffn_in.bias]
     if plan.get("gelu_prologue"):
-        return fused_linear(h2, weights, biases), "gelu"
+        return _linear(plan, "ffn_in", h2, weights, biases), "gelu"
     if plan["gelu"]:
         return fused_linear(h2, weights, biases, epilogue="gelu"), "none"
-    return F.gelu(fused_linear(h2, weights, biases), approximate="none"), "none"
+    return F.gelu(_linear(plan, "ffn_in", h2, weights, biases), approximate="none"), "none"
 
 
 def fused_block_forward(block, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor], plan: dict) -> torch.Tensor:
     """``Block.forward`` (models/reference.py) with our GEMMs as ``block_plan`` says: Q/K/V in one launch, the
     attention op, out_proj + residual + mask and ffn_out + residual + mask in the GEMMs' epilogues, the GELU where
-    proven (ffn_out's prologue, ffn_in's epilogue) or ATen's. The reference's ops and rounding points throughout."""
+    proven (ffn_out's prologue, ffn_in's epilogue) or ATen's, and a launch whose proof chose ATen as the reference's
+    own ops (``_linear``). The reference's ops and rounding points throughout."""
     attention = block.attention
     context = _attention(attention, block.norm1(x), valid_token_mask, plan)
-    x = fused_linear(context, [attention.out_proj.weight], [attention.out_proj.bias], x, valid_token_mask,
-                     "add_masked")
+    x = _linear(plan, "out_proj", context, [attention.out_proj.weight], [attention.out_proj.bias], x,
+                valid_token_mask, "add_masked")
     g, prologue = _ffn_input(block, block.norm2(x), plan)
-    return fused_linear(g, [block.ffn_out.weight], [block.ffn_out.bias], x, valid_token_mask, "masked_sum", prologue)
+    if prologue == "gelu":  # the GELU-prologue launch, proven on its own (``gelu_prologue``)
+        return fused_linear(g, [block.ffn_out.weight], [block.ffn_out.bias], x, valid_token_mask, "masked_sum",
+                            prologue)
+    return _linear(plan, "ffn_out", g, [block.ffn_out.weight], [block.ffn_out.bias], x, valid_token_mask,
+                   "masked_sum")
 
 
 def fused_model_forward(model, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor], plan: dict) -> torch.Tensor:

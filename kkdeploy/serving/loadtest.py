@@ -217,40 +217,68 @@ class LeanGrpc:
     each payload's ``ModelInferRequest`` is serialized once per process, and a call sends those bytes and returns
     the response's bytes (grpcio's C core both ways, no Python message objects). The answer is parsed, after the
     request's clock has stopped, only to be checked. tritonclient's ``infer()`` builds and parses the messages in
-    Python on every call, which is the load generator's time on a small request, not the server's."""
+    Python on every call, which is the load generator's time on a small request, not the server's.
 
-    def __init__(self, plan: LoadPlan, pool, cache: dict):
+    With ``shm`` (a client's registered regions) the request names the regions instead of carrying the bytes, as
+    tritonclient's ``set_shared_memory`` writes it: a call writes the payload into the input region (inside the
+    clock: the client's own copy) and sends a request of a few hundred bytes; the answer is read from the output
+    region, after the clock, for the check. The request then depends on the client's regions, so it is cached per
+    client, not per process."""
+
+    def __init__(self, plan: LoadPlan, pool, cache: dict, shm: "_SharedMemory | None" = None):
         import grpc
         from tritonclient.grpc import service_pb2
 
-        self.plan, self.pool, self.cache, self.pb, self.grpc = plan, pool, cache, service_pb2, grpc
+        self.plan, self.pool, self.cache, self.pb, self.grpc, self.shm = plan, pool, cache, service_pb2, grpc, shm
         self.channel = grpc.insecure_channel(f"{plan.host}:{plan.grpc_port}", options=[
             ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
         self.rpc = self.channel.unary_unary(MODEL_INFER)  # no (de)serializers: bytes in, bytes out
 
     def request(self, index: int) -> bytes:
-        found = self.cache.get(("lean", index))
+        key = ("lean", index) if self.shm is None else ("lean", self.shm.name, index)
+        found = self.cache.get(key)
         if found is None:
             x, mask = self.pool[index]
             message = self.pb.ModelInferRequest(model_name=self.plan.model)
             tensors = [("x", TRITON_NAMES[self.plan.dtype], x)] + ([] if mask is None else
                                                                     [("valid_token_mask", "BOOL", mask)])
+            offset = 0
             for name, datatype, array in tensors:
                 tensor = message.inputs.add(name=name, datatype=datatype)
                 tensor.shape.extend(array.shape)
-                message.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
-            message.outputs.add(name="y")
-            found = self.cache[("lean", index)] = message.SerializeToString()
+                if self.shm is None:
+                    message.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+                else:
+                    _shm_parameters(tensor, self.shm.input_region, array.nbytes, offset)
+                    offset += array.nbytes
+            output = message.outputs.add(name="y")
+            if self.shm is not None:
+                _shm_parameters(output, self.shm.output_region, x.nbytes, 0)
+            found = self.cache[key] = message.SerializeToString()
         return found
 
-    def call(self, index: int) -> bytes:
+    def call(self, index: int):
+        """The response's bytes; with shared memory ``(index, response bytes)``, the answer being in the region."""
+        request = self.request(index)
+        if self.shm is not None:
+            self.shm.write(index)
         try:
-            return self.rpc(self.request(index), timeout=self.plan.timeout_s)
+            answer = self.rpc(request, timeout=self.plan.timeout_s)
         except self.grpc.RpcError as exc:  # as tritonclient words it: "[StatusCode.X] details"
             raise RuntimeError(f"[{exc.code()}] {exc.details()}") from None
+        return answer if self.shm is None else (index, answer)
 
-    def digest(self, answer: bytes) -> str:
+    def digest(self, answer) -> str:
+        if self.shm is not None:
+            index, answer = answer
         response = self.pb.ModelInferResponse.FromString(answer)
+        if self.shm is not None:
+            # Triton may keep an empty raw entry for an output it wrote to the region
+            sent = sum(len(raw) for raw in response.raw_output_contents)
+            if sent or [o.name for o in response.outputs] != ["y"]:
+                raise RuntimeError(f"the response carries {sent} bytes of raw output and outputs "
+                                   f"{[o.name for o in response.outputs]}, expected only y, in the region")
+            return digest_array(self.shm.read(index))
         if len(response.raw_output_contents) != 1:
             raise RuntimeError(f"the response carries {len(response.raw_output_contents)} raw outputs, expected 1")
         return digest(response.raw_output_contents[0])
@@ -259,16 +287,26 @@ class LeanGrpc:
         self.channel.close()
 
 
+def _shm_parameters(tensor, region: str, nbytes: int, offset: int) -> None:
+    """A request tensor's shared-memory parameters, as tritonclient's ``set_shared_memory`` writes them."""
+    tensor.parameters["shared_memory_region"].string_param = region
+    tensor.parameters["shared_memory_byte_size"].int64_param = nbytes
+    if offset:
+        tensor.parameters["shared_memory_offset"].int64_param = offset
+
+
 class Client:
     """One connection and, with shared memory, its own regions; ``send(payload_index) -> digest``."""
 
     def __init__(self, plan: LoadPlan, pool, inputs_cache: dict, tag: str):
         self.plan, self.pool, self.cache, self.tag = plan, pool, inputs_cache, tag
         self.lean = None
-        if plan.protocol == "grpc" and plan.shared_memory == "none" and plan.client == "lean":
+        self.shm = None
+        lean = plan.protocol == "grpc" and plan.client == "lean"
+        if lean and plan.shared_memory == "none":
             self.lean = LeanGrpc(plan, pool, inputs_cache)
-            self.shm = None
             return
+        # tritonclient sends the requests, or (lean with shared memory) registers the regions only
         self.lib = importlib.import_module(f"tritonclient.{plan.protocol}")
         if plan.protocol == "http":
             self.client = self.lib.InferenceServerClient(f"{plan.host}:{plan.http_port}", connection_timeout=10.0,
@@ -277,9 +315,10 @@ class Client:
             self.client = self.lib.InferenceServerClient(f"{plan.host}:{plan.grpc_port}")
         # gRPC takes a per-call deadline; the HTTP client's is its network_timeout
         self.timeout = {"client_timeout": plan.timeout_s} if plan.protocol == "grpc" else {}
-        self.shm = None
         if plan.shared_memory != "none":
             self.shm = _SharedMemory(self, plan, pool, tag)
+        if lean:
+            self.lean = LeanGrpc(plan, pool, inputs_cache, shm=self.shm)
 
     def inputs(self, index: int):
         """The request's inputs, built once per payload and process (they are only read while sending)."""
@@ -313,7 +352,8 @@ class Client:
     def close(self) -> None:
         if self.lean is not None:
             self.lean.close()
-            return
+            if self.shm is None:
+                return
         if self.shm is not None:
             self.shm.close()
         self.client.close()
@@ -353,20 +393,37 @@ class _SharedMemory:
                                           self.x_bytes + self.m_bytes)
             c.register_cuda_shared_memory(f"{self.name}_out", shm.get_raw_handle(self.out), 0, self.x_bytes)
 
+    @property
+    def input_region(self) -> str:
+        return f"{self.name}_in"
+
+    @property
+    def output_region(self) -> str:
+        return f"{self.name}_out"
+
+    def write(self, index: int) -> None:
+        """The payload's x, then its mask (if any), into the input region."""
+        x, mask = self.pool[index]
+        self.mod.set_shared_memory_region(self.inp, [x] if mask is None else [x, mask])
+
+    def read(self, index: int) -> np.ndarray:
+        """The answer in the output region (valid until the next call)."""
+        x, _ = self.pool[index]
+        return self.mod.get_contents_as_numpy(self.out, NUMPY_DTYPES[self.plan.dtype], list(x.shape))
+
     def call(self, index: int) -> np.ndarray:
         x, mask = self.pool[index]
         lib = self.client.lib
-        arrays = [x] if mask is None else [x, mask]
-        self.mod.set_shared_memory_region(self.inp, arrays)
+        self.write(index)
         inputs = [lib.InferInput("x", list(x.shape), TRITON_NAMES[self.plan.dtype])]
-        inputs[0].set_shared_memory(f"{self.name}_in", x.nbytes, 0)
+        inputs[0].set_shared_memory(self.input_region, x.nbytes, 0)
         if mask is not None:
             inputs.append(lib.InferInput("valid_token_mask", list(mask.shape), "BOOL"))
-            inputs[1].set_shared_memory(f"{self.name}_in", mask.nbytes, x.nbytes)
+            inputs[1].set_shared_memory(self.input_region, mask.nbytes, x.nbytes)
         output = lib.InferRequestedOutput("y")
-        output.set_shared_memory(f"{self.name}_out", x.nbytes)
+        output.set_shared_memory(self.output_region, x.nbytes)
         self.client.client.infer(self.plan.model, inputs, outputs=[output], **self.client.timeout)
-        return self.mod.get_contents_as_numpy(self.out, NUMPY_DTYPES[self.plan.dtype], list(x.shape))
+        return self.read(index)
 
     def close(self) -> None:
         c = self.client.client
