@@ -27,6 +27,10 @@ class StaticCall:
     x: torch.Tensor
     mask: torch.Tensor
     run: Callable[[], torch.Tensor]
+    #: the static output ``run()`` returns, and the executable graph (``cudaGraphExec_t``, 0 where this torch does
+    #: not give it): what a caller outside Python (the in-process backend's native route) replays and reads
+    y: Optional[torch.Tensor] = None
+    graph_exec: Callable[[], int] = lambda: 0
 
 
 def new_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
@@ -75,7 +79,13 @@ class CapturedCall:
         whose mask buffer stays all True and is never copied."""
         if self.all_valid_only:
             return None
-        return StaticCall(self.x, self.mask, self._replay)
+        return StaticCall(self.x, self.mask, self._replay, self.y, self._graph_exec)
+
+    def _graph_exec(self) -> int:
+        """The executable graph ``_replay`` launches (``cudaGraphExec_t``), or 0 where this torch cannot give it.
+        Launching it is what ``replay()`` does for a graph without random numbers (none here: inference)."""
+        raw = getattr(self.graph, "raw_cuda_graph_exec", None)
+        return int(raw()) if self.graph_kept and callable(raw) else 0
 
     def _replay(self) -> torch.Tensor:
         self.graph.replay()

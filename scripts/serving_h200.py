@@ -4,7 +4,7 @@ fault. Run by scripts/serving_h200.sh on the H200 (one device call); runs on the
 a dry run of the whole path.
 
     python3 scripts/serving_h200.py --out OUT [--device cuda] [--budget 480] [--only 3,faults,faults-gpu,6,13] [--quick]
-        [--instances 4,2] [--variants copies,direct,direct+spin] [--no-before] [--fault-instances 1] [--build-only]
+        [--instances 4,2] [--variants copies,direct,native,native+spin] [--no-before] [--fault-instances 1] [--build-only]
 
 Steps, in order of importance, each skipped (and said so) when the remaining budget is too small:
   shape 3 (FP16 strict, weights of our own, buckets 1,2,4): direct engine; one hop: batch-1 gRPC c=1 (p50 against
@@ -149,16 +149,21 @@ def run_plan(server: Server, runner, name: str, **kw) -> dict:
 
 
 def variants_of(engine: str, args) -> list[tuple[str, str]]:
-    """``(direct route "1"/"0", host-wait mode)`` of each ``--variants`` entry for the in-process backend (which takes
-    the direct route and sets the host-wait mode on tritonserver's CUDA context); the Python backend's own."""
-    return args.variants if engine == "inprocess" else [("1", "leave")]
+    """``(route, host-wait mode)`` of each ``--variants`` entry for the in-process backend (route: native, direct or
+    copies; the mode it sets on tritonserver's CUDA context); the Python backend's own."""
+    return args.variants if engine == "inprocess" else [("native", "leave")]
+
+
+#: a route's environment for the in-process instances: (KKDEPLOY_DIRECT_ROUTE, KKDEPLOY_NATIVE_ROUTE)
+ROUTE_ENV = {"native": ("1", "1"), "direct": ("1", "0"), "copies": ("0", "0")}
 
 
 def measures_all(label: str) -> bool:
     """Whether a layout runs every plan (its mixed run checks its answers): the one-hop layouts, in-process or not,
     whatever their variant (static inputs, route, host-wait mode); the layouts before them run the batch-1 and
     saturation plans only."""
-    return re.sub(r", (static inputs|host waits [^,]+|torch copies)", "", label) in ("one-hop", "one-hop, in-process")
+    return re.sub(r", (static inputs|host waits [^,]+|torch copies|direct route in Python)", "", label) in (
+        "one-hop", "one-hop, in-process")
 
 
 def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
@@ -166,7 +171,7 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
     from kkdeploy.pipeline.runtime import bucketed
     from kkdeploy.serving import loadtest
     from kkdeploy.serving.cuda_driver import HOST_WAIT_ENV
-    from kkdeploy.serving.inprocess import DIRECT_ROUTE_ENV
+    from kkdeploy.serving.inprocess import DIRECT_ROUTE_ENV, NATIVE_ROUTE_ENV
     from kkdeploy.serving.triton_model import STATIC_INPUTS_ENV
 
     runner = bucketed(kkdeploy.load(artifacts, device=args.device))
@@ -211,21 +216,25 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
                         if n > 1 for static in args.static for variant in variants_of(engine, args)]
             if args.before:
                 if args.device != "cpu":  # a CPU artifact's answers are in host memory either way
-                    layouts.append(("one-hop", "gpu", 1, "auto", args.static[0], ("1", "leave")))
-                layouts.append(("two-hop", "cpu", 1, "python", args.static[0], ("1", "leave")))
-    for layout, outputs, instances, engine, static, (direct, wait) in layouts:
+                    layouts.append(("one-hop", "gpu", 1, "auto", args.static[0], ("native", "leave")))
+                layouts.append(("two-hop", "cpu", 1, "python", args.static[0], ("native", "leave")))
+    for layout, outputs, instances, engine, static, (route, wait) in layouts:
+        direct, native = ROUTE_ENV[route]
         if time.monotonic() > deadline:
             result["runs"].append({"skipped": f"{layout}, {outputs} outputs, {instances} instances: out of budget"})
             continue
         server = None
-        before = {k: os.environ.get(k) for k in (STATIC_INPUTS_ENV, HOST_WAIT_ENV, DIRECT_ROUTE_ENV)}
+        before = {k: os.environ.get(k) for k in (STATIC_INPUTS_ENV, HOST_WAIT_ENV, DIRECT_ROUTE_ENV, NATIVE_ROUTE_ENV)}
         os.environ[STATIC_INPUTS_ENV] = static  # the server inherits it as it starts (BucketEngine reads it)
-        os.environ[DIRECT_ROUTE_ENV] = direct  # the in-process instances read these two
+        os.environ[DIRECT_ROUTE_ENV] = direct  # the in-process instances read these three
+        os.environ[NATIVE_ROUTE_ENV] = native
         os.environ[HOST_WAIT_ENV] = wait  # (set on the server's context)
         try:
             server = Server(artifacts, layout, engine=engine, output_device=outputs, instances=instances)
-            if engine == "inprocess" and direct == "0":
+            if engine == "inprocess" and route == "copies":
                 server.label += ", torch copies"
+            if engine == "inprocess" and route == "direct":
+                server.label += ", direct route in Python"
             if wait != "leave":
                 server.label += f", host waits {wait}"
             if static == "1":
@@ -428,11 +437,11 @@ def main(argv=None) -> int:
                    help="one-hop engines write requests straight into a captured graph's buffers as kkdeploy serve "
                         "does by default (on), or copy them into the engine (off), or each one-hop layout twice, on "
                         "then off, for a before/after in one session (both)")
-    p.add_argument("--variants", default="direct",
-                   help="the in-process backend's variants, each served in turn: its route, direct (the default) or "
-                        "copies (torch's), and optionally +MODE, the host-wait mode it sets on the server's CUDA "
-                        "context (auto, spin, yield, blocking-sync; default: the server's own). E.g. "
-                        "copies,direct,direct+spin")
+    p.add_argument("--variants", default="native",
+                   help="the in-process backend's variants, each served in turn: its route, native (the default: the "
+                        "C++ half serves what it can by itself), direct (Python's direct route) or copies (torch's), "
+                        "and optionally +MODE, the host-wait mode it sets on the server's CUDA context (auto, spin, "
+                        "yield, blocking-sync; default: the server's own). E.g. copies,direct,native,native+spin")
     p.add_argument("--client", default="lean", choices=["lean", "tritonclient"],
                    help="the load test's gRPC client (default lean: requests serialized once per payload)")
     p.add_argument("--no-before", dest="before", action="store_false",
@@ -450,13 +459,13 @@ def main(argv=None) -> int:
     asked, args.variants = args.variants, []
     for variant in filter(None, (v.strip() for v in asked.split(","))):
         route, _, wait = variant.partition("+")
-        if route not in ("direct", "copies"):
-            p.error(f"--variants {variant!r}: the route is direct or copies")
+        if route not in ROUTE_ENV:
+            p.error(f"--variants {variant!r}: the route is native, direct or copies")
         try:
             host_wait_wanted(wait or "leave")
         except ValueError as exc:
             p.error(f"--variants {variant!r}: " + str(exc).split(" is ", 1)[1])
-        args.variants.append(("1" if route == "direct" else "0", wait or "leave"))
+        args.variants.append((route, wait or "leave"))
     started = time.monotonic()
     deadline = started + args.budget
     out = Path(args.out)

@@ -141,6 +141,7 @@ def captured_bucket_engine(sizes=(1, 4)):
     engine.runner = BucketedRunner(captures)
     engine.row_shape, engine.dtype, engine.device, engine.cuda = [3, 2], torch.float32, torch.device("cpu"), False
     engine.inference_mode, engine.buffers, engine.static_all_true = torch.inference_mode, {}, {}
+    engine.static_mask_shared = False
     engine.static, engine.gpu_outputs = {b: r.static_call() for b, r in captures.items()}, False
     engine.all_valid = {b: torch.ones([b, 3], dtype=torch.bool) for b in sizes}
     engine.host_inputs, engine.host_outputs, engine.max_batch = {}, {}, max(sizes)

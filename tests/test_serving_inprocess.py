@@ -451,11 +451,12 @@ def test_the_serving_study_serves_each_variant_with_every_plan_and_refuses_a_wro
     import serving_h200
 
     for label in ("one-hop, in-process, host waits spin, static inputs", "one-hop, in-process, torch copies",
+                  "one-hop, in-process, direct route in Python, host waits spin, static inputs",
                   "one-hop, in-process, torch copies, host waits blocking-sync, static inputs", "one-hop"):
         assert serving_h200.measures_all(label), label
     for label in ("one-hop, GPU outputs", "two-hop", "one-hop, in-process, GPU outputs, host waits spin"):
         assert not serving_h200.measures_all(label), label
-    for wrong, said in (("direct+fast", "not a host-wait mode"), ("tcp", "the route is direct or copies")):
+    for wrong, said in (("direct+fast", "not a host-wait mode"), ("tcp", "the route is native, direct or copies")):
         with pytest.raises(SystemExit):
             serving_h200.main(["--variants", wrong])
         assert said in capsys.readouterr().err

@@ -71,6 +71,8 @@ def input_tensor(described, dtype):
 
 #: "0" turns off the direct route (``DirectRoute``): every execution goes through torch's copies
 DIRECT_ROUTE_ENV = "KKDEPLOY_DIRECT_ROUTE"
+#: "0": the C++ half never serves an execution by itself (the native route); Python's routes take every one
+NATIVE_ROUTE_ENV = "KKDEPLOY_NATIVE_ROUTE"
 
 
 class DirectRoute:
@@ -225,6 +227,7 @@ class Instance:
             from .cuda_driver import Driver
 
             self.direct = DirectRoute(self.engine, Driver())
+        self.native = self._native_plan() if self.direct is not None else None
         self.released = release_marker(parameter(config, RELEASE_DIR), model.name, os.getpid())
         self.last: dict = {}  # request index -> its answer, from the last execution: alive until the next one
         self.engine_thread = None
@@ -235,9 +238,56 @@ class Instance:
                 waits = f", host waits for the GPU: {found}"
             else:  # the server's context, shared by every instance: the last instance made sets it again, the same
                 waits = f", host waits for the GPU: {found}, set to {set_cuda_sync_mode(wanted)} ({HOST_WAIT_ENV})"
-            waits += ", direct route" if self.direct is not None else ", torch copies"
+            waits += (", native route (C++), direct route" if self.native is not None else
+                      ", direct route" if self.direct is not None else ", torch copies")
         print(f"{model.name} ({name}): in-process on {device} (Python {sys.version.split()[0]}, {sys.executable}"
               f"{waits}), buckets {self.engine.described}; {self.engine.runner.reason}", file=sys.stderr, flush=True)
+
+    def _native_plan(self):
+        """What the C++ half needs to take ``DirectRoute``'s steps by itself, without the GIL (the native route), or
+        None: ``(stream, seq, x row bytes, y row bytes, x row shape, y row shape, buckets)``, each bucket ``(size, x,
+        mask, y, staging x, staging mask, host y, graph exec)`` as addresses, every bucket listed smallest first
+        (the route picks the smallest that holds a run, as ``bucket_for`` does) and ``graph exec`` 0 for one without
+        a capture it can launch (its runs stay with Python). The buffers are made here, once, and are the ones
+        ``DirectRoute`` uses, so the two routes stay interchangeable; the capture's mask is then written every run
+        (``BucketEngine.static_mask_shared``), as neither route sees what the other left there."""
+        if os.environ.get(NATIVE_ROUTE_ENV, "1") == "0":
+            return None
+        engine, buckets, y_row, answer = self.engine, [], None, None
+        for size in engine.runner.sizes:
+            static = engine.static.get(size)
+            graph_exec = static.graph_exec() if static is not None else 0
+            y = static.y if static is not None else None
+            if not graph_exec or y is None or not y.is_contiguous() or list(static.x.shape[1:]) != engine.row_shape:
+                buckets.append((size, 0, 0, 0, 0, 0, 0, 0))
+                continue
+            stage_x, stage_mask = engine.staging(size)
+            host = engine.host_output(size, y)
+            y_row, answer = y[0].numel() * y.element_size(), tuple(y.shape[1:])
+            buckets.append((size, static.x.data_ptr(), static.mask.data_ptr(), y.data_ptr(), stage_x.data_ptr(),
+                            stage_mask.data_ptr(), host.data_ptr(), graph_exec))
+        if y_row is None:
+            return None
+        engine.static_mask_shared = True
+        return (self.stream.cuda_stream, self.direct.seq, self.direct.x_row, y_row, tuple(engine.row_shape), answer,
+                buckets)
+
+    def native_plan(self):
+        """The C++ half asks once, after the instance is made (``_native_plan``)."""
+        return self.native
+
+    def native_refused(self, why: str) -> None:
+        """The C++ half cannot take the plan (no CUDA driver library, say): Python's routes serve every execution,
+        and the capture's mask is again Python's alone."""
+        self.native = None
+        self.engine.static_mask_shared = False
+        print(f"{self.model.name} ({self.name}): no native route: {why}", file=sys.stderr, flush=True)
+
+    def enter_thread(self) -> None:
+        """The C++ half calls this on the execution thread before its first native run there (the device and stream,
+        as Python's routes set them on their first run)."""
+        if self.engine_thread != threading.get_ident():
+            self._enter_thread()
 
     def execute(self, requests: list) -> tuple[list, list]:
         """``(outcomes, runs)`` for one execution (see the module docstring)."""

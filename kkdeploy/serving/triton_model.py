@@ -531,6 +531,7 @@ class BucketEngine:
         # own input buffers and the run is its replay (no copies in, no clone out, no checks of what the gather built).
         self.static = static_calls(self.runner.buckets, self.cuda)
         self.static_all_true: dict[int, bool] = {}  # bucket -> its static mask holds all True from the last run
+        self.static_mask_shared = False  # the in-process backend's native route (C++) writes the captures' masks too
         self.buffers: dict[int, tuple] = {}
         self.host_outputs: dict[int, object] = {}  # bucket -> pinned host buffer for its answers (_to_host)
         self.host_inputs: dict[int, tuple] = {}  # bucket -> pinned host (x, mask) that gathers requests (staging)
@@ -567,6 +568,8 @@ class BucketEngine:
         run. A run whose mask is all True (a full bucket of mask-less requests) writes it only when the last run left
         something else there; any other run writes its rows. Both routes into a capture (``run`` and the in-process
         backend's direct route) ask here, so neither can trust a buffer the other changed."""
+        if self.static_mask_shared:  # the native route writes these buffers too, unseen here
+            return True
         if all_true:
             stale = not self.static_all_true.get(size)
             self.static_all_true[size] = True

@@ -24,8 +24,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -269,10 +271,316 @@ struct ModelState {
   }
 };
 
+struct Outcome {
+  bool ok = false;
+  TRITONSERVER_Error_Code code = TRITONSERVER_ERROR_INTERNAL;
+  std::string message;
+  std::vector<int64_t> shape;
+  const void* source = nullptr;  // the engine's answer for this request, valid until the next execute
+  uint64_t bytes = 0;
+  bool source_on_host = true;
+  bool native = false;  // answered by the native route: a response buffer on the GPU is filled here too
+};
+
+// The CUDA driver calls of the native route, looked up once per process in libcuda.so.1 (KKDEPLOY_CUDA_DRIVER
+// names another library with the same symbols: the CPU tests' stand-in): the backend needs no CUDA toolkit to build.
+struct Driver {
+  using HtoD = int (*)(unsigned long long, const void*, size_t, void*);
+  using DtoH = int (*)(void*, unsigned long long, size_t, void*);
+  using Fill = int (*)(unsigned long long, unsigned char, size_t, void*);
+  using Launch = int (*)(void*, void*);
+  using Wait = int (*)(void*);
+  using HtoDNow = int (*)(unsigned long long, const void*, size_t);
+  HtoD to_device = nullptr;
+  DtoH to_host = nullptr;
+  Fill fill = nullptr;
+  Launch launch = nullptr;
+  Wait wait = nullptr;
+  HtoDNow to_device_now = nullptr;
+  std::string error;  // why the driver cannot be used ("" when it can)
+};
+
+const Driver* CudaDriver()
+{
+  static std::once_flag once;
+  static Driver driver;
+  std::call_once(once, [] {
+    const char* path = std::getenv("KKDEPLOY_CUDA_DRIVER");
+    path = (path != nullptr && *path != '\0') ? path : "libcuda.so.1";
+    void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      const char* why = dlerror();
+      driver.error = std::string("cannot open ") + path + ": " + (why != nullptr ? why : "unknown");
+      return;
+    }
+    auto find = [&](const char* symbol) {
+      void* found = dlsym(lib, symbol);
+      if (found == nullptr && driver.error.empty()) {
+        driver.error = std::string(path) + " has no " + symbol;
+      }
+      return found;
+    };
+    driver.to_device = reinterpret_cast<Driver::HtoD>(find("cuMemcpyHtoDAsync_v2"));
+    driver.to_host = reinterpret_cast<Driver::DtoH>(find("cuMemcpyDtoHAsync_v2"));
+    driver.fill = reinterpret_cast<Driver::Fill>(find("cuMemsetD8Async"));
+    driver.launch = reinterpret_cast<Driver::Launch>(find("cuGraphLaunch"));
+    driver.wait = reinterpret_cast<Driver::Wait>(find("cuStreamSynchronize"));
+    driver.to_device_now = reinterpret_cast<Driver::HtoDNow>(find("cuMemcpyHtoD_v2"));
+  });
+  return &driver;
+}
+
+// One batch bucket as the native route sees it: the capture's own device buffers (x, mask, y), the bucket's pinned
+// host buffers (staging for x and the mask, the answer), and the executable graph (cudaGraphExec_t). exec == 0: this
+// bucket has no capture the route can replay, so its executions go to Python.
+struct NativeBucket {
+  long size = 0;
+  unsigned long long x = 0, mask = 0, y = 0;
+  char* stage_x = nullptr;
+  char* stage_mask = nullptr;
+  char* host_y = nullptr;
+  void* exec = nullptr;
+};
+
+// The native route: inprocess.DirectRoute's steps, taken here without the GIL, so that several instances (threads of
+// this process) gather, launch and wait at the same time instead of in turn. Planned by Python
+// (inprocess.Instance.native_plan); anything it does not cover returns false before anything is written, and the
+// execution goes to Python as before.
+struct NativeRoute {
+  const Driver* driver = nullptr;
+  void* stream = nullptr;
+  long seq = 0;
+  uint64_t x_row = 0, y_row = 0;
+  std::vector<int64_t> row_shape;  // x's dims after the batch
+  std::vector<int64_t> answer_shape;  // y's dims after the batch
+  std::vector<NativeBucket> buckets;  // every bucket, smallest first
+};
+
 struct InstanceState {
   ModelState* model = nullptr;
   PyObject* instance = nullptr;  // inprocess.Instance
+  NativeRoute* native = nullptr;
+  std::thread::id entered;  // the thread on which Python set the device and stream (Instance.enter_thread)
+  ~InstanceState() { delete native; }
 };
+
+// Reads inprocess.Instance.native_plan()'s tuple. Needs the GIL. nullptr (and `why`) where it cannot be used.
+NativeRoute* ReadNativePlan(PyObject* plan, std::string* why)
+{
+  if (plan == Py_None) {
+    return nullptr;
+  }
+  const Driver* driver = CudaDriver();
+  if (!driver->error.empty()) {
+    *why = driver->error;
+    return nullptr;
+  }
+  auto route = std::make_unique<NativeRoute>();
+  route->driver = driver;
+  PyObject *rows = nullptr, *answers = nullptr, *buckets = nullptr;
+  unsigned long long stream = 0, x_row = 0, y_row = 0;
+  if (!PyArg_ParseTuple(plan, "KlKKOOO", &stream, &route->seq, &x_row, &y_row, &rows, &answers, &buckets) ||
+      !PyTuple_Check(rows) || !PyTuple_Check(answers) || !PyList_Check(buckets)) {
+    PyErr_Clear();
+    *why = "native_plan() returned a malformed plan";
+    return nullptr;
+  }
+  route->stream = reinterpret_cast<void*>(static_cast<uintptr_t>(stream));
+  route->x_row = x_row;
+  route->y_row = y_row;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(rows); ++i) {
+    route->row_shape.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(rows, i)));
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(answers); ++i) {
+    route->answer_shape.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(answers, i)));
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(buckets); ++i) {
+    NativeBucket b;
+    unsigned long long sx = 0, smask = 0, hy = 0, exec = 0;
+    if (!PyArg_ParseTuple(PyList_GET_ITEM(buckets, i), "lKKKKKKK", &b.size, &b.x, &b.mask, &b.y, &sx, &smask, &hy,
+                          &exec)) {
+      PyErr_Clear();
+      *why = "native_plan() returned a malformed bucket";
+      return nullptr;
+    }
+    b.stage_x = reinterpret_cast<char*>(static_cast<uintptr_t>(sx));
+    b.stage_mask = reinterpret_cast<char*>(static_cast<uintptr_t>(smask));
+    b.host_y = reinterpret_cast<char*>(static_cast<uintptr_t>(hy));
+    b.exec = reinterpret_cast<void*>(static_cast<uintptr_t>(exec));
+    route->buckets.push_back(b);
+  }
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    *why = "native_plan() returned a malformed plan";
+    return nullptr;
+  }
+  return route.release();
+}
+
+// One input of a request in one host buffer, as the native route takes it: its rows (shape[0]) and bytes, or false.
+bool HostInput(
+    TRITONBACKEND_Request* request, const char* name, const std::vector<int64_t>& row_shape, uint64_t row_bytes,
+    bool* present, int64_t* rows, const void** data)
+{
+  TRITONBACKEND_Input* input = nullptr;
+  TRITONSERVER_Error* missing = TRITONBACKEND_RequestInput(request, name, &input);
+  if (missing != nullptr) {
+    TRITONSERVER_ErrorDelete(missing);
+    *present = false;
+    return true;
+  }
+  *present = true;
+  const char* input_name = nullptr;
+  TRITONSERVER_DataType datatype;
+  const int64_t* shape = nullptr;
+  uint32_t dims = 0, buffers = 0;
+  uint64_t byte_size = 0;
+  TRITONSERVER_Error* err =
+      TRITONBACKEND_InputProperties(input, &input_name, &datatype, &shape, &dims, &byte_size, &buffers);
+  if (err != nullptr) {
+    TRITONSERVER_ErrorDelete(err);
+    return false;
+  }
+  if (buffers != 1 || dims != row_shape.size() + 1 || shape[0] < 1) {
+    return false;
+  }
+  for (size_t i = 0; i < row_shape.size(); ++i) {
+    if (shape[i + 1] != row_shape[i]) {
+      return false;
+    }
+  }
+  uint64_t size = 0;
+  TRITONSERVER_MemoryType memory_type = TRITONSERVER_MEMORY_CPU;
+  int64_t memory_type_id = 0;
+  err = TRITONBACKEND_InputBuffer(input, 0, data, &size, &memory_type, &memory_type_id);
+  if (err != nullptr) {
+    TRITONSERVER_ErrorDelete(err);
+    return false;
+  }
+  *rows = shape[0];
+  return memory_type != TRITONSERVER_MEMORY_GPU && size == static_cast<uint64_t>(shape[0]) * row_bytes &&
+         byte_size == size;
+}
+
+// "cuX failed with CUresult N", or "" when every call succeeded.
+std::string DriverFailure(const char* call, int result)
+{
+  return result == 0 ? std::string() : std::string(call) + " failed with CUresult " + std::to_string(result);
+}
+
+// The native route for one execution: true when it answered (every outcome set, `stats` one run), false when the
+// execution is not for it (nothing written; Python takes it). No GIL.
+bool NativeExecute(
+    const NativeRoute& route, const std::string& model, TRITONBACKEND_Request** requests, uint32_t count,
+    std::vector<Outcome>* outcomes, std::vector<long>* stats)
+{
+  const uint64_t start = NowNs();
+  std::vector<int64_t> rows(count, 0);
+  std::vector<const void*> xs(count, nullptr), masks(count, nullptr);
+  bool all_valid = true;
+  int64_t n = 0;
+  for (uint32_t r = 0; r < count; ++r) {
+    bool present = false;
+    if (!HostInput(requests[r], kInputX, route.row_shape, route.x_row, &present, &rows[r], &xs[r]) || !present) {
+      return false;
+    }
+    int64_t mask_rows = 0;
+    bool has_mask = false;
+    if (!HostInput(requests[r], kInputMask, {route.seq}, static_cast<uint64_t>(route.seq), &has_mask, &mask_rows,
+                   &masks[r]) ||
+        (has_mask && mask_rows != rows[r])) {
+      return false;
+    }
+    if (!has_mask) {
+      masks[r] = nullptr;
+    }
+    all_valid = all_valid && !has_mask;
+    n += rows[r];
+  }
+  const NativeBucket* bucket = nullptr;
+  for (const NativeBucket& b : route.buckets) {
+    if (n <= b.size) {
+      bucket = &b;  // the smallest bucket that holds the rows (BucketedRunner.bucket_for)
+      break;
+    }
+  }
+  if (n == 0 || bucket == nullptr || bucket->exec == nullptr) {
+    return false;
+  }
+  const long size = bucket->size;
+  const uint64_t seq = static_cast<uint64_t>(route.seq);
+  uint64_t row = 0;
+  for (uint32_t r = 0; r < count; ++r) {
+    const uint64_t k = static_cast<uint64_t>(rows[r]);
+    std::memcpy(bucket->stage_x + row * route.x_row, xs[r], k * route.x_row);
+    if (!all_valid) {
+      if (masks[r] == nullptr) {
+        std::memset(bucket->stage_mask + row * seq, 1, k * seq);
+      } else {
+        std::memcpy(bucket->stage_mask + row * seq, masks[r], k * seq);
+      }
+    }
+    row += k;
+  }
+  const Driver& d = *route.driver;
+  const uint64_t real = static_cast<uint64_t>(n), pad = static_cast<uint64_t>(size) - real;
+  std::string failure = DriverFailure("cuMemcpyHtoDAsync", d.to_device(bucket->x, bucket->stage_x, real * route.x_row,
+                                                                       route.stream));
+  if (failure.empty() && pad > 0) {  // padding rows: zeros, fully masked
+    failure = DriverFailure("cuMemsetD8Async", d.fill(bucket->x + real * route.x_row, 0, pad * route.x_row,
+                                                       route.stream));
+  }
+  // The mask is written every run: Python's route (which writes the same capture) then cannot trust what it left
+  // there (BucketEngine.static_mask_shared).
+  if (failure.empty()) {
+    failure = all_valid
+                  ? DriverFailure("cuMemsetD8Async", d.fill(bucket->mask, 1, real * seq, route.stream))
+                  : DriverFailure("cuMemcpyHtoDAsync", d.to_device(bucket->mask, bucket->stage_mask, real * seq,
+                                                                   route.stream));
+  }
+  if (failure.empty() && pad > 0) {
+    failure = DriverFailure("cuMemsetD8Async", d.fill(bucket->mask + real * seq, 0, pad * seq, route.stream));
+  }
+  const uint64_t gathered = NowNs();
+  if (failure.empty()) {
+    failure = DriverFailure("cuGraphLaunch", d.launch(bucket->exec, route.stream));
+  }
+  if (failure.empty()) {
+    failure = DriverFailure("cuMemcpyDtoHAsync", d.to_host(bucket->host_y, bucket->y, real * route.y_row,
+                                                           route.stream));
+  }
+  if (failure.empty()) {
+    failure = DriverFailure("cuStreamSynchronize", d.wait(route.stream));
+  }
+  const uint64_t ran = NowNs();
+  row = 0;
+  for (uint32_t r = 0; r < count; ++r) {
+    Outcome& outcome = (*outcomes)[r];
+    if (!failure.empty()) {
+      outcome.ok = false;
+      outcome.code = TRITONSERVER_ERROR_INTERNAL;
+      outcome.message = model + ": native route: " + failure;
+      continue;
+    }
+    const uint64_t k = static_cast<uint64_t>(rows[r]);
+    outcome.ok = true;
+    outcome.native = true;
+    outcome.shape.assign(1, rows[r]);
+    outcome.shape.insert(outcome.shape.end(), route.answer_shape.begin(), route.answer_shape.end());
+    outcome.source = bucket->host_y + row * route.y_row;
+    outcome.bytes = k * route.y_row;
+    outcome.source_on_host = true;
+    row += k;
+  }
+  const uint64_t done = NowNs();
+  if (failure.empty()) {
+    for (long v : {static_cast<long>(gathered - start), static_cast<long>(ran - gathered),
+                   static_cast<long>(done - ran), size, static_cast<long>(n)}) {
+      stats->push_back(v);
+    }
+  }
+  return true;
+}
 
 // (shape, [(pointer, bytes, memory type, memory type id), ...]) of one input, or Py_None when the request has
 // none by that name. Needs the GIL. Returns nullptr with `error` set when Triton refuses.
@@ -320,15 +628,6 @@ PyObject* DescribeInput(TRITONBACKEND_Request* request, const char* name, TRITON
   return Py_BuildValue("(NN)", py_shape, py_buffers);
 }
 
-struct Outcome {
-  bool ok = false;
-  TRITONSERVER_Error_Code code = TRITONSERVER_ERROR_INTERNAL;
-  std::string message;
-  std::vector<int64_t> shape;
-  const void* source = nullptr;  // the engine's answer for this request, valid until the next execute
-  uint64_t bytes = 0;
-  bool source_on_host = true;
-};
 
 // Reads what inprocess.Instance.execute returned for one request: (shape, pointer, bytes, on_host) or
 // (code, message). Needs the GIL.
@@ -495,6 +794,22 @@ KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceInitialize(TRITON
       delete state;
       return Error(TRITONSERVER_ERROR_INTERNAL, std::string("kkdeploy instance ") + name + ": " + why);
     }
+    PyObject* plan = PyObject_CallMethod(state->instance, "native_plan", nullptr);
+    std::string why;
+    if (plan == nullptr) {
+      why = PythonError();
+    } else {
+      state->native = ReadNativePlan(plan, &why);
+      Py_DECREF(plan);
+    }
+    if (!why.empty()) {  // the instance serves through Python, as it would without the native route
+      PyObject* said = PyObject_CallMethod(state->instance, "native_refused", "s", why.c_str());
+      if (said == nullptr) {
+        PyErr_Clear();
+      }
+      Py_XDECREF(said);
+      Log(TRITONSERVER_LOG_WARN, std::string("kkdeploy instance ") + name + ": no native route: " + why);
+    }
   }
   return TRITONBACKEND_ModelInstanceSetState(instance, state);
 }
@@ -541,7 +856,25 @@ KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
   std::vector<long> stats;  // gather_ns, engine_ns, respond_ns, bucket, real per run
   uint64_t compute_start = 0;
   uint64_t compute_end = 0;
-  {
+  bool answered = false;
+  if (state->native != nullptr) {
+    if (state->entered != std::this_thread::get_id()) {  // Python sets this thread's device and stream, once
+      Gil gil;
+      PyObject* done = PyObject_CallMethod(state->instance, "enter_thread", nullptr);
+      if (done == nullptr) {
+        Log(TRITONSERVER_LOG_ERROR, "kkdeploy instance enter_thread: " + PythonError());
+      } else {
+        state->entered = std::this_thread::get_id();
+      }
+      Py_XDECREF(done);
+    }
+    if (state->entered == std::this_thread::get_id()) {
+      compute_start = NowNs();
+      answered = NativeExecute(*state->native, model->name, requests, request_count, &outcomes, &stats);
+      compute_end = NowNs();
+    }
+  }
+  if (!answered) {
     Gil gil;
     PyObject* described = PyList_New(request_count);
     std::vector<bool> refused(request_count, false);
@@ -639,6 +972,14 @@ KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
     }
     if (outcome.source_on_host && memory_type != TRITONSERVER_MEMORY_GPU) {
       std::memcpy(buffer, outcome.source, outcome.bytes);
+    } else if (outcome.native) {  // a client's CUDA shared-memory region: one synchronous copy from the host answer
+      std::string failure = DriverFailure(
+          "cuMemcpyHtoD", state->native->driver->to_device_now(
+                              static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(buffer)), outcome.source,
+                              outcome.bytes));
+      if (!failure.empty()) {
+        send_errors[r] = Error(TRITONSERVER_ERROR_INTERNAL, model->name + ": native route: " + failure);
+      }
     } else {
       deferred.emplace_back(r, buffer, outcome.bytes, static_cast<int>(memory_type), memory_type_id);
     }
