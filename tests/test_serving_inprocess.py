@@ -492,3 +492,138 @@ def test_the_driver_checks_every_call_and_makes_none_for_nothing():
         driver.to_device(0x1000, 0x2000, 64, 7)
     with pytest.raises(RuntimeError, match="^cuStreamSynchronize failed with CUresult 700$"):
         driver.wait(7)
+
+
+def _native_server(repository: Path, work: Path, monkeypatch, **env: str):
+    """A real tritonserver serving ``repository`` in process, its instances on the CPU stand-in for a CUDA engine and
+    driver (tests/native_standin: bucket 1 launchable by the native route, bucket 2 not), with ``env`` set."""
+    standin = Path(__file__).parent / "native_standin"
+    stub = work / "libkk_stub_cuda.so"
+    if not stub.is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", "-O1", "-o", str(stub),
+                        str(standin / "stub_cuda.c")], check=True)
+    import os
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(standin), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("KKDEPLOY_NATIVE_STANDIN", "1")
+    monkeypatch.setenv("KKDEPLOY_CUDA_DRIVER", str(stub))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    install = triton_server.find_server() or triton_server.install_server()
+    ports = triton_server.free_ports()
+    server = triton_server.TritonServer(install, repository, work / f"server-{len(list(work.iterdir()))}",
+                                        **{f"{k}_port": v for k, v in ports.items()})
+    return server, ports
+
+
+def _native_cases(ports: dict):
+    """Send three requests: 1 row, 1 row with a padded mask (bucket 1: the native route's), 2 rows with a mask
+    (bucket 2: Python's); ``[(x, mask, answer or the error's text)]``."""
+    import tritonclient.grpc as grpcclient
+
+    rng = np.random.default_rng(5)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['grpc']}")
+    out = []
+    try:
+        for rows, padded in ((1, False), (1, True), (2, True)):
+            x = rng.standard_normal((rows, 8, 16)).astype(np.float32)
+            mask = np.ones((rows, 8), dtype=bool)
+            if padded:
+                mask[:, 5:] = False
+            inputs = [grpcclient.InferInput("x", list(x.shape), "FP32"),
+                      grpcclient.InferInput("valid_token_mask", list(mask.shape), "BOOL")][:2 if padded else 1]
+            inputs[0].set_data_from_numpy(x)
+            if padded:
+                inputs[1].set_data_from_numpy(mask)
+            try:
+                answer = client.infer("kkdeploy", inputs).as_numpy("y")
+            except Exception as exc:  # noqa: BLE001 - the error is what the test reads
+                answer = str(exc)
+            out.append((x, mask, answer))
+    finally:
+        client.close()
+    return out
+
+
+def test_the_native_route_serves_in_cpp_and_leaves_the_rest_to_python(repository, tmp_path, monkeypatch):
+    """The C++ half's native route in a real tritonserver, on the CPU stand-in for a CUDA engine and driver: it
+    gathers a request's rows into the bucket's staging, pads and masks the bucket, launches the graph, copies the
+    answer back and answers, with the GIL untouched; a run whose bucket has no launchable graph goes to Python's
+    route; both routes' answers are 2 * x * mask, exact. A launch that fails answers that execution with the call's
+    name and code; a driver library that cannot be opened leaves every run to Python, and says so."""
+    log = tmp_path / "routes.log"
+    server, ports = _native_server(repository, tmp_path / "work", monkeypatch, KKDEPLOY_STANDIN_LOG=str(log))
+    with server:
+        server.wait_ready(120)
+        cases = _native_cases(ports)
+        metrics = urllib_get(f"http://127.0.0.1:{ports['metrics']}/metrics")
+    for x, mask, answer in cases:
+        assert isinstance(answer, np.ndarray), answer
+        assert np.array_equal(answer, x * 2 * mask[..., None])
+    # the native route ran the two 1-row requests (the second padded to 5 valid tokens), Python the 2-row one
+    assert log.read_text().split("\n")[-4:-1] == ["native 1 8", "native 1 5", "python 2 10"]
+    assert "native route (C++)" in server.log_text()
+    assert re.search(r'kkdeploy_bucket_executions_total\{bucket="1",model="kkdeploy"\} 2', metrics), metrics
+    assert re.search(r'kkdeploy_rows_total\{kind="real",model="kkdeploy"\} 4', metrics), metrics
+
+    server, ports = _native_server(repository, tmp_path / "work", monkeypatch, KKDEPLOY_STUB_LAUNCH_RESULT="700")
+    with server:
+        server.wait_ready(120)
+        (_, _, first), (_, _, second), (x, mask, third) = _native_cases(ports)
+    for failed in (first, second):
+        assert isinstance(failed, str) and "kkdeploy: native route: cuGraphLaunch failed with CUresult 700" in failed
+    assert np.array_equal(third, x * 2 * mask[..., None])  # Python's route, unaffected
+
+    monkeypatch.delenv("KKDEPLOY_STUB_LAUNCH_RESULT")
+    server, ports = _native_server(repository, tmp_path / "work", monkeypatch,
+                                   KKDEPLOY_CUDA_DRIVER=str(tmp_path / "no-such-libcuda.so"))
+    with server:
+        server.wait_ready(120)
+        cases = _native_cases(ports)
+    assert all(np.array_equal(answer, x * 2 * mask[..., None]) for x, mask, answer in cases)
+    assert "no native route: cannot open" in server.log_text()
+    assert log.read_text().split("\n")[-4:-1] == ["python 1 8", "python 1 5", "python 2 10"]
+
+
+def urllib_get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def test_the_native_plan_names_each_bucket_and_shares_the_captures_masks(monkeypatch, capsys):
+    """``Instance._native_plan``: every bucket smallest first, with its capture's buffers and graph where it has one
+    to launch (else zeros: Python's); the capture's mask is then written every run by both routes; refused by the
+    C++ half or turned off, the instance is Python's alone again."""
+    from engines.cuda_graph import StaticCall
+
+    engine, captures = captured_bucket_engine((1, 2, 4))
+    engine.static[2] = StaticCall(captures[2].x, captures[2].mask, captures[2]._replay, captures[2].y, lambda: 0xbeef)
+    engine.static[4] = StaticCall(captures[4].x, captures[4].mask, captures[4]._replay, captures[4].y, lambda: 0xcafe)
+    del engine.static[1]
+    instance = inprocess.Instance.__new__(inprocess.Instance)
+    instance.model, instance.name, instance.engine = types.SimpleNamespace(name="m"), "m_0", engine
+    instance.stream = types.SimpleNamespace(cuda_stream=77)
+    instance.direct = inprocess.DirectRoute(engine, _HostDriver())
+    plan = instance._native_plan()
+    stream, seq, x_row, y_row, rows, answer, buckets = plan
+    assert (stream, seq, x_row, y_row, rows, answer) == (77, 3, 24, 24, (3, 2), (3, 2))
+    assert [b[0] for b in buckets] == [1, 2, 4] and buckets[0] == (1, 0, 0, 0, 0, 0, 0, 0)
+    for (size, x, mask, y, sx, smask, hy, graph), exec_ in zip(buckets[1:], (0xbeef, 0xcafe)):
+        stage_x, stage_mask = engine.staging(size)
+        assert (x, mask, y) == (captures[size].x.data_ptr(), captures[size].mask.data_ptr(), captures[size].y.data_ptr())
+        assert (sx, smask, hy, graph) == (stage_x.data_ptr(), stage_mask.data_ptr(),
+                                          engine.host_outputs[size].data_ptr(), exec_)
+    assert engine.static_mask_shared and engine.static_mask_stale(4, all_true=True)
+    assert engine.static_mask_stale(4, all_true=True)  # written again: the native route may have changed it
+    instance.native = plan
+    instance.native_refused("cannot open libcuda.so.1")
+    assert instance.native_plan() is None and not engine.static_mask_shared
+    assert "m (m_0): no native route: cannot open libcuda.so.1" in capsys.readouterr().err
+    monkeypatch.setenv(inprocess.NATIVE_ROUTE_ENV, "0")
+    assert instance._native_plan() is None
+    monkeypatch.delenv(inprocess.NATIVE_ROUTE_ENV)
+    engine.static = {1: captures[1].static_call()}  # no capture to launch anywhere: no plan
+    assert instance._native_plan() is None
