@@ -28,7 +28,8 @@ def test_every_backend_kernel_and_serving_part_has_a_line_and_every_off_line_a_r
     assert sorted(names) == sorted(d.recipe_name or d.choices[0].name for d in registry.DESCRIPTORS.values())
     assert _check(report, "validation", "Polygraphy comparator")["status"] == env.OK
     assert {c["name"] for c in report["checks"] if c["area"] == "serving"} == {
-        "tritonserver", "Python backend", "in-process backend", "load generator client"}
+        "tritonserver", "Python backend", "in-process backend", "in-process native route", "load generator client"}
+    assert "no CUDA device" in _check(report, "serving", "in-process native route")["detail"]
     for check in report["checks"]:
         assert check["status"] in (env.OK, env.OFF), check  # no check may fail on a healthy machine
         assert check["detail"], check

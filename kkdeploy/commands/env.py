@@ -150,6 +150,11 @@ def proof_checks(device: torch.device) -> list[Check]:
     return [_asked("proofs", "proof cache", cache)]
 
 
+#: the CUDA driver calls the in-process backend's native route makes (serving/csrc/kkdeploy_backend.cc, CudaDriver)
+NATIVE_DRIVER_CALLS = ("cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "cuMemsetD8Async", "cuGraphLaunch",
+                       "cuStreamSynchronize", "cuMemcpyHtoD_v2")
+
+
 def serving_checks() -> list[Check]:
     """What `kkdeploy serve` and `kkdeploy loadtest` need: the server binary, a Python the Python-backend stub can
     embed, a compiler for kkdeploy's in-process backend, and the client library."""
@@ -169,6 +174,25 @@ def serving_checks() -> list[Check]:
         python_link_flags()
         return None, f"compiled on first use by {compiler_version(cxx)} for Python {platform.python_version()}"
 
+    def native():
+        """The in-process backend's native route: a captured graph's executable from torch, a GPU, the driver."""
+        if not callable(getattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec", None)):
+            return (f"torch {torch.__version__} does not hand out a captured graph's executable "
+                    f"(CUDAGraph.raw_cuda_graph_exec): Python's direct route serves instead"), ""
+        if not torch.cuda.is_available():
+            return "no CUDA device: the route replays captured CUDA graphs; Python's routes serve instead", ""
+        import ctypes
+
+        path = os.environ.get("KKDEPLOY_CUDA_DRIVER") or "libcuda.so.1"
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as exc:
+            return f"cannot open {path} ({exc}): Python's direct route serves instead", ""
+        missing = [f for f in NATIVE_DRIVER_CALLS if not hasattr(lib, f)]
+        if missing:
+            return f"{path} has no {', '.join(missing)}: Python's direct route serves instead", ""
+        return None, f"the C++ half copies, launches the captured graph and waits by itself ({path})"
+
     def client():
         from importlib.metadata import PackageNotFoundError, version
 
@@ -178,7 +202,8 @@ def serving_checks() -> list[Check]:
             return "tritonclient is not installed: pip install 'tritonclient[grpc,http]' (kkdeploy loadtest)", ""
 
     return [_asked("serving", "tritonserver", server), _asked("serving", "Python backend", stub),
-            _asked("serving", "in-process backend", inprocess), _asked("serving", "load generator client", client)]
+            _asked("serving", "in-process backend", inprocess), _asked("serving", "in-process native route", native),
+            _asked("serving", "load generator client", client)]
 
 
 def collect(device: torch.device, dtype: torch.dtype) -> dict:
