@@ -388,17 +388,18 @@ step_cli() {
     python3 -m kkdeploy inspect "$WORK/cli-$s-$w" 2>&1 | head -7
   done
   # Then serving it as a user would: `kkdeploy serve` on the artifact with weights of our own (one bucket, the
-  # artifact's batch), the default engine and then the in-process one, a load test from another shell, and Ctrl-C.
+  # artifact's batch), the default engine (on a GPU: the in-process backend where it builds) and then the Python
+  # backend, a load test from another shell, and Ctrl-C.
   # On the GPU this needs the serving carry (.whl/serving, scripts/serving_carry.sh); the CPU has its own server.
   if [ "$DEVICE" = cpu ] || { [ -f .whl/serving/SHA256SUMS ] && . scripts/serving_setup.sh; }; then
-    for engine in auto inprocess; do
+    for engine in auto python; do
       echo "--- kkdeploy serve --artifacts cli-$s-own --engine $engine; kkdeploy loadtest; Ctrl-C"
       python3 -m kkdeploy serve --artifacts "$WORK/cli-$s-own" --engine "$engine" > "$WORK/cli-serve.log" 2>&1 &
       pid=$!
       for _ in $(seq 1 600); do
         grep -q "^ready in" "$WORK/cli-serve.log" && break; kill -0 "$pid" 2>/dev/null || break; sleep 0.5
       done
-      grep -E "^ready in|in-process on|^error" "$WORK/cli-serve.log" | cut -c1-300
+      grep -E "^repository|^ready in|in-process on|^error" "$WORK/cli-serve.log" | cut -c1-300
       python3 -m kkdeploy loadtest --artifacts "$WORK/cli-$s-own" --protocol grpc --processes 2 --concurrency 4 \
         --requests 1500 --mix 1:0.7,4:0.3 --padding 0,0.25 2>&1 | tail -14 || echo "cli loadtest $engine: exit $?"
       kill -INT "$pid" 2>/dev/null; wait "$pid"; echo "serve exit $?"

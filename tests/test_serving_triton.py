@@ -399,6 +399,35 @@ def test_a_cuda_one_hop_model_answers_from_host_memory_unless_asked(built, tmp_p
         triton_repo.write_repository(cuda, tmp_path / "x", output_device="host")
 
 
+def test_auto_serves_a_cuda_artifact_here_in_process_where_the_backend_builds(built, tmp_path, monkeypatch):
+    """``--engine auto`` in a repository this machine serves (``kkdeploy serve``, ``loadtest --serve``): a CUDA
+    artifact takes the in-process backend, saying so; where it cannot be built, the Python backend, saying why. A CPU
+    artifact, a repository for elsewhere (``triton-repo``), the two-hop layout and an explicit engine are as before."""
+    from kkdeploy.serving import backend_build
+
+    cuda = tmp_path / "cuda"
+    shutil.copytree(built, cuda)
+    manifest = artifacts.read_json(cuda / artifacts.MANIFEST)
+    manifest["environment"]["device"]["type"] = "cuda"
+    artifacts.write_json(cuda / artifacts.MANIFEST, manifest)
+    info = triton_repo.write_repository(cuda, tmp_path / "here", served_here=True)
+    assert info.engine_backend == triton_repo.INPROCESS_BACKEND and "--engine auto on a CUDA artifact" in info.engine_reason
+    assert (tmp_path / "here" / "kkdeploy" / "1" / backend_build.LIBRARY_NAME).is_file()
+    for out, kw in (("elsewhere", {}), ("python", dict(engine="python", served_here=True))):
+        assert triton_repo.write_repository(cuda, tmp_path / out, **kw).engine_backend == "python", out
+    two_hop = triton_repo.write_repository(cuda, tmp_path / "two-hop", topology="two-hop", served_here=True)
+    assert two_hop.topology == "two-hop" and two_hop.engine_backend != triton_repo.INPROCESS_BACKEND
+    assert triton_repo.write_repository(built, tmp_path / "cpu", served_here=True).engine_backend == "python"
+
+    def no_compiler(log=None):
+        raise KKError("no C++ compiler found (g++)")
+
+    monkeypatch.setattr(backend_build, "backend_library", no_compiler)
+    info = triton_repo.write_repository(cuda, tmp_path / "no-compiler", served_here=True)
+    assert info.engine_backend == "python"
+    assert "the in-process backend cannot be built here: no C++ compiler found" in info.engine_reason
+
+
 def test_python_engine_repository_and_refusals(built, fallback_built, tmp_path):
     info = triton_repo.write_repository(built, tmp_path / "py", engine="python", topology="two-hop")
     engine = _parse_config(tmp_path / "py" / "kkdeploy_engine" / "config.pbtxt")

@@ -71,7 +71,7 @@ def local_server(args, ports: dict | None = None):
         info = write_repository(args.artifacts, workdir / "repository", model_name=args.model_name,
                                 engine=args.engine, max_queue_delay_us=args.max_queue_delay_us,
                                 available_backends=install.backends(), topology=args.topology,
-                                instances=args.instances)
+                                instances=args.instances, served_here=True)
         for attempt in range(1 if ports else 3):
             chosen = dict(ports) if ports else triton_server.free_ports(
                 args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1")

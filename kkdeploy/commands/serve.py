@@ -115,7 +115,7 @@ def run(args) -> int:
         info = write_repository(args.artifacts, workdir / "repository", model_name=args.model_name,
                                 engine=args.engine, max_queue_delay_us=args.max_queue_delay_us,
                                 available_backends=install.backends(), topology=args.topology,
-                                instances=args.instances, output_device=args.output_device,
+                                instances=args.instances, output_device=args.output_device, served_here=True,
                                 parameters={"kkdeploy_serve_token": token, "kkdeploy_canary_file": str(canary_file),
                                             "kkdeploy_release_dir": str(release_dir)})
         if info.device_type == "cuda" and not Path("/dev/nvidiactl").exists():

@@ -27,7 +27,9 @@ def add_topology_args(p) -> None:
     from ..serving.triton_repo import ENGINE_CHOICES
 
     p.add_argument("--engine", choices=list(ENGINE_CHOICES), default="auto",
-                   help="auto (default): one hop, the engine inside the batching Python model through kkdeploy.load; "
+                   help="auto (default): one hop; the engine inside the batching Python model through kkdeploy.load, "
+                        "or, where `kkdeploy serve` serves a CUDA artifact, the in-process backend if it can be "
+                        "built here; "
                         "inprocess: one hop, the engine inside tritonserver's own process through kkdeploy's C++ "
                         "backend (compiled here for this Python; no stub, no shared-memory hop); native: an "
                         "onnxruntime/tensorrt engine model behind a Python front (two hops, batch B only); python: "
