@@ -63,8 +63,9 @@ def run_interpreter_script(script: str) -> list:
     results; skips where Triton is not importable or its interpreter cannot run with this numpy."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    # the GPU's fma (one rounding), and numpy 2.4's int() of 1-element arrays
-    script = "from tests.interpreter_support import exact_fma, scalar_index\nexact_fma()\nscalar_index()\n" + script
+    # the GPU's fma (one rounding), tile dots whatever the BLAS, and numpy 2.4's int() of 1-element arrays
+    script = ("from tests.interpreter_support import exact_dot, exact_fma, scalar_index\n"
+              "exact_fma()\nexact_dot()\nscalar_index()\n") + script
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], env=env, timeout=600)
     if run.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in run.stderr:

@@ -213,6 +213,7 @@ def test_one_hop_gather_reuses_its_buffers_and_rewrites_every_row():
     model.runner = BucketedRunner({1: Engine(), 2: Engine(), 4: Engine()})
     model.row_shape, model.dtype, model.device, model.cuda = [3, 2], torch.float32, torch.device("cpu"), False
     model.inference_mode, model.buffers, model.static, model.static_all_true = torch.inference_mode, {}, {}, {}
+    model.static_mask_shared = False
     model.gpu_outputs = False
     model.all_valid = {b: torch.ones([b, 3], dtype=torch.bool) for b in (1, 2, 4)}
     full = [torch.full((2, 3, 2), 5.0), torch.full((2, 3, 2), 7.0)]
