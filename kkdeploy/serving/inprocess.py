@@ -14,7 +14,11 @@ Triton's C API and calls in here with plain Python values:
   metrics;
 * ``instance.copy_out(targets)`` when an answer must go where the C++ half does not copy (GPU memory on either
   side): ``(request index, pointer, bytes, memory type, memory type id)``;
-* ``instance.finalize()`` when Triton unloads the instance (the release marker ``kkdeploy serve`` waits for).
+* ``instance.finalize()`` when Triton unloads the instance (the release marker ``kkdeploy serve`` waits for);
+* ``instance.native_plan()`` once, after the instance is made: what the C++ half needs to serve the executions it
+  can by itself, without calling here (the native route: the captures' and staging buffers' addresses, the
+  executable graphs, the stream), or None; ``instance.native_refused(why)`` when it cannot use the plan, and
+  ``instance.enter_thread()`` before its first native run on a thread.
 
 The batching, padding and answers are the Python backend's one-hop model's (``triton_model.BucketEngine``), so the
 two backends cannot differ in what they compute; the serving tests check both bit for bit.
