@@ -108,42 +108,4 @@ def proof_sandbox(monkeypatch, tmp_path):
     proof._kernel_environment.cache_clear()
 
 
-class CapturedStandIn:
-    """A CUDA graph capture's shape on the CPU, for the serving tests: static buffers (rows of [3, 2]), a replay that
-    reads them (``y = 2 * x * mask``) into a static output, and an ordinary call that must never run where the
-    static call exists."""
-    backend, reason = "captured", ""
-
-    def __init__(self, size: int):
-        self.x, self.mask = torch.zeros(size, 3, 2), torch.zeros(size, 3, dtype=torch.bool)
-        self.y, self.replays = torch.zeros(size, 3, 2), []
-
-    def _replay(self):
-        self.replays.append((self.x.clone(), self.mask.clone()))
-        self.y.copy_(self.x * 2 * self.mask[..., None])
-        return self.y
-
-    def static_call(self):
-        from engines.cuda_graph import StaticCall
-
-        return StaticCall(self.x, self.mask, self._replay)
-
-    def __call__(self, x, mask):
-        raise AssertionError("the ordinary call ran")
-
-
-def captured_bucket_engine(sizes=(1, 4)):
-    """``(BucketEngine on the CPU over CapturedStandIn buckets, {size: capture})``, built without loading artifacts."""
-    from kkdeploy.pipeline.runtime import BucketedRunner
-    from kkdeploy.serving import triton_model
-
-    captures = {b: CapturedStandIn(b) for b in sizes}
-    engine = triton_model.BucketEngine.__new__(triton_model.BucketEngine)
-    engine.runner = BucketedRunner(captures)
-    engine.row_shape, engine.dtype, engine.device, engine.cuda = [3, 2], torch.float32, torch.device("cpu"), False
-    engine.inference_mode, engine.buffers, engine.static_all_true = torch.inference_mode, {}, {}
-    engine.static_mask_shared = False
-    engine.static, engine.gpu_outputs = {b: r.static_call() for b, r in captures.items()}, False
-    engine.all_valid = {b: torch.ones([b, 3], dtype=torch.bool) for b in sizes}
-    engine.host_inputs, engine.host_outputs, engine.max_batch = {}, {}, max(sizes)
-    return engine, captures
+from tests.standins import CapturedStandIn, HostDriver, captured_bucket_engine  # noqa: E402,F401 - the tests' names

@@ -24,7 +24,7 @@ from kkdeploy.errors import KKError
 from kkdeploy.pipeline.runtime import bucketed
 from kkdeploy.serving import backend_build, cuda_driver, inprocess, loadtest, triton_server
 from kkdeploy.serving.triton_repo import write_repository
-from tests.conftest import build_serving_artifact, captured_bucket_engine
+from tests.conftest import HostDriver, build_serving_artifact, captured_bucket_engine
 
 pytestmark = pytest.mark.slow
 
@@ -334,29 +334,6 @@ def test_the_host_wait_mode_can_be_set_and_a_wrong_one_is_refused_before_anythin
     assert cuda_driver.host_wait_wanted() == "leave"
 
 
-class _HostDriver:
-    """``cuda_driver.Driver``'s calls on host memory (a CPU tensor's pointer stands for a device pointer)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def to_device(self, dst, src, nbytes, stream):
-        self.calls.append(("to_device", nbytes))
-        ctypes.memmove(dst, src, nbytes)
-
-    def to_host(self, dst, src, nbytes, stream):
-        self.calls.append(("to_host", nbytes))
-        ctypes.memmove(dst, src, nbytes)
-
-    def fill(self, dst, value, nbytes, stream):
-        if nbytes:  # as the driver: no call for nothing
-            self.calls.append(("fill", value, nbytes))
-            ctypes.memset(dst, value, nbytes)
-
-    def wait(self, stream):
-        self.calls.append(("wait",))
-
-
 def _request(x: np.ndarray, mask: np.ndarray | None, memory=inprocess.MEMORY_CPU):
     """A request as the C++ half describes it: ``((shape, buffers), mask or None)``, pointers into ``x``/``mask``."""
     described = (list(x.shape), [(x.ctypes.data, x.nbytes, memory, 0)])
@@ -371,7 +348,7 @@ def test_the_direct_route_moves_the_same_bytes_as_torch_s_copies_and_waits_once(
     ``BucketEngine.run`` on the same requests. Requests it cannot take (GPU memory, pieces, a wrong size, more rows
     than a run holds) are left to that route."""
     engine, captures = captured_bucket_engine()
-    driver = _HostDriver()
+    driver = HostDriver()
     route = inprocess.DirectRoute(engine, driver)
     a = np.arange(6, dtype=np.float32).reshape(1, 3, 2)
     b = np.full((2, 3, 2), 7.0, dtype=np.float32)
@@ -423,7 +400,7 @@ def test_an_instance_takes_the_direct_route_and_answers_every_request_when_it_fa
     instance = inprocess.Instance.__new__(inprocess.Instance)
     instance.model, instance.engine, instance.last = types.SimpleNamespace(name="m"), engine, {}
     instance.x_dtype, instance.mask_dtype, instance.engine_thread = torch.float32, torch.bool, threading.get_ident()
-    instance.direct = inprocess.DirectRoute(engine, _HostDriver())
+    instance.direct = inprocess.DirectRoute(engine, HostDriver())
     a = np.full((1, 3, 2), 3.0, dtype=np.float32)
     outcomes, runs = instance.execute([_request(a, None)])
     assert outcomes[0][1] == engine.host_outputs[1].data_ptr()
@@ -434,7 +411,7 @@ def test_an_instance_takes_the_direct_route_and_answers_every_request_when_it_fa
     assert outcomes[0][0] == (1, 3, 2) and len(captures[1].replays) == 2
     assert torch.equal(instance.last[0], torch.from_numpy(2 * a))
 
-    class Broken(_HostDriver):
+    class Broken(HostDriver):
         def wait(self, stream):
             raise RuntimeError("cuStreamSynchronize failed with CUresult 700")
 
@@ -597,25 +574,21 @@ def test_the_native_plan_names_each_bucket_and_shares_the_captures_masks(monkeyp
     """``Instance._native_plan``: every bucket smallest first, with its capture's buffers and graph where it has one
     to launch (else zeros: Python's); the capture's mask is then written every run by both routes; refused by the
     C++ half or turned off, the instance is Python's alone again."""
-    from engines.cuda_graph import StaticCall
-
-    engine, captures = captured_bucket_engine((1, 2, 4))
-    engine.static[2] = StaticCall(captures[2].x, captures[2].mask, captures[2]._replay, captures[2].y, lambda: 0xbeef)
-    engine.static[4] = StaticCall(captures[4].x, captures[4].mask, captures[4]._replay, captures[4].y, lambda: 0xcafe)
-    del engine.static[1]
+    engine, captures = captured_bucket_engine((1, 2, 4), launchable=(2, 4))  # bucket 1: no graph to launch
     instance = inprocess.Instance.__new__(inprocess.Instance)
     instance.model, instance.name, instance.engine = types.SimpleNamespace(name="m"), "m_0", engine
     instance.stream = types.SimpleNamespace(cuda_stream=77)
-    instance.direct = inprocess.DirectRoute(engine, _HostDriver())
+    instance.direct = inprocess.DirectRoute(engine, HostDriver())
     plan = instance._native_plan()
     stream, seq, x_row, y_row, rows, answer, buckets = plan
     assert (stream, seq, x_row, y_row, rows, answer) == (77, 3, 24, 24, (3, 2), (3, 2))
     assert [b[0] for b in buckets] == [1, 2, 4] and buckets[0] == (1, 0, 0, 0, 0, 0, 0, 0)
-    for (size, x, mask, y, sx, smask, hy, graph), exec_ in zip(buckets[1:], (0xbeef, 0xcafe)):
+    for size, x, mask, y, sx, smask, hy, graph in buckets[1:]:
         stage_x, stage_mask = engine.staging(size)
         assert (x, mask, y) == (captures[size].x.data_ptr(), captures[size].mask.data_ptr(), captures[size].y.data_ptr())
         assert (sx, smask, hy, graph) == (stage_x.data_ptr(), stage_mask.data_ptr(),
-                                          engine.host_outputs[size].data_ptr(), exec_)
+                                          engine.host_outputs[size].data_ptr(), captures[size].graph_exec())
+        assert graph != 0
     assert engine.static_mask_shared and engine.static_mask_stale(4, all_true=True)
     assert engine.static_mask_stale(4, all_true=True)  # written again: the native route may have changed it
     instance.native = plan

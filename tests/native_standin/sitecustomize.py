@@ -4,4 +4,6 @@ PYTHONPATH): the test's stand-in engine, only inside tritonserver and only when 
 import os
 
 if os.environ.get("KKDEPLOY_NATIVE_STANDIN") and os.path.basename(os.readlink("/proc/self/exe")) == "tritonserver":
-    import kk_native_standin  # noqa: F401
+    import kk_native_standin
+
+    kk_native_standin.install()

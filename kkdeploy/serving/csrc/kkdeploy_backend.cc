@@ -353,6 +353,7 @@ struct NativeRoute {
   uint64_t x_row = 0, y_row = 0;
   std::vector<int64_t> row_shape;  // x's dims after the batch
   std::vector<int64_t> answer_shape;  // y's dims after the batch
+  std::vector<int64_t> mask_row;  // the mask's dims after the batch: [seq]
   std::vector<NativeBucket> buckets;  // every bucket, smallest first
 };
 
@@ -386,6 +387,7 @@ NativeRoute* ReadNativePlan(PyObject* plan, std::string* why)
     return nullptr;
   }
   route->stream = reinterpret_cast<void*>(static_cast<uintptr_t>(stream));
+  route->mask_row.assign(1, route->seq);
   route->x_row = x_row;
   route->y_row = y_row;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(rows); ++i) {
@@ -486,7 +488,7 @@ bool NativeExecute(
     }
     int64_t mask_rows = 0;
     bool has_mask = false;
-    if (!HostInput(requests[r], kInputMask, {route.seq}, static_cast<uint64_t>(route.seq), &has_mask, &mask_rows,
+    if (!HostInput(requests[r], kInputMask, route.mask_row, static_cast<uint64_t>(route.seq), &has_mask, &mask_rows,
                    &masks[r]) ||
         (has_mask && mask_rows != rows[r])) {
       return false;
