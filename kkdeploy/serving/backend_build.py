@@ -50,35 +50,39 @@ def python_link_flags() -> tuple[list[str], list[str]]:
             [str(library), f"-Wl,-rpath,{libdir}", "-ldl"])
 
 
-def build_key(cxx: str, flags: list[str]) -> str:
-    digest = hashlib.sha256()
-    for path in SOURCES:
-        digest.update(path.read_bytes())
-    digest.update("\0".join([compiler_version(cxx), sys.version, *flags]).encode())
-    return digest.hexdigest()[:24]
-
-
 def backend_library(log=None) -> Path:
     """The compiled backend for this Python, built on first use (a few seconds) and cached."""
     cxx = cxx_compiler(WHAT, OTHERWISE)
     compile_flags, link_flags = python_link_flags()
     flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", f"-I{THIRD_PARTY}", *compile_flags]
-    target_dir = cache_root() / "triton-backend" / build_key(cxx, flags + link_flags)
-    target = target_dir / LIBRARY_NAME
+    return compiled_library(cxx, SOURCES, flags, link_flags, "triton-backend", LIBRARY_NAME, WHAT, OTHERWISE, log)
+
+
+def compiled_library(cxx: str, sources: list[Path], flags: list[str], link_flags: list[str], folder: str,
+                     name: str, what: str, otherwise: str, log=None) -> Path:
+    """``sources[0]`` compiled into the shared library ``name`` under ``$KKDEPLOY_CACHE_DIR/<folder>/<key>/``, keyed
+    by every source's bytes, the compiler's version and the flags; written atomically, so a half-written library is
+    never found, and a failed compile is a one-line KKError naming ``what`` and the way around it."""
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.read_bytes())
+    digest.update("\0".join([compiler_version(cxx), sys.version, *flags, *link_flags]).encode())
+    target_dir = cache_root() / folder / digest.hexdigest()[:24]
+    target = target_dir / name
     if target.is_file():
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
-    partial = target_dir / f".{LIBRARY_NAME}.{os.getpid()}.tmp"
+    partial = target_dir / f".{name}.{os.getpid()}.tmp"
     if log is not None:
-        log(f"compiling {WHAT} ({Path(cxx).name}, Python {sys.version.split()[0]})")
-    command = [cxx, *flags, "-o", str(partial), str(SOURCES[0]), *link_flags]
+        log(f"compiling {what} ({Path(cxx).name}, Python {sys.version.split()[0]})")
+    command = [cxx, *flags, "-o", str(partial), str(sources[0]), *link_flags]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise KKError(f"compiling {WHAT} failed to run: {exc}") from None
+        raise KKError(f"compiling {what} failed to run: {exc}") from None
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[-300:])
-        raise KKError(f"compiling {WHAT} failed: {first}{OTHERWISE}")
+        raise KKError(f"compiling {what} failed: {first}{otherwise}")
     os.replace(partial, target)
     return target

@@ -7,7 +7,9 @@ from a C++ build that fetches its dependencies from GitHub. ``perf_analyzer_comm
 command for a machine that has it. And perf_analyzer does not check answers, which is half of this tool's job.
 
 How. Clients run in ``processes`` spawned processes (gRPC and forks do not mix; one GIL per process), each with
-threads, each thread with its own client:
+threads, each thread with its own client (gRPC requests are serialized once per payload, ``LeanGrpc``, and sent by
+grpcio or, ``client="native"``, by our HTTP/2 client in C++, ``native_client``, whose empty call costs a third of
+grpcio's):
 
 * closed loop: ``concurrency`` clients in all, each sending its next request when the last one is answered;
 * open loop: ``rate`` requests per second in all, scheduled in advance (evenly or Poisson), sent by a pool of
@@ -43,7 +45,7 @@ NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 TRITON_NAMES = {"float32": "FP32", "float16": "FP16"}
 PROTOCOLS = ("grpc", "http")
 SHARED_MEMORY = ("none", "system", "cuda")
-CLIENTS = ("lean", "tritonclient")
+CLIENTS = ("lean", "native", "tritonclient")
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"  # Triton's gRPC inference method
 SERVER_LIVE = "/inference.GRPCInferenceService/ServerLive"  # its cheapest call: no model, no payload
 
@@ -74,13 +76,15 @@ class LoadPlan:
     seed: int = 1234
     shared_memory: str = "none"
     timeout_s: float = 60.0
-    client: str = "lean"  # gRPC without shared memory: requests serialized once per payload (LeanGrpc)
+    client: str = "lean"  # gRPC: requests serialized once per payload (LeanGrpc); native: sent without grpcio
 
     def check(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise KKError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         if self.client not in CLIENTS:
             raise KKError(f"--client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
+        if self.client == "native" and self.protocol != "grpc":
+            raise KKError("--client native speaks gRPC only: add --protocol grpc, or use --client lean over HTTP")
         if self.shared_memory not in SHARED_MEMORY:
             raise KKError(f"--shared-memory must be one of {', '.join(SHARED_MEMORY)}, got {self.shared_memory!r}")
         if self.processes < 1 or self.concurrency < self.processes:
@@ -223,16 +227,35 @@ class LeanGrpc:
     tritonclient's ``set_shared_memory`` writes it: a call writes the payload into the input region (inside the
     clock: the client's own copy) and sends a request of a few hundred bytes; the answer is read from the output
     region, after the clock, for the check. The request then depends on the client's regions, so it is cached per
-    client, not per process."""
+    client, not per process.
 
-    def __init__(self, plan: LoadPlan, pool, cache: dict, shm: "_SharedMemory | None" = None):
-        import grpc
+    ``native``: the same bytes sent by our HTTP/2 client in C++ (``native_client``) instead of grpcio."""
+
+    def __init__(self, plan: LoadPlan, pool, cache: dict, shm: "_SharedMemory | None" = None, native: bool = False):
         from tritonclient.grpc import service_pb2
 
-        self.plan, self.pool, self.cache, self.pb, self.grpc, self.shm = plan, pool, cache, service_pb2, grpc, shm
+        self.plan, self.pool, self.cache, self.pb, self.shm = plan, pool, cache, service_pb2, shm
+        if native:
+            from .native_client import GrpcH2c
+
+            self.channel = GrpcH2c(plan.host, plan.grpc_port)
+            path = MODEL_INFER.encode()
+            self.rpc = lambda request, timeout: self.channel.unary(path, request, timeout)
+            return
+        import grpc
+
+        self.grpc = grpc
         self.channel = grpc.insecure_channel(f"{plan.host}:{plan.grpc_port}", options=[
             ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
-        self.rpc = self.channel.unary_unary(MODEL_INFER)  # no (de)serializers: bytes in, bytes out
+        unary = self.channel.unary_unary(MODEL_INFER)  # no (de)serializers: bytes in, bytes out
+
+        def rpc(request: bytes, timeout: float) -> bytes:
+            try:
+                return unary(request, timeout=timeout)
+            except grpc.RpcError as exc:  # as tritonclient words it: "[StatusCode.X] details"
+                raise RuntimeError(f"[{exc.code()}] {exc.details()}") from None
+
+        self.rpc = rpc
 
     def request(self, index: int) -> bytes:
         key = ("lean", index) if self.shm is None else ("lean", self.shm.name, index)
@@ -262,10 +285,7 @@ class LeanGrpc:
         request = self.request(index)
         if self.shm is not None:
             self.shm.write(index)
-        try:
-            answer = self.rpc(request, timeout=self.plan.timeout_s)
-        except self.grpc.RpcError as exc:  # as tritonclient words it: "[StatusCode.X] details"
-            raise RuntimeError(f"[{exc.code()}] {exc.details()}") from None
+        answer = self.rpc(request, self.plan.timeout_s)
         return answer if self.shm is None else (index, answer)
 
     def digest(self, answer) -> str:
@@ -302,9 +322,10 @@ class Client:
         self.plan, self.pool, self.cache, self.tag = plan, pool, inputs_cache, tag
         self.lean = None
         self.shm = None
-        lean = plan.protocol == "grpc" and plan.client == "lean"
+        lean = plan.protocol == "grpc" and plan.client in ("lean", "native")
+        native = plan.client == "native"
         if lean and plan.shared_memory == "none":
-            self.lean = LeanGrpc(plan, pool, inputs_cache)
+            self.lean = LeanGrpc(plan, pool, inputs_cache, native=native)
             return
         # tritonclient sends the requests, or (lean with shared memory) registers the regions only
         self.lib = importlib.import_module(f"tritonclient.{plan.protocol}")
@@ -318,7 +339,7 @@ class Client:
         if plan.shared_memory != "none":
             self.shm = _SharedMemory(self, plan, pool, tag)
         if lean:
-            self.lean = LeanGrpc(plan, pool, inputs_cache, shm=self.shm)
+            self.lean = LeanGrpc(plan, pool, inputs_cache, shm=self.shm, native=native)
 
     def inputs(self, index: int):
         """The request's inputs, built once per payload and process (they are only read while sending)."""
@@ -598,19 +619,30 @@ def reachable(plan: LoadPlan) -> None:
 
 
 def rpc_floor_ms(plan: LoadPlan, calls: int = 300) -> float | None:
-    """The median round trip of Triton's empty gRPC call (``ServerLive``) from this process over one channel, as the
-    lean client sends bytes: what every gRPC request pays the client, grpcio and Triton's frontend before any model
-    work. The breakdown's "net" (client less server) minus this is what the payload itself costs in transit. None
-    over HTTP (its client is another library, so its floor would not be this one)."""
+    """The median round trip of Triton's empty gRPC call (``ServerLive``) from this process over one connection,
+    sent as the plan's client sends its bytes (grpcio, or ``--client native`` our own): what every gRPC request pays
+    the client, its transport and Triton's frontend before any model work. The breakdown's "net" (client less
+    server) minus this is what the payload itself costs in transit. None over HTTP (its client is another library,
+    so its floor would not be this one)."""
     if plan.protocol != "grpc":
         return None
-    import grpc
     from tritonclient.grpc import service_pb2
 
     payload = service_pb2.ServerLiveRequest().SerializeToString()
-    channel = grpc.insecure_channel(f"{plan.host}:{plan.grpc_port}")
-    try:
+    if plan.client == "native":
+        from .native_client import GrpcH2c
+
+        channel = GrpcH2c(plan.host, plan.grpc_port)
+        path = SERVER_LIVE.encode()
+
+        def rpc(request: bytes, timeout: float) -> bytes:
+            return channel.unary(path, request, timeout)
+    else:
+        import grpc
+
+        channel = grpc.insecure_channel(f"{plan.host}:{plan.grpc_port}")
         rpc = channel.unary_unary(SERVER_LIVE)
+    try:
         times = []
         for i in range(20 + calls):  # 20 warm-up calls: the channel's connection is made by the first
             began = time.perf_counter()
@@ -626,6 +658,10 @@ def run_load(plan: LoadPlan, answers: list[dict] | None, progress=None) -> dict:
     """Run ``plan`` against a running server; ``answers`` from ``expected_answers`` (None: not checked)."""
     plan.check()
     reachable(plan)
+    if plan.client == "native":  # compiled here once (cached), before the client processes look for it
+        from .native_client import library_path
+
+        library_path()
     floor = rpc_floor_ms(plan)  # before the load, with the server idle
     metrics_url = f"http://{plan.host}:{plan.metrics_port}/metrics"
     ctx = mp.get_context("spawn")
