@@ -28,8 +28,10 @@ def test_every_backend_kernel_and_serving_part_has_a_line_and_every_off_line_a_r
     assert sorted(names) == sorted(d.recipe_name or d.choices[0].name for d in registry.DESCRIPTORS.values())
     assert _check(report, "validation", "Polygraphy comparator")["status"] == env.OK
     assert {c["name"] for c in report["checks"] if c["area"] == "serving"} == {
-        "tritonserver", "Python backend", "in-process backend", "in-process native route", "load generator client"}
+        "tritonserver", "Python backend", "in-process backend", "in-process native route", "load generator client",
+        "native gRPC client"}
     assert "no CUDA device" in _check(report, "serving", "in-process native route")["detail"]
+    assert _check(report, "serving", "native gRPC client")["status"] == env.OK  # CI has a compiler and hpack
     for check in report["checks"]:
         assert check["status"] in (env.OK, env.OFF), check  # no check may fail on a healthy machine
         assert check["detail"], check
@@ -50,6 +52,12 @@ def test_a_checks_own_one_line_error_is_its_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("KKDEPLOY_TRITONSERVER", str(tmp_path / "no-such-triton"))
     check = _check(_report(tmp_path), "serving", "tritonserver")
     assert check["status"] == env.OFF and "KKDEPLOY_TRITONSERVER" in check["detail"] and "no bin/tritonserver" in check["detail"]
+
+
+def test_without_a_compiler_the_native_client_line_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    check = _check(_report(tmp_path), "serving", "native gRPC client")
+    assert check["status"] == env.OFF and "no-such-compiler" in check["detail"] and "--client lean" in check["detail"]
 
 
 def test_a_check_that_breaks_is_reported_and_the_others_still_run(tmp_path, monkeypatch):

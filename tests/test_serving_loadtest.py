@@ -54,7 +54,8 @@ def test_mix_padding_and_plan_checks():
     for bad, message in [(dict(protocol="udp"), "--protocol"), (dict(concurrency=1, processes=2), "--concurrency"),
                          (dict(rate=-1), "--rate"), (dict(requests=None), "--requests N or --duration"),
                          (dict(mix=[[0, 1.0]]), "--mix"), (dict(padding=[1.0]), "--padding"),
-                         (dict(shared_memory="nvme"), "--shared-memory"), (dict(dtype="int8"), "float32 or float16")]:
+                         (dict(shared_memory="nvme"), "--shared-memory"), (dict(dtype="int8"), "float32 or float16"),
+                         (dict(client="native", protocol="http"), "--client native speaks gRPC only")]:
         with pytest.raises(KKError, match=message):
             plan(**bad).check()
 
@@ -148,10 +149,11 @@ def test_cpu_target_batch1_grpc_from_two_processes_every_answer_exact(shape3, in
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Where the time goes" in done.stdout and "bitwise" in done.stdout
+    assert "gRPC client: native" in done.stdout  # --client auto: our C++ client, where it builds
     data = json.loads(out.read_text())
     assert data["buckets"] == [1, 2, 4]
     (run,) = data["runs"]
-    assert run["plan"]["processes"] == 2 and run["plan"]["protocol"] == "grpc"
+    assert run["plan"]["processes"] == 2 and run["plan"]["protocol"] == "grpc" and run["plan"]["client"] == "native"
     assert run["requests"] == run["answered"] == run["bitwise_equal"] == 120
     assert run["errors"] == run["wrong"] == run["warmup_wrong"] == 0
     server = run["server"]
@@ -188,7 +190,8 @@ def test_http_and_grpc_open_loop_mixed_batches_through_system_shared_memory(shap
     ports = triton_server.free_ports()
     with local_server(args, ports) as (server, info, _):
         for protocol, shm, client in (("http", "system", "lean"), ("grpc", "system", "lean"),
-                                      ("grpc", "system", "tritonclient"), ("http", "none", "lean")):
+                                      ("grpc", "system", "tritonclient"), ("http", "none", "lean"),
+                                      ("grpc", "none", "native"), ("grpc", "system", "native")):
             p = loadtest.LoadPlan(model="kkdeploy", seq_len=128, d_model=128, dtype="float32", protocol=protocol,
                                   http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"],
                                   processes=1, concurrency=3, rate=40.0, requests=30, warmup=1,
@@ -202,6 +205,62 @@ def test_http_and_grpc_open_loop_mixed_batches_through_system_shared_memory(shap
             assert set(summary["latency_ms_by_batch"]) <= {"1", "2", "3"}
             assert (summary["rpc_floor_ms"] is None) == (protocol == "http")
     assert not list(Path("/dev/shm").glob("kkdeploy_lt_*"))  # every client region destroyed
+
+
+def test_native_client_answers_are_grpcios_bytes(shape3, install):
+    """The same request bytes through grpcio and through our HTTP/2 client, to a real tritonserver: the same answer
+    bytes (batch 1, and batch 4, whose 256 KB each way outgrow HTTP/2's default window and frame), the same status
+    and words for an unknown model and a wrong shape, and the connection still serves after them."""
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    from kkdeploy.commands.loadtest import local_server
+    from kkdeploy.serving.native_client import GrpcCallError, GrpcH2c
+
+    args = types.SimpleNamespace(artifacts=str(shape3), model_name="kkdeploy", engine="python", topology="auto",
+                                 instances=1, max_queue_delay_us=0, host="127.0.0.1")
+    ports = triton_server.free_ports()
+
+    def request(model="kkdeploy", batch=4, shape=None) -> bytes:
+        message = service_pb2.ModelInferRequest(model_name=model)
+        x = np.random.default_rng(batch).standard_normal((batch, 128, 128)).astype(np.float32)
+        tensor = message.inputs.add(name="x", datatype="FP32")
+        tensor.shape.extend(shape or x.shape)
+        message.raw_input_contents.append(x.tobytes())
+        message.outputs.add(name="y")
+        return message.SerializeToString()
+
+    with local_server(args, ports) as _:
+        channel = grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}", options=[
+            ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
+        rpc = channel.unary_unary(loadtest.MODEL_INFER)
+        native = GrpcH2c("127.0.0.1", ports["grpc"])
+        path = loadtest.MODEL_INFER.encode()
+        for body in (request(batch=4), request(batch=1), request(batch=4)):
+            assert native.unary(path, body, 30.0) == rpc(body, timeout=30.0)
+        for body in (request(model="nope"), request(shape=[4, 128, 127])):
+            with pytest.raises(grpc.RpcError) as theirs:
+                rpc(body, timeout=30.0)
+            with pytest.raises(GrpcCallError) as ours:
+                native.unary(path, body, 30.0)
+            assert (ours.value.code, ours.value.details) == (theirs.value.code().name, theirs.value.details())
+        assert native.unary(path, request(batch=1), 30.0) == rpc(request(batch=1), timeout=30.0)
+        assert native.unary(loadtest.SERVER_LIVE.encode(), b"", 5.0) == b"\x08\x01"  # ServerLiveResponse(live=True)
+        native.close()
+        channel.close()
+
+
+def test_auto_client_falls_back_to_grpcio_where_the_native_one_cannot_be_built(shape3, install):
+    """``--client auto`` without a C++ compiler: grpcio's lean client, saying why, and the load still runs."""
+    import os
+
+    env = dict(os.environ, CXX="no-such-compiler")
+    done = subprocess.run([sys.executable, "-m", "kkdeploy", "loadtest", "--artifacts", str(shape3), "--serve",
+                           "--processes", "1", "--concurrency", "1", "--requests", "10", "--no-check"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    said = " ".join(done.stdout.split())
+    assert "gRPC client: lean (the native client cannot run here:" in said and "no-such-compiler" in said
 
 
 def test_loadtest_bad_input_is_one_line(shape3, tmp_path):

@@ -157,7 +157,8 @@ NATIVE_DRIVER_CALLS = ("cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "cuMemset
 
 def serving_checks() -> list[Check]:
     """What `kkdeploy serve` and `kkdeploy loadtest` need: the server binary, a Python the Python-backend stub can
-    embed, a compiler for kkdeploy's in-process backend, and the client library."""
+    embed, a compiler for kkdeploy's in-process backend, and the client libraries (tritonclient; our native gRPC
+    client's compiler and hpack)."""
     from ..kernels.cuda_build import compiler_version, cxx_compiler
     from ..serving.backend_build import OTHERWISE, WHAT, python_link_flags
     from ..serving.triton_server import INSTALL_COMMAND, find_server, python_library_dir
@@ -201,9 +202,21 @@ def serving_checks() -> list[Check]:
         except PackageNotFoundError:
             return "tritonclient is not installed: pip install 'tritonclient[grpc,http]' (kkdeploy loadtest)", ""
 
+    def native_client():
+        """`kkdeploy loadtest --client auto` takes our HTTP/2 client where it builds: a compiler and hpack."""
+        from ..serving import native_client as nc
+
+        try:
+            import hpack  # noqa: F401
+        except ImportError:
+            return "hpack is not installed (pip install 'kkdeploy[serve]'): loadtest sends through grpcio", ""
+        cxx = cxx_compiler(nc.WHAT, nc.OTHERWISE)
+        return None, f"loadtest's gRPC client by default, compiled on first use by {compiler_version(cxx)}"
+
     return [_asked("serving", "tritonserver", server), _asked("serving", "Python backend", stub),
             _asked("serving", "in-process backend", inprocess), _asked("serving", "in-process native route", native),
-            _asked("serving", "load generator client", client)]
+            _asked("serving", "load generator client", client),
+            _asked("serving", "native gRPC client", native_client)]
 
 
 def collect(device: torch.device, dtype: torch.dtype) -> dict:

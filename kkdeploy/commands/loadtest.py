@@ -45,10 +45,12 @@ def register(sub):
     p.add_argument("--device", help="device of the direct engine (default: the artifacts')")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take (default 60)")
-    p.add_argument("--client", choices=["lean", "tritonclient"], default="lean",
-                   help="gRPC without shared memory: lean (default) sends each payload's request serialized once, "
-                        "as perf_analyzer does; tritonclient builds and parses every message in Python "
-                        "(HTTP and shared memory always use tritonclient)")
+    p.add_argument("--client", choices=["auto", "lean", "native", "tritonclient"], default="auto",
+                   help="gRPC: native sends each payload's request, serialized once as perf_analyzer does, through "
+                        "kkdeploy's HTTP/2 client in C++ (compiled on first use), without grpcio's Python on every "
+                        "call; lean sends the same bytes through grpcio; tritonclient builds and parses every message "
+                        "in Python; auto (default): native where it can be built here, else lean. HTTP always uses "
+                        "tritonclient")
     from .triton_repo import add_topology_args
 
     add_topology_args(p)
@@ -105,13 +107,22 @@ def run(args) -> int:
     manifest = read_artifacts(Path(args.artifacts))
     config = manifest["config"]
     protocols = [p.strip() for p in args.protocol.split(",") if p.strip()]
+    client = "lean" if args.client == "auto" else args.client  # auto over HTTP: tritonclient either way
+    if args.client == "auto" and "grpc" in protocols:
+        from ..serving.native_client import unavailable
+
+        why = unavailable()
+        client = "lean" if why else "native"
+        console.print(f"gRPC client: {client}" + (f" (the native client cannot run here: {why})" if why else
+                                                  " (kkdeploy's HTTP/2 client in C++)"), soft_wrap=True)
     plans = [loadtest.LoadPlan(
         model=args.model_name, seq_len=config["seq_len"], d_model=config["d_model"], dtype=manifest["dtype"],
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         protocol=protocol, processes=args.processes, concurrency=args.concurrency, rate=args.rate,
         arrival=args.arrival, requests=args.requests or None, duration_s=args.duration, warmup=args.warmup,
         mix=loadtest.parse_mix(args.mix), padding=loadtest.parse_ratios(args.padding), pool=args.pool,
-        seed=args.seed, shared_memory=args.shared_memory, timeout_s=args.timeout, client=args.client)
+        seed=args.seed, shared_memory=args.shared_memory, timeout_s=args.timeout,
+        client=client if protocol == "grpc" or args.client != "auto" else "lean")
         for protocol in protocols]
     for plan in plans:
         plan.check()
