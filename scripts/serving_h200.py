@@ -201,9 +201,13 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
                                    mix=[[b, w] for b, w in ((1, 0.5), (2, 0.2), (3, 0.15), (big, 0.15)) if b <= big],
                                    padding=[0.0, 0.25, 0.5], pool=256)),
         ]
-        if shape == "3":
+        if shape in ("3", "13"):
             plans.append(("batch-1 c=1, system shared memory", dict(processes=1, concurrency=1, requests=n(2000),
                                                                    mix=[[1, 1.0]], pool=16, shared_memory="system")))
+        if shape == "13":  # a 32 MB request is Triton's gRPC frontend's work; through shared memory it is not
+            plans.append((f"saturation, batch-{full} requests, system shared memory",
+                          dict(processes=4, concurrency=sat_conc, requests=n(2000), mix=[[full, 1.0]], pool=16,
+                               shared_memory="system")))
         # one hop with host outputs (the default); then its saturation with 4 and 2 model instances (one stub's
         # Python work per execute, ~0.5 ms on the H200, is what bounds one instance, not the GPU); then the layouts
         # before it: GPU outputs, two hops
@@ -261,8 +265,13 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
                 if time.monotonic() > deadline:
                     result["runs"].append({"name": name, "topology": server.label, "skipped": "out of budget"})
                     continue
-                result["runs"].append(run_plan(server, runner, name, protocol="grpc", warmup=20, client=args.client,
-                                               **kw))
+                for client in args.clients[:1] if "mixed" in name else args.clients:
+                    label = name if len(args.clients) == 1 else f"{name}, {client} client"
+                    if time.monotonic() > deadline:
+                        result["runs"].append({"name": label, "topology": server.label, "skipped": "out of budget"})
+                        continue
+                    result["runs"].append(run_plan(server, runner, label, protocol="grpc", warmup=20,
+                                                   client=client, **kw))
         finally:
             server.__exit__(None, None, None)
     return result
@@ -442,8 +451,11 @@ def main(argv=None) -> int:
                         "C++ half serves what it can by itself), direct (Python's direct route) or copies (torch's), "
                         "and optionally +MODE, the host-wait mode it sets on the server's CUDA context (auto, spin, "
                         "yield, blocking-sync; default: the server's own). E.g. copies,direct,native,native+spin")
-    p.add_argument("--client", default="lean", choices=["lean", "tritonclient"],
-                   help="the load test's gRPC client (default lean: requests serialized once per payload)")
+    p.add_argument("--client", default="lean",
+                   help="the load test's gRPC clients, comma-separated: lean (default: requests serialized once per "
+                        "payload, sent by grpcio), native (the same bytes through kkdeploy's HTTP/2 client in C++), "
+                        "tritonclient. With several, every plan but the mixed one runs once per client, in turn, "
+                        "on the same server")
     p.add_argument("--no-before", dest="before", action="store_false",
                    help="skip the layouts before (GPU outputs, two hops)")
     p.add_argument("--fault-instances", type=int, default=1,
@@ -452,6 +464,9 @@ def main(argv=None) -> int:
                    help="build the shapes without measuring them (for the fault runs alone)")
     args = p.parse_args(argv)
     args.instances = [int(n) for n in args.instances.split(",") if n.strip()]
+    args.clients = [c.strip() for c in args.client.split(",") if c.strip()]
+    if not args.clients or any(c not in ("lean", "native", "tritonclient") for c in args.clients):
+        p.error(f"--client {args.client!r}: lean, native or tritonclient, comma-separated")
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.static = {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.static_inputs]
     from kkdeploy.serving.cuda_driver import host_wait_wanted
