@@ -106,9 +106,10 @@ class Peer:
                     return stream, dict(headers), body
 
 
-def answer(stream: int, body: bytes, status=("grpc-status", "0")) -> list[bytes]:
+def answer(stream: int, body: bytes, status=("grpc-status", "0"), frame_size: int = 1 << 20) -> list[bytes]:
+    message = grpc_message(body)
     return [frame(HEADERS, END_HEADERS, stream, block((":status", "200"), ("content-type", "application/grpc"))),
-            frame(DATA, 0, stream, grpc_message(body)),
+            *(frame(DATA, 0, stream, message[i:i + frame_size]) for i in range(0, len(message), frame_size)),
             frame(HEADERS, END_HEADERS | END_STREAM, stream, block(status))]
 
 
@@ -177,7 +178,8 @@ def test_a_call_speaks_http2_as_grpc_does_and_survives_what_servers_send(built):
 
 def test_a_request_waits_for_the_servers_window(built):
     """A 200 KB request against the default 65,535-byte windows: the client sends no more than the window allows,
-    then goes on when the server's WINDOW_UPDATEs come (connection and stream)."""
+    then goes on when the server's WINDOW_UPDATEs come (connection and stream). The 1 MB answer comes in frames of
+    300 KB, each read into place."""
     body = b"x" * 200_000
 
     def script(peer):
@@ -199,11 +201,13 @@ def test_a_request_waits_for_the_servers_window(built):
                 if flags & END_STREAM:
                     break
         peer.seen.append(("whole", got + rest == grpc_message(body)))
-        peer.send(*answer(stream, b"ok"))
+        peer.send(*answer(stream, big, frame_size=300_000))  # frames larger than what one read takes
 
+    big = bytes(range(251)) * 4000  # about 1 MB back, read from the socket straight into the answer
     peer = Peer(script, windows=None)
     client = GrpcH2c("127.0.0.1", peer.port)
-    assert client.unary(PATH, body, 5.0) == b"ok"
+    view = client.unary(PATH, body, 5.0, copy=False)  # the load generator's way: a view, valid until the next call
+    assert isinstance(view, memoryview) and view == big
     peer.thread.join(0.5)
     assert not peer.errors, peer.errors
     before = next(s for s in peer.seen if s[0] == "before update")

@@ -240,7 +240,7 @@ class LeanGrpc:
 
             self.channel = GrpcH2c(plan.host, plan.grpc_port)
             path = MODEL_INFER.encode()
-            self.rpc = lambda request, timeout: self.channel.unary(path, request, timeout)
+            self.rpc = lambda request, timeout: self.channel.unary(path, request, timeout, copy=False)
             return
         import grpc
 

@@ -127,8 +127,10 @@ class GrpcH2c:
         self.result = _Result()
         self.ok_blocks: set[bytes] = set()  # header blocks already read as grpc-status 0
 
-    def unary(self, path: bytes, request: bytes, timeout_s: float) -> bytes:
-        """The answer's message bytes; GrpcCallError for a status other than OK or a transport failure."""
+    def unary(self, path: bytes, request: bytes, timeout_s: float, copy: bool = True) -> bytes | memoryview:
+        """The answer's message bytes; GrpcCallError for a status other than OK or a transport failure. With
+        ``copy=False`` a view of the client's own buffer instead, valid until this connection's next call: the load
+        generator parses it before then, and a 512 KB answer is not copied once more inside the clock."""
         r = self.result
         rc = self.lib.kk_h2c_call(self.handle, path, request, len(request), float(timeout_s), ctypes.byref(r))
         if rc != 0:
@@ -147,7 +149,9 @@ class GrpcH2c:
             self.ok_blocks.add(block)
         if not r.message:
             raise GrpcCallError("INTERNAL", "grpc-status 0 without a response message")
-        return ctypes.string_at(r.message, r.message_len)
+        if copy:
+            return ctypes.string_at(r.message, r.message_len)
+        return memoryview((ctypes.c_char * r.message_len).from_address(r.message)).cast("B")
 
     def close(self) -> None:
         if self.handle:

@@ -101,6 +101,40 @@ void hpack_literal(std::string* out, size_t name_index, const std::string& name,
   hpack_string(out, value);
 }
 
+// A growable byte buffer that leaves what it grows by unwritten (std::vector would zero every answer's bytes first).
+class Bytes {
+ public:
+  Bytes() = default;
+  Bytes(const Bytes&) = delete;
+  Bytes& operator=(const Bytes&) = delete;
+  ~Bytes() { free(p_); }
+  bool reserve(size_t want) {
+    if (want <= cap_) return true;
+    const size_t cap = std::max(want, cap_ * 2);
+    void* q = realloc(p_, cap);
+    if (q == nullptr) return false;
+    p_ = static_cast<uint8_t*>(q);
+    cap_ = cap;
+    return true;
+  }
+  bool append(const uint8_t* src, size_t k) {
+    if (!reserve(n_ + k)) return false;
+    memcpy(p_ + n_, src, k);
+    n_ += k;
+    return true;
+  }
+  uint8_t* end() { return p_ + n_; }  // then grew(k) once k bytes are written there (within reserve)
+  void grew(size_t k) { n_ += k; }
+  void clear() { n_ = 0; }
+  bool empty() const { return n_ == 0; }
+  size_t size() const { return n_; }
+  const uint8_t* data() const { return p_; }
+
+ private:
+  uint8_t* p_ = nullptr;
+  size_t n_ = 0, cap_ = 0;
+};
+
 }  // namespace
 
 struct kk_h2c {
@@ -120,7 +154,7 @@ struct kk_h2c {
   // the current call
   uint32_t stream = 0;
   int64_t stream_send_window = 0;
-  std::vector<uint8_t> body;
+  Bytes body;  // the answer's DATA, the gRPC prefix included
   std::string block;                   // the header block being gathered (HEADERS + CONTINUATION)
   std::vector<std::string> blocks;     // complete header blocks of this stream, in order
   bool block_ends_stream = false;
@@ -142,7 +176,11 @@ void drop(kk_h2c* c) {
 
 bool send_iov(kk_h2c* c, iovec* iov, int count) {
   while (count > 0) {
-    ssize_t n = writev(c->fd, iov, count > IOV_MAX ? IOV_MAX : count);
+    msghdr message{};
+    message.msg_iov = iov;
+    message.msg_iovlen = size_t(count > IOV_MAX ? IOV_MAX : count);
+    // MSG_NOSIGNAL: a peer that closed the connection is an error to report, not a SIGPIPE for the process
+    ssize_t n = sendmsg(c->fd, &message, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -176,6 +214,29 @@ bool send_frame(kk_h2c* c, uint8_t type, uint8_t flags, uint32_t stream, const v
   return send_iov(c, iov, n ? 2 : 1);
 }
 
+// up to `cap` bytes from the socket into `dst`, waiting until `deadline`: how many, or -1 (c->error says why)
+ssize_t recv_some(kk_h2c* c, uint8_t* dst, size_t cap, double deadline) {
+  for (;;) {
+    const double left = deadline - now_s();
+    if (left <= 0) {
+      c->timed_out = true;
+      fail(c, "no answer within the deadline");
+      return -1;
+    }
+    pollfd p{c->fd, POLLIN, 0};
+    int ready = poll(&p, 1, int(left * 1000) + 1);
+    if (ready < 0 && errno != EINTR) return fail(c, std::string("poll failed: ") + strerror(errno)), -1;
+    if (ready <= 0) continue;
+    ssize_t n = recv(c->fd, dst, cap, 0);
+    if (n == 0) return fail(c, "the server closed the connection"), -1;
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+      return fail(c, std::string("receiving failed: ") + strerror(errno)), -1;
+    }
+    return n;
+  }
+}
+
 // at least `need` unparsed bytes in rbuf, reading until `deadline`
 bool fill(kk_h2c* c, size_t need, double deadline) {
   if (c->rlen - c->rpos >= need) return true;
@@ -186,23 +247,28 @@ bool fill(kk_h2c* c, size_t need, double deadline) {
   }
   if (c->rbuf.size() < need || c->rbuf.size() - c->rlen < 65536) c->rbuf.resize(std::max(need, c->rlen + 262144));
   while (c->rlen < need) {
-    const double left = deadline - now_s();
-    if (left <= 0) {
-      c->timed_out = true;
-      return fail(c, "no answer within the deadline");
-    }
-    pollfd p{c->fd, POLLIN, 0};
-    int ready = poll(&p, 1, int(left * 1000) + 1);
-    if (ready < 0 && errno != EINTR) return fail(c, std::string("poll failed: ") + strerror(errno));
-    if (ready <= 0) continue;
-    ssize_t n = recv(c->fd, c->rbuf.data() + c->rlen, c->rbuf.size() - c->rlen, 0);
-    if (n == 0) return fail(c, "the server closed the connection");
-    if (n < 0) {
-      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
-      return fail(c, std::string("receiving failed: ") + strerror(errno));
-    }
+    const ssize_t n = recv_some(c, c->rbuf.data() + c->rlen, c->rbuf.size() - c->rlen, deadline);
+    if (n < 0) return false;
     c->rlen += size_t(n);
   }
+  return true;
+}
+
+// A DATA frame of the call's stream without padding, its header parsed: the payload goes straight into the answer,
+// what is buffered first and the rest read from the socket into place (one copy fewer of every answer's bytes).
+bool data_into_body(kk_h2c* c, uint32_t length, uint8_t flags, double deadline) {
+  c->unacked_received += length;
+  const size_t have = std::min<size_t>(c->rlen - c->rpos, length);
+  if (!c->body.reserve(c->body.size() + length)) return fail(c, "out of memory for the answer");
+  c->body.append(c->rbuf.data() + c->rpos, have);
+  c->rpos += have;
+  for (size_t left = length - have; left > 0;) {
+    const ssize_t n = recv_some(c, c->body.end(), left, deadline);
+    if (n < 0) return false;
+    c->body.grew(size_t(n));
+    left -= size_t(n);
+  }
+  if (flags & kEndStream) c->stream_done = true;
   return true;
 }
 
@@ -246,6 +312,10 @@ bool one_frame(kk_h2c* c, double deadline) {
   const uint8_t type = h[3], flags = h[4];
   const uint32_t stream = be32(h + 5) & 0x7fffffff;
   if (length > kOurMaxFrame) return fail(c, "protocol error: a frame larger than the size we allowed");
+  if (type == kData && c->stream != 0 && stream == c->stream && !(flags & kPadded)) {
+    c->rpos += 9;
+    return data_into_body(c, length, flags, deadline);
+  }
   if (!fill(c, 9 + size_t(length), deadline)) return false;
   const uint8_t* p = c->rbuf.data() + c->rpos + 9;
   uint32_t n = length;
@@ -272,7 +342,7 @@ bool one_frame(kk_h2c* c, double deadline) {
       c->unacked_received += length;  // flow control counts the padding too
       if (!ours) return true;
       if (!unpad(c, flags, false, &p, &n)) return false;
-      c->body.insert(c->body.end(), p, p + n);
+      if (!c->body.append(p, n)) return fail(c, "out of memory for the answer");
       if (flags & kEndStream) c->stream_done = true;
       return true;
     case kHeaders:
@@ -419,7 +489,7 @@ bool send_and_receive(kk_h2c* c, const char* path, const uint8_t* request, uint6
                        uint8_t(request_len)};
   if (request_len > 0xffffffffull) return fail(c, "the request is larger than gRPC's 4 GiB message limit");
 
-  // HEADERS, then DATA frames within the server's frame size and windows; each writev carries what is ready
+  // HEADERS, then DATA frames within the server's frame size and windows; each sendmsg carries what is ready
   std::vector<uint8_t> frame_headers;
   frame_headers.reserve(9 * 8);
   std::vector<iovec> iov;
@@ -540,7 +610,7 @@ __attribute__((visibility("default"))) int kk_h2c_call(kk_h2c* c, const char* pa
   }
   if (!c->body.empty()) {
     if (c->body.size() < 5) return fail(c, "a gRPC message shorter than its 5-byte prefix"), -1;
-    if (c->body[0] != 0) return fail(c, "the server compressed its answer, which was not asked for"), -1;
+    if (c->body.data()[0] != 0) return fail(c, "the server compressed its answer, which was not asked for"), -1;
     const uint64_t n = be32(c->body.data() + 1);
     if (n + 5 != c->body.size())
       return fail(c, "the answer is not one gRPC message (" + std::to_string(c->body.size()) + " bytes for a " +
