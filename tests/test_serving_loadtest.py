@@ -94,6 +94,27 @@ def test_percentiles_breakdown_and_a_wrong_answer_is_counted():
     assert "--concurrency-range=1" in loadtest.perf_analyzer_command(p)
 
 
+def test_the_chart_splits_a_request_as_tritons_counters_do(tmp_path):
+    from kkdeploy.serving import loadtest_chart
+
+    def run(protocol, client, server, cdf):
+        return {"plan": dict(protocol=protocol, concurrency=2, rate=None, client=client, shared_memory="none"),
+                "loop": "closed", "latency_ms": {"mean": 1.0}, "latency_cdf_ms": cdf,
+                "latency_ms_by_batch": {"1": {}}, "server": server}
+
+    counters = {"request_duration_us_per_request": 600.0, "queue_duration_us_per_request": 100.0,
+                "compute_input_duration_us_per_request": 50.0, "compute_infer_duration_us_per_request": 400.0,
+                "compute_output_duration_us_per_request": 50.0}
+    served = run("grpc", "native", counters, [0.5 + k / 100 for k in range(101)])
+    assert loadtest_chart.time_split_ms(served) == [("client + network", 0.4), ("queue", 0.1), ("input", 0.05),
+                                                    ("infer", 0.4), ("output", 0.05)]
+    assert loadtest_chart.run_label(served) == "grpc c=2, native"
+    bare = run("http", "lean", {}, [])  # no counters, no latencies: drawn empty, not an error
+    assert loadtest_chart.time_split_ms(bare) == [] and loadtest_chart.run_label(bare) == "http c=2, tritonclient"
+    path = loadtest_chart.plot_load(tmp_path / "load.png", [served, bare], {"1": {"median_ms": 0.3}})
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob(".*partial"))
+
+
 def test_lean_grpc_requests_are_tritonclients_bytes_with_and_without_shared_memory():
     """The lean client's pre-serialized requests are the messages tritonclient would send for the same inputs (equal
     as messages: a map's entries may be serialized in another order): the payload's bytes; or, through shared
@@ -159,6 +180,9 @@ def test_cpu_target_batch1_grpc_from_two_processes_every_answer_exact(shape3, in
     server = run["server"]
     assert server["requests"] == 120 and set(server["runs_by_bucket"]) <= {"1", "2"}  # batch-1 requests, gathered
     assert run["latency_ms"]["p50"] > 0 and run["req_per_s"] > 0
+    cdf = run["latency_cdf_ms"]  # the distribution in 101 points, and its picture beside the JSON
+    assert len(cdf) == 101 and cdf == sorted(cdf) and cdf[-1] == pytest.approx(run["latency_ms"]["max"], abs=1e-3)
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # an empty gRPC call's round trip, measured before the load: less than a request that carries a model's work
     assert 0 < run["rpc_floor_ms"] < run["latency_ms"]["p50"]
     # The direct engine's answers (what every response equalled bit for bit) are strict-equal to the reference.

@@ -43,7 +43,7 @@ def register(sub):
     p.add_argument("--direct", action="store_true",
                    help="also time the engine alone at every bucket (latency, sequences per second)")
     p.add_argument("--device", help="device of the direct engine (default: the artifacts')")
-    p.add_argument("--json", help="write the results here")
+    p.add_argument("--json", help="write the results here, and their chart beside them (the same name, .png)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take (default 60)")
     p.add_argument("--client", choices=["auto", "lean", "native", "tritonclient"], default="auto",
                    help="gRPC: native sends each payload's request, serialized once as perf_analyzer does, through "
@@ -163,8 +163,11 @@ def run(args) -> int:
     if args.json:
         from .. import artifacts
 
+        from ..serving.loadtest_chart import plot_load
+
         artifacts.write_json(Path(args.json), data)
-        console.print(f"results: {args.json}")
+        chart = plot_load(Path(args.json).with_suffix(".png"), results, direct)
+        console.print(f"results: {args.json}; chart: {chart}")
     bad = sum(r["wrong"] + r["errors"] + r["warmup_wrong"] for r in results)
     if bad:
         total = sum(r["requests"] for r in results)

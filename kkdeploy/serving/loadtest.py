@@ -758,6 +758,8 @@ def summarize(plan: LoadPlan, records: list, answers: list[dict] | None, delta: 
                          "max": _r(max(latencies, default=None))},
         "latency_ms_by_batch": {str(n): {f"p{q}": _r(percentile(v, q)) for q in (50, 90, 99)} | {"count": len(v)}
                                 for n, v in sorted(sizes.items())},
+        # the whole distribution in 101 points (percentiles 0..100), for the chart (loadtest_chart)
+        "latency_cdf_ms": [round(float(v), 4) for v in np.percentile(latencies, np.arange(101))] if latencies else [],
         "server": server_breakdown(delta),
     }
     return summary
