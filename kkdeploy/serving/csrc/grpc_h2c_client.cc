@@ -1,4 +1,4 @@
-// A unary gRPC client over cleartext HTTP/2 (h2c), in a few hundred lines, for `kkdeploy loadtest --client native`.
+// A unary gRPC client over cleartext HTTP/2 (h2c): `kkdeploy loadtest --client native`, the default where it builds.
 //
 // Why: Triton's perf_analyzer (a C++ load generator) cannot be installed on our machines, and grpcio's Python call
 // costs 0.15-0.4 ms per request on the lent GPU host, more than the server spends on a batch-1 request. This client
@@ -15,7 +15,9 @@
 //   the server's frame size and flow-control windows (waiting for its WINDOW_UPDATEs when they run out);
 // - while it waits it answers SETTINGS (ACK, applying the server's window and frame sizes) and PING, counts
 //   WINDOW_UPDATE, gathers HEADERS and CONTINUATION into blocks and DATA into the message, until END_STREAM;
-//   RST_STREAM and GOAWAY end the call with their error codes, and a broken connection is reopened by the next call.
+//   RST_STREAM and GOAWAY end the call with their error codes, and a broken connection is reopened by the next call;
+// - before a request it reads what came while the connection sat idle, so a connection the server closed or left with
+//   GOAWAY is replaced first, and a stream the server refused unseen is sent once more, on a fresh connection.
 // Not spoken: TLS, streaming calls, compression (we send no grpc-accept-encoding, so the server does not compress),
 // concurrent streams on one connection.
 
