@@ -526,8 +526,25 @@ def main(argv=None) -> int:
     finally:
         results["seconds"] = round(time.monotonic() - started, 1)
         (out / "serving-h200.json").write_text(json.dumps(results, indent=1, default=str))
+        charts(out, results)
         print("\n" + table(results), flush=True)
     return 0
+
+
+def charts(out: Path, results: dict) -> None:
+    """``serving-h200-<shape>-<n>.png``: ``kkdeploy loadtest``'s chart of each shape's measured runs, one per server
+    layout (the runs of one layout are comparable; the engine alone from the same shape as the dashed line)."""
+    from kkdeploy.serving.loadtest_chart import plot_load
+
+    for shape, measured in results.get("shapes", {}).items():
+        runs = [r for r in measured.get("runs", []) if "skipped" not in r]
+        layouts = list(dict.fromkeys(r["topology"] for r in runs))
+        for n, layout in enumerate(layouts, 1):
+            try:
+                plot_load(out / f"serving-h200-{shape}-{n}.png", [r for r in runs if r["topology"] == layout],
+                          measured.get("direct"))
+            except Exception as exc:  # noqa: BLE001 - a chart must not cost the measurements
+                log(f"chart of shape {shape}, {layout}: {type(exc).__name__}: {exc}")
 
 
 if __name__ == "__main__":

@@ -443,6 +443,25 @@ def test_the_serving_study_serves_each_variant_with_every_plan_and_refuses_a_wro
     assert "lean, native or tritonclient" in capsys.readouterr().err
 
 
+def test_the_serving_study_draws_one_chart_per_layout(tmp_path):
+    """``scripts/serving_h200.py``'s charts: one picture per shape and server layout, skipped runs left out."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import serving_h200
+
+    def run(name, layout):
+        return {"name": name, "topology": layout, "loop": "closed", "latency_ms": {"mean": 0.6},
+                "latency_cdf_ms": [0.3 + k / 200 for k in range(101)], "latency_ms_by_batch": {"1": {}},
+                "plan": dict(protocol="grpc", concurrency=1, rate=None, client="native", shared_memory="none"),
+                "server": {"request_duration_us_per_request": 300.0, "queue_duration_us_per_request": 50.0}}
+
+    results = {"shapes": {"3": {"direct": {"1": {"median_ms": 0.15}}, "runs": [
+        run("batch-1 c=1, lean client", "one-hop, in-process"), run("batch-1 c=1, native client", "one-hop, in-process"),
+        {"name": "saturation", "topology": "one-hop, in-process", "skipped": "out of budget"},
+        run("batch-1 c=1", "one-hop")]}}}
+    serving_h200.charts(tmp_path, results)
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["serving-h200-3-1.png", "serving-h200-3-2.png"]
+
+
 def test_the_driver_checks_every_call_and_makes_none_for_nothing():
     """``cuda_driver.Driver`` on a stand-in library: each call passes its arguments through, a non-zero CUresult is
     raised with the call's name, and a copy or fill of zero bytes calls nothing."""

@@ -17,6 +17,9 @@ STAGES = [("queue", "queue_duration_us_per_request"), ("input", "compute_input_d
 
 
 def run_label(summary: dict) -> str:
+    """The run's own name where a study gave it one, else its protocol, loop, client and shared memory."""
+    if summary.get("name"):
+        return summary["name"]
     plan = summary["plan"]
     loop = f"c={plan['concurrency']}" if summary["loop"] == "closed" else f"{plan['rate']:g}/s"
     client = plan.get("client", "lean") if plan["protocol"] == "grpc" else "tritonclient"
@@ -68,7 +71,8 @@ def plot_load(path: Path, results: list[dict], direct: dict | None = None) -> Pa
     left.set_ylabel("fraction of requests")
     left.set_ylim(0, 1.01)
     left.grid(True, which="both", alpha=0.3)
-    left.legend(fontsize=8, loc="lower right")
+    if left.get_legend_handles_labels()[0]:
+        left.legend(fontsize=8, loc="lower right")
     left.set_title("latency distribution")
     names = [run_label(s) for s in results]
     stage_colors = {"client + network": "tab:gray", "queue": "tab:orange", "input": "tab:blue", "infer": "tab:green",
@@ -84,9 +88,11 @@ def plot_load(path: Path, results: list[dict], direct: dict | None = None) -> Pa
     right.invert_yaxis()
     right.set_xlabel("mean request, ms")
     right.set_title("where the time goes (Triton's counters)")
+    height = fig.get_size_inches()[1]
     if drawn:
-        right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=5, frameon=False)
-    fig.tight_layout()
+        right.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=5, frameon=False,
+                     bbox_transform=fig.transFigure)
+    fig.tight_layout(rect=(0, 0.35 / height, 1, 1))  # room below for the stages' legend
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial")
     fig.savefig(partial, dpi=100, format="png")
