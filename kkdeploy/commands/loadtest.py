@@ -107,14 +107,10 @@ def run(args) -> int:
     manifest = read_artifacts(Path(args.artifacts))
     config = manifest["config"]
     protocols = [p.strip() for p in args.protocol.split(",") if p.strip()]
-    client = "lean" if args.client == "auto" else args.client  # auto over HTTP: tritonclient either way
-    if args.client == "auto" and "grpc" in protocols:
-        from ..serving.native_client import unavailable
-
-        why = unavailable()
-        client = "lean" if why else "native"
-        console.print(f"gRPC client: {client}" + (f" (the native client cannot run here: {why})" if why else
-                                                  " (kkdeploy's HTTP/2 client in C++)"), soft_wrap=True)
+    picked = {protocol: loadtest.pick_client(args.client, protocol) for protocol in protocols}
+    for _, note in picked.values():
+        if note:
+            console.print(note, soft_wrap=True)
     plans = [loadtest.LoadPlan(
         model=args.model_name, seq_len=config["seq_len"], d_model=config["d_model"], dtype=manifest["dtype"],
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
@@ -122,7 +118,7 @@ def run(args) -> int:
         arrival=args.arrival, requests=args.requests or None, duration_s=args.duration, warmup=args.warmup,
         mix=loadtest.parse_mix(args.mix), padding=loadtest.parse_ratios(args.padding), pool=args.pool,
         seed=args.seed, shared_memory=args.shared_memory, timeout_s=args.timeout,
-        client=client if protocol == "grpc" or args.client != "auto" else "lean")
+        client=picked[protocol][0])
         for protocol in protocols]
     for plan in plans:
         plan.check()

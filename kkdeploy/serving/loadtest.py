@@ -235,27 +235,7 @@ class LeanGrpc:
         from tritonclient.grpc import service_pb2
 
         self.plan, self.pool, self.cache, self.pb, self.shm = plan, pool, cache, service_pb2, shm
-        if native:
-            from .native_client import GrpcH2c
-
-            self.channel = GrpcH2c(plan.host, plan.grpc_port)
-            path = MODEL_INFER.encode()
-            self.rpc = lambda request, timeout: self.channel.unary(path, request, timeout, copy=False)
-            return
-        import grpc
-
-        self.grpc = grpc
-        self.channel = grpc.insecure_channel(f"{plan.host}:{plan.grpc_port}", options=[
-            ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
-        unary = self.channel.unary_unary(MODEL_INFER)  # no (de)serializers: bytes in, bytes out
-
-        def rpc(request: bytes, timeout: float) -> bytes:
-            try:
-                return unary(request, timeout=timeout)
-            except grpc.RpcError as exc:  # as tritonclient words it: "[StatusCode.X] details"
-                raise RuntimeError(f"[{exc.code()}] {exc.details()}") from None
-
-        self.rpc = rpc
+        self.rpc, self.channel = unary_call(plan, MODEL_INFER, native)
 
     def request(self, index: int) -> bytes:
         key = ("lean", index) if self.shm is None else ("lean", self.shm.name, index)
@@ -305,6 +285,46 @@ class LeanGrpc:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def unary_call(plan: LoadPlan, method: str, native: bool):
+    """``(call, channel)``: ``call(request bytes, timeout) -> answer`` on one connection to the plan's gRPC port,
+    through our HTTP/2 client (``native``; the answer a view valid until the next call) or grpcio (bytes); a failure
+    is a RuntimeError worded as tritonclient words it, ``[StatusCode.X] details``. ``channel.close()`` ends it."""
+    if native:
+        from .native_client import GrpcH2c
+
+        channel = GrpcH2c(plan.host, plan.grpc_port)
+        path = method.encode()
+        return (lambda request, timeout: channel.unary(path, request, timeout, copy=False)), channel
+    import grpc
+
+    channel = grpc.insecure_channel(f"{plan.host}:{plan.grpc_port}", options=[
+        ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
+    unary = channel.unary_unary(method)  # no (de)serializers: bytes in, bytes out
+
+    def call(request: bytes, timeout: float) -> bytes:
+        try:
+            return unary(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise RuntimeError(f"[{exc.code()}] {exc.details()}") from None
+
+    return call, channel
+
+
+def pick_client(asked: str, protocol: str) -> tuple[str, str]:
+    """``(client, note)`` for a plan: ``auto`` is the native client over gRPC where it can run here, else grpcio's
+    lean one (the note says why), and tritonclient's over HTTP either way; any other choice stands (``check`` judges
+    it)."""
+    if asked != "auto":
+        return asked, ""
+    if protocol != "grpc":
+        return "lean", ""
+    from .native_client import unavailable
+
+    why = unavailable()
+    return ("lean", f"gRPC client: lean (the native client cannot run here: {why})") if why else \
+        ("native", "gRPC client: native (kkdeploy's HTTP/2 client in C++)")
 
 
 def _shm_parameters(tensor, region: str, nbytes: int, offset: int) -> None:
@@ -629,24 +649,12 @@ def rpc_floor_ms(plan: LoadPlan, calls: int = 300) -> float | None:
     from tritonclient.grpc import service_pb2
 
     payload = service_pb2.ServerLiveRequest().SerializeToString()
-    if plan.client == "native":
-        from .native_client import GrpcH2c
-
-        channel = GrpcH2c(plan.host, plan.grpc_port)
-        path = SERVER_LIVE.encode()
-
-        def rpc(request: bytes, timeout: float) -> bytes:
-            return channel.unary(path, request, timeout)
-    else:
-        import grpc
-
-        channel = grpc.insecure_channel(f"{plan.host}:{plan.grpc_port}")
-        rpc = channel.unary_unary(SERVER_LIVE)
+    rpc, channel = unary_call(plan, SERVER_LIVE, plan.client == "native")
     try:
         times = []
         for i in range(20 + calls):  # 20 warm-up calls: the channel's connection is made by the first
             began = time.perf_counter()
-            rpc(payload, timeout=plan.timeout_s)
+            rpc(payload, plan.timeout_s)
             if i >= 20:
                 times.append((time.perf_counter() - began) * 1000)
         return _r(percentile(times, 50))
@@ -658,11 +666,7 @@ def run_load(plan: LoadPlan, answers: list[dict] | None, progress=None) -> dict:
     """Run ``plan`` against a running server; ``answers`` from ``expected_answers`` (None: not checked)."""
     plan.check()
     reachable(plan)
-    if plan.client == "native":  # compiled here once (cached), before the client processes look for it
-        from .native_client import library_path
-
-        library_path()
-    floor = rpc_floor_ms(plan)  # before the load, with the server idle
+    floor = rpc_floor_ms(plan)  # before the load, with the server idle (and the native client compiled, once)
     metrics_url = f"http://{plan.host}:{plan.metrics_port}/metrics"
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()

@@ -161,6 +161,10 @@ struct kk_h2c {
   std::vector<std::string> blocks;     // complete header blocks of this stream, in order
   bool block_ends_stream = false;
   bool stream_done = false;
+  // kept from call to call: the request's encoded headers (for the last path) and the send's frame headers and iovecs
+  std::string headers_path, headers;
+  std::vector<uint8_t> frame_headers;
+  std::vector<iovec> iov;
 };
 
 namespace {
@@ -239,15 +243,27 @@ ssize_t recv_some(kk_h2c* c, uint8_t* dst, size_t cap, double deadline) {
   }
 }
 
-// at least `need` unparsed bytes in rbuf, reading until `deadline`
-bool fill(kk_h2c* c, size_t need, double deadline) {
-  if (c->rlen - c->rpos >= need) return true;
-  if (c->rpos > 0) {  // compact
+// the unparsed bytes moved to rbuf's start, and room behind them for at least `need` in all (and a good read)
+void make_room(kk_h2c* c, size_t need) {
+  if (c->rpos > 0) {
     memmove(c->rbuf.data(), c->rbuf.data() + c->rpos, c->rlen - c->rpos);
     c->rlen -= c->rpos;
     c->rpos = 0;
   }
   if (c->rbuf.size() < need || c->rbuf.size() - c->rlen < 65536) c->rbuf.resize(std::max(need, c->rlen + 262144));
+}
+
+// whether a whole frame (header and payload) is buffered
+bool frame_buffered(const kk_h2c* c) {
+  if (c->rlen - c->rpos < 9) return false;
+  const uint8_t* h = c->rbuf.data() + c->rpos;
+  return c->rlen - c->rpos >= 9 + ((size_t(h[0]) << 16) | (size_t(h[1]) << 8) | h[2]);
+}
+
+// at least `need` unparsed bytes in rbuf, reading until `deadline`
+bool fill(kk_h2c* c, size_t need, double deadline) {
+  if (c->rlen - c->rpos >= need) return true;
+  make_room(c, need);
   while (c->rlen < need) {
     const ssize_t n = recv_some(c, c->rbuf.data() + c->rlen, c->rbuf.size() - c->rlen, deadline);
     if (n < 0) return false;
@@ -357,7 +373,7 @@ bool one_frame(kk_h2c* c, double deadline) {
       }
       c->block.append(reinterpret_cast<const char*>(p), n);
       if (flags & kEndHeaders) {
-        c->blocks.push_back(c->block);
+        c->blocks.push_back(std::move(c->block));
         c->block.clear();
         if (c->block_ends_stream) c->stream_done = true;
       }
@@ -388,21 +404,13 @@ bool one_frame(kk_h2c* c, double deadline) {
 // so the call opens a fresh one instead of failing on the old.
 void settle_idle(kk_h2c* c, double deadline) {
   while (c->fd >= 0) {
-    while (c->fd >= 0 && c->rlen - c->rpos >= 9) {  // frames already whole: some come behind the last answer
-      const uint8_t* h = c->rbuf.data() + c->rpos;
-      const size_t length = (size_t(h[0]) << 16) | (size_t(h[1]) << 8) | h[2];
-      if (c->rlen - c->rpos < 9 + length) break;
+    while (c->fd >= 0 && frame_buffered(c)) {  // frames already whole: some come behind the last answer
       if (!one_frame(c, deadline)) drop(c);
     }
     if (c->fd < 0) return;
     pollfd p{c->fd, POLLIN, 0};
     if (poll(&p, 1, 0) <= 0) return;
-    if (c->rpos > 0) {
-      memmove(c->rbuf.data(), c->rbuf.data() + c->rpos, c->rlen - c->rpos);
-      c->rlen -= c->rpos;
-      c->rpos = 0;
-    }
-    if (c->rbuf.size() - c->rlen < 65536) c->rbuf.resize(c->rlen + 262144);
+    make_room(c, 0);
     ssize_t n = recv(c->fd, c->rbuf.data() + c->rlen, c->rbuf.size() - c->rlen, MSG_DONTWAIT);
     if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)) {
       drop(c);
@@ -480,21 +488,26 @@ bool send_and_receive(kk_h2c* c, const char* path, const uint8_t* request, uint6
   c->block.clear();
   c->stream_done = false;
 
-  std::string headers;  // :method POST, :scheme http (static indices 3, 6), then literals
-  headers.push_back(char(0x83));
-  headers.push_back(char(0x86));
-  hpack_literal(&headers, 4, "", path);                                    // :path
-  hpack_literal(&headers, 1, "", c->host + ":" + std::to_string(c->port));  // :authority
-  hpack_literal(&headers, 31, "", "application/grpc");                     // content-type
-  hpack_literal(&headers, 0, "te", "trailers");
+  if (c->headers.empty() || c->headers_path != path) {  // encoded once per path: the block has no dynamic state
+    std::string& headers = c->headers;  // :method POST, :scheme http (static indices 3, 6), then literals
+    headers.assign({char(0x83), char(0x86)});
+    hpack_literal(&headers, 4, "", path);                                    // :path
+    hpack_literal(&headers, 1, "", c->host + ":" + std::to_string(c->port));  // :authority
+    hpack_literal(&headers, 31, "", "application/grpc");                     // content-type
+    hpack_literal(&headers, 0, "te", "trailers");
+    c->headers_path = path;
+  }
+  const std::string& headers = c->headers;
   uint8_t prefix[5] = {0, uint8_t(request_len >> 24), uint8_t(request_len >> 16), uint8_t(request_len >> 8),
                        uint8_t(request_len)};
   if (request_len > 0xffffffffull) return fail(c, "the request is larger than gRPC's 4 GiB message limit");
 
   // HEADERS, then DATA frames within the server's frame size and windows; each sendmsg carries what is ready
-  std::vector<uint8_t> frame_headers;
-  frame_headers.reserve(9 * 8);
-  std::vector<iovec> iov;
+  std::vector<uint8_t>& frame_headers = c->frame_headers;
+  frame_headers.clear();
+  frame_headers.reserve(9 * 8);  // a fixed capacity: flushed before it would grow (the iovecs point into it)
+  std::vector<iovec>& iov = c->iov;
+  iov.clear();
   uint8_t update[13], hdr[9];
   bool ok = true;
   if (c->unacked_received >= kReplenishAt) {  // give the connection's window back ahead of this call
@@ -509,7 +522,7 @@ bool send_and_receive(kk_h2c* c, const char* path, const uint8_t* request, uint6
   }
   put_frame_header(hdr, uint32_t(headers.size()), kHeaders, kEndHeaders, c->stream);
   iov.push_back({hdr, 9});
-  iov.push_back({&headers[0], headers.size()});
+  iov.push_back({const_cast<char*>(headers.data()), headers.size()});
   const uint64_t total = 5 + request_len;
   uint64_t sent = 0;
   while (ok && sent < total) {
