@@ -274,6 +274,13 @@ def test_native_client_answers_are_grpcios_bytes(shape3, install):
         channel.close()
 
 
+def test_kkdeploy_run_serves_a_bucketed_artifact(shape3, capsys):
+    """A build with --batch-buckets loads as a bucketed runner; `kkdeploy run` checks it as any artifact (it once
+    stopped on a stack trace: the bucketed runner had no ``fallback``)."""
+    assert cli(["run", "--artifacts", str(shape3), "--repeats", "2"]) == 0
+    assert "strict: PASS failed 0/" in capsys.readouterr().out
+
+
 def test_auto_client_falls_back_to_grpcio_where_the_native_one_cannot_be_built(shape3, install):
     """``--client auto`` without a C++ compiler: grpcio's lean client, saying why, and the load still runs."""
     import os

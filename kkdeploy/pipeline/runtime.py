@@ -250,6 +250,12 @@ class BucketedRunner:
         return self.buckets[self.sizes[-1]].config
 
     @property
+    def fallback(self):
+        """The PyTorch model every bucket falls back to (one set of weights for all: loading checks each bucket's
+        hash against the top level's), so a bucketed runner is used as any loaded runner is (`kkdeploy run`)."""
+        return self.buckets[self.sizes[-1]].fallback
+
+    @property
     def max_batch(self) -> int:
         return self.sizes[-1]
 
