@@ -423,16 +423,18 @@ def test_an_instance_takes_the_direct_route_and_answers_every_request_when_it_fa
 
 def test_the_serving_study_serves_each_variant_with_every_plan_and_refuses_a_wrong_one(capsys):
     """``scripts/serving_h200.py --variants``: a variant's words in a layout's label never drop its mixed and
-    shared-memory runs (a host-wait mode once did); a route, a mode or a client that does not exist is a usage
+    shared-memory runs (a host-wait mode once did, and then more instances); a route, a mode or a client that does not exist is a usage
     error."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import serving_h200
 
     for label in ("one-hop, in-process, host waits spin, static inputs", "one-hop, in-process, torch copies",
                   "one-hop, in-process, direct route in Python, host waits spin, static inputs",
-                  "one-hop, in-process, torch copies, host waits blocking-sync, static inputs", "one-hop"):
+                  "one-hop, in-process, torch copies, host waits blocking-sync, static inputs", "one-hop",
+                  "one-hop, in-process, 2 instances, static inputs"):
         assert serving_h200.measures_all(label), label
-    for label in ("one-hop, GPU outputs", "two-hop", "one-hop, in-process, GPU outputs, host waits spin"):
+    for label in ("one-hop, GPU outputs", "two-hop", "one-hop, in-process, GPU outputs, host waits spin",
+                  "two-hop, 2 instances"):
         assert not serving_h200.measures_all(label), label
     for wrong, said in (("direct+fast", "not a host-wait mode"), ("tcp", "the route is native, direct or copies")):
         with pytest.raises(SystemExit):
@@ -550,10 +552,13 @@ def test_the_native_route_serves_in_cpp_and_leaves_the_rest_to_python(repository
     """The C++ half's native route in a real tritonserver, on the CPU stand-in for a CUDA engine and driver: it
     gathers a request's rows into the bucket's staging, pads and masks the bucket, launches the graph, copies the
     answer back and answers, with the GIL untouched; a run whose bucket has no launchable graph goes to Python's
-    route; both routes' answers are 2 * x * mask, exact. A launch that fails answers that execution with the call's
-    name and code; a driver library that cannot be opened leaves every run to Python, and says so."""
+    route; both routes' answers are 2 * x * mask, exact, with the host copies split over threads (a 64-byte chunk:
+    each 512-byte row in 8 pieces, the mask's bytes in the last one) as with the default chunk. A launch that fails
+    answers that execution with the call's name and code; a driver library that cannot be opened leaves every run to
+    Python, and says so."""
     log = tmp_path / "routes.log"
-    server, ports = _native_server(repository, tmp_path / "work", monkeypatch, KKDEPLOY_STANDIN_LOG=str(log))
+    server, ports = _native_server(repository, tmp_path / "work", monkeypatch, KKDEPLOY_STANDIN_LOG=str(log),
+                                   KKDEPLOY_NATIVE_COPY_CHUNK="64")
     with server:
         server.wait_ready(120)
         cases = _native_cases(ports)
@@ -576,6 +581,7 @@ def test_the_native_route_serves_in_cpp_and_leaves_the_rest_to_python(repository
     assert np.array_equal(third, x * 2 * mask[..., None])  # Python's route, unaffected
 
     monkeypatch.delenv("KKDEPLOY_STUB_LAUNCH_RESULT")
+    monkeypatch.delenv("KKDEPLOY_NATIVE_COPY_CHUNK")
     server, ports = _native_server(repository, tmp_path / "work", monkeypatch,
                                    KKDEPLOY_CUDA_DRIVER=str(tmp_path / "no-such-libcuda.so"))
     with server:

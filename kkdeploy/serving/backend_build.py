@@ -54,7 +54,8 @@ def backend_library(log=None) -> Path:
     """The compiled backend for this Python, built on first use (a few seconds) and cached."""
     cxx = cxx_compiler(WHAT, OTHERWISE)
     compile_flags, link_flags = python_link_flags()
-    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", f"-I{THIRD_PARTY}", *compile_flags]
+    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-pthread", f"-I{THIRD_PARTY}",
+             *compile_flags]
     return compiled_library(cxx, SOURCES, flags, link_flags, "triton-backend", LIBRARY_NAME, WHAT, OTHERWISE, log)
 
 
