@@ -161,6 +161,51 @@ def test_lean_grpc_requests_are_tritonclients_bytes_with_and_without_shared_memo
     assert pool[0][1] is None and pool[1][1] is not None  # both kinds of request were compared
 
 
+def test_the_answer_is_read_from_a_response_s_wire_bytes_without_parsing_it():
+    """``raw_output_contents`` finds a serialized response's raw outputs as views of its bytes (so that a 16 MB
+    answer is fingerprinted where it lies), whatever other fields come first: the model's name, a map of
+    parameters, the outputs' descriptions, a varint-typed field; and a truncated or foreign message is an error,
+    never a wrong answer."""
+    from tritonclient.grpc import service_pb2
+
+    rng = np.random.default_rng(3)
+    y = rng.standard_normal((2, 300)).astype(np.float32).tobytes()  # 2,400 bytes: a two-byte length varint
+    response = service_pb2.ModelInferResponse(model_name="kkdeploy", model_version="1", id="r7")
+    response.parameters["sequence_start"].bool_param = True
+    response.parameters["triton_final_response"].int64_param = 300
+    out = response.outputs.add(name="y", datatype="FP32")
+    out.shape.extend([2, 300])
+    response.raw_output_contents.append(y)
+    wire = response.SerializeToString()
+    found = loadtest.raw_output_contents(wire)
+    assert [bytes(v) for v in found] == [y]
+    assert found[0].obj is wire and loadtest.fingerprint(found[0]) == loadtest.fingerprint(y)
+    response.raw_output_contents.append(b"")  # what Triton may leave for an output written to a region
+    assert [bytes(v) for v in loadtest.raw_output_contents(response.SerializeToString())] == [y, b""]
+    assert loadtest.raw_output_contents(service_pb2.ModelInferResponse(model_name="m").SerializeToString()) == []
+    with pytest.raises((RuntimeError, IndexError)):
+        loadtest.raw_output_contents(wire[:-7])
+    with pytest.raises(RuntimeError, match="not a ModelInferResponse"):
+        loadtest.raw_output_contents(bytes([0x0B, 0x01]))  # wire type 3, a group: nothing Triton sends
+
+
+def test_fingerprint_is_xxh3_128_of_the_bytes_and_names_its_package_when_missing(monkeypatch):
+    """The load generator's answer check: XXH3-128 of the answer's bytes, the same for an array and its bytes,
+    different for one flipped bit; without xxhash, a one-line error naming the fix."""
+    import xxhash
+
+    a = np.arange(4096, dtype=np.float16).reshape(64, 64)
+    assert loadtest.fingerprint_array(a) == loadtest.fingerprint(a.tobytes()) == xxhash.xxh3_128_hexdigest(a.tobytes())
+    assert loadtest.fingerprint_array(a[:, ::2]) == loadtest.fingerprint(np.ascontiguousarray(a[:, ::2]).tobytes())
+    flipped = a.copy()
+    flipped.view(np.uint16)[17, 5] ^= 1
+    assert loadtest.fingerprint_array(flipped) != loadtest.fingerprint_array(a)
+    monkeypatch.setattr(loadtest, "_xxh3_128", None)
+    monkeypatch.setitem(sys.modules, "xxhash", None)
+    with pytest.raises(KKError, match=r"needs xxhash to check answers: pip install 'kkdeploy\[serve\]'"):
+        loadtest.fingerprint(b"y")
+
+
 # -- the CPU target, with a real server -----------------------------------------------------------------------------
 def test_cpu_target_batch1_grpc_from_two_processes_every_answer_exact(shape3, install, tmp_path):
     out = tmp_path / "lt.json"
@@ -200,7 +245,7 @@ def test_cpu_target_batch1_grpc_from_two_processes_every_answer_exact(shape3, in
             xt = torch.from_numpy(x)
             mt = None if mask is None else torch.from_numpy(mask)
             y = runner(xt, mt)
-            assert loadtest.digest(y.numpy().tobytes()) == found[1][0]
+            assert loadtest.fingerprint(y.numpy().tobytes()) == found[1][0]
             assert compare_outputs(reference.eval()(xt, mt), y, *CONTRACTS["strict"]).passed
 
 
@@ -405,7 +450,7 @@ def test_expected_answers_hold_both_mask_routes_of_a_bucket():
     assert len(padded[2]) == 1  # a padded payload makes the batch padded wherever it goes
     x = torch.from_numpy(pool[0][0])
     gathered = runner.run_bucket(2, torch.cat([x, x * 0.5]), torch.ones(2, x.shape[1], dtype=torch.bool))[:1]
-    assert loadtest.answered_by(unpadded, loadtest.digest(gathered.numpy().tobytes())) == 2
+    assert loadtest.answered_by(unpadded, loadtest.fingerprint(gathered.numpy().tobytes())) == 2
     assert loadtest.answered_by(unpadded, "not an answer") is None
 
 
