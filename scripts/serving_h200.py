@@ -17,7 +17,8 @@ Steps, in order of importance, each skipped (and said so) when the remaining bud
     to healed, wrong answers and when), then SIGINT under load (stop time, exit code, processes left); faults-gpu:
     the same with GPU outputs, the layout in which a wrong answer was seen;
   shape 6 (buckets 1 and 10000): batch-1 gRPC latency (target: p50 <= 5 ms);
-  shape 13 (buckets 1,8,64): batch-1 latency, saturation at bucket 64, mixed requests.
+  shape 13 (buckets 1,8,64): batch-1 latency, saturation at bucket 64, mixed requests; batch-1 and saturation
+    through system shared memory; the saturation runs again with --instances.
 Writes OUT/serving-h200.json and prints the tables last.
 """
 
@@ -160,9 +161,10 @@ ROUTE_ENV = {"native": ("1", "1"), "direct": ("1", "0"), "copies": ("0", "0")}
 
 def measures_all(label: str) -> bool:
     """Whether a layout runs every plan (its mixed run checks its answers): the one-hop layouts, in-process or not,
-    whatever their variant (static inputs, route, host-wait mode); the layouts before them run the batch-1 and
-    saturation plans only."""
-    return re.sub(r", (static inputs|host waits [^,]+|torch copies|direct route in Python)", "", label) in (
+    whatever their variant (static inputs, route, host-wait mode, instances: more instances then run every saturation
+    plan, shared memory included); the layouts before them run the batch-1 and saturation plans only."""
+    return re.sub(r", (static inputs|host waits [^,]+|torch copies|direct route in Python|\d+ instances)", "",
+                  label) in (
         "one-hop", "one-hop, in-process")
 
 
@@ -215,9 +217,11 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
         # backend, the Python backend), then the layouts before them
         layouts = [("one-hop", "cpu", 1, engine, static, variant) for engine in args.engines for static in args.static
                    for variant in variants_of(engine, args)]
+        # more instances: shape 3's bound is one instance's host work per run; shape 13's is its host copies (16 MB
+        # each way per batch of 64), which other instances overlap with the engine
+        layouts += [("one-hop", "cpu", n, engine, static, variant) for engine in args.engines for n in args.instances
+                    if n > 1 for static in args.static for variant in variants_of(engine, args)]
         if shape == "3":
-            layouts += [("one-hop", "cpu", n, engine, static, variant) for engine in args.engines for n in args.instances
-                        if n > 1 for static in args.static for variant in variants_of(engine, args)]
             if args.before:
                 if args.device != "cpu":  # a CPU artifact's answers are in host memory either way
                     layouts.append(("one-hop", "gpu", 1, "auto", args.static[0], ("native", "leave")))
