@@ -199,7 +199,7 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
                                                        mix=[[full, 1.0]], pool=16)),
             ("saturation, batch-1 requests", dict(processes=4, concurrency=sat_conc, requests=n(20000),
                                                   mix=[[1, 1.0]], pool=64)),
-            ("mixed, padded", dict(processes=4, concurrency=16, requests=n(12000 if shape == "3" else 3000),
+            ("mixed, padded", dict(processes=4, concurrency=16, requests=n(12000 if shape == "3" else 10000),
                                    mix=[[b, w] for b, w in ((1, 0.5), (2, 0.2), (3, 0.15), (big, 0.15)) if b <= big],
                                    padding=[0.0, 0.25, 0.5], pool=256)),
         ]

@@ -60,6 +60,33 @@ def test_mix_padding_and_plan_checks():
             plan(**bad).check()
 
 
+def test_megabyte_requests_inside_grpc_get_the_shared_memory_hint_and_small_ones_do_not():
+    """A shape-13 batch of 64 (16 MB of float16 each way) sent inside gRPC is told that shared memory moves it
+    faster, with the size and what it gave; through shared memory, or a shape-3 request, no hint."""
+    big = plan(seq_len=1024, d_model=128, dtype="float16", mix=[[1, 0.5], [64, 0.5]])
+    hint = loadtest.payload_hint(big)
+    assert hint.startswith("hint: a 64-sequence request carries 16.1 MB each way inside grpc; --shared-memory system")
+    assert "docs/serving.md" in hint
+    assert loadtest.payload_hint(plan(seq_len=1024, d_model=128, dtype="float16", mix=[[64, 1.0]],
+                                      shared_memory="system")) == ""
+    assert loadtest.payload_hint(plan(seq_len=128, d_model=128, dtype="float32", mix=[[4, 1.0]])) == ""
+
+
+def test_one_instance_of_a_cuda_engine_is_told_what_more_gave():
+    """``kkdeploy serve`` / ``triton-repo`` on a CUDA artifact with one instance print what 2 and 4 instances
+    served; a CPU artifact, or more instances, print nothing of it."""
+    from kkdeploy.serving.triton_repo import RepositoryInfo, instances_hint
+
+    def info(device_type: str, instances: int) -> RepositoryInfo:
+        return RepositoryInfo(path="/r", model="kkdeploy", engine_model="kkdeploy", engine_backend="kkdeploy",
+                              candidate="c", engine_reason="", choice_reason="", config={"batch_size": 4},
+                              dtype="float16", device_type=device_type, max_queue_delay_us=0, topology="one-hop",
+                              buckets=[1, 2, 4], instances=instances)
+
+    assert instances_hint(info("cuda", 1)).startswith("one instance: at saturation, --instances 2 served 101-110%")
+    assert instances_hint(info("cuda", 2)) == instances_hint(info("cpu", 1)) == ""
+
+
 def test_pool_is_deterministic_and_follows_the_mix():
     p = plan(mix=[[1, 3.0], [3, 1.0]], padding=[0.0, 0.5], pool=200, seed=9)
     a, b = loadtest.make_pool(p), loadtest.make_pool(p)

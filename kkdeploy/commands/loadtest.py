@@ -122,6 +122,8 @@ def run(args) -> int:
         for protocol in protocols]
     for plan in plans:
         plan.check()
+    for hint in dict.fromkeys(filter(None, (loadtest.payload_hint(plan) for plan in plans))):
+        console.print(f"[dim]{hint}[/]", soft_wrap=True)
     buckets = [b["batch"] for b in (manifest.get("batch_buckets") or {}).get("buckets", [])] or [config["batch_size"]]
     largest = max(n for n, _ in plans[0].mix)
     if largest > max(buckets):

@@ -164,6 +164,22 @@ def runner_device(runner):
     return parameter.device, parameter.dtype
 
 
+def payload_hint(plan: LoadPlan) -> str:
+    """For requests of megabytes sent inside gRPC or HTTP: that shared memory moves them instead, and what it gave.
+    Triton's frontend parses each request's bytes and serializes each answer's into a new buffer; a batch-64
+    shape-13 request is 16 MB each way."""
+    if plan.shared_memory != "none":
+        return ""
+    rows = max(n for n, _ in plan.mix)
+    itemsize = np.dtype(NUMPY_DTYPES.get(plan.dtype, np.float32)).itemsize
+    nbytes = rows * plan.seq_len * (plan.d_model * itemsize + 1)
+    if nbytes < 4 << 20:
+        return ""
+    return (f"hint: a {rows}-sequence request carries {nbytes / (1 << 20):.1f} MB each way inside {plan.protocol}; "
+            f"--shared-memory system moves it through a shared region instead (shape 13 at batch 64: 2.1-2.7x the "
+            f"seq/s, up to 99.5% of the engine with 4 instances; H100, docs/serving.md)")
+
+
 def digest(data: bytes) -> str:
     """blake2b-128: the watchdog's canary answer, pinned by the server's model as ``triton_model.tensor_digest``."""
     return hashlib.blake2b(data, digest_size=16).hexdigest()
