@@ -423,8 +423,8 @@ def test_an_instance_takes_the_direct_route_and_answers_every_request_when_it_fa
 
 def test_the_serving_study_serves_each_variant_with_every_plan_and_refuses_a_wrong_one(capsys):
     """``scripts/serving_h200.py --variants``: a variant's words in a layout's label never drop its mixed and
-    shared-memory runs (a host-wait mode once did, and then more instances); a route, a mode or a client that does not exist is a usage
-    error."""
+    shared-memory runs (a host-wait mode once did, and then more instances); a route, a mode or a client that does
+    not exist is a usage error."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import serving_h200
 

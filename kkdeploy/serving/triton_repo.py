@@ -518,7 +518,7 @@ def print_summary(info: RepositoryInfo) -> None:
 
 def instances_hint(info: RepositoryInfo) -> str:
     """For one instance of a CUDA engine: what more instances gave. Why not the default: each instance holds its
-    own engine and captures in GPU memory (shape 6's bucket of 10,000: 5 GB), and a batch-1 request's latency with
+    own engine and captures in GPU memory (shape 6's build measured a 5 GB peak), and a batch-1 request's latency with
     several instances is not measured yet."""
     if info.device_type != "cuda" or info.instances != 1 or info.topology != "one-hop":
         return ""
