@@ -28,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -519,7 +520,12 @@ void CopyAll(const std::vector<Copy>& copies)
   std::vector<std::thread> helpers;
   helpers.reserve(pieces - 1);
   for (uint64_t i = 1; i < pieces; ++i) {
-    helpers.emplace_back(CopyRange, std::cref(copies), i * share, std::min(total, (i + 1) * share));
+    const uint64_t begin = i * share, end = std::min(total, (i + 1) * share);
+    try {
+      helpers.emplace_back(CopyRange, std::cref(copies), begin, end);
+    } catch (const std::system_error&) {  // no thread to be had (a process limit): this piece on this thread
+      CopyRange(copies, begin, end);
+    }
   }
   CopyRange(copies, 0, share);
   for (std::thread& t : helpers) {
