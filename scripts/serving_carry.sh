@@ -7,6 +7,8 @@
 #   *.whl                tritonclient[grpc] 2.73.0 for cp312 and what it needs that the H200 lacks (grpcio, protobuf,
 #                        python-rapidjson, urllib3; hpack for `loadtest --client native`; xxhash, its answer check):
 #                        ~10 MB; polygraphy 0.53.6 (the builds' validator: the H200 has none)
+#   optional/*.whl       cuda-bindings 13.0.3 and cuda-pathfinder (tritonclient's CUDA shared memory, `loadtest
+#                        --shared-memory cuda`): ~12 MB, installed on the device only where the GPU's Python lacks them
 #   SHA256SUMS           checked on the device before anything is installed
 # Then: device call with carry [".whl"], command `bash scripts/serving_h200.sh` (see docs/serving.md, "The H200").
 set -euo pipefail
@@ -28,7 +30,9 @@ plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platfo
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
   -d "$out" tritonclient==2.73.0 grpcio==1.85.3 protobuf==6.33.6 python-rapidjson==1.25 urllib3==2.8.0 hpack==4.2.0 \
   xxhash==4.1.0 polygraphy==0.53.6
-(cd "$out" && sha256sum tritonserver.tar.xz ./*.whl > SHA256SUMS)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
+  -d "$out/optional" cuda-bindings==13.0.3 cuda-pathfinder==1.9.1
+(cd "$out" && sha256sum tritonserver.tar.xz ./*.whl ./optional/*.whl > SHA256SUMS)
 tree=$(git ls-files -z | xargs -0 cat | wc -c)
 staged=$(du -cb "$out" | tail -1 | cut -f1)
 echo "staged $out: $((staged / 1048576)) MiB + working tree $((tree / 1048576)) MiB (limit 64 MiB)"

@@ -149,6 +149,15 @@ def run_plan(server: Server, runner, name: str, **kw) -> dict:
     return summary
 
 
+def cuda_shared_memory_missing() -> str:
+    """Why tritonclient's CUDA shared memory cannot be used here ("" when it can)."""
+    try:
+        import tritonclient.utils.cuda_shared_memory  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError, or its own RuntimeError without cuda-bindings
+        return f"tritonclient's CUDA shared memory cannot be imported: {type(exc).__name__}: {str(exc)[:200]}"
+    return ""
+
+
 def variants_of(engine: str, args) -> list[tuple[str, str]]:
     """``(route, host-wait mode)`` of each ``--variants`` entry for the in-process backend (route: native, direct or
     copies; the mode it sets on tritonserver's CUDA context); the Python backend's own."""
@@ -210,6 +219,15 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
             plans.append((f"saturation, batch-{full} requests, system shared memory",
                           dict(processes=4, concurrency=sat_conc, requests=n(2000), mix=[[full, 1.0]], pool=16,
                                shared_memory="system")))
+            missing = cuda_shared_memory_missing() if args.device != "cpu" else "a CPU artifact"
+            if missing:
+                result["runs"].append({"name": "CUDA shared memory", "skipped": missing})
+            else:  # the client's regions on the GPU: the requests reach the instance in GPU memory
+                plans.append(("batch-1 c=1, CUDA shared memory", dict(processes=1, concurrency=1, requests=n(2000),
+                                                                      mix=[[1, 1.0]], pool=16, shared_memory="cuda")))
+                plans.append((f"saturation, batch-{full} requests, CUDA shared memory",
+                              dict(processes=4, concurrency=sat_conc, requests=n(2000), mix=[[full, 1.0]], pool=16,
+                                   shared_memory="cuda")))
         # one hop with host outputs (the default); then its saturation with 4 and 2 model instances (one stub's
         # Python work per execute, ~0.5 ms on the H200, is what bounds one instance, not the GPU); then the layouts
         # before it: GPU outputs, two hops
@@ -274,8 +292,13 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
                     if time.monotonic() > deadline:
                         result["runs"].append({"name": label, "topology": server.label, "skipped": "out of budget"})
                         continue
-                    result["runs"].append(run_plan(server, runner, label, protocol="grpc", warmup=20,
-                                                   client=client, **kw))
+                    try:
+                        result["runs"].append(run_plan(server, runner, label, protocol="grpc", warmup=20,
+                                                       client=client, **kw))
+                    except Exception as exc:  # noqa: BLE001 - one plan that cannot run leaves the others theirs
+                        result["runs"].append({"name": label, "topology": server.label,
+                                               "skipped": f"failed: {type(exc).__name__}: {str(exc)[:300]}"})
+                        log(f"{label} [{server.label}]: {result['runs'][-1]['skipped']}")
         finally:
             server.__exit__(None, None, None)
     return result

@@ -10,6 +10,12 @@ fi
 mkdir -p /tmp/kk-triton /tmp/site
 [ -x /tmp/kk-triton/pytriton/tritonserver/bin/tritonserver ] || tar -C /tmp/kk-triton -xJf "$carried/tritonserver.tar.xz"
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site "$carried"/*.whl 2>&1 | grep -v WARNING || true
+# tritonclient's CUDA shared memory needs cuda-bindings: the carried one only where this Python has none (never over
+# the one torch's environment may bring)
+if [ -d "$carried/optional" ] && ! python3 -c "import cuda.bindings.runtime" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site "$carried"/optional/*.whl 2>&1 \
+    | grep -v WARNING || true
+fi
 case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} ;; esac
 export PYTHONUNBUFFERED=1 KKDEPLOY_TRITONSERVER=/tmp/kk-triton/pytriton/tritonserver
 export KKDEPLOY_CACHE_DIR=${KKDEPLOY_CACHE_DIR:-/tmp/kk-cache}

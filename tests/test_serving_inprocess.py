@@ -443,6 +443,11 @@ def test_the_serving_study_serves_each_variant_with_every_plan_and_refuses_a_wro
     with pytest.raises(SystemExit):
         serving_h200.main(["--client", "lean,curl"])
     assert "lean, native or tritonclient" in capsys.readouterr().err
+    # CUDA shared-memory plans run only where tritonclient's CUDA support imports; elsewhere the reason is recorded
+    try:
+        import cuda.bindings.runtime  # noqa: F401
+    except ImportError:
+        assert serving_h200.cuda_shared_memory_missing().startswith("tritonclient's CUDA shared memory cannot be")
 
 
 def test_the_serving_study_draws_one_chart_per_layout(tmp_path):
