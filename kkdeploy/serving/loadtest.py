@@ -166,7 +166,7 @@ def runner_device(runner):
 
 def payload_hint(plan: LoadPlan) -> str:
     """For requests of megabytes sent inside gRPC or HTTP: that shared memory moves them instead, and what it gave.
-    Triton's frontend parses each request's bytes and serializes each answer's into a new buffer; a batch-64
+    Triton's frontend parses each request's bytes and copies each answer into a new buffer; a batch-64
     shape-13 request is 16 MB each way."""
     if plan.shared_memory != "none":
         return ""
