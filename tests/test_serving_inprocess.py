@@ -558,7 +558,8 @@ def test_the_native_route_serves_in_cpp_and_leaves_the_rest_to_python(repository
     gathers a request's rows into the bucket's staging, pads and masks the bucket, launches the graph, copies the
     answer back and answers, with the GIL untouched; a run whose bucket has no launchable graph goes to Python's
     route; both routes' answers are 2 * x * mask, exact, with the host copies split over threads (a 64-byte chunk:
-    each 512-byte row in 8 pieces, the mask's bytes in the last one) as with the default chunk. A launch that fails
+    each 512-byte row in 8 pieces, the mask's bytes in the last one, on the instance's helper threads) as with the
+    default chunk. A launch that fails
     answers that execution with the call's name and code; a driver library that cannot be opened leaves every run to
     Python, and says so."""
     log = tmp_path / "routes.log"

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -359,8 +360,161 @@ struct NativeRoute {
   std::vector<NativeBucket> buckets;  // every bucket, smallest first
 };
 
+// Host-to-host copies of one execution, made on several threads when they are large. Why: a shape-13 batch of 64
+// is 16 MB each way, and one thread copied it at about 5 GB/s (3.3 ms to gather, 4.6 ms to answer, on the H100's
+// host, against a 2 ms engine). The bytes are split evenly, one piece per thread, at most kCopyHelpers + 1 pieces,
+// none smaller than the chunk (KKDEPLOY_NATIVE_COPY_CHUNK bytes, 2 MiB by default; the CPU tests make it small so
+// that their rows take the threaded path too). Each copy is independent: destinations never overlap.
+struct Copy {
+  char* dst;
+  const char* src;
+  uint64_t bytes;
+};
+
+constexpr int kCopyHelpers = 7;
+
+uint64_t CopyChunk()
+{
+  static const uint64_t chunk = [] {
+    const char* text = std::getenv("KKDEPLOY_NATIVE_COPY_CHUNK");
+    const unsigned long long value = text != nullptr ? std::strtoull(text, nullptr, 10) : 0;
+    return value > 0 ? static_cast<uint64_t>(value) : static_cast<uint64_t>(2) << 20;
+  }();
+  return chunk;
+}
+
+// Copies bytes [begin, end) of the concatenation of `copies`.
+void CopyRange(const std::vector<Copy>& copies, uint64_t begin, uint64_t end)
+{
+  uint64_t at = 0;
+  for (const Copy& c : copies) {
+    const uint64_t lo = std::max(begin, at), hi = std::min(end, at + c.bytes);
+    if (lo < hi) {
+      std::memcpy(c.dst + (lo - at), c.src + (lo - at), hi - lo);
+    }
+    at += c.bytes;
+    if (at >= end) {
+      break;
+    }
+  }
+}
+
+// One instance's copy helpers: threads started on its first large copy and kept until the instance is finalized
+// (starting and joining 7 threads per copy took 180-290 us on a 2-core machine, twice per execution). Triton runs
+// one instance's executions one at a time, so one job is in flight at most; the calling thread copies the first
+// piece and waits for the others. A thread that cannot be started leaves fewer helpers (none: every copy on the
+// calling thread).
+class CopyPool {
+ public:
+  CopyPool()
+  {
+    for (int i = 0; i < kCopyHelpers; ++i) {
+      try {
+        helpers_.emplace_back(&CopyPool::Help, this, i);
+      } catch (const std::system_error&) {  // a process limit: fewer helpers
+        break;
+      }
+    }
+  }
+
+  ~CopyPool()
+  {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    work_.notify_all();
+    for (std::thread& t : helpers_) {
+      t.join();
+    }
+  }
+
+  CopyPool(const CopyPool&) = delete;
+  CopyPool& operator=(const CopyPool&) = delete;
+
+  void Run(const std::vector<Copy>& copies)
+  {
+    uint64_t total = 0;
+    for (const Copy& c : copies) {
+      total += c.bytes;
+    }
+    const uint64_t pieces = std::min<uint64_t>(helpers_.size() + 1, total / CopyChunk());
+    if (pieces < 2) {
+      CopyRange(copies, 0, total);
+      return;
+    }
+    const uint64_t share = (total + pieces - 1) / pieces;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      copies_ = &copies;
+      total_ = total;
+      share_ = share;
+      pieces_ = pieces;
+      pending_ = pieces - 1;
+      ++job_;
+    }
+    work_.notify_all();
+    CopyRange(copies, 0, share);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+    copies_ = nullptr;
+  }
+
+ private:
+  // Helper `index` copies piece index + 1 of each job that has one.
+  void Help(int index)
+  {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      work_.wait(lock, [&] { return stop_ || job_ != seen; });
+      if (stop_) {
+        return;
+      }
+      seen = job_;
+      const uint64_t piece = static_cast<uint64_t>(index) + 1;
+      if (piece >= pieces_) {
+        continue;
+      }
+      const std::vector<Copy>* copies = copies_;
+      const uint64_t begin = piece * share_, end = std::min(total_, (piece + 1) * share_);
+      lock.unlock();
+      CopyRange(*copies, begin, end);
+      lock.lock();
+      if (--pending_ == 0) {
+        done_.notify_one();
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable work_, done_;
+  const std::vector<Copy>* copies_ = nullptr;
+  uint64_t total_ = 0, share_ = 0, pieces_ = 0, pending_ = 0, job_ = 0;
+  bool stop_ = false;
+  std::vector<std::thread> helpers_;  // last: started once the state above exists
+};
+
+// `copies`, split over the instance's copy helpers when large enough (the pool made then, once).
+void CopyAll(std::unique_ptr<CopyPool>* pool, const std::vector<Copy>& copies)
+{
+  uint64_t total = 0;
+  for (const Copy& c : copies) {
+    total += c.bytes;
+  }
+  if (total / CopyChunk() < 2) {
+    CopyRange(copies, 0, total);
+    return;
+  }
+  if (*pool == nullptr) {
+    *pool = std::make_unique<CopyPool>();
+  }
+  (*pool)->Run(copies);
+}
+
 struct InstanceState {
   ModelState* model = nullptr;
+  std::unique_ptr<CopyPool> copy_pool;  // made on the first copy large enough to split
   PyObject* instance = nullptr;  // inprocess.Instance
   NativeRoute* native = nullptr;
   std::thread::id entered;  // the thread on which Python set the device and stream (Instance.enter_thread)
@@ -466,73 +620,6 @@ bool HostInput(
          byte_size == size;
 }
 
-// Host-to-host copies of one execution, made on several threads when they are large. Why: a shape-13 batch of 64
-// is 16 MB each way, and one thread copied it at about 5 GB/s (3.3 ms to gather, 4.6 ms to answer, on the H100's
-// host, against a 2 ms engine). The bytes are split evenly, one piece per thread, at most kMaxCopyThreads, none
-// smaller than the chunk (KKDEPLOY_NATIVE_COPY_CHUNK bytes, 2 MiB by default; the CPU tests make it small so that
-// their rows take the threaded path too). Each copy is independent: destinations never overlap.
-struct Copy {
-  char* dst;
-  const char* src;
-  uint64_t bytes;
-};
-
-constexpr int kMaxCopyThreads = 8;
-
-uint64_t CopyChunk()
-{
-  static const uint64_t chunk = [] {
-    const char* text = std::getenv("KKDEPLOY_NATIVE_COPY_CHUNK");
-    const unsigned long long value = text != nullptr ? std::strtoull(text, nullptr, 10) : 0;
-    return value > 0 ? static_cast<uint64_t>(value) : static_cast<uint64_t>(2) << 20;
-  }();
-  return chunk;
-}
-
-// Copies bytes [begin, end) of the concatenation of `copies`.
-void CopyRange(const std::vector<Copy>& copies, uint64_t begin, uint64_t end)
-{
-  uint64_t at = 0;
-  for (const Copy& c : copies) {
-    const uint64_t lo = std::max(begin, at), hi = std::min(end, at + c.bytes);
-    if (lo < hi) {
-      std::memcpy(c.dst + (lo - at), c.src + (lo - at), hi - lo);
-    }
-    at += c.bytes;
-    if (at >= end) {
-      break;
-    }
-  }
-}
-
-void CopyAll(const std::vector<Copy>& copies)
-{
-  uint64_t total = 0;
-  for (const Copy& c : copies) {
-    total += c.bytes;
-  }
-  const uint64_t pieces = std::min<uint64_t>(kMaxCopyThreads, total / CopyChunk());
-  if (pieces < 2) {
-    CopyRange(copies, 0, total);
-    return;
-  }
-  const uint64_t share = (total + pieces - 1) / pieces;
-  std::vector<std::thread> helpers;
-  helpers.reserve(pieces - 1);
-  for (uint64_t i = 1; i < pieces; ++i) {
-    const uint64_t begin = i * share, end = std::min(total, (i + 1) * share);
-    try {
-      helpers.emplace_back(CopyRange, std::cref(copies), begin, end);
-    } catch (const std::system_error&) {  // no thread to be had (a process limit): this piece on this thread
-      CopyRange(copies, begin, end);
-    }
-  }
-  CopyRange(copies, 0, share);
-  for (std::thread& t : helpers) {
-    t.join();
-  }
-}
-
 // "cuX failed with CUresult N", or "" when every call succeeded.
 std::string DriverFailure(const char* call, int result)
 {
@@ -543,7 +630,7 @@ std::string DriverFailure(const char* call, int result)
 // execution is not for it (nothing written; Python takes it). No GIL.
 bool NativeExecute(
     const NativeRoute& route, const std::string& model, TRITONBACKEND_Request** requests, uint32_t count,
-    std::vector<Outcome>* outcomes, std::vector<long>* stats)
+    std::unique_ptr<CopyPool>* pool, std::vector<Outcome>* outcomes, std::vector<long>* stats)
 {
   const uint64_t start = NowNs();
   std::vector<int64_t> rows(count, 0);
@@ -595,7 +682,7 @@ bool NativeExecute(
     }
     row += k;
   }
-  CopyAll(gather);
+  CopyAll(pool, gather);
   const Driver& d = *route.driver;
   const uint64_t real = static_cast<uint64_t>(n), pad = static_cast<uint64_t>(size) - real;
   std::string failure = DriverFailure("cuMemcpyHtoDAsync", d.to_device(bucket->x, bucket->stage_x, real * route.x_row,
@@ -944,7 +1031,8 @@ KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
     }
     if (state->entered == std::this_thread::get_id()) {
       compute_start = NowNs();
-      answered = NativeExecute(*state->native, model->name, requests, request_count, &outcomes, &stats);
+      answered = NativeExecute(*state->native, model->name, requests, request_count, &state->copy_pool,
+                               &outcomes, &stats);
       compute_end = NowNs();
     }
   }
@@ -1060,7 +1148,7 @@ KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
       deferred.emplace_back(r, buffer, outcome.bytes, static_cast<int>(memory_type), memory_type_id);
     }
   }
-  CopyAll(answers);
+  CopyAll(&state->copy_pool, answers);
   if (!deferred.empty()) {
     Gil gil;
     PyObject* targets = PyList_New(deferred.size());
