@@ -559,9 +559,8 @@ def test_the_native_route_serves_in_cpp_and_leaves_the_rest_to_python(repository
     answer back and answers, with the GIL untouched; a run whose bucket has no launchable graph goes to Python's
     route; both routes' answers are 2 * x * mask, exact, with the host copies split over threads (a 64-byte chunk:
     each 512-byte row in 8 pieces, the mask's bytes in the last one, on the instance's helper threads) as with the
-    default chunk. A launch that fails
-    answers that execution with the call's name and code; a driver library that cannot be opened leaves every run to
-    Python, and says so."""
+    default chunk. A launch that fails answers that execution with the call's name and code; a driver library that
+    cannot be opened leaves every run to Python, and says so."""
     log = tmp_path / "routes.log"
     server, ports = _native_server(repository, tmp_path / "work", monkeypatch, KKDEPLOY_STANDIN_LOG=str(log),
                                    KKDEPLOY_NATIVE_COPY_CHUNK="64")
