@@ -206,10 +206,9 @@ def serving_checks() -> list[Check]:
         """`kkdeploy loadtest --client auto` takes our HTTP/2 client where it builds: a compiler and hpack."""
         from ..serving import native_client as nc
 
-        try:
-            import hpack  # noqa: F401
-        except ImportError:
-            return "hpack is not installed (pip install 'kkdeploy[serve]'): loadtest sends through grpcio", ""
+        why = nc.unavailable(build=False)
+        if why:
+            return f"{why}: loadtest sends through grpcio", ""
         cxx = cxx_compiler(nc.WHAT, nc.OTHERWISE)
         return None, f"loadtest's gRPC client by default, compiled on first use by {compiler_version(cxx)}"
 

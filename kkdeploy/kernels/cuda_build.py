@@ -39,7 +39,7 @@ def cxx_compiler(what: str, otherwise: str = "") -> str:
     none (``otherwise``: a way around it, appended)."""
     cxx = os.environ.get("CXX") or "g++"
     if shutil.which(cxx) is None:
-        raise KKError(f"{what} need a C++17 compiler and {cxx!r} is not on PATH; install one (apt-get install g++) or "
+        raise KKError(f"{what} needs a C++17 compiler and {cxx!r} is not on PATH; install one (apt-get install g++) or "
                       f"set CXX{otherwise}")
     return cxx
 

@@ -64,15 +64,15 @@ def library_path(log=None) -> Path:
     return compiled_library(cxx, [SOURCE], flags, [], "grpc-client", LIBRARY_NAME, WHAT, OTHERWISE, log)
 
 
-def unavailable() -> str | None:
-    """Why the native client cannot run here (no compiler, a failed compile, no hpack), or None: what
-    ``loadtest --client auto`` asks before it picks this client."""
+def unavailable(build: bool = True) -> str | None:
+    """Why the native client cannot run here (no hpack, no compiler, or with ``build`` a failed compile), or None:
+    what ``loadtest --client auto`` asks before it picks this client (building it), and ``kkdeploy env`` (not)."""
     try:
         import hpack  # noqa: F401
     except ImportError:
         return "hpack is not installed (pip install 'kkdeploy[serve]')"
     try:
-        library_path()
+        library_path() if build else cxx_compiler(WHAT, OTHERWISE)
     except KKError as exc:
         return str(exc)
     return None
