@@ -163,7 +163,7 @@ def test_what_the_build_needs_is_a_one_line_error_naming_the_fix(monkeypatch, tm
 
     monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", "/nonexistent/g++")
-    with pytest.raises(KKError, match="in-process Triton backend need a C\\+\\+17 compiler .* set CXX; or serve with "
+    with pytest.raises(KKError, match="in-process Triton backend needs a C\\+\\+17 compiler .* set CXX; or serve with "
                                       "--engine python"):
         backend_build.backend_library()
     monkeypatch.undo()
