@@ -172,9 +172,8 @@ def measures_all(label: str) -> bool:
     """Whether a layout runs every plan (its mixed run checks its answers): the one-hop layouts, in-process or not,
     whatever their variant (static inputs, route, host-wait mode, instances: more instances then run every saturation
     plan, shared memory included); the layouts before them run the batch-1 and saturation plans only."""
-    return re.sub(r", (static inputs|host waits [^,]+|torch copies|direct route in Python|\d+ instances)", "",
-                  label) in (
-        "one-hop", "one-hop, in-process")
+    variant = r", (static inputs|host waits [^,]+|torch copies|direct route in Python|\d+ instances)"
+    return re.sub(variant, "", label) in ("one-hop", "one-hop, in-process")
 
 
 def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
@@ -215,7 +214,7 @@ def measure_shape(shape: str, artifacts: Path, args, deadline: float) -> dict:
         if shape in ("3", "13"):
             plans.append(("batch-1 c=1, system shared memory", dict(processes=1, concurrency=1, requests=n(2000),
                                                                    mix=[[1, 1.0]], pool=16, shared_memory="system")))
-        if shape == "13":  # a 32 MB request is Triton's gRPC frontend's work; through shared memory it is not
+        if shape == "13":  # a 16 MB request is Triton's gRPC frontend's work; through shared memory it is not
             plans.append((f"saturation, batch-{full} requests, system shared memory",
                           dict(processes=4, concurrency=sat_conc, requests=n(2000), mix=[[full, 1.0]], pool=16,
                                shared_memory="system")))

@@ -130,7 +130,7 @@ class GrpcH2c:
     def unary(self, path: bytes, request: bytes, timeout_s: float, copy: bool = True) -> bytes | memoryview:
         """The answer's message bytes; GrpcCallError for a status other than OK or a transport failure. With
         ``copy=False`` a view of the client's own buffer instead, valid until this connection's next call: the load
-        generator parses it before then, and a 512 KB answer is not copied once more inside the clock."""
+        generator parses it before then, and a 256 KB shape-13 answer is not copied once more inside the clock."""
         r = self.result
         rc = self.lib.kk_h2c_call(self.handle, path, request, len(request), float(timeout_s), ctypes.byref(r))
         if rc != 0:
