@@ -561,13 +561,16 @@ def test_the_native_route_serves_in_cpp_and_leaves_the_rest_to_python(repository
     each 512-byte row in 8 pieces, the mask's bytes in the last one, on the instance's helper threads) as with the
     default chunk. A launch that fails answers that execution with the call's name and code; a driver library that
     cannot be opened leaves every run to Python, and says so."""
-    log = tmp_path / "routes.log"
+    log, calls = tmp_path / "routes.log", tmp_path / "calls.log"
     server, ports = _native_server(repository, tmp_path / "work", monkeypatch, KKDEPLOY_STANDIN_LOG=str(log),
-                                   KKDEPLOY_NATIVE_COPY_CHUNK="64")
+                                   KKDEPLOY_NATIVE_COPY_CHUNK="64", KKDEPLOY_STUB_CALL_LOG=str(calls))
     with server:
         server.wait_ready(120)
+        calls.write_text("")
         cases = _native_cases(ports)
         metrics = urllib_get(f"http://127.0.0.1:{ports['metrics']}/metrics")
+    # host requests: one copy to the device for the rows (and one for a mask), one back; the 2-row run is Python's
+    assert calls.read_text().split("\n")[:-1] == ["HtoD 512", "DtoH 512", "HtoD 512", "HtoD 8", "DtoH 512"]
     for x, mask, answer in cases:
         assert isinstance(answer, np.ndarray), answer
         assert np.array_equal(answer, x * 2 * mask[..., None])
@@ -602,6 +605,83 @@ def urllib_get(url: str) -> str:
 
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.read().decode()
+
+
+def _pair(ports: dict, x0: np.ndarray, x1: np.ndarray, mask1: np.ndarray) -> list:
+    """Two 1-row requests sent together (the server's batcher waits for the second: one execution of two requests;
+    it batches requests with the same inputs only, so both carry a mask), the first all valid, the second
+    ``mask1``; their answers, or the error's text."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['grpc']}")
+    done: list = [None, None]
+    event = [threading.Event(), threading.Event()]
+
+    def answer(i):
+        def callback(result, error):
+            done[i] = str(error) if error is not None else result.as_numpy("y")
+            event[i].set()
+        return callback
+
+    try:
+        for i, (x, mask) in enumerate(((x0, np.ones_like(mask1)), (x1, mask1))):
+            inputs = [grpcclient.InferInput("x", list(x.shape), "FP32"),
+                      grpcclient.InferInput("valid_token_mask", list(mask.shape), "BOOL")]
+            inputs[0].set_data_from_numpy(x)
+            inputs[1].set_data_from_numpy(mask)
+            client.async_infer("kkdeploy", inputs, answer(i))
+        assert all(e.wait(60) for e in event)
+    finally:
+        client.close()
+    return done
+
+
+def test_the_native_route_copies_rows_and_answers_on_the_gpu_where_they_lie(small, tmp_path, monkeypatch):
+    """Requests whose inputs lie on the instance's GPU (a client's CUDA shared-memory region) and answers into
+    response buffers there take the native route, copied on the device: no host gather, no host round trip for the
+    answer. On the CPU the stand-in driver takes host addresses for device pointers, and
+    KKDEPLOY_STANDIN_DEVICE_MEMORY has the route take request and response buffers as device memory: every request
+    (``all``), or every other request of an execution (``alternate``: one in host memory and one on the device in the
+    same run, the host rows crossing in their own copy). The stub logs every copy, so the test reads which copies the
+    route made, and the answers are exact."""
+    repository = tmp_path / "repo"
+    write_repository(small, repository, engine="inprocess", max_queue_delay_us=2_000_000,
+                     parameters={"kkdeploy_release_dir": str(tmp_path)})
+    config = repository / "kkdeploy" / "config.pbtxt"  # a batch of 2 preferred alone: the batcher waits for the pair
+    config.write_text(config.read_text().replace("preferred_batch_size: [ 1, 2 ]", "preferred_batch_size: [ 2 ]"))
+    calls, routes = tmp_path / "calls.log", tmp_path / "routes.log"
+    rng = np.random.default_rng(11)
+    x = [rng.standard_normal((1, 8, 16)).astype(np.float32) for _ in range(4)]
+    mask = np.ones((1, 8), dtype=bool)
+    mask[:, 6:] = False
+    row, mask_row = x[0].nbytes, mask.nbytes  # 512 and 8 bytes
+
+    server, ports = _native_server(repository, tmp_path / "work", monkeypatch, KKDEPLOY_STANDIN_DEVICE_MEMORY="all",
+                                   KKDEPLOY_STUB_CALL_LOG=str(calls), KKDEPLOY_STANDIN_LOG=str(routes),
+                                   KKDEPLOY_STANDIN_LAUNCHABLE="1,2")
+    with server:
+        server.wait_ready(120)
+        calls.write_text("")
+        first, second = _pair(ports, x[0], x[1], mask)
+    assert np.array_equal(first, 2 * x[0]) and np.array_equal(second, 2 * x[1] * mask[..., None])
+    assert routes.read_text().split("\n")[-2:-1] == ["native 2 14"]
+    # rows and masks on the device, the answer to the host buffer (kept for host responses), the answers on the
+    # device: nothing crosses from the host
+    assert calls.read_text().split("\n")[:-1] == [f"DtoD {row}", f"DtoD {mask_row}", f"DtoD {row}", f"DtoD {mask_row}",
+                                                  f"DtoH {2 * row}", f"DtoD {row}", f"DtoD {row}"]
+
+    server, ports = _native_server(repository, tmp_path / "work", monkeypatch,
+                                   KKDEPLOY_STANDIN_DEVICE_MEMORY="alternate")
+    with server:
+        server.wait_ready(120)
+        calls.write_text("")
+        first, second = _pair(ports, x[2], x[3], mask)
+    assert np.array_equal(first, 2 * x[2]) and np.array_equal(second, 2 * x[3] * mask[..., None])
+    assert routes.read_text().split("\n")[-2:-1] == ["native 2 14"]
+    # the first request from the host (its rows and its mask through the staging buffers), the second on the device;
+    # the first answer is copied on the host, the second on the device
+    assert calls.read_text().split("\n")[:-1] == [
+        f"HtoD {row}", f"HtoD {mask_row}", f"DtoD {row}", f"DtoD {mask_row}", f"DtoH {2 * row}", f"DtoD {row}"]
 
 
 def test_the_native_plan_names_each_bucket_and_shares_the_captures_masks(monkeypatch, capsys):

@@ -152,7 +152,7 @@ def proof_checks(device: torch.device) -> list[Check]:
 
 #: the CUDA driver calls the in-process backend's native route makes (serving/csrc/kkdeploy_backend.cc, CudaDriver)
 NATIVE_DRIVER_CALLS = ("cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "cuMemsetD8Async", "cuGraphLaunch",
-                       "cuStreamSynchronize", "cuMemcpyHtoD_v2")
+                       "cuStreamSynchronize", "cuMemcpyDtoDAsync_v2")
 
 
 def serving_checks() -> list[Check]:

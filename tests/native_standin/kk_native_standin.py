@@ -3,8 +3,8 @@
 ``install()`` (called by this folder's sitecustomize) patches what an in-process instance would ask of a GPU (its
 engine, stream, device, the driver of its Python route) with the tests' host-memory stand-ins (tests/standins.py).
 Bucket 1 is a capture the native route can launch (its "graph" a callback the stub driver calls); bucket 2 has no
-executable graph, so its runs stay with Python's direct route. Each capture computes y = 2 * x * mask and appends
-which route ran it to KKDEPLOY_STANDIN_LOG."""
+executable graph, so its runs stay with Python's direct route (KKDEPLOY_STANDIN_LAUNCHABLE=1,2 makes both launchable).
+Each capture computes y = 2 * x * mask and appends which route ran it to KKDEPLOY_STANDIN_LOG."""
 
 import os
 import sys
@@ -27,7 +27,8 @@ def install() -> None:
     from tests.standins import HostDriver, captured_bucket_engine
 
     def engine(name, artifacts, device, row_shape, dtype, max_batch, gpu_outputs=False, canary_file=None):
-        made, _ = captured_bucket_engine((1, 2), row_shape, dtype, cuda=True, launchable=(1,), note=note)
+        launchable = tuple(int(v) for v in os.environ.get("KKDEPLOY_STANDIN_LAUNCHABLE", "1").split(","))
+        made, _ = captured_bucket_engine((1, 2), row_shape, dtype, cuda=True, launchable=launchable, note=note)
         made.name, made.max_batch = name, max_batch
         return made
 

@@ -1,14 +1,29 @@
 /* The CUDA driver calls of kkdeploy's native route, on host memory: the CPU tests' stand-in for libcuda.so.1
  * (KKDEPLOY_CUDA_DRIVER names it). A "device pointer" is a host address; a "graph" is a function the test made
- * (a ctypes callback), launched by calling it. KKDEPLOY_STUB_LAUNCH_RESULT makes every launch fail with that code. */
+ * (a ctypes callback), launched by calling it. KKDEPLOY_STUB_LAUNCH_RESULT makes every launch fail with that code;
+ * KKDEPLOY_STUB_CALL_LOG names a file that gets a line per copy ("HtoD 512", "DtoD 64", "DtoH 512"). */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+static void logged(const char* what, size_t n)
+{
+  const char* path = getenv("KKDEPLOY_STUB_CALL_LOG");
+  if (path != NULL && *path != '\0') {
+    FILE* f = fopen(path, "a");
+    if (f != NULL) {
+      fprintf(f, "%s %zu\n", what, n);
+      fclose(f);
+    }
+  }
+}
 
 typedef int (*graph_fn)(void);
 
 int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void* src, size_t n, void* stream)
 {
   (void)stream;
+  logged("HtoD", n);
   memcpy((void*)(size_t)dst, src, n);
   return 0;
 }
@@ -16,6 +31,7 @@ int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void* src, size_t n, void
 int cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, size_t n, void* stream)
 {
   (void)stream;
+  logged("DtoH", n);
   memcpy(dst, (const void*)(size_t)src, n);
   return 0;
 }
@@ -43,8 +59,10 @@ int cuStreamSynchronize(void* stream)
   return 0;
 }
 
-int cuMemcpyHtoD_v2(unsigned long long dst, const void* src, size_t n)
+int cuMemcpyDtoDAsync_v2(unsigned long long dst, unsigned long long src, size_t n, void* stream)
 {
-  memcpy((void*)(size_t)dst, src, n);
+  (void)stream;
+  logged("DtoD", n);
+  memcpy((void*)(size_t)dst, (const void*)(size_t)src, n);
   return 0;
 }

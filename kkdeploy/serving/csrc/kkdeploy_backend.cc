@@ -282,7 +282,8 @@ struct Outcome {
   const void* source = nullptr;  // the engine's answer for this request, valid until the next execute
   uint64_t bytes = 0;
   bool source_on_host = true;
-  bool native = false;  // answered by the native route: a response buffer on the GPU is filled here too
+  bool native = false;  // answered by the native route: a response buffer on its GPU is filled here too
+  unsigned long long device_source = 0;  // (native) the same answer in the capture's output, on the GPU
 };
 
 // The CUDA driver calls of the native route, looked up once per process in libcuda.so.1 (KKDEPLOY_CUDA_DRIVER
@@ -293,13 +294,13 @@ struct Driver {
   using Fill = int (*)(unsigned long long, unsigned char, size_t, void*);
   using Launch = int (*)(void*, void*);
   using Wait = int (*)(void*);
-  using HtoDNow = int (*)(unsigned long long, const void*, size_t);
+  using DtoD = int (*)(unsigned long long, unsigned long long, size_t, void*);
   HtoD to_device = nullptr;
   DtoH to_host = nullptr;
   Fill fill = nullptr;
   Launch launch = nullptr;
   Wait wait = nullptr;
-  HtoDNow to_device_now = nullptr;
+  DtoD on_device = nullptr;
   std::string error;  // why the driver cannot be used ("" when it can)
 };
 
@@ -328,7 +329,7 @@ const Driver* CudaDriver()
     driver.fill = reinterpret_cast<Driver::Fill>(find("cuMemsetD8Async"));
     driver.launch = reinterpret_cast<Driver::Launch>(find("cuGraphLaunch"));
     driver.wait = reinterpret_cast<Driver::Wait>(find("cuStreamSynchronize"));
-    driver.to_device_now = reinterpret_cast<Driver::HtoDNow>(find("cuMemcpyHtoD_v2"));
+    driver.on_device = reinterpret_cast<Driver::DtoD>(find("cuMemcpyDtoDAsync_v2"));
   });
   return &driver;
 }
@@ -352,6 +353,7 @@ struct NativeBucket {
 struct NativeRoute {
   const Driver* driver = nullptr;
   void* stream = nullptr;
+  int64_t device = 0;  // the instance's GPU: request and response buffers on it are copied on the device
   long seq = 0;
   uint64_t x_row = 0, y_row = 0;
   std::vector<int64_t> row_shape;  // x's dims after the batch
@@ -575,10 +577,36 @@ NativeRoute* ReadNativePlan(PyObject* plan, std::string* why)
   return route.release();
 }
 
-// One input of a request in one host buffer, as the native route takes it: its rows (shape[0]) and bytes, or false.
-bool HostInput(
-    TRITONBACKEND_Request* request, const char* name, const std::vector<int64_t>& row_shape, uint64_t row_bytes,
-    bool* present, int64_t* rows, const void** data)
+// The CPU tests' stand-in for GPU memory: with a stand-in driver (KKDEPLOY_CUDA_DRIVER set), whose "device
+// pointers" are host addresses, KKDEPLOY_STANDIN_DEVICE_MEMORY=all takes every request's input and response buffers as
+// memory of the route's GPU, and `alternate` those of every other request of an execution (the second, fourth, ...),
+// so that the device-to-device copies, and their mix with host ones, run inside a real tritonserver on the CPU.
+// 0: off (always, with the real driver), 1: all, 2: alternate.
+int StandInDeviceMemory()
+{
+  static const int mode = [] {
+    const char* driver = std::getenv("KKDEPLOY_CUDA_DRIVER");
+    const char* asked = std::getenv("KKDEPLOY_STANDIN_DEVICE_MEMORY");
+    if (driver == nullptr || *driver == '\0' || asked == nullptr) {
+      return 0;
+    }
+    return std::string(asked) == "all" ? 1 : std::string(asked) == "alternate" ? 2 : 0;
+  }();
+  return mode;
+}
+
+bool StandInOnDevice(uint32_t request_index)
+{
+  const int mode = StandInDeviceMemory();
+  return mode == 1 || (mode == 2 && request_index % 2 == 1);
+}
+
+// One input of a request as the native route takes it: in one buffer, in host memory or on the route's GPU (a
+// client's CUDA shared-memory region), with rows of `row_shape`. Its rows (shape[0]), its bytes and where they lie,
+// or false (another GPU, several buffers, a wrong shape: Python's route takes the execution).
+bool RequestInput(
+    TRITONBACKEND_Request* request, uint32_t request_index, const char* name, const std::vector<int64_t>& row_shape,
+    uint64_t row_bytes, int64_t device, bool* present, int64_t* rows, const void** data, bool* on_device)
 {
   TRITONBACKEND_Input* input = nullptr;
   TRITONSERVER_Error* missing = TRITONBACKEND_RequestInput(request, name, &input);
@@ -615,9 +643,29 @@ bool HostInput(
     TRITONSERVER_ErrorDelete(err);
     return false;
   }
+  if (memory_type == TRITONSERVER_MEMORY_GPU && memory_type_id != device) {
+    return false;
+  }
   *rows = shape[0];
-  return memory_type != TRITONSERVER_MEMORY_GPU && size == static_cast<uint64_t>(shape[0]) * row_bytes &&
-         byte_size == size;
+  *on_device = memory_type == TRITONSERVER_MEMORY_GPU || StandInOnDevice(request_index);
+  return size == static_cast<uint64_t>(shape[0]) * row_bytes && byte_size == size;
+}
+
+// A device-to-device copy of the native route (a request's rows into the capture, an answer into a client's region).
+struct DeviceCopy {
+  unsigned long long dst, src;
+  uint64_t bytes;
+};
+
+// Adds rows [row, row + k) to `runs`, the row ranges that cross from the staging buffer: merged with the last range
+// where they follow it, so that an execution of host requests alone is one copy.
+void AddRun(std::vector<std::pair<uint64_t, uint64_t>>* runs, uint64_t row, uint64_t k)
+{
+  if (!runs->empty() && runs->back().second == row) {
+    runs->back().second = row + k;
+  } else {
+    runs->emplace_back(row, row + k);
+  }
 }
 
 // "cuX failed with CUresult N", or "" when every call succeeded.
@@ -627,7 +675,10 @@ std::string DriverFailure(const char* call, int result)
 }
 
 // The native route for one execution: true when it answered (every outcome set, `stats` one run), false when the
-// execution is not for it (nothing written; Python takes it). No GIL.
+// execution is not for it (nothing written; Python takes it). No GIL. Rows in host memory are gathered into the
+// bucket's pinned staging buffers and cross in one copy per run of consecutive such requests (one copy when every
+// request is in host memory); rows already on the route's GPU (a client's CUDA shared-memory region) are copied
+// into the capture on the device, without touching the host.
 bool NativeExecute(
     const NativeRoute& route, const std::string& model, TRITONBACKEND_Request** requests, uint32_t count,
     std::unique_ptr<CopyPool>* pool, std::vector<Outcome>* outcomes, std::vector<long>* stats)
@@ -635,23 +686,29 @@ bool NativeExecute(
   const uint64_t start = NowNs();
   std::vector<int64_t> rows(count, 0);
   std::vector<const void*> xs(count, nullptr), masks(count, nullptr);
+  std::vector<char> x_on_device(count, 0), mask_on_device(count, 0);
   bool all_valid = true;
   int64_t n = 0;
   for (uint32_t r = 0; r < count; ++r) {
-    bool present = false;
-    if (!HostInput(requests[r], kInputX, route.row_shape, route.x_row, &present, &rows[r], &xs[r]) || !present) {
+    bool present = false, on_device = false;
+    if (!RequestInput(requests[r], r, kInputX, route.row_shape, route.x_row, route.device, &present, &rows[r], &xs[r],
+                      &on_device) ||
+        !present) {
       return false;
     }
+    x_on_device[r] = on_device;
     int64_t mask_rows = 0;
     bool has_mask = false;
-    if (!HostInput(requests[r], kInputMask, route.mask_row, static_cast<uint64_t>(route.seq), &has_mask, &mask_rows,
-                   &masks[r]) ||
+    on_device = false;
+    if (!RequestInput(requests[r], r, kInputMask, route.mask_row, static_cast<uint64_t>(route.seq), route.device,
+                      &has_mask, &mask_rows, &masks[r], &on_device) ||
         (has_mask && mask_rows != rows[r])) {
       return false;
     }
     if (!has_mask) {
       masks[r] = nullptr;
     }
+    mask_on_device[r] = has_mask && on_device;
     all_valid = all_valid && !has_mask;
     n += rows[r];
   }
@@ -667,17 +724,30 @@ bool NativeExecute(
   }
   const long size = bucket->size;
   const uint64_t seq = static_cast<uint64_t>(route.seq);
+  const auto device = [](const void* p) { return static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(p)); };
   uint64_t row = 0;
-  std::vector<Copy> gather;
+  std::vector<Copy> gather;  // host rows into the staging buffers
+  std::vector<DeviceCopy> on_device;  // rows on the GPU into the capture
+  std::vector<std::pair<uint64_t, uint64_t>> x_runs, mask_runs;  // row ranges that cross from the staging buffers
   gather.reserve(2 * count);
   for (uint32_t r = 0; r < count; ++r) {
     const uint64_t k = static_cast<uint64_t>(rows[r]);
-    gather.push_back({bucket->stage_x + row * route.x_row, static_cast<const char*>(xs[r]), k * route.x_row});
+    if (x_on_device[r]) {
+      on_device.push_back({bucket->x + row * route.x_row, device(xs[r]), k * route.x_row});
+    } else {
+      gather.push_back({bucket->stage_x + row * route.x_row, static_cast<const char*>(xs[r]), k * route.x_row});
+      AddRun(&x_runs, row, k);
+    }
     if (!all_valid) {
-      if (masks[r] == nullptr) {
-        std::memset(bucket->stage_mask + row * seq, 1, k * seq);
+      if (mask_on_device[r]) {
+        on_device.push_back({bucket->mask + row * seq, device(masks[r]), k * seq});
       } else {
-        gather.push_back({bucket->stage_mask + row * seq, static_cast<const char*>(masks[r]), k * seq});
+        if (masks[r] == nullptr) {
+          std::memset(bucket->stage_mask + row * seq, 1, k * seq);
+        } else {
+          gather.push_back({bucket->stage_mask + row * seq, static_cast<const char*>(masks[r]), k * seq});
+        }
+        AddRun(&mask_runs, row, k);
       }
     }
     row += k;
@@ -685,19 +755,34 @@ bool NativeExecute(
   CopyAll(pool, gather);
   const Driver& d = *route.driver;
   const uint64_t real = static_cast<uint64_t>(n), pad = static_cast<uint64_t>(size) - real;
-  std::string failure = DriverFailure("cuMemcpyHtoDAsync", d.to_device(bucket->x, bucket->stage_x, real * route.x_row,
-                                                                       route.stream));
+  std::string failure;
+  for (const auto& run : x_runs) {
+    if (failure.empty()) {
+      failure = DriverFailure("cuMemcpyHtoDAsync",
+                              d.to_device(bucket->x + run.first * route.x_row, bucket->stage_x + run.first * route.x_row,
+                                          (run.second - run.first) * route.x_row, route.stream));
+    }
+  }
   if (failure.empty() && pad > 0) {  // padding rows: zeros, fully masked
     failure = DriverFailure("cuMemsetD8Async", d.fill(bucket->x + real * route.x_row, 0, pad * route.x_row,
                                                        route.stream));
   }
   // The mask is written every run: Python's route (which writes the same capture) then cannot trust what it left
   // there (BucketEngine.static_mask_shared).
-  if (failure.empty()) {
-    failure = all_valid
-                  ? DriverFailure("cuMemsetD8Async", d.fill(bucket->mask, 1, real * seq, route.stream))
-                  : DriverFailure("cuMemcpyHtoDAsync", d.to_device(bucket->mask, bucket->stage_mask, real * seq,
-                                                                   route.stream));
+  if (failure.empty() && all_valid) {
+    failure = DriverFailure("cuMemsetD8Async", d.fill(bucket->mask, 1, real * seq, route.stream));
+  }
+  for (const auto& run : mask_runs) {
+    if (failure.empty()) {
+      failure = DriverFailure("cuMemcpyHtoDAsync",
+                              d.to_device(bucket->mask + run.first * seq, bucket->stage_mask + run.first * seq,
+                                          (run.second - run.first) * seq, route.stream));
+    }
+  }
+  for (const DeviceCopy& c : on_device) {
+    if (failure.empty()) {
+      failure = DriverFailure("cuMemcpyDtoDAsync", d.on_device(c.dst, c.src, c.bytes, route.stream));
+    }
   }
   if (failure.empty() && pad > 0) {
     failure = DriverFailure("cuMemsetD8Async", d.fill(bucket->mask + real * seq, 0, pad * seq, route.stream));
@@ -729,6 +814,7 @@ bool NativeExecute(
     outcome.shape.assign(1, rows[r]);
     outcome.shape.insert(outcome.shape.end(), route.answer_shape.begin(), route.answer_shape.end());
     outcome.source = bucket->host_y + row * route.y_row;
+    outcome.device_source = bucket->y + row * route.y_row;
     outcome.bytes = k * route.y_row;
     outcome.source_on_host = true;
     row += k;
@@ -961,6 +1047,9 @@ KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceInitialize(TRITON
       why = PythonError();
     } else {
       state->native = ReadNativePlan(plan, &why);
+      if (state->native != nullptr) {
+        state->native->device = device_id;
+      }
       Py_DECREF(plan);
     }
     if (!why.empty()) {  // the instance serves through Python, as it would without the native route
@@ -1000,7 +1089,8 @@ KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceFinalize(TRITONBA
 
 // One execution: the requests' inputs described to Python (pointers, no copy), one Python call that gathers,
 // runs the bucket and returns where each answer lies, then each answer copied into its response here (host to
-// host: memcpy without the GIL; anything involving GPU memory: back to Python, which copies with torch).
+// host: memcpy without the GIL; the native route's answers into buffers on its GPU: on the device; anything else
+// involving GPU memory: back to Python, which copies with torch).
 KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
     TRITONBACKEND_ModelInstance* instance, TRITONBACKEND_Request** requests, const uint32_t request_count)
 {
@@ -1097,12 +1187,14 @@ KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
   }
 
   // The responses. Each output buffer is asked for in host memory (host answers are copied into them together, on
-  // several threads when large); a buffer Triton places elsewhere (a client's CUDA shared-memory region), or an answer
-  // the engine left on the GPU, is copied by Python.
+  // several threads when large). A buffer Triton places on the native route's GPU (a client's CUDA shared-memory
+  // region) gets the answer from the capture's output, copied on the device; any other buffer elsewhere, or an
+  // answer Python's route left on the GPU, is copied by Python.
   std::vector<TRITONBACKEND_Response*> responses(request_count, nullptr);
   std::vector<TRITONSERVER_Error*> send_errors(request_count, nullptr);
   std::vector<std::tuple<uint32_t, void*, uint64_t, int, int64_t>> deferred;
   std::vector<Copy> answers;  // host answers into host response buffers, copied together below
+  std::vector<std::pair<uint32_t, DeviceCopy>> device_answers;  // native answers into response buffers on its GPU
   uint64_t rows = 0;
   for (uint32_t r = 0; r < request_count; ++r) {
     Outcome& outcome = outcomes[r];
@@ -1134,21 +1226,38 @@ KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
       send_errors[r] = problem;
       continue;
     }
-    if (outcome.source_on_host && memory_type != TRITONSERVER_MEMORY_GPU) {
+    const bool on_route_device =
+        outcome.native && ((memory_type == TRITONSERVER_MEMORY_GPU && memory_type_id == state->native->device) ||
+                           StandInOnDevice(r));
+    if (on_route_device) {
+      device_answers.push_back(
+          {r, {static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(buffer)), outcome.device_source,
+               outcome.bytes}});
+    } else if (outcome.source_on_host && memory_type != TRITONSERVER_MEMORY_GPU) {
       answers.push_back({static_cast<char*>(buffer), static_cast<const char*>(outcome.source), outcome.bytes});
-    } else if (outcome.native) {  // a client's CUDA shared-memory region: one synchronous copy from the host answer
-      std::string failure = DriverFailure(
-          "cuMemcpyHtoD", state->native->driver->to_device_now(
-                              static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(buffer)), outcome.source,
-                              outcome.bytes));
-      if (!failure.empty()) {
-        send_errors[r] = Error(TRITONSERVER_ERROR_INTERNAL, model->name + ": native route: " + failure);
-      }
     } else {
       deferred.emplace_back(r, buffer, outcome.bytes, static_cast<int>(memory_type), memory_type_id);
     }
   }
   CopyAll(&state->copy_pool, answers);
+  if (!device_answers.empty()) {  // on the route's stream, then one wait: the capture's output is rewritten next run
+    const NativeRoute& route = *state->native;
+    std::string failure;
+    for (const auto& answer : device_answers) {
+      if (failure.empty()) {
+        const DeviceCopy& c = answer.second;
+        failure = DriverFailure("cuMemcpyDtoDAsync", route.driver->on_device(c.dst, c.src, c.bytes, route.stream));
+      }
+    }
+    if (failure.empty()) {
+      failure = DriverFailure("cuStreamSynchronize", route.driver->wait(route.stream));
+    }
+    for (const auto& answer : device_answers) {
+      if (!failure.empty()) {
+        send_errors[answer.first] = Error(TRITONSERVER_ERROR_INTERNAL, model->name + ": native route: " + failure);
+      }
+    }
+  }
   if (!deferred.empty()) {
     Gil gil;
     PyObject* targets = PyList_New(deferred.size());
