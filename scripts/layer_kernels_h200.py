@@ -97,7 +97,8 @@ def check(model, kernels: LayerKernels, config, device, seed: int, padding: floa
 
 def traced_timeline(model, launch: LayerLaunch, config, device) -> dict:
     """The persistent launch's timeline on one call after 20 warm-up calls (its traced twin: the same items, the
-    GPU's clock read at each item's start, ready and end; ``LayerKernels.trace``)."""
+    GPU's clock read at each item's start, ready and end, and inside a row chain after out_proj and after ffn_in;
+    ``LayerKernels.trace``)."""
     import dataclasses
 
     traced = LayerKernels(model, dataclasses.replace(launch, trace=True))
@@ -205,6 +206,9 @@ def main(argv=None) -> int:
                     kinds = row["trace"]["kinds"]
                     timing += "  trace " + " ".join(f"{k} {v['wait_us_median']:.1f}+{v['run_us_median']:.1f}us"
                                                     for k, v in kinds.items())
+                    stages = kinds.get("row_chain", {}).get("stages_us_median")
+                    if stages:  # the row chain's parts: out_proj + norm2, ffn_in, ffn_out + GELU + the next norm
+                        timing += " (" + " ".join(f"{k} {v:.1f}" for k, v in stages.items()) + ")"
                     timing += f" span {row['trace']['span_us']:.1f}us busy {row['trace']['busy']}"
                 row["kernels"] = kernels.kernel_stats()
                 spills = sum(k["spills"] or 0 for k in row["kernels"].values())

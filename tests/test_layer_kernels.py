@@ -288,9 +288,9 @@ def test_persistent_launch_equals_the_split_launches_under_the_interpreter():
 
 
 def test_the_persistent_launch_s_trace_says_where_the_time_went(monkeypatch):
-    """The items' kinds in ticket order match the launch's count, and a trace (program, taken, ready, done in ns)
-    becomes waits and runs per kind, each block's window, and how busy the programs were. Tracing reads the GPU's
-    clock, so the interpreter refuses it in one line."""
+    """The items' kinds in ticket order match the launch's count, and a trace (program, taken, ready, the row chain's
+    two inner marks, done, in ns) becomes waits and runs per kind, the row chain's parts, each block's window, and how
+    busy the programs were. Tracing reads the GPU's clock, so the interpreter refuses it in one line."""
     kinds = lk.item_kinds(row_tiles=8, layers=4, qkv_tiles=3, heads=4, ffn_tiles=1, chain=True)
     assert len(kinds) == 8 * (1 + 4 * (3 + 4 + 1))  # shape 3's items
     assert kinds[:8] == [("entry", -1)] * 8 and kinds[8] == ("qkv", 0) and kinds[-1] == ("row_chain", 3)
@@ -298,15 +298,22 @@ def test_the_persistent_launch_s_trace_says_where_the_time_went(monkeypatch):
     assert [k for k, _ in unchained] == (["entry"] * 2 + ["qkv"] * 2 + ["attention"] * 4 + ["out_proj"] * 2
                                          + ["ffn_in"] * 4 + ["ffn_out"] * 2)
     layout = lk.item_kinds(row_tiles=1, layers=1, qkv_tiles=1, heads=1, ffn_tiles=1, chain=True)
-    rows = torch.tensor([[0, 1000, 1000, 3000],     # entry: 2 us
-                         [1, 1100, 3500, 5500],     # qkv: waited 2.4 us, ran 2 us
-                         [0, 3100, 6000, 10000],    # attention
-                         [1, 5600, 10500, 14000]])  # the row chain
+    # program, taken, ready, out_proj done, ffn_in done, done (the middle two written for the row chain only)
+    rows = torch.tensor([[0, 1000, 1000, 0, 0, 3000],             # entry: 2 us
+                         [1, 1100, 3500, 0, 0, 5500],             # qkv: waited 2.4 us, ran 2 us
+                         [0, 3100, 6000, 0, 0, 10000],            # attention
+                         [1, 5600, 10500, 11700, 12300, 14000]])  # the row chain: 1.2 + 0.6 + 1.7 us
     summary = lk.trace_summary(rows, layout)
     assert summary["span_us"] == 13.0 and summary["programs"] == 2 and summary["items"] == 4
     assert summary["kinds"]["qkv"] == {"items": 1, "wait_us_median": 2.4, "run_us_median": 2.0, "run_us_sum": 2.0}
+    assert summary["kinds"]["row_chain"]["run_us_median"] == 3.5
+    assert summary["kinds"]["row_chain"]["stages_us_median"] == {"out_proj_norm2": 1.2, "ffn_in": 0.6,
+                                                                 "ffn_out_gelu_norm": 1.7}
     assert summary["blocks"] == {"entry": {"from_us": 0.0, "to_us": 2.0}, "block 0": {"from_us": 0.1, "to_us": 13.0}}
     assert summary["busy"] == round((2000 + 2000 + 4000 + 3500) / (13000 * 2), 4)
+    # a trace without the row chain's marks (4 columns) still reads, without its parts
+    old = lk.trace_summary(rows[:, [0, 1, 2, 5]], layout)
+    assert old["span_us"] == 13.0 and "stages_us_median" not in old["kinds"]["row_chain"]
     with pytest.raises(KKError, match="a trace of 4 items for a layout of 8"):
         lk.trace_summary(rows, layout * 2)
     model = build_models(CONFIG, torch.float16, "cpu")[0]

@@ -73,6 +73,8 @@ ATT_DONE = tl.constexpr(2)  # heads written: H when ready
 X1_DONE = tl.constexpr(3)  # out_proj, the residual and norm2 written: 1
 FF_DONE = tl.constexpr(4)  # ffn_in column tiles written: NFF
 KINDS = tl.constexpr(5)
+#: columns of a traced item's row: program, taken, ready, the row chain's out_proj done, its ffn_in done, done
+TRACE_COLUMNS = tl.constexpr(6)
 
 
 def sync_size(layers: int, row_tiles: int) -> int:
@@ -111,13 +113,14 @@ def _row_tile(rt, NQB, S, BLOCK_M: tl.constexpr):
 @triton.jit
 def _trace(TRACE_BUF, item, column: tl.constexpr, TRACE: tl.constexpr):
     """With TRACE: the GPU's nanosecond clock (``%globaltimer``) into column ``column`` of the item's row of
-    TRACE_BUF [items, 4] (program, taken, ready, done); column 0 gets the program id."""
+    TRACE_BUF [items, TRACE_COLUMNS] (program, taken, ready, out_proj done, ffn_in done, done: the middle two for a
+    row-chain item only); column 0 gets the program id."""
     if TRACE:
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
                                         pack=1)
         if column == 1:
-            tl.store(TRACE_BUF + item.to(tl.int64) * 4, tl.program_id(0).to(tl.int64))
-        tl.store(TRACE_BUF + item.to(tl.int64) * 4 + column, now)
+            tl.store(TRACE_BUF + item.to(tl.int64) * TRACE_COLUMNS, tl.program_id(0).to(tl.int64))
+        tl.store(TRACE_BUF + item.to(tl.int64) * TRACE_COLUMNS + column, now)
 
 
 @triton.jit
@@ -261,8 +264,10 @@ def _model_kernel(
                              LN2_G + lay * D, LN2_B + lay * D, h2_l, tl.load(EPS2 + lay), True, False, False)
                 if ROW_CHAIN:  # ffn_in (one column tile) and ffn_out follow in this program: no hand-off
                     tl.debug_barrier()
+                    _trace(TRACE_BUF, item, 3, TRACE)  # out_proj, the residual and norm2 done
                     _ffn_in_tile(h2_l, W1, B1, ff_l, lay, rows, row_ok, 0, D, F, BLOCK_M, BN_F, BK_D, ACCURATE)
                     tl.debug_barrier()
+                    _trace(TRACE_BUF, item, 4, TRACE)  # ffn_in done
                     _ffn_out_tile(ff_l, W2, B2, x1_l, MASK, x2_l, LNN_G, LNN_B, EPSN, hn_l, lay, rows, row_ok,
                                   layer == L - 1, D, F, HAS_MASK, ACCURATE, BLOCK_M, BK_F)
                     if layer < L - 1:  # the next block's Q|K|V tiles wait on this
@@ -289,7 +294,7 @@ def _model_kernel(
                               layer == L - 1, D, F, HAS_MASK, ACCURATE, BLOCK_M, BK_F)
                 if layer < L - 1:  # the next block's Q|K|V tiles wait on this
                     _signal(_counter(SYNC, layer + 1, HN_READY, rt, NRT))
-        _trace(TRACE_BUF, item, 3, TRACE)  # done
+        _trace(TRACE_BUF, item, 5, TRACE)  # done
         item = tl.atomic_add(SYNC + TICKET, 1)
 
     # the last program out zeroes the ticket and the counters for the next call

@@ -260,7 +260,8 @@ class LayerKernels:
             if launch.trace:
                 key = ("trace", b, s)
                 if key not in self._buffers:
-                    self._buffers[key] = torch.zeros(items, 4, dtype=torch.int64, device=self.model.device)
+                    self._buffers[key] = torch.zeros(items, _model_triton.TRACE_COLUMNS.value, dtype=torch.int64,
+                                                     device=self.model.device)
                 trace = dict(TRACE_BUF=self._buffers[key], TRACE=True)
                 self.trace_buffer = self._buffers[key]
             self.compiled["model"] = _model_triton._model_kernel[(self.programs(items), )](
@@ -334,14 +335,20 @@ def item_kinds(row_tiles: int, layers: int, qkv_tiles: int, heads: int, ffn_tile
     return kinds
 
 
+#: the parts of a row-chain item, timed by the traced launch (``_model_triton.TRACE_COLUMNS``)
+CHAIN_STAGES = ("out_proj_norm2", "ffn_in", "ffn_out_gelu_norm")
+
+
 def trace_summary(rows: torch.Tensor, kinds: list) -> dict:
-    """Where a traced call's time went. ``rows`` [items, 4] int64: program, taken, ready (its waits met), done, in
-    the GPU's nanoseconds. Per kind: items, median wait and run (µs) and the run's sum; per block: when its first item
-    was taken and its last done, from the call's start; the call's span, the programs that took work, and how busy
-    they were (run time over span x programs)."""
+    """Where a traced call's time went. ``rows`` [items, 6] int64: program, taken, ready (its waits met), the row
+    chain's out_proj (with its residual and norm2) done, its ffn_in done, done, in the GPU's nanoseconds (the middle
+    two for row-chain items only; a trace of 4 columns has none). Per kind: items, median wait and run (µs) and the
+    run's sum, and for the row chain the median of each of its parts (``CHAIN_STAGES``); per block: when its first
+    item was taken and its last done, from the call's start; the call's span, the programs that took work, and how
+    busy they were (run time over span x programs)."""
     import statistics
 
-    rows = rows.to(torch.int64).tolist()
+    rows = [(r[0], r[1], r[2], r[-1], r[3:-1]) for r in rows.to(torch.int64).tolist()]
     if len(rows) != len(kinds):
         raise KKError(f"a trace of {len(rows)} items for a layout of {len(kinds)}")
     start = min(r[1] for r in rows)
@@ -349,20 +356,30 @@ def trace_summary(rows: torch.Tensor, kinds: list) -> dict:
     us = lambda ns: round(ns / 1000.0, 3)  # noqa: E731
     per_kind: dict = {}
     blocks: dict = {}
-    for (program, taken, ready, done), (kind, block) in zip(rows, kinds):
-        entry = per_kind.setdefault(kind, {"wait": [], "run": []})
+    for (program, taken, ready, done, middle), (kind, block) in zip(rows, kinds):
+        entry = per_kind.setdefault(kind, {"wait": [], "run": [], "stages": []})
         entry["wait"].append(ready - taken)
         entry["run"].append(done - ready)
+        if kind == "row_chain" and len(middle) == 2:
+            marks = (ready, *middle, done)
+            entry["stages"].append([b - a for a, b in zip(marks, marks[1:])])
         first, last = blocks.get(block, (taken, done))
         blocks[block] = (min(first, taken), max(last, done))
     programs = len({r[0] for r in rows})
     busy = sum(r[3] - r[2] for r in rows)
+
+    def summary(v: dict) -> dict:
+        out = {"items": len(v["run"]), "wait_us_median": us(statistics.median(v["wait"])),
+               "run_us_median": us(statistics.median(v["run"])), "run_us_sum": us(sum(v["run"]))}
+        if v["stages"]:
+            out["stages_us_median"] = {name: us(statistics.median(s[i] for s in v["stages"]))
+                                       for i, name in enumerate(CHAIN_STAGES)}
+        return out
+
     return {
         "span_us": us(span), "items": len(rows), "programs": programs,
         "busy": round(busy / (span * programs), 4) if span and programs else None,
-        "kinds": {kind: {"items": len(v["run"]), "wait_us_median": us(statistics.median(v["wait"])),
-                         "run_us_median": us(statistics.median(v["run"])), "run_us_sum": us(sum(v["run"]))}
-                  for kind, v in per_kind.items()},
+        "kinds": {kind: summary(v) for kind, v in per_kind.items()},
         "blocks": {("entry" if block < 0 else f"block {block}"): {"from_us": us(first - start),
                                                                   "to_us": us(last - start)}
                    for block, (first, last) in sorted(blocks.items())},
