@@ -424,24 +424,27 @@ def faults(artifacts: Path, args, output_device: str = "cpu", engine: str = "aut
 
 def table(results: dict) -> str:
     rows = ["| shape | topology | run | answered | bitwise | req/s | seq/s | p50 ms | p99 ms | engine ms (bucket) | "
-            "engine seq/s (largest) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "engine seq/s (largest) | executions by route |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, res in results.get("shapes", {}).items():
         if "error" in res:
-            rows.append(f"| {shape} | - | {res['error']} | | | | | | | | |")
+            rows.append(f"| {shape} | - | {res['error']} | | | | | | | | | |")
             continue
         direct = res["direct"]
         largest = str(res["buckets"][-1])
         for run in res["runs"]:
             if "skipped" in run:
                 rows.append(f"| {shape} | {run.get('topology', '-')} | {run.get('name', '')} skipped: "
-                            f"{run['skipped']} | | | | | | | | |")
+                            f"{run['skipped']} | | | | | | | | | |")
                 continue
             sizes = sorted({int(n) for n, _ in run["plan"]["mix"]})
             bucket = str(next(b for b in res["buckets"] if b >= sizes[-1]))
             lat = run["latency_ms"]
+            routes = ", ".join(f"{k} {int(v)}" for k, v in (run.get("server") or {}).get("executions_by_route",
+                                                                                         {}).items()) or "-"
             rows.append(f"| {shape} | {run['topology']} | {run['name']} | {run['answered']}/{run['requests']} | "
                         f"{run['bitwise_equal']} | {run['req_per_s']} | {run['seq_per_s']} | {lat['p50']} | "
-                        f"{lat['p99']} | {direct[bucket]['median_ms']} ({bucket}) | {direct[largest]['seq_per_s']} |")
+                        f"{lat['p99']} | {direct[bucket]['median_ms']} ({bucket}) | {direct[largest]['seq_per_s']} | "
+                        f"{routes} |")
     for step in FAULT_STEPS:
         f = results.get(step) or {}
         if f.get("kill9"):

@@ -150,6 +150,7 @@ def test_batch1_grpc_from_two_processes_in_process_every_answer_exact(small, tmp
     assert server["runs_by_bucket"]  # the backend's own metrics reach /metrics (kkdeploy_bucket_executions_total)
     assert server["engine_us_per_run"] > 0 and server["compute_infer_duration_us_per_request"] > 0
     assert server["executions"] > 0 and server["engine_runs"] == server["executions"]
+    assert server["executions_by_route"] == {"python": server["executions"]}  # a CPU engine: no native route
     against = run["against_engine"]  # --direct: the load set against the engine alone, in the same process
     assert against["largest_bucket"] == 2 and 0 < against["fraction_of_engine"]
     assert "p50_over_engine_ms" not in against  # a mix of batch sizes has no one engine latency
@@ -579,6 +580,8 @@ def test_the_native_route_serves_in_cpp_and_leaves_the_rest_to_python(repository
     assert "native route (C++)" in server.log_text()
     assert re.search(r'kkdeploy_bucket_executions_total\{bucket="1",model="kkdeploy"\} 2', metrics), metrics
     assert re.search(r'kkdeploy_rows_total\{kind="real",model="kkdeploy"\} 4', metrics), metrics
+    assert re.search(r'kkdeploy_route_executions_total\{model="kkdeploy",route="native"\} 2', metrics), metrics
+    assert re.search(r'kkdeploy_route_executions_total\{model="kkdeploy",route="python"\} 1', metrics), metrics
 
     server, ports = _native_server(repository, tmp_path / "work", monkeypatch, KKDEPLOY_STUB_LAUNCH_RESULT="700")
     with server:

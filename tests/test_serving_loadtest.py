@@ -105,11 +105,12 @@ def test_percentiles_breakdown_and_a_wrong_answer_is_counted():
              "nv_inference_queue_duration_us": 500, "nv_inference_request_duration_us": 3000,
              "kkdeploy_bucket_executions_total{bucket=4}": 3, "kkdeploy_bucket_executions_total{bucket=1}": 1,
              "kkdeploy_stage_us_total{stage=engine}": 800, "kkdeploy_rows_total{kind=real}": 12,
-             "kkdeploy_rows_total{kind=padding}": 1}
+             "kkdeploy_rows_total{kind=padding}": 1, "kkdeploy_route_executions_total{route=native}": 3,
+             "kkdeploy_route_executions_total{route=python}": 1}
     s = loadtest.server_breakdown(delta)
     assert s["queue_duration_us_per_request"] == 50 and s["request_duration_us_per_request"] == 300
     assert s["engine_us_per_run"] == 200 and s["avg_batch_sequences"] == 3 and s["padding_rows_fraction"] == 0.0769
-    assert s["runs_by_bucket"] == {"4": 3, "1": 1}
+    assert s["runs_by_bucket"] == {"4": 3, "1": 1} and s["executions_by_route"] == {"native": 3, "python": 1}
     p = plan(pool=3)
     answers = [{1: ("a",)}, {1: ("b",)}, {1: ("c",), 2: ("d", "e")}]
     records = [(0, 0.0, 0.01, "a", None), (2, 0.1, 0.02, "d", None), (1, 0.2, 0.03, "zz", None),

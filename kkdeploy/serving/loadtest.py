@@ -875,6 +875,9 @@ def server_breakdown(delta: dict) -> dict:
     out["padding_rows_fraction"] = _r(padding / (real + padding), 4) if real and padding is not None else None
     out["runs_by_bucket"] = {k.split("bucket=")[1].rstrip("}"): v for k, v in delta.items()
                              if k.startswith("kkdeploy_bucket_executions_total") and v}
+    # the in-process backend's executions by route (native: its C++ half alone; python: the rest)
+    out["executions_by_route"] = {k.split("route=")[1].rstrip("}"): v for k, v in delta.items()
+                                  if k.startswith("kkdeploy_route_executions_total") and v}
     return out
 
 

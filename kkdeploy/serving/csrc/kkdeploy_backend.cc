@@ -172,11 +172,14 @@ TRITONSERVER_Error* EnsurePython()
 }
 
 // Custom metrics, as the Python backend's model.py exports them: kkdeploy_stage_us_total{stage},
-// kkdeploy_rows_total{kind}, kkdeploy_bucket_executions_total{bucket}. Families are per process.
+// kkdeploy_rows_total{kind}, kkdeploy_bucket_executions_total{bucket}; and this backend's own
+// kkdeploy_route_executions_total{route=native|python}, which route served each execution (a load test then shows
+// whether, say, CUDA shared-memory requests took the native route). Families are per process.
 struct Families {
   TRITONSERVER_MetricFamily* stage = nullptr;
   TRITONSERVER_MetricFamily* rows = nullptr;
   TRITONSERVER_MetricFamily* executions = nullptr;
+  TRITONSERVER_MetricFamily* routes = nullptr;
 };
 
 Families* MetricFamilies()
@@ -195,6 +198,7 @@ Families* MetricFamilies()
     make(&families.stage, "kkdeploy_stage_us_total", "microseconds inside the kkdeploy model by stage");
     make(&families.rows, "kkdeploy_rows_total", "rows run by the engine: real (requested) and padding");
     make(&families.executions, "kkdeploy_bucket_executions_total", "engine runs per batch bucket");
+    make(&families.routes, "kkdeploy_route_executions_total", "executions by the route that served them");
   });
   return &families;
 }
@@ -236,6 +240,7 @@ struct ModelState {
   TRITONSERVER_DataType output_type = TRITONSERVER_TYPE_INVALID;
   TRITONSERVER_Metric* stage[3] = {nullptr, nullptr, nullptr};  // gather, engine, respond
   TRITONSERVER_Metric* rows[2] = {nullptr, nullptr};  // real, padding
+  TRITONSERVER_Metric* routes[2] = {nullptr, nullptr};  // native, python
   std::mutex metrics_mutex;
   std::map<long, TRITONSERVER_Metric*> executions;  // bucket -> counter, made on the bucket's first run
 
@@ -266,6 +271,9 @@ struct ModelState {
       if (m != nullptr) TRITONSERVER_MetricDelete(m);
     }
     for (TRITONSERVER_Metric* m : rows) {
+      if (m != nullptr) TRITONSERVER_MetricDelete(m);
+    }
+    for (TRITONSERVER_Metric* m : routes) {
       if (m != nullptr) TRITONSERVER_MetricDelete(m);
     }
     for (auto& entry : executions) {
@@ -994,6 +1002,8 @@ KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInitialize(TRITONBACKEND_
   }
   state->rows[0] = NewMetric(families->rows, state->name, "kind", "real");
   state->rows[1] = NewMetric(families->rows, state->name, "kind", "padding");
+  state->routes[0] = NewMetric(families->routes, state->name, "route", "native");
+  state->routes[1] = NewMetric(families->routes, state->name, "route", "python");
   return TRITONBACKEND_ModelSetState(model, state);
 }
 
@@ -1315,6 +1325,7 @@ KKDEPLOY_EXPORT TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(
   for (size_t i = 0; i + 4 < stats.size(); i += 5) {
     model->Count(stats[i], stats[i + 1], stats[i + 2], stats[i + 3], stats[i + 4]);
   }
+  Increment(model->routes[answered ? 0 : 1], 1.0);
   return nullptr;
 }
 
