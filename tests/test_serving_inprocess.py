@@ -659,32 +659,27 @@ def test_the_native_route_copies_rows_and_answers_on_the_gpu_where_they_lie(smal
     mask[:, 6:] = False
     row, mask_row = x[0].nbytes, mask.nbytes  # 512 and 8 bytes
 
-    server, ports = _native_server(repository, tmp_path / "work", monkeypatch, KKDEPLOY_STANDIN_DEVICE_MEMORY="all",
-                                   KKDEPLOY_STUB_CALL_LOG=str(calls), KKDEPLOY_STANDIN_LOG=str(routes),
-                                   KKDEPLOY_STANDIN_LAUNCHABLE="1,2")
-    with server:
-        server.wait_ready(120)
-        calls.write_text("")
-        first, second = _pair(ports, x[0], x[1], mask)
-    assert np.array_equal(first, 2 * x[0]) and np.array_equal(second, 2 * x[1] * mask[..., None])
-    assert routes.read_text().split("\n")[-2:-1] == ["native 2 14"]
-    # rows and masks on the device, the answer to the host buffer (kept for host responses), the answers on the
-    # device: nothing crosses from the host
-    assert calls.read_text().split("\n")[:-1] == [f"DtoD {row}", f"DtoD {mask_row}", f"DtoD {row}", f"DtoD {mask_row}",
-                                                  f"DtoH {2 * row}", f"DtoD {row}", f"DtoD {row}"]
-
-    server, ports = _native_server(repository, tmp_path / "work", monkeypatch,
-                                   KKDEPLOY_STANDIN_DEVICE_MEMORY="alternate")
-    with server:
-        server.wait_ready(120)
-        calls.write_text("")
-        first, second = _pair(ports, x[2], x[3], mask)
-    assert np.array_equal(first, 2 * x[2]) and np.array_equal(second, 2 * x[3] * mask[..., None])
-    assert routes.read_text().split("\n")[-2:-1] == ["native 2 14"]
-    # the first request from the host (its rows and its mask through the staging buffers), the second on the device;
-    # the first answer is copied on the host, the second on the device
-    assert calls.read_text().split("\n")[:-1] == [
-        f"HtoD {row}", f"HtoD {mask_row}", f"DtoD {row}", f"DtoD {mask_row}", f"DtoH {2 * row}", f"DtoD {row}"]
+    expected = {
+        # rows and masks on the device, the answer to the host buffer (kept for host responses), the answers on the
+        # device: nothing crosses from the host
+        "all": [f"DtoD {row}", f"DtoD {mask_row}", f"DtoD {row}", f"DtoD {mask_row}", f"DtoH {2 * row}",
+                f"DtoD {row}", f"DtoD {row}"],
+        # the first request from the host (its rows and its mask through the staging buffers), the second on the
+        # device; the first answer is copied on the host, the second on the device
+        "alternate": [f"HtoD {row}", f"HtoD {mask_row}", f"DtoD {row}", f"DtoD {mask_row}", f"DtoH {2 * row}",
+                      f"DtoD {row}"],
+    }
+    for i, (mode, copies) in enumerate(expected.items()):
+        server, ports = _native_server(repository, tmp_path / "work", monkeypatch, KKDEPLOY_STANDIN_DEVICE_MEMORY=mode,
+                                       KKDEPLOY_STUB_CALL_LOG=str(calls), KKDEPLOY_STANDIN_LOG=str(routes),
+                                       KKDEPLOY_STANDIN_LAUNCHABLE="1,2")
+        with server:
+            server.wait_ready(120)
+            calls.write_text("")
+            first, second = _pair(ports, x[2 * i], x[2 * i + 1], mask)
+        assert np.array_equal(first, 2 * x[2 * i]) and np.array_equal(second, 2 * x[2 * i + 1] * mask[..., None])
+        assert routes.read_text().split("\n")[-2:-1] == ["native 2 14"], mode
+        assert calls.read_text().split("\n")[:-1] == copies, mode
 
 
 def test_the_native_plan_names_each_bucket_and_shares_the_captures_masks(monkeypatch, capsys):
