@@ -109,3 +109,34 @@ def proof_sandbox(monkeypatch, tmp_path):
 
 
 from tests.standins import CapturedStandIn, HostDriver, captured_bucket_engine  # noqa: E402,F401 - the tests' names
+
+
+#: the rows LayerNorm's kernels in csrc/layer_norm.cu, as ``layer_norm_ptx_entries`` names them (block4_full once per
+#: width it is compiled for)
+LAYER_NORM_KERNELS = ("rows", "rows2", "rows2_full", "block4",
+                      *(f"block4_full{n}" for n in (256, 512, 1024, 2048, 4096)))
+
+
+def layer_norm_ptx_entries(tmp_path: Path) -> dict[str, str]:
+    """csrc/layer_norm.cu compiled to PTX for sm_90 with the build's nvcc flags: each kernel by its template
+    arguments ({"rows2<pdl>": body, "block4_full1024<plain>": body, ...}), the kernel's own name and its basic blocks'
+    numbers taken out (they follow the order the kernels are emitted in)."""
+    import re
+
+    from kkdeploy.kernels import layer_norm
+    from kkdeploy.kernels.cuda_build import NVCC_FLAGS
+
+    flags = [f for f in NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
+    out = tmp_path / "ln.ptx"
+    subprocess.run(["nvcc", *flags, "-arch=sm_90", "--ptx", str(layer_norm.SOURCE), "-o", str(out)], check=True,
+                   capture_output=True)
+    ptx = out.read_text()
+    found = {}
+    for match in re.finditer(r"\.entry (\S+)\(", ptx):
+        name = match.group(1)
+        kernel = re.search(r"layer_norm_(rows2_full|rows2|rows|block4_full|block4)_f16_kernelILb([01])E(?:Li(\d+)E)?E",
+                           name)
+        body = ptx[match.start():ptx.index("\n}\n", match.end())].replace(name, "KERNEL")
+        key = f"{kernel.group(1)}{kernel.group(3) or ''}<{'pdl' if kernel.group(2) == '1' else 'plain'}>"
+        found[key] = re.sub(r"\$L__BB\d+_", "$L__BB_", body)
+    return found

@@ -159,37 +159,17 @@ def test_the_pdl_form_has_the_proven_forms_arithmetic_on_sm90(kernel, constexprs
         assert ptx_difference(plain, other)
 
 
-def _entries(ptx: str) -> dict[str, str]:
-    """Each kernel of a PTX module by its template argument: {"rows2<pdl>": body, ...}, the kernel's own name and
-    its basic blocks' numbers taken out (they follow the order the kernels are emitted in)."""
-    import re
-
-    found = {}
-    for match in re.finditer(r"\.entry (\S+)\(", ptx):
-        name = match.group(1)
-        kernel = re.search(r"layer_norm_(rows2|rows|block4)_f16_kernelILb([01])EE", name)
-        body = ptx[match.start():ptx.index("\n}\n", match.end())].replace(name, "KERNEL")
-        found[f"{kernel.group(1)}<{'pdl' if kernel.group(2) == '1' else 'plain'}>"] = re.sub(r"\$L__BB\d+_", "$L__BB_",
-                                                                                           body)
-    return found
-
-
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc is not on PATH on this machine")
 def test_the_rows_layer_norm_pdl_form_has_the_same_arithmetic_for_sm90(tmp_path):
     """The rows LayerNorm (CUDA C++) compiled to PTX for sm_90 with the build's nvcc flags: each launch's PDL
     instantiation is its plain one plus the two griddepcontrol instructions, and the library's entry point takes the
     pdl flag."""
-    import subprocess
-
     from kkdeploy.kernels import layer_norm
-    from kkdeploy.kernels.cuda_build import NVCC_FLAGS
+    from tests.conftest import LAYER_NORM_KERNELS, layer_norm_ptx_entries
 
-    flags = [f for f in NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
-    subprocess.run(["nvcc", *flags, "-arch=sm_90", "--ptx", str(layer_norm.SOURCE), "-o", str(tmp_path / "ln.ptx")],
-                   check=True, capture_output=True)
-    kernels = _entries((tmp_path / "ln.ptx").read_text())
-    assert sorted(kernels) == sorted(f"{k}<{f}>" for k in ("rows", "rows2", "block4") for f in ("pdl", "plain"))
-    for launch in ("rows", "rows2", "block4"):
+    kernels = layer_norm_ptx_entries(tmp_path)
+    assert sorted(kernels) == sorted(f"{k}<{f}>" for k in LAYER_NORM_KERNELS for f in ("pdl", "plain"))
+    for launch in LAYER_NORM_KERNELS:
         plain, dependent = kernels[f"{launch}<plain>"], kernels[f"{launch}<pdl>"]
         assert "griddepcontrol" not in plain
         assert dependent.count("griddepcontrol.wait") == 1 and dependent.count("griddepcontrol.launch_dependents") == 1

@@ -64,18 +64,45 @@ def test_calls_the_kernel_does_not_cover_are_named():
     assert "float16 CUDA only" in ln.rows_kernel_reason(x, [128], torch.ones(128).half(), torch.zeros(128).half())
     with pytest.raises(KKError, match="layer_norm_rows_kernel: cpu torch.float16: the kernel is float16 CUDA only"):
         ln.layer_norm_rows_kernel(x, torch.ones(128).half(), torch.zeros(128).half(), 1e-5)
-    with pytest.raises(KKError, match=r"rows_per_warp is 1 or 2 \(or 4: ATen's block in one warp\), got 3"):
-        ln.layer_norm_rows_kernel(x, torch.ones(128).half(), torch.zeros(128).half(), 1e-5, rows_per_warp=3)
+    with pytest.raises(KKError, match=r"rows_per_warp is one of \[1, 2, 3, 4, 5\] \(the launches rows2, rows1, "
+                                      r"block4, rows2_full, block4_full\), got 7"):
+        ln.layer_norm_rows_kernel(x, torch.ones(128).half(), torch.zeros(128).half(), 1e-5, rows_per_warp=7)
     assert ln.DEFAULT_ROWS_PER_WARP == 2  # proven with 1 on the H200 (campaign 11) and faster: the op's launch
 
 
 def test_wide_rows_take_the_block_launch_and_narrow_rows_keep_theirs():
-    assert ln.launches_for(128) == ["rows2", "rows1"] and ln.launches_for(4) == ["rows2", "rows1"]
-    assert ln.launches_for(132) == ["block4"] and ln.launches_for(1024) == ["block4"]
+    # rows of exactly 128, and of a power of two from 256, first try the launches with every count known
+    assert ln.launches_for(128) == ["rows2_full", "rows2", "rows1"] and ln.launches_for(4) == ["rows2", "rows1"]
+    assert ln.launches_for(132) == ["block4"] and ln.launches_for(1024) == ["block4_full", "block4"]
+    assert ln.launches_for(384) == ["block4"] and ln.launches_for(256) == ["block4_full", "block4"]
     assert ln.LAUNCHES["block4"] == 4  # the C entry's rows_per_warp for one warp playing ATen's block
+    assert ln.LAUNCHES["rows2_full"] == 3 and ln.LAUNCHES["block4_full"] == 5
     assert ln.row_reason(384, torch.float16) is None and ln.row_reason(1 << 24, torch.float16) is None
     assert "rows of 130" in ln.row_reason(130, torch.float16)
     assert "rows of 33554432" in ln.row_reason(1 << 25, torch.float16)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH on this machine")
+def test_the_full_row_launches_leave_the_reciprocals_and_the_counts_shuffles_to_the_compiler(tmp_path):
+    """Compiled to PTX for sm_90 with the build's flags: rows2_full and block4_full take ATen's steps with every count
+    known, so no reciprocal is computed at run time and only the mean and m2 cross lanes (two shuffles per step of a
+    tree, and one broadcast each of the mean and the variance); rows2 and block4, as proven, compute each merge's
+    reciprocal and shuffle its count too. Whether the bits are ATen's is the GPU proof's (``prove_layer_norm``)."""
+    import re
+
+    from tests.conftest import layer_norm_ptx_entries
+
+    kernels = layer_norm_ptx_entries(tmp_path)
+    shuffles = lambda body: len(re.findall(r"shfl\.sync\.(?:down|idx)", body))  # noqa: E731
+    for proven in ("rows2<plain>", "block4<plain>"):
+        assert "rcp.rn.f32" in kernels[proven], proven
+    assert shuffles(kernels["rows2<plain>"]) == 4 * 3 + 2  # offsets 8..1: mean, m2 and count; then the broadcasts
+    full = {"rows2_full<plain>": 4 * 2 + 2, **{f"block4_full{n}<plain>": 4 * 5 * 2 + 2 for n in (512, 1024, 4096)}}
+    for name, expected in full.items():
+        body = kernels[name]
+        assert "rcp." not in body and "div." not in body, name
+        assert shuffles(body) == expected, name
+        assert "rsqrt.approx.f32" in body and "cvt.rn.f16.f32" in body, name  # ATen's rsqrtf, one rounding per output
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH on this machine")
@@ -170,7 +197,9 @@ def test_the_proof_tries_only_the_launches_that_take_the_rows(monkeypatch, proof
     ln.prove_layer_norm("cpu", [], 64, 384, launches=["rows2", "block4"])  # a study asking for every launch
     ln.prove_layer_norm("cpu", [], 64, 128)
     ln.prove_layer_norm("cpu", [], 64, 128, launches=list(ln.LAUNCHES))
-    assert tried == [["block4"], ["block4"], ["rows2", "rows1"], ["rows2", "rows1"]]
+    ln.prove_layer_norm("cpu", [], 64, 1024)
+    assert tried == [["block4"], ["block4"], ["rows2_full", "rows2", "rows1"], ["rows2", "rows1", "rows2_full"],
+                     ["block4_full", "block4"]]
 
 
 def test_a_build_captures_activations_for_rows_of_any_width_the_kernel_takes(monkeypatch):

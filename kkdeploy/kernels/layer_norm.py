@@ -47,8 +47,14 @@ MAX_WIDTH = 1 << 24  # ATen's vector path (its float counts stay exact): the blo
 BLOCK_WARPS, BLOCK_THREADS = 4, 128  # ATen's block per row: (32, 4) threads
 #: the kernel's launches (the C entry's ``rows_per_warp``). For rows of at most 128: "rows2", two 16-lane halves per
 #: warp, ATen's offset-16 step inside the lane; "rows1", one row per warp. For wider rows: "block4", one row per warp
-#: playing ATen's 4 warps. Each is proven on its own (``prove_layer_norm``).
-LAUNCHES = {"rows2": 2, "rows1": 1, "block4": 4}
+#: playing ATen's 4 warps. "rows2_full" (rows of exactly 128) and "block4_full" (FULL_BLOCK_WIDTHS) are rows2 and
+#: block4 with every count of the Welford folds and trees known when the kernel is compiled: the same operations, the
+#: reciprocals done by the compiler and the counts not shuffled (``kk_welford::merge_counted``). Each is proven on
+#: its own (``prove_layer_norm``).
+LAUNCHES = {"rows2": 2, "rows1": 1, "block4": 4, "rows2_full": 3, "block4_full": 5}
+#: the row widths block4_full is compiled for: powers of two, so that every lane of one of ATen's warps holds as many
+#: elements as the others and every count is a power of two (each reciprocal exact)
+FULL_BLOCK_WIDTHS = (256, 512, 1024, 2048, 4096)
 DEFAULT_LAUNCH = "rows2"
 #: what a proof's "proven" means: these launches' rows per warp (part of the proofs' key)
 LAUNCHES_DIGEST = launch_table_digest(LAUNCHES)
@@ -56,8 +62,11 @@ DEFAULT_ROWS_PER_WARP = LAUNCHES[DEFAULT_LAUNCH]
 
 
 def launches_for(width: int) -> list[str]:
-    """The launches that take rows of ``width``: rows2 and rows1 up to 128 elements, block4 beyond."""
-    return ["rows2", "rows1"] if width <= MAX_ROW else ["block4"]
+    """The launches that take rows of ``width``: rows2 and rows1 up to 128 elements (rows2_full first at exactly 128),
+    block4 beyond (block4_full first at FULL_BLOCK_WIDTHS)."""
+    if width <= MAX_ROW:
+        return (["rows2_full"] if width == MAX_ROW else []) + ["rows2", "rows1"]
+    return (["block4_full"] if width in FULL_BLOCK_WIDTHS else []) + ["block4"]
 
 
 def proof_launches(width: int, asked: Optional[list[str]] = None) -> list[str]:
@@ -116,7 +125,7 @@ def layer_norm_path(device: torch.device | str, rows: int, width: int) -> LayerN
         return LayerNormPath("aten", refusal)
     if mode == "kernel":
         return LayerNormPath("rows", f"rows kernel (forced by {PATH_ENV}=kernel: validate the result)",
-                             launches_for(width)[0])
+                             DEFAULT_LAUNCH if width <= MAX_ROW else "block4")
     return path_from_proof(LayerNormPath, "rows", lookup_proof(proof_environment(device), OP, proof_shape(rows, width)),
                            f"{rows} rows of {width}", "its model's LayerNorms")
 
@@ -265,14 +274,16 @@ def _load(device: str):
 def layer_norm_rows_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                            rows_per_warp: int = DEFAULT_ROWS_PER_WARP) -> torch.Tensor:
     """The rows kernel itself (no fallback): what the self-test compares with ``F.layer_norm``."""
-    if rows_per_warp not in LAUNCHES.values():
-        raise KKError(f"rows_per_warp is 1 or 2 (or 4: ATen's block in one warp), got {rows_per_warp!r}")
+    launch = next((name for name, code in LAUNCHES.items() if code == rows_per_warp), None)
+    if launch is None:
+        raise KKError(f"rows_per_warp is one of {sorted(LAUNCHES.values())} (the launches {', '.join(LAUNCHES)}), got "
+                      f"{rows_per_warp!r}")
     reason = rows_kernel_reason(x, [x.shape[-1]], weight, bias)
     if reason:
         raise KKError(f"layer_norm_rows_kernel: {reason}")
-    if rows_per_warp != LAUNCHES["block4"] and x.shape[-1] > MAX_ROW:
-        raise KKError(f"layer_norm_rows_kernel: rows of {x.shape[-1]} take the block4 launch (rows_per_warp=4); "
-                      f"rows_per_warp 1 and 2 take at most {MAX_ROW}")
+    if launch not in launches_for(x.shape[-1]):
+        raise KKError(f"layer_norm_rows_kernel: the {launch} launch does not take rows of {x.shape[-1]}; those take "
+                      f"{', '.join(launches_for(x.shape[-1]))}")
     out = torch.empty_like(x)
     lib = _load(str(x.device))
     rc = lib.kk_layer_norm_rows_f16(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),

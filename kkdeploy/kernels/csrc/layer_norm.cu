@@ -118,12 +118,16 @@ __device__ __forceinline__ void write_vector(const Half4 data, const __half* gam
 // shuffle step (offset 16: lane t merges lane t + 16) is a merge inside the lane, and the offsets 8..1 are
 // shuffles within the half. Every merge ATen's lane 0 depends on happens with the same operands in the same order;
 // half the instructions per row. Each launch runs where the build proved it bit-identical (layer_norm.prove_layer_norm).
-template <bool kPdl>
-__global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
-                                            const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
-                                            int N, float eps) {
+// kFull (the rows2_full launch, rows of exactly 128): every lane holds 8 elements, so every count in the tree is
+// known when the kernel is compiled (4 + 4, then 8, 16, 32 and 64 a side, then 128 against ATen's empty warps):
+// kk_welford::merge_counted takes the same steps with the reciprocals and the counts' shuffles done by the compiler.
+template <bool kPdl, bool kFull>
+__device__ __forceinline__ void layer_norm_rows2_f16(const __half* __restrict__ X, const __half* __restrict__ gamma,
+                                                     const __half* __restrict__ beta, __half* __restrict__ Y,
+                                                     int64_t M, int N, float eps) {
   dependent_launch_entry<kPdl>();
   constexpr int kHalf = kWarp / 2;
+  if constexpr (kFull) N = 128;
   const int64_t warp_row = (static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp) * 2;
   if (warp_row >= M) return;  // both rows of this warp are past the end: the whole warp leaves together
   const int lane = threadIdx.x % kHalf;
@@ -144,19 +148,47 @@ __global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const 
 #pragma unroll
     for (int k = 0; k < 4; ++k) high = kk_welford::push(__half2float(data_high.v[k]), high);
   }
-  kk_welford::Moments s = kk_welford::merge(low, high);  // ATen's offset-16 step
-  for (int offset = kHalf / 2; offset > 0; offset >>= 1) {
-    const kk_welford::Moments other{__shfl_down_sync(0xffffffffu, s.mean, offset, kHalf),
-                                    __shfl_down_sync(0xffffffffu, s.m2, offset, kHalf),
-                                    __shfl_down_sync(0xffffffffu, s.count, offset, kHalf)};
-    s = kk_welford::merge(s, other);
-  }
   float mean, rstd;
-  finish_stats(s, N, eps, kHalf, mean, rstd);
+  if constexpr (kFull) {  // a dead half (past M) computes garbage in its own lanes, which its shuffles never leave
+    kk_welford::Moments s = kk_welford::merge_counted<4, 4>(low, high);  // ATen's offset-16 step
+    s = kk_welford::merge_counted<8, 8>(s, kk_welford::shuffled_down(s, 8, kHalf));
+    s = kk_welford::merge_counted<16, 16>(s, kk_welford::shuffled_down(s, 4, kHalf));
+    s = kk_welford::merge_counted<32, 32>(s, kk_welford::shuffled_down(s, 2, kHalf));
+    s = kk_welford::merge_counted<64, 64>(s, kk_welford::shuffled_down(s, 1, kHalf));
+    const kk_welford::Moments empty{0.f, 0.f, 0.f};  // ATen's idle warps, and the merge of two of them
+    s = kk_welford::merge_counted<128, 0>(s, empty);
+    s = kk_welford::merge_counted<128, 0>(s, empty);
+    mean = __shfl_sync(0xffffffffu, s.mean, 0, kHalf);
+    const float var = __shfl_sync(0xffffffffu, s.m2 / 128.f, 0, kHalf);
+    rstd = rsqrtf(var + eps);
+  } else {
+    kk_welford::Moments s = kk_welford::merge(low, high);  // ATen's offset-16 step
+    for (int offset = kHalf / 2; offset > 0; offset >>= 1) {
+      const kk_welford::Moments other{__shfl_down_sync(0xffffffffu, s.mean, offset, kHalf),
+                                      __shfl_down_sync(0xffffffffu, s.m2, offset, kHalf),
+                                      __shfl_down_sync(0xffffffffu, s.count, offset, kHalf)};
+      s = kk_welford::merge(s, other);
+    }
+    finish_stats(s, N, eps, kHalf, mean, rstd);
+  }
   if (!live) return;
   Half4* out4 = reinterpret_cast<Half4*>(Y + row * N);
   if (lane < vectors) write_vector(data_low, gamma, beta, out4, lane, mean, rstd);
   if (lane + kHalf < vectors) write_vector(data_high, gamma, beta, out4, lane + kHalf, mean, rstd);
+}
+
+template <bool kPdl>
+__global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
+                                            const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
+                                            int N, float eps) {
+  layer_norm_rows2_f16<kPdl, false>(X, gamma, beta, Y, M, N, eps);
+}
+
+template <bool kPdl>
+__global__ void layer_norm_rows2_full_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
+                                                 const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
+                                                 int N, float eps) {
+  layer_norm_rows2_f16<kPdl, true>(X, gamma, beta, Y, M, N, eps);
 }
 
 // Rows of any width ATen's vector path takes, one warp per row: the warp plays ATen's whole block of 4 warps.
@@ -173,37 +205,106 @@ __device__ __forceinline__ int64_t warp_row() {
   return static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
 }
 
-template <bool kPdl>
-__global__ void layer_norm_block4_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
-                                             const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
-                                             int N, float eps) {
+// The elements each lane of ATen's warp w folds in a row of kN: 4 per vector t + 128 j < kN / 4 (t = lane + 32 w).
+template <int kN, int kWarpIndex>
+constexpr int kLaneElements =
+    kN / 4 > kWarp * kWarpIndex ? 4 * ((kN / 4 - kWarp * kWarpIndex + kBlockWarps * kWarp - 1) / (kBlockWarps * kWarp))
+                                : 0;
+
+// ATen's warp w of a row of kN, its fold and its shuffle-down tree, every count known (block4_full).
+template <int kN, int kWarpIndex>
+__device__ __forceinline__ kk_welford::Moments warp_state_counted(const Half4* row4, int lane) {
+  constexpr int kElements = kLaneElements<kN, kWarpIndex>;
+  kk_welford::Moments s{0.f, 0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < kElements / 4; ++j) {
+    const Half4 data = row4[lane + kWarpIndex * kWarp + j * kBlockWarps * kWarp];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s = kk_welford::push(__half2float(data.v[k]), s);
+  }
+  return kk_welford::warp_merge_down_counted<kElements>(s);
+}
+
+// kN == 0 (the block4 launch, as proven): N at run time. kN > 0 (block4_full): rows of exactly kN elements, a power of
+// two from 256: every lane of one of ATen's warps holds as many vectors as the others, so every count of the folds
+// and the trees is known when the kernel is compiled, and every count is a power of two, so each reciprocal and each
+// count's share is exact (kk_welford::merge_counted).
+template <bool kPdl, int kN>
+__device__ __forceinline__ void layer_norm_block4_f16(const __half* __restrict__ X, const __half* __restrict__ gamma,
+                                                      const __half* __restrict__ beta, __half* __restrict__ Y,
+                                                      int64_t M, int N, float eps) {
+  static_assert(kN == 0 || (kN >= 256 && (kN & (kN - 1)) == 0), "block4_full: rows of a power of two from 256");
   dependent_launch_entry<kPdl>();
+  if constexpr (kN > 0) N = kN;
   const int64_t row = warp_row();
   if (row >= M) return;  // the whole warp leaves together: its shuffles see full warps
   const int vectors = N / 4, lane = threadIdx.x % kWarp;
   const Half4* row4 = reinterpret_cast<const Half4*>(X + row * N);
 
   kk_welford::Moments warps[kBlockWarps];
+  if constexpr (kN > 0) {
+    warps[0] = warp_state_counted<kN, 0>(row4, lane);
+    warps[1] = warp_state_counted<kN, 1>(row4, lane);
+    warps[2] = warp_state_counted<kN, 2>(row4, lane);
+    warps[3] = warp_state_counted<kN, 3>(row4, lane);
+    // ATen's block step (offset 2, then 1): warp y < offset merges warp y + offset; warp w's state holds its 32
+    // lanes' elements
+    constexpr int c0 = kWarp * kLaneElements<kN, 0>, c1 = kWarp * kLaneElements<kN, 1>;
+    constexpr int c2 = kWarp * kLaneElements<kN, 2>, c3 = kWarp * kLaneElements<kN, 3>;
+    warps[0] = kk_welford::merge_counted<c0, c2>(warps[0], warps[2]);
+    warps[1] = kk_welford::merge_counted<c1, c3>(warps[1], warps[3]);
+    warps[0] = kk_welford::merge_counted<c0 + c2, c1 + c3>(warps[0], warps[1]);
+  } else {
 #pragma unroll
-  for (int w = 0; w < kBlockWarps; ++w) {
-    kk_welford::Moments s{0.f, 0.f, 0.f};
-    for (int i = lane + w * kWarp; i < vectors; i += kBlockWarps * kWarp) {  // ATen's thread t = lane + 32 w
-      const Half4 data = row4[i];
+    for (int w = 0; w < kBlockWarps; ++w) {
+      kk_welford::Moments s{0.f, 0.f, 0.f};
+      for (int i = lane + w * kWarp; i < vectors; i += kBlockWarps * kWarp) {  // ATen's thread t = lane + 32 w
+        const Half4 data = row4[i];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) s = kk_welford::push(__half2float(data.v[k]), s);
+        for (int k = 0; k < 4; ++k) s = kk_welford::push(__half2float(data.v[k]), s);
+      }
+      warps[w] = kk_welford::warp_merge_down(s);
     }
-    warps[w] = kk_welford::warp_merge_down(s);
+    // ATen's block step (offset 2, then 1): warp y < offset merges warp y + offset.
+    warps[0] = kk_welford::merge(warps[0], warps[2]);
+    warps[1] = kk_welford::merge(warps[1], warps[3]);
+    warps[0] = kk_welford::merge(warps[0], warps[1]);
   }
-  // ATen's block step (offset 2, then 1): warp y < offset merges warp y + offset.
-  warps[0] = kk_welford::merge(warps[0], warps[2]);
-  warps[1] = kk_welford::merge(warps[1], warps[3]);
-  warps[0] = kk_welford::merge(warps[0], warps[1]);
   const float mean = __shfl_sync(0xffffffffu, warps[0].mean, 0, kWarp);
   const float var = __shfl_sync(0xffffffffu, warps[0].m2 / float(N), 0, kWarp);
   const float rstd = rsqrtf(var + eps);
 
   Half4* out4 = reinterpret_cast<Half4*>(Y + row * N);
   for (int i = lane; i < vectors; i += kWarp) write_vector(row4[i], gamma, beta, out4, i, mean, rstd);
+}
+
+template <bool kPdl>
+__global__ void layer_norm_block4_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
+                                             const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
+                                             int N, float eps) {
+  layer_norm_block4_f16<kPdl, 0>(X, gamma, beta, Y, M, N, eps);
+}
+
+template <bool kPdl, int kN>
+__global__ void layer_norm_block4_full_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
+                                                  const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
+                                                  int N, float eps) {
+  layer_norm_block4_f16<kPdl, kN>(X, gamma, beta, Y, M, N, eps);
+}
+
+using Kernel = void (*)(const __half*, const __half*, const __half*, __half*, int64_t, int, float);
+
+// block4_full's kernel for rows of N (FULL_BLOCK_WIDTHS in layer_norm.py), or nullptr for another width.
+template <bool kPdl>
+Kernel full_block_kernel(int64_t N) {
+  switch (N) {
+    case 256: return layer_norm_block4_full_f16_kernel<kPdl, 256>;
+    case 512: return layer_norm_block4_full_f16_kernel<kPdl, 512>;
+    case 1024: return layer_norm_block4_full_f16_kernel<kPdl, 1024>;
+    case 2048: return layer_norm_block4_full_f16_kernel<kPdl, 2048>;
+    case 4096: return layer_norm_block4_full_f16_kernel<kPdl, 4096>;
+    default: return nullptr;
+  }
 }
 
 }  // namespace
@@ -215,7 +316,9 @@ __attribute__((visibility("default"))) const char* kk_layer_norm_last_error(void
 // y[M, N] = LayerNorm(x[M, N]) * weight + bias (float16, contiguous rows, 8-byte aligned, N % 4 == 0).
 // Returns 0, or 1 with kk_layer_norm_last_error().
 // rows_per_warp 1: layer_norm_rows_f16_kernel; 2: layer_norm_rows2_f16_kernel (N <= 128 for both);
-// 4: layer_norm_block4_f16_kernel (one row per warp playing ATen's 4 warps; N <= 2^24, ATen's vector-path limit).
+// 3: layer_norm_rows2_full_f16_kernel (two rows per warp, N == 128 exactly: the tree's counts known);
+// 4: layer_norm_block4_f16_kernel (one row per warp playing ATen's 4 warps; N <= 2^24, ATen's vector-path limit);
+// 5: layer_norm_block4_full_f16_kernel (block4 with every count known: N a power of two from 256 to 4096).
 // Each launch runs only where the build proved it bit-identical. pdl 1: a programmatic dependent launch (the same
 // arithmetic, plus griddepcontrol.wait and launch_dependents at the kernel's start).
 __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x, const void* weight,
@@ -223,7 +326,15 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
                                                                   float eps, int rows_per_warp, int pdl,
                                                                   void* stream) {
   if (M <= 0) return 0;
-  if (rows_per_warp == 4) {
+  if (rows_per_warp == 3 && N != 128) {
+    g_error = "kk_layer_norm_rows_f16: the rows2_full launch takes rows of exactly 128 elements";
+    return 1;
+  }
+  if (rows_per_warp == 5 && full_block_kernel<false>(N) == nullptr) {
+    g_error = "kk_layer_norm_rows_f16: the block4_full launch takes rows of 256, 512, 1024, 2048 or 4096 elements";
+    return 1;
+  }
+  if (rows_per_warp >= 4) {
     if (N <= 0 || N > (1LL << 24) || N % 4 != 0) {
       g_error = "kk_layer_norm_rows_f16: rows of 4..2^24 elements, a multiple of 4 (ATen's vector path)";
       return 1;
@@ -237,21 +348,23 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
       g_error = "kk_layer_norm_rows_f16: buffers must be 8-byte aligned (ATen's vector path)";
       return 1;
     }
-  if (rows_per_warp != 1 && rows_per_warp != 2 && rows_per_warp != 4) {
-    g_error = "kk_layer_norm_rows_f16: rows_per_warp is 1 or 2 (or 4: ATen's block in one warp)";
+  if (rows_per_warp < 1 || rows_per_warp > 5) {
+    g_error = "kk_layer_norm_rows_f16: rows_per_warp is 1 or 2 (3: two rows of 128 with known counts; 4: ATen's "
+              "block in one warp; 5: that with known counts)";
     return 1;
   }
-  const int64_t rows_per_block = kRowsPerBlock * (rows_per_warp == 2 ? 2 : 1);
+  const int64_t rows_per_block = kRowsPerBlock * (rows_per_warp == 2 || rows_per_warp == 3 ? 2 : 1);
   const int64_t blocks = (M + rows_per_block - 1) / rows_per_block;
   if (blocks > 2147483647LL) {
     g_error = "kk_layer_norm_rows_f16: too many rows";
     return 1;
   }
-  using Kernel = void (*)(const __half*, const __half*, const __half*, __half*, int64_t, int, float);
-  const Kernel kernel = rows_per_warp == 1 ? (pdl ? layer_norm_rows_f16_kernel<true> : layer_norm_rows_f16_kernel<false>)
-                        : rows_per_warp == 2
-                            ? (pdl ? layer_norm_rows2_f16_kernel<true> : layer_norm_rows2_f16_kernel<false>)
-                            : (pdl ? layer_norm_block4_f16_kernel<true> : layer_norm_block4_f16_kernel<false>);
+  const Kernel kernel =
+      rows_per_warp == 1   ? (pdl ? layer_norm_rows_f16_kernel<true> : layer_norm_rows_f16_kernel<false>)
+      : rows_per_warp == 2 ? (pdl ? layer_norm_rows2_f16_kernel<true> : layer_norm_rows2_f16_kernel<false>)
+      : rows_per_warp == 3 ? (pdl ? layer_norm_rows2_full_f16_kernel<true> : layer_norm_rows2_full_f16_kernel<false>)
+      : rows_per_warp == 4 ? (pdl ? layer_norm_block4_f16_kernel<true> : layer_norm_block4_f16_kernel<false>)
+                           : (pdl ? full_block_kernel<true>(N) : full_block_kernel<false>(N));
   const auto* xh = static_cast<const __half*>(x);
   const auto* wh = static_cast<const __half*>(weight);
   const auto* bh = static_cast<const __half*>(bias);

@@ -38,6 +38,46 @@ __device__ __forceinline__ Moments merge(const Moments own, const Moments other)
   return {mean, m2, count};
 }
 
+// `merge` where both counts are known when the kernel is compiled (every lane of a full row holds the same number of
+// elements; kOther may be 0: ATen's merges with its idle warps' empty states). The same operations in the order nvcc emits for `merge` (its PTX, nvcc 13.0,
+// sm_90: count = own + other, coef = rcp.rn(count), n_other = coef * other.count, n_own = own.count * coef, mean =
+// fma(n_other, other.mean, own.mean * n_own), m2 = fma(delta * delta * other.count, n_own, own.m2 + other.m2)),
+// with the count arithmetic done by the compiler: 1.f / count is correctly rounded as rcp.rn is, and the counts are
+// exact small integers. Written with intrinsics so that nvcc neither contracts nor reorders them otherwise. Saves
+// the reciprocal (a multi-instruction sequence with a slow path) and the count's shuffle in every step of the tree.
+template <int kOwn, int kOther>
+__device__ __forceinline__ Moments merge_counted(const Moments own, const Moments other) {
+  static_assert(kOwn >= 0 && kOther >= 0 && (kOwn > 0 || kOther == 0), "merge_counted: an empty side is `other`");
+  if constexpr (kOwn == 0) {  // `merge`'s branch for a count of 0: zeros
+    return {0.f, 0.f, 0.f};
+  }
+  constexpr float count = float(kOther) + float(kOwn);
+  constexpr float coef = 1.f / count;
+  constexpr float n_other = coef * float(kOther);
+  constexpr float n_own = float(kOwn) * coef;
+  const float delta = __fsub_rn(own.mean, other.mean);
+  const float mean = __fmaf_rn(n_other, other.mean, __fmul_rn(own.mean, n_own));
+  const float m2 = __fmaf_rn(__fmul_rn(__fmul_rn(delta, delta), float(kOther)), n_own, __fadd_rn(own.m2, other.m2));
+  return {mean, m2, count};
+}
+
+// The mean and m2 of lane + offset, for a step of the shuffle-down tree whose counts are known (merge_counted): the
+// count is not shuffled.
+__device__ __forceinline__ Moments shuffled_down(const Moments s, int offset, int width) {
+  return {__shfl_down_sync(0xffffffffu, s.mean, offset, width), __shfl_down_sync(0xffffffffu, s.m2, offset, width),
+          0.f};
+}
+
+// warp_merge_down where every lane holds kCount elements: the counts of each step known (kCount, 2 kCount, ...).
+template <int kCount>
+__device__ __forceinline__ Moments warp_merge_down_counted(Moments s) {
+  s = merge_counted<kCount, kCount>(s, shuffled_down(s, 16, 32));
+  s = merge_counted<2 * kCount, 2 * kCount>(s, shuffled_down(s, 8, 32));
+  s = merge_counted<4 * kCount, 4 * kCount>(s, shuffled_down(s, 4, 32));
+  s = merge_counted<8 * kCount, 8 * kCount>(s, shuffled_down(s, 2, 32));
+  return merge_counted<16 * kCount, 16 * kCount>(s, shuffled_down(s, 1, 32));
+}
+
 // ATen's warp step: a shuffle-down tree, offsets 16..1; lane 0 ends with the warp's state.
 __device__ __forceinline__ Moments warp_merge_down(Moments s) {
   for (int offset = 16; offset > 0; offset >>= 1) {
