@@ -50,15 +50,17 @@ __device__ __forceinline__ Moments merge_counted(const Moments own, const Moment
   static_assert(kOwn >= 0 && kOther >= 0 && (kOwn > 0 || kOther == 0), "merge_counted: an empty side is `other`");
   if constexpr (kOwn == 0) {  // `merge`'s branch for a count of 0: zeros
     return {0.f, 0.f, 0.f};
+  } else {
+    constexpr float count = float(kOther) + float(kOwn);
+    constexpr float coef = 1.f / count;
+    constexpr float n_other = coef * float(kOther);
+    constexpr float n_own = float(kOwn) * coef;
+    const float delta = __fsub_rn(own.mean, other.mean);
+    const float mean = __fmaf_rn(n_other, other.mean, __fmul_rn(own.mean, n_own));
+    const float m2 =
+        __fmaf_rn(__fmul_rn(__fmul_rn(delta, delta), float(kOther)), n_own, __fadd_rn(own.m2, other.m2));
+    return {mean, m2, count};
   }
-  constexpr float count = float(kOther) + float(kOwn);
-  constexpr float coef = 1.f / count;
-  constexpr float n_other = coef * float(kOther);
-  constexpr float n_own = float(kOwn) * coef;
-  const float delta = __fsub_rn(own.mean, other.mean);
-  const float mean = __fmaf_rn(n_other, other.mean, __fmul_rn(own.mean, n_own));
-  const float m2 = __fmaf_rn(__fmul_rn(__fmul_rn(delta, delta), float(kOther)), n_own, __fadd_rn(own.m2, other.m2));
-  return {mean, m2, count};
 }
 
 // The mean and m2 of lane + offset, for a step of the shuffle-down tree whose counts are known (merge_counted): the
