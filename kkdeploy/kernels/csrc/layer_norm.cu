@@ -226,7 +226,7 @@ __device__ __forceinline__ kk_welford::Moments warp_state_counted(const Half4* r
 }
 
 // kN == 0 (the block4 launch, as proven): N at run time. kN > 0 (block4_full): rows of exactly kN elements, a power of
-// two from 256: every lane of one of ATen's warps holds as many vectors as the others, so every count of the folds
+// two from 256 (compiled for 256, 512 and 1024: full_block_kernel): every lane of one of ATen's warps holds as many vectors as the others, so every count of the folds
 // and the trees is known when the kernel is compiled, and every count is a power of two, so each reciprocal and each
 // count's share is exact (kk_welford::merge_counted).
 template <bool kPdl, int kN>
@@ -301,8 +301,6 @@ Kernel full_block_kernel(int64_t N) {
     case 256: return layer_norm_block4_full_f16_kernel<kPdl, 256>;
     case 512: return layer_norm_block4_full_f16_kernel<kPdl, 512>;
     case 1024: return layer_norm_block4_full_f16_kernel<kPdl, 1024>;
-    case 2048: return layer_norm_block4_full_f16_kernel<kPdl, 2048>;
-    case 4096: return layer_norm_block4_full_f16_kernel<kPdl, 4096>;
     default: return nullptr;
   }
 }
@@ -318,7 +316,7 @@ __attribute__((visibility("default"))) const char* kk_layer_norm_last_error(void
 // rows_per_warp 1: layer_norm_rows_f16_kernel; 2: layer_norm_rows2_f16_kernel (N <= 128 for both);
 // 3: layer_norm_rows2_full_f16_kernel (two rows per warp, N == 128 exactly: the tree's counts known);
 // 4: layer_norm_block4_f16_kernel (one row per warp playing ATen's 4 warps; N <= 2^24, ATen's vector-path limit);
-// 5: layer_norm_block4_full_f16_kernel (block4 with every count known: N a power of two from 256 to 4096).
+// 5: layer_norm_block4_full_f16_kernel (block4 with every count known: N of 256, 512 or 1024).
 // Each launch runs only where the build proved it bit-identical. pdl 1: a programmatic dependent launch (the same
 // arithmetic, plus griddepcontrol.wait and launch_dependents at the kernel's start).
 __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x, const void* weight,
@@ -331,7 +329,7 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
     return 1;
   }
   if (rows_per_warp == 5 && full_block_kernel<false>(N) == nullptr) {
-    g_error = "kk_layer_norm_rows_f16: the block4_full launch takes rows of 256, 512, 1024, 2048 or 4096 elements";
+    g_error = "kk_layer_norm_rows_f16: the block4_full launch takes rows of 256, 512 or 1024 elements";
     return 1;
   }
   if (rows_per_warp >= 4) {
