@@ -155,8 +155,8 @@ def test_tiles_are_proven_only_where_they_can_pay(monkeypatch):
     D = 384 and 1024 shapes) and the 64 x 64 tile only where "auto"'s grid leaves multiprocessors idle: shape 6's launches
     (K = 128, 10,000 row tiles) compile nothing more."""
     monkeypatch.setattr(fl, "BUILD_TILES", fl.BUILD_TILES + ("tma", "tma_n256", "m64n64"))
-    # shape 6's Q|K|V: K = 128, 1.28 M rows: neither pays
-    assert fl.proof_launches(384, k=128, m=1_280_000, sms=132) == ["auto", "m64", "n64", "n256"]
+    # shape 6's Q|K|V: K = 128, 1.28 M rows: neither pays (the streaming tile does)
+    assert fl.proof_launches(384, k=128, m=1_280_000, sms=132) == ["auto", "m64", "n64", "n256", "m64s2"]
     # shape 8's Q|K|V: K = 1024, 8192 rows (64 x 3 "auto" tiles >= 132): the TMA tiles, not the 64 x 64 one
     assert fl.proof_launches(3072, k=1024, m=8192, sms=132) == ["auto", "m64", "n64", "n256", "tma", "tma_n256"]
     # one sequence of 1024 at D = 1024 (8 x 8 "auto" tiles < 132): all three
@@ -168,6 +168,31 @@ def test_tiles_are_proven_only_where_they_can_pay(monkeypatch):
     assert fl.multiprocessors("cpu") is None
     with pytest.raises(KKError, match="unknown GEMM tile 'm32'"):
         fl.tile_config("m32", 128, 128)
+
+
+def test_the_streaming_tile_is_proven_where_rows_stream_and_computes_what_m64_computes():
+    """``m64s2`` (64 rows, two stages: half the shared memory of the other tiles at K <= 128) is proven only for known
+    launches that stream their rows: K <= 128 and at least 16 row tiles of 64 per multiprocessor (shape 6, not shape
+    13 or the launch-bound shapes). Compiled for sm_90a it issues the proven ``m64`` tile's wgmma and floating-point
+    instructions in the same order, every epilogue and the GELU prologue: only the pipeline's depth differs."""
+    assert fl.proof_launches(128, k=128, m=1_280_000, sms=132) == ["auto", "m64", "n64", "m64s2"]  # shape 6
+    assert "m64s2" not in fl.proof_launches(128, k=128, m=65_536, sms=132)  # shape 13: 1,024 row tiles
+    assert "m64s2" not in fl.proof_launches(128, k=128)  # sizes unknown: not proven
+    assert "m64s2" not in fl.proof_launches(384, k=384, m=1_280_000, sms=132)  # K past a short loop
+    assert fl.tile_config("m64s2", 128, 128) == {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}
+    pytest.importorskip("triton")
+    import re
+
+    from kkdeploy.kernels.dependent_launch import arithmetic_opcodes
+
+    script = load_script("offline_ptx")
+    arithmetic = lambda ptx: [op for op in arithmetic_opcodes(ptx) if "wait_group" not in op]  # noqa: E731
+    for epilogue, gelu in ((0, False), (3, False), (1, False), (0, True)):
+        values = {**script.KERNELS["linear"][3], "EPILOGUE": epilogue, "HAS_MASK": epilogue == 3, "BLOCK_M": 64,
+                  "A_GELU": gelu}
+        proven, streaming = script.compile_ptx("linear", values, 4, 4), script.compile_ptx("linear", values, 4, 2)
+        assert arithmetic(streaming) == arithmetic(proven), (epilogue, gelu)
+        assert set(re.findall(r"wgmma\.mma_async\S*", streaming)) == {"wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16"}
 
 
 def test_block_plan_on_the_cpu_is_the_reference_block():

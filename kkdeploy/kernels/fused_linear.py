@@ -83,11 +83,16 @@ TILES: dict[str, dict] = {
     "m256": dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3),
     "n256s4": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=4),
     "m64n64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
+    # for GEMMs that stream their activations (K <= 128, many row tiles: shape 6): the 64-row tile with two stages.
+    # At K = 128 a tile has two k-steps, so "auto", "m64" and "n64" allocate stages they never fill: 96 KB of shared
+    # memory each, two programs per multiprocessor. Two stages take 48 KB, four programs (compiled offline for sm_90a,
+    # Triton 3.6: 114-136 registers at 4 warps). The same k16 chain; proven like every tile before it runs.
+    "m64s2": dict(BLOCK_M=64, num_warps=4, num_stages=2),
 }
 #: the tiles a build proves (each one a compile per op shape: a build's time counts them). The H200 study found
 #: "tma", "tma_n256" and "m64n64" bit-identical on every op shape it tried and the fastest of ours on some
 #: (docs/fused-linear.md); they join only once a build on the GPU has shipped them through its strict validation
-BUILD_TILES = ("auto", "m64", "n64", "n256")
+BUILD_TILES = ("auto", "m64", "n64", "n256", "m64s2")
 
 
 #: what a proof's "proven" means: these tiles' settings, and the set a build proves (part of the proofs' key)
@@ -123,14 +128,23 @@ def tile_fits(launch: str, n: int, k: Optional[int] = None) -> bool:
 TMA_MIN_K = 256
 #: tiles for launches whose "auto" grid leaves multiprocessors idle: more, smaller tiles
 SMALL_TILES = ("m64n64", )
+#: tiles for launches that stream their rows (K <= STREAM_MAX_K and at least STREAM_MIN_WAVES 64-row tiles per
+#: multiprocessor: shape 6's 20,000 row tiles on 132, not shape 13's 1,024): more programs per multiprocessor
+STREAM_TILES = ("m64s2", )
+STREAM_MAX_K = 128
+STREAM_MIN_WAVES = 16
 
 
 def tile_pays(launch: str, m: Optional[int], n: int, k: Optional[int], sms: Optional[int]) -> bool:
     """Whether a tile that fits can pay for its compile and proof in a build: a TMA tile where K >= TMA_MIN_K, a
-    small tile where "auto"'s grid of 128 x 128 tiles is smaller than the multiprocessors (``sms``). Unknown sizes
-    (None) do not rule a tile out."""
+    small tile where "auto"'s grid of 128 x 128 tiles is smaller than the multiprocessors (``sms``), a streaming tile
+    where the rows stream (``STREAM_TILES``). Unknown sizes (None) do not rule a tile out, except a streaming tile's,
+    which is for known large launches only."""
     if TILES[launch].get("TMA"):
         return k is None or k >= TMA_MIN_K
+    if launch in STREAM_TILES:
+        return (None not in (m, k, sms) and k <= STREAM_MAX_K
+                and -(-m // TILES[launch]["BLOCK_M"]) >= STREAM_MIN_WAVES * sms)
     if launch in SMALL_TILES:
         if m is None or sms is None:
             return True
