@@ -114,7 +114,7 @@ from tests.standins import CapturedStandIn, HostDriver, captured_bucket_engine  
 #: the rows LayerNorm's kernels in csrc/layer_norm.cu, as ``layer_norm_ptx_entries`` names them (block4_full once per
 #: width it is compiled for)
 LAYER_NORM_KERNELS = ("rows", "rows2", "rows2_full", "block4",
-                      *(f"block4_full{n}" for n in (256, 512, 1024)))
+                      *(f"block4_full{n}" for n in (256, 384, 512, 768, 1024)))
 
 
 def layer_norm_ptx_entries(tmp_path: Path) -> dict[str, str]:

@@ -52,10 +52,10 @@ BLOCK_WARPS, BLOCK_THREADS = 4, 128  # ATen's block per row: (32, 4) threads
 #: reciprocals done by the compiler and the counts not shuffled (``kk_welford::merge_counted``). Each is proven on
 #: its own (``prove_layer_norm``).
 LAUNCHES = {"rows2": 2, "rows1": 1, "block4": 4, "rows2_full": 3, "block4_full": 5}
-#: the row widths block4_full is compiled for: powers of two, so that every lane of one of ATen's warps holds as many
-#: elements as the others and every count is a power of two (each reciprocal exact); the widths of our shapes (more
-#: widths cost the kernel library's first compile about 0.25 s each here)
-FULL_BLOCK_WIDTHS = (256, 512, 1024)
+#: the row widths block4_full is compiled for: multiples of 128, so that every lane of one of ATen's warps holds as
+#: many elements as the others; the widths of our shapes (each more width costs the kernel library's first compile
+#: about 0.25 s here)
+FULL_BLOCK_WIDTHS = (256, 384, 512, 768, 1024)
 DEFAULT_LAUNCH = "rows2"
 #: what a proof's "proven" means: these launches' rows per warp (part of the proofs' key)
 LAUNCHES_DIGEST = launch_table_digest(LAUNCHES)

@@ -225,15 +225,16 @@ __device__ __forceinline__ kk_welford::Moments warp_state_counted(const Half4* r
   return kk_welford::warp_merge_down_counted<kElements>(s);
 }
 
-// kN == 0 (the block4 launch, as proven): N at run time. kN > 0 (block4_full): rows of exactly kN elements, a power of
-// two from 256 (compiled for 256, 512 and 1024: full_block_kernel): every lane of one of ATen's warps holds as many vectors as the others, so every count of the folds
-// and the trees is known when the kernel is compiled, and every count is a power of two, so each reciprocal and each
-// count's share is exact (kk_welford::merge_counted).
+// kN == 0 (the block4 launch, as proven): N at run time. kN > 0 (block4_full): rows of exactly kN elements, a multiple
+// of 128 from 256 (compiled for the widths full_block_kernel lists): every lane of one of ATen's warps holds as many
+// vectors as the others, so every count of the folds and the trees is known when the kernel is compiled
+// (kk_welford::merge_counted). The counts' shares are computed by the compiler, correctly rounded as rcp.rn and mul.rn
+// round them at run time (tests/test_layer_norm_kernel.py reads them in the PTX: 1/3 and 2/3 at 384 and 768).
 template <bool kPdl, int kN>
 __device__ __forceinline__ void layer_norm_block4_f16(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                                       const __half* __restrict__ beta, __half* __restrict__ Y,
                                                       int64_t M, int N, float eps) {
-  static_assert(kN == 0 || (kN >= 256 && (kN & (kN - 1)) == 0), "block4_full: rows of a power of two from 256");
+  static_assert(kN == 0 || (kN >= 256 && kN % 128 == 0), "block4_full: rows of a multiple of 128 from 256");
   dependent_launch_entry<kPdl>();
   if constexpr (kN > 0) N = kN;
   const int64_t row = warp_row();
@@ -299,7 +300,9 @@ template <bool kPdl>
 Kernel full_block_kernel(int64_t N) {
   switch (N) {
     case 256: return layer_norm_block4_full_f16_kernel<kPdl, 256>;
+    case 384: return layer_norm_block4_full_f16_kernel<kPdl, 384>;
     case 512: return layer_norm_block4_full_f16_kernel<kPdl, 512>;
+    case 768: return layer_norm_block4_full_f16_kernel<kPdl, 768>;
     case 1024: return layer_norm_block4_full_f16_kernel<kPdl, 1024>;
     default: return nullptr;
   }
@@ -316,7 +319,7 @@ __attribute__((visibility("default"))) const char* kk_layer_norm_last_error(void
 // rows_per_warp 1: layer_norm_rows_f16_kernel; 2: layer_norm_rows2_f16_kernel (N <= 128 for both);
 // 3: layer_norm_rows2_full_f16_kernel (two rows per warp, N == 128 exactly: the tree's counts known);
 // 4: layer_norm_block4_f16_kernel (one row per warp playing ATen's 4 warps; N <= 2^24, ATen's vector-path limit);
-// 5: layer_norm_block4_full_f16_kernel (block4 with every count known: N of 256, 512 or 1024).
+// 5: layer_norm_block4_full_f16_kernel (block4 with every count known: N of 256, 384, 512, 768 or 1024).
 // Each launch runs only where the build proved it bit-identical. pdl 1: a programmatic dependent launch (the same
 // arithmetic, plus griddepcontrol.wait and launch_dependents at the kernel's start).
 __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x, const void* weight,
@@ -329,7 +332,7 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
     return 1;
   }
   if (rows_per_warp == 5 && full_block_kernel<false>(N) == nullptr) {
-    g_error = "kk_layer_norm_rows_f16: the block4_full launch takes rows of 256, 512 or 1024 elements";
+    g_error = "kk_layer_norm_rows_f16: the block4_full launch takes rows of 256, 384, 512, 768 or 1024 elements";
     return 1;
   }
   if (rows_per_warp >= 4) {
