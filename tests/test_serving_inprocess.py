@@ -646,7 +646,7 @@ def test_the_native_route_copies_rows_and_answers_on_the_gpu_where_they_lie(smal
     KKDEPLOY_STANDIN_DEVICE_MEMORY has the route take request and response buffers as device memory: every request
     (``all``), or every other request of an execution (``alternate``: one in host memory and one on the device in the
     same run, the host rows crossing in their own copy). The stub logs every copy, so the test reads which copies the
-    route made, and the answers are exact."""
+    route made, and the answers are exact. Inputs on another GPU (``other``) are Python's route's."""
     repository = tmp_path / "repo"
     write_repository(small, repository, engine="inprocess", max_queue_delay_us=2_000_000,
                      parameters={"kkdeploy_release_dir": str(tmp_path)})
@@ -680,6 +680,13 @@ def test_the_native_route_copies_rows_and_answers_on_the_gpu_where_they_lie(smal
         assert np.array_equal(first, 2 * x[2 * i]) and np.array_equal(second, 2 * x[2 * i + 1] * mask[..., None])
         assert routes.read_text().split("\n")[-2:-1] == ["native 2 14"], mode
         assert calls.read_text().split("\n")[:-1] == copies, mode
+    # inputs on another GPU: the native route leaves the execution to Python's, which answers it
+    server, ports = _native_server(repository, tmp_path / "work", monkeypatch, KKDEPLOY_STANDIN_DEVICE_MEMORY="other")
+    with server:
+        server.wait_ready(120)
+        first, second = _pair(ports, x[0], x[1], mask)
+    assert np.array_equal(first, 2 * x[0]) and np.array_equal(second, 2 * x[1] * mask[..., None])
+    assert routes.read_text().split("\n")[-2:-1] == ["python 2 14"]
 
 
 def test_the_native_plan_names_each_bucket_and_shares_the_captures_masks(monkeypatch, capsys):

@@ -588,8 +588,9 @@ NativeRoute* ReadNativePlan(PyObject* plan, std::string* why)
 // The CPU tests' stand-in for GPU memory: with a stand-in driver (KKDEPLOY_CUDA_DRIVER set), whose "device
 // pointers" are host addresses, KKDEPLOY_STANDIN_DEVICE_MEMORY=all takes every request's input and response buffers as
 // memory of the route's GPU, and `alternate` those of every other request of an execution (the second, fourth, ...),
-// so that the device-to-device copies, and their mix with host ones, run inside a real tritonserver on the CPU.
-// 0: off (always, with the real driver), 1: all, 2: alternate.
+// so that the device-to-device copies, and their mix with host ones, run inside a real tritonserver on the CPU;
+// `other` takes every input buffer as another GPU's, which the route leaves to Python.
+// 0: off (always, with the real driver), 1: all, 2: alternate, 3: other.
 int StandInDeviceMemory()
 {
   static const int mode = [] {
@@ -598,7 +599,8 @@ int StandInDeviceMemory()
     if (driver == nullptr || *driver == '\0' || asked == nullptr) {
       return 0;
     }
-    return std::string(asked) == "all" ? 1 : std::string(asked) == "alternate" ? 2 : 0;
+    const std::string mode(asked);
+    return mode == "all" ? 1 : mode == "alternate" ? 2 : mode == "other" ? 3 : 0;
   }();
   return mode;
 }
@@ -651,8 +653,8 @@ bool RequestInput(
     TRITONSERVER_ErrorDelete(err);
     return false;
   }
-  if (memory_type == TRITONSERVER_MEMORY_GPU && memory_type_id != device) {
-    return false;
+  if ((memory_type == TRITONSERVER_MEMORY_GPU && memory_type_id != device) || StandInDeviceMemory() == 3) {
+    return false;  // another GPU's memory: Python's route copies it with torch
   }
   *rows = shape[0];
   *on_device = memory_type == TRITONSERVER_MEMORY_GPU || StandInOnDevice(request_index);
