@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import types
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -278,6 +279,49 @@ def test_cpu_target_batch1_grpc_from_two_processes_every_answer_exact(shape3, in
             assert compare_outputs(reference.eval()(xt, mt), y, *CONTRACTS["strict"]).passed
 
 
+def test_shared_memory_payloads_are_written_once_before_the_load():
+    """A client's system shared-memory input region holds every payload of the pool one after another, written when
+    the client is made: a request names its payload's offset and writes nothing (``write`` is a no-op), so the clock
+    holds no copy of the client's, as perf_analyzer's shared-memory inputs. Past ``preload_mb`` the region has one
+    slot, which each request writes. The regions are registered with the server (a stand-in here) and destroyed."""
+    import tritonclient.utils.shared_memory as shm
+
+    registered = []
+    fake = types.SimpleNamespace(client=types.SimpleNamespace(
+        register_system_shared_memory=lambda name, key, size: registered.append((name, size)),
+        unregister_system_shared_memory=lambda name: None))
+    p = plan(pool=4, mix=[[1, 0.5], [2, 0.5]], padding=[0.0, 0.25], shared_memory="system")
+    pool = loadtest.make_pool(p)
+    sizes = [sum(a.nbytes for a in loadtest.payload_arrays(payload)) for payload in pool]
+    region = loadtest._SharedMemory(fake, p, pool, "unit_preload")
+    try:
+        assert region.preloaded and registered[0] == ("kkdeploy_lt_unit_preload_in", sum(sizes))
+        assert [region.input_offset(i) for i in range(4)] == [0, sizes[0], sum(sizes[:2]), sum(sizes[:3])]
+        for i, (x, mask) in enumerate(pool):  # each payload where its requests say it is
+            start = region.input_offset(i)
+            got = shm.get_contents_as_numpy(region.inp, x.dtype, [x.size], offset=start)
+            assert np.array_equal(got, x.reshape(-1))
+            if mask is not None:
+                assert np.array_equal(shm.get_contents_as_numpy(region.inp, np.bool_, [mask.size],
+                                                                offset=start + x.nbytes), mask.reshape(-1))
+        before = shm.get_contents_as_numpy(region.inp, np.uint8, [sum(sizes)]).copy()
+        region.write(3)
+        assert np.array_equal(shm.get_contents_as_numpy(region.inp, np.uint8, [sum(sizes)]), before)
+    finally:
+        region.close()
+    small = loadtest._SharedMemory(fake, loadtest.LoadPlan(**{**asdict(p), "preload_mb": 0.0}), pool, "unit_slot")
+    try:  # one slot at offset 0, written by each request
+        assert not small.preloaded and small.input_offset(3) == 0
+        small.write(3)
+        x, _ = pool[3]
+        assert np.array_equal(shm.get_contents_as_numpy(small.inp, x.dtype, [x.size]), x.reshape(-1))
+    finally:
+        small.close()
+    assert not list(Path("/dev/shm").glob("kkdeploy_lt_unit_*"))
+    with pytest.raises(KKError, match="--shm-preload-mb must be 0 or more"):
+        loadtest.LoadPlan(**{**asdict(p), "preload_mb": -1.0}).check()
+
+
 @pytest.mark.parametrize("engine", ["auto", "inprocess"])
 def test_http_and_grpc_open_loop_mixed_batches_through_system_shared_memory(shape3, install, engine):
     from kkdeploy.commands.loadtest import local_server
@@ -287,19 +331,21 @@ def test_http_and_grpc_open_loop_mixed_batches_through_system_shared_memory(shap
                                  instances=1, max_queue_delay_us=200, host="127.0.0.1")
     ports = triton_server.free_ports()
     with local_server(args, ports) as (server, info, _):
-        for protocol, shm, client in (("http", "system", "lean"), ("grpc", "system", "lean"),
-                                      ("grpc", "system", "tritonclient"), ("http", "none", "lean"),
-                                      ("grpc", "none", "native"), ("grpc", "system", "native")):
+        # payloads preloaded into the regions (the default), and written by each request (preload 0)
+        for protocol, shm, client, preload in (("http", "system", "lean", 1024), ("grpc", "system", "lean", 1024),
+                                               ("grpc", "system", "tritonclient", 1024), ("http", "none", "lean", 0),
+                                               ("grpc", "none", "native", 0), ("grpc", "system", "native", 1024),
+                                               ("grpc", "system", "lean", 0), ("http", "system", "tritonclient", 0)):
             p = loadtest.LoadPlan(model="kkdeploy", seq_len=128, d_model=128, dtype="float32", protocol=protocol,
                                   http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"],
                                   processes=1, concurrency=3, rate=40.0, requests=30, warmup=1,
                                   mix=[[1, 0.5], [2, 0.3], [3, 0.2]], padding=[0.0, 0.25], pool=8, seed=3,
-                                  shared_memory=shm, client=client)
+                                  shared_memory=shm, client=client, preload_mb=preload)
             answers = loadtest.expected_answers(runner, loadtest.make_pool(p))
             summary = loadtest.run_load(p, answers)
             assert summary["loop"] == "open"
             assert (summary["answered"], summary["bitwise_equal"], summary["errors"]) == (30, 30, 0), \
-                (protocol, shm, client, summary["first_errors"])
+                (protocol, shm, client, preload, summary["first_errors"])
             assert set(summary["latency_ms_by_batch"]) <= {"1", "2", "3"}
             assert (summary["rpc_floor_ms"] is None) == (protocol == "http")
     assert not list(Path("/dev/shm").glob("kkdeploy_lt_*"))  # every client region destroyed

@@ -39,6 +39,10 @@ def register(sub):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--shared-memory", choices=["none", "system", "cuda"], default="none",
                    help="send inputs and receive outputs through shared memory (cuda needs tritonclient[cuda])")
+    p.add_argument("--shm-preload-mb", type=float, default=1024.0,
+                   help="with shared memory: write the pool's payloads into each client's input region once, before "
+                        "the load, up to this many MB a client (default 1024; 0: each request writes its payload, "
+                        "inside the clock)")
     p.add_argument("--no-check", action="store_true", help="do not compute or check the expected answers")
     p.add_argument("--direct", action="store_true",
                    help="also time the engine alone at every bucket (latency, sequences per second)")
@@ -117,7 +121,7 @@ def run(args) -> int:
         protocol=protocol, processes=args.processes, concurrency=args.concurrency, rate=args.rate,
         arrival=args.arrival, requests=args.requests or None, duration_s=args.duration, warmup=args.warmup,
         mix=loadtest.parse_mix(args.mix), padding=loadtest.parse_ratios(args.padding), pool=args.pool,
-        seed=args.seed, shared_memory=args.shared_memory, timeout_s=args.timeout,
+        seed=args.seed, shared_memory=args.shared_memory, preload_mb=args.shm_preload_mb, timeout_s=args.timeout,
         client=picked[protocol][0])
         for protocol in protocols]
     for plan in plans:

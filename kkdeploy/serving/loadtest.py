@@ -76,6 +76,9 @@ class LoadPlan:
     pool: int = 64
     seed: int = 1234
     shared_memory: str = "none"
+    #: with shared memory: the pool's payloads are written into each client's input region once, before the load, up
+    #: to this many MB a client (beyond it, each request writes its payload, inside the clock)
+    preload_mb: float = 1024.0
     timeout_s: float = 60.0
     client: str = "lean"  # gRPC: requests serialized once per payload (LeanGrpc); native: sent without grpcio
 
@@ -108,6 +111,8 @@ class LoadPlan:
             raise KKError(f"--padding ratios must be in [0, 1), got {self.padding}")
         if self.arrival not in ("uniform", "poisson"):
             raise KKError(f"--arrival must be uniform or poisson, got {self.arrival!r}")
+        if self.preload_mb < 0:
+            raise KKError(f"--shm-preload-mb must be 0 or more, got {self.preload_mb}")
 
     @property
     def loop(self) -> str:
@@ -307,10 +312,11 @@ class LeanGrpc:
     Python on every call, which is the load generator's time on a small request, not the server's.
 
     With ``shm`` (a client's registered regions) the request names the regions instead of carrying the bytes, as
-    tritonclient's ``set_shared_memory`` writes it: a call writes the payload into the input region (inside the
-    clock: the client's own copy) and sends a request of a few hundred bytes; the answer is read from the output
-    region, after the clock, for the check. The request then depends on the client's regions, so it is cached per
-    client, not per process.
+    tritonclient's ``set_shared_memory`` writes it, and sends a request of a few hundred bytes: the payload lies in the
+    input region, written there before the load (``_SharedMemory``, as perf_analyzer writes its shared-memory inputs
+    once) or, for a pool past ``preload_mb``, by the call itself (inside the clock: the client's own copy); the answer
+    is read from the output region, after the clock, for the check. The request then depends on the client's
+    regions, so it is cached per client, not per process.
 
     ``native``: the same bytes sent by our HTTP/2 client in C++ (``native_client``) instead of grpcio."""
 
@@ -335,7 +341,7 @@ class LeanGrpc:
                 if self.shm is None:
                     message.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
                 else:
-                    _shm_parameters(tensor, self.shm.input_region, array.nbytes, offset)
+                    _shm_parameters(tensor, self.shm.input_region, array.nbytes, self.shm.input_offset(index) + offset)
                     offset += array.nbytes
             output = message.outputs.add(name="y")
             if self.shm is not None:
@@ -483,8 +489,19 @@ class Client:
         self.client.close()
 
 
+def payload_arrays(payload) -> list:
+    """A payload's arrays in the order a request's inputs lie in a shared-memory region: x, then its mask if any."""
+    x, mask = payload
+    return [x] if mask is None else [x, mask]
+
+
 class _SharedMemory:
-    """Inputs and output through a system (POSIX) or CUDA shared-memory region registered with the server."""
+    """Inputs and output through a system (POSIX) or CUDA shared-memory region registered with the server.
+
+    The pool's payloads lie one after another in the input region, written once before the load
+    (``preloaded``), as perf_analyzer writes its shared-memory inputs once: a request then only names its payload's
+    offset, and the clock holds no copy of the client's. A pool of more than ``plan.preload_mb`` MB shares one slot
+    instead, which each request writes before it is sent (``write``, inside the clock)."""
 
     def __init__(self, client: Client, plan: LoadPlan, pool, tag: str):
         self.client, self.plan, self.pool = client, plan, pool
@@ -492,16 +509,19 @@ class _SharedMemory:
         item = np.dtype(NUMPY_DTYPES[plan.dtype]).itemsize
         self.x_bytes = largest * plan.seq_len * plan.d_model * item
         self.m_bytes = largest * plan.seq_len
+        sizes = [sum(a.nbytes for a in payload_arrays(payload)) for payload in pool]
+        self.preloaded = sum(sizes) <= plan.preload_mb * (1 << 20)
+        self.offsets = [sum(sizes[:i]) for i in range(len(pool))] if self.preloaded else [0] * len(pool)
+        in_bytes = sum(sizes) if self.preloaded else self.x_bytes + self.m_bytes
         self.name = f"kkdeploy_lt_{tag}"
         if plan.shared_memory == "system":
             import tritonclient.utils.shared_memory as shm
 
             self.mod = shm
-            self.inp = shm.create_shared_memory_region(f"{self.name}_in", f"/{self.name}_in",
-                                                       self.x_bytes + self.m_bytes)
+            self.inp = shm.create_shared_memory_region(f"{self.name}_in", f"/{self.name}_in", in_bytes)
             self.out = shm.create_shared_memory_region(f"{self.name}_out", f"/{self.name}_out", self.x_bytes)
             c = client.client
-            c.register_system_shared_memory(f"{self.name}_in", f"/{self.name}_in", self.x_bytes + self.m_bytes)
+            c.register_system_shared_memory(f"{self.name}_in", f"/{self.name}_in", in_bytes)
             c.register_system_shared_memory(f"{self.name}_out", f"/{self.name}_out", self.x_bytes)
         else:
             try:
@@ -510,12 +530,13 @@ class _SharedMemory:
                 raise KKError(f"--shared-memory cuda needs tritonclient's CUDA support (pip install "
                               f"'tritonclient[cuda]', which brings cuda-python): {exc}") from None
             self.mod = shm
-            self.inp = shm.create_shared_memory_region(f"{self.name}_in", self.x_bytes + self.m_bytes, 0)
+            self.inp = shm.create_shared_memory_region(f"{self.name}_in", in_bytes, 0)
             self.out = shm.create_shared_memory_region(f"{self.name}_out", self.x_bytes, 0)
             c = client.client
-            c.register_cuda_shared_memory(f"{self.name}_in", shm.get_raw_handle(self.inp), 0,
-                                          self.x_bytes + self.m_bytes)
+            c.register_cuda_shared_memory(f"{self.name}_in", shm.get_raw_handle(self.inp), 0, in_bytes)
             c.register_cuda_shared_memory(f"{self.name}_out", shm.get_raw_handle(self.out), 0, self.x_bytes)
+        if self.preloaded:  # every payload at its offset, in one write from the region's start
+            self.mod.set_shared_memory_region(self.inp, [a for payload in pool for a in payload_arrays(payload)])
 
     @property
     def input_region(self) -> str:
@@ -525,10 +546,14 @@ class _SharedMemory:
     def output_region(self) -> str:
         return f"{self.name}_out"
 
+    def input_offset(self, index: int) -> int:
+        """Where payload ``index``'s x starts in the input region (its mask follows it)."""
+        return self.offsets[index]
+
     def write(self, index: int) -> None:
-        """The payload's x, then its mask (if any), into the input region."""
-        x, mask = self.pool[index]
-        self.mod.set_shared_memory_region(self.inp, [x] if mask is None else [x, mask])
+        """The payload's x, then its mask (if any), into the input region's one slot (nothing when preloaded)."""
+        if not self.preloaded:
+            self.mod.set_shared_memory_region(self.inp, payload_arrays(self.pool[index]))
 
     def read(self, index: int) -> np.ndarray:
         """The answer in the output region (valid until the next call)."""
@@ -539,11 +564,12 @@ class _SharedMemory:
         x, mask = self.pool[index]
         lib = self.client.lib
         self.write(index)
+        base = self.input_offset(index)
         inputs = [lib.InferInput("x", list(x.shape), TRITON_NAMES[self.plan.dtype])]
-        inputs[0].set_shared_memory(self.input_region, x.nbytes, 0)
+        inputs[0].set_shared_memory(self.input_region, x.nbytes, base)
         if mask is not None:
             inputs.append(lib.InferInput("valid_token_mask", list(mask.shape), "BOOL"))
-            inputs[1].set_shared_memory(self.input_region, mask.nbytes, x.nbytes)
+            inputs[1].set_shared_memory(self.input_region, mask.nbytes, base + x.nbytes)
         output = lib.InferRequestedOutput("y")
         output.set_shared_memory(self.output_region, x.nbytes)
         self.client.client.infer(self.plan.model, inputs, outputs=[output], **self.client.timeout)
