@@ -13,7 +13,8 @@ Triton's C API and calls in here with plain Python values:
   or ``(error code, message)``; per engine run ``(gather_ns, engine_ns, respond_ns, bucket, real rows)`` for the
   metrics;
 * ``instance.copy_out(targets)`` when an answer must go where the C++ half does not copy (GPU memory on either
-  side): ``(request index, pointer, bytes, memory type, memory type id)``;
+  side, except the native route's answers into buffers on its own GPU, which it copies on the device): ``(request
+  index, pointer, bytes, memory type, memory type id)``;
 * ``instance.finalize()`` when Triton unloads the instance (the release marker ``kkdeploy serve`` waits for);
 * ``instance.native_plan()`` once, after the instance is made: what the C++ half needs to serve the executions it
   can by itself, without calling here (the native route: the captures' and staging buffers' addresses, the
@@ -364,7 +365,8 @@ class Instance:
             torch.set_num_threads(1)
 
     def copy_out(self, targets: list) -> None:
-        """Copy answers into response buffers that involve GPU memory (the C++ half copies host to host)."""
+        """Copy answers into response buffers that involve GPU memory (the C++ half copies host to host, and the native
+    route's answers into buffers on its GPU)."""
         import torch
 
         gpu = False
