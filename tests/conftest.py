@@ -111,9 +111,9 @@ def proof_sandbox(monkeypatch, tmp_path):
 from tests.standins import CapturedStandIn, HostDriver, captured_bucket_engine  # noqa: E402,F401 - the tests' names
 
 
-#: the rows LayerNorm's kernels in csrc/layer_norm.cu, as ``layer_norm_ptx_entries`` names them (block4_full once per
-#: width it is compiled for)
-LAYER_NORM_KERNELS = ("rows", "rows2", "rows2_full", "block4",
+#: the rows LayerNorm's kernels in csrc/layer_norm.cu, as ``layer_norm_ptx_entries`` names them (rows2_full and
+#: block4_full once per width they are compiled for)
+LAYER_NORM_KERNELS = ("rows", "rows2", *(f"rows2_full{n}" for n in (16, 32, 64, 128)), "block4",
                       *(f"block4_full{n}" for n in (256, 384, 512, 768, 1024)))
 
 

@@ -73,6 +73,7 @@ def test_calls_the_kernel_does_not_cover_are_named():
 def test_wide_rows_take_the_block_launch_and_narrow_rows_keep_theirs():
     # rows of exactly 128, and of the block widths it is compiled for, first try the launches with every count known
     assert ln.launches_for(128) == ["rows2_full", "rows2", "rows1"] and ln.launches_for(4) == ["rows2", "rows1"]
+    assert ln.launches_for(32) == ["rows2_full", "rows2", "rows1"] and ln.launches_for(96) == ["rows2", "rows1"]
     assert ln.launches_for(132) == ["block4"] and ln.launches_for(1024) == ["block4_full", "block4"]
     assert ln.launches_for(384) == ["block4_full", "block4"] and ln.launches_for(256) == ["block4_full", "block4"]
     assert ln.launches_for(2048) == ["block4"] and ln.launches_for(640) == ["block4"]  # the widths of our shapes only
@@ -91,6 +92,8 @@ def test_the_full_row_launches_leave_the_reciprocals_and_the_counts_shuffles_to_
     reciprocal and shuffle its count too. Whether the bits are ATen's is the GPU proof's (``prove_layer_norm``)."""
     import re
 
+    import numpy as np
+
     from tests.conftest import layer_norm_ptx_entries
 
     kernels = layer_norm_ptx_entries(tmp_path)
@@ -98,7 +101,13 @@ def test_the_full_row_launches_leave_the_reciprocals_and_the_counts_shuffles_to_
     for proven in ("rows2<plain>", "block4<plain>"):
         assert "rcp.rn.f32" in kernels[proven], proven
     assert shuffles(kernels["rows2<plain>"]) == 4 * 3 + 2  # offsets 8..1: mean, m2 and count; then the broadcasts
-    full = {"rows2_full<plain>": 4 * 2 + 2, **{f"block4_full{n}<plain>": 4 * 5 * 2 + 2 for n in (512, 768, 1024)}}
+    full = {**{f"rows2_full{n}<plain>": 4 * 2 + 2 for n in (16, 32, 64, 128)},
+            **{f"block4_full{n}<plain>": 4 * 5 * 2 + 2 for n in (512, 768, 1024)}}
+    for width in (16, 32, 64, 128):  # each step's count of the other side, in delta * delta * other.count
+        literals = set(re.findall(r"0f[0-9A-F]{8}", kernels[f"rows2_full{width}<plain>"]))
+        for _, other in _tree_schedule(width):
+            if other:
+                assert f"0f{int(np.array(other, dtype=np.float32).view(np.uint32)):08X}" in literals, (width, other)
     for name, expected in full.items():
         body = kernels[name]
         assert "rcp." not in body, name
@@ -106,6 +115,31 @@ def test_the_full_row_launches_leave_the_reciprocals_and_the_counts_shuffles_to_
         assert body.count("div.rn.f32") == (1 if "768" in name else 0), name
         assert shuffles(body) == expected, name
         assert "rsqrt.approx.f32" in body and "cvt.rn.f16.f32" in body, name  # ATen's rsqrtf, one rounding per output
+
+
+def _tree_schedule(width: int) -> list[tuple[int, int]]:
+    """rows2_full's (own, other) counts at each step of the tree (offsets 16 .. 1), as csrc/layer_norm.cu's
+    kTreeOwn / kTreeOther give them."""
+    v = width // 4
+    steps = []
+    for offset in (16, 8, 4, 2, 1):
+        own = 4 * (v // (2 * offset) if v >= 2 * offset else 1)
+        steps.append((own, own if v >= 2 * offset else 0))
+    return steps
+
+
+def test_the_full_rows_launch_s_counts_are_the_ones_aten_s_lane_0_depends_on():
+    """ATen's warp for rows of 16, 32, 64 and 128 (lane t holds 4-wide vector t, a power of two of them), folded by
+    its shuffle-down tree: at each step every lane that holds elements and that lane 0's result depends on merges the
+    same counts, the ones rows2_full fixes when compiled; a lane without elements only ever merges empty states
+    (whose merge is empty whatever the counts say); and the tree ends with the row's width."""
+    for width in (16, 32, 64, 128):
+        counts = [4 if t < width // 4 else 0 for t in range(32)]
+        for (own, other), offset in zip(_tree_schedule(width), (16, 8, 4, 2, 1)):
+            pairs = {(counts[i], counts[i + offset]) for i in range(offset)}
+            assert pairs - {(0, 0)} == {(own, other)}, (width, offset, pairs)
+            counts = [counts[i] + counts[i + offset] for i in range(offset)]
+        assert counts == [width], width
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH on this machine")

@@ -47,7 +47,7 @@ MAX_WIDTH = 1 << 24  # ATen's vector path (its float counts stay exact): the blo
 BLOCK_WARPS, BLOCK_THREADS = 4, 128  # ATen's block per row: (32, 4) threads
 #: the kernel's launches (the C entry's ``rows_per_warp``). For rows of at most 128: "rows2", two 16-lane halves per
 #: warp, ATen's offset-16 step inside the lane; "rows1", one row per warp. For wider rows: "block4", one row per warp
-#: playing ATen's 4 warps. "rows2_full" (rows of exactly 128) and "block4_full" (FULL_BLOCK_WIDTHS) are rows2 and
+#: playing ATen's 4 warps. "rows2_full" (FULL_ROW_WIDTHS) and "block4_full" (FULL_BLOCK_WIDTHS) are rows2 and
 #: block4 with every count of the Welford folds and trees known when the kernel is compiled: the same operations, the
 #: reciprocals done by the compiler and the counts not shuffled (``kk_welford::merge_counted``). Each is proven on
 #: its own (``prove_layer_norm``).
@@ -56,6 +56,9 @@ LAUNCHES = {"rows2": 2, "rows1": 1, "block4": 4, "rows2_full": 3, "block4_full":
 #: many elements as the others; the widths of our shapes (each more width costs the kernel library's first compile
 #: about 0.25 s here)
 FULL_BLOCK_WIDTHS = (256, 384, 512, 768, 1024)
+#: the row widths rows2_full is compiled for: 4-wide vectors a power of two, so that every count ATen's lane 0 depends
+#: on is the same in every lane it comes from
+FULL_ROW_WIDTHS = (16, 32, 64, 128)
 DEFAULT_LAUNCH = "rows2"
 #: what a proof's "proven" means: these launches' rows per warp (part of the proofs' key)
 LAUNCHES_DIGEST = launch_table_digest(LAUNCHES)
@@ -63,10 +66,10 @@ DEFAULT_ROWS_PER_WARP = LAUNCHES[DEFAULT_LAUNCH]
 
 
 def launches_for(width: int) -> list[str]:
-    """The launches that take rows of ``width``: rows2 and rows1 up to 128 elements (rows2_full first at exactly 128),
-    block4 beyond (block4_full first at FULL_BLOCK_WIDTHS)."""
+    """The launches that take rows of ``width``: rows2 and rows1 up to 128 elements (rows2_full first at
+    FULL_ROW_WIDTHS), block4 beyond (block4_full first at FULL_BLOCK_WIDTHS)."""
     if width <= MAX_ROW:
-        return (["rows2_full"] if width == MAX_ROW else []) + ["rows2", "rows1"]
+        return (["rows2_full"] if width in FULL_ROW_WIDTHS else []) + ["rows2", "rows1"]
     return (["block4_full"] if width in FULL_BLOCK_WIDTHS else []) + ["block4"]
 
 

@@ -114,20 +114,30 @@ __device__ __forceinline__ void write_vector(const Half4 data, const __half* gam
   out4[v] = out;
 }
 
+// rows2_full's tree, for rows of kV = N / 4 vectors (a power of two up to 32; ATen's lane t holds vector t): at the
+// step of offset kOffset (16: inside the lane), lanes i < kOffset, the ones ATen's lane 0 depends on, each merge
+// lane i + kOffset. Lane i holds the vectors t < kV with t = i mod 2 kOffset: kV / (2 kOffset) of them when kV >=
+// 2 kOffset, else one (i < kV; the lanes past kV hold nothing, and any merge of their empty states is empty), and its
+// partner as many, or none when kV < 2 kOffset.
+template <int kV, int kOffset>
+constexpr int kTreeOwn = 4 * (kV >= 2 * kOffset ? kV / (2 * kOffset) : 1);
+template <int kV, int kOffset>
+constexpr int kTreeOther = kV >= 2 * kOffset ? kTreeOwn<kV, kOffset> : 0;
+
 // The same rows, two per warp: lane t of a 16-lane half holds vectors t and t + 16 of its row, so ATen's first
 // shuffle step (offset 16: lane t merges lane t + 16) is a merge inside the lane, and the offsets 8..1 are
 // shuffles within the half. Every merge ATen's lane 0 depends on happens with the same operands in the same order;
 // half the instructions per row. Each launch runs where the build proved it bit-identical (layer_norm.prove_layer_norm).
-// kFull (the rows2_full launch, rows of exactly 128): every lane holds 8 elements, so every count in the tree is
-// known when the kernel is compiled (4 + 4, then 8, 16, 32 and 64 a side, then 128 against ATen's empty warps):
-// kk_welford::merge_counted takes the same steps with the reciprocals and the counts' shuffles done by the compiler.
-template <bool kPdl, bool kFull>
+// kN > 0 (the rows2_full launch, rows of exactly kN: 16, 32, 64 or 128): every count in the tree that ATen's lane 0
+// depends on is known when the kernel is compiled (rows2_full_counts), and kk_welford::merge_counted takes the same
+// steps with the reciprocals and the counts' shuffles done by the compiler. kN == 0: N at run time (rows2, as proven).
+template <bool kPdl, int kN>
 __device__ __forceinline__ void layer_norm_rows2_f16(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                                      const __half* __restrict__ beta, __half* __restrict__ Y,
                                                      int64_t M, int N, float eps) {
   dependent_launch_entry<kPdl>();
   constexpr int kHalf = kWarp / 2;
-  if constexpr (kFull) N = 128;
+  if constexpr (kN > 0) N = kN;
   const int64_t warp_row = (static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp) * 2;
   if (warp_row >= M) return;  // both rows of this warp are past the end: the whole warp leaves together
   const int lane = threadIdx.x % kHalf;
@@ -149,17 +159,19 @@ __device__ __forceinline__ void layer_norm_rows2_f16(const __half* __restrict__ 
     for (int k = 0; k < 4; ++k) high = kk_welford::push(__half2float(data_high.v[k]), high);
   }
   float mean, rstd;
-  if constexpr (kFull) {  // a dead half (past M) computes garbage in its own lanes, which its shuffles never leave
-    kk_welford::Moments s = kk_welford::merge_counted<4, 4>(low, high);  // ATen's offset-16 step
-    s = kk_welford::merge_counted<8, 8>(s, kk_welford::shuffled_down(s, 8, kHalf));
-    s = kk_welford::merge_counted<16, 16>(s, kk_welford::shuffled_down(s, 4, kHalf));
-    s = kk_welford::merge_counted<32, 32>(s, kk_welford::shuffled_down(s, 2, kHalf));
-    s = kk_welford::merge_counted<64, 64>(s, kk_welford::shuffled_down(s, 1, kHalf));
+  if constexpr (kN > 0) {  // a dead half (past M) computes garbage in its own lanes, which its shuffles never leave
+    constexpr int kV = kN / 4;
+    kk_welford::Moments s =
+        kk_welford::merge_counted<kTreeOwn<kV, 16>, kTreeOther<kV, 16>>(low, high);  // ATen's offset-16 step
+    s = kk_welford::merge_counted<kTreeOwn<kV, 8>, kTreeOther<kV, 8>>(s, kk_welford::shuffled_down(s, 8, kHalf));
+    s = kk_welford::merge_counted<kTreeOwn<kV, 4>, kTreeOther<kV, 4>>(s, kk_welford::shuffled_down(s, 4, kHalf));
+    s = kk_welford::merge_counted<kTreeOwn<kV, 2>, kTreeOther<kV, 2>>(s, kk_welford::shuffled_down(s, 2, kHalf));
+    s = kk_welford::merge_counted<kTreeOwn<kV, 1>, kTreeOther<kV, 1>>(s, kk_welford::shuffled_down(s, 1, kHalf));
     const kk_welford::Moments empty{0.f, 0.f, 0.f};  // ATen's idle warps, and the merge of two of them
-    s = kk_welford::merge_counted<128, 0>(s, empty);
-    s = kk_welford::merge_counted<128, 0>(s, empty);
+    s = kk_welford::merge_counted<kN, 0>(s, empty);
+    s = kk_welford::merge_counted<kN, 0>(s, empty);
     mean = __shfl_sync(0xffffffffu, s.mean, 0, kHalf);
-    const float var = __shfl_sync(0xffffffffu, s.m2 / 128.f, 0, kHalf);
+    const float var = __shfl_sync(0xffffffffu, s.m2 / float(kN), 0, kHalf);
     rstd = rsqrtf(var + eps);
   } else {
     kk_welford::Moments s = kk_welford::merge(low, high);  // ATen's offset-16 step
@@ -181,14 +193,15 @@ template <bool kPdl>
 __global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                             const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
                                             int N, float eps) {
-  layer_norm_rows2_f16<kPdl, false>(X, gamma, beta, Y, M, N, eps);
+  layer_norm_rows2_f16<kPdl, 0>(X, gamma, beta, Y, M, N, eps);
 }
 
-template <bool kPdl>
+template <bool kPdl, int kN>
 __global__ void layer_norm_rows2_full_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                                  const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
                                                  int N, float eps) {
-  layer_norm_rows2_f16<kPdl, true>(X, gamma, beta, Y, M, N, eps);
+  static_assert(kN == 16 || kN == 32 || kN == 64 || kN == 128, "rows2_full: rows of 16, 32, 64 or 128");
+  layer_norm_rows2_f16<kPdl, kN>(X, gamma, beta, Y, M, N, eps);
 }
 
 // Rows of any width ATen's vector path takes, one warp per row: the warp plays ATen's whole block of 4 warps.
@@ -295,6 +308,18 @@ __global__ void layer_norm_block4_full_f16_kernel(const __half* __restrict__ X, 
 
 using Kernel = void (*)(const __half*, const __half*, const __half*, __half*, int64_t, int, float);
 
+// rows2_full's kernel for rows of N (FULL_ROW_WIDTHS in layer_norm.py), or nullptr for another width.
+template <bool kPdl>
+Kernel full_rows_kernel(int64_t N) {
+  switch (N) {
+    case 16: return layer_norm_rows2_full_f16_kernel<kPdl, 16>;
+    case 32: return layer_norm_rows2_full_f16_kernel<kPdl, 32>;
+    case 64: return layer_norm_rows2_full_f16_kernel<kPdl, 64>;
+    case 128: return layer_norm_rows2_full_f16_kernel<kPdl, 128>;
+    default: return nullptr;
+  }
+}
+
 // block4_full's kernel for rows of N (FULL_BLOCK_WIDTHS in layer_norm.py), or nullptr for another width.
 template <bool kPdl>
 Kernel full_block_kernel(int64_t N) {
@@ -317,7 +342,7 @@ __attribute__((visibility("default"))) const char* kk_layer_norm_last_error(void
 // y[M, N] = LayerNorm(x[M, N]) * weight + bias (float16, contiguous rows, 8-byte aligned, N % 4 == 0).
 // Returns 0, or 1 with kk_layer_norm_last_error().
 // rows_per_warp 1: layer_norm_rows_f16_kernel; 2: layer_norm_rows2_f16_kernel (N <= 128 for both);
-// 3: layer_norm_rows2_full_f16_kernel (two rows per warp, N == 128 exactly: the tree's counts known);
+// 3: layer_norm_rows2_full_f16_kernel (two rows per warp, N of 16, 32, 64 or 128: the tree's counts known);
 // 4: layer_norm_block4_f16_kernel (one row per warp playing ATen's 4 warps; N <= 2^24, ATen's vector-path limit);
 // 5: layer_norm_block4_full_f16_kernel (block4 with every count known: N of 256, 384, 512, 768 or 1024).
 // Each launch runs only where the build proved it bit-identical. pdl 1: a programmatic dependent launch (the same
@@ -327,8 +352,8 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
                                                                   float eps, int rows_per_warp, int pdl,
                                                                   void* stream) {
   if (M <= 0) return 0;
-  if (rows_per_warp == 3 && N != 128) {
-    g_error = "kk_layer_norm_rows_f16: the rows2_full launch takes rows of exactly 128 elements";
+  if (rows_per_warp == 3 && full_rows_kernel<false>(N) == nullptr) {
+    g_error = "kk_layer_norm_rows_f16: the rows2_full launch takes rows of 16, 32, 64 or 128 elements";
     return 1;
   }
   if (rows_per_warp == 5 && full_block_kernel<false>(N) == nullptr) {
@@ -363,7 +388,7 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
   const Kernel kernel =
       rows_per_warp == 1   ? (pdl ? layer_norm_rows_f16_kernel<true> : layer_norm_rows_f16_kernel<false>)
       : rows_per_warp == 2 ? (pdl ? layer_norm_rows2_f16_kernel<true> : layer_norm_rows2_f16_kernel<false>)
-      : rows_per_warp == 3 ? (pdl ? layer_norm_rows2_full_f16_kernel<true> : layer_norm_rows2_full_f16_kernel<false>)
+      : rows_per_warp == 3 ? (pdl ? full_rows_kernel<true>(N) : full_rows_kernel<false>(N))
       : rows_per_warp == 4 ? (pdl ? layer_norm_block4_f16_kernel<true> : layer_norm_block4_f16_kernel<false>)
                            : (pdl ? full_block_kernel<true>(N) : full_block_kernel<false>(N));
   const auto* xh = static_cast<const __half*>(x);
