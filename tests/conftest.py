@@ -134,9 +134,10 @@ def layer_norm_ptx_entries(tmp_path: Path) -> dict[str, str]:
     found = {}
     for match in re.finditer(r"\.entry (\S+)\(", ptx):
         name = match.group(1)
-        kernel = re.search(r"layer_norm_(rows2_full|rows2|rows|block4_full|block4)_f16_kernelILb([01])E(?:Li(\d+)E)?E",
-                           name)
+        kernel = re.search(r"layer_norm_(rows2|rows|block4)_f16_kernelILb([01])E(?:Li(\d+)E)?E", name)
         body = ptx[match.start():ptx.index("\n}\n", match.end())].replace(name, "KERNEL")
-        key = f"{kernel.group(1)}{kernel.group(3) or ''}<{'pdl' if kernel.group(2) == '1' else 'plain'}>"
+        width = int(kernel.group(3) or 0)  # the full forms are the kernels compiled for one width
+        launch = f"{kernel.group(1)}_full{width}" if width else kernel.group(1)
+        key = f"{launch}<{'pdl' if kernel.group(2) == '1' else 'plain'}>"
         found[key] = re.sub(r"\$L__BB\d+_", "$L__BB_", body)
     return found

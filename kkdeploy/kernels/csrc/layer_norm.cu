@@ -189,18 +189,12 @@ __device__ __forceinline__ void layer_norm_rows2_f16(const __half* __restrict__ 
   if (lane + kHalf < vectors) write_vector(data_high, gamma, beta, out4, lane + kHalf, mean, rstd);
 }
 
-template <bool kPdl>
+// rows2 (kN == 0) and rows2_full (kN: 16, 32, 64 or 128).
+template <bool kPdl, int kN>
 __global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                             const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
                                             int N, float eps) {
-  layer_norm_rows2_f16<kPdl, 0>(X, gamma, beta, Y, M, N, eps);
-}
-
-template <bool kPdl, int kN>
-__global__ void layer_norm_rows2_full_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
-                                                 const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
-                                                 int N, float eps) {
-  static_assert(kN == 16 || kN == 32 || kN == 64 || kN == 128, "rows2_full: rows of 16, 32, 64 or 128");
+  static_assert(kN == 0 || kN == 16 || kN == 32 || kN == 64 || kN == 128, "rows2_full: rows of 16, 32, 64 or 128");
   layer_norm_rows2_f16<kPdl, kN>(X, gamma, beta, Y, M, N, eps);
 }
 
@@ -239,7 +233,7 @@ __device__ __forceinline__ kk_welford::Moments warp_state_counted(const Half4* r
 }
 
 // kN == 0 (the block4 launch, as proven): N at run time. kN > 0 (block4_full): rows of exactly kN elements, a multiple
-// of 128 from 256 (compiled for the widths full_block_kernel lists): every lane of one of ATen's warps holds as many
+// of 128 from 256 (compiled for the widths full_kernel lists): every lane of one of ATen's warps holds as many
 // vectors as the others, so every count of the folds and the trees is known when the kernel is compiled
 // (kk_welford::merge_counted). The counts' shares are computed by the compiler, correctly rounded as rcp.rn and mul.rn
 // round them at run time (tests/test_layer_norm_kernel.py reads them in the PTX: 1/3 and 2/3 at 384 and 768).
@@ -292,43 +286,30 @@ __device__ __forceinline__ void layer_norm_block4_f16(const __half* __restrict__
   for (int i = lane; i < vectors; i += kWarp) write_vector(row4[i], gamma, beta, out4, i, mean, rstd);
 }
 
-template <bool kPdl>
+// block4 (kN == 0) and block4_full (kN: a multiple of 128 from 256).
+template <bool kPdl, int kN>
 __global__ void layer_norm_block4_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                              const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
                                              int N, float eps) {
-  layer_norm_block4_f16<kPdl, 0>(X, gamma, beta, Y, M, N, eps);
-}
-
-template <bool kPdl, int kN>
-__global__ void layer_norm_block4_full_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
-                                                  const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
-                                                  int N, float eps) {
   layer_norm_block4_f16<kPdl, kN>(X, gamma, beta, Y, M, N, eps);
 }
 
 using Kernel = void (*)(const __half*, const __half*, const __half*, __half*, int64_t, int, float);
 
-// rows2_full's kernel for rows of N (FULL_ROW_WIDTHS in layer_norm.py), or nullptr for another width.
+// The full forms' kernel for rows of N: rows2_full at 16-128 (FULL_ROW_WIDTHS in layer_norm.py), block4_full at
+// 256-1024 (FULL_BLOCK_WIDTHS); nullptr for another width.
 template <bool kPdl>
-Kernel full_rows_kernel(int64_t N) {
+Kernel full_kernel(int64_t N) {
   switch (N) {
-    case 16: return layer_norm_rows2_full_f16_kernel<kPdl, 16>;
-    case 32: return layer_norm_rows2_full_f16_kernel<kPdl, 32>;
-    case 64: return layer_norm_rows2_full_f16_kernel<kPdl, 64>;
-    case 128: return layer_norm_rows2_full_f16_kernel<kPdl, 128>;
-    default: return nullptr;
-  }
-}
-
-// block4_full's kernel for rows of N (FULL_BLOCK_WIDTHS in layer_norm.py), or nullptr for another width.
-template <bool kPdl>
-Kernel full_block_kernel(int64_t N) {
-  switch (N) {
-    case 256: return layer_norm_block4_full_f16_kernel<kPdl, 256>;
-    case 384: return layer_norm_block4_full_f16_kernel<kPdl, 384>;
-    case 512: return layer_norm_block4_full_f16_kernel<kPdl, 512>;
-    case 768: return layer_norm_block4_full_f16_kernel<kPdl, 768>;
-    case 1024: return layer_norm_block4_full_f16_kernel<kPdl, 1024>;
+    case 16: return layer_norm_rows2_f16_kernel<kPdl, 16>;
+    case 32: return layer_norm_rows2_f16_kernel<kPdl, 32>;
+    case 64: return layer_norm_rows2_f16_kernel<kPdl, 64>;
+    case 128: return layer_norm_rows2_f16_kernel<kPdl, 128>;
+    case 256: return layer_norm_block4_f16_kernel<kPdl, 256>;
+    case 384: return layer_norm_block4_f16_kernel<kPdl, 384>;
+    case 512: return layer_norm_block4_f16_kernel<kPdl, 512>;
+    case 768: return layer_norm_block4_f16_kernel<kPdl, 768>;
+    case 1024: return layer_norm_block4_f16_kernel<kPdl, 1024>;
     default: return nullptr;
   }
 }
@@ -342,9 +323,9 @@ __attribute__((visibility("default"))) const char* kk_layer_norm_last_error(void
 // y[M, N] = LayerNorm(x[M, N]) * weight + bias (float16, contiguous rows, 8-byte aligned, N % 4 == 0).
 // Returns 0, or 1 with kk_layer_norm_last_error().
 // rows_per_warp 1: layer_norm_rows_f16_kernel; 2: layer_norm_rows2_f16_kernel (N <= 128 for both);
-// 3: layer_norm_rows2_full_f16_kernel (two rows per warp, N of 16, 32, 64 or 128: the tree's counts known);
+// 3: layer_norm_rows2_f16_kernel<kN> (rows2_full: two rows per warp, N of 16, 32, 64 or 128, the tree's counts known);
 // 4: layer_norm_block4_f16_kernel (one row per warp playing ATen's 4 warps; N <= 2^24, ATen's vector-path limit);
-// 5: layer_norm_block4_full_f16_kernel (block4 with every count known: N of 256, 384, 512, 768 or 1024).
+// 5: layer_norm_block4_f16_kernel<kN> (block4_full: every count known, N of 256, 384, 512, 768 or 1024).
 // Each launch runs only where the build proved it bit-identical. pdl 1: a programmatic dependent launch (the same
 // arithmetic, plus griddepcontrol.wait and launch_dependents at the kernel's start).
 __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x, const void* weight,
@@ -352,11 +333,11 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
                                                                   float eps, int rows_per_warp, int pdl,
                                                                   void* stream) {
   if (M <= 0) return 0;
-  if (rows_per_warp == 3 && full_rows_kernel<false>(N) == nullptr) {
+  if (rows_per_warp == 3 && (N > 128 || full_kernel<false>(N) == nullptr)) {
     g_error = "kk_layer_norm_rows_f16: the rows2_full launch takes rows of 16, 32, 64 or 128 elements";
     return 1;
   }
-  if (rows_per_warp == 5 && full_block_kernel<false>(N) == nullptr) {
+  if (rows_per_warp == 5 && (N <= 128 || full_kernel<false>(N) == nullptr)) {
     g_error = "kk_layer_norm_rows_f16: the block4_full launch takes rows of 256, 384, 512, 768 or 1024 elements";
     return 1;
   }
@@ -387,10 +368,10 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
   }
   const Kernel kernel =
       rows_per_warp == 1   ? (pdl ? layer_norm_rows_f16_kernel<true> : layer_norm_rows_f16_kernel<false>)
-      : rows_per_warp == 2 ? (pdl ? layer_norm_rows2_f16_kernel<true> : layer_norm_rows2_f16_kernel<false>)
-      : rows_per_warp == 3 ? (pdl ? full_rows_kernel<true>(N) : full_rows_kernel<false>(N))
-      : rows_per_warp == 4 ? (pdl ? layer_norm_block4_f16_kernel<true> : layer_norm_block4_f16_kernel<false>)
-                           : (pdl ? full_block_kernel<true>(N) : full_block_kernel<false>(N));
+      : rows_per_warp == 2 ? (pdl ? layer_norm_rows2_f16_kernel<true, 0> : layer_norm_rows2_f16_kernel<false, 0>)
+      : rows_per_warp == 3 ? (pdl ? full_kernel<true>(N) : full_kernel<false>(N))
+      : rows_per_warp == 4 ? (pdl ? layer_norm_block4_f16_kernel<true, 0> : layer_norm_block4_f16_kernel<false, 0>)
+                           : (pdl ? full_kernel<true>(N) : full_kernel<false>(N));
   const auto* xh = static_cast<const __half*>(x);
   const auto* wh = static_cast<const __half*>(weight);
   const auto* bh = static_cast<const __half*>(bias);
