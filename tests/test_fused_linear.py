@@ -192,7 +192,8 @@ def test_the_streaming_tile_is_proven_where_rows_stream_and_computes_what_m64_co
                   "A_GELU": gelu}
         proven, streaming = script.compile_ptx("linear", values, 4, 4), script.compile_ptx("linear", values, 4, 2)
         assert arithmetic(streaming) == arithmetic(proven), (epilogue, gelu)
-        assert set(re.findall(r"wgmma\.mma_async\S*", streaming)) == {"wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16"}
+        wgmma = {"wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16"}
+        assert set(re.findall(r"wgmma\.mma_async\S*", streaming)) == wgmma
 
 
 def test_block_plan_on_the_cpu_is_the_reference_block():

@@ -39,12 +39,13 @@ __device__ __forceinline__ Moments merge(const Moments own, const Moments other)
 }
 
 // `merge` where both counts are known when the kernel is compiled (every lane of a full row holds the same number of
-// elements; kOther may be 0: ATen's merges with its idle warps' empty states). The same operations in the order nvcc emits for `merge` (its PTX, nvcc 13.0,
-// sm_90: count = own + other, coef = rcp.rn(count), n_other = coef * other.count, n_own = own.count * coef, mean =
-// fma(n_other, other.mean, own.mean * n_own), m2 = fma(delta * delta * other.count, n_own, own.m2 + other.m2)),
-// with the count arithmetic done by the compiler: 1.f / count is correctly rounded as rcp.rn is, and the counts are
-// exact small integers. Written with intrinsics so that nvcc neither contracts nor reorders them otherwise. Saves
-// the reciprocal (a multi-instruction sequence with a slow path) and the count's shuffle in every step of the tree.
+// elements; kOther may be 0: ATen's merges with its idle warps' empty states). The same operations in the order nvcc
+// emits for `merge` (its PTX, nvcc 13.0, sm_90: count = own + other, coef = rcp.rn(count), n_other = coef *
+// other.count, n_own = own.count * coef, mean = fma(n_other, other.mean, own.mean * n_own), m2 = fma(delta * delta *
+// other.count, n_own, own.m2 + other.m2)), with the count arithmetic done by the compiler: 1.f / count is correctly
+// rounded as rcp.rn is, and the counts are exact small integers. Written with intrinsics so that nvcc neither contracts
+// nor reorders them otherwise. Saves the reciprocal (a multi-instruction sequence with a slow path) and the count's
+// shuffle in every step of the tree.
 template <int kOwn, int kOther>
 __device__ __forceinline__ Moments merge_counted(const Moments own, const Moments other) {
   static_assert(kOwn >= 0 && kOther >= 0 && (kOwn > 0 || kOther == 0), "merge_counted: an empty side is `other`");

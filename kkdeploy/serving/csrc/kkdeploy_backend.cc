@@ -768,9 +768,9 @@ bool NativeExecute(
   std::string failure;
   for (const auto& run : x_runs) {
     if (failure.empty()) {
-      failure = DriverFailure("cuMemcpyHtoDAsync",
-                              d.to_device(bucket->x + run.first * route.x_row, bucket->stage_x + run.first * route.x_row,
-                                          (run.second - run.first) * route.x_row, route.stream));
+      const uint64_t at = run.first * route.x_row;
+      failure = DriverFailure("cuMemcpyHtoDAsync", d.to_device(bucket->x + at, bucket->stage_x + at,
+                                                               (run.second - run.first) * route.x_row, route.stream));
     }
   }
   if (failure.empty() && pad > 0) {  // padding rows: zeros, fully masked
