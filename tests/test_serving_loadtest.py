@@ -147,14 +147,15 @@ def test_the_chart_splits_a_request_as_tritons_counters_do(tmp_path):
 def test_lean_grpc_requests_are_tritonclients_bytes_with_and_without_shared_memory():
     """The lean client's pre-serialized requests are the messages tritonclient would send for the same inputs (equal
     as messages: a map's entries may be serialized in another order): the payload's bytes; or, through shared
-    memory, the regions (x at offset 0, the mask after it, the answer in the output region) and no bytes at all."""
+    memory, the regions (x at its payload's offset in the input region, the mask after it, the answer in the output
+    region) and no bytes at all."""
     import tritonclient.grpc as grpcclient
     from tritonclient.grpc import _utils, service_pb2
 
     p = plan(mix=[[2, 1.0]], padding=[0.0, 0.5], pool=2, seed=4, seq_len=64, d_model=32)
     pool = loadtest.make_pool(p)
     regions = types.SimpleNamespace(name="kkdeploy_lt_t", input_region="kkdeploy_lt_t_in",
-                                    output_region="kkdeploy_lt_t_out")
+                                    output_region="kkdeploy_lt_t_out", input_offset=lambda index: 4096 * index)
 
     def tritonclients(index: int, shm: bool) -> bytes:
         x, mask = pool[index]
@@ -163,9 +164,9 @@ def test_lean_grpc_requests_are_tritonclients_bytes_with_and_without_shared_memo
             inputs.append(grpcclient.InferInput("valid_token_mask", list(mask.shape), "BOOL"))
         output = grpcclient.InferRequestedOutput("y")
         if shm:
-            inputs[0].set_shared_memory(regions.input_region, x.nbytes, 0)
+            inputs[0].set_shared_memory(regions.input_region, x.nbytes, 4096 * index)
             if mask is not None:
-                inputs[1].set_shared_memory(regions.input_region, mask.nbytes, x.nbytes)
+                inputs[1].set_shared_memory(regions.input_region, mask.nbytes, 4096 * index + x.nbytes)
             output.set_shared_memory(regions.output_region, x.nbytes)
         else:
             inputs[0].set_data_from_numpy(x)
