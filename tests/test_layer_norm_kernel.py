@@ -79,6 +79,11 @@ def test_wide_rows_take_the_block_launch_and_narrow_rows_keep_theirs():
     assert ln.launches_for(2048) == ["block4"] and ln.launches_for(640) == ["block4"]  # the widths of our shapes only
     assert ln.LAUNCHES["block4"] == 4  # the C entry's rows_per_warp for one warp playing ATen's block
     assert ln.LAUNCHES["rows2_full"] == 3 and ln.LAUNCHES["block4_full"] == 5
+    # the proofs' key holds the widths the full forms take: a record made for other widths is not found
+    from kkdeploy.kernels.proof import launch_table_digest
+
+    assert ln.LAUNCHES_DIGEST == launch_table_digest(ln.LAUNCHES, ln.FULL_ROW_WIDTHS, ln.FULL_BLOCK_WIDTHS)
+    assert ln.LAUNCHES_DIGEST != launch_table_digest(ln.LAUNCHES, (), ())
     assert ln.row_reason(384, torch.float16) is None and ln.row_reason(1 << 24, torch.float16) is None
     assert "rows of 130" in ln.row_reason(130, torch.float16)
     assert "rows of 33554432" in ln.row_reason(1 << 25, torch.float16)

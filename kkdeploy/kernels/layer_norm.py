@@ -59,9 +59,11 @@ FULL_BLOCK_WIDTHS = (256, 384, 512, 768, 1024)
 #: the row widths rows2_full is compiled for: 4-wide vectors a power of two, so that every count ATen's lane 0 depends
 #: on is the same in every lane it comes from
 FULL_ROW_WIDTHS = (16, 32, 64, 128)
+#: what a proof's "proven" means: these launches' rows per warp and the widths the full forms take (part of the
+#: proofs' key: a record made when a launch took other widths would name a launch that no longer takes its rows)
+LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, FULL_ROW_WIDTHS, FULL_BLOCK_WIDTHS)
 DEFAULT_LAUNCH = "rows2"
-#: what a proof's "proven" means: these launches' rows per warp (part of the proofs' key)
-LAUNCHES_DIGEST = launch_table_digest(LAUNCHES)
+
 DEFAULT_ROWS_PER_WARP = LAUNCHES[DEFAULT_LAUNCH]
 
 
