@@ -285,4 +285,4 @@ def test_a_changed_launch_table_is_another_environment():
     assert proof.launch_table_digest(changed, fl.BUILD_TILES) != fl.TILES_DIGEST
     assert proof.launch_table_digest(fl.TILES, (*fl.BUILD_TILES, "tma")) != fl.TILES_DIGEST
     assert fa.proof_environment("cpu")["launches"] == proof.launch_table_digest(fa.LAUNCHES, fa.BUILD_LAUNCHES)
-    assert ln.LAUNCHES_DIGEST == proof.launch_table_digest(ln.LAUNCHES)
+    assert ln.LAUNCHES_DIGEST == proof.launch_table_digest(ln.LAUNCHES, ln.FULL_ROW_WIDTHS, ln.FULL_BLOCK_WIDTHS)
