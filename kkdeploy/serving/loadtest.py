@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import itertools
 import math
 import multiprocessing as mp
 import queue
@@ -511,7 +512,7 @@ class _SharedMemory:
         self.m_bytes = largest * plan.seq_len
         sizes = [sum(a.nbytes for a in payload_arrays(payload)) for payload in pool]
         self.preloaded = sum(sizes) <= plan.preload_mb * (1 << 20)
-        self.offsets = [sum(sizes[:i]) for i in range(len(pool))] if self.preloaded else [0] * len(pool)
+        self.offsets = [0, *itertools.accumulate(sizes)][:-1] if self.preloaded else [0] * len(pool)
         in_bytes = sum(sizes) if self.preloaded else self.x_bytes + self.m_bytes
         self.name = f"kkdeploy_lt_{tag}"
         if plan.shared_memory == "system":
