@@ -323,6 +323,81 @@ def test_shared_memory_payloads_are_written_once_before_the_load():
         loadtest.LoadPlan(**{**asdict(p), "preload_mb": -1.0}).check()
 
 
+def test_a_client_process_that_dies_or_hangs_before_the_load_is_named():
+    """The parent waits for its client processes' ready reports, but no longer blindly: one that died first (a crash
+    in gRPC's or CUDA's native code ends a process without a report) is named with the signal that ended it on the
+    next poll, and one still starting at the deadline is named with what to change. Reports already in the pipe
+    count before a death is called."""
+    import queue as queue_mod
+    import signal
+
+    alive, crashed = types.SimpleNamespace(exitcode=None), types.SimpleNamespace(exitcode=-signal.SIGSEGV)
+    ready = queue_mod.Queue()
+    ready.put((0, None, [(1, "d")]))
+    with pytest.raises(KKError, match=r"client process 1 died before the load \(killed by SIGSEGV\)"):
+        list(loadtest.await_clients([alive, crashed], ready, timeout_s=30, poll_s=0.01))
+    ready.put((0, None, []))
+    ready.put((1, None, []))  # it reported, then ended: it counts
+    assert len(list(loadtest.await_clients([alive, crashed], ready, timeout_s=30, poll_s=0.01))) == 2
+    ready.put((0, None, [(1, "d")]))
+    ready.put((1, None, []))
+    assert sorted(i for i, _ in loadtest.await_clients([alive, alive], ready, 30, 0.01)) == [0, 1]
+    ready.put((1, "KKError: no server", []))
+    with pytest.raises(KKError, match="client process 1 failed before the load: KKError: no server"):
+        list(loadtest.await_clients([alive, alive], ready, 30, 0.01))
+    began = time.monotonic()
+    with pytest.raises(KKError, match=r"client process 0 did not start within 0 s .*--shm-preload-mb"):
+        list(loadtest.await_clients([alive], ready, timeout_s=0.2, poll_s=0.05))
+    assert time.monotonic() - began < 5
+    assert loadtest.exit_reason(3) == "exit code 3" and loadtest.exit_reason(-9) == "killed by SIGKILL"
+
+
+def test_cuda_regions_are_set_up_one_client_thread_at_a_time(monkeypatch):
+    """tritonclient's CUDA shared-memory module makes its one stream per device on first use without a lock, so
+    two client threads setting up at once can race for it. A client process's threads create, touch (which makes
+    the stream) and preload their CUDA regions one at a time. A stand-in module records what overlaps."""
+    import threading
+
+    active, overlaps, calls = [0], [], []
+    guard = threading.Lock()
+
+    def busy(name):
+        def call(*args):
+            with guard:
+                active[0] += 1
+                calls.append(name)
+                if active[0] > 1:
+                    overlaps.append(name)
+            time.sleep(0.02)
+            with guard:
+                active[0] -= 1
+            return types.SimpleNamespace(name=name) if name == "create" else None
+        return call
+
+    fake = types.ModuleType("tritonclient.utils.cuda_shared_memory")
+    fake.create_shared_memory_region = busy("create")
+    fake.set_shared_memory_region = busy("set")
+    fake.get_raw_handle = lambda handle: b"handle"
+    fake.destroy_shared_memory_region = lambda handle: None
+    monkeypatch.setitem(sys.modules, "tritonclient.utils.cuda_shared_memory", fake)
+    registered = []
+    client = types.SimpleNamespace(client=types.SimpleNamespace(
+        register_cuda_shared_memory=lambda name, raw, device, size: registered.append(name),
+        unregister_cuda_shared_memory=lambda name: None))
+    p = plan(pool=4, mix=[[1, 1.0]], shared_memory="cuda")
+    pool = loadtest.make_pool(p)
+    made = []
+    threads = [threading.Thread(target=lambda i=i: made.append(loadtest._SharedMemory(client, p, pool, f"t{i}")))
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 4 and len(registered) == 8
+    assert not overlaps, f"set-up calls overlapped across threads: {overlaps}"
+    assert calls.count("create") == 8 and calls.count("set") == 8  # per thread: the touch and the preload
+
+
 @pytest.mark.parametrize("engine", ["auto", "inprocess"])
 def test_http_and_grpc_open_loop_mixed_batches_through_system_shared_memory(shape3, install, engine):
     from kkdeploy.commands.loadtest import local_server

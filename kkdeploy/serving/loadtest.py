@@ -26,6 +26,7 @@ after.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import importlib
 import itertools
@@ -496,6 +497,9 @@ def payload_arrays(payload) -> list:
     return [x] if mask is None else [x, mask]
 
 
+CUDA_SETUP_LOCK = threading.Lock()  # a client process's threads create and fill their CUDA regions one at a time
+
+
 class _SharedMemory:
     """Inputs and output through a system (POSIX) or CUDA shared-memory region registered with the server.
 
@@ -531,13 +535,19 @@ class _SharedMemory:
                 raise KKError(f"--shared-memory cuda needs tritonclient's CUDA support (pip install "
                               f"'tritonclient[cuda]', which brings cuda-python): {exc}") from None
             self.mod = shm
-            self.inp = shm.create_shared_memory_region(f"{self.name}_in", in_bytes, 0)
-            self.out = shm.create_shared_memory_region(f"{self.name}_out", self.x_bytes, 0)
+            with CUDA_SETUP_LOCK:
+                self.inp = shm.create_shared_memory_region(f"{self.name}_in", in_bytes, 0)
+                self.out = shm.create_shared_memory_region(f"{self.name}_out", self.x_bytes, 0)
+                # tritonclient makes its one CUDA stream per device on first use, unguarded: a thread that loses
+                # the race can be handed a stream the winner's replacement destroys. Made here, under the lock, it
+                # exists before any thread's copies.
+                shm.set_shared_memory_region(self.out, [np.zeros(1, np.uint8)])
             c = client.client
             c.register_cuda_shared_memory(f"{self.name}_in", shm.get_raw_handle(self.inp), 0, in_bytes)
             c.register_cuda_shared_memory(f"{self.name}_out", shm.get_raw_handle(self.out), 0, self.x_bytes)
         if self.preloaded:  # every payload at its offset, in one write from the region's start
-            self.mod.set_shared_memory_region(self.inp, [a for payload in pool for a in payload_arrays(payload)])
+            with CUDA_SETUP_LOCK:  # one client thread's preload at a time: the host side is what it costs
+                self.mod.set_shared_memory_region(self.inp, [a for payload in pool for a in payload_arrays(payload)])
 
     @property
     def input_region(self) -> str:
@@ -598,6 +608,10 @@ def worker_main(plan_dict: dict, index: int, ready, go, start_at, results) -> No
     thread that made it) and warms up; the process reports ready, waits for ``go``, loads, and sends back its
     records ``(payload, sent_s, latency_s, digest or None, error or None)``."""
     plan = LoadPlan(**plan_dict)
+    # A crash in a native library (gRPC, CUDA) prints this process's stacks; so does a start that outlasts the
+    # parent's wait (``await_clients``), a little before the parent gives up on it.
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(max(1.0, start_timeout_s(plan) - 5), exit=False)
     try:
         pool = make_pool(plan)
     except Exception as exc:  # noqa: BLE001 - reported as one line by the parent
@@ -654,6 +668,7 @@ def worker_main(plan_dict: dict, index: int, ready, go, start_at, results) -> No
     for w in workers:
         w.start()
     warmed.wait()
+    faulthandler.cancel_dump_traceback_later()
     ready.put((index, failures[0] if failures else None, warm))
     go.wait()
     t0 = start_at.value
@@ -772,6 +787,60 @@ def rpc_floor_ms(plan: LoadPlan, calls: int = 300) -> float | None:
         channel.close()
 
 
+def start_timeout_s(plan: LoadPlan) -> float:
+    """How long a client process may take to make its payloads, connect, set up its regions and warm up."""
+    return plan.timeout_s + 120
+
+
+def await_clients(procs, ready, timeout_s: float, poll_s: float = 1.0):
+    """Yield ``(index, warm)`` as each client process reports ready. A process that dies first (a crash in a native
+    library, the OOM killer) is named with its exit code at once, rather than waited for until ``timeout_s``; one
+    still starting at ``timeout_s`` has printed its threads' stacks to stderr (``worker_main``)."""
+    waiting = set(range(len(procs)))
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        try:
+            index, error, warm = ready.get(timeout=poll_s)
+        except queue.Empty:
+            dead = sorted(i for i in waiting if procs[i].exitcode is not None)
+            if dead:
+                time.sleep(poll_s)  # its report may still be in the pipe
+                while True:
+                    try:
+                        index, error, warm = ready.get_nowait()
+                    except queue.Empty:
+                        break
+                    if error:
+                        raise KKError(f"client process {index} failed before the load: {error}")
+                    waiting.discard(index)
+                    yield index, warm
+                for i in dead:
+                    if i in waiting:
+                        raise KKError(f"client process {i} died before the load ({exit_reason(procs[i].exitcode)}); "
+                                      f"its output above says where")
+            if time.monotonic() > deadline:
+                raise KKError(f"client process {min(waiting)} did not start within {timeout_s:.0f} s (its threads' "
+                              f"stacks are printed above); raise --timeout, or lower --concurrency or "
+                              f"--shm-preload-mb") from None
+            continue
+        if error:
+            raise KKError(f"client process {index} failed before the load: {error}")
+        waiting.discard(index)
+        yield index, warm
+
+
+def exit_reason(code: int | None) -> str:
+    """``exit code 3``, or ``killed by SIGSEGV`` for a process ended by a signal (multiprocessing's negative code)."""
+    if code is not None and code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def run_load(plan: LoadPlan, answers: list[dict] | None, progress=None) -> dict:
     """Run ``plan`` against a running server; ``answers`` from ``expected_answers`` (None: not checked)."""
     plan.check()
@@ -788,13 +857,7 @@ def run_load(plan: LoadPlan, answers: list[dict] | None, progress=None) -> dict:
     pool_answers = answers
     warm_bad = 0
     try:
-        for _ in procs:
-            try:
-                index, error, warm = ready.get(timeout=plan.timeout_s + 120)
-            except queue.Empty:
-                raise KKError(f"a client process did not start within {plan.timeout_s + 120:.0f} s") from None
-            if error:
-                raise KKError(f"client process {index} failed before the load: {error}")
+        for index, warm in await_clients(procs, ready, start_timeout_s(plan)):
             if pool_answers is not None:
                 warm_bad += sum(1 for k, d in warm if answered_by(pool_answers[k], d) is None)
         time.sleep(0.6)  # the warm-up's stage counters are pushed (at most every 0.5 s) before the snapshot
@@ -816,8 +879,8 @@ def run_load(plan: LoadPlan, answers: list[dict] | None, progress=None) -> dict:
                         records.extend(mine)
                     lost = [i for i in dead if i not in reported]
                     if lost:
-                        raise KKError(f"client process {lost[0]} died (exit code {procs[lost[0]].exitcode}) before "
-                                      f"reporting its requests") from None
+                        raise KKError(f"client process {lost[0]} died ({exit_reason(procs[lost[0]].exitcode)}) "
+                                      f"before reporting its requests") from None
                 continue
             reported.add(index)
             records.extend(mine)
