@@ -8,12 +8,34 @@ import sys
 from .errors import KKError
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with options spelled out and its errors on one line.
+
+    Why: argparse takes any unambiguous prefix of an option by default, so ``kkdeploy loadtest --out DIR`` was read
+    as ``--output-device DIR`` and refused with a usage block about that option's choices (a new user's run on the
+    GPU). Options must be written in full; a mistake is one line naming it and where the options are listed."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:  # named by the subcommand they were given to, not by the top-level parser
+            chosen = next((action.choices.get(getattr(namespace, "command", None)) for action in self._actions
+                           if isinstance(action, argparse._SubParsersAction)), None)
+            (chosen or self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
+
+    def error(self, message: str):
+        hint = ("options are written in full; " if message.startswith("unrecognized arguments") else "")
+        self.exit(2, f"{self.prog}: error: {message} ({hint}`{self.prog} --help` lists what it takes)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import commands
 
-    parser = argparse.ArgumentParser(
-        prog="kkdeploy", description="Export, build, validate and ship verified KernelKraft engines."
-    )
+    parser = Parser(prog="kkdeploy", description="Export, build, validate and ship verified KernelKraft engines.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in commands.MODULES:
         module.register(sub)
