@@ -374,6 +374,8 @@ def test_cuda_regions_are_set_up_one_client_thread_at_a_time(monkeypatch):
             return types.SimpleNamespace(name=name) if name == "create" else None
         return call
 
+    import tritonclient.utils  # noqa: F401 - the real package; its CUDA module is the stand-in below
+
     fake = types.ModuleType("tritonclient.utils.cuda_shared_memory")
     fake.create_shared_memory_region = busy("create")
     fake.set_shared_memory_region = busy("set")
@@ -396,6 +398,85 @@ def test_cuda_regions_are_set_up_one_client_thread_at_a_time(monkeypatch):
     assert len(made) == 4 and len(registered) == 8
     assert not overlaps, f"set-up calls overlapped across threads: {overlaps}"
     assert calls.count("create") == 8 and calls.count("set") == 8  # per thread: the touch and the preload
+
+
+def _fake_cudart(calls: list, keep: list):
+    """cuda-python's runtime as far as ``PinnedReadback`` uses it, over host memory (ctypes buffers)."""
+    import ctypes
+
+    def malloc_host(n):
+        buf = ctypes.create_string_buffer(n)
+        keep.append(buf)
+        calls.append(("malloc_host", n))
+        return 0, ctypes.addressof(buf)
+
+    def memcpy(dst, src, n, kind):
+        calls.append(("memcpy", n, kind))
+        ctypes.memmove(dst, src, n)
+        return (0, )
+
+    runtime = types.ModuleType("cuda.bindings.runtime")
+    runtime.cudaMallocHost = malloc_host
+    runtime.cudaMemcpy = memcpy
+    runtime.cudaFreeHost = lambda pointer: calls.append(("free_host", pointer)) or (0, )
+    runtime.cudaMemcpyKind = types.SimpleNamespace(cudaMemcpyDeviceToHost="DtoH")
+    return runtime
+
+
+def test_cuda_answers_are_read_into_one_pinned_buffer_per_client(monkeypatch):
+    """A CUDA shared-memory answer is copied once, device to host, into the client's page-locked buffer, and the
+    answer is a view of it: one allocation per client, not tritonclient's zeroed buffer and second copy per call.
+    cuda-python's runtime is a stand-in over host memory here; where it is missing, or the region has no device
+    address, the client reads through tritonclient as before."""
+    import ctypes
+
+    calls, keep = [], []
+    runtime = _fake_cudart(calls, keep)
+    package = types.ModuleType("cuda.bindings")
+    package.runtime = runtime
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", package)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", runtime)
+    answer = np.arange(24, dtype=np.float16).reshape(2, 3, 4)
+    device = ctypes.create_string_buffer(answer.tobytes() + bytes(16))  # the region: the answer, then room
+    region = types.SimpleNamespace(_base_addr=ctypes.addressof(device))
+    pinned = loadtest.PinnedReadback.open(region, answer.nbytes + 16)
+    first = pinned.read(answer.nbytes, np.float16, answer.shape)
+    assert np.array_equal(first, answer) and first.dtype == np.float16
+    ctypes.memmove(ctypes.addressof(device), (answer + 1).tobytes(), answer.nbytes)  # the next answer
+    second = pinned.read(answer.nbytes, np.float16, answer.shape)
+    assert np.array_equal(second, answer + 1)
+    assert first.__array_interface__["data"][0] == second.__array_interface__["data"][0]  # one buffer, reused
+    assert [c[0] for c in calls] == ["malloc_host", "memcpy", "memcpy"] and calls[1][2] == "DtoH"
+    with pytest.raises(KKError, match="does not fit"):
+        pinned.read(answer.nbytes + 17, np.uint8, [answer.nbytes + 17])
+    pinned.close()
+    assert calls[-1] == ("free_host", pinned.pointer)
+    # a client's regions: its answers come through the pinned buffer, never through tritonclient's reader
+    import tritonclient.utils  # noqa: F401 - the real package; its CUDA module is the stand-in below
+    p = plan(pool=2, mix=[[1, 1.0]], shared_memory="cuda", seq_len=3, d_model=4, dtype="float16")
+    pool = loadtest.make_pool(p)
+    fake = types.ModuleType("tritonclient.utils.cuda_shared_memory")
+    fake.create_shared_memory_region = lambda name, size, dev: types.SimpleNamespace(
+        _base_addr=ctypes.addressof(device) if name.endswith("_out") else 0)
+    fake.set_shared_memory_region = lambda handle, arrays: None
+    fake.get_raw_handle = lambda handle: b"handle"
+    fake.destroy_shared_memory_region = lambda handle: None
+    fake.get_contents_as_numpy = lambda *a: pytest.fail("read through tritonclient")
+    monkeypatch.setitem(sys.modules, "tritonclient.utils.cuda_shared_memory", fake)
+    client = types.SimpleNamespace(client=types.SimpleNamespace(
+        register_cuda_shared_memory=lambda *a: None, unregister_cuda_shared_memory=lambda name: None))
+    regions = loadtest._SharedMemory(client, p, pool, "pinned")
+    assert np.array_equal(regions.read(0), (answer + 1).reshape(-1)[:12].reshape(1, 3, 4))
+    regions.close()
+    assert regions.pinned is None and calls[-1][0] == "free_host"
+    runtime.cudaMemcpy = lambda *a: (700, )  # cudaErrorIllegalAddress
+    with pytest.raises(KKError, match="CUDA error 700"):
+        loadtest.PinnedReadback.open(region, 8).read(8, np.uint8, [8])
+    assert loadtest.PinnedReadback.open(types.SimpleNamespace(), 8) is None  # no device address: tritonclient reads
+    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", None)
+    monkeypatch.delattr(package, "runtime")
+    assert loadtest.PinnedReadback.open(region, 8) is None  # no cuda-python
 
 
 @pytest.mark.parametrize("engine", ["auto", "inprocess"])
