@@ -135,12 +135,13 @@ def _config_json(repository: Path) -> dict:
 
 def test_batch1_grpc_from_two_processes_in_process_every_answer_exact(small, tmp_path):
     triton_server.find_server() or triton_server.install_server()
-    out = tmp_path / "lt.json"
+    out = tmp_path / "lt" / "loadtest.json"  # --out: a folder, as build and bench take
     done = subprocess.run([sys.executable, "-m", "kkdeploy", "loadtest", "--artifacts", str(small), "--serve",
                            "--engine", "inprocess", "--protocol", "grpc", "--processes", "2", "--concurrency", "4",
                            "--requests", "400", "--mix", "1:0.7,2:0.3", "--padding", "0,0.25", "--pool", "16",
-                           "--direct", "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--direct", "--out", str(out.parent)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert out.with_suffix(".png").is_file()
     assert "in-process" in done.stdout
     (run,) = json.loads(out.read_text())["runs"]
     assert run["requests"] == run["answered"] == run["bitwise_equal"] == 400

@@ -582,6 +582,12 @@ def test_loadtest_bad_input_is_one_line(shape3, tmp_path):
                           timeout=60)
     assert done.returncode == 2 and f"nothing answers on 127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
+    (tmp_path / "a-file").write_text("")
+    for extra, said in ((["--out", str(tmp_path / "o"), "--json", str(tmp_path / "j.json")], "not both"),
+                        (["--out", str(tmp_path / "a-file")], "is a file; give a folder")):
+        done = subprocess.run([sys.executable, "-m", "kkdeploy", "loadtest", "--artifacts", str(shape3), *extra],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and said in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
 def test_kubernetes_manifests_match_the_kubernetes_schemas(shape3, tmp_path):

@@ -48,6 +48,8 @@ def register(sub):
                    help="also time the engine alone at every bucket (latency, sequences per second)")
     p.add_argument("--device", help="device of the direct engine (default: the artifacts')")
     p.add_argument("--json", help="write the results here, and their chart beside them (the same name, .png)")
+    p.add_argument("--out", help="a folder for the results and their chart (loadtest.json, loadtest.png), as build "
+                                 "and bench write theirs; instead of --json")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take (default 60)")
     p.add_argument("--client", choices=["auto", "lean", "native", "tritonclient"], default="auto",
                    help="gRPC: native sends each payload's request, serialized once as perf_analyzer does, through "
@@ -99,6 +101,18 @@ def local_server(args, ports: dict | None = None):
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def results_path(args) -> Path | None:
+    """Where the results go: ``--out DIR`` (``DIR/loadtest.json``) or ``--json FILE``; checked before any load."""
+    if args.out and args.json:
+        raise KKError("give --out DIR (loadtest.json and loadtest.png there) or --json FILE, not both")
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise KKError(f"--out {out} is a file; give a folder (loadtest.json and loadtest.png go there)")
+        return out / "loadtest.json"
+    return Path(args.json) if args.json else None
+
+
 def run(args) -> int:
     import torch
 
@@ -108,6 +122,7 @@ def run(args) -> int:
     from ..serving import loadtest
     from ..serving.triton_repo import read_artifacts
 
+    json_path = results_path(args)
     manifest = read_artifacts(Path(args.artifacts))
     config = manifest["config"]
     protocols = [p.strip() for p in args.protocol.split(",") if p.strip()]
@@ -162,14 +177,15 @@ def run(args) -> int:
     print_results(results, direct)
     data = {"artifacts": str(Path(args.artifacts).resolve()), "buckets": buckets, "direct_engine": direct,
             "runs": results, "perf_analyzer_equivalent": [loadtest.perf_analyzer_command(p) for p in plans]}
-    if args.json:
+    if json_path is not None:
         from .. import artifacts
 
         from ..serving.loadtest_chart import plot_load
 
-        artifacts.write_json(Path(args.json), data)
-        chart = plot_load(Path(args.json).with_suffix(".png"), results, direct)
-        console.print(f"results: {args.json}; chart: {chart}")
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        artifacts.write_json(json_path, data)
+        chart = plot_load(json_path.with_suffix(".png"), results, direct)
+        console.print(f"results: {json_path}; chart: {chart}")
     bad = sum(r["wrong"] + r["errors"] + r["warmup_wrong"] for r in results)
     if bad:
         total = sum(r["requests"] for r in results)
