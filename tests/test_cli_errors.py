@@ -77,14 +77,14 @@ def test_python_dash_m_kkdeploy_keeps_the_exit_code_of_an_error():
 
 def test_options_are_written_in_full_and_a_mistake_is_one_line(capsys):
     """Seen on the GPU: `kkdeploy loadtest ... --out DIR` was taken as an abbreviation of `--output-device` and
-    refused with a usage block about that option's choices. Options are not abbreviated; a mistake is one line that
-    names the subcommand, the argument, and where the options are listed."""
+    refused with a usage block about that option's choices (loadtest has its own `--out` now). Options are not
+    abbreviated; a mistake is one line that names the subcommand, the argument, and where the options are listed."""
     import pytest
 
     from kkdeploy.cli import main
 
-    cases = [(["loadtest", "--artifacts", "a", "--out", "d"], "kkdeploy loadtest: error: unrecognized arguments: "
-                                                              "--out d (options are written in full"),
+    cases = [(["loadtest", "--artifacts", "a", "--output", "d"], "kkdeploy loadtest: error: unrecognized "
+                                                                 "arguments: --output d (options are written in full"),
              (["build", "--shap", "3"], "kkdeploy build: error: unrecognized arguments: --shap 3"),
              (["build", "--shape", "3", "--out", "o", "--weight", "w"], "unrecognized arguments: --weight w"),
              (["loadtest"], "kkdeploy loadtest: error: the following arguments are required: --artifacts")]
