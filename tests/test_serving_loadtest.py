@@ -354,8 +354,9 @@ def test_a_client_process_that_dies_or_hangs_before_the_load_is_named():
 
 def test_cuda_regions_are_set_up_one_client_thread_at_a_time(monkeypatch):
     """tritonclient's CUDA shared-memory module makes its one stream per device on first use without a lock, so
-    two client threads setting up at once can race for it. A client process's threads create, touch (which makes
-    the stream) and preload their CUDA regions one at a time. A stand-in module records what overlaps."""
+    two client threads setting up at once can race for it. A client process's threads create their CUDA regions and
+    make their first copy (the preload, or one byte into the output region; it makes the stream) one at a time. A
+    stand-in module records what overlaps."""
     import threading
 
     active, overlaps, calls = [0], [], []
@@ -386,18 +387,19 @@ def test_cuda_regions_are_set_up_one_client_thread_at_a_time(monkeypatch):
     client = types.SimpleNamespace(client=types.SimpleNamespace(
         register_cuda_shared_memory=lambda name, raw, device, size: registered.append(name),
         unregister_cuda_shared_memory=lambda name: None))
-    p = plan(pool=4, mix=[[1, 1.0]], shared_memory="cuda")
-    pool = loadtest.make_pool(p)
-    made = []
-    threads = [threading.Thread(target=lambda i=i: made.append(loadtest._SharedMemory(client, p, pool, f"t{i}")))
-               for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(made) == 4 and len(registered) == 8
-    assert not overlaps, f"set-up calls overlapped across threads: {overlaps}"
-    assert calls.count("create") == 8 and calls.count("set") == 8  # per thread: the touch and the preload
+    for preload_mb in (1024.0, 0.0):  # the payloads preloaded, or one slot that each request writes
+        p = plan(pool=4, mix=[[1, 1.0]], shared_memory="cuda", preload_mb=preload_mb)
+        pool = loadtest.make_pool(p)
+        made, registered[:], calls[:] = [], [], []
+        threads = [threading.Thread(target=lambda i=i: made.append(loadtest._SharedMemory(client, p, pool, f"t{i}")))
+                   for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(made) == 4 and len(registered) == 8 and made[0].preloaded == (preload_mb > 0)
+        assert not overlaps, f"set-up calls overlapped across threads: {overlaps}"
+        assert calls.count("create") == 8 and calls.count("set") == 4  # one first copy per thread
 
 
 def _fake_cudart(calls: list, keep: list):
@@ -474,9 +476,8 @@ def test_cuda_answers_are_read_into_one_pinned_buffer_per_client(monkeypatch):
     with pytest.raises(KKError, match="CUDA error 700"):
         loadtest.PinnedReadback.open(region, 8).read(8, np.uint8, [8])
     assert loadtest.PinnedReadback.open(types.SimpleNamespace(), 8) is None  # no device address: tritonclient reads
-    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", None)
-    monkeypatch.delattr(package, "runtime")
-    assert loadtest.PinnedReadback.open(region, 8) is None  # no cuda-python
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # as if cuda-python were not installed
+    assert loadtest.PinnedReadback.open(region, 8) is None
 
 
 @pytest.mark.parametrize("engine", ["auto", "inprocess"])
@@ -583,7 +584,7 @@ def test_loadtest_bad_input_is_one_line(shape3, tmp_path):
     assert done.returncode == 2 and f"nothing answers on 127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
     (tmp_path / "a-file").write_text("")
-    for extra, said in ((["--out", str(tmp_path / "o"), "--json", str(tmp_path / "j.json")], "not both"),
+    for extra, said in ((["--out", str(tmp_path / "o"), "--json", str(tmp_path / "j.json")], "--json: not allowed with argument --out"),
                         (["--out", str(tmp_path / "a-file")], "is a file; give a folder")):
         done = subprocess.run([sys.executable, "-m", "kkdeploy", "loadtest", "--artifacts", str(shape3), *extra],
                               capture_output=True, text=True, timeout=60)

@@ -47,9 +47,10 @@ def register(sub):
     p.add_argument("--direct", action="store_true",
                    help="also time the engine alone at every bucket (latency, sequences per second)")
     p.add_argument("--device", help="device of the direct engine (default: the artifacts')")
-    p.add_argument("--json", help="write the results here, and their chart beside them (the same name, .png)")
-    p.add_argument("--out", help="a folder for the results and their chart (loadtest.json, loadtest.png), as build "
-                                 "and bench write theirs; instead of --json")
+    written = p.add_mutually_exclusive_group()
+    written.add_argument("--json", help="write the results here, and their chart beside them (the same name, .png)")
+    written.add_argument("--out", help="a folder for the results and their chart (loadtest.json, loadtest.png), as "
+                                       "build and bench write theirs")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take (default 60)")
     p.add_argument("--client", choices=["auto", "lean", "native", "tritonclient"], default="auto",
                    help="gRPC: native sends each payload's request, serialized once as perf_analyzer does, through "
@@ -103,8 +104,6 @@ def local_server(args, ports: dict | None = None):
 
 def results_path(args) -> Path | None:
     """Where the results go: ``--out DIR`` (``DIR/loadtest.json``) or ``--json FILE``; checked before any load."""
-    if args.out and args.json:
-        raise KKError("give --out DIR (loadtest.json and loadtest.png there) or --json FILE, not both")
     if args.out:
         out = Path(args.out)
         if out.exists() and not out.is_dir():

@@ -507,11 +507,15 @@ class PinnedReadback:
     only where cuda-python's runtime and the region's device address are there; else tritonclient reads it."""
 
     def __init__(self, cudart, pointer: int, nbytes: int, device: int):
-        self.cudart, self.pointer, self.nbytes, self.device = cudart, pointer, nbytes, device
+        import ctypes
+
+        self.cudart, self.pointer, self.device = cudart, pointer, device
+        self.buffer = np.frombuffer((ctypes.c_char * nbytes).from_address(pointer), np.uint8)  # made once
 
     @staticmethod
     def _checked(result):
-        err, *rest = result if isinstance(result, tuple) else (result, )
+        """cuda-python's ``(error, value...)``: the value, or a one-line error."""
+        err, *rest = result
         if int(err) != 0:
             raise KKError(f"CUDA error {int(err)} reading an answer from CUDA shared memory")
         return rest[0] if rest else None
@@ -520,29 +524,27 @@ class PinnedReadback:
     def open(cls, region, nbytes: int) -> "PinnedReadback | None":
         """For tritonclient's CUDA ``region`` (its device address, ``_base_addr``), or None where it cannot be."""
         device = getattr(region, "_base_addr", None)
+        if not isinstance(device, int):
+            return None
         try:
             from cuda.bindings import runtime as cudart
         except ImportError:
             return None
-        if not isinstance(device, int):
-            return None
         try:
             pointer = cls._checked(cudart.cudaMallocHost(max(1, nbytes)))
-        except Exception:  # noqa: BLE001 - no pinned memory here: tritonclient's path still reads the answer
+        except KKError:  # no pinned memory here: tritonclient's path still reads the answer
             return None
-        return cls(cudart, int(pointer), nbytes, device)
+        return cls(cudart, int(pointer), max(1, nbytes), device)
 
     def read(self, nbytes: int, dtype, shape) -> np.ndarray:
-        import ctypes
-
-        if nbytes > self.nbytes:
-            raise KKError(f"an answer of {nbytes} bytes does not fit the client's {self.nbytes}-byte region")
+        if nbytes > self.buffer.nbytes:
+            raise KKError(f"an answer of {nbytes} bytes does not fit the client's {self.buffer.nbytes}-byte region")
         self._checked(self.cudart.cudaMemcpy(self.pointer, self.device, nbytes,
                                              self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost))
-        view = (ctypes.c_char * nbytes).from_address(self.pointer)
-        return np.frombuffer(view, dtype=dtype).reshape(shape)
+        return self.buffer[:nbytes].view(dtype).reshape(shape)
 
     def close(self) -> None:
+        self.buffer = None  # no view of freed memory stays reachable from here
         self._checked(self.cudart.cudaFreeHost(self.pointer))
 
 
@@ -577,6 +579,8 @@ class _SharedMemory:
             c = client.client
             c.register_system_shared_memory(f"{self.name}_in", f"/{self.name}_in", in_bytes)
             c.register_system_shared_memory(f"{self.name}_out", f"/{self.name}_out", self.x_bytes)
+            if self.preloaded:  # every payload at its offset, in one write from the region's start
+                shm.set_shared_memory_region(self.inp, self._payloads())
         else:
             try:
                 import tritonclient.utils.cuda_shared_memory as shm
@@ -584,20 +588,24 @@ class _SharedMemory:
                 raise KKError(f"--shared-memory cuda needs tritonclient's CUDA support (pip install "
                               f"'tritonclient[cuda]', which brings cuda-python): {exc}") from None
             self.mod = shm
+            # tritonclient makes its one CUDA stream per device on its first copy, unguarded: a thread that loses the
+            # race can be handed a stream the winner's replacement destroys. The first copy (the preload, or one
+            # byte) is made under the lock, so the stream exists before any other copy of the process's threads.
             with CUDA_SETUP_LOCK:
                 self.inp = shm.create_shared_memory_region(f"{self.name}_in", in_bytes, 0)
                 self.out = shm.create_shared_memory_region(f"{self.name}_out", self.x_bytes, 0)
-                # tritonclient makes its one CUDA stream per device on first use, unguarded: a thread that loses
-                # the race can be handed a stream the winner's replacement destroys. Made here, under the lock, it
-                # exists before any thread's copies.
-                shm.set_shared_memory_region(self.out, [np.zeros(1, np.uint8)])
+                if self.preloaded:
+                    shm.set_shared_memory_region(self.inp, self._payloads())
+                else:
+                    shm.set_shared_memory_region(self.out, [np.zeros(1, np.uint8)])
             c = client.client
             c.register_cuda_shared_memory(f"{self.name}_in", shm.get_raw_handle(self.inp), 0, in_bytes)
             c.register_cuda_shared_memory(f"{self.name}_out", shm.get_raw_handle(self.out), 0, self.x_bytes)
         self.pinned = PinnedReadback.open(self.out, self.x_bytes) if plan.shared_memory == "cuda" else None
-        if self.preloaded:  # every payload at its offset, in one write from the region's start
-            with CUDA_SETUP_LOCK:  # one client thread's preload at a time: the host side is what it costs
-                self.mod.set_shared_memory_region(self.inp, [a for payload in pool for a in payload_arrays(payload)])
+
+    def _payloads(self) -> list:
+        """The pool's arrays in the order they lie in the input region (``offsets``)."""
+        return [a for payload in self.pool for a in payload_arrays(payload)]
 
     @property
     def input_region(self) -> str:
@@ -848,35 +856,27 @@ def start_timeout_s(plan: LoadPlan) -> float:
 
 
 def await_clients(procs, ready, timeout_s: float, poll_s: float = 1.0):
-    """Yield ``(index, warm)`` as each client process reports ready. A process that dies first (a crash in a native
-    library, the OOM killer) is named with its exit code at once, rather than waited for until ``timeout_s``; one
-    still starting at ``timeout_s`` has printed its threads' stacks to stderr (``worker_main``)."""
+    """Yield ``(index, warm)`` as each client process reports ready. A process found dead at two polls in a row,
+    with nothing in the pipe between them (a crash in a native library, the OOM killer), is named with what ended
+    it, rather than waited for until ``timeout_s``; one still starting at ``timeout_s`` has printed its threads'
+    stacks to stderr (``worker_main``)."""
     waiting = set(range(len(procs)))
     deadline = time.monotonic() + timeout_s
+    dead_before: list[int] = []
     while waiting:
         try:
             index, error, warm = ready.get(timeout=poll_s)
         except queue.Empty:
             dead = sorted(i for i in waiting if procs[i].exitcode is not None)
-            if dead:
-                time.sleep(poll_s)  # its report may still be in the pipe
-                while True:
-                    try:
-                        index, error, warm = ready.get_nowait()
-                    except queue.Empty:
-                        break
-                    if error:
-                        raise KKError(f"client process {index} failed before the load: {error}")
-                    waiting.discard(index)
-                    yield index, warm
-                for i in dead:
-                    if i in waiting:
-                        raise KKError(f"client process {i} died before the load ({exit_reason(procs[i].exitcode)}); "
-                                      f"its output above says where")
+            gone = [i for i in dead if i in dead_before]  # dead a whole poll ago, and still no report
+            if gone:
+                raise KKError(f"client process {gone[0]} died before the load "
+                              f"({exit_reason(procs[gone[0]].exitcode)}); its output above says where")
+            dead_before = dead
             if time.monotonic() > deadline:
                 raise KKError(f"client process {min(waiting)} did not start within {timeout_s:.0f} s (its threads' "
                               f"stacks are printed above); raise --timeout, or lower --concurrency or "
-                              f"--shm-preload-mb") from None
+                              f"--shm-preload-mb")
             continue
         if error:
             raise KKError(f"client process {index} failed before the load: {error}")
