@@ -52,9 +52,13 @@ PROOF_CASES = ((0, 0.0), (0, 0.25), (1, 0.0), (1, 0.25))
 def launch_for(candidate: str, config: TransformerConfig):
     """The ``LayerLaunch`` a candidate runs: the default attention form for this sequence length, split or one
     persistent launch."""
-    from kkdeploy.kernels.layer_kernels import default_launch
+    from kkdeploy.kernels.layer_kernels import chain_in_registers_refusal, default_launch
 
-    return dataclasses.replace(default_launch(config), persistent=candidate == PERSISTENT)
+    launch = dataclasses.replace(default_launch(config), persistent=candidate == PERSISTENT)
+    # the row chain in registers where it applies (D = 128, F <= 128), the next block's Q|K|V in it: the same bits,
+    # no reloads between its parts, no Q|K|V items
+    regs = dataclasses.replace(launch, chain_in_registers=True, qkv_in_chain=True)
+    return regs if chain_in_registers_refusal(config, regs) is None else launch
 
 
 def refusal(config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> str | None:

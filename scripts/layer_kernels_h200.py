@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="2,3,4,7,12")
     parser.add_argument("--weights", default="seeded,own:4711")
     parser.add_argument("--launches", default="default", help="default, or attention:gelu_prologue:warps[:split]"
-                        "[:persistent][:p<programs per SM>][:nochain][:tritonlib],... e.g. cached:1:8,cached_mdiv:0:4:split,"
+                        "[:persistent][:p<programs per SM>][:nochain][:regs][:qkv][:tritonlib],... e.g. cached:1:8,cached_mdiv:0:4:split,"
                         "cached_mdiv:1:8:persistent:p2")
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
@@ -163,7 +163,9 @@ def main(argv=None) -> int:
                                                 num_warps=int(warps), split="split" in more,
                                                 libdevice="triton" if "tritonlib" in more else "cuda",
                                                 persistent="persistent" in more, programs_per_sm=per_sm,
-                                                row_chain="nochain" not in more))
+                                                row_chain="nochain" not in more,
+                                                chain_in_registers="regs" in more or "qkv" in more,
+                                                qkv_in_chain="qkv" in more))
             for launch in launches:
                 t0 = time.perf_counter()
                 try:

@@ -76,7 +76,7 @@ KERNELS = {
         **{name: "i32" for name in ("S", "M", "NQB", "NRT")}, "scale": "fp32", "eps1": "fp32", "TRACE_BUF": "*i64"},
         {"L": 4, "D": 128, "F": 128, "H": 4, "HEAD_DIM": 32, "DH_PAD": 32, "LANES": 32, "NCACHED": 4, "FAST_DIV": 1,
          "CAUSAL": 1, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 64, "BK_D": 64, "BK_F": 64, "BN_F": 128,
-         "BN_QKV": 128, "SYNC_BLOCK": 1024, "ROW_CHAIN": 1, "TRACE": 0}),
+         "BN_QKV": 128, "SYNC_BLOCK": 1024, "ROW_CHAIN": 1, "TRACE": 0, "CHAIN_REGS": 0, "CHAIN_QKV": 0}),
 }
 #: Triton's JIT specializes each launch on its arguments: a pointer or an integer divisible by 16 gets
 #: ``tt.divisibility = 16`` (vectorized, aligned loads and stores), an integer equal to 1 becomes the constant 1. These

@@ -208,6 +208,15 @@ def test_persistent_launch_names_and_refusals(monkeypatch):
     assert lk.LayerLaunch(persistent=True).name() == "persistent_cached_mdiv_w8_p1"
     assert lk.LayerLaunch(persistent=True, num_warps=4, programs_per_sm=2).name() == "persistent_cached_mdiv_w4_p2"
     assert lk.LayerLaunch(persistent=True, row_chain=False).name() == "persistent_cached_mdiv_w8_p1_nochain"
+    assert lk.LayerLaunch(persistent=True, chain_in_registers=True).name() == "persistent_cached_mdiv_w8_p1_regs"
+    assert lk.LayerLaunch(persistent=True, chain_in_registers=True, qkv_in_chain=True).name() == \
+        "persistent_cached_mdiv_w8_p1_regs_qkv"
+    wide = lk.LayerLaunch(persistent=True, chain_in_registers=True)
+    assert lk.chain_in_registers_refusal(TransformerConfig(2, 24, 128, 4, 128, 2), wide) is None
+    assert "d_model = 32" in lk.chain_in_registers_refusal(CONFIG, wide)
+    assert "ffn_dim = 160" in lk.chain_in_registers_refusal(TransformerConfig(2, 24, 128, 4, 160, 2), wide)
+    assert "persistent=True" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(chain_in_registers=True))
+    assert "chain_in_registers=True" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(qkv_in_chain=True))
     # the ticket, the exit count, the stall count, then five counters per (block, row tile)
     assert _model_triton.sync_size(layers=4, row_tiles=8) == 3 + 5 * 4 * 8
     model = build_models(CONFIG, torch.float16, "cpu")[0]
@@ -247,7 +256,12 @@ PERSISTENT_SCRIPT = textwrap.dedent(
             (2, 70, 32, 2, 64, 2, True, "cached_mdiv", True, True),
             (2, 70, 32, 2, 64, 2, True, "cached_mdiv", True, False),
             (2, 24, 32, 2, 160, 2, True, "three_pass_mdiv", False, True),  # two ffn_in tiles: never chained
-            (1, 40, 64, 4, 128, 1, False, "three_pass", True, True)]:
+            (1, 40, 64, 4, 128, 1, False, "three_pass", True, True),
+            # the row chain in registers (D = 128): ffn_in of one k-step (F = 64), then of two (F = 128)
+            (2, 70, 128, 4, 64, 2, True, "cached_mdiv", True, "regs"),
+            (1, 40, 128, 2, 128, 1, False, "three_pass", True, "regs"),
+            # and the next block's Q|K|V in the chain (and the first block's in the entry): no Q|K|V items
+            (2, 70, 128, 4, 64, 2, True, "cached_mdiv", True, "qkv")]:
         torch.manual_seed(0)
         model = ReferenceTransformer(TransformerConfig(b, s, d, h, f, l, causal=causal))
         with torch.no_grad():
@@ -255,7 +269,9 @@ PERSISTENT_SCRIPT = textwrap.dedent(
                 p.add_(torch.randn_like(p) * 0.05)
         model = model.half().eval()
         split = LayerKernels(model, LayerLaunch(attention=attention))
-        persistent = LayerKernels(model, LayerLaunch(attention=attention, persistent=True, row_chain=chain))
+        persistent = LayerKernels(model, LayerLaunch(attention=attention, persistent=True, row_chain=bool(chain),
+                                                     chain_in_registers=chain in ("regs", "qkv"),
+                                                     qkv_in_chain=chain == "qkv"))
         calls = []
         for seed in (1, 2):  # two calls: the second runs on the counters the first one's last program zeroed
             torch.manual_seed(seed)
@@ -277,9 +293,10 @@ PERSISTENT_SCRIPT = textwrap.dedent(
 def test_persistent_launch_equals_the_split_launches_under_the_interpreter():
     """Every buffer of the one-launch model equals the split launches' (which equal the tiles launched one by one,
     above): causal and not, padded and not, two row tiles per sequence, two ffn_in column tiles, the row chain and
-    not, two calls."""
+    not, the row chain in registers (one and two k-steps per GEMM) and with the next block's Q|K|V in it, two
+    calls."""
     results = run_interpreter_script(PERSISTENT_SCRIPT)
-    assert len(results) == 4
+    assert len(results) == 7
     for r in results:
         for call in r["calls"]:
             assert call["report"]["first"] is None, r

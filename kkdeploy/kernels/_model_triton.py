@@ -18,7 +18,11 @@ Items, in ticket order (a row tile is BLOCK_M query rows of one sequence: ``rt =
 
   With ``ROW_CHAIN`` (ffn_in in one column tile: F <= BN_F, every official shape but 8), out_proj, ffn_in and
   ffn_out of a row tile are one item: they depend on each other in that order anyway, and the chain saves two
-  hand-offs per block.
+  hand-offs per block. With ``CHAIN_REGS`` as well (D = 128, F a power of two up to 128), the chain keeps its rows
+  in registers from out_proj to the next LayerNorm (``_row_chain_registers``): each part's output is still stored
+  for the proof, but never read back, and no part waits on a barrier or a reload. With ``CHAIN_QKV`` too, the
+  entry and each row chain go on to the next block's Q|K|V from the rows still in registers (``_qkv_rows``), so a
+  block has no Q|K|V items and one hand-off fewer: the attention waits on the chains of its key row tiles.
 
 **No deadlock, however few programs are resident.** A program takes ``item = atomic_add(ticket, 1)`` only while it
 runs, and an item waits only on items with smaller tickets. Those were taken by programs that are running, and
@@ -55,7 +59,7 @@ import triton
 import triton.language as tl
 
 from ._faithful_attention_triton import _attention_tile
-from ._fused_linear_triton import _linear_tile, _rows_layer_norm
+from ._fused_linear_triton import _gelu16, _linear_tile, _rows_layer_norm
 
 # The sync buffer (int32): the ticket, the exit count, the stall count, then KINDS readiness counters per (layer, row
 # tile).
@@ -131,6 +135,24 @@ def _signal(COUNTER):
 
 
 @triton.jit
+def _signal_count(COUNTER, count):
+    """``_signal`` for ``count`` units of work at once (the Q|K|V column tiles of a row tile written by one item)."""
+    tl.debug_barrier()
+    tl.atomic_add(COUNTER, count, sem="release", scope="gpu")
+
+
+@triton.jit
+def _qkv_rows(hn, WQKV, BQKV, QKV, rows, row_ok, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Q|K|V of rows whose norm1 ``hn`` [BLOCK_M, D] (float16) is in registers, D = 128: the split launches' three
+    128-column tiles, each in their k-steps with the bias in the float32 accumulator (EPILOGUE 0), stored to QKV."""
+    offs_n = tl.arange(0, D)
+    for n0 in tl.static_range(0, 3 * D, D):
+        w0, w1 = _weight_chunks(WQKV + n0 * D, offs_n, D)
+        y = (_dot_chunks(hn, w0, w1, D, BLOCK_M) + tl.load(BQKV + n0 + offs_n).to(tl.float32)[None, :])
+        tl.store(QKV + rows[:, None] * (3 * D) + n0 + offs_n[None, :], y.to(tl.float16), mask=row_ok[:, None])
+
+
+@triton.jit
 def _ffn_in_tile(H2, W1, B1, FF, lay, rows, row_ok, n0, D: tl.constexpr, F: tl.constexpr, BLOCK_M: tl.constexpr,
                  BN_F: tl.constexpr, BK_D: tl.constexpr, ACCURATE: tl.constexpr):
     """ffn_in of block ``lay`` for ``rows``, columns n0 .. n0 + BN_F (no epilogue: ffn_out computes the GELU)."""
@@ -157,6 +179,85 @@ def _ffn_out_tile(FF, W2, B2, X1, MASK, X2, LNN_G, LNN_B, EPSN, HN, lay, rows, r
 
 
 @triton.jit
+def _weight_chunks(W, offs_n, K: tl.constexpr):
+    """W[offs_n, :K] in the split tiles' k-steps (BLOCK_K = min(K, 64)): (W[:, :64], W[:, 64:]) for K = 128, else
+    (W, W) of which the second is unused."""
+    if K <= 64:
+        w = tl.load(W + offs_n[:, None] * K + tl.arange(0, K)[None, :])
+        return w, w
+    else:
+        tl.static_assert(K == 128, "the register chain's K is at most 128")
+        offs_k = tl.arange(0, 64)
+        return (tl.load(W + offs_n[:, None] * K + offs_k[None, :]),
+                tl.load(W + offs_n[:, None] * K + 64 + offs_k[None, :]))
+
+
+@triton.jit
+def _dot_chunks(a, w0, w1, K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """a [BLOCK_M, K] (registers) times the weight chunks' transpose, one ``tl.dot`` per k-step of the split tiles
+    (``_weight_chunks``): the same k16 chain on the GPU, and the same roundings under the interpreter."""
+    if K <= 64:
+        return tl.dot(a, tl.trans(w0))
+    else:
+        a0, a1 = tl.split(tl.permute(tl.reshape(a, (BLOCK_M, 2, 64)), (0, 2, 1)))
+        return tl.dot(a1, tl.trans(w1), tl.dot(a0, tl.trans(w0)))
+
+
+@triton.jit
+def _row_chain_registers(CTX, X_IN, MASK, X1, H2, FF, X2, HN, WO, BO, LN2_G, LN2_B, eps2, W1, B1, W2, B2,
+                         LNN_G, LNN_B, epsn, rows, row_ok, last, TRACE_BUF, item,
+                         D: tl.constexpr, F: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, TRACE: tl.constexpr):
+    """The row chain of one row tile with its rows in registers throughout (D = 128: a LayerNorm row is the
+    [32 lanes, 4] tile ``_rows_layer_norm`` takes). The arithmetic is the split tiles': the GEMMs in their k-steps
+    (``_dot_chunks``), the bias in the float32 accumulator and one rounding, the epilogues' expressions (EPILOGUE 4
+    for out_proj, 5 for ffn_out), ATen's GELU on ffn_out's input, the LayerNorms in ``emulate_layer_norm_rows``'s
+    order. What changes is where the rows live between parts: out_proj's rows feed norm2, ffn_in, the GELU and
+    ffn_out's residual without a store, barrier and reload. Every part's output is still stored (X1, H2, FF before
+    the GELU, X2, HN) for the next items and for ``compare_intermediates``. Each GEMM's weights are loaded a part
+    ahead (they depend on nothing this call wrote), so their L2 latency overlaps the arithmetic before it; all six
+    chunks at once spilled (offline, sm_90a: 440 bytes)."""
+    offs_d = tl.arange(0, D)
+    offs_f = tl.arange(0, F)
+    rows_d = rows[:, None] * D + offs_d[None, :]
+    rows_f = rows[:, None] * F + offs_f[None, :]
+    in_rows = row_ok[:, None]
+    if HAS_MASK:
+        valid = tl.load(MASK + rows, mask=row_ok, other=0) != 0
+    else:
+        valid = row_ok
+    zero = tl.zeros((BLOCK_M, D), dtype=tl.float16)
+    wo0, wo1 = _weight_chunks(WO, offs_d, D)  # [out, in]
+    ctx = tl.load(CTX + rows_d, mask=in_rows, other=0.0)
+    r = tl.load(X_IN + rows_d, mask=in_rows, other=0.0)
+    # out_proj, r + where(mask, y, 0) (EPILOGUE 4), norm2
+    y = (_dot_chunks(ctx, wo0, wo1, D, BLOCK_M) + tl.load(BO + offs_d).to(tl.float32)[None, :]).to(tl.float16)
+    w10, w11 = _weight_chunks(W1, offs_f, D)  # [F, D]: in flight while norm2 runs
+    x1 = (r.to(tl.float32) + tl.where(valid[:, None], y, zero).to(tl.float32)).to(tl.float16)
+    tl.store(X1 + rows_d, x1, mask=in_rows)
+    h2 = tl.reshape(_rows_layer_norm(tl.reshape(x1.to(tl.float32), (BLOCK_M, 32, 4)), LN2_G, LN2_B, eps2, D,
+                                     BLOCK_M, ACCURATE), (BLOCK_M, D))
+    tl.store(H2 + rows_d, h2, mask=in_rows)
+    _trace(TRACE_BUF, item, 3, TRACE)  # out_proj, the residual and norm2 done
+    # ffn_in (its output stored before the GELU, as the split launches store it), then GELU on ffn_out's input
+    ff = (_dot_chunks(h2, w10, w11, D, BLOCK_M) + tl.load(B1 + offs_f).to(tl.float32)[None, :]).to(tl.float16)
+    tl.store(FF + rows_f, ff, mask=in_rows)
+    _trace(TRACE_BUF, item, 4, TRACE)  # ffn_in done
+    g = _gelu16(ff, ACCURATE)
+    w20, w21 = _weight_chunks(W2, offs_d, F)  # [D, F]
+    # ffn_out, where(mask, x1 + y, 0) (EPILOGUE 5), the next LayerNorm (final_norm with the invalid rows zeroed)
+    y2 = (_dot_chunks(g, w20, w21, F, BLOCK_M) + tl.load(B2 + offs_d).to(tl.float32)[None, :]).to(tl.float16)
+    x2 = tl.where(valid[:, None], (x1.to(tl.float32) + y2.to(tl.float32)).to(tl.float16), zero)
+    tl.store(X2 + rows_d, x2, mask=in_rows)
+    hn = tl.reshape(_rows_layer_norm(tl.reshape(x2.to(tl.float32), (BLOCK_M, 32, 4)), LNN_G, LNN_B, epsn, D,
+                                     BLOCK_M, ACCURATE), (BLOCK_M, D))
+    if last:
+        hn = tl.where(valid[:, None], hn, 0.0)
+    tl.store(HN + rows_d, hn, mask=in_rows)
+    return hn
+
+
+@triton.jit
 def _model_kernel(
     X, MASK, HN0, QKV, CTX, X1, H2, FF, X2, HN, SYNC,
     LN1_G, LN1_B, WQKV, BQKV, WO, BO, LN2_G, LN2_B, W1, B1, W2, B2, LNN_G, LNN_B, EPS2, EPSN,
@@ -166,10 +267,14 @@ def _model_kernel(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BK_D: tl.constexpr, BK_F: tl.constexpr, BN_F: tl.constexpr, BN_QKV: tl.constexpr,
     SYNC_BLOCK: tl.constexpr, ROW_CHAIN: tl.constexpr, TRACE_BUF=None, TRACE: tl.constexpr = False,
+    CHAIN_REGS: tl.constexpr = False, CHAIN_QKV: tl.constexpr = False,
 ):
     NQKV: tl.constexpr = (3 * D + BN_QKV - 1) // BN_QKV  # Q|K|V column tiles per row tile
     NFF: tl.constexpr = (F + BN_F - 1) // BN_F  # ffn_in column tiles per row tile
-    n_qkv = NRT * NQKV
+    if CHAIN_QKV:  # the entry and the row chain write every Q|K|V: no Q|K|V items
+        n_qkv = NRT * 0
+    else:
+        n_qkv = NRT * NQKV
     n_att = NRT * H
     tl.static_assert(NFF == 1 or not ROW_CHAIN, "ROW_CHAIN needs ffn_in in one column tile")
     if ROW_CHAIN:  # out_proj, ffn_in and ffn_out of a row tile are one item (ffn_in is one column tile)
@@ -192,8 +297,13 @@ def _model_kernel(
             offs3 = rows[:, None, None] * D + lane_k[None, :, :]
             in_row = row_ok[:, None, None] & (lane_k < D)[None, :, :]
             v3 = tl.load(X + offs3, mask=in_row, other=0.0).to(tl.float32)
-            tl.store(HN0 + offs3, _rows_layer_norm(v3, LN1_G, LN1_B, eps1, D, BLOCK_M, ACCURATE), mask=in_row)
-            _signal(_counter(SYNC, 0, HN_READY, rt, NRT))
+            hn3 = _rows_layer_norm(v3, LN1_G, LN1_B, eps1, D, BLOCK_M, ACCURATE)
+            tl.store(HN0 + offs3, hn3, mask=in_row)
+            if CHAIN_QKV:  # the first block's Q|K|V from the rows in registers
+                _qkv_rows(tl.reshape(hn3, (BLOCK_M, D)), WQKV, BQKV, QKV, rows, row_ok, D, BLOCK_M)
+                _signal_count(_counter(SYNC, 0, QKV_DONE, rt, NRT), NQKV)
+            else:
+                _signal(_counter(SYNC, 0, HN_READY, rt, NRT))
         else:
             j = item - NRT
             layer = j // per_layer
@@ -259,21 +369,37 @@ def _model_kernel(
                     x_in = X
                 else:
                     x_in = X2 + (lay - 1) * M * D
-                _linear_tile(ctx_l, WO + lay * (D * D), BO + lay * D, x_in, MASK, x1_l, rows, offs_dn, row_ok,
-                             offs_dn < D, D, D, D, D, D, D, 4, HAS_MASK, ACCURATE, BLOCK_M, D, BK_D,
-                             LN2_G + lay * D, LN2_B + lay * D, h2_l, tl.load(EPS2 + lay), True, False, False)
-                if ROW_CHAIN:  # ffn_in (one column tile) and ffn_out follow in this program: no hand-off
-                    tl.debug_barrier()
-                    _trace(TRACE_BUF, item, 3, TRACE)  # out_proj, the residual and norm2 done
-                    _ffn_in_tile(h2_l, W1, B1, ff_l, lay, rows, row_ok, 0, D, F, BLOCK_M, BN_F, BK_D, ACCURATE)
-                    tl.debug_barrier()
-                    _trace(TRACE_BUF, item, 4, TRACE)  # ffn_in done
-                    _ffn_out_tile(ff_l, W2, B2, x1_l, MASK, x2_l, LNN_G, LNN_B, EPSN, hn_l, lay, rows, row_ok,
-                                  layer == L - 1, D, F, HAS_MASK, ACCURATE, BLOCK_M, BK_F)
-                    if layer < L - 1:  # the next block's Q|K|V tiles wait on this
-                        _signal(_counter(SYNC, layer + 1, HN_READY, rt, NRT))
+                if CHAIN_REGS:
+                    hn = _row_chain_registers(ctx_l, x_in, MASK, x1_l, h2_l, ff_l, x2_l, hn_l, WO + lay * (D * D),
+                                              BO + lay * D, LN2_G + lay * D, LN2_B + lay * D, tl.load(EPS2 + lay),
+                                              W1 + lay * (F * D), B1 + lay * F, W2 + lay * (D * F), B2 + lay * D,
+                                              LNN_G + lay * D, LNN_B + lay * D, tl.load(EPSN + lay), rows, row_ok,
+                                              layer == L - 1, TRACE_BUF, item, D, F, HAS_MASK, ACCURATE, BLOCK_M,
+                                              TRACE)
+                    if layer < L - 1:
+                        if CHAIN_QKV:  # the next block's Q|K|V from the rows in registers; its attention waits
+                            nxt = lay + 1
+                            _qkv_rows(hn, WQKV + nxt * (3 * D * D), BQKV + nxt * (3 * D), QKV + nxt * M * (3 * D),
+                                      rows, row_ok, D, BLOCK_M)
+                            _signal_count(_counter(SYNC, layer + 1, QKV_DONE, rt, NRT), NQKV)
+                        else:  # the next block's Q|K|V tiles wait on this
+                            _signal(_counter(SYNC, layer + 1, HN_READY, rt, NRT))
                 else:
-                    _signal(_counter(SYNC, layer, X1_DONE, rt, NRT))
+                    _linear_tile(ctx_l, WO + lay * (D * D), BO + lay * D, x_in, MASK, x1_l, rows, offs_dn, row_ok,
+                                 offs_dn < D, D, D, D, D, D, D, 4, HAS_MASK, ACCURATE, BLOCK_M, D, BK_D,
+                                 LN2_G + lay * D, LN2_B + lay * D, h2_l, tl.load(EPS2 + lay), True, False, False)
+                    if ROW_CHAIN:  # ffn_in (one column tile) and ffn_out follow in this program: no hand-off
+                        tl.debug_barrier()
+                        _trace(TRACE_BUF, item, 3, TRACE)  # out_proj, the residual and norm2 done
+                        _ffn_in_tile(h2_l, W1, B1, ff_l, lay, rows, row_ok, 0, D, F, BLOCK_M, BN_F, BK_D, ACCURATE)
+                        tl.debug_barrier()
+                        _trace(TRACE_BUF, item, 4, TRACE)  # ffn_in done
+                        _ffn_out_tile(ff_l, W2, B2, x1_l, MASK, x2_l, LNN_G, LNN_B, EPSN, hn_l, lay, rows, row_ok,
+                                      layer == L - 1, D, F, HAS_MASK, ACCURATE, BLOCK_M, BK_F)
+                        if layer < L - 1:  # the next block's Q|K|V tiles wait on this
+                            _signal(_counter(SYNC, layer + 1, HN_READY, rt, NRT))
+                    else:
+                        _signal(_counter(SYNC, layer, X1_DONE, rt, NRT))
             elif j < n_qkv + n_att + NRT + NRT * NFF:
                 # ffn_in of one row tile, one column tile (GELU is computed by ffn_out on the way in)
                 j = j - n_qkv - n_att - NRT

@@ -84,16 +84,39 @@ class LayerLaunch:
     programs_per_sm: int = 1
     #: (persistent) out_proj, ffn_in and ffn_out of a row tile as one work item, where ffn_in is one column tile
     row_chain: bool = True
+    #: (persistent, row chain, D = 128, F a power of two up to 128) the row chain keeps its rows in registers from
+    #: out_proj to the next LayerNorm (``_model_triton._row_chain_registers``): no store, barrier and reload between
+    #: its parts
+    chain_in_registers: bool = False
+    #: (with ``chain_in_registers``) the entry and each row chain also compute the next block's Q|K|V from the rows
+    #: in registers: no Q|K|V work items, one hand-off fewer per block
+    qkv_in_chain: bool = False
     #: (persistent) record when each work item was taken, ready and done (the GPU's clock): ``LayerKernels.trace()``
     trace: bool = False
 
     def name(self) -> str:
         if self.persistent:
             return (f"persistent_{self.attention}_w{self.num_warps}_p{self.programs_per_sm}"
-                    f"{'' if self.row_chain else '_nochain'}{'' if self.libdevice == 'cuda' else '_tritonlib'}"
+                    f"{'' if self.row_chain else '_nochain'}{'_regs' if self.chain_in_registers else ''}{'_qkv' if self.qkv_in_chain else ''}"
+                    f"{'' if self.libdevice == 'cuda' else '_tritonlib'}"
                     f"{'_trace' if self.trace else ''}")
         return (f"{self.attention}{'_split' if self.split else ''}{'' if self.gelu_prologue else '_gelu_epilogue'}"
                 f"_w{self.num_warps}{'' if self.libdevice == 'cuda' else '_tritonlib'}")
+
+
+def chain_in_registers_refusal(config, launch: LayerLaunch) -> Optional[str]:
+    """None when the persistent launch's row chain can keep its rows in registers for ``config``, else why not: a
+    LayerNorm row must be the one [32 lanes, 4] tile (D = 128), and ffn_in one power-of-two column tile (F <= 128)."""
+    if launch.qkv_in_chain and not launch.chain_in_registers:
+        return "the next block's Q|K|V in the chain needs the chain in registers (chain_in_registers=True)"
+    if not (launch.persistent and launch.row_chain):
+        return "it is a form of the persistent launch's row chain (persistent=True, row_chain=True)"
+    if config.d_model != 128:
+        return f"d_model = {config.d_model}: a row must be one [32 lanes, 4] LayerNorm tile (d_model = 128)"
+    f = config.ffn_dim
+    if f < 16 or f > 128 or f & (f - 1):
+        return f"ffn_dim = {f}: ffn_in must be one power-of-two column tile of 16 to 128"
+    return None
 
 
 def _pow2(n: int) -> int:
@@ -125,6 +148,10 @@ class LayerKernels:
             raise KKError("the persistent launch computes GELU on ffn_out's input only (gelu_prologue=True)")
         if self.launch.trace and (INTERPRET or not self.launch.persistent):
             raise KKError("tracing reads the GPU's clock in the persistent launch: CUDA and persistent=True only")
+        if self.launch.chain_in_registers or self.launch.qkv_in_chain:
+            why = chain_in_registers_refusal(config, self.launch)
+            if why:
+                raise KKError(f"layer kernels: the row chain in registers: {why}")
         if self.launch.programs_per_sm < 1:
             raise KKError(f"programs_per_sm = {self.launch.programs_per_sm}: at least 1")
         self.model = model  # the packed Q|K|V tensors are copies; every other parameter is read in place
@@ -253,8 +280,10 @@ class LayerKernels:
             bn_f = min(128, max(16, _pow2(f)))
             chain = launch.row_chain and f <= bn_f
             row_items = 1 if chain else 2 + -(-f // bn_f)
-            items = nrt * (1 + len(layers) * (-(-3 * d // tiles["BN_QKV"]) + heads + row_items))
-            self.layout = dict(row_tiles=nrt, layers=len(layers), qkv_tiles=-(-3 * d // tiles["BN_QKV"]), heads=heads,
+            chain_qkv = launch.qkv_in_chain and chain
+            qkv_items = 0 if chain_qkv else -(-3 * d // tiles["BN_QKV"])  # per row tile and block
+            items = nrt * (1 + len(layers) * (qkv_items + heads + row_items))
+            self.layout = dict(row_tiles=nrt, layers=len(layers), qkv_tiles=qkv_items, heads=heads,
                                ffn_tiles=-(-f // bn_f), chain=chain)
             trace = {}
             if launch.trace:
@@ -273,6 +302,7 @@ class LayerKernels:
                 L=len(layers), D=d, F=f, H=heads, HEAD_DIM=dh, DH_PAD=max(16, _pow2(dh)), LANES=lanes,
                 NCACHED=ncached, FAST_DIV=form["fast_div"], CAUSAL=bool(c.causal), HAS_MASK=has_mask,
                 ACCURATE=not INTERPRET, BK_F=min(64, max(16, _pow2(f))), BN_F=bn_f, SYNC_BLOCK=1024, ROW_CHAIN=chain,
+                CHAIN_REGS=launch.chain_in_registers and chain, CHAIN_QKV=chain_qkv,
                 **trace, **tiles, **run)
             return buf["hn"][-1].view(b, s, d)
         self.compiled["entry"] = kernels._entry_kernel[grid](
