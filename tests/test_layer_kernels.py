@@ -213,7 +213,8 @@ def test_persistent_launch_names_and_refusals(monkeypatch):
         "persistent_cached_mdiv_w8_p1_regs_qkv"
     wide = lk.LayerLaunch(persistent=True, chain_in_registers=True)
     assert lk.chain_in_registers_refusal(TransformerConfig(2, 24, 128, 4, 128, 2), wide) is None
-    assert "d_model = 32" in lk.chain_in_registers_refusal(CONFIG, wide)
+    assert lk.chain_in_registers_refusal(CONFIG, wide) is None  # D = 32: eight lanes of four
+    assert "d_model = 256" in lk.chain_in_registers_refusal(TransformerConfig(2, 24, 256, 4, 128, 2), wide)
     assert "ffn_dim = 160" in lk.chain_in_registers_refusal(TransformerConfig(2, 24, 128, 4, 160, 2), wide)
     assert "persistent=True" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(chain_in_registers=True))
     assert "chain_in_registers=True" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(qkv_in_chain=True))
@@ -261,7 +262,10 @@ PERSISTENT_SCRIPT = textwrap.dedent(
             (2, 70, 128, 4, 64, 2, True, "cached_mdiv", True, "regs"),
             (1, 40, 128, 2, 128, 1, False, "three_pass", True, "regs"),
             # and the next block's Q|K|V in the chain (and the first block's in the entry): no Q|K|V items
-            (2, 70, 128, 4, 64, 2, True, "cached_mdiv", True, "qkv")]:
+            (2, 70, 128, 4, 64, 2, True, "cached_mdiv", True, "qkv"),
+            # rows of 8 and 16 lanes (D = 32, 64): the levels of ATen's tree that merge only empty lanes left out
+            (2, 70, 32, 2, 32, 2, True, "cached_mdiv", True, "qkv"),
+            (1, 40, 64, 4, 128, 2, False, "three_pass", True, "qkv")]:
         torch.manual_seed(0)
         model = ReferenceTransformer(TransformerConfig(b, s, d, h, f, l, causal=causal))
         with torch.no_grad():
@@ -293,10 +297,10 @@ PERSISTENT_SCRIPT = textwrap.dedent(
 def test_persistent_launch_equals_the_split_launches_under_the_interpreter():
     """Every buffer of the one-launch model equals the split launches' (which equal the tiles launched one by one,
     above): causal and not, padded and not, two row tiles per sequence, two ffn_in column tiles, the row chain and
-    not, the row chain in registers (one and two k-steps per GEMM) and with the next block's Q|K|V in it, two
-    calls."""
+    not, the row chain in registers (one and two k-steps per GEMM; rows of 32, 64 and 128) and with the next
+    block's Q|K|V in it, two calls."""
     results = run_interpreter_script(PERSISTENT_SCRIPT)
-    assert len(results) == 7
+    assert len(results) == 9
     for r in results:
         for call in r["calls"]:
             assert call["report"]["first"] is None, r

@@ -18,7 +18,7 @@ Items, in ticket order (a row tile is BLOCK_M query rows of one sequence: ``rt =
 
   With ``ROW_CHAIN`` (ffn_in in one column tile: F <= BN_F, every official shape but 8), out_proj, ffn_in and
   ffn_out of a row tile are one item: they depend on each other in that order anyway, and the chain saves two
-  hand-offs per block. With ``CHAIN_REGS`` as well (D = 128, F a power of two up to 128), the chain keeps its rows
+  hand-offs per block. With ``CHAIN_REGS`` as well (D 32, 64 or 128, F a power of two up to 128), the chain keeps its rows
   in registers from out_proj to the next LayerNorm (``_row_chain_registers``): each part's output is still stored
   for the proof, but never read back, and no part waits on a barrier or a reload. With ``CHAIN_QKV`` too, the
   entry and each row chain go on to the next block's Q|K|V from the rows still in registers (``_qkv_rows``), so a
@@ -59,7 +59,8 @@ import triton
 import triton.language as tl
 
 from ._faithful_attention_triton import _attention_tile
-from ._fused_linear_triton import _gelu16, _linear_tile, _rows_layer_norm
+from ._fused_linear_triton import (_gelu16, _libdevice, _linear_tile, _rows_layer_norm, _shuffle_down_step,
+                                   _welford_merge, _welford_push)
 
 # The sync buffer (int32): the ticket, the exit count, the stall count, then KINDS readiness counters per (layer, row
 # tile).
@@ -143,8 +144,9 @@ def _signal_count(COUNTER, count):
 
 @triton.jit
 def _qkv_rows(hn, WQKV, BQKV, QKV, rows, row_ok, D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Q|K|V of rows whose norm1 ``hn`` [BLOCK_M, D] (float16) is in registers, D = 128: the split launches' three
-    128-column tiles, each in their k-steps with the bias in the float32 accumulator (EPILOGUE 0), stored to QKV."""
+    """Q|K|V of rows whose norm1 ``hn`` [BLOCK_M, D] (float16) is in registers: three D-column tiles, each in the
+    split launch's k-steps with the bias in the float32 accumulator (EPILOGUE 0), stored to QKV. A column's
+    arithmetic does not depend on the column tiling, so these are the split launch's 128-column tiles' values."""
     offs_n = tl.arange(0, D)
     for n0 in tl.static_range(0, 3 * D, D):
         w0, w1 = _weight_chunks(WQKV + n0 * D, offs_n, D)
@@ -179,6 +181,62 @@ def _ffn_out_tile(FF, W2, B2, X1, MASK, X2, LNN_G, LNN_B, EPSN, HN, lay, rows, r
 
 
 @triton.jit
+def _rows_layer_norm_lanes(v, G, B, eps, LN_LANES: tl.constexpr, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr):
+    """``_rows_layer_norm`` for rows of 4 LN_LANES elements held as v [BLOCK_M, LN_LANES, 4] (LN_LANES a power of
+    two up to 32): the same pushes and merges in the same order, without the lanes past the row. ATen's tree merges
+    those lanes' empty states ({0, 0, 0}) into the live ones at the levels W >= LN_LANES, and such a merge returns
+    the live state unchanged bit for bit (its count is 4 x a power of two, so RN(1/count) x count is 1: mean = fma(0,
+    0, mean), m2 = fma(0, 1, m2 + 0)); those levels are left out. With LN_LANES = 32 it is ``_rows_layer_norm``."""
+    x4 = tl.reshape(v, (BLOCK_M, LN_LANES, 2, 2))  # [row, lane t, hi, lo]: element 4t + 2 hi + lo
+    lo0, lo1 = tl.split(x4)
+    e0, e2 = tl.split(lo0)
+    e1, e3 = tl.split(lo1)
+    zero = tl.zeros((BLOCK_M, LN_LANES), tl.float32)
+    mean, m2, count = _welford_push(e0, zero, zero, zero)
+    mean, m2, count = _welford_push(e1, mean, m2, count)
+    mean, m2, count = _welford_push(e2, mean, m2, count)
+    mean, m2, count = _welford_push(e3, mean, m2, count)
+    if LN_LANES >= 32:
+        mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 16)
+    if LN_LANES >= 16:
+        mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 8)
+    if LN_LANES >= 8:
+        mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 4)
+    if LN_LANES >= 4:
+        mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 2)
+    if LN_LANES >= 2:
+        mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 1)
+    mean = tl.reshape(mean, (BLOCK_M, ))
+    m2 = tl.reshape(m2, (BLOCK_M, ))
+    count = tl.reshape(count, (BLOCK_M, ))
+    empty = tl.zeros((BLOCK_M, ), tl.float32)
+    mean, m2, count = _welford_merge(mean, m2, count, empty, empty, empty)  # ATen's idle warps, as ATen merges them
+    pair_mean, pair_m2, pair_count = _welford_merge(empty, empty, empty, empty, empty, empty)
+    mean, m2, count = _welford_merge(mean, m2, count, pair_mean, pair_m2, pair_count)
+    var = tl.math.div_rn(m2, tl.full((BLOCK_M, ), 4 * LN_LANES, tl.float32))
+    if ACCURATE:
+        rstd = _libdevice.rsqrt(var + eps)  # rsqrt.approx.f32, as nvcc's rsqrtf
+    else:
+        rstd = tl.math.rsqrt(var + eps)  # interpreter only
+    offs = tl.arange(0, LN_LANES)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    g = tl.load(G + offs).to(tl.float32)
+    b = tl.load(B + offs).to(tl.float32)
+    return tl.fma(g[None, :, :], rstd[:, None, None] * (v - mean[:, None, None]), b[None, :, :]).to(tl.float16)
+
+
+@triton.jit
+def _norm_rows(x, G, B, eps, D: tl.constexpr, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr):
+    """ATen's LayerNorm of the float16 rows x [BLOCK_M, D] in registers (D = 4 x a power of two up to 128):
+    ``_rows_layer_norm`` itself for rows of 128, the same order without the empty lanes for narrower rows."""
+    v = tl.reshape(x.to(tl.float32), (BLOCK_M, D // 4, 4))
+    if D == 128:
+        normed = _rows_layer_norm(v, G, B, eps, D, BLOCK_M, ACCURATE)
+    else:
+        normed = _rows_layer_norm_lanes(v, G, B, eps, D // 4, BLOCK_M, ACCURATE)
+    return tl.reshape(normed, (BLOCK_M, D))
+
+
+@triton.jit
 def _weight_chunks(W, offs_n, K: tl.constexpr):
     """W[offs_n, :K] in the split tiles' k-steps (BLOCK_K = min(K, 64)): (W[:, :64], W[:, 64:]) for K = 128, else
     (W, W) of which the second is unused."""
@@ -208,8 +266,8 @@ def _row_chain_registers(CTX, X_IN, MASK, X1, H2, FF, X2, HN, WO, BO, LN2_G, LN2
                          LNN_G, LNN_B, epsn, rows, row_ok, last, TRACE_BUF, item,
                          D: tl.constexpr, F: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
                          BLOCK_M: tl.constexpr, TRACE: tl.constexpr):
-    """The row chain of one row tile with its rows in registers throughout (D = 128: a LayerNorm row is the
-    [32 lanes, 4] tile ``_rows_layer_norm`` takes). The arithmetic is the split tiles': the GEMMs in their k-steps
+    """The row chain of one row tile with its rows in registers throughout (D = 32, 64 or 128: a LayerNorm row
+    is D / 4 lanes of 4, ``_rows_layer_norm_lanes``). The arithmetic is the split tiles': the GEMMs in their k-steps
     (``_dot_chunks``), the bias in the float32 accumulator and one rounding, the epilogues' expressions (EPILOGUE 4
     for out_proj, 5 for ffn_out), ATen's GELU on ffn_out's input, the LayerNorms in ``emulate_layer_norm_rows``'s
     order. What changes is where the rows live between parts: out_proj's rows feed norm2, ffn_in, the GELU and
@@ -235,8 +293,7 @@ def _row_chain_registers(CTX, X_IN, MASK, X1, H2, FF, X2, HN, WO, BO, LN2_G, LN2
     w10, w11 = _weight_chunks(W1, offs_f, D)  # [F, D]: in flight while norm2 runs
     x1 = (r.to(tl.float32) + tl.where(valid[:, None], y, zero).to(tl.float32)).to(tl.float16)
     tl.store(X1 + rows_d, x1, mask=in_rows)
-    h2 = tl.reshape(_rows_layer_norm(tl.reshape(x1.to(tl.float32), (BLOCK_M, 32, 4)), LN2_G, LN2_B, eps2, D,
-                                     BLOCK_M, ACCURATE), (BLOCK_M, D))
+    h2 = _norm_rows(x1, LN2_G, LN2_B, eps2, D, BLOCK_M, ACCURATE)
     tl.store(H2 + rows_d, h2, mask=in_rows)
     _trace(TRACE_BUF, item, 3, TRACE)  # out_proj, the residual and norm2 done
     # ffn_in (its output stored before the GELU, as the split launches store it), then GELU on ffn_out's input
@@ -249,8 +306,7 @@ def _row_chain_registers(CTX, X_IN, MASK, X1, H2, FF, X2, HN, WO, BO, LN2_G, LN2
     y2 = (_dot_chunks(g, w20, w21, F, BLOCK_M) + tl.load(B2 + offs_d).to(tl.float32)[None, :]).to(tl.float16)
     x2 = tl.where(valid[:, None], (x1.to(tl.float32) + y2.to(tl.float32)).to(tl.float16), zero)
     tl.store(X2 + rows_d, x2, mask=in_rows)
-    hn = tl.reshape(_rows_layer_norm(tl.reshape(x2.to(tl.float32), (BLOCK_M, 32, 4)), LNN_G, LNN_B, epsn, D,
-                                     BLOCK_M, ACCURATE), (BLOCK_M, D))
+    hn = _norm_rows(x2, LNN_G, LNN_B, epsn, D, BLOCK_M, ACCURATE)
     if last:
         hn = tl.where(valid[:, None], hn, 0.0)
     tl.store(HN + rows_d, hn, mask=in_rows)
@@ -296,13 +352,16 @@ def _model_kernel(
             rows, row_ok = _row_tile(rt, NQB, S, BLOCK_M)
             offs3 = rows[:, None, None] * D + lane_k[None, :, :]
             in_row = row_ok[:, None, None] & (lane_k < D)[None, :, :]
-            v3 = tl.load(X + offs3, mask=in_row, other=0.0).to(tl.float32)
-            hn3 = _rows_layer_norm(v3, LN1_G, LN1_B, eps1, D, BLOCK_M, ACCURATE)
-            tl.store(HN0 + offs3, hn3, mask=in_row)
-            if CHAIN_QKV:  # the first block's Q|K|V from the rows in registers
-                _qkv_rows(tl.reshape(hn3, (BLOCK_M, D)), WQKV, BQKV, QKV, rows, row_ok, D, BLOCK_M)
+            if CHAIN_QKV:  # norm1 and the first block's Q|K|V from the rows in registers
+                rows_d = rows[:, None] * D + offs_dn[None, :]
+                hn0 = _norm_rows(tl.load(X + rows_d, mask=row_ok[:, None], other=0.0), LN1_G, LN1_B, eps1, D,
+                                 BLOCK_M, ACCURATE)
+                tl.store(HN0 + rows_d, hn0, mask=row_ok[:, None])
+                _qkv_rows(hn0, WQKV, BQKV, QKV, rows, row_ok, D, BLOCK_M)
                 _signal_count(_counter(SYNC, 0, QKV_DONE, rt, NRT), NQKV)
             else:
+                v3 = tl.load(X + offs3, mask=in_row, other=0.0).to(tl.float32)
+                tl.store(HN0 + offs3, _rows_layer_norm(v3, LN1_G, LN1_B, eps1, D, BLOCK_M, ACCURATE), mask=in_row)
                 _signal(_counter(SYNC, 0, HN_READY, rt, NRT))
         else:
             j = item - NRT

@@ -84,7 +84,7 @@ class LayerLaunch:
     programs_per_sm: int = 1
     #: (persistent) out_proj, ffn_in and ffn_out of a row tile as one work item, where ffn_in is one column tile
     row_chain: bool = True
-    #: (persistent, row chain, D = 128, F a power of two up to 128) the row chain keeps its rows in registers from
+    #: (persistent, row chain, D <= 128, F a power of two up to 128) the row chain keeps its rows in registers from
     #: out_proj to the next LayerNorm (``_model_triton._row_chain_registers``): no store, barrier and reload between
     #: its parts
     chain_in_registers: bool = False
@@ -106,13 +106,15 @@ class LayerLaunch:
 
 def chain_in_registers_refusal(config, launch: LayerLaunch) -> Optional[str]:
     """None when the persistent launch's row chain can keep its rows in registers for ``config``, else why not: a
-    LayerNorm row must be the one [32 lanes, 4] tile (D = 128), and ffn_in one power-of-two column tile (F <= 128)."""
+    row must be one LayerNorm tile of D / 4 lanes of 4 (D 16, 32, 64 or 128), and ffn_in one power-of-two column
+    tile (F <= 128)."""
     if launch.qkv_in_chain and not launch.chain_in_registers:
         return "the next block's Q|K|V in the chain needs the chain in registers (chain_in_registers=True)"
     if not (launch.persistent and launch.row_chain):
         return "it is a form of the persistent launch's row chain (persistent=True, row_chain=True)"
-    if config.d_model != 128:
-        return f"d_model = {config.d_model}: a row must be one [32 lanes, 4] LayerNorm tile (d_model = 128)"
+    if config.d_model not in LN_WIDTHS:
+        return (f"d_model = {config.d_model}: a row must be one LayerNorm tile in registers "
+                f"(d_model {', '.join(map(str, LN_WIDTHS))})")
     f = config.ffn_dim
     if f < 16 or f > 128 or f & (f - 1):
         return f"ffn_dim = {f}: ffn_in must be one power-of-two column tile of 16 to 128"
