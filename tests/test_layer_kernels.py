@@ -216,6 +216,7 @@ def test_persistent_launch_names_and_refusals(monkeypatch):
     assert lk.chain_in_registers_refusal(CONFIG, wide) is None  # D = 32: eight lanes of four
     assert "d_model = 256" in lk.chain_in_registers_refusal(TransformerConfig(2, 24, 256, 4, 128, 2), wide)
     assert "ffn_dim = 160" in lk.chain_in_registers_refusal(TransformerConfig(2, 24, 128, 4, 160, 2), wide)
+    assert lk.chain_in_registers_refusal(TransformerConfig(2, 24, 64, 4, 384, 2), wide) is None  # 3 tiles of 128
     assert "persistent=True" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(chain_in_registers=True))
     assert "chain_in_registers=True" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(qkv_in_chain=True))
     # the ticket, the exit count, the stall count, then five counters per (block, row tile)
@@ -265,7 +266,9 @@ PERSISTENT_SCRIPT = textwrap.dedent(
             (2, 70, 128, 4, 64, 2, True, "cached_mdiv", True, "qkv"),
             # rows of 8 and 16 lanes (D = 32, 64): the levels of ATen's tree that merge only empty lanes left out
             (2, 70, 32, 2, 32, 2, True, "cached_mdiv", True, "qkv"),
-            (1, 40, 64, 4, 128, 2, False, "three_pass", True, "qkv")]:
+            (1, 40, 64, 4, 128, 2, False, "three_pass", True, "qkv"),
+            # ffn_in in three column tiles of 128, ffn_out's k-steps over them in order
+            (2, 24, 64, 2, 384, 1, True, "three_pass_mdiv", True, "qkv")]:
         torch.manual_seed(0)
         model = ReferenceTransformer(TransformerConfig(b, s, d, h, f, l, causal=causal))
         with torch.no_grad():
@@ -297,10 +300,10 @@ PERSISTENT_SCRIPT = textwrap.dedent(
 def test_persistent_launch_equals_the_split_launches_under_the_interpreter():
     """Every buffer of the one-launch model equals the split launches' (which equal the tiles launched one by one,
     above): causal and not, padded and not, two row tiles per sequence, two ffn_in column tiles, the row chain and
-    not, the row chain in registers (one and two k-steps per GEMM; rows of 32, 64 and 128) and with the next
-    block's Q|K|V in it, two calls."""
+    not, the row chain in registers (one and two k-steps per GEMM; rows of 32, 64 and 128; ffn_in in one and in
+    three column tiles) and with the next block's Q|K|V in it, two calls."""
     results = run_interpreter_script(PERSISTENT_SCRIPT)
-    assert len(results) == 9
+    assert len(results) == 10
     for r in results:
         for call in r["calls"]:
             assert call["report"]["first"] is None, r

@@ -149,8 +149,9 @@ def _qkv_rows(hn, WQKV, BQKV, QKV, rows, row_ok, D: tl.constexpr, BLOCK_M: tl.co
     arithmetic does not depend on the column tiling, so these are the split launch's 128-column tiles' values."""
     offs_n = tl.arange(0, D)
     for n0 in tl.static_range(0, 3 * D, D):
-        w0, w1 = _weight_chunks(WQKV + n0 * D, offs_n, D)
-        y = (_dot_chunks(hn, w0, w1, D, BLOCK_M) + tl.load(BQKV + n0 + offs_n).to(tl.float32)[None, :])
+        w0, w1 = _weight_chunks(WQKV + n0 * D, offs_n, D, D)
+        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        y = (_dot_chunks(hn, w0, w1, acc, D, BLOCK_M) + tl.load(BQKV + n0 + offs_n).to(tl.float32)[None, :])
         tl.store(QKV + rows[:, None] * (3 * D) + n0 + offs_n[None, :], y.to(tl.float16), mask=row_ok[:, None])
 
 
@@ -237,28 +238,28 @@ def _norm_rows(x, G, B, eps, D: tl.constexpr, BLOCK_M: tl.constexpr, ACCURATE: t
 
 
 @triton.jit
-def _weight_chunks(W, offs_n, K: tl.constexpr):
-    """W[offs_n, :K] in the split tiles' k-steps (BLOCK_K = min(K, 64)): (W[:, :64], W[:, 64:]) for K = 128, else
-    (W, W) of which the second is unused."""
+def _weight_chunks(W, offs_n, K: tl.constexpr, STRIDE: tl.constexpr):
+    """W[offs_n, :K] (rows STRIDE apart) in the split tiles' k-steps (BLOCK_K = min(K, 64)): (W[:, :64], W[:, 64:])
+    for K = 128, else (W, W) of which the second is unused."""
     if K <= 64:
-        w = tl.load(W + offs_n[:, None] * K + tl.arange(0, K)[None, :])
+        w = tl.load(W + offs_n[:, None] * STRIDE + tl.arange(0, K)[None, :])
         return w, w
     else:
-        tl.static_assert(K == 128, "the register chain's K is at most 128")
+        tl.static_assert(K == 128, "the register chain's k-chunks are at most 128")
         offs_k = tl.arange(0, 64)
-        return (tl.load(W + offs_n[:, None] * K + offs_k[None, :]),
-                tl.load(W + offs_n[:, None] * K + 64 + offs_k[None, :]))
+        return (tl.load(W + offs_n[:, None] * STRIDE + offs_k[None, :]),
+                tl.load(W + offs_n[:, None] * STRIDE + 64 + offs_k[None, :]))
 
 
 @triton.jit
-def _dot_chunks(a, w0, w1, K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """a [BLOCK_M, K] (registers) times the weight chunks' transpose, one ``tl.dot`` per k-step of the split tiles
-    (``_weight_chunks``): the same k16 chain on the GPU, and the same roundings under the interpreter."""
+def _dot_chunks(a, w0, w1, acc, K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc + a [BLOCK_M, K] (registers) times the weight chunks' transpose, one ``tl.dot`` per k-step of the split
+    tiles (``_weight_chunks``): the same k16 chain on the GPU, and the same roundings under the interpreter."""
     if K <= 64:
-        return tl.dot(a, tl.trans(w0))
+        return tl.dot(a, tl.trans(w0), acc)
     else:
         a0, a1 = tl.split(tl.permute(tl.reshape(a, (BLOCK_M, 2, 64)), (0, 2, 1)))
-        return tl.dot(a1, tl.trans(w1), tl.dot(a0, tl.trans(w0)))
+        return tl.dot(a1, tl.trans(w1), tl.dot(a0, tl.trans(w0), acc))
 
 
 @triton.jit
@@ -275,35 +276,43 @@ def _row_chain_registers(CTX, X_IN, MASK, X1, H2, FF, X2, HN, WO, BO, LN2_G, LN2
     the GELU, X2, HN) for the next items and for ``compare_intermediates``. Each GEMM's weights are loaded a part
     ahead (they depend on nothing this call wrote), so their L2 latency overlaps the arithmetic before it; all six
     chunks at once spilled (offline, sm_90a: 440 bytes)."""
+    FC: tl.constexpr = F if F < 128 else 128  # ffn_in's column tiles (the split launch's BN_F)
     offs_d = tl.arange(0, D)
-    offs_f = tl.arange(0, F)
+    offs_c = tl.arange(0, FC)
     rows_d = rows[:, None] * D + offs_d[None, :]
-    rows_f = rows[:, None] * F + offs_f[None, :]
     in_rows = row_ok[:, None]
     if HAS_MASK:
         valid = tl.load(MASK + rows, mask=row_ok, other=0) != 0
     else:
         valid = row_ok
     zero = tl.zeros((BLOCK_M, D), dtype=tl.float16)
-    wo0, wo1 = _weight_chunks(WO, offs_d, D)  # [out, in]
+    wo0, wo1 = _weight_chunks(WO, offs_d, D, D)  # [out, in]
     ctx = tl.load(CTX + rows_d, mask=in_rows, other=0.0)
     r = tl.load(X_IN + rows_d, mask=in_rows, other=0.0)
     # out_proj, r + where(mask, y, 0) (EPILOGUE 4), norm2
-    y = (_dot_chunks(ctx, wo0, wo1, D, BLOCK_M) + tl.load(BO + offs_d).to(tl.float32)[None, :]).to(tl.float16)
-    w10, w11 = _weight_chunks(W1, offs_f, D)  # [F, D]: in flight while norm2 runs
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    y = (_dot_chunks(ctx, wo0, wo1, acc, D, BLOCK_M) + tl.load(BO + offs_d).to(tl.float32)[None, :]).to(tl.float16)
+    w10, w11 = _weight_chunks(W1, offs_c, D, D)  # ffn_in's first column tile: in flight while norm2 runs
     x1 = (r.to(tl.float32) + tl.where(valid[:, None], y, zero).to(tl.float32)).to(tl.float16)
     tl.store(X1 + rows_d, x1, mask=in_rows)
     h2 = _norm_rows(x1, LN2_G, LN2_B, eps2, D, BLOCK_M, ACCURATE)
     tl.store(H2 + rows_d, h2, mask=in_rows)
     _trace(TRACE_BUF, item, 3, TRACE)  # out_proj, the residual and norm2 done
-    # ffn_in (its output stored before the GELU, as the split launches store it), then GELU on ffn_out's input
-    ff = (_dot_chunks(h2, w10, w11, D, BLOCK_M) + tl.load(B1 + offs_f).to(tl.float32)[None, :]).to(tl.float16)
-    tl.store(FF + rows_f, ff, mask=in_rows)
-    _trace(TRACE_BUF, item, 4, TRACE)  # ffn_in done
-    g = _gelu16(ff, ACCURATE)
-    w20, w21 = _weight_chunks(W2, offs_d, F)  # [D, F]
-    # ffn_out, where(mask, x1 + y, 0) (EPILOGUE 5), the next LayerNorm (final_norm with the invalid rows zeroed)
-    y2 = (_dot_chunks(g, w20, w21, F, BLOCK_M) + tl.load(B2 + offs_d).to(tl.float32)[None, :]).to(tl.float16)
+    # per column tile of ffn_in: the tile (stored before the GELU, as the split launches store it), GELU, and its
+    # k-steps of ffn_out, in K's order (the split tile's k-loop over F)
+    acc2 = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    for c0 in tl.static_range(0, F, FC):
+        if c0 > 0:
+            w10, w11 = _weight_chunks(W1 + c0 * D, offs_c, D, D)
+        ff = (_dot_chunks(h2, w10, w11, tl.zeros((BLOCK_M, FC), dtype=tl.float32), D, BLOCK_M)
+              + tl.load(B1 + c0 + offs_c).to(tl.float32)[None, :]).to(tl.float16)
+        tl.store(FF + rows[:, None] * F + c0 + offs_c[None, :], ff, mask=in_rows)
+        g = _gelu16(ff, ACCURATE)
+        w20, w21 = _weight_chunks(W2 + c0, offs_d, FC, F)  # [D, F]: columns c0 .. c0 + FC
+        acc2 = _dot_chunks(g, w20, w21, acc2, FC, BLOCK_M)
+    _trace(TRACE_BUF, item, 4, TRACE)  # ffn_in done (and ffn_out's GEMM)
+    # ffn_out's epilogue, where(mask, x1 + y, 0) (EPILOGUE 5), the next LayerNorm (final_norm, invalid rows zeroed)
+    y2 = (acc2 + tl.load(B2 + offs_d).to(tl.float32)[None, :]).to(tl.float16)
     x2 = tl.where(valid[:, None], (x1.to(tl.float32) + y2.to(tl.float32)).to(tl.float16), zero)
     tl.store(X2 + rows_d, x2, mask=in_rows)
     hn = _norm_rows(x2, LNN_G, LNN_B, epsn, D, BLOCK_M, ACCURATE)
@@ -332,7 +341,8 @@ def _model_kernel(
     else:
         n_qkv = NRT * NQKV
     n_att = NRT * H
-    tl.static_assert(NFF == 1 or not ROW_CHAIN, "ROW_CHAIN needs ffn_in in one column tile")
+    tl.static_assert(NFF == 1 or not ROW_CHAIN or CHAIN_REGS,
+                     "ROW_CHAIN needs ffn_in in one column tile, or the chain in registers")
     if ROW_CHAIN:  # out_proj, ffn_in and ffn_out of a row tile are one item (ffn_in is one column tile)
         per_layer = n_qkv + n_att + NRT
     else:

@@ -84,7 +84,7 @@ class LayerLaunch:
     programs_per_sm: int = 1
     #: (persistent) out_proj, ffn_in and ffn_out of a row tile as one work item, where ffn_in is one column tile
     row_chain: bool = True
-    #: (persistent, row chain, D <= 128, F a power of two up to 128) the row chain keeps its rows in registers from
+    #: (persistent, row chain, D <= 128, F <= 128 or a multiple of 128) the row chain keeps its rows in registers from
     #: out_proj to the next LayerNorm (``_model_triton._row_chain_registers``): no store, barrier and reload between
     #: its parts
     chain_in_registers: bool = False
@@ -106,8 +106,8 @@ class LayerLaunch:
 
 def chain_in_registers_refusal(config, launch: LayerLaunch) -> Optional[str]:
     """None when the persistent launch's row chain can keep its rows in registers for ``config``, else why not: a
-    row must be one LayerNorm tile of D / 4 lanes of 4 (D 16, 32, 64 or 128), and ffn_in one power-of-two column
-    tile (F <= 128)."""
+    row must be one LayerNorm tile of D / 4 lanes of 4 (D 16, 32, 64 or 128), and ffn_in's column tiles the split
+    launch's: one power of two up to 128, or tiles of 128 (F a multiple of 128)."""
     if launch.qkv_in_chain and not launch.chain_in_registers:
         return "the next block's Q|K|V in the chain needs the chain in registers (chain_in_registers=True)"
     if not (launch.persistent and launch.row_chain):
@@ -116,8 +116,8 @@ def chain_in_registers_refusal(config, launch: LayerLaunch) -> Optional[str]:
         return (f"d_model = {config.d_model}: a row must be one LayerNorm tile in registers "
                 f"(d_model {', '.join(map(str, LN_WIDTHS))})")
     f = config.ffn_dim
-    if f < 16 or f > 128 or f & (f - 1):
-        return f"ffn_dim = {f}: ffn_in must be one power-of-two column tile of 16 to 128"
+    if not ((16 <= f <= 128 and not f & (f - 1)) or f % 128 == 0):
+        return f"ffn_dim = {f}: ffn_in's column tiles must be one power of two of 16 to 128, or tiles of 128"
     return None
 
 
@@ -280,7 +280,8 @@ class LayerKernels:
             nqb = triton.cdiv(s, BLOCK_M)
             nrt = b * nqb
             bn_f = min(128, max(16, _pow2(f)))
-            chain = launch.row_chain and f <= bn_f
+            # the chain in registers takes ffn_in's column tiles one after another; through L2, one tile only
+            chain = launch.row_chain and (f <= bn_f or launch.chain_in_registers)
             row_items = 1 if chain else 2 + -(-f // bn_f)
             chain_qkv = launch.qkv_in_chain and chain
             qkv_items = 0 if chain_qkv else -(-3 * d // tiles["BN_QKV"])  # per row tile and block
