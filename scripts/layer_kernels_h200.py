@@ -115,7 +115,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="2,3,4,7,12")
     parser.add_argument("--weights", default="seeded,own:4711")
     parser.add_argument("--launches", default="default", help="default, or attention:gelu_prologue:warps[:split]"
-                        "[:persistent][:p<programs per SM>][:nochain][:regs][:qkv][:tritonlib],... e.g. cached:1:8,cached_mdiv:0:4:split,"
+                        "[:persistent][:p<programs per SM>][:nochain][:regs][:qkv][:tritonlib],... "
+                        "e.g. cached:1:8,cached_mdiv:0:4:split,"
                         "cached_mdiv:1:8:persistent:p2")
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)

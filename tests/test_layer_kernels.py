@@ -318,6 +318,8 @@ def test_the_persistent_launch_s_trace_says_where_the_time_went(monkeypatch):
     kinds = lk.item_kinds(row_tiles=8, layers=4, qkv_tiles=3, heads=4, ffn_tiles=1, chain=True)
     assert len(kinds) == 8 * (1 + 4 * (3 + 4 + 1))  # shape 3's items
     assert kinds[:8] == [("entry", -1)] * 8 and kinds[8] == ("qkv", 0) and kinds[-1] == ("row_chain", 3)
+    chained = lk.item_kinds(row_tiles=8, layers=4, qkv_tiles=0, heads=4, ffn_tiles=1, chain=True)  # Q|K|V in it
+    assert len(chained) == 8 * (1 + 4 * (4 + 1)) and ("qkv", 0) not in chained and chained[8] == ("attention", 0)
     unchained = lk.item_kinds(row_tiles=2, layers=1, qkv_tiles=1, heads=2, ffn_tiles=2, chain=False)
     assert [k for k, _ in unchained] == (["entry"] * 2 + ["qkv"] * 2 + ["attention"] * 4 + ["out_proj"] * 2
                                          + ["ffn_in"] * 4 + ["ffn_out"] * 2)
@@ -368,6 +370,30 @@ def test_the_persistent_launch_compiles_for_sm90_with_its_hand_offs_on_one_threa
     assert re.findall(r"wgmma\.mma_async", ptx) and "globaltimer" not in ptx
     traced = script.compile_ptx("model", {**values, "TRACE": True}, 8, 2)
     assert "%globaltimer" in traced
+
+
+def test_the_register_chain_s_gemms_stay_wgmma():
+    """The row chain in registers feeds ``tl.dot`` from registers (norm2's rows, the GELU's, norm1's for Q|K|V).
+    Compiled for sm_90a at shape 3's sizes (64-row tiles), every one of its GEMMs is still Hopper's wgmma, the
+    instruction the split tiles were proven with: none falls back to mma.sync, which the attention's 16- and 32-row
+    launches lower to and which was not bit-identical there. Shape 7's sizes (rows of 32, F = 32) too."""
+    pytest.importorskip("triton")
+    import re
+
+    from tests.conftest import load_script
+
+    script = load_script("offline_ptx")
+    values = dict(script.KERNELS["model"][3])
+    chained = {**values, "CHAIN_REGS": True, "CHAIN_QKV": True}
+    shape7 = {**chained, "D": 32, "F": 32, "HEAD_DIM": 8, "DH_PAD": 16, "BK_D": 32, "BK_F": 32, "BN_F": 32}
+    wgmma = lambda ptx: len(re.findall(r"wgmma\.mma_async", ptx))  # noqa: E731
+    counts = []
+    for sizes in (chained, shape7):
+        ptx = script.compile_ptx("model", sizes, 8, 2)
+        assert not re.findall(r"\bmma\.sync", ptx) and wgmma(ptx) > 0
+        counts.append(wgmma(ptx))
+    # at shape 3's sizes the chain adds its own GEMMs (out_proj, ffn_in, ffn_out, the next Q|K|V) beside the tiles'
+    assert counts[0] > wgmma(script.compile_ptx("model", values, 8, 2))
 
 
 def test_the_offline_compile_specializes_as_the_jit_does():

@@ -18,11 +18,12 @@ Items, in ticket order (a row tile is BLOCK_M query rows of one sequence: ``rt =
 
   With ``ROW_CHAIN`` (ffn_in in one column tile: F <= BN_F, every official shape but 8), out_proj, ffn_in and
   ffn_out of a row tile are one item: they depend on each other in that order anyway, and the chain saves two
-  hand-offs per block. With ``CHAIN_REGS`` as well (D 32, 64 or 128, F a power of two up to 128), the chain keeps its rows
-  in registers from out_proj to the next LayerNorm (``_row_chain_registers``): each part's output is still stored
-  for the proof, but never read back, and no part waits on a barrier or a reload. With ``CHAIN_QKV`` too, the
-  entry and each row chain go on to the next block's Q|K|V from the rows still in registers (``_qkv_rows``), so a
-  block has no Q|K|V items and one hand-off fewer: the attention waits on the chains of its key row tiles.
+  hand-offs per block. With ``CHAIN_REGS`` as well (D of 16-128; F up to 128, or in tiles of 128), the chain
+  keeps its rows in registers from out_proj to the next LayerNorm (``_row_chain_registers``): each part's output
+  is still stored for the proof, but never read back, and no part waits on a barrier or a reload. With
+  ``CHAIN_QKV`` too, the entry and each row chain go on to the next block's Q|K|V from the rows still in
+  registers (``_qkv_rows``), so a block has no Q|K|V items and one hand-off fewer: the attention waits on the
+  chains of its key row tiles.
 
 **No deadlock, however few programs are resident.** A program takes ``item = atomic_add(ticket, 1)`` only while it
 runs, and an item waits only on items with smaller tickets. Those were taken by programs that are running, and

@@ -97,7 +97,8 @@ class LayerLaunch:
     def name(self) -> str:
         if self.persistent:
             return (f"persistent_{self.attention}_w{self.num_warps}_p{self.programs_per_sm}"
-                    f"{'' if self.row_chain else '_nochain'}{'_regs' if self.chain_in_registers else ''}{'_qkv' if self.qkv_in_chain else ''}"
+                    f"{'' if self.row_chain else '_nochain'}{'_regs' if self.chain_in_registers else ''}"
+                    f"{'_qkv' if self.qkv_in_chain else ''}"
                     f"{'' if self.libdevice == 'cuda' else '_tritonlib'}"
                     f"{'_trace' if self.trace else ''}")
         return (f"{self.attention}{'_split' if self.split else ''}{'' if self.gelu_prologue else '_gelu_epilogue'}"
