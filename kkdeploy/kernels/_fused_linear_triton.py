@@ -114,6 +114,25 @@ def _shuffle_down_step(mean, m2, count, BLOCK_M: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _rows_mean_rstd(mean, m2, count, eps, LN_N: tl.constexpr, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr):
+    """The end of ATen's row statistics from lane 0's Welford state [BLOCK_M, 1]: the merges with ATen's idle warps,
+    var = m2 / LN_N and rstd = rsqrt(var + eps); returns (mean, rstd), each [BLOCK_M]."""
+    mean = tl.reshape(mean, (BLOCK_M, ))
+    m2 = tl.reshape(m2, (BLOCK_M, ))
+    count = tl.reshape(count, (BLOCK_M, ))
+    empty = tl.zeros((BLOCK_M, ), tl.float32)
+    mean, m2, count = _welford_merge(mean, m2, count, empty, empty, empty)  # ATen's idle warps, as ATen merges them
+    pair_mean, pair_m2, pair_count = _welford_merge(empty, empty, empty, empty, empty, empty)
+    mean, m2, count = _welford_merge(mean, m2, count, pair_mean, pair_m2, pair_count)
+    var = tl.math.div_rn(m2, tl.full((BLOCK_M, ), LN_N, tl.float32))
+    if ACCURATE:
+        rstd = _libdevice.rsqrt(var + eps)  # rsqrt.approx.f32, as nvcc's rsqrtf
+    else:
+        rstd = tl.math.rsqrt(var + eps)  # interpreter only
+    return mean, rstd
+
+
+@triton.jit
 def _rows_layer_norm(v, G, B, eps, LN_N: tl.constexpr, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr):
     """ATen's float16 LayerNorm of each row of v [BLOCK_M, 32, 4] (float32 holding float16 values; [row, lane t,
     k] is element 4t + k of a row of LN_N; lanes t >= LN_N / 4 hold nothing), in the order of
@@ -139,18 +158,7 @@ def _rows_layer_norm(v, G, B, eps, LN_N: tl.constexpr, BLOCK_M: tl.constexpr, AC
     mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 4)
     mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 2)
     mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 1)
-    mean = tl.reshape(mean, (BLOCK_M, ))
-    m2 = tl.reshape(m2, (BLOCK_M, ))
-    count = tl.reshape(count, (BLOCK_M, ))
-    empty = tl.zeros((BLOCK_M, ), tl.float32)
-    mean, m2, count = _welford_merge(mean, m2, count, empty, empty, empty)  # ATen's idle warps, as ATen merges them
-    pair_mean, pair_m2, pair_count = _welford_merge(empty, empty, empty, empty, empty, empty)
-    mean, m2, count = _welford_merge(mean, m2, count, pair_mean, pair_m2, pair_count)
-    var = tl.math.div_rn(m2, tl.full((BLOCK_M, ), LN_N, tl.float32))
-    if ACCURATE:
-        rstd = _libdevice.rsqrt(var + eps)  # rsqrt.approx.f32, as nvcc's rsqrtf
-    else:
-        rstd = tl.math.rsqrt(var + eps)  # interpreter only
+    mean, rstd = _rows_mean_rstd(mean, m2, count, eps, LN_N, BLOCK_M, ACCURATE)
     offs = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
     g = tl.load(G + offs, mask=offs < LN_N, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=offs < LN_N, other=0.0).to(tl.float32)

@@ -60,8 +60,8 @@ import triton
 import triton.language as tl
 
 from ._faithful_attention_triton import _attention_tile
-from ._fused_linear_triton import (_gelu16, _libdevice, _linear_tile, _rows_layer_norm, _shuffle_down_step,
-                                   _welford_merge, _welford_push)
+from ._fused_linear_triton import (_gelu16, _linear_tile, _rows_layer_norm, _rows_mean_rstd, _shuffle_down_step,
+                                   _welford_push)
 
 # The sync buffer (int32): the ticket, the exit count, the stall count, then KINDS readiness counters per (layer, row
 # tile).
@@ -208,18 +208,7 @@ def _rows_layer_norm_lanes(v, G, B, eps, LN_LANES: tl.constexpr, BLOCK_M: tl.con
         mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 2)
     if LN_LANES >= 2:
         mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 1)
-    mean = tl.reshape(mean, (BLOCK_M, ))
-    m2 = tl.reshape(m2, (BLOCK_M, ))
-    count = tl.reshape(count, (BLOCK_M, ))
-    empty = tl.zeros((BLOCK_M, ), tl.float32)
-    mean, m2, count = _welford_merge(mean, m2, count, empty, empty, empty)  # ATen's idle warps, as ATen merges them
-    pair_mean, pair_m2, pair_count = _welford_merge(empty, empty, empty, empty, empty, empty)
-    mean, m2, count = _welford_merge(mean, m2, count, pair_mean, pair_m2, pair_count)
-    var = tl.math.div_rn(m2, tl.full((BLOCK_M, ), 4 * LN_LANES, tl.float32))
-    if ACCURATE:
-        rstd = _libdevice.rsqrt(var + eps)  # rsqrt.approx.f32, as nvcc's rsqrtf
-    else:
-        rstd = tl.math.rsqrt(var + eps)  # interpreter only
+    mean, rstd = _rows_mean_rstd(mean, m2, count, eps, 4 * LN_LANES, BLOCK_M, ACCURATE)
     offs = tl.arange(0, LN_LANES)[:, None] * 4 + tl.arange(0, 4)[None, :]
     g = tl.load(G + offs).to(tl.float32)
     b = tl.load(B + offs).to(tl.float32)
