@@ -44,8 +44,8 @@ def test_names_availability_and_the_row_limit():
     assert persistent.chain_in_registers and persistent.qkv_in_chain and persistent.name().endswith("_regs_qkv")
     wide = TransformerConfig(batch_size=2, seq_len=24, d_model=256, num_heads=2, ffn_dim=512, num_layers=2)
     assert not layer_graph.launch_for("layer-graph", wide).chain_in_registers  # rows of 256: through L2
-    split = layer_graph.launch_for("layer-graph-split", CONFIG)
-    assert not (split.chain_in_registers or split.qkv_in_chain)
+    split = layer_graph.launch_for("layer-graph-split", CONFIG)  # the block launches' parts B-E in registers
+    assert split.chain_in_registers and not split.qkv_in_chain and split.name() == "cached_mdiv_split_w8_regs"
 
 
 def test_a_machine_without_cuda_s_libdevice_is_told_what_to_install(monkeypatch, tmp_path):
@@ -127,7 +127,7 @@ def test_launches_that_differ_from_this_machine_s_ops_are_refused_with_the_part(
     and the reason names the first part that differs (no CUDA graph is ever captured on the CPU)."""
     results = run_interpreter_script(INTERPRETER_SCRIPT)
     for candidate, launch in (("layer-graph", "persistent_cached_mdiv_w8_p1_regs_qkv"),
-                              ("layer-graph-split", "cached_mdiv_split_w8")):
+                              ("layer-graph-split", "cached_mdiv_split_w8_regs")):
         assert results[candidate].startswith(f"{launch} is not bit-identical to the reference's ops: "), results
         assert "differs in" in results[candidate] and "(seed 1234, padding 0.0)" in results[candidate], results
 

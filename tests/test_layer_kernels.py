@@ -130,7 +130,10 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     for (b, s, d, h, f, l, padded, attention, prologue) in [
             (2, 40, 32, 2, 64, 2, True, "cached_mdiv", True),
             (1, 70, 64, 4, 128, 1, False, "three_pass", False), (2, 40, 32, 2, 64, 2, True, "cached_mdiv:split", True),
-            (2, 70, 32, 2, 160, 2, True, "cached_mdiv:persistent", True)]:
+            (2, 70, 32, 2, 160, 2, True, "cached_mdiv:persistent", True),
+            # the block launch's parts B-E with the rows in registers, split and with the attention fused
+            (2, 40, 128, 4, 128, 2, True, "cached_mdiv:split:regs", True),
+            (1, 70, 64, 4, 256, 2, False, "three_pass:regs", True)]:
         torch.manual_seed(0)
         config = TransformerConfig(b, s, d, h, f, l, causal=True)
         model = ReferenceTransformer(config)
@@ -140,10 +143,10 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         model = model.half().eval()
         x = torch.randn(b, s, d).half()
         mask = (torch.arange(s)[None, :] < torch.tensor([s, s - 13])[:b, None]) if padded else None
-        split, persistent = attention.endswith(":split"), attention.endswith(":persistent")
+        split, persistent, regs = (f":{form}" in attention for form in ("split", "persistent", "regs"))
         attention = attention.split(":")[0]
         kernels = LayerKernels(model, LayerLaunch(attention=attention, gelu_prologue=prologue, split=split,
-                                                  persistent=persistent))
+                                                  persistent=persistent, chain_in_registers=regs))
         with torch.no_grad():
             out = kernels(x, mask).clone()
         got = kernels.intermediates(b, s)
@@ -195,7 +198,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 
 def test_layer_kernels_under_the_interpreter():
     results = run_interpreter_script(INTERPRETER_SCRIPT)
-    assert len(results) == 4
+    assert len(results) == 6
     for r in results:
         assert r["parts"] and all(n == 0 for n in r["parts"].values()), r
         assert r["max_err"] < 0.01, r  # the float32 reference: the kernels compute the model, not just themselves
@@ -217,7 +220,13 @@ def test_persistent_launch_names_and_refusals(monkeypatch):
     assert "d_model = 256" in lk.chain_in_registers_refusal(TransformerConfig(2, 24, 256, 4, 128, 2), wide)
     assert "ffn_dim = 160" in lk.chain_in_registers_refusal(TransformerConfig(2, 24, 128, 4, 160, 2), wide)
     assert lk.chain_in_registers_refusal(TransformerConfig(2, 24, 64, 4, 384, 2), wide) is None  # 3 tiles of 128
-    assert "persistent=True" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(chain_in_registers=True))
+    assert lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(chain_in_registers=True)) is None  # block launches
+    assert "row_chain=True" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(
+        persistent=True, row_chain=False, chain_in_registers=True))
+    assert "gelu_prologue=True" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(
+        gelu_prologue=False, chain_in_registers=True))
+    assert "persistent launch's" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(
+        chain_in_registers=True, qkv_in_chain=True))
     assert "chain_in_registers=True" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(qkv_in_chain=True))
     # the ticket, the exit count, the stall count, then five counters per (block, row tile)
     assert _model_triton.sync_size(layers=4, row_tiles=8) == 3 + 5 * 4 * 8

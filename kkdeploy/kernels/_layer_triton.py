@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ._faithful_attention_triton import _attention_tile
 from ._fused_linear_triton import _linear_tile, _rows_layer_norm
+from ._model_triton import _norm_rows, _qkv_rows, _row_chain_registers
 
 
 @triton.jit
@@ -47,20 +48,27 @@ def _qkv_tiles(HN, WQKV, BQKV, QKV, rows, row_ok, D: tl.constexpr, BLOCK_M: tl.c
 @triton.jit
 def _entry_kernel(X, HN, QKV, G, B, WQKV, BQKV, S, eps,
                   D: tl.constexpr, BLOCK_M: tl.constexpr, BN_QKV: tl.constexpr, BK_D: tl.constexpr,
-                  ACCURATE: tl.constexpr):
-    """The first block's norm1 (ATen's rows LayerNorm, as the GEMM epilogues compute it) and its Q|K|V."""
+                  ACCURATE: tl.constexpr, CHAIN_REGS: tl.constexpr = False):
+    """The first block's norm1 (ATen's rows LayerNorm, as the GEMM epilogues compute it) and its Q|K|V (with
+    CHAIN_REGS, from the rows in registers: ``_model_triton._qkv_rows``)."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < S
     rows = b * S + r
-    lane_k = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [lane, k]: column 4 lane + k
-    offs3 = rows[:, None, None] * D + lane_k[None, :, :]
-    in_row = row_ok[:, None, None] & (lane_k < D)[None, :, :]
-    v3 = tl.load(X + offs3, mask=in_row, other=0.0).to(tl.float32)
-    tl.store(HN + offs3, _rows_layer_norm(v3, G, B, eps, D, BLOCK_M, ACCURATE), mask=in_row)
-    tl.debug_barrier()
-    _qkv_tiles(HN, WQKV, BQKV, QKV, rows, row_ok, D, BLOCK_M, BN_QKV, BK_D, ACCURATE)
+    if CHAIN_REGS:
+        rows_d = rows[:, None] * D + tl.arange(0, D)[None, :]
+        hn = _norm_rows(tl.load(X + rows_d, mask=row_ok[:, None], other=0.0), G, B, eps, D, BLOCK_M, ACCURATE)
+        tl.store(HN + rows_d, hn, mask=row_ok[:, None])
+        _qkv_rows(hn, WQKV, BQKV, QKV, rows, row_ok, D, BLOCK_M)
+    else:
+        lane_k = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [lane, k]: column 4 lane + k
+        offs3 = rows[:, None, None] * D + lane_k[None, :, :]
+        in_row = row_ok[:, None, None] & (lane_k < D)[None, :, :]
+        v3 = tl.load(X + offs3, mask=in_row, other=0.0).to(tl.float32)
+        tl.store(HN + offs3, _rows_layer_norm(v3, G, B, eps, D, BLOCK_M, ACCURATE), mask=in_row)
+        tl.debug_barrier()
+        _qkv_tiles(HN, WQKV, BQKV, QKV, rows, row_ok, D, BLOCK_M, BN_QKV, BK_D, ACCURATE)
 
 
 @triton.jit
@@ -73,6 +81,7 @@ def _layer_kernel(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BK_D: tl.constexpr, BK_F: tl.constexpr, BN_F: tl.constexpr, BN_QKV: tl.constexpr,
     GELU_PROLOGUE: tl.constexpr, LAST: tl.constexpr, FUSE_ATTENTION: tl.constexpr = True,
+    CHAIN_REGS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -92,24 +101,31 @@ def _layer_kernel(
             c_ptrs = CTX + rows[:, None] * D + h * HEAD_DIM + offs_d[None, :]
             tl.store(c_ptrs, acc.to(tl.float16), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
         tl.debug_barrier()
-    # B. out_proj, x + where(mask, ., 0), norm2
-    offs_dn = tl.arange(0, D)
-    _linear_tile(CTX, WO, BO, X, MASK, X1, rows, offs_dn, row_ok, offs_dn < D, D, D,
-                 D, D, D, D, 4, HAS_MASK, ACCURATE, BLOCK_M, D, BK_D,
-                 LN2_G, LN2_B, H2, eps2, True, False, False)
-    tl.debug_barrier()
-    # C. ffn_in (and its GELU, where ffn_out does not compute it on the way in)
-    for n0 in tl.static_range(0, F, BN_F):
-        offs_n = n0 + tl.arange(0, BN_F)
-        _linear_tile(H2, W1, B1, FF, FF, FF, rows, offs_n, row_ok, offs_n < F, F, D,
-                     D, D, F, F, 0 if GELU_PROLOGUE else 1, False, ACCURATE, BLOCK_M, BN_F, BK_D,
-                     None, None, None, 0.0, False, False, False)
-    tl.debug_barrier()
-    # D. ffn_out, where(mask, x1 + ., 0), the next LayerNorm (final_norm with the invalid rows zeroed at the end)
-    _linear_tile(FF, W2, B2, X1, MASK, X2, rows, offs_dn, row_ok, offs_dn < D, D, F,
-                 F, F, D, D, 5, HAS_MASK, ACCURATE, BLOCK_M, D, BK_F,
-                 LNN_G, LNN_B, HN, epsn, True, GELU_PROLOGUE, LAST)
-    if not LAST:
+    if CHAIN_REGS:  # B-E with the rows in registers (``_model_triton._row_chain_registers``, GELU on the way in)
+        hn = _row_chain_registers(CTX, X, MASK, X1, H2, FF, X2, HN, WO, BO, LN2_G, LN2_B, eps2, W1, B1, W2, B2,
+                                  LNN_G, LNN_B, epsn, rows, row_ok, LAST, None, 0, D, F, HAS_MASK, ACCURATE,
+                                  BLOCK_M, False)
+        if not LAST:
+            _qkv_rows(hn, WQKV, BQKV, QKV_NEXT, rows, row_ok, D, BLOCK_M)
+    else:
+        # B. out_proj, x + where(mask, ., 0), norm2
+        offs_dn = tl.arange(0, D)
+        _linear_tile(CTX, WO, BO, X, MASK, X1, rows, offs_dn, row_ok, offs_dn < D, D, D,
+                     D, D, D, D, 4, HAS_MASK, ACCURATE, BLOCK_M, D, BK_D,
+                     LN2_G, LN2_B, H2, eps2, True, False, False)
         tl.debug_barrier()
-        # E. the next block's Q|K|V
-        _qkv_tiles(HN, WQKV, BQKV, QKV_NEXT, rows, row_ok, D, BLOCK_M, BN_QKV, BK_D, ACCURATE)
+        # C. ffn_in (and its GELU, where ffn_out does not compute it on the way in)
+        for n0 in tl.static_range(0, F, BN_F):
+            offs_n = n0 + tl.arange(0, BN_F)
+            _linear_tile(H2, W1, B1, FF, FF, FF, rows, offs_n, row_ok, offs_n < F, F, D,
+                         D, D, F, F, 0 if GELU_PROLOGUE else 1, False, ACCURATE, BLOCK_M, BN_F, BK_D,
+                         None, None, None, 0.0, False, False, False)
+        tl.debug_barrier()
+        # D. ffn_out, where(mask, x1 + ., 0), the next LayerNorm (final_norm with the invalid rows zeroed at the end)
+        _linear_tile(FF, W2, B2, X1, MASK, X2, rows, offs_dn, row_ok, offs_dn < D, D, F,
+                     F, F, D, D, 5, HAS_MASK, ACCURATE, BLOCK_M, D, BK_F,
+                     LNN_G, LNN_B, HN, epsn, True, GELU_PROLOGUE, LAST)
+        if not LAST:
+            tl.debug_barrier()
+            # E. the next block's Q|K|V
+            _qkv_tiles(HN, WQKV, BQKV, QKV_NEXT, rows, row_ok, D, BLOCK_M, BN_QKV, BK_D, ACCURATE)

@@ -84,9 +84,9 @@ class LayerLaunch:
     programs_per_sm: int = 1
     #: (persistent) out_proj, ffn_in and ffn_out of a row tile as one work item, where ffn_in is one column tile
     row_chain: bool = True
-    #: (persistent, row chain, D <= 128, F <= 128 or a multiple of 128) the row chain keeps its rows in registers from
-    #: out_proj to the next LayerNorm (``_model_triton._row_chain_registers``): no store, barrier and reload between
-    #: its parts
+    #: (D <= 128, F <= 128 or a multiple of 128) the row chain (the persistent launch's, or the block launch's parts
+    #: B-E) keeps its rows in registers from out_proj to the next block's Q|K|V
+    #: (``_model_triton._row_chain_registers``): no store, barrier and reload between its parts
     chain_in_registers: bool = False
     #: (with ``chain_in_registers``) the entry and each row chain also compute the next block's Q|K|V from the rows
     #: in registers: no Q|K|V work items, one hand-off fewer per block
@@ -102,7 +102,8 @@ class LayerLaunch:
                     f"{'' if self.libdevice == 'cuda' else '_tritonlib'}"
                     f"{'_trace' if self.trace else ''}")
         return (f"{self.attention}{'_split' if self.split else ''}{'' if self.gelu_prologue else '_gelu_epilogue'}"
-                f"_w{self.num_warps}{'' if self.libdevice == 'cuda' else '_tritonlib'}")
+                f"_w{self.num_warps}{'_regs' if self.chain_in_registers else ''}"
+                f"{'' if self.libdevice == 'cuda' else '_tritonlib'}")
 
 
 def chain_in_registers_refusal(config, launch: LayerLaunch) -> Optional[str]:
@@ -111,8 +112,12 @@ def chain_in_registers_refusal(config, launch: LayerLaunch) -> Optional[str]:
     launch's: one power of two up to 128, or tiles of 128 (F a multiple of 128)."""
     if launch.qkv_in_chain and not launch.chain_in_registers:
         return "the next block's Q|K|V in the chain needs the chain in registers (chain_in_registers=True)"
-    if not (launch.persistent and launch.row_chain):
-        return "it is a form of the persistent launch's row chain (persistent=True, row_chain=True)"
+    if launch.qkv_in_chain and not launch.persistent:
+        return "the block launches compute the next block's Q|K|V already (qkv_in_chain is the persistent launch's)"
+    if launch.persistent and not launch.row_chain:
+        return "it is a form of the persistent launch's row chain (row_chain=True)"
+    if not launch.gelu_prologue:
+        return "the chain computes GELU on ffn_out's input (gelu_prologue=True)"
     if config.d_model not in LN_WIDTHS:
         return (f"d_model = {config.d_model}: a row must be one LayerNorm tile in registers "
                 f"(d_model {', '.join(map(str, LN_WIDTHS))})")
@@ -311,7 +316,7 @@ class LayerKernels:
             return buf["hn"][-1].view(b, s, d)
         self.compiled["entry"] = kernels._entry_kernel[grid](
             x2d, buf["hn0"], buf["qkv"][0], first.weight, first.bias, self.qkv_weights[0], self.qkv_biases[0], s,
-            float(first.eps), D=d, ACCURATE=not INTERPRET, **tiles, **run)
+            float(first.eps), D=d, ACCURATE=not INTERPRET, CHAIN_REGS=launch.chain_in_registers, **tiles, **run)
         layer_input = x2d
         for i, block in enumerate(layers):
             last = i + 1 == len(layers)
@@ -333,7 +338,8 @@ class LayerKernels:
                 D=d, F=f, H=heads, HEAD_DIM=dh, DH_PAD=max(16, _pow2(dh)), LANES=lanes, SUB=1, ONE_PASS=False,
                 NCACHED=ncached, FAST_DIV=form["fast_div"], CAUSAL=bool(c.causal), HAS_MASK=has_mask,
                 ACCURATE=not INTERPRET, BK_F=min(64, max(16, _pow2(f))), BN_F=min(128, max(16, _pow2(f))),
-                GELU_PROLOGUE=launch.gelu_prologue, LAST=last, FUSE_ATTENTION=not launch.split, **tiles, **run)
+                GELU_PROLOGUE=launch.gelu_prologue, LAST=last, FUSE_ATTENTION=not launch.split,
+                CHAIN_REGS=launch.chain_in_registers, **tiles, **run)
             layer_input = buf["x2"][i]
         return buf["hn"][-1].view(b, s, d)
 
