@@ -59,7 +59,7 @@ KERNELS = {
          "NUM_PROGRAMS": 132, "GROUP_M": 8, "A_GELU": 0, "PDL": 0}),
     "entry": ("kkdeploy.kernels._layer_triton", "_entry_kernel", {
         **{name: "*fp16" for name in ("X", "HN", "QKV", "G", "B", "WQKV", "BQKV")}, "S": "i32", "eps": "fp32"},
-        {"D": 128, "BLOCK_M": 64, "BN_QKV": 128, "BK_D": 64, "ACCURATE": 1}),
+        {"D": 128, "BLOCK_M": 64, "BN_QKV": 128, "BK_D": 64, "ACCURATE": 1, "CHAIN_REGS": 0}),
     "layer": ("kkdeploy.kernels._layer_triton", "_layer_kernel", {
         **{name: "*fp16" for name in ("X", "QKV")}, "MASK": "*i1",
         **{name: "*fp16" for name in ("CTX", "X1", "H2", "FF", "X2", "HN", "QKV_NEXT", "WO", "BO", "LN2_G", "LN2_B",
@@ -67,7 +67,7 @@ KERNELS = {
         "S": "i32", "scale": "fp32", "eps2": "fp32", "epsn": "fp32"},
         {"D": 128, "F": 128, "H": 4, "HEAD_DIM": 32, "DH_PAD": 32, "LANES": 32, "SUB": 1, "ONE_PASS": 0, "NCACHED": 4,
          "FAST_DIV": 1, "CAUSAL": 1, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 64, "BK_D": 64, "BK_F": 64,
-         "BN_F": 128, "BN_QKV": 128, "GELU_PROLOGUE": 1, "LAST": 0, "FUSE_ATTENTION": 0}),
+         "BN_F": 128, "BN_QKV": 128, "GELU_PROLOGUE": 1, "LAST": 0, "FUSE_ATTENTION": 0, "CHAIN_REGS": 0}),
     "model": ("kkdeploy.kernels._model_triton", "_model_kernel", {
         "X": "*fp16", "MASK": "*i1",
         **{name: "*fp16" for name in ("HN0", "QKV", "CTX", "X1", "H2", "FF", "X2", "HN")}, "SYNC": "*i32",
