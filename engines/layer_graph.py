@@ -55,8 +55,8 @@ def launch_for(candidate: str, config: TransformerConfig):
     from kkdeploy.kernels.layer_kernels import chain_in_registers_refusal, default_launch
 
     launch = dataclasses.replace(default_launch(config), persistent=candidate == PERSISTENT)
-    # the row chain in registers where it applies (D <= 128, F <= 128), the next block's Q|K|V in it: the same bits,
-    # no reloads between its parts, no Q|K|V items
+    # the row chain in registers where it applies (D <= 128; F <= 128 or tiles of 128), and in the persistent launch
+    # the next block's Q|K|V in it: the same bits, no reloads between its parts, no Q|K|V items
     regs = dataclasses.replace(launch, chain_in_registers=True, qkv_in_chain=launch.persistent)
     return regs if chain_in_registers_refusal(config, regs) is None else launch
 

@@ -107,9 +107,9 @@ class LayerLaunch:
 
 
 def chain_in_registers_refusal(config, launch: LayerLaunch) -> Optional[str]:
-    """None when the persistent launch's row chain can keep its rows in registers for ``config``, else why not: a
-    row must be one LayerNorm tile of D / 4 lanes of 4 (D 16, 32, 64 or 128), and ffn_in's column tiles the split
-    launch's: one power of two up to 128, or tiles of 128 (F a multiple of 128)."""
+    """None when a launch's row chain (the persistent launch's, or the block launch's parts B-E) can keep its rows
+    in registers for ``config``, else why not (one line): a row must be one LayerNorm tile of D / 4 lanes of 4 (D 16,
+    32, 64 or 128), and ffn_in's column tiles the split launch's: one power of two up to 128, or tiles of 128."""
     if launch.qkv_in_chain and not launch.chain_in_registers:
         return "the next block's Q|K|V in the chain needs the chain in registers (chain_in_registers=True)"
     if launch.qkv_in_chain and not launch.persistent:
