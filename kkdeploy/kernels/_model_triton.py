@@ -263,9 +263,9 @@ def _row_chain_registers(CTX, X_IN, MASK, X1, H2, FF, X2, HN, WO, BO, LN2_G, LN2
     for out_proj, 5 for ffn_out), ATen's GELU on ffn_out's input, the LayerNorms in ``emulate_layer_norm_rows``'s
     order. What changes is where the rows live between parts: out_proj's rows feed norm2, ffn_in, the GELU and
     ffn_out's residual without a store, barrier and reload. Every part's output is still stored (X1, H2, FF before
-    the GELU, X2, HN) for the next items and for ``compare_intermediates``. Each GEMM's weights are loaded a part
-    ahead (they depend on nothing this call wrote), so their L2 latency overlaps the arithmetic before it; all six
-    chunks at once spilled (offline, sm_90a: 440 bytes)."""
+    the GELU, X2, HN) for the next items and for ``compare_intermediates``. ffn_in's first weights are loaded
+    before norm2 runs, so their L2 latency overlaps it; the others just before their GEMM (all of them loaded first
+    spilled 440 bytes, offline for sm_90a)."""
     FC: tl.constexpr = F if F < 128 else 128  # ffn_in's column tiles (the split launch's BN_F)
     offs_d = tl.arange(0, D)
     offs_c = tl.arange(0, FC)
