@@ -52,6 +52,10 @@ from kkdeploy.models.weights import init_weights  # noqa: E402
 from validation.strict import strict_fail_mask  # noqa: E402
 
 
+HEADER = (f"{'shape':>5} {'weights':>9} {'launch':>24} {'bits_diff':>9} {'strict':>7} {'first differing':>22} "
+          f"{'eager':>8} {'graph':>8} {'layers':>8} {'x eager':>8}")
+
+
 def model_for(config, weights: str, device):
     model = ReferenceTransformer(config)
     if weights == "seeded":
@@ -150,6 +154,7 @@ def main(argv=None) -> int:
         scalar_index()
         args.no_time = True  # CUDA graphs and events: a GPU's
     rows, table = [], []
+    print(HEADER, flush=True)
     for shape, config in shapes:
         for weights in args.weights.split(","):
             model = model_for(config, weights, device)
@@ -168,6 +173,7 @@ def main(argv=None) -> int:
                                                 chain_in_registers="regs" in more or "qkv" in more,
                                                 qkv_in_chain="qkv" in more))
             for launch in launches:
+                print(f"... {shape} {weights} {launch.name()}", file=sys.stderr, flush=True)
                 t0 = time.perf_counter()
                 try:
                     kernels = LayerKernels(model, launch)
@@ -176,6 +182,7 @@ def main(argv=None) -> int:
                 except Exception as exc:  # a launch that does not compile is a row of the table, not the end
                     rows.append({"shape": shape, "weights": weights, "launch": launch.name(), "error": repr(exc)[:500]})
                     table.append(f"{shape:>5} {weights:>9} {launch.name():>24}  ERROR {repr(exc)[:80]}")
+                    print(table[-1], flush=True)  # as it comes: a later fault of the device loses nothing
                     continue
                 check_s = time.perf_counter() - t0
                 row = {"shape": shape, "weights": weights, "launch": launch.name(), "checks": checks,
@@ -220,14 +227,14 @@ def main(argv=None) -> int:
                 timing += f"  regs {regs} spills {spills} qkv-alone {standalone['auto']}/{standalone['m64']}"
                 rows.append(row)
                 table.append(f"{shape:>5} {weights:>9} {launch.name():>24} {bad:>9} {failed:>7} {first:>22} {timing}")
+                print(table[-1], flush=True)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if args.json:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton's interpreter)"
         Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": rows}, indent=1))
-    print(f"{'shape':>5} {'weights':>9} {'launch':>24} {'bits_diff':>9} {'strict':>7} {'first differing':>22} "
-          f"{'eager':>8} {'graph':>8} {'layers':>8} {'x eager':>8}")
+    print(HEADER)
     print("\n".join(table))
     return 0
 

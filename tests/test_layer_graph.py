@@ -39,13 +39,20 @@ def test_names_availability_and_the_row_limit():
     assert "1,280,000 rows" in layer_graph.refusal(big, torch.float16, torch.device("cuda"))
     assert layer_graph.launch_for("layer-graph", CONFIG).persistent
     assert not layer_graph.launch_for("layer-graph-split", CONFIG).persistent
-    # the persistent launch keeps its row chain in registers, with the next block's Q|K|V, wherever that applies
-    persistent = layer_graph.launch_for("layer-graph", CONFIG)
-    assert persistent.chain_in_registers and persistent.qkv_in_chain and persistent.name().endswith("_regs_qkv")
+    # on a GPU (this process: no interpreter) the row chain is in registers where that form has run there: the
+    # persistent launch at D = 128, the split launches at 32 and 128; never the next block's Q|K|V (slower)
+    assert not lk.INTERPRET
+    d128 = TransformerConfig(batch_size=2, seq_len=24, d_model=128, num_heads=2, ffn_dim=128, num_layers=2)
+    persistent = layer_graph.launch_for("layer-graph", d128)
+    assert persistent.chain_in_registers and not persistent.qkv_in_chain
+    assert persistent.name() == "persistent_cached_mdiv_w8_p1_regs"
+    assert layer_graph.launch_for("layer-graph", CONFIG).name() == "persistent_cached_mdiv_w8_p1"  # D = 32: faulted
     wide = TransformerConfig(batch_size=2, seq_len=24, d_model=256, num_heads=2, ffn_dim=512, num_layers=2)
     assert not layer_graph.launch_for("layer-graph", wide).chain_in_registers  # rows of 256: through L2
     split = layer_graph.launch_for("layer-graph-split", CONFIG)  # the block launches' parts B-E in registers
     assert split.chain_in_registers and not split.qkv_in_chain and split.name() == "cached_mdiv_split_w8_regs"
+    d64 = TransformerConfig(batch_size=2, seq_len=24, d_model=64, num_heads=2, ffn_dim=256, num_layers=2)
+    assert layer_graph.launch_for("layer-graph-split", d64).name() == "cached_mdiv_split_w8"  # never run on a GPU
 
 
 def test_a_machine_without_cuda_s_libdevice_is_told_what_to_install(monkeypatch, tmp_path):
@@ -126,7 +133,7 @@ def test_launches_that_differ_from_this_machine_s_ops_are_refused_with_the_part(
     """The interpreter's launches against the CPU's float16 ATen ops: not bit-identical, so no runner is made,
     and the reason names the first part that differs (no CUDA graph is ever captured on the CPU)."""
     results = run_interpreter_script(INTERPRETER_SCRIPT)
-    for candidate, launch in (("layer-graph", "persistent_cached_mdiv_w8_p1_regs_qkv"),
+    for candidate, launch in (("layer-graph", "persistent_cached_mdiv_w8_p1_regs"),
                               ("layer-graph-split", "cached_mdiv_split_w8_regs")):
         assert results[candidate].startswith(f"{launch} is not bit-identical to the reference's ops: "), results
         assert "differs in" in results[candidate] and "(seed 1234, padding 0.0)" in results[candidate], results

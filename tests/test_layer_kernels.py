@@ -215,6 +215,7 @@ def test_persistent_launch_names_and_refusals(monkeypatch):
     assert lk.LayerLaunch(persistent=True, chain_in_registers=True, qkv_in_chain=True).name() == \
         "persistent_cached_mdiv_w8_p1_regs_qkv"
     wide = lk.LayerLaunch(persistent=True, chain_in_registers=True)
+    monkeypatch.setattr(lk, "INTERPRET", True)  # the arithmetic's rules (Triton's interpreter runs every width)
     assert lk.chain_in_registers_refusal(TransformerConfig(2, 24, 128, 4, 128, 2), wide) is None
     assert lk.chain_in_registers_refusal(CONFIG, wide) is None  # D = 32: eight lanes of four
     assert "d_model = 256" in lk.chain_in_registers_refusal(TransformerConfig(2, 24, 256, 4, 128, 2), wide)
@@ -228,6 +229,17 @@ def test_persistent_launch_names_and_refusals(monkeypatch):
     assert "persistent launch's" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(
         chain_in_registers=True, qkv_in_chain=True))
     assert "chain_in_registers=True" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(qkv_in_chain=True))
+    # on a GPU, only the widths where each form has run without a fault (shape 7's persistent one faulted)
+    monkeypatch.setattr(lk, "INTERPRET", False)
+    assert lk.chain_in_registers_refusal(TransformerConfig(2, 24, 128, 4, 128, 2), wide) is None
+    why = lk.chain_in_registers_refusal(CONFIG, wide)
+    assert why == ("d_model = 32: on a GPU the persistent launch keeps its chain in registers only at the widths "
+                   "where it has run without a fault (d_model 128)")
+    assert lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(chain_in_registers=True)) is None  # split, D = 32
+    assert "split launch" in lk.chain_in_registers_refusal(TransformerConfig(2, 24, 64, 4, 256, 2),
+                                                           lk.LayerLaunch(chain_in_registers=True))
+    assert "(d_model none yet)" in lk.chain_in_registers_refusal(CONFIG, lk.LayerLaunch(
+        split=False, chain_in_registers=True))
     # the ticket, the exit count, the stall count, then five counters per (block, row tile)
     assert _model_triton.sync_size(layers=4, row_tiles=8) == 3 + 5 * 4 * 8
     model = build_models(CONFIG, torch.float16, "cpu")[0]

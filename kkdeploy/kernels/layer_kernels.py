@@ -106,6 +106,14 @@ class LayerLaunch:
                 f"{'' if self.libdevice == 'cuda' else '_tritonlib'}")
 
 
+#: d_model at which each launch with the chain in registers has run on a GPU (an H100, Triton 3.6.0) without a
+#: fault. At d_model 32 (shape 7) Triton compiled the persistent one into an attention that reads shared memory out of
+#: bounds (compute-sanitizer: "Invalid __shared__ read of size 256 bytes" at ``_pv_step``'s ``tl.dot``), an illegal
+#: address that ends the process's CUDA context. The interpreter cannot see that, so on a GPU a form runs only at the
+#: widths where it has run; the interpreter tests keep covering the arithmetic at every width.
+GPU_RUN_WIDTHS = {"persistent": (128, ), "split": (32, 128), "fused": ()}
+
+
 def chain_in_registers_refusal(config, launch: LayerLaunch) -> Optional[str]:
     """None when a launch's row chain (the persistent launch's, or the block launch's parts B-E) can keep its rows
     in registers for ``config``, else why not (one line): a row must be one LayerNorm tile of D / 4 lanes of 4 (D 16,
@@ -124,6 +132,11 @@ def chain_in_registers_refusal(config, launch: LayerLaunch) -> Optional[str]:
     f = config.ffn_dim
     if not ((16 <= f <= 128 and not f & (f - 1)) or f % 128 == 0):
         return f"ffn_dim = {f}: ffn_in's column tiles must be one power of two of 16 to 128, or tiles of 128"
+    form = "persistent" if launch.persistent else "split" if launch.split else "fused"
+    if not INTERPRET and config.d_model not in GPU_RUN_WIDTHS[form]:
+        widths = ", ".join(map(str, GPU_RUN_WIDTHS[form])) or "none yet"
+        return (f"d_model = {config.d_model}: on a GPU the {form} launch keeps its chain in registers only at the "
+                f"widths where it has run without a fault (d_model {widths})")
     return None
 
 
