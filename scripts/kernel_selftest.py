@@ -30,7 +30,7 @@ def all_launches() -> dict[str, list[str]]:
     from kkdeploy.kernels import faithful_attention, fused_linear, layer_norm
 
     return {"attention": list(faithful_attention.LAUNCHES), "layer_norm": list(layer_norm.LAUNCHES),
-            "linear": list(fused_linear.TILES)}
+            "linear": list(dict.fromkeys([*fused_linear.TILES, *fused_linear.LN_TILES]))}
 
 
 def parse_args(argv):

@@ -150,6 +150,58 @@ def test_the_tiles_a_build_proves():
     assert fl.tile_config("n64", 128, 128) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
 
 
+def test_the_layer_norm_epilogue_s_tiles(monkeypatch):
+    """The LayerNorm epilogue's tiles: the register ones apply to rows of 128 only, a build proves "auto" until a GPU
+    build has shipped the others, and each tile's settings reach the launch (and, at run time, the proof's choice)."""
+    from kkdeploy.kernels import _fused_linear_triton, model_proofs
+    from kkdeploy.kernels.paths import KernelPath
+
+    assert set(fl.LN_TILES) - set(fl.LN_BUILD_TILES) == {"regs", "regs_w4"}
+    assert fl.ln_tile_fits("regs", 128) and not fl.ln_tile_fits("regs", 32) and fl.ln_tile_fits("auto", 32)
+    assert not fl.ln_tile_fits("m64", 128)  # a GEMM tile is not one of the LayerNorm epilogue's
+    monkeypatch.setattr(fl, "LN_BUILD_TILES", tuple(fl.LN_TILES))
+    assert fl.proof_launches(128, layer_norm=True) == ["auto", "regs", "regs_w4"]
+    assert fl.proof_launches(32, layer_norm=True) == ["auto"]  # rows under 128 are always read back
+    seen = []
+    monkeypatch.setattr(_fused_linear_triton, "triton_linear_layer_norm", lambda *a, **kw: seen.append(kw) or (1, 2))
+    x, w, b = torch.zeros(4, 8, dtype=torch.float16), torch.zeros(128, 8, dtype=torch.float16), torch.zeros(128)
+    args = (x, w, b, None, None, None, None, 1e-5, "add_masked")
+    fl.run_layer_norm_launch(*args, launch="regs_w4")
+    fl.run_layer_norm_launch(*args)
+    assert seen == [{"LN_RELOAD": False, "num_warps": 4}, {}]
+    with pytest.raises(KKError, match="tile 'regs' does not apply to rows of 32"):
+        fl.run_layer_norm_launch(x, w[:32], b[:32], None, None, None, None, 1e-5, "add_masked", launch="regs")
+    # at run time the CUDA kernel launches the tile the proof chose
+    launched = []
+    monkeypatch.setattr(fl, "check_layer_norm_epilogue", lambda *a: (4, 128, 8))
+    monkeypatch.setattr(fl, "linear_path", lambda *a, **kw: KernelPath("triton", "proven", "regs"))
+    monkeypatch.setattr(fl, "run_layer_norm_launch", lambda *a: launched.append(a[-1]))
+    fl._linear_layer_norm_cuda(x, w, b, None, None, None, None, 1e-5, "add_masked")
+    assert launched == ["regs"]
+    # the build's proof of a model (or --all-launches) hands each form the tiles of its own kind
+    lists = []
+    monkeypatch.setattr(fl, "prove_linear", lambda *a, launches=None, **kw: lists.append(launches))
+
+    class Cases:
+        def linear(self, name):
+            return []
+
+    every = ["auto", "m64", "tma", "regs", "regs_w4"]
+    for n, form_ in ((128, "add_masked+layer_norm"), (32, "masked_sum+layer_norm"), (128, "add_masked")):
+        model_proofs._prove("linear", "out_proj", fl.proof_shape(512, n, 128, form_), Cases(), None, "cpu", 1.0,
+                            None, None, every)
+    assert lists == [["auto", "regs", "regs_w4"], ["auto"], ["auto", "m64", "tma"]]
+
+
+def test_the_layer_norm_tile_study_says_it_needs_a_gpu(monkeypatch, capsys):
+    script = load_script("ln_epilogue_tiles")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        script.main(["--rows", "512"])
+    assert exit_.value.code == 2
+    assert "Triton kernels for CUDA: run it on a GPU" in capsys.readouterr().err
+
+
 def test_tiles_are_proven_only_where_they_can_pay(monkeypatch):
     """With the studied tiles in BUILD_TILES, a build proves the TMA tiles only at K >= TMA_MIN_K (shape 8, the
     D = 384 and 1024 shapes) and the 64 x 64 tile only where "auto"'s grid leaves multiprocessors idle: shape 6's launches

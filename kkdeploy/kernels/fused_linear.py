@@ -95,8 +95,29 @@ TILES: dict[str, dict] = {
 BUILD_TILES = ("auto", "m64", "n64", "n256", "m64s2")
 
 
+#: The LayerNorm epilogue's tiles: one tile holds 64 whole rows. "auto" stores the sum and reads it back in the
+#: LayerNorm's layout ([row, lane, 4]); "regs" takes the rows from the accumulator in registers instead (8 warps),
+#: and "regs_w4" at 4 warps. Under Triton's interpreter the three give the same bits (tests/test_fused_linear.py).
+#: On an H100 (session 36, shape 3's out_proj + residual + norm2, M 512-8192) all three were bit-identical to ATen,
+#: and "regs" took 5.4-5.9 µs and "regs_w4" 6.3-6.8 against "auto"'s 8.8-11.4 (docs/fused-linear.md). Rows under
+#: 128 are always read back (the lanes past the row are masked there), so only "auto" applies to them.
+LN_TILES: dict[str, dict] = {
+    "auto": {},
+    "regs": dict(LN_RELOAD=False),
+    "regs_w4": dict(LN_RELOAD=False, num_warps=4),
+}
+#: the LayerNorm epilogue's tiles a build proves: "regs" and "regs_w4" join once a build on the GPU has shipped them
+#: through its strict validation, as the GEMM tiles do (``scripts/kernel_selftest.py --all-launches`` proves them)
+LN_BUILD_TILES = ("auto", )
+
+
 #: what a proof's "proven" means: these tiles' settings, and the set a build proves (part of the proofs' key)
-TILES_DIGEST = launch_table_digest(TILES, BUILD_TILES)
+TILES_DIGEST = launch_table_digest(TILES, BUILD_TILES, LN_TILES, LN_BUILD_TILES)
+
+
+def ln_tile_fits(launch: str, n: int) -> bool:
+    """Whether a LayerNorm epilogue tile applies to rows of ``n``: the register tiles need rows of 128."""
+    return launch == "auto" or (launch in LN_TILES and n == 128)
 
 
 #: what Hopper's TMA needs of a tensor it reads: a 16-byte aligned base and row stride
@@ -164,10 +185,10 @@ def multiprocessors(device) -> Optional[int]:
 def proof_launches(n: int, layer_norm: bool = False, k: Optional[int] = None, m: Optional[int] = None,
                    sms: Optional[int] = None) -> list[str]:
     """The tiles a build proves for a launch [m, k] x [k, n] on a device of ``sms`` multiprocessors: those of
-    BUILD_TILES that fit (``tile_fits``) and can pay (``tile_pays``). The LayerNorm epilogue holds whole rows in one
-    tile of its own: "auto" only."""
+    BUILD_TILES that fit (``tile_fits``) and can pay (``tile_pays``). The LayerNorm epilogue holds whole rows in
+    tiles of its own: those of LN_BUILD_TILES that fit (``ln_tile_fits``)."""
     if layer_norm:
-        return ["auto"]
+        return [name for name in LN_BUILD_TILES if ln_tile_fits(name, n)]
     return [name for name in BUILD_TILES if tile_fits(name, n, k) and tile_pays(name, m, n, k, sms)]
 
 
@@ -381,20 +402,25 @@ def _linear_layer_norm_cuda(x, weight, bias, residual, mask, ln_weight, ln_bias,
                             zero_invalid=False):
     """CUDA: the Triton GEMM with both epilogues where ``linear_path`` allows it, else the composition."""
     m, n, k = check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue, prologue)
-    if n in LN_WIDTHS and linear_path(m, n, k, x.dtype, x.device, epilogue=form(epilogue, prologue, True)).fused:
+    path = linear_path(m, n, k, x.dtype, x.device, epilogue=form(epilogue, prologue, True)) if n in LN_WIDTHS else None
+    if path is not None and path.fused:
         return run_layer_norm_launch(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue,
-                                     zero_invalid)
+                                     zero_invalid, path.launch)
     return reference_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue,
                                        zero_invalid)
 
 
 def run_layer_norm_launch(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue="none",
                           zero_invalid=False, launch: Optional[str] = None):
-    """The Triton GEMM with the residual and LayerNorm epilogues (its one tile; no path rule: what a proof runs)."""
+    """The Triton GEMM with the residual and LayerNorm epilogues in one of LN_TILES (no path rule: what a proof
+    runs)."""
     from ._fused_linear_triton import triton_linear_layer_norm
 
+    if launch is not None and not ln_tile_fits(launch, weight.shape[0]):
+        raise KKError(f"LayerNorm epilogue tile {launch!r} does not apply to rows of {weight.shape[0]}; the tiles are "
+                      f"{', '.join(LN_TILES)} (the register ones for rows of 128)")
     return triton_linear_layer_norm(x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue,
-                                    zero_invalid)
+                                    zero_invalid, **LN_TILES[launch or "auto"])
 
 
 @_linear_layer_norm_op.register_fake

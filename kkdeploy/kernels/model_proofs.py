@@ -359,8 +359,12 @@ def _prove(kind, name, shape, cases: Optional[_Cases], config, device, budget_s,
     if kind == "layer_norm":
         return layer_norm.prove_layer_norm(device, cases.layer_norm(), shape["rows"], shape["width"],
                                            budget_s=budget_s, cache=cache, launches=launches)
-    if "layer_norm" in shape["form"]:
-        launches = None  # the LayerNorm epilogue has its one tile
+    if launches is not None:  # a list for the kind: the LayerNorm epilogue's tiles, or the GEMM's, that apply here
+        if "layer_norm" in shape["form"]:
+            launches = [t for t in launches if fused_linear.ln_tile_fits(t, shape["n"])]
+        else:
+            launches = [t for t in launches if t in fused_linear.TILES]
+        launches = launches or None
     return fused_linear.prove_linear(device, cases.linear(name), shape["m"], shape["n"], shape["k"], shape["form"],
                                      budget_s=budget_s, cache=cache, launches=launches)
 
