@@ -136,13 +136,17 @@ def test_the_plan_follows_the_proofs_made_here(monkeypatch, proof_sandbox):
 
 
 def test_the_tiles_a_build_proves():
-    assert fl.proof_launches(128, k=128) == ["auto", "m64", "n64"]
-    assert fl.proof_launches(384, k=768) == ["auto", "m64", "n64", "n256"]
+    # sizes unknown: the 64 x 64 tile is not ruled out; it is where the row is narrower than its 64 columns
+    assert fl.proof_launches(128, k=128) == ["auto", "m64", "n64", "m64n64"]
+    assert fl.proof_launches(384, k=768) == ["auto", "m64", "n64", "n256", "m64n64"]
     assert fl.proof_launches(32, k=32) == ["auto", "m64"]
-    assert fl.proof_launches(128, layer_norm=True) == ["auto"]
-    # studied (every tile, scripts/kernel_selftest.py --all-launches), not in builds: the TMA and 64 x 64 tiles wait
-    # for a build on the GPU to ship them through the strict validation; the rest were never the fastest of ours
-    assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "tma_persistent", "m64n64", "s4", "k128", "w4",
+    # shape 3's launches (512 rows: 4 "auto" tiles on 132 multiprocessors) prove it; shape 6's do not
+    assert fl.proof_launches(128, k=128, m=512, sms=132) == ["auto", "m64", "n64", "m64n64"]
+    assert "m64n64" not in fl.proof_launches(128, k=128, m=1_280_000, sms=132)
+    assert fl.proof_launches(128, layer_norm=True) == ["auto", "regs", "regs_w4"]
+    # studied (every tile, scripts/kernel_selftest.py --all-launches), not in builds: the TMA tiles wait for a build
+    # on the GPU to ship them through the strict validation (the 64 x 64 one has); the rest were never the fastest
+    assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "tma_persistent", "s4", "k128", "w4",
                                                    "m256", "n256s4"}
     assert not fl.tile_fits("k128", 128, 64) and fl.tile_fits("k128", 128, 128)  # no k-step longer than K
     assert fl.tile_fits("tma", 128, 128) and fl.tile_fits("tma_n256", 384, 768)
@@ -151,15 +155,15 @@ def test_the_tiles_a_build_proves():
 
 
 def test_the_layer_norm_epilogue_s_tiles(monkeypatch):
-    """The LayerNorm epilogue's tiles: the register ones apply to rows of 128 only, a build proves "auto" until a GPU
-    build has shipped the others, and each tile's settings reach the launch (and, at run time, the proof's choice)."""
+    """The LayerNorm epilogue's tiles: the register ones apply to rows of 128 only, a build proves all three (a GPU
+    build shipped them through strict validation), and each tile's settings reach the launch (and, at run time, the
+    proof's choice)."""
     from kkdeploy.kernels import _fused_linear_triton, model_proofs
     from kkdeploy.kernels.paths import KernelPath
 
-    assert set(fl.LN_TILES) - set(fl.LN_BUILD_TILES) == {"regs", "regs_w4"}
+    assert fl.LN_BUILD_TILES == tuple(fl.LN_TILES) == ("auto", "regs", "regs_w4")
     assert fl.ln_tile_fits("regs", 128) and not fl.ln_tile_fits("regs", 32) and fl.ln_tile_fits("auto", 32)
     assert not fl.ln_tile_fits("m64", 128)  # a GEMM tile is not one of the LayerNorm epilogue's
-    monkeypatch.setattr(fl, "LN_BUILD_TILES", tuple(fl.LN_TILES))
     assert fl.proof_launches(128, layer_norm=True) == ["auto", "regs", "regs_w4"]
     assert fl.proof_launches(32, layer_norm=True) == ["auto"]  # rows under 128 are always read back
     seen = []
@@ -197,14 +201,14 @@ def test_tiles_are_proven_only_where_they_can_pay(monkeypatch):
     """With the studied tiles in BUILD_TILES, a build proves the TMA tiles only at K >= TMA_MIN_K (shape 8, the
     D = 384 and 1024 shapes) and the 64 x 64 tile only where "auto"'s grid leaves multiprocessors idle: shape 6's launches
     (K = 128, 10,000 row tiles) compile nothing more."""
-    monkeypatch.setattr(fl, "BUILD_TILES", fl.BUILD_TILES + ("tma", "tma_n256", "m64n64"))
+    monkeypatch.setattr(fl, "BUILD_TILES", fl.BUILD_TILES + ("tma", "tma_n256"))
     # shape 6's Q|K|V: K = 128, 1.28 M rows: neither pays (the streaming tile does)
     assert fl.proof_launches(384, k=128, m=1_280_000, sms=132) == ["auto", "m64", "n64", "n256", "m64s2"]
     # shape 8's Q|K|V: K = 1024, 8192 rows (64 x 3 "auto" tiles >= 132): the TMA tiles, not the 64 x 64 one
     assert fl.proof_launches(3072, k=1024, m=8192, sms=132) == ["auto", "m64", "n64", "n256", "tma", "tma_n256"]
     # one sequence of 1024 at D = 1024 (8 x 8 "auto" tiles < 132): all three
-    assert fl.proof_launches(1024, k=1024, m=1024, sms=132) == ["auto", "m64", "n64", "n256", "tma", "tma_n256",
-                                                                  "m64n64"]
+    assert fl.proof_launches(1024, k=1024, m=1024, sms=132) == ["auto", "m64", "n64", "n256", "m64n64", "tma",
+                                                                  "tma_n256"]
     assert fl.tile_pays("m64n64", None, 1024, 1024, None)  # sizes unknown: not ruled out
     assert not fl.tile_pays("tma", 1024, 1024, 128, 132) and fl.tile_pays("tma", 3200, 384, 384, 132)
     assert fl.tile_pays("tma", 1024, 1024, None, 132)
