@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import torch
 
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import error_summary
+from kkdeploy.processes import kill_group, signal_reason  # noqa: F401 - signal_reason: the probe's callers
 
 OK, CRASHED, HUNG, FAILED = "ok", "load-crashed", "load-hung", "load-failed"
 DEFAULT_TIMEOUT_S = 600.0  # a CUDA engine may compile or deserialize for minutes; a hang is longer than that
@@ -69,16 +69,6 @@ def environment_record(device: torch.device) -> dict:
 
 def environment_key(record: dict) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def signal_reason(returncode: int) -> str:
-    """``-11`` -> 'SIGSEGV (signal 11)'."""
-    number = -returncode
-    try:
-        name = signal.Signals(number).name
-    except ValueError:
-        name = "signal"
-    return f"{name} (signal {number})"
 
 
 def probe(module: str, artifact_dir: Path, entry: dict, config: TransformerConfig, dtype: torch.dtype,
@@ -119,15 +109,6 @@ def probe(module: str, artifact_dir: Path, entry: dict, config: TransformerConfi
         tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.is_file() else []
         return ProbeResult(FAILED, f"{FAILED}: exit code {returncode} in a fresh process"
                            + (f" ({tail[0][:200]})" if tail else ""), seconds, None, key, record)
-
-
-def kill_group(child: subprocess.Popen) -> None:
-    """The child and everything it started: a hung loader may have spawned compiler workers."""
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        child.kill()
-    child.wait()
 
 
 def _child(request_path: str, result_path: str) -> int:

@@ -128,6 +128,33 @@ def proof_failure(record: dict) -> str | None:
             f"element{'' if count == 1 else 's'} (seed {bad['seed']}, padding {bad['padding_ratio']})")
 
 
+def layer_proof_task(model, config: TransformerConfig, dtype: torch.dtype, device: torch.device, args: dict,
+                     report) -> dict:
+    """The proof of ``args["candidate"]``'s launches, run in a child (``kkdeploy.kernels.proof_process``)."""
+    from kkdeploy.kernels.layer_kernels import LayerKernels
+
+    report(args["candidate"], f"proving {args['candidate']} op by op in a fresh process")
+    kernels = LayerKernels(model, launch_for(args["candidate"], config))
+    return prove_layers(kernels, model, config, dtype, device, int(args["seed"]))
+
+
+def prove_in_fresh_process(model, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+                           candidate: str, seed: int) -> dict:
+    """The proof record, made in a spawned child first: a launch that faults (session 36: at D = 32) ends that
+    child, and the build's process, whose later candidates need a working device, never runs it. Raises a one-line
+    KKError for a child that died, hung or failed, and for a record that rejects the candidate."""
+    from kkdeploy.kernels.proof_process import OK, run_proof_child
+
+    outcome = run_proof_child(f"{__name__}:layer_proof_task", model, config, dtype, device,
+                              {"candidate": candidate, "seed": seed})
+    if outcome.status != OK:
+        raise KKError(f"{candidate}: its proof {outcome.reason} in a fresh process")
+    why = proof_failure(outcome.answer)
+    if why:
+        raise KKError(why)
+    return outcome.answer
+
+
 def make_runner(model, config: TransformerConfig, dtype: torch.dtype, device: torch.device, candidate: str,
                 seed: int):
     """(runner, proof record): the launches proven on this machine, then captured in a CUDA graph. Raises a
@@ -161,7 +188,13 @@ class LayerGraphBackend(Backend):
         wanted = ctx.candidate_filter
         return [n for n in VARIANTS if wanted is None or n in wanted]
 
+    def loads_native_code(self, entry: dict) -> bool:
+        """Its launches are proven again where it loads, and a launch that faults would end the loading process:
+        so it is loaded in a fresh process first (``engines.fresh_process``), as a native loader is."""
+        return True
+
     def build(self, ctx: BuildContext, candidate: str) -> CandidateResult:
+        from kkdeploy.kernels.proof_process import isolation_wanted
         from kkdeploy.models.weights import weights_sha256
 
         start = time.perf_counter()
@@ -169,6 +202,8 @@ class LayerGraphBackend(Backend):
         if why:
             raise CandidateSkipped(why)
         seed = int(ctx.validation_plan.get("seed", DEFAULT_SEED))
+        if isolation_wanted(ctx.device):
+            prove_in_fresh_process(ctx.model, ctx.config, ctx.dtype, ctx.device, candidate, seed)
         runner, record = make_runner(ctx.model, ctx.config, ctx.dtype, ctx.device, candidate, seed)
         ratios = fingerprint_padding(False)
         fingerprint = output_fingerprint(runner, ctx.config, ctx.dtype, ctx.device, padding_ratios=ratios)

@@ -168,11 +168,12 @@ def prove_candidate_kernels(name: str, model, config: TransformerConfig, dtype: 
 
     Raises ``CandidateSkipped`` when the candidate would add nothing: none of its kernel ops is proven, or (when the
     candidate with one kind fewer is among ``siblings``, this build's other candidates) the kind it adds is not."""
-    from kkdeploy.kernels.model_proofs import KINDS, prove_model_kernels
+    from kkdeploy.kernels.model_proofs import KINDS
+    from kkdeploy.kernels.proof_process import prove_model_kernels_isolated
 
     kinds = kernel_kinds(name)
     shared = [kind for kind in KINDS if any(kind in kernel_kinds(n) for n in (name, *siblings))]
-    proofs = prove_model_kernels(model, config, dtype, device, shared, progress=progress).only(kinds)
+    proofs = prove_model_kernels_isolated(model, config, dtype, device, shared, progress=progress).only(kinds)
     if not any(proofs.proven(kind) for kind in kinds):
         raise CandidateSkipped(f"none of its kernel ops is proven bit-identical and faster here, so it would run "
                                f"ATen's ops only ({'; '.join(proofs.why_not(kind) for kind in kinds)})")
@@ -430,16 +431,16 @@ def adopt_kernel_proofs(artifact_dir: Path, name: str, options: dict, model, con
     ("" when every recorded kernel still runs)."""
     import logging
 
-    from kkdeploy.kernels.model_proofs import adopt_recorded, prove_model_kernels
-    from kkdeploy.kernels.proof import ProofCache
+    from kkdeploy.kernels.model_proofs import adopt_recorded
+    from kkdeploy.kernels.proof_process import prove_model_kernels_isolated
 
     kinds = kernel_kinds(name)
     recorded = options.get("kernel_proofs") or []
     if not kinds or not recorded:
         return ""
-    cache = ProofCache(Path(artifact_dir) / "proofs")
     _, foreign = adopt_recorded(recorded, device)
-    proofs = prove_model_kernels(model, config, dtype, device, kinds, cache=cache)
+    # proven in a fresh process: a kernel that faults here must not take the serving process with it
+    proofs = prove_model_kernels_isolated(model, config, dtype, device, kinds, cache_dir=Path(artifact_dir) / "proofs")
     built = {(r["op"], str(r["shape"])) for r in recorded if r.get("chosen")}
     lost = [r for r in proofs.records if (r.op, str(r.shape)) in built and not r.proven]
     if not lost:

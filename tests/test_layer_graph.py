@@ -214,3 +214,34 @@ def test_a_build_records_the_proof_and_hands_its_runner_on(monkeypatch, tmp_path
     assert result.options["fingerprint"]["sha256"] == "a" * 64
     assert result.options["mask_modes"] == ["all-valid", "padded"]
     assert "layer-graph-split" in ctx.built_runners and result.to_dict()["recipe"]["split_launches"]
+
+
+def test_on_a_gpu_the_build_proves_in_a_fresh_process_first_and_a_dead_child_is_one_line(monkeypatch, tmp_path):
+    """A launch that faults ends the proving child, not the build (whose later candidates need a working device):
+    the candidate fails with the reason and its launches never run in the build's process. The engine is loaded in
+    a fresh process first wherever it loads (its launches are proven again there)."""
+    from engines.base import BuildContext
+    from kkdeploy.kernels import proof_process as pp
+
+    model = build_models(CONFIG, torch.float16, "cpu")[0]
+    ctx = BuildContext(config=CONFIG, dtype=torch.float16, device=torch.device("cpu"), model=model, out_dir=tmp_path,
+                       validation_plan={"seed": 99}, built_runners={})
+    monkeypatch.setattr(layer_graph, "refusal", lambda config, dtype, device: None)
+    monkeypatch.setattr(pp, "isolation_wanted", lambda device: True)
+    monkeypatch.setattr(layer_graph, "make_runner", lambda *a: pytest.fail("ran the launches in the build's process"))
+    asked = []
+
+    def dead(task, model_, config, dtype, device, args, **kw):
+        asked.append((task, args))
+        return pp.ChildOutcome(pp.CRASHED, None, "crashed: SIGSEGV (signal 11)", args["candidate"], 1.0)
+
+    monkeypatch.setattr(pp, "run_proof_child", dead)
+    with pytest.raises(KKError, match=r"^layer-graph: its proof crashed: SIGSEGV \(signal 11\) in a fresh process$"):
+        layer_graph.BACKEND.build(ctx, "layer-graph")
+    assert asked == [("engines.layer_graph:layer_proof_task", {"candidate": "layer-graph", "seed": 99})]
+    spoiled = {"launch": "x", "stalls": 0, "cases": [{"seed": 99, "padding_ratio": 0.0, "differing": 2, "first": "qkv0",
+                                                      "parts": {"hn0": 0, "qkv0": 2, "blocks": []}}]}
+    monkeypatch.setattr(pp, "run_proof_child", lambda *a, **kw: pp.ChildOutcome(pp.OK, spoiled, "", None, 1.0))
+    with pytest.raises(KKError, match="x is not bit-identical to the reference's ops: qkv0 differs in 2 elements"):
+        layer_graph.BACKEND.build(ctx, "layer-graph")
+    assert layer_graph.BACKEND.loads_native_code({"name": "layer-graph"})

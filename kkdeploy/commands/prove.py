@@ -36,7 +36,8 @@ def register(sub):
 
 def run(args) -> int:
     from ..inputs import DEFAULT_SEED
-    from ..kernels.model_proofs import KINDS, prove_model_kernels
+    from ..kernels.model_proofs import KINDS
+    from ..kernels.proof_process import prove_model_kernels_isolated
     from ..models.weights import build_models
 
     _, config = resolve_config(args)
@@ -50,8 +51,9 @@ def run(args) -> int:
         raise KKError(f"--compile-threads must be >= 0 (0 compiles each launch when it first runs), got {threads}")
     model = build_models(config, dtype, device, weights=args.weights)[0]
     with console.status("proving kernel ops"):
-        proofs = prove_model_kernels(model, config, dtype, device, kinds, reuse=not args.again,
-                                     seed=DEFAULT_SEED if args.seed is None else args.seed, compile_workers=threads)
+        proofs = prove_model_kernels_isolated(model, config, dtype, device, kinds, reuse=not args.again,
+                                              seed=DEFAULT_SEED if args.seed is None else args.seed,
+                                              compile_workers=threads)
     rows = [[r.op, r.shape_text, r.chosen or "aten", f"{r.seconds:.2f}", r.reason] for r in proofs.records]
     console.print(table(f"Kernel proofs ({proofs.seconds} s, {proofs.reused} reused)",
                         ["op", "shape", "runs", "s", "why"], rows))

@@ -15,6 +15,7 @@ op shape (this process, or the on-disk cache) is reused, not re-proven.
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -242,6 +243,11 @@ def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str]) -> list[tu
     return shapes
 
 
+def op_key(kind: str, shape: dict) -> str:
+    """One op shape of a model as a string (a JSON key): its kind and its shape."""
+    return f"{kind} {json.dumps(shape, sort_keys=True)}"
+
+
 #: kind -> the module of its kernel op (``OP``, ``proof_environment``)
 _MODULES = {"attention": attention_kernel, "layer_norm": layer_norm, "linear": fused_linear}
 
@@ -259,12 +265,15 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
                         reuse: bool = True, cache: Optional[ProofCache] = None,
                         progress: Optional[Callable[[str], None]] = None,
                         launches: Optional[dict[str, list[str]]] = None,
-                        compile_workers: int = DEFAULT_WORKERS) -> ModelProofs:
+                        compile_workers: int = DEFAULT_WORKERS,
+                        refusals: Optional[dict[str, str]] = None,
+                        on_op: Optional[Callable[[str], None]] = None) -> ModelProofs:
     """Prove every kernel op of ``kinds`` at ``model``'s op shapes here (``reuse``: a record already made in this
     environment is taken as it is). Off CUDA or in another dtype the records say why nothing runs. ``launches``
     ({kind: names}) replaces the launch variants a build proves (a study of every variant: scripts/kernel_selftest.py).
     On CUDA every launch is compiled first, ``compile_workers`` at a time (``precompile``; 0: one by one, as each
-    proof first runs it)."""
+    proof first runs it). ``refusals`` ({``op_key``: reason}): op shapes not to run at all (their proof took a
+    process down: ``proof_process``); ``on_op(op_key)`` is called before the launches of each op shape run."""
     device = torch.device(device)
     kinds = [k for k in KINDS if k in set(kinds)]
     start = time.perf_counter()
@@ -273,7 +282,9 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
     slots: list = []  # per op shape: its reused record, or (kind, name, shape, refusal) to prove
     for kind, name, shape in kernel_op_shapes(config, kinds):
         found = lookup_proof(_environment(kind, device), _op(kind), shape, cache=cache) if reuse else None
-        if found is not None:
+        if refusals and op_key(kind, shape) in refusals:
+            slots.append((kind, name, shape, refusals[op_key(kind, shape)]))
+        elif found is not None:
             slots.append(found)
             result.reused_records.append(found)
         elif kind == "layer_norm" and device.type == "cuda" and compile_workers:
@@ -310,6 +321,8 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
         kind, name, shape, refusal = slot
         if isinstance(refusal, Future):
             refusal = refusal.result()
+        if on_op and refusal is None:  # an op shape whose launches are about to run
+            on_op(op_key(kind, shape))
         if progress:
             progress(f"proving {name} {shape}")
         result.records.append(_prove(kind, name, shape, cases if refusal is None else None, config, device,

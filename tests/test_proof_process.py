@@ -1,0 +1,142 @@
+"""The proof step in a spawned child (kkdeploy.kernels.proof_process), on the CPU with the fake kernels of
+test_model_proofs installed in the child by this module's task: the records come back as the build's process would
+have made them; an op shape whose proof kills the child (a signal, a hang) is refused with the reason while the
+others are proven by a new child; a Python error is one line; nothing is spawned where every record is known. The
+real fault (a sticky CUDA error) is the GPU's: docs/layer-kernels.md has the device run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from kkdeploy.errors import KKError
+from kkdeploy.kernels import faithful_attention as fa
+from kkdeploy.kernels import model_proofs as mp
+from kkdeploy.kernels import proof_process as pp
+from kkdeploy.models.weights import build_models
+
+from .test_model_proofs import CONFIG, CPU, FakeKernels
+
+TASK = f"{__name__}:fake_kernels_task"
+
+
+class _Patch:
+    """What FakeKernels needs of pytest's monkeypatch, in a child that has none."""
+    setattr = staticmethod(setattr)
+
+
+def fake_kernels_task(model, config, dtype, device, args, report):
+    """The child's proof with FakeKernels; ``args["die_at"]`` (a kind) and ``args["how"]`` (``segv``, ``hang``,
+    ``raise``) make the child die when it names that kind's first op shape."""
+    FakeKernels(_Patch, bad=set(args.get("bad", ())))
+    die_at, how = args.get("die_at"), args.get("how")
+
+    def dying_report(key, message):
+        report(key, message)
+        if key and die_at and key.startswith(f"{die_at} "):
+            if how == "segv":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if how == "hang":
+                time.sleep(600)
+            raise ValueError(f"the fake {die_at} kernel broke")
+
+    return pp.model_kernels_task(model, config, dtype, device, args, dying_report)
+
+
+@pytest.fixture
+def model():
+    return build_models(CONFIG, torch.float16, CPU)[0]
+
+
+def prove(model, **kw):
+    return pp.prove_model_kernels_isolated(model, CONFIG, torch.float16, CPU, mp.KINDS, isolate=True, **kw)
+
+
+def test_a_child_s_records_are_the_build_s_and_this_process_knows_them(monkeypatch, proof_sandbox, model):
+    messages = []
+    proofs = prove(model, task=TASK, progress=messages.append)
+    assert [r.op for r in proofs.records] == [fa.OP, "layer_norm_rows"] + ["fused_linear"] * 7
+    assert all(r.proven for r in proofs.records) and proofs.reused == 0
+    assert any(m.startswith("proving attention") for m in messages)  # the child's progress, as it went
+    assert proofs.phases["processes"] > 0 and {"cases", "prove"} <= set(proofs.phases)
+    # the records are this process's now: a sibling candidate's proof spawns nothing, and reuses them all
+    monkeypatch.setattr(pp, "run_proof_child", lambda *a, **kw: pytest.fail("spawned a child for known records"))
+    again = prove(model, task=TASK)
+    assert again.reused == len(proofs.records) and again.to_list() == proofs.to_list()
+
+
+def test_a_failing_launch_is_rejected_in_the_child_as_in_the_build_s_process(monkeypatch, proof_sandbox, model):
+    real = pp.run_proof_child
+    monkeypatch.setattr(pp, "run_proof_child",
+                        lambda task, *a, **kw: real(task, *a[:4], {**a[4], "bad": ["rows2", "rows2_full"]}, **kw))
+    norm = next(r for r in prove(model, task=TASK).records if r.op == "layer_norm_rows")
+    assert norm.chosen == "rows1"
+    assert {r.launch: r.status for r in norm.launches} == {"rows2_full": "differs", "rows2": "differs",
+                                                             "rows1": "proven"}
+
+
+def test_an_op_shape_whose_proof_kills_the_child_is_refused_and_the_rest_proven(monkeypatch, proof_sandbox, model):
+    calls = []
+    real = pp.run_proof_child
+
+    def counting(task, *a, **kw):
+        calls.append(dict(a[4]))
+        a[4].update(die_at="attention", how="segv")
+        return real(task, *a, **kw)
+
+    monkeypatch.setattr(pp, "run_proof_child", counting)
+    proofs = prove(model, task=TASK)
+    attention = proofs.records[0]
+    assert not attention.proven
+    assert attention.reason == ("its proof crashed: SIGSEGV (signal 11) in a fresh process, so ATen runs it (the same "
+                                "bits)")
+    assert all(r.proven for r in proofs.records[1:])
+    # the second child was told to refuse the op shape the first one died on, and did not die (no kernel ran)
+    assert len(calls) == 2 and list(calls[1]["refusals"]) == [mp.op_key("attention", attention.shape)]
+    assert not proofs.proven("attention") and proofs.proven("linear")
+
+
+def test_a_hung_proof_is_ended_and_refused(monkeypatch, proof_sandbox, model):
+    real = pp.run_proof_child
+
+    def hanging_at_layer_norm(task, *a, **kw):
+        a[4].update(die_at="layer_norm", how="hang")
+        return real(task, *a, **{**kw, "timeout_s": 20.0})
+
+    monkeypatch.setattr(pp, "run_proof_child", hanging_at_layer_norm)
+    started = time.perf_counter()
+    proofs = prove(model, task=TASK)
+    norm = next(r for r in proofs.records if r.op == "layer_norm_rows")
+    assert norm.reason.startswith("its proof hung: no answer within 20 s in a fresh process") and not norm.proven
+    assert proofs.proven("attention") and proofs.proven("linear")
+    assert time.perf_counter() - started < 120
+
+
+def test_a_python_error_in_the_child_is_one_line(monkeypatch, proof_sandbox, model):
+    real = pp.run_proof_child
+    monkeypatch.setattr(pp, "run_proof_child",
+                        lambda task, *a, **kw: real(task, *a[:4], {**a[4], "die_at": "linear", "how": "raise"}, **kw))
+    with pytest.raises(KKError, match=r"^the kernel proof failed in a fresh process: ValueError: the fake linear "
+                                      r"kernel broke$"):
+        prove(model, task=TASK)
+
+
+def test_proofs_run_in_a_child_on_cuda_only_unless_switched_off(monkeypatch):
+    assert pp.isolation_wanted("cuda") and not pp.isolation_wanted("cpu")
+    monkeypatch.setenv("KKDEPLOY_PROOF_PROCESS", "0")
+    assert not pp.isolation_wanted("cuda")
+
+
+def test_refused_op_shapes_run_nothing_and_the_others_are_named_before_they_run(monkeypatch, proof_sandbox, model):
+    fakes = FakeKernels(monkeypatch)
+    named = []
+    key = mp.op_key("attention", fa.proof_shape(4, 8, 8, True))
+    proofs = mp.prove_model_kernels(model, CONFIG, torch.float16, CPU, refusals={key: "it faulted"},
+                                    on_op=named.append)
+    assert named == [mp.op_key(kind, shape) for kind, _, shape in mp.kernel_op_shapes(CONFIG, mp.KINDS)][1:]
+    assert proofs.records[0].reason == "it faulted" and not proofs.records[0].proven
+    assert not any(launch in fa.LAUNCHES for launch in fakes.calls)  # no attention launch ran
