@@ -137,3 +137,17 @@ def test_without_polygraphy_env_says_so_and_a_build_refuses_in_one_line(tmp_path
                             "--out", str(tmp_path / "b")], capture_output=True, text=True, env=environ, timeout=300)
     assert built.returncode == 2 and "Traceback" not in built.stderr
     assert "needs the Python package 'polygraphy'" in built.stderr and not (tmp_path / "b").exists()
+
+
+def test_it_says_where_proofs_run_and_that_switching_the_child_off_on_a_gpu_is_a_risk(monkeypatch):
+    import torch
+
+    assert "calling process (cpu" in env.proof_checks(torch.device("cpu"))[1].detail
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Test GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    child = env.proof_checks(torch.device("cuda", 0))[1]
+    assert child.status == env.OK and child.detail.startswith("in a spawned child: a kernel that faults")
+    monkeypatch.setenv("KKDEPLOY_PROOF_PROCESS", "0")
+    off = env.proof_checks(torch.device("cuda", 0))[1]
+    assert off.status == env.OFF and "ends the build; unset it" in off.detail

@@ -147,7 +147,18 @@ def proof_checks(device: torch.device) -> list[Check]:
         what = ", ".join(f"{k} {v}" for k, v in key.items() if k != "device_type")
         return None, f"{root}: {records} record(s); this environment: {what}"
 
-    return [_asked("proofs", "proof cache", cache)]
+    def where():
+        from ..kernels.proof_process import isolation_wanted
+
+        if isolation_wanted(device):
+            return None, ("in a spawned child: a kernel that faults refuses its op shape and the build goes on "
+                          "(KKDEPLOY_PROOF_PROCESS=0: in the calling process)")
+        if device.type == "cuda":
+            return ("KKDEPLOY_PROOF_PROCESS=0: proofs run in the calling process, where a kernel that faults ends "
+                    "the build; unset it"), ""
+        return None, f"in the calling process ({device.type}: no CUDA kernel runs there to fault)"
+
+    return [_asked("proofs", "proof cache", cache), _asked("proofs", "where proofs run", where)]
 
 
 #: the CUDA driver calls the in-process backend's native route makes (serving/csrc/kkdeploy_backend.cc, CudaDriver)
