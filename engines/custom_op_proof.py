@@ -21,6 +21,7 @@ is no float32 CUDA kernel; those candidates are judged by validation alone (``pr
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -157,10 +158,11 @@ def library_environment(device, library: Path) -> dict:
 
 
 def prove_custom_ops(cases: list[OpCase], run_node: Callable[[OpCase], torch.Tensor], device, environment: dict,
-                     budget_s: float = BUDGET_S) -> list[ProofRecord]:
+                     budget_s: float = BUDGET_S, on_op: Optional[Callable[[str], None]] = None) -> list[ProofRecord]:
     """One record per op shape: ``run_node(case)`` (the node alone, in a session) against the ATen op, bit for bit.
     A proof already made in this environment at an op shape (this process, or the disk cache) is reused, as the
-    kernel proofs are. ``run_node`` is a parameter so that the proof's logic is tested without a GPU."""
+    kernel proofs are. ``run_node`` is a parameter so that the proof's logic is tested without a GPU. ``on_op`` gets
+    each op shape's key (``shape_key``) before its node runs (the proving child's progress)."""
     groups: dict[tuple, list[OpCase]] = {}
     for case in cases:
         groups.setdefault(tuple(sorted(shape_of(case).items())), []).append(case)
@@ -169,6 +171,8 @@ def prove_custom_ops(cases: list[OpCase], run_node: Callable[[OpCase], torch.Ten
         shape = dict(key)
         op = f"custom-op {shape['op']}"
         record = lookup_proof(environment, op, shape)
+        if record is None and on_op:
+            on_op(shape_key(shape))
         if record is None:
             proof_cases = [ProofCase(c.label, reference=lambda c=c: c.reference, run=lambda launch, c=c: run_node(c))
                            for c in group]
@@ -179,13 +183,43 @@ def prove_custom_ops(cases: list[OpCase], run_node: Callable[[OpCase], torch.Ten
     return records
 
 
+def shape_key(shape: dict) -> str:
+    """An op shape of the library's as a string (the proving child names it before its node runs)."""
+    return json.dumps(shape, sort_keys=True)
+
+
 def refusal_of(records: list[ProofRecord]) -> Optional[str]:
-    """Why a candidate with these ops may not be built (the first op shape that is not bit-identical), or None."""
+    """Why a candidate with these ops may not be built (the first op shape that is not bit-identical, or whose proof
+    ended its process), or None."""
     for record in records:
         if not record.proven:
             shape = ", ".join(f"{k}={v}" for k, v in record.shape.items() if k not in ("op", "dtype"))
-            return f"kkdeploy::{record.shape['op']} ({shape}) is not bit-identical to ATen here: {record.reason}"
+            verdict = "could not be proven here" if record.reason.startswith("its proof ") else \
+                "is not bit-identical to ATen here"
+            return f"kkdeploy::{record.shape.get('op', 'op')} ({shape}) {verdict}: {record.reason}"
     return None
+
+
+def library_proof_task(model, config, dtype, device, args: dict, report) -> dict:
+    """The proof of the library's ops at ``model``'s op shapes, run in a child (``kkdeploy.kernels.proof_process``):
+    a CUDA kernel of ours that faults ends that child, not the build."""
+    records = prove_library_ops(model, config, dtype, device, args, lambda key: report(key, f"proving {key}"))
+    return {"records": [r.to_dict() for r in records]}
+
+
+def prove_library_ops(model, config, dtype, device, args: dict, on_op=None, run_node=None) -> list[ProofRecord]:
+    """``args``: the library's path, the validation seed and padding ratio, the packed Q|K|V flag and the ops in the
+    graph; ``run_node`` replaces the one-node sessions (tests)."""
+    library = Path(args["library"])
+    cases = model_cases(model, config, dtype, device, args["seed"], args["padding_ratio"],
+                        packed_qkv=args["packed_qkv"], ops=args["ops"])
+    sessions = NodeSessions(library, device) if run_node is None else None
+    try:
+        return prove_custom_ops(cases, run_node or sessions.run, device, library_environment(device, library),
+                                on_op=on_op)
+    finally:
+        if sessions is not None:
+            sessions.close()
 
 
 class NodeSessions:

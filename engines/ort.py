@@ -339,23 +339,39 @@ def custom_ops_library(ctx: BuildContext) -> Path | None:
 def custom_op_proofs(ctx: BuildContext, library: Path) -> tuple[list | None, str | None]:
     """(the records, why the candidate may not be built) of the library's ops at this model's op shapes, proven once
     per build (``engines.custom_op_proof``); (None, None) where nothing is proven (the CPU, float32)."""
-    from .custom_op_proof import (NodeSessions, library_environment, model_cases, ops_in_graph, proof_refusal,
-                                  prove_custom_ops, refusal_of)
+    from kkdeploy.kernels.proof_process import isolation_wanted
+
+    from .custom_op_proof import ops_in_graph, proof_refusal, prove_library_ops, refusal_of
 
     if proof_refusal(ctx.device, ctx.dtype) is not None or ctx.export_options is None:
         return None, None
     if ctx.custom_op_proofs is None:
         plan = ctx.validation_plan or {}
-        cases = model_cases(ctx.model, ctx.config, ctx.dtype, ctx.device, plan.get("seed", 1234),
-                            plan.get("padding_ratio", 0.25), packed_qkv=ctx.export_options.qkv == "packed",
-                            ops=ops_in_graph(ctx.export_options))
-        sessions = NodeSessions(library, ctx.device)
-        try:
-            records = prove_custom_ops(cases, sessions.run, ctx.device, library_environment(ctx.device, library))
-        finally:
-            sessions.close()
-        ctx.custom_op_proofs = records
+        args = {"library": str(library), "seed": plan.get("seed", 1234),
+                "padding_ratio": plan.get("padding_ratio", 0.25), "packed_qkv": ctx.export_options.qkv == "packed",
+                "ops": ops_in_graph(ctx.export_options)}
+        ctx.custom_op_proofs = prove_library_ops_isolated(ctx, args) if isolation_wanted(ctx.device) else \
+            prove_library_ops(ctx.model, ctx.config, ctx.dtype, ctx.device, args)
     return [r.to_dict() for r in ctx.custom_op_proofs], refusal_of(ctx.custom_op_proofs)
+
+
+def prove_library_ops_isolated(ctx: BuildContext, args: dict) -> list:
+    """The library's proof in a spawned child (``kkdeploy.kernels.proof_process``): a CUDA kernel of ours that faults
+    ends the child, and the op shape it was proving gets a record saying so (the candidates that use it are skipped;
+    the build goes on). The build's process adopts the records the child made."""
+    from kkdeploy.kernels.proof import ProofRecord, remember_proof
+    from kkdeploy.kernels.proof_process import OK, run_proof_child
+
+    outcome = run_proof_child("engines.custom_op_proof:library_proof_task", ctx.model, ctx.config, ctx.dtype,
+                              ctx.device, args)
+    if outcome.status != OK:
+        shape = json.loads(outcome.culprit) if outcome.culprit else {"op": "+".join(args["ops"]) or "op"}
+        return [ProofRecord(op=f"custom-op {shape.get('op')}", shape=shape, environment={},
+                            reason=f"its proof {outcome.reason} in a fresh process")]
+    records = [ProofRecord.from_dict(data) for data in outcome.answer["records"]]
+    for record in records:
+        remember_proof(record, persist=False)  # the child cached the conclusive ones on disk
+    return records
 
 
 def library_record_path(library: Path) -> Path:

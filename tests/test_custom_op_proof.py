@@ -149,3 +149,45 @@ def test_one_node_sessions_run_each_op_with_the_real_library(model, dtype):
     finally:
         sessions.close()
         model.to(torch.float32)
+
+
+def test_on_a_gpu_the_library_is_proven_in_a_fresh_process_and_a_dead_child_skips_its_candidates(
+        model, monkeypatch, proof_sandbox, tmp_path):
+    """The library's CUDA kernels are ours: one that faults ends the proving child, not the build. The op shape it
+    was proving gets a record saying so, which skips the candidates that use it; records the child made are adopted."""
+    from engines import ort as ort_engine
+    from kkdeploy.kernels import proof_process as pp
+
+    named = []
+    exact = lambda case: cop.reference_output(case.op, case.inputs, case.attrs)  # noqa: E731
+    args = {"library": str(tmp_path / "lib.so"), "seed": 1234, "padding_ratio": 0.25, "packed_qkv": False,
+            "ops": ["Linear", "LayerNorm", "Gelu"]}
+    (tmp_path / "lib.so").write_bytes(b"a library")
+    records = cop.prove_library_ops(model, CONFIG, torch.float32, "cpu", args, on_op=named.append, run_node=exact)
+    assert named == [cop.shape_key(r.shape) for r in records] and all(r.proven for r in records)
+    cop.prove_library_ops(model, CONFIG, torch.float32, "cpu", args, on_op=named.append, run_node=exact)
+    assert len(named) == len(records)  # proven already here: nothing runs, nothing is named
+
+    ctx = BuildContext(CONFIG, torch.float16, torch.device("cpu"), model, tmp_path,
+                       export_options=ExportOptions(linear="custom"), validation_plan={"seed": 7})
+    monkeypatch.setattr(cop, "proof_refusal", lambda device, dtype: None)
+    monkeypatch.setattr(pp, "isolation_wanted", lambda device: True)
+    culprit = cop.shape_key({"op": "Linear", "m": 16, "n": 48, "k": 16, "dtype": "torch.float16"})
+    asked = []
+
+    def dead(task, *a, **kw):
+        asked.append((task, a[4]))
+        return pp.ChildOutcome(pp.FAULTED, None, "faulted: AcceleratorError: CUDA error: an illegal memory access "
+                               "was encountered", culprit, 2.0)
+
+    monkeypatch.setattr(pp, "run_proof_child", dead)
+    proofs, refusal = ort_engine.custom_op_proofs(ctx, tmp_path / "lib.so")
+    assert asked[0][0] == "engines.custom_op_proof:library_proof_task" and asked[0][1]["seed"] == 7
+    assert refusal == ("kkdeploy::Linear (k=16, m=16, n=48) could not be proven here: its proof faulted: "
+                       "AcceleratorError: CUDA error: an illegal memory access was encountered in a fresh process")
+    assert ort_engine.custom_op_proofs(ctx, tmp_path / "lib.so")[1] == refusal and len(asked) == 1  # once a build
+    ctx.custom_op_proofs = None
+    made = [r.to_dict() for r in records]
+    monkeypatch.setattr(pp, "run_proof_child", lambda *a, **kw: pp.ChildOutcome(pp.OK, {"records": made}, "", None, 1))
+    proofs, refusal = ort_engine.custom_op_proofs(ctx, tmp_path / "lib.so")
+    assert refusal is None and proofs == made

@@ -105,7 +105,8 @@ def run_proof_child(task: str, model, config: TransformerConfig, dtype: torch.dt
         with open(paths[3], "wb") as log:
             child = subprocess.Popen([sys.executable, "-m", "kkdeploy.kernels.proof_process", *map(str, paths[:3])],
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                                     start_new_session=True,
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
             returncode = None
             while returncode is None:
                 try:
