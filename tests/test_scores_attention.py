@@ -193,6 +193,50 @@ def test_a_loaded_artifact_adopts_both_proofs_or_makes_the_missing_one(monkeypat
     forget_proofs()
 
 
+
+def test_on_a_gpu_the_long_context_proofs_run_in_a_child_and_a_dead_one_leaves_aten_s_paths(monkeypatch, tmp_path):
+    """Shape 14's kernels are ours too: a fault while proving them ends the proving child, not the build or the
+    server; both kernels then run ATen's paths with the reason (the scores kernels are proven on the block softmax's
+    choice). What a child proved is adopted by the calling process."""
+    import kkdeploy.kernels.scores_attention as sa
+    import kkdeploy.pipeline.long_context_plan as plan
+    from kkdeploy.kernels import proof_process as pp
+    from kkdeploy.kernels.proof import ProofRecord, forget_proofs, lookup_proof
+
+    monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
+    config = TransformerConfig(2, 64, 32, 2, 32, 1)
+    model = LongContextTransformer(config, query_tile=16)
+    monkeypatch.setattr(pp, "isolation_wanted", lambda device: True)
+    asked = []
+
+    def dead(task, model_, config_, dtype, device, args, **kw):
+        asked.append((task, args))
+        return pp.ChildOutcome(pp.CRASHED, None, "crashed: SIGSEGV (signal 11)", "block_softmax", 3.0)
+
+    monkeypatch.setattr(pp, "run_proof_child", dead)
+    records = plan.prove_long_context_kernels_isolated(model, config, torch.float16, "cuda", seed=7,
+                                                       padding_ratio=0.25)
+    assert asked == [("kkdeploy.pipeline.long_context_plan:long_context_proof_task",
+                      {"query_tile": 16, "seed": 7, "padding_ratio": 0.25, "budget_s": 60.0})]
+    assert [r["op"] for r in records] == ["block_softmax", sa.OP] and not any(r["chosen"] for r in records)
+    assert records[0]["reason"] == ("the long-context kernels' proof crashed: SIGSEGV (signal 11) in a fresh process "
+                                    "(proving block_softmax), so ATen's paths run")
+    made = ProofRecord(op=sa.OP, shape=sa.proof_shape(64, 2, 16), environment={"device": "gpu"}, chosen="m128")
+    monkeypatch.setattr(pp, "run_proof_child", lambda *a, **kw: pp.ChildOutcome(
+        pp.OK, {"records": [{"op": "block_softmax", "chosen": None, "reason": "not here"}, made.to_dict()]}, "",
+        None, 1.0))
+    forget_proofs()
+    records = plan.prove_long_context_kernels_isolated(model, config, torch.float16, "cuda", seed=7,
+                                                       padding_ratio=0.25)
+    assert records[1] == made.to_dict() and lookup_proof({"device": "gpu"}, sa.OP, made.shape) == made
+    forget_proofs()
+    # the child's side builds the long-context model on the weights it was given and proves with them
+    reports = []
+    answer = plan.long_context_proof_task(ReferenceTransformer(config), config, torch.float32, torch.device("cpu"),
+                                          {"query_tile": 16, "seed": 7, "padding_ratio": 0.25, "budget_s": 5.0},
+                                          lambda key, message: reports.append(key))
+    assert [r["op"] for r in answer["records"]] == ["block_softmax", sa.OP] and reports == []  # the CPU runs none
+
 INTERPRETED = textwrap.dedent("""
     import json, numpy as np, torch
     from kkdeploy.kernels._scores_softmax_triton import scores_softmax

@@ -293,7 +293,7 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
     caller's to write.
     """
     from .long_context_plan import (DEFAULT_FULL_LENGTH_BATCH, DEFAULT_FULL_LENGTH_BUDGET_S,
-                                    DEFAULT_FULL_LENGTH_TRIALS, prove_long_context_kernels)
+                                    DEFAULT_FULL_LENGTH_TRIALS, prove_long_context_kernels_isolated)
 
     dtype = parse_dtype(dtype)
     device = resolve_device(device)
@@ -306,8 +306,8 @@ def build_long_context(config: TransformerConfig, dtype, device, out_dir=None, *
     validated = reduced_config(config, seq_len=seq_len)
     _, prover = build_validation_models(config, dtype, device, weights=weights, weight_seed=weight_seed,
                                         query_tile=query_tile, sdpa_layers=0)
-    proofs = prove_long_context_kernels(prover, config, dtype, device, seed=seed, padding_ratio=padding_ratio,
-                                       budget_s=proof_budget_s)
+    proofs = prove_long_context_kernels_isolated(prover, config, dtype, device, seed=seed,
+                                                 padding_ratio=padding_ratio, budget_s=proof_budget_s)
     del prover
 
     def validate(shape, sdpa_layers, stage, stage_trials, modes):

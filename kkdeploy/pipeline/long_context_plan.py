@@ -237,12 +237,49 @@ def scores_proof_cases(model: LongContextTransformer, config: TransformerConfig,
     return cases, layer
 
 
+def prove_long_context_kernels_isolated(model: LongContextTransformer, config: TransformerConfig, dtype, device, *,
+                                        seed: int, padding_ratio: float, budget_s: float = 60.0) -> list[dict]:
+    """``prove_long_context_kernels`` in a spawned child on a GPU (``kernels.proof_process``): a kernel that faults
+    ends the child, and both kernels then run ATen's paths with a record saying why (the scores kernels are proven
+    on the block softmax's choice, so neither is trusted alone); the build goes on. Elsewhere, in this process."""
+    from ..kernels.proof import ProofRecord, remember_proof
+    from ..kernels.proof_process import OK, isolation_wanted, run_proof_child
+    from ..kernels.scores_attention import OP as SCORES_OP
+
+    if not isolation_wanted(device):
+        return prove_long_context_kernels(model, config, dtype, device, seed=seed, padding_ratio=padding_ratio,
+                                          budget_s=budget_s)
+    args = {"query_tile": model.query_tile, "seed": seed, "padding_ratio": padding_ratio, "budget_s": budget_s}
+    outcome = run_proof_child(f"{__name__}:long_context_proof_task", model, config, dtype, device, args)
+    if outcome.status != OK:
+        where = f" (proving {outcome.culprit})" if outcome.culprit else ""
+        reason = f"the long-context kernels' proof {outcome.reason} in a fresh process{where}, so ATen's paths run"
+        return [{"op": "block_softmax", "chosen": None, "reason": reason},
+                {"op": SCORES_OP, "chosen": None, "reason": reason}]
+    for data in outcome.answer["records"]:
+        if "environment" in data:  # a proof made there; this process knows it now (the child cached it on disk)
+            remember_proof(ProofRecord.from_dict(data), persist=False)
+    return outcome.answer["records"]
+
+
+def long_context_proof_task(model, config: TransformerConfig, dtype, device, args: dict, report) -> dict:
+    """The child's side: the long-context model on the weights it was given, then its kernels' proofs."""
+    prover = LongContextTransformer(config, query_tile=args["query_tile"], sdpa_layers=0)
+    prover.load_state_dict(model.state_dict(), strict=True)
+    prover = prover.to(device=device, dtype=dtype).eval()
+    return {"records": prove_long_context_kernels(prover, config, dtype, device, seed=args["seed"],
+                                                  padding_ratio=args["padding_ratio"], budget_s=args["budget_s"],
+                                                  on_kernel=lambda op: report(op, f"proving {op}"))}
+
+
 def prove_long_context_kernels(model: LongContextTransformer, config: TransformerConfig, dtype, device, *,
-                               seed: int, padding_ratio: float, budget_s: float = 60.0) -> list[dict]:
+                               seed: int, padding_ratio: float, budget_s: float = 60.0,
+                               on_kernel=None) -> list[dict]:
     """The long-context kernels' proofs at this model's op shapes, made now on its own weights: the block softmax
     (rows of S keys, heads x query tile per launch), then the scores-attention kernels (rows of S keys, H heads of
     Dh), which run instead where they are bit-identical and faster. Returns the records (``ProofRecord.to_dict``);
-    where a kernel cannot run, its record's reason says why and nothing is proven."""
+    where a kernel cannot run, its record's reason says why and nothing is proven. ``on_kernel(op)`` is called
+    before a kernel's launches run (the proving child's progress)."""
     from ..kernels import scores_attention
     from ..kernels.block_softmax import kernel_refusal, prove_block_softmax
 
@@ -255,6 +292,8 @@ def prove_long_context_kernels(model: LongContextTransformer, config: Transforme
     if kernel_refusal(device, dtype):
         block = prove_block_softmax(device, [], config.seq_len, rows)
     else:
+        if on_kernel:
+            on_kernel("block_softmax")
         cases, timing_case = proof_cases(model, config, dtype, device, seed=seed, padding_ratio=padding_ratio,
                                          query_tile=model.query_tile)
         block = prove_block_softmax(device, cases, config.seq_len, rows, budget_s=budget_s, timing_case=timing_case)
@@ -266,6 +305,8 @@ def prove_long_context_kernels(model: LongContextTransformer, config: Transforme
     if scores_attention.kernel_refusal(device, dtype, config.seq_len, head_dim):
         scores = scores_attention.prove_scores_attention(device, [], config.seq_len, config.num_heads, head_dim)
     else:
+        if on_kernel:
+            on_kernel(scores_attention.OP)
         cases, layer = scores_proof_cases(model, config, dtype, device, seed=seed, padding_ratio=padding_ratio,
                                           query_tile=model.query_tile, block_launch=block.chosen)
         scores = scores_attention.prove_scores_attention(device, cases, config.seq_len, config.num_heads, head_dim,

@@ -186,10 +186,10 @@ def adopt_long_context_proofs(root: Path, manifest: dict, model, config: Transfo
         else:
             adopted[op] = record
     if missing:
-        from .long_context_plan import prove_long_context_kernels
+        from .long_context_plan import prove_long_context_kernels_isolated
 
         validation = manifest.get("validation") or {}
-        for proof in prove_long_context_kernels(
+        for proof in prove_long_context_kernels_isolated(  # on a GPU in a child: a fault must not end the server
                 model, config, dtype, device, seed=int(validation.get("seed", DEFAULT_SEED)),
                 padding_ratio=float(validation.get("padding_ratio") or DEFAULT_PADDING_RATIO)):
             if proof.get("op") in missing and proof.get("environment"):
