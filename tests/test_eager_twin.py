@@ -76,3 +76,18 @@ def test_the_build_records_the_skip_and_never_compiles_the_candidate(tmp_path, m
     print_summary(manifest, tmp_path / "out")
     cells = "".join(capsys.readouterr().out.replace("│", " ").split())
     assert f"itseagertwin{FALLBACK}-sdpa1failed(" in cells  # the summary table says why nothing was compiled
+
+
+def test_a_reason_the_table_cuts_is_printed_whole_below_it(tmp_path, capsys):
+    from kkdeploy.pipeline import build as build_module
+
+    reason = ("build failed: KKError: cached_mdiv_split_w8_regs is not bit-identical to the reference's ops: qkv0 "
+              "differs in 3 elements (seed 1234, padding 0.0)")
+    manifest = {"choice": {"candidate": FALLBACK, "reason": "no candidate passed the validation gate"},
+                "fallback": {"latency": {"median_ms": 1.5}},
+                "candidates": [{"name": "layer-graph-split", "status": "build-failed", "reason": reason},
+                               {"name": "trt", "status": "unavailable", "reason": "unavailable: no tensorrt"}]}
+    assert build_module.full_reasons(manifest) == [f"layer-graph-split: {reason}"]  # a short one stays in the table
+    build_module.print_summary(manifest, tmp_path / "out")
+    out = capsys.readouterr().out
+    assert f"why, in full:\n  layer-graph-split: {reason}\n" in out and "trt: unavailable" not in out

@@ -593,6 +593,17 @@ def plot_latency(path: Path, latencies: dict, chosen: str) -> None:
     plt.close(fig)
 
 
+#: the summary table's reason column: longer reasons are cut there and printed whole below it (``full_reasons``)
+REASON_CHARS = 70
+
+
+def full_reasons(manifest: dict) -> list[str]:
+    """"name: reason" for every candidate whose reason the table cut: a failed proof names its part and element
+    count only at the end of the sentence."""
+    return [f"{c['name']}: {c['reason']}" for c in manifest["candidates"]
+            if c["status"] not in (PASSED, "fallback") and len(c.get("reason") or "") > REASON_CHARS]
+
+
 def summary_table(manifest: dict):
     rows = []
     chosen = manifest["choice"]["candidate"]
@@ -604,7 +615,7 @@ def summary_table(manifest: dict):
             v.get("failed_elements", "-"), _fmt(v.get("max_abs")),
             f"{lat['median_ms']:.3f}" if lat else "-",
             "yes" if c["name"] == chosen else "",
-            (c.get("reason") or "")[:70] if c["status"] not in (PASSED, "fallback") else "",
+            (c.get("reason") or "")[:REASON_CHARS] if c["status"] not in (PASSED, "fallback") else "",
         ])
     return table("Candidates", ["candidate", "recipe", "status", "failed elements", "max abs", "median ms", "chosen",
                                 "reason"], rows)
@@ -658,6 +669,10 @@ def proofs_table(manifest: dict):
 
 def print_summary(manifest: dict, out: Path) -> None:
     console.print(summary_table(manifest))
+    reasons = full_reasons(manifest)
+    if reasons:
+        console.print("why, in full:\n" + "\n".join(f"  {line}" for line in reasons), soft_wrap=True, markup=False,
+                      highlight=False)
     proofs = proofs_table(manifest)
     if proofs is not None:
         console.print(proofs)
