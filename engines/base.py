@@ -54,6 +54,9 @@ class BuildContext:
     # Where a builder may leave the runner it compiled, by candidate name, for the pipeline to validate and time
     # instead of loading the artifact again; None: a builder closes what it compiled (``keep_or_close``).
     built_runners: dict[str, Any] | None = None
+    # What a builder reports while it works (the proof step's op shapes, as they are proven); the pipeline shows it
+    # on the build's progress bar. None: nobody is watching.
+    progress: Callable[[str], None] | None = None
 
     def keep_or_close(self, name: str, runner) -> None:
         """Hand ``runner`` (compiled for candidate ``name``) to the pipeline where it takes it, else close it now."""

@@ -352,7 +352,8 @@ class TorchCompileBackend(Backend):
                 raise CandidateSkipped(why)
             if kernel_kinds(candidate):
                 siblings = tuple(self.candidates(ctx))
-                proofs = prove_candidate_kernels(candidate, ctx.model, ctx.config, ctx.dtype, device, siblings)
+                proofs = prove_candidate_kernels(candidate, ctx.model, ctx.config, ctx.dtype, device, siblings,
+                                                 progress=ctx.progress)
                 recipe.update({"kernel_proofs": proofs.to_list(), "proof_seconds": proofs.seconds,
                                "proof_phases": proofs.phases, "proofs_reused": proofs.reused})
             runner = CompiledRunner(ctx.model, ctx.config, ctx.dtype, device, name=candidate, cuda_graph=cuda_graph)

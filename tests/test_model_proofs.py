@@ -151,10 +151,13 @@ def test_on_a_machine_without_our_kernels_the_candidates_are_skipped_with_the_re
     """The CPU: every kernel op refuses, so an our-kernel candidate would be plain ATen: not built, and the
     manifest's entry says why (the end-to-end build summary shows it)."""
     model = build_models(CONFIG, torch.float32, CPU)[0]
-    ctx = BuildContext(CONFIG, torch.float32, CPU, model, tmp_path, options={"torch_compile_candidates": [GEMMS]})
+    shown = []
+    ctx = BuildContext(CONFIG, torch.float32, CPU, model, tmp_path, options={"torch_compile_candidates": [GEMMS]},
+                       progress=shown.append)
     result = BACKEND.build(ctx, GEMMS)
     assert result.status == SKIPPED and result.reason.startswith("skipped: none of its kernel ops is proven")
     assert "cpu device" in result.reason and not result.files
+    assert shown and all(line.startswith("proving ") for line in shown)  # the build's bar shows each op shape
 
 
 def test_the_build_summary_lists_each_proven_op_shape_once(monkeypatch, proof_sandbox, model):

@@ -185,6 +185,7 @@ def build_candidates(request: BuildRequest, ctx: BuildContext, bar,
     for user_name in request.backends:
         key, only, exact = backend_choice(user_name)
         bar.describe(f"build {user_name}")
+        ctx.progress = lambda text, user_name=user_name: bar.describe(f"build {user_name}: {text}")
         try:
             backend = get_backend(key)
         except ImportError as exc:
