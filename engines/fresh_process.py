@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,8 @@ import torch
 
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import error_summary
-from kkdeploy.processes import kill_group, signal_reason  # noqa: F401 - signal_reason: the probe's callers
+# signal_reason: re-exported for the probe's callers
+from kkdeploy.processes import adopt_sys_path, kill_group, signal_reason, spawn_python  # noqa: F401
 
 OK, CRASHED, HUNG, FAILED = "ok", "load-crashed", "load-hung", "load-failed"
 DEFAULT_TIMEOUT_S = 600.0  # a CUDA engine may compile or deserialize for minutes; a hang is longer than that
@@ -87,9 +87,7 @@ def probe(module: str, artifact_dir: Path, entry: dict, config: TransformerConfi
         req_path, res_path, log_path = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "child.log"
         req_path.write_text(json.dumps(request))
         with open(log_path, "wb") as log:
-            child = subprocess.Popen([sys.executable, "-m", "engines.fresh_process", str(req_path), str(res_path)],
-                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            child = spawn_python("engines.fresh_process", [str(req_path), str(res_path)], log)
             try:
                 returncode = child.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -113,9 +111,7 @@ def probe(module: str, artifact_dir: Path, entry: dict, config: TransformerConfi
 
 def _child(request_path: str, result_path: str) -> int:
     request = json.loads(Path(request_path).read_text())
-    for entry in reversed(request["sys_path"]):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
+    adopt_sys_path(request["sys_path"])
     from kkdeploy.config import parse_dtype, tf32_mode
 
     from . import import_backend

@@ -359,8 +359,8 @@ def prove_library_ops_isolated(ctx: BuildContext, args: dict) -> list:
     """The library's proof in a spawned child (``kkdeploy.kernels.proof_process``): a CUDA kernel of ours that faults
     ends the child, and the op shape it was proving gets a record saying so (the candidates that use it are skipped;
     the build goes on). The build's process adopts the records the child made."""
-    from kkdeploy.kernels.proof import ProofRecord, remember_proof
-    from kkdeploy.kernels.proof_process import OK, run_proof_child
+    from kkdeploy.kernels.proof import ProofRecord
+    from kkdeploy.kernels.proof_process import OK, adopt_records, run_proof_child
 
     outcome = run_proof_child("engines.custom_op_proof:library_proof_task", ctx.model, ctx.config, ctx.dtype,
                               ctx.device, args)
@@ -368,10 +368,7 @@ def prove_library_ops_isolated(ctx: BuildContext, args: dict) -> list:
         shape = json.loads(outcome.culprit) if outcome.culprit else {"op": "+".join(args["ops"]) or "op"}
         return [ProofRecord(op=f"custom-op {shape.get('op')}", shape=shape, environment={},
                             reason=f"its proof {outcome.reason} in a fresh process")]
-    records = [ProofRecord.from_dict(data) for data in outcome.answer["records"]]
-    for record in records:
-        remember_proof(record, persist=False)  # the child cached the conclusive ones on disk
-    return records
+    return adopt_records(outcome.answer["records"])
 
 
 def library_record_path(library: Path) -> Path:

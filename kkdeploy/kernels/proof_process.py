@@ -37,7 +37,7 @@ import torch
 
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError, error_summary
-from kkdeploy.processes import kill_group, signal_reason
+from kkdeploy.processes import adopt_sys_path, kill_group, signal_reason, spawn_python
 
 #: the default child task: ``prove_model_kernels`` (``module:function``; a test names its own)
 MODEL_KERNELS_TASK = "kkdeploy.kernels.proof_process:model_kernels_task"
@@ -103,10 +103,7 @@ def run_proof_child(task: str, model, config: TransformerConfig, dtype: torch.dt
                     progress(entry["message"])
 
         with open(paths[3], "wb") as log:
-            child = subprocess.Popen([sys.executable, "-m", "kkdeploy.kernels.proof_process", *map(str, paths[:3])],
-                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True,
-                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            child = spawn_python("kkdeploy.kernels.proof_process", [str(p) for p in paths[:3]], log)
             returncode = None
             while returncode is None:
                 try:
@@ -135,6 +132,21 @@ def run_proof_child(task: str, model, config: TransformerConfig, dtype: torch.dt
         return ChildOutcome(OK, answer["result"], "", culprit, seconds)
 
 
+def adopt_records(records: list[dict]) -> list:
+    """A child's proof records (``ProofRecord.to_dict``) known to this process from now on: the child cached the
+    conclusive ones on disk, and a sibling candidate's proof finds them all without a child of its own. Entries that
+    are not records (a refusal without an environment) are left alone."""
+    from .proof import ProofRecord, remember_proof
+
+    adopted = []
+    for data in records:
+        if "environment" in data:
+            record = ProofRecord.from_dict(data)
+            remember_proof(record, persist=False)
+            adopted.append(record)
+    return adopted
+
+
 def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.dtype, device: torch.device | str,
                                  kinds: Iterable[str], *, reuse: bool = True, cache_dir: Optional[Path] = None,
                                  seed: Optional[int] = None, compile_workers: Optional[int] = None,
@@ -144,7 +156,7 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
     """``model_proofs.prove_model_kernels`` with its launches run in a child (``isolate``: default on CUDA), the op
     shapes whose proof took a child down refused; returns a ``ModelProofs`` as the in-process proof does."""
     from .model_proofs import ModelProofs, _environment, _op, kernel_op_shapes, op_key, prove_model_kernels
-    from .proof import ProofCache, ProofRecord, lookup_proof, remember_proof
+    from .proof import ProofCache, lookup_proof
 
     device = torch.device(device)
     cache = ProofCache(cache_dir) if cache_dir is not None else None
@@ -183,9 +195,7 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
         else:
             reason = f"the proof {outcome.reason} in a fresh process before naming an op shape, so ATen runs it"
             refusals.update({op_key(k, s): reason for k, _, s in shapes if op_key(k, s) not in refusals})
-    records = [ProofRecord.from_dict(data) for data in answer["records"]]
-    for record in records:  # the child cached the conclusive ones on disk; this process knows them all now
-        remember_proof(record, cache=cache, persist=False)
+    records = adopt_records(answer["records"])
     reused = set(answer.get("reused", ()))
     proofs = ModelProofs(records, round(time.perf_counter() - start, 3),
                          [r for i, r in enumerate(records) if i in reused], dict(answer.get("phases") or {}))
@@ -224,9 +234,7 @@ def synchronize(device: torch.device) -> None:
 
 def _child(request_path: str, result_path: str, progress_path: str) -> int:
     request = json.loads(Path(request_path).read_text())
-    for entry in reversed(request["sys_path"]):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
+    adopt_sys_path(request["sys_path"])
     import importlib
 
     from kkdeploy.config import parse_dtype

@@ -242,8 +242,7 @@ def prove_long_context_kernels_isolated(model: LongContextTransformer, config: T
     """``prove_long_context_kernels`` in a spawned child on a GPU (``kernels.proof_process``): a kernel that faults
     ends the child, and both kernels then run ATen's paths with a record saying why (the scores kernels are proven
     on the block softmax's choice, so neither is trusted alone); the build goes on. Elsewhere, in this process."""
-    from ..kernels.proof import ProofRecord, remember_proof
-    from ..kernels.proof_process import OK, isolation_wanted, run_proof_child
+    from ..kernels.proof_process import OK, adopt_records, isolation_wanted, run_proof_child
     from ..kernels.scores_attention import OP as SCORES_OP
 
     if not isolation_wanted(device):
@@ -256,9 +255,7 @@ def prove_long_context_kernels_isolated(model: LongContextTransformer, config: T
         reason = f"the long-context kernels' proof {outcome.reason} in a fresh process{where}, so ATen's paths run"
         return [{"op": "block_softmax", "chosen": None, "reason": reason},
                 {"op": SCORES_OP, "chosen": None, "reason": reason}]
-    for data in outcome.answer["records"]:
-        if "environment" in data:  # a proof made there; this process knows it now (the child cached it on disk)
-            remember_proof(ProofRecord.from_dict(data), persist=False)
+    adopt_records(outcome.answer["records"])
     return outcome.answer["records"]
 
 
