@@ -156,15 +156,16 @@ def prove_in_fresh_process(model, config: TransformerConfig, dtype: torch.dtype,
 
 
 def make_runner(model, config: TransformerConfig, dtype: torch.dtype, device: torch.device, candidate: str,
-                seed: int):
+                seed: int, proven: dict | None = None):
     """(runner, proof record): the launches proven on this machine, then captured in a CUDA graph. Raises a
-    one-line KKError when the proof finds a differing element."""
+    one-line KKError when the proof finds a differing element. ``proven``: the record a fresh process just made
+    of these launches on this machine (``prove_in_fresh_process``), taken instead of proving them again here."""
     from kkdeploy.kernels.layer_kernels import LayerKernels
 
     from .torch_graph import CudaGraphRunner
 
     kernels = LayerKernels(model, launch_for(candidate, config))
-    record = prove_layers(kernels, model, config, dtype, device, seed)
+    record = proven if proven is not None else prove_layers(kernels, model, config, dtype, device, seed)
     why = proof_failure(record)
     if why:
         raise KKError(why)
@@ -202,9 +203,9 @@ class LayerGraphBackend(Backend):
         if why:
             raise CandidateSkipped(why)
         seed = int(ctx.validation_plan.get("seed", DEFAULT_SEED))
-        if isolation_wanted(ctx.device):
-            prove_in_fresh_process(ctx.model, ctx.config, ctx.dtype, ctx.device, candidate, seed)
-        runner, record = make_runner(ctx.model, ctx.config, ctx.dtype, ctx.device, candidate, seed)
+        proven = prove_in_fresh_process(ctx.model, ctx.config, ctx.dtype, ctx.device, candidate, seed) \
+            if isolation_wanted(ctx.device) else None
+        runner, record = make_runner(ctx.model, ctx.config, ctx.dtype, ctx.device, candidate, seed, proven)
         ratios = fingerprint_padding(False)
         fingerprint = output_fingerprint(runner, ctx.config, ctx.dtype, ctx.device, padding_ratios=ratios)
         options = {"variant": candidate, "dtype": dtype_name(ctx.dtype), "config": ctx.config.to_dict(),

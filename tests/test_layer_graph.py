@@ -206,7 +206,7 @@ def test_a_build_records_the_proof_and_hands_its_runner_on(monkeypatch, tmp_path
     seeds = []
     monkeypatch.setattr(layer_graph, "refusal", lambda config, dtype, device: None)
     monkeypatch.setattr(layer_graph, "make_runner",
-                        lambda m, c, dt, dev, name, seed: (seeds.append(seed) or object(), record))
+                        lambda m, c, dt, dev, name, seed, proven: (seeds.append(seed) or object(), record))
     monkeypatch.setattr(layer_graph, "output_fingerprint", lambda *a, **k: "a" * 64)
     result = layer_graph.BACKEND.build(ctx, "layer-graph-split")
     assert result.status == BUILT and result.backend == "layer_graph" and seeds == [99]
@@ -244,4 +244,12 @@ def test_on_a_gpu_the_build_proves_in_a_fresh_process_first_and_a_dead_child_is_
     monkeypatch.setattr(pp, "run_proof_child", lambda *a, **kw: pp.ChildOutcome(pp.OK, spoiled, "", None, 1.0))
     with pytest.raises(KKError, match="x is not bit-identical to the reference's ops: qkv0 differs in 2 elements"):
         layer_graph.BACKEND.build(ctx, "layer-graph")
+    # a record with no differing element: the build's process takes it and does not prove the launches again
+    clean = {"launch": "x", "stalls": 0, "differing": 0, "cases": [{"seed": 99, "padding_ratio": 0.0, "differing": 0,
+                                                                     "first": None}]}
+    monkeypatch.setattr(pp, "run_proof_child", lambda *a, **kw: pp.ChildOutcome(pp.OK, clean, "", None, 1.0))
+    handed = []
+    monkeypatch.setattr(layer_graph, "make_runner", lambda *a: handed.append(a[-1]) or (object(), a[-1]))
+    monkeypatch.setattr(layer_graph, "output_fingerprint", lambda *a, **k: "b" * 64)
+    assert layer_graph.BACKEND.build(ctx, "layer-graph").options["layer_proof"] is clean and handed == [clean]
     assert layer_graph.BACKEND.loads_native_code({"name": "layer-graph"})
