@@ -191,3 +191,24 @@ def test_on_a_gpu_the_library_is_proven_in_a_fresh_process_and_a_dead_child_skip
     monkeypatch.setattr(pp, "run_proof_child", lambda *a, **kw: pp.ChildOutcome(pp.OK, {"records": made}, "", None, 1))
     proofs, refusal = ort_engine.custom_op_proofs(ctx, tmp_path / "lib.so")
     assert refusal is None and proofs == made
+
+
+def test_a_real_proving_child_returns_the_records_this_process_would_make(model, proof_sandbox, tmp_path):
+    # The child's plumbing end to end on the CPU, with the real library: the model rebuilt from its weights there,
+    # the one-node sessions, the records back as JSON and adopted here. (The CPU kernels are not ATen's order, so
+    # the records' verdicts are whatever they are; they must be the same in both processes.)
+    from engines import ort as ort_engine
+    from engines.custom_op_library import build_library
+    from kkdeploy.kernels.proof import lookup_proof
+
+    library = build_library("cpu")
+    args = {"library": str(library), "seed": 1234, "padding_ratio": 0.25, "packed_qkv": False,
+            "ops": ["Linear", "LayerNorm", "Gelu"]}
+    ctx = BuildContext(CONFIG, torch.float32, torch.device("cpu"), model, tmp_path,
+                       export_options=ExportOptions(linear="custom", layer_norm="custom", gelu="custom"))
+    child = ort_engine.prove_library_ops_isolated(ctx, args)
+    assert child and all(lookup_proof(r.environment, r.op, r.shape) is r for r in child)  # adopted here
+    proof_sandbox.forget_proofs()
+    here = cop.prove_library_ops(model, CONFIG, torch.float32, "cpu", args)
+    strip = lambda r: {k: v for k, v in r.to_dict().items() if k != "seconds"}  # noqa: E731
+    assert [strip(r) for r in child] == [strip(r) for r in here]

@@ -237,6 +237,25 @@ def test_on_a_gpu_the_long_context_proofs_run_in_a_child_and_a_dead_one_leaves_a
                                           lambda key, message: reports.append(key))
     assert [r["op"] for r in answer["records"]] == ["block_softmax", sa.OP] and reports == []  # the CPU runs none
 
+
+def test_a_real_proving_child_builds_the_long_context_model_and_returns_its_records(monkeypatch, tmp_path):
+    # The child's plumbing end to end on the CPU: the long-context model rebuilt there from the weights it was sent,
+    # its kernels' records (refusals on the CPU) back as JSON, the same as this process makes.
+    import kkdeploy.pipeline.long_context_plan as plan
+    from kkdeploy.kernels import proof_process as pp
+
+    monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
+    config = TransformerConfig(2, 64, 32, 2, 32, 1)
+    model = LongContextTransformer(config, query_tile=16)
+    init_weights(model, 3)
+    here = plan.prove_long_context_kernels(model, config, torch.float32, torch.device("cpu"), seed=7,
+                                           padding_ratio=0.25)
+    monkeypatch.setattr(pp, "isolation_wanted", lambda device: True)
+    child = plan.prove_long_context_kernels_isolated(model, config, torch.float32, torch.device("cpu"), seed=7,
+                                                     padding_ratio=0.25)
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("seconds", "wall_seconds")}  # noqa: E731
+    assert [strip(r) for r in child] == [strip(r) for r in here] and len(child) == 2
+
 INTERPRETED = textwrap.dedent("""
     import json, numpy as np, torch
     from kkdeploy.kernels._scores_softmax_triton import scores_softmax
