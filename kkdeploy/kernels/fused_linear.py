@@ -92,8 +92,8 @@ TILES: dict[str, dict] = {
 #: the tiles a build proves (each one a compile per op shape: a build's time counts them). The H200 study found
 #: "tma", "tma_n256" and "m64n64" bit-identical on every op shape it tried and the fastest of ours on some
 #: (docs/fused-linear.md); they join only once a build on the GPU has shipped them through its strict validation.
-#: "m64n64" has (session 37, an H100: shapes 3 and 7 built and run strict, 0 failed; the launch-bound shapes 4-6%
-#: faster in `kkdeploy bench`), and ``tile_pays`` keeps it to launches whose "auto" grid leaves multiprocessors idle.
+#: "m64n64" has (session 37, an H100: shapes 3 and 7 built and run strict, 0 failed; docs/fused-linear.md has the
+#: timings), and ``tile_pays`` keeps it to launches whose "auto" grid leaves multiprocessors idle.
 BUILD_TILES = ("auto", "m64", "n64", "n256", "m64s2", "m64n64")
 
 
@@ -109,8 +109,8 @@ LN_TILES: dict[str, dict] = {
     "regs_w4": dict(LN_RELOAD=False, num_warps=4),
 }
 #: the LayerNorm epilogue's tiles a build proves: all three, since builds on the GPU shipped "regs" through their
-#: strict validation (session 37, an H200: shapes 3 and 12, 0 failed; shapes 2, 3, 4 and 12 8-11% faster in
-#: `kkdeploy bench`), the rule the GEMM tiles follow
+#: strict validation (session 37, an H200: shapes 3 and 12, 0 failed; docs/fused-linear.md has the timings), the
+#: rule the GEMM tiles follow
 LN_BUILD_TILES = ("auto", "regs", "regs_w4")
 
 
