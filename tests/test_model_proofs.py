@@ -147,6 +147,21 @@ def test_a_candidate_is_not_built_when_the_kernel_it_adds_is_unproven(monkeypatc
     assert prove_candidate_kernels(GEMMS, model, CONFIG, torch.float16, CPU, siblings).proven("linear")
 
 
+def test_a_dependent_launch_candidate_is_not_built_when_the_kernel_it_adds_to_the_plain_graph_is_unproven(
+        monkeypatch, proof_sandbox, model):
+    """A default GPU build may time ``GEMMS-pdl`` beside the plain graphs: with the GEMM unproven it would be the
+    plain ``KERNELS`` graph with dependent launches, which the build already compiles plainly: not built."""
+    FakeKernels(monkeypatch, refuse={"linear"})
+    pdl = f"{GEMMS}-pdl"
+    with pytest.raises(CandidateSkipped, match="the linear kernel it adds to torch-compile-faithful-kernels is not"):
+        prove_candidate_kernels(pdl, model, CONFIG, torch.float16, CPU, (KERNEL_ATTENTION, KERNELS, GEMMS, pdl))
+    # beside its own smaller "-pdl" form it names that one
+    with pytest.raises(CandidateSkipped, match="adds to torch-compile-faithful-kernels-pdl is not"):
+        prove_candidate_kernels(pdl, model, CONFIG, torch.float16, CPU, (f"{KERNELS}-pdl", pdl, KERNELS))
+    # alone, its other kernels are proven: built
+    assert prove_candidate_kernels(pdl, model, CONFIG, torch.float16, CPU, (pdl,)).proven("attention")
+
+
 def test_on_a_machine_without_our_kernels_the_candidates_are_skipped_with_the_reason(proof_sandbox, tmp_path):
     """The CPU: every kernel op refuses, so an our-kernel candidate would be plain ATen: not built, and the
     manifest's entry says why (the end-to-end build summary shows it)."""

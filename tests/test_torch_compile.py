@@ -10,6 +10,7 @@ import torch
 from engines.base import AllValidRouter, BuildContext, Runner
 from engines.base import FINGERPRINT_PADDING
 from engines.torch_compile import BACKEND, CompiledRunner, inductor_variant, output_fingerprint
+from kkdeploy.config import TransformerConfig
 from kkdeploy.errors import KKError
 from kkdeploy.inputs import generate_case
 from kkdeploy.models.weights import build_models
@@ -154,6 +155,32 @@ def test_cpu_outputs_are_the_callers_in_and_out_of_inference_mode():
         first = runner(x, mask)
         second = runner(x, mask)
     assert first.data_ptr() != second.data_ptr() and torch.equal(first, second)
+
+
+def test_a_default_gpu_build_times_the_dependent_launch_graph_only_where_activations_are_small(monkeypatch, tmp_path):
+    """Dependent launches were faster where launches dominate (small activations) and slower elsewhere: a default
+    build compiles the "-pdl" GEMMs graph only for the former, and only where the GPU can launch dependently."""
+    import engines.torch_compile as tc
+    from engines.base import BuildContext
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(tc, "pdl_refusal", lambda device: None)
+    shape3 = TransformerConfig(batch_size=4, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4)
+    shape1 = TransformerConfig(batch_size=64, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4)
+    assert tc.dependent_launch_default(shape3, cuda, torch.float16)
+    assert not tc.dependent_launch_default(shape1, cuda, torch.float16)  # 2 MiB per activation
+    assert not tc.dependent_launch_default(shape3, cuda, torch.float32)
+    assert not tc.dependent_launch_default(shape3, CPU, torch.float16)
+
+    def candidates(config, options=None):
+        ctx = BuildContext(config, torch.float16, cuda, None, tmp_path, options=options or {})
+        return tc.BACKEND.candidates(ctx)
+
+    assert candidates(shape3)[-2:] == [tc.GEMMS, f"{tc.GEMMS}-pdl"]
+    assert f"{tc.GEMMS}-pdl" not in candidates(shape1)
+    assert candidates(shape3, {"torch_compile_variants": tc.GEMMS}) == [tc.GEMMS]  # named variants: as named
+    monkeypatch.setattr(tc, "pdl_refusal", lambda device: "this GPU is 8.0")
+    assert f"{tc.GEMMS}-pdl" not in candidates(shape3)
 
 
 def test_fused_variants_are_float32_judge_defaults_on_cuda_only():
