@@ -179,6 +179,10 @@ def test_a_default_gpu_build_times_the_dependent_launch_graph_only_where_activat
     assert candidates(shape3)[-2:] == [tc.GEMMS, f"{tc.GEMMS}-pdl"]
     assert f"{tc.GEMMS}-pdl" not in candidates(shape1)
     assert candidates(shape3, {"torch_compile_variants": tc.GEMMS}) == [tc.GEMMS]  # named variants: as named
+    from kkdeploy.pipeline.bench import default_candidates
+
+    assert default_candidates(cuda, torch.float16, "strict", shape3)[-1] == f"{tc.GEMMS}-pdl"  # the bench follows
+    assert f"{tc.GEMMS}-pdl" not in default_candidates(cuda, torch.float16, "strict", shape1)
     monkeypatch.setattr(tc, "pdl_refusal", lambda device: "this GPU is 8.0")
     assert f"{tc.GEMMS}-pdl" not in candidates(shape3)
 

@@ -137,11 +137,19 @@ BENCH_CANDIDATES = (["optimized-sdpa0", "optimized-sdpa1"] + GRAPH_CANDIDATES + 
                     + ALL_MIXED + LAYER_CANDIDATES)
 
 
-def default_candidates(device: torch.device, dtype: torch.dtype, contract: str) -> list[str]:
+def default_candidates(device: torch.device, dtype: torch.dtype, contract: str,
+                       config: TransformerConfig | None = None) -> list[str]:
     """Every PyTorch route; on the CPU the CUDA-graph ones report why they are skipped, and compiling is
     opt-in there (slow on 2 cores; ``--candidates torch-compile``). A float32 bench under the judge contract
-    adds the calibrated mixed-precision candidates and the fused ones (SDPA everywhere, Inductor fusion)."""
+    adds the calibrated mixed-precision candidates and the fused ones (SDPA everywhere, Inductor fusion). Where a
+    default build would time the GEMMs graph with dependent launches (``dependent_launch_default``), so does the
+    bench."""
     names = ["optimized-sdpa0", "optimized-sdpa1"] + GRAPH_CANDIDATES + COMPILE_CANDIDATES
+    if config is not None:
+        from engines.torch_compile import GEMMS, dependent_launch_default
+
+        if dependent_launch_default(config, device, dtype):
+            names.append(f"{GEMMS}-pdl")
     if dtype == torch.float32 and contract == "judge":
         names += FUSED_CANDIDATES[device.type] + MIXED_CANDIDATES[device.type]
     return names
@@ -323,7 +331,7 @@ def bench_candidates(job: ShapeJob, options: BenchOptions, reference, device: to
     skipped: dict[str, str] = {}
     info: dict[str, dict] = {}
     calibrations: dict = {}
-    names = options.candidates or default_candidates(device, dtype, options.contract)
+    names = options.candidates or default_candidates(device, dtype, options.contract, config)
     for name in names:
         details: dict = {}
         if name in COMPILED and device.type == "cpu" and options.candidates is None:
