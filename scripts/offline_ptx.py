@@ -51,7 +51,7 @@ KERNELS = {
         "XD": "tensordesc<fp16[128, 64]>", "WD": "tensordesc<fp16[128, 64]>", "B": "*fp16", "R": "*fp16",
         "MASK": "*i1", "OUT": "*fp16", **{name: "i32" for name in ("M", "N", "K", "stride_rm", "stride_om")}},
         {"EPILOGUE": 3, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "A_GELU": 0,
-         "PDL": 0}),
+         "PDL": 0, "WS": 0}),
     "linear_tma_persistent": ("kkdeploy.kernels._fused_linear_triton", "_fused_linear_tma_persistent_kernel", {
         "XD": "tensordesc<fp16[128, 64]>", "WD": "tensordesc<fp16[128, 64]>", "B": "*fp16", "R": "*fp16",
         "MASK": "*i1", "OUT": "*fp16", **{name: "i32" for name in ("M", "N", "K", "stride_rm", "stride_om")}},
@@ -108,7 +108,7 @@ def parse_constexprs(pairs: list[str], defaults: dict) -> dict:
         values[name] = int(value)
     return {k: bool(v) if k in ("CAUSAL", "HAS_MASK", "ACCURATE", "DEBUG", "ONE_PASS", "FAST_DIV", "LN_RELOAD",
                                 "A_GELU", "LN_ZERO_INVALID", "GELU_PROLOGUE", "LAST", "FUSE_ATTENTION", "PDL",
-                                "ROW_CHAIN", "TRACE", "RAW_MAX", "INTERIOR") else v
+                                "ROW_CHAIN", "TRACE", "RAW_MAX", "INTERIOR", "WS") else v
             for k, v in values.items()}
 
 

@@ -146,7 +146,7 @@ def test_the_tiles_a_build_proves():
     assert fl.proof_launches(128, layer_norm=True) == ["auto", "regs", "regs_w4"]
     # studied (every tile, scripts/kernel_selftest.py --all-launches), not in builds: the TMA tiles wait for a build
     # on the GPU to ship them through the strict validation (the 64 x 64 one has); the rest were never the fastest
-    assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "tma_persistent", "s4", "k128", "w4",
+    assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "tma_persistent", "tma_ws", "s4", "k128", "w4",
                                                    "m256", "n256s4"}
     assert not fl.tile_fits("k128", 128, 64) and fl.tile_fits("k128", 128, 128)  # no k-step longer than K
     assert fl.tile_fits("tma", 128, 128) and fl.tile_fits("tma_n256", 384, 768)
@@ -637,10 +637,10 @@ for m, n, k, epilogue, prologue in ((100, 48, 40, "none", "none"), (130, 96, 64,
     mask = torch.rand(m, generator=g) > 0.3
     residual = r if epilogue in ("add_masked", "masked_sum") else None
     keep = mask if residual is not None else None
-    for tile in ("tma", "tma_n256", "tma_persistent"):
+    for tile in ("tma", "tma_n256", "tma_persistent", "tma_ws"):
         config = dict(TILES[tile], BLOCK_K=32) if k > 64 else dict(TILES[tile])
         got = triton_linear(x, w, b, residual, keep, epilogue, prologue, **config)
-        plain = {key: v for key, v in config.items() if key not in ("TMA", "PERSISTENT")}
+        plain = {key: v for key, v in config.items() if key not in ("TMA", "PERSISTENT", "WS")}
         want = triton_linear(x, w, b, residual, keep, epilogue, prologue, **plain)
         results.append({"case": [m, n, k, epilogue, prologue, tile],
                         "differing": int((got.view(torch.int16) != want.view(torch.int16)).sum())})
@@ -653,7 +653,7 @@ def test_the_tma_tile_computes_what_the_pointer_tile_of_its_size_computes():
     against the pointer-load tile of the same sizes, bit for bit, with rows, columns and a K step past the ends
     (TMA's zero fill against the masked loads' ``other``), every epilogue and the GELU prologue."""
     results = run_interpreter_script(TMA_SCRIPT)
-    assert len(results) == 15
+    assert len(results) == 20
     assert all(r["differing"] == 0 for r in results), results
 
 
@@ -667,7 +667,7 @@ def test_the_tma_tile_has_the_pointer_tiles_arithmetic_on_sm90():
 
     script = load_script("offline_ptx")
     values = {**script.KERNELS["linear"][3], "EPILOGUE": 3, "HAS_MASK": True}
-    tma_values = {key: values[key] for key in script.KERNELS["linear_tma"][3]}
+    tma_values = {key: values.get(key, default) for key, default in script.KERNELS["linear_tma"][3].items()}
     plain = script.compile_ptx("linear", values, 8, 4)
     tma = script.compile_ptx("linear_tma", tma_values, 8, 4)
     assert re.findall(r"cp\.async\.bulk\.tensor", tma) and not re.findall(r"cp\.async\.bulk\.tensor", plain)
@@ -697,6 +697,32 @@ def test_the_persistent_tma_tile_has_the_tma_tiles_arithmetic_on_sm90():
                                         {**script.KERNELS["linear_tma_persistent"][3], **change}, 8, 4)
         assert floating(persistent) == floating(tma), (epilogue, gelu)
         assert not re.search(r"add\.rn\.f16\s", persistent)
+
+
+def test_the_warp_specialized_tma_tile_has_the_tma_tiles_arithmetic_in_each_consumer_on_sm90():
+    """Compiled here for sm_90a: the warp-specialized tile ("tma_ws", 4 warps a consumer) runs 384 threads, a producer
+    warpgroup (its registers given back, ``setmaxnreg``) and two consumer warpgroups of 64 rows. Together the two
+    issue exactly twice the 8-warp TMA tile's wgmma and floating-point instructions (each holds what one of its
+    warpgroups holds), for every epilogue and the GELU prologue: the same k16 chain on each row's accumulator."""
+    pytest.importorskip("triton")
+    import collections
+    import re
+
+    from kkdeploy.kernels.dependent_launch import arithmetic_opcodes
+
+    script = load_script("offline_ptx")
+    floating = lambda ptx: collections.Counter(  # noqa: E731
+        op for op in arithmetic_opcodes(ptx) if not re.search(r"wait_group|wgmma\.(fence|commit)|\.[su](32|64)$", op))
+    for epilogue, gelu in ((0, False), (2, False), (3, False), (1, False), (0, True)):
+        change = {"EPILOGUE": epilogue, "HAS_MASK": True, "A_GELU": gelu}
+        tma = script.compile_ptx("linear_tma", {**script.KERNELS["linear_tma"][3], **change}, 8, 4)
+        specialized = script.compile_ptx("linear_tma", {**script.KERNELS["linear_tma"][3], **change, "WS": True},
+                                         fl.TILES["tma_ws"]["num_warps"], fl.TILES["tma_ws"]["num_stages"])
+        assert re.findall(r"\.reqntid (\d+)", specialized) == ["384"] and "setmaxnreg" in specialized
+        assert "setmaxnreg" not in tma
+        twice = collections.Counter({op: 2 * n for op, n in floating(tma).items()})
+        assert floating(specialized) == twice, (epilogue, gelu)
+        assert any("m64n128k16" in op for op in twice)
 
 
 def test_tma_descriptors_copy_an_unaligned_view_and_refuse_a_stride_tma_cannot_read():

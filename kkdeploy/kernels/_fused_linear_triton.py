@@ -194,35 +194,50 @@ def _fused_linear_tma_kernel(
     stride_rm, stride_om,
     EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    A_GELU: tl.constexpr = False, PDL: tl.constexpr = False,
+    A_GELU: tl.constexpr = False, PDL: tl.constexpr = False, WS: tl.constexpr = False,
 ):
     """``_fused_linear_kernel``'s tile with its operands brought in by Hopper's tensor memory accelerator (TMA):
     ``XD`` and ``WD`` describe X [M, K] and W [N, K], and each k-step copies a [BLOCK_M, BLOCK_K] and a [BLOCK_N,
     BLOCK_K] box into shared memory without the threads computing addresses (rows and columns past the end arrive as
     zeros, as the masked loads' ``other``). The accumulation is the same: ``tl.dot`` over K in order on one float32
-    accumulator, then the same epilogue (no LayerNorm epilogue here)."""
+    accumulator, then the same epilogue (no LayerNorm epilogue here).
+
+    ``WS``: the k-loop warp-specialized (Triton's Hopper pass): one warpgroup issues the copies, and the ``num_warps``
+    warps given become each consumer warpgroup, ``BLOCK_M // 64`` of them, each with its own 64 rows. That is
+    cuBLAS's cooperative layout for the GEMMs it runs faster than our tiles at K = 1024 (a producer and two
+    consumer warpgroups of a 128-row tile). Each consumer's rows see the same k16 wgmma chain as the plain tile's."""
     if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     _tma_tile(XD, WD, B, R, MASK, OUT, tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, M, N, K, stride_rm,
-              stride_om, EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, BLOCK_K, A_GELU)
+              stride_om, EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, BLOCK_K, A_GELU, WS)
 
 
 @triton.jit
 def _tma_tile(XD, WD, B, R, MASK, OUT, m0, n0, M, N, K, stride_rm, stride_om,
               EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_GELU: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_GELU: tl.constexpr,
+              WS: tl.constexpr = False):
     """The output tile at rows m0.. and columns n0..: TMA copies of X and W per k-step, K in order on one float32
-    accumulator, then the epilogue (shared by the TMA kernel and its persistent form)."""
+    accumulator, then the epilogue (shared by the TMA kernel and its persistent form). ``WS``: the same loop,
+    warp-specialized (``_fused_linear_tma_kernel``)."""
     offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K in order, one accumulator
-        a = XD.load([m0, k0])
-        if A_GELU:  # the GELU prologue, as in the pointer-load tile
-            a = _gelu16(a, ACCURATE)
-        w = WD.load([n0, k0])
-        acc = tl.dot(a, tl.trans(w), acc)
+    if WS:
+        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=True):  # the same loop body, copies in their own warps
+            a = XD.load([m0, k0])
+            if A_GELU:
+                a = _gelu16(a, ACCURATE)
+            w = WD.load([n0, k0])
+            acc = tl.dot(a, tl.trans(w), acc)
+    else:
+        for k0 in range(0, K, BLOCK_K):  # K in order, one accumulator
+            a = XD.load([m0, k0])
+            if A_GELU:  # the GELU prologue, as in the pointer-load tile
+                a = _gelu16(a, ACCURATE)
+            w = WD.load([n0, k0])
+            acc = tl.dot(a, tl.trans(w), acc)
     _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_rm, stride_om,
                      EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, None, None, None, 0.0, False, False)
 
@@ -368,6 +383,7 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
         extra = dict(LN_G=ln_weight.contiguous(), LN_B=ln_bias.contiguous(), OUT2=normed.view(-1, n), eps=float(eps))
     grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
     persistent = config.pop("PERSISTENT", False)
+    specialized = config.pop("WS", False)
     if config.pop("TMA", False):
         if layer_norm is not None:
             raise ValueError("the TMA tile has no LayerNorm epilogue")
@@ -376,6 +392,8 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
         if persistent:  # one program per multiprocessor (two under the interpreter), never more than the tiles
             programs = max(1, min(2 if INTERPRET else multiprocessors(x.device), grid[0] * grid[1]))
             kernel, grid, tiling = _fused_linear_tma_persistent_kernel, (programs, ), dict(NUM_PROGRAMS=programs)
+        elif specialized:
+            tiling = dict(WS=True)
         launch_kernel(kernel, grid,
             xd, wd, bias, r2, mask1, out2,
             m, n, k,

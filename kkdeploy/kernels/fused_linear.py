@@ -74,6 +74,11 @@ TILES: dict[str, dict] = {
     # cuBLAS's persistent strategy for the large GEMMs our tiles trail at K = 1024 (shape 8). Each tile computes what
     # the TMA tile computes (the same floating-point instructions, compiled for sm_90a).
     "tma_persistent": dict(BLOCK_M=128, num_warps=8, num_stages=4, TMA=True, PERSISTENT=True),
+    # the TMA tile's k-loop warp-specialized (Triton 3.6's Hopper pass): a producer warpgroup for the copies and two
+    # consumer warpgroups of 4 warps (384 threads), each with 64 of the 128 rows: cuBLAS's cooperative layout. Compiled
+    # for sm_90a, each consumer issues the 8-warp TMA tile's wgmma and floating-point instructions, as many of each
+    # (tests/test_fused_linear.py); 168 registers, no spills. Not yet run on a GPU: for the next tile study.
+    "tma_ws": dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=4, TMA=True, WS=True),
     # pointer-load tiles for the GEMMs that take longest (shape 8's K = 1024, the custom shapes' few rows): a deeper
     # pipeline, a longer k-step, one warpgroup, taller or smaller tiles. Studied (``--all-launches``) before any joins
     # BUILD_TILES, on the same terms as the TMA tiles.
