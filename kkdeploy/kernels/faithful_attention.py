@@ -103,6 +103,10 @@ LAUNCHES = {
     # half its instructions there (offline SASS, Triton 3.6, sm_90a: docs/faithful-attention.md)
     "bm64_mdiv_interior": dict(block_m=64, sub=1, fast_div=True, raw_max=True, interior=True),
     "cached64w4_mdiv": dict(block_m=64, cached=True, num_warps=4, fast_div=True),
+    # for wide heads (shape 8's Dh = 256): at 4 warps the cached launch takes 253 registers there, one 4-warp program
+    # per multiprocessor; at 8 warps 219, no spills (offline, Triton 3.6, sm_90a, 2 stages). The same 64-row wgmma
+    # tiles; for studies (``--all-launches``) until a GPU shows it bit-identical and faster
+    "cached64w8_mdiv": dict(block_m=64, cached=True, num_warps=8, fast_div=True),
     "cached32": dict(block_m=32, cached=True),
     "cached16": dict(block_m=16, cached=True),
 }
