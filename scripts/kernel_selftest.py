@@ -9,7 +9,9 @@ For each official shape (default 1-13), the model in float16 on the GPU (seeded 
 every launch variant of each kernel op of ``--kinds`` is compared bit for bit with the ATen op it replaces, on the
 model's own activations (all-valid and padded) and random inputs, and timed as CUDA-graph replays against ATen.
 ``--all-launches`` proves every launch of each kernel, not only the ones a build tries. Nothing here decides
-differently from a build: it is the same code. The records land in the proof cache too.
+differently from a build: it is the same code, in a spawned child as a build's proof is
+(``kkdeploy.kernels.proof_process``), so a launch that faults the GPU refuses its op shape, with the reason in the
+report, and the study goes on. The records land in the proof cache too.
 
 The three former self-tests (``faithful_attention_selftest.py``, ``layer_norm_selftest.py``,
 ``fused_linear_selftest.py``) are this script with one kind. Prints a table last: shape, op, op shape, launches
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
     from kkdeploy import OFFICIAL_SHAPES
     from kkdeploy.config import TransformerConfig
     from kkdeploy.console import console, table
-    from kkdeploy.kernels.model_proofs import prove_model_kernels
+    from kkdeploy.kernels.proof_process import prove_model_kernels_isolated
     from kkdeploy.models.weights import build_models
 
     report, table_rows = {"kinds": args.kinds, "all_launches": args.all_launches, "shapes": {}}, []
@@ -96,8 +98,8 @@ def main(argv=None) -> int:
             weights = Path(args.out).with_suffix(f".weights-{sid}.safetensors")
             save_file(trained_like(config, args.weights_seed), str(weights))
         model = build_models(config, torch.float16, "cuda", weights=weights)[0]
-        proofs = prove_model_kernels(model, config, torch.float16, "cuda", args.kinds, reuse=False,
-                                     launches=all_launches() if args.all_launches else None)
+        proofs = prove_model_kernels_isolated(model, config, torch.float16, "cuda", args.kinds, reuse=False,
+                                              launches=all_launches() if args.all_launches else None)
         report["shapes"][sid] = {"seconds": proofs.seconds, "records": proofs.to_list()}
         table_rows += rows(sid, proofs.to_list())
         Path(args.out).write_text(json.dumps(report, indent=1))  # after every shape: a time limit keeps the rest

@@ -69,6 +69,14 @@ def test_a_child_s_records_are_the_build_s_and_this_process_knows_them(monkeypat
     assert again.reused == len(proofs.records) and again.to_list() == proofs.to_list()
 
 
+def test_a_study_s_launches_reach_the_child(proof_sandbox, model):
+    """scripts/kernel_selftest.py --all-launches proves every variant in a child, as a build proves its own: the
+    child proves the launches it is given, not a build's."""
+    proofs = prove(model, task=TASK, reuse=False, launches={"layer_norm": ["rows1"]})
+    norm = next(r for r in proofs.records if r.op == "layer_norm_rows")
+    assert [r.launch for r in norm.launches] == ["rows1"] and norm.chosen == "rows1"
+
+
 def test_a_failing_launch_is_rejected_in_the_child_as_in_the_build_s_process(monkeypatch, proof_sandbox, model):
     real = pp.run_proof_child
     monkeypatch.setattr(pp, "run_proof_child",

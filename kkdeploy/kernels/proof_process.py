@@ -152,9 +152,10 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
                                  seed: Optional[int] = None, compile_workers: Optional[int] = None,
                                  progress: Optional[Callable[[str], None]] = None,
                                  task: str = MODEL_KERNELS_TASK, timeout_s: float = DEFAULT_TIMEOUT_S,
-                                 isolate: Optional[bool] = None):
+                                 isolate: Optional[bool] = None, launches: Optional[dict[str, list[str]]] = None):
     """``model_proofs.prove_model_kernels`` with its launches run in a child (``isolate``: default on CUDA), the op
-    shapes whose proof took a child down refused; returns a ``ModelProofs`` as the in-process proof does."""
+    shapes whose proof took a child down refused; returns a ``ModelProofs`` as the in-process proof does.
+    ``launches`` ({kind: names}): the variants to prove instead of a build's (a study of every tile)."""
     from .model_proofs import ModelProofs, _environment, _op, kernel_op_shapes, op_key, prove_model_kernels
     from .proof import ProofCache, lookup_proof
 
@@ -164,12 +165,15 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
     options = {"seed": seed} if seed is not None else {}
     if compile_workers is not None:
         options["compile_workers"] = compile_workers
+    if launches is not None:
+        options["launches"] = launches
     if not (isolation_wanted(device) if isolate is None else isolate):
         return prove_model_kernels(model, config, dtype, device, kinds, reuse=reuse, cache=cache, progress=progress,
                                    **options)
     shapes = kernel_op_shapes(config, kinds)
     if reuse and all(lookup_proof(_environment(k, device), _op(k), s, cache=cache) is not None for k, _, s in shapes):
-        return prove_model_kernels(model, config, dtype, device, kinds, cache=cache, progress=progress)
+        return prove_model_kernels(model, config, dtype, device, kinds, cache=cache, progress=progress,
+                                   launches=launches)
     start = time.perf_counter()
     refusals: dict[str, str] = {}
     workers = compile_workers  # None: the default, compiles ahead on a pool
@@ -180,7 +184,7 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
             raise KKError(f"the kernel proof's process died {len(children)} times ({outcome.reason}); prove with "
                           f"KKDEPLOY_PROOF_PROCESS=0 to see where")
         args = {"kinds": kinds, "reuse": reuse, "refusals": refusals, "cache_dir": None if cache_dir is None
-                else str(cache_dir), "compile_workers": workers, "seed": seed}
+                else str(cache_dir), "compile_workers": workers, "seed": seed, "launches": launches}
         outcome = run_proof_child(task, model, config, dtype, device, args, progress=progress, timeout_s=timeout_s)
         children.append(outcome.seconds)
         if outcome.status == OK:
@@ -217,7 +221,7 @@ def model_kernels_task(model, config: TransformerConfig, dtype: torch.dtype, dev
         cache=ProofCache(Path(args["cache_dir"])) if args.get("cache_dir") else None,
         progress=lambda message: report(None, message), on_op=lambda key: report(key, None),
         refusals=args.get("refusals") or None, compile_workers=DEFAULT_WORKERS if workers is None else workers,
-        **seed)
+        launches=args.get("launches"), **seed)
     reused = {id(r) for r in proofs.reused_records}
     return {"records": proofs.to_list(), "reused": [i for i, r in enumerate(proofs.records) if id(r) in reused],
             "seconds": proofs.seconds, "phases": proofs.phases}
