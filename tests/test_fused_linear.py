@@ -147,7 +147,7 @@ def test_the_tiles_a_build_proves():
     # studied (every tile, scripts/kernel_selftest.py --all-launches), not in builds: the TMA tiles wait for a build
     # on the GPU to ship them through the strict validation (the 64 x 64 one has); the rest were never the fastest
     assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "tma_persistent", "tma_ws", "s4", "k128", "w4",
-                                                   "m256", "n256s4"}
+                                                   "m256", "n256s4", "cols", "m64s2cols"}
     assert not fl.tile_fits("k128", 128, 64) and fl.tile_fits("k128", 128, 128)  # no k-step longer than K
     assert fl.tile_fits("tma", 128, 128) and fl.tile_fits("tma_n256", 384, 768)
     assert not fl.tile_fits("tma", 128, 36)  # rows of 72 bytes: TMA reads multiples of 16
@@ -241,6 +241,69 @@ def test_the_streaming_tile_is_proven_where_rows_stream_and_computes_what_m64_co
         assert arithmetic(streaming) == arithmetic(proven), (epilogue, gelu)
         wgmma = {"wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16"}
         assert set(re.findall(r"wgmma\.mma_async\S*", streaming)) == wgmma
+
+
+COLUMNS_SCRIPT = """
+import json, torch
+from kkdeploy.kernels._fused_linear_triton import triton_linear
+from kkdeploy.kernels.fused_linear import TILES
+results = []
+g = torch.Generator().manual_seed(12)
+for m, n, k, epilogue, prologue in ((300, 200, 64, "add_masked", "none"), (130, 384, 32, "none", "none"),
+                                    (70, 160, 48, "gelu", "none"), (200, 256, 32, "masked_sum", "gelu")):
+    x = (torch.randn(m, k, generator=g) * 2).half()
+    w, b = (torch.randn(n, k, generator=g) / 4).half(), torch.randn(n, generator=g).half()
+    r = torch.randn(m, n, generator=g).half()
+    mask = torch.rand(m, generator=g) > 0.3
+    residual = r if epilogue in ("add_masked", "masked_sum") else None
+    keep = mask if residual is not None else None
+    for tile, base in (("cols", "auto"), ("m64s2cols", "m64s2")):
+        got = triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[tile])
+        want = triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[base])
+        results.append({"case": [m, n, k, epilogue, prologue, tile],
+                        "differing": int((got.view(torch.int16) != want.view(torch.int16)).sum())})
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_the_columns_first_tiles_are_for_launches_whose_rows_outgrow_l2(monkeypatch):
+    """A columns-first grid pays only where a launch has several column tiles and its X does not stay in L2 between
+    them: shape 6's Q|K|V (three column tiles over 328 MB), not its one-tile launches, not shape 13's 16 MB, and not
+    where the sizes are unknown or the row tiles pass the grid's y limit."""
+    monkeypatch.setattr(fl, "BUILD_TILES", fl.BUILD_TILES + ("cols", "m64s2cols"))
+    assert fl.proof_launches(384, k=128, m=1_280_000, sms=132)[-3:] == ["m64s2", "cols", "m64s2cols"]
+    assert not {"cols", "m64s2cols"} & set(fl.proof_launches(128, k=128, m=1_280_000, sms=132))  # one column tile
+    assert not {"cols", "m64s2cols"} & set(fl.proof_launches(384, k=128, m=65_536, sms=132))  # shape 13: in L2
+    assert not {"cols", "m64s2cols"} & set(fl.proof_launches(384, k=128))  # sizes unknown
+    assert not fl.tile_pays("cols", 128 * (fl.MAX_GRID_Y + 1), 384, 128, 132)  # more row tiles than the grid's y
+    assert fl.tile_pays("cols", 128 * fl.MAX_GRID_Y, 384, 128, 132)
+    assert fl.tile_config("m64s2cols", 384, 128) == {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2,
+                                                      "COLUMNS_FIRST": True}
+
+
+def test_a_columns_first_tile_computes_what_its_tile_computes():
+    """Under the interpreter, bit for bit, with row, column and K tails, every epilogue and the GELU prologue; and
+    compiled here for sm_90a (Triton 3.6.0, as on the GPU) the same wgmma, floating-point and conversion
+    instructions in the same order: only the integer arithmetic of which program takes which tile moves."""
+    results = run_interpreter_script(COLUMNS_SCRIPT)
+    assert len(results) == 8 and all(r["differing"] == 0 for r in results), results
+    pytest.importorskip("triton")
+    import collections
+    import re
+
+    from kkdeploy.kernels.dependent_launch import arithmetic_opcodes
+
+    script = load_script("offline_ptx")
+    for epilogue, gelu, block_m, warps, stages in ((0, False, 128, 8, 3), (3, False, 64, 4, 2), (1, False, 128, 8, 3),
+                                                    (2, True, 64, 4, 2)):
+        values = {**script.KERNELS["linear"][3], "EPILOGUE": epilogue, "HAS_MASK": epilogue >= 2, "A_GELU": gelu,
+                  "BLOCK_M": block_m}
+        rows_first = script.compile_ptx("linear", values, warps, stages)
+        columns_first = script.compile_ptx("linear", {**values, "COLUMNS_FIRST": True}, warps, stages)
+        assert arithmetic_opcodes(columns_first) == arithmetic_opcodes(rows_first), (epilogue, gelu)
+        mma = lambda ptx: collections.Counter(re.findall(r"wgmma\.mma_async\S*", ptx))  # noqa: E731
+        assert mma(columns_first) == mma(rows_first) and mma(rows_first)
+        assert re.search(r"%ctaid\.y", columns_first) and re.search(r"%ctaid\.x", columns_first)
 
 
 def test_block_plan_on_the_cpu_is_the_reference_block():

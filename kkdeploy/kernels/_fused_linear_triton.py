@@ -39,7 +39,8 @@ try:  # the CUDA libdevice wrappers (absent or unusable under the interpreter)
 except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra import libdevice as _libdevice
 
-from .fused_linear import LN_WIDTHS, TMA_ALIGNMENT, multiprocessors, tma_fits  # LayerNorm rows; TMA; the grid
+from .fused_linear import (LN_WIDTHS, MAX_GRID_Y, TMA_ALIGNMENT,  # LayerNorm rows; TMA; the grid
+                           multiprocessors, tma_fits)
 from .dependent_launch import launch_options
 from .libdevice import gelu_libdevice
 from .precompile import launch as launch_kernel  # compile-only inside precompile.parallel_compiles
@@ -173,13 +174,21 @@ def _fused_linear_kernel(
     EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LN_G=None, LN_B=None, OUT2=None, eps=0.0, LN_RELOAD: tl.constexpr = False, A_GELU: tl.constexpr = False,
-    LN_ZERO_INVALID: tl.constexpr = False, PDL: tl.constexpr = False,
+    LN_ZERO_INVALID: tl.constexpr = False, PDL: tl.constexpr = False, COLUMNS_FIRST: tl.constexpr = False,
 ):
+    """``COLUMNS_FIRST``: the grid is (column tiles, row tiles), so the column tiles of one row block are launched
+    one after another and read its rows of X while they are in L2. With rows first, a launch of N > BLOCK_N whose X
+    outgrows L2 (shape 6's Q|K|V: 328 MB of X, three column tiles) reads X from memory once per column tile. Which
+    program computes which tile is all that changes."""
     if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if COLUMNS_FIRST:
+        pid_m = tl.program_id(1)
+        pid_n = tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, offs_m < M, offs_n < N, N, K,
@@ -382,6 +391,12 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
         normed = torch.empty_like(out)
         extra = dict(LN_G=ln_weight.contiguous(), LN_B=ln_bias.contiguous(), OUT2=normed.view(-1, n), eps=float(eps))
     grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
+    if config.get("COLUMNS_FIRST"):
+        if config.get("TMA") or config.get("PERSISTENT"):
+            raise ValueError("a columns-first grid is the pointer-load tile's only")
+        if grid[0] > MAX_GRID_Y:
+            raise ValueError(f"{grid[0]} row tiles: a columns-first grid takes at most {MAX_GRID_Y}")
+        grid = grid[::-1]
     persistent = config.pop("PERSISTENT", False)
     specialized = config.pop("WS", False)
     if config.pop("TMA", False):

@@ -93,6 +93,13 @@ TILES: dict[str, dict] = {
     # memory each, two programs per multiprocessor. Two stages take 48 KB, four programs (compiled offline for sm_90a,
     # Triton 3.6: 114-136 registers at 4 warps). The same k16 chain; proven like every tile before it runs.
     "m64s2": dict(BLOCK_M=64, num_warps=4, num_stages=2),
+    # the same two tiles with the grid's columns first (``COLUMNS_FIRST``): a row block's column tiles launched one
+    # after another, so a launch of several column tiles whose X outgrows L2 reads X once, not once per column tile
+    # (shape 6's Q|K|V: 328 MB of X, three column tiles: about 1.3 GB of traffic instead of 2.0). Only the programs'
+    # order changes: compiled for sm_90a, the tile's wgmma and floating-point instructions in its order
+    # (tests/test_fused_linear.py). For the next tile study; not in BUILD_TILES until a GPU build ships one
+    "cols": dict(COLUMNS_FIRST=True),
+    "m64s2cols": dict(BLOCK_M=64, num_warps=4, num_stages=2, COLUMNS_FIRST=True),
 }
 #: the tiles a build proves (each one a compile per op shape: a build's time counts them). The H200 study found
 #: "tma", "tma_n256" and "m64n64" bit-identical on every op shape it tried and the fastest of ours on some
@@ -159,9 +166,14 @@ TMA_MIN_K = 256
 SMALL_TILES = ("m64n64", )
 #: tiles for launches that stream their rows (K <= STREAM_MAX_K and at least STREAM_MIN_WAVES 64-row tiles per
 #: multiprocessor: shape 6's 20,000 row tiles on 132, not shape 13's 1,024): more programs per multiprocessor
-STREAM_TILES = ("m64s2", )
+STREAM_TILES = ("m64s2", "m64s2cols")
 STREAM_MAX_K = 128
 STREAM_MIN_WAVES = 16
+#: X bytes past which a launch's X is taken not to stay in L2 between its column tiles (the H100's and H200's L2 is
+#: 50 MB): where a columns-first tile can pay
+COLUMNS_FIRST_MIN_X_BYTES = 64 << 20
+#: CUDA's limit on a grid's second dimension (a columns-first grid puts the row tiles there)
+MAX_GRID_Y = 65535
 
 
 def tile_pays(launch: str, m: Optional[int], n: int, k: Optional[int], sms: Optional[int]) -> bool:
@@ -171,6 +183,11 @@ def tile_pays(launch: str, m: Optional[int], n: int, k: Optional[int], sms: Opti
     which is for known large launches only."""
     if TILES[launch].get("TMA"):
         return k is None or k >= TMA_MIN_K
+    if TILES[launch].get("COLUMNS_FIRST"):  # several column tiles, X beyond L2, the row tiles within the grid's y
+        block_m = TILES[launch].get("BLOCK_M", 128)
+        block_n = TILES[launch].get("BLOCK_N", min(128, max(16, 1 << (max(1, n) - 1).bit_length())))
+        if None in (m, k) or n <= block_n or m * k * 2 < COLUMNS_FIRST_MIN_X_BYTES or -(-m // block_m) > MAX_GRID_Y:
+            return False
     if launch in STREAM_TILES:
         return (None not in (m, k, sms) and k <= STREAM_MAX_K
                 and -(-m // TILES[launch]["BLOCK_M"]) >= STREAM_MIN_WAVES * sms)
