@@ -243,27 +243,35 @@ def test_the_streaming_tile_is_proven_where_rows_stream_and_computes_what_m64_co
         assert set(re.findall(r"wgmma\.mma_async\S*", streaming)) == wgmma
 
 
-COLUMNS_SCRIPT = """
+def tile_race_script(seed: int, cases: str, race: str) -> str:
+    """An interpreter script: for each (m, n, k, epilogue, prologue) of ``cases``, random inputs, then ``race``
+    (indented code that sets ``got`` and ``want`` per ``tile`` and appends to ``results``); prints the results."""
+    return f"""
 import json, torch
 from kkdeploy.kernels._fused_linear_triton import triton_linear
 from kkdeploy.kernels.fused_linear import TILES
 results = []
-g = torch.Generator().manual_seed(12)
-for m, n, k, epilogue, prologue in ((300, 200, 64, "add_masked", "none"), (130, 384, 32, "none", "none"),
-                                    (70, 160, 48, "gelu", "none"), (200, 256, 32, "masked_sum", "gelu")):
+g = torch.Generator().manual_seed({seed})
+for m, n, k, epilogue, prologue in {cases}:
     x = (torch.randn(m, k, generator=g) * 2).half()
     w, b = (torch.randn(n, k, generator=g) / 4).half(), torch.randn(n, generator=g).half()
     r = torch.randn(m, n, generator=g).half()
     mask = torch.rand(m, generator=g) > 0.3
     residual = r if epilogue in ("add_masked", "masked_sum") else None
     keep = mask if residual is not None else None
-    for tile, base in (("cols", "auto"), ("m64s2cols", "m64s2")):
-        got = triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[tile])
-        want = triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[base])
-        results.append({"case": [m, n, k, epilogue, prologue, tile],
-                        "differing": int((got.view(torch.int16) != want.view(torch.int16)).sum())})
+{race}
+        results.append({{"case": [m, n, k, epilogue, prologue, tile],
+                        "differing": int((got.view(torch.int16) != want.view(torch.int16)).sum())}})
 print("RESULTS " + json.dumps(results))
 """
+
+
+# several column and row tiles, K tails, every epilogue and the GELU prologue
+COLUMNS_SCRIPT = tile_race_script(12, """((300, 200, 64, "add_masked", "none"), (130, 384, 32, "none", "none"),
+                                    (70, 160, 48, "gelu", "none"), (200, 256, 32, "masked_sum", "gelu"))""", """
+    for tile, base in (("cols", "auto"), ("m64s2cols", "m64s2")):
+        got = triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[tile])
+        want = triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[base])""")
 
 
 def test_the_columns_first_tiles_are_for_launches_whose_rows_outgrow_l2(monkeypatch):
@@ -684,31 +692,16 @@ def test_a_build_proves_ffn_in_with_its_gelu_and_the_plan_takes_it_where_proven(
     assert plan["gelu"] and not plan["gelu_prologue"]
 
 
-TMA_SCRIPT = """
-import json, torch
-from kkdeploy.kernels._fused_linear_triton import triton_linear
-from kkdeploy.kernels.fused_linear import TILES
-results = []
-g = torch.Generator().manual_seed(11)
-# M, N, K: tails in every dimension (rows past M, a K past the last full BLOCK_K, N under BLOCK_N)
-for m, n, k, epilogue, prologue in ((100, 48, 40, "none", "none"), (130, 96, 64, "add_masked", "none"),
+# M, N, K: tails in every dimension (rows past M, a K past the last full BLOCK_K, N under BLOCK_N); the last case has
+# 6 tiles: 3 per persistent program
+TMA_SCRIPT = tile_race_script(11, """((100, 48, 40, "none", "none"), (130, 96, 64, "add_masked", "none"),
                                     (64, 32, 136, "masked_sum", "gelu"), (70, 40, 32, "gelu", "none"),
-                                    (300, 200, 64, "add_masked", "none")):  # 6 tiles: 3 per persistent program
-    x = (torch.randn(m, k, generator=g) * 2).half()
-    w, b = (torch.randn(n, k, generator=g) / 4).half(), torch.randn(n, generator=g).half()
-    r = torch.randn(m, n, generator=g).half()
-    mask = torch.rand(m, generator=g) > 0.3
-    residual = r if epilogue in ("add_masked", "masked_sum") else None
-    keep = mask if residual is not None else None
+                                    (300, 200, 64, "add_masked", "none"))""", """
     for tile in ("tma", "tma_n256", "tma_persistent", "tma_ws"):
         config = dict(TILES[tile], BLOCK_K=32) if k > 64 else dict(TILES[tile])
         got = triton_linear(x, w, b, residual, keep, epilogue, prologue, **config)
         plain = {key: v for key, v in config.items() if key not in ("TMA", "PERSISTENT", "WS")}
-        want = triton_linear(x, w, b, residual, keep, epilogue, prologue, **plain)
-        results.append({"case": [m, n, k, epilogue, prologue, tile],
-                        "differing": int((got.view(torch.int16) != want.view(torch.int16)).sum())})
-print("RESULTS " + json.dumps(results))
-"""
+        want = triton_linear(x, w, b, residual, keep, epilogue, prologue, **plain)""")
 
 
 def test_the_tma_tile_computes_what_the_pointer_tile_of_its_size_computes():
