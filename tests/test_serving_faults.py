@@ -201,7 +201,12 @@ def test_a_stub_killed_under_load_is_noticed_and_healed_never_a_wrong_answer(sma
         not_ready = [t for t, status in load.ready if killed_at <= t <= killed_at + 10 and status != 200]
         correct = load.count("ok", after=killed_at, before=killed_at + 10)
         assert not_ready or correct, (load.ready, load.events[-20:])
-        assert not_ready and not_ready[0] - killed_at < 3  # here: noticed within the stub check, not by luck
+        # here: noticed by the stub check (every 0.5 s), not by the canary's luck (every 2 s), and readiness false
+        # while it heals (within the 10 s above). The fault's line is the moment it was noticed; readiness follows
+        # once Triton has begun the unload, which on a loaded 2-core CI machine came 3.06 s after the kill once.
+        noticed_at = serve.wait_for(r"watchdog: \S+ broken: the Python-backend stub of \S+ \(pid \d+\) died", 5)
+        assert noticed_at is not None and noticed_at - killed_at < 3, serve.text
+        assert not_ready, load.ready
         # Healed: exact answers and readiness true again; never a wrong answer, before, during or after.
         assert load.count("ok", after=healed_at) > 0
         assert [status for t, status in load.ready if t > healed_at + 0.5][-1] == 200
