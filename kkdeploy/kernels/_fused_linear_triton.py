@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra import libdevice as _libdevice
 
 from .fused_linear import (LN_WIDTHS, MAX_GRID_Y, TMA_ALIGNMENT,  # LayerNorm rows; TMA; the grid
-                           multiprocessors, tma_fits)
+                           auto_block_n, multiprocessors, tma_fits)
 from .dependent_launch import launch_options
 from .libdevice import gelu_libdevice
 from .precompile import launch as launch_kernel  # compile-only inside precompile.parallel_compiles
@@ -233,20 +233,12 @@ def _tma_tile(XD, WD, B, R, MASK, OUT, m0, n0, M, N, K, stride_rm, stride_om,
     offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if WS:
-        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=True):  # the same loop body, copies in their own warps
-            a = XD.load([m0, k0])
-            if A_GELU:
-                a = _gelu16(a, ACCURATE)
-            w = WD.load([n0, k0])
-            acc = tl.dot(a, tl.trans(w), acc)
-    else:
-        for k0 in range(0, K, BLOCK_K):  # K in order, one accumulator
-            a = XD.load([m0, k0])
-            if A_GELU:  # the GELU prologue, as in the pointer-load tile
-                a = _gelu16(a, ACCURATE)
-            w = WD.load([n0, k0])
-            acc = tl.dot(a, tl.trans(w), acc)
+    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):  # K in order, one accumulator; WS: copies in own warps
+        a = XD.load([m0, k0])
+        if A_GELU:  # the GELU prologue, as in the pointer-load tile
+            a = _gelu16(a, ACCURATE)
+        w = WD.load([n0, k0])
+        acc = tl.dot(a, tl.trans(w), acc)
     _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_rm, stride_om,
                      EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, None, None, None, 0.0, False, False)
 
@@ -353,7 +345,7 @@ def _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, st
 def launch_config(n: int, k: int) -> dict:
     """Tile sizes for an [M, K] x [K, N] call: BLOCK_M 128 (>= 64 keeps wgmma), BLOCK_N the whole row up to 128,
     BLOCK_K up to 64 (the k16 chain is the same whatever BLOCK_K is; it only sets the unrolling)."""
-    block_n = min(128, max(16, triton.next_power_of_2(n)))
+    block_n = auto_block_n(n)
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8 if block_n >= 128 else 4, num_stages=3)
 

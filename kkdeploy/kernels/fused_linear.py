@@ -176,6 +176,11 @@ COLUMNS_FIRST_MIN_X_BYTES = 64 << 20
 MAX_GRID_Y = 65535
 
 
+def auto_block_n(n: int) -> int:
+    """The tile width "auto" takes for rows of ``n`` (``launch_config``'s: the row up to 128, at least 16)."""
+    return min(128, max(16, 1 << (max(1, n) - 1).bit_length()))
+
+
 def tile_pays(launch: str, m: Optional[int], n: int, k: Optional[int], sms: Optional[int]) -> bool:
     """Whether a tile that fits can pay for its compile and proof in a build: a TMA tile where K >= TMA_MIN_K, a
     small tile where "auto"'s grid of 128 x 128 tiles is smaller than the multiprocessors (``sms``), a streaming tile
@@ -185,7 +190,7 @@ def tile_pays(launch: str, m: Optional[int], n: int, k: Optional[int], sms: Opti
         return k is None or k >= TMA_MIN_K
     if TILES[launch].get("COLUMNS_FIRST"):  # several column tiles, X beyond L2, the row tiles within the grid's y
         block_m = TILES[launch].get("BLOCK_M", 128)
-        block_n = TILES[launch].get("BLOCK_N", min(128, max(16, 1 << (max(1, n) - 1).bit_length())))
+        block_n = TILES[launch].get("BLOCK_N", auto_block_n(n))
         if None in (m, k) or n <= block_n or m * k * 2 < COLUMNS_FIRST_MIN_X_BYTES or -(-m // block_m) > MAX_GRID_Y:
             return False
     if launch in STREAM_TILES:
@@ -194,8 +199,7 @@ def tile_pays(launch: str, m: Optional[int], n: int, k: Optional[int], sms: Opti
     if launch in SMALL_TILES:
         if m is None or sms is None:
             return True
-        block_n = min(128, max(16, 1 << (max(1, n) - 1).bit_length()))  # "auto": launch_config's tile
-        return -(-m // 128) * -(-n // block_n) < sms
+        return -(-m // 128) * -(-n // auto_block_n(n)) < sms
     return True
 
 
