@@ -27,6 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+#: how long one proving child may take: a study of every launch compiles and proves several times what a build does
+#: (a build's child has 300 s), and a child ended by its timeout would refuse the op shape it was on and start over;
+#: the campaign step's own time limit is the bound on a real hang
+STUDY_TIMEOUT_S = 3600.0
+
+
 #: what ``--all-launches`` tries per kind (a build tries fewer: ``faithful_attention.proof_launches`` and friends)
 def all_launches() -> dict[str, list[str]]:
     from kkdeploy.kernels import faithful_attention, fused_linear, layer_norm
@@ -99,7 +105,8 @@ def main(argv=None) -> int:
             save_file(trained_like(config, args.weights_seed), str(weights))
         model = build_models(config, torch.float16, "cuda", weights=weights)[0]
         proofs = prove_model_kernels_isolated(model, config, torch.float16, "cuda", args.kinds, reuse=False,
-                                              launches=all_launches() if args.all_launches else None)
+                                              launches=all_launches() if args.all_launches else None,
+                                              timeout_s=STUDY_TIMEOUT_S)
         report["shapes"][sid] = {"seconds": proofs.seconds, "records": proofs.to_list()}
         table_rows += rows(sid, proofs.to_list())
         Path(args.out).write_text(json.dumps(report, indent=1))  # after every shape: a time limit keeps the rest
