@@ -37,7 +37,8 @@ import torch
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import error_summary
 # signal_reason: re-exported for the probe's callers
-from kkdeploy.processes import adopt_sys_path, kill_group, signal_reason, spawn_python  # noqa: F401
+from kkdeploy.processes import (adopt_sys_path, die_with_parent, kill_group, owned_child,  # noqa: F401
+                                signal_reason, spawn_python)
 
 OK, CRASHED, HUNG, FAILED = "ok", "load-crashed", "load-hung", "load-failed"
 DEFAULT_TIMEOUT_S = 600.0  # a CUDA engine may compile or deserialize for minutes; a hang is longer than that
@@ -86,8 +87,8 @@ def probe(module: str, artifact_dir: Path, entry: dict, config: TransformerConfi
     with tempfile.TemporaryDirectory(prefix="kkdeploy-probe-") as tmp:
         req_path, res_path, log_path = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "child.log"
         req_path.write_text(json.dumps(request))
-        with open(log_path, "wb") as log:
-            child = spawn_python("engines.fresh_process", [str(req_path), str(res_path)], log)
+        with open(log_path, "wb") as log, \
+                owned_child("engines.fresh_process", [str(req_path), str(res_path)], log) as child:
             try:
                 returncode = child.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -110,6 +111,7 @@ def probe(module: str, artifact_dir: Path, entry: dict, config: TransformerConfi
 
 
 def _child(request_path: str, result_path: str) -> int:
+    die_with_parent()
     request = json.loads(Path(request_path).read_text())
     adopt_sys_path(request["sys_path"])
     from kkdeploy.config import parse_dtype, tf32_mode

@@ -2,16 +2,18 @@
 """The kernels' GPU self-test: the build's own proof step (``kkdeploy.kernels.model_proofs``) over many shapes.
 
     python3 scripts/kernel_selftest.py --kinds attention,layer_norm,linear --out OUT.json [--shapes 1 2 3]
-        [--dims B,S,D,H,F,L ...] [--all-launches] [--weights-seed N]
+        [--dims B,S,D,H,F,L ...] [--all-launches | --launches KIND=NAME,NAME ...] [--weights-seed N]
 
 For each official shape (default 1-13), the model in float16 on the GPU (seeded weights, or trained-like weights of
 ``scripts/make_weights.py`` with ``--weights-seed``) goes through ``prove_model_kernels`` with ``reuse=False``:
 every launch variant of each kernel op of ``--kinds`` is compared bit for bit with the ATen op it replaces, on the
 model's own activations (all-valid and padded) and random inputs, and timed as CUDA-graph replays against ATen.
-``--all-launches`` proves every launch of each kernel, not only the ones a build tries. Nothing here decides
+``--all-launches`` proves every launch of each kernel, not only the ones a build tries; ``--launches`` names the ones
+to prove (``linear=auto,tma,tma_ws``: a study that fits one device call). Nothing here decides
 differently from a build: it is the same code, in a spawned child as a build's proof is
 (``kkdeploy.kernels.proof_process``), so a launch that faults the GPU refuses its op shape, with the reason in the
-report, and the study goes on. The records land in the proof cache too.
+report, and the study goes on. The child's progress is printed as it comes, with the seconds since the shape began,
+so a study cut short says where it stood. The records land in the proof cache too.
 
 The three former self-tests (``faithful_attention_selftest.py``, ``layer_norm_selftest.py``,
 ``fused_linear_selftest.py``) are this script with one kind. Prints a table last: shape, op, op shape, launches
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,6 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 #: (a build's child has 300 s), and a child ended by its timeout would refuse the op shape it was on and start over;
 #: the campaign step's own time limit is the bound on a real hang
 STUDY_TIMEOUT_S = 3600.0
+#: a child that says nothing new for this long is hung (a kernel that never returns): its op shape is refused and the
+#: study goes on. The longest silence of a study is its compiles ahead, one line for them all (session 38's study of
+#: every tile on three shapes took 330 s in all on the H200)
+STUDY_STALL_S = 600.0
 
 
 #: what ``--all-launches`` tries per kind (a build tries fewer: ``faithful_attention.proof_launches`` and friends)
@@ -49,7 +56,11 @@ def parse_args(argv):
     p.add_argument("--shapes", type=int, nargs="*", default=list(range(1, 14)), help="official shape ids (1-13)")
     p.add_argument("--dims", nargs="*", default=[], metavar="B,S,D,H,F,L",
                    help="non-official shapes too: batch, seq, d_model, heads, ffn, layers (e.g. 16,200,384,6,768,3)")
-    p.add_argument("--all-launches", action="store_true", help="every launch variant, not only a build's")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--all-launches", action="store_true", help="every launch variant, not only a build's")
+    which.add_argument("--launches", nargs="*", default=[], metavar="KIND=NAME,NAME",
+                       help="only these launch variants of a kind (e.g. linear=auto,tma,tma_ws); other kinds as a "
+                            "build proves them")
     p.add_argument("--weights-seed", type=int, default=None, help="trained-like weights (scripts/make_weights.py)")
     p.add_argument("--out", required=True, help="JSON report")
     args = p.parse_args(argv)
@@ -60,10 +71,28 @@ def parse_args(argv):
         p.error(f"--dims takes B,S,D,H,F,L (six integers), got {' '.join(args.dims)}")
     if any(len(d) != 6 for d in args.dims):
         p.error("--dims takes six integers per shape: batch, seq, d_model, heads, ffn, layers")
+    args.launches = parse_launches(p, args.launches)
     unknown = [k for k in args.kinds if k not in KINDS]
     if unknown or not args.kinds:
         p.error(f"--kinds: unknown {', '.join(unknown) or '(none)'}; the kinds are {', '.join(KINDS)}")
     return args
+
+
+def parse_launches(p: argparse.ArgumentParser, items: list[str]) -> dict[str, list[str]] | None:
+    """``["linear=auto,tma"]`` -> ``{"linear": ["auto", "tma"]}``, every name checked against its kind's launches."""
+    if not items:
+        return None
+    known, chosen = all_launches(), {}
+    for item in items:
+        kind, _, names = item.partition("=")
+        names = [n for n in names.split(",") if n]
+        if kind not in known or not names:
+            p.error(f"--launches takes KIND=NAME,NAME with KIND one of {', '.join(known)}, got {item!r}")
+        unknown = [n for n in names if n not in known[kind]]
+        if unknown:
+            p.error(f"--launches: {kind} has no launch {', '.join(unknown)}; its launches are {', '.join(known[kind])}")
+        chosen[kind] = names
+    return chosen
 
 
 def rows(shape_id: int, records: list[dict]) -> list[list]:
@@ -104,9 +133,12 @@ def main(argv=None) -> int:
             weights = Path(args.out).with_suffix(f".weights-{sid}.safetensors")
             save_file(trained_like(config, args.weights_seed), str(weights))
         model = build_models(config, torch.float16, "cuda", weights=weights)[0]
-        proofs = prove_model_kernels_isolated(model, config, torch.float16, "cuda", args.kinds, reuse=False,
-                                              launches=all_launches() if args.all_launches else None,
-                                              timeout_s=STUDY_TIMEOUT_S)
+        began = time.perf_counter()
+        proofs = prove_model_kernels_isolated(
+            model, config, torch.float16, "cuda", args.kinds, reuse=False,
+            launches=all_launches() if args.all_launches else args.launches, timeout_s=STUDY_TIMEOUT_S,
+            stall_s=STUDY_STALL_S,
+            progress=lambda message: print(f"[shape {sid}, {time.perf_counter() - began:6.1f} s] {message}", flush=True))
         report["shapes"][sid] = {"seconds": proofs.seconds, "records": proofs.to_list()}
         table_rows += rows(sid, proofs.to_list())
         Path(args.out).write_text(json.dumps(report, indent=1))  # after every shape: a time limit keeps the rest

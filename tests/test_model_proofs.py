@@ -230,6 +230,14 @@ def test_the_kernel_self_test_is_the_proof_step_and_reads_its_records(monkeypatc
     for bad in ("16,200,384", "16,200,384,6,768,x"):
         with pytest.raises(SystemExit):
             script.parse_args(["--dims", bad, "--out", "x"])
+    # a study of a few launches, named; the other kinds as a build proves them
+    args = script.parse_args(["--launches", "linear=auto,tma_ws", "attention=cached64w8_mdiv", "--out", "x"])
+    assert args.launches == {"linear": ["auto", "tma_ws"], "attention": ["cached64w8_mdiv"]}
+    assert script.parse_args(["--out", "x"]).launches is None
+    for bad in (["--launches", "linear=tma_nope"], ["--launches", "softmax=auto"], ["--launches", "linear="],
+                ["--launches", "linear=auto", "--all-launches"]):
+        with pytest.raises(SystemExit):
+            script.parse_args([*bad, "--out", "x"])
 
 
 def test_bench_json_keeps_each_candidates_proofs(monkeypatch, proof_sandbox, model):

@@ -34,6 +34,7 @@ def fake_kernels_task(model, config, dtype, device, args, report):
     ``raise``) make the child die when it names that kind's first op shape."""
     FakeKernels(_Patch, bad=set(args.get("bad", ())))
     die_at, how = args.get("die_at"), args.get("how")
+    report(None, f"child pid {os.getpid()}")
 
     def dying_report(key, message):
         report(key, message)
@@ -122,6 +123,100 @@ def test_a_hung_proof_is_ended_and_refused(monkeypatch, proof_sandbox, model):
     assert norm.reason.startswith("its proof hung: no answer within 20 s in a fresh process") and not norm.proven
     assert proofs.proven("attention") and proofs.proven("linear")
     assert time.perf_counter() - started < 120
+
+
+def test_a_silent_child_is_hung_long_before_its_timeout(monkeypatch, proof_sandbox, model):
+    """A study gives its child an hour (scripts/kernel_selftest.py); a kernel that never returns is caught by the
+    silence instead, and only its op shape is refused."""
+    real = pp.run_proof_child
+
+    def hanging_at_layer_norm(task, *a, **kw):
+        a[4].update(die_at="layer_norm", how="hang")
+        return real(task, *a, **{**kw, "timeout_s": 3600.0})
+
+    monkeypatch.setattr(pp, "run_proof_child", hanging_at_layer_norm)
+    started = time.perf_counter()
+    proofs = prove(model, task=TASK, stall_s=8.0)
+    norm = next(r for r in proofs.records if r.op == "layer_norm_rows")
+    assert norm.reason.startswith("its proof hung: no progress for 8 s in a fresh process") and not norm.proven
+    assert proofs.proven("attention") and proofs.proven("linear")
+    assert time.perf_counter() - started < 120
+
+
+def _gone(pid: int) -> bool:
+    """Whether a process has ended: no such pid, or a zombie its new parent has not reaped (a container's init may
+    never reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _gone(pid):
+            return True
+        time.sleep(0.1)
+    return _gone(pid)
+
+
+def test_an_interrupted_proof_ends_its_child(proof_sandbox, model):
+    """Ctrl-C, or a campaign step's time limit (SIGINT), while a child proves: the child in its own session gets no
+    signal from the terminal, so the parent ends it on the way out. On an H100 an orphaned study child went on
+    proving for minutes under the next command's timings."""
+    pids = []
+
+    def interrupt(message):
+        if message.startswith("child pid "):
+            pids.append(int(message.split()[-1]))
+        if pids and message.startswith("proving "):  # the child is at work: interrupt the parent's wait
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pp.run_proof_child(TASK, model, CONFIG, torch.float16, CPU,
+                           {"kinds": list(mp.KINDS), "die_at": "layer_norm", "how": "hang"}, progress=interrupt,
+                           timeout_s=600.0)
+    assert pids and _gone(pids[0])
+
+
+def test_a_child_dies_with_a_parent_killed_outright(tmp_path):
+    """SIGKILL (or SIGTERM's default) ends a parent without running its ``finally``: the child asked the kernel to
+    end it with its parent (``die_with_parent``)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(root)!r})\n"
+        "from kkdeploy.processes import spawn_python\n"
+        f"child = spawn_python('tests.proof_child_sleeper', [], open({str(tmp_path / 'log')!r}, 'wb'))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    ready = tmp_path / "log"
+    deadline = time.monotonic() + 60
+    while b"sleeping" not in ready.read_bytes() and time.monotonic() < deadline:  # die_with_parent has run
+        time.sleep(0.1)
+    assert not _gone(child)
+    parent.kill()
+    parent.wait()
+    assert _wait_gone(child, 10.0)
+
+
+def test_a_child_whose_parent_is_already_gone_exits_at_once():
+    import subprocess
+    import sys
+
+    from kkdeploy.processes import ORPHANED_EXIT, PARENT_ENV
+
+    run = subprocess.run([sys.executable, "-c", "from kkdeploy.processes import die_with_parent\n"
+                          "die_with_parent(); print('still here')"], capture_output=True, text=True,
+                         env={**os.environ, PARENT_ENV: "1" if os.getpid() != 1 else "2"})
+    assert run.returncode == ORPHANED_EXIT and "still here" not in run.stdout
 
 
 def test_a_python_error_in_the_child_is_one_line(monkeypatch, proof_sandbox, model):

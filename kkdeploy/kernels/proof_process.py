@@ -37,7 +37,7 @@ import torch
 
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import KKError, error_summary
-from kkdeploy.processes import adopt_sys_path, kill_group, signal_reason, spawn_python
+from kkdeploy.processes import adopt_sys_path, die_with_parent, kill_group, owned_child, signal_reason
 
 #: the default child task: ``prove_model_kernels`` (``module:function``; a test names its own)
 MODEL_KERNELS_TASK = "kkdeploy.kernels.proof_process:model_kernels_task"
@@ -69,9 +69,11 @@ def isolation_wanted(device: torch.device | str) -> bool:
 
 def run_proof_child(task: str, model, config: TransformerConfig, dtype: torch.dtype, device: torch.device | str,
                     args: dict, *, progress: Optional[Callable[[str], None]] = None,
-                    timeout_s: float = DEFAULT_TIMEOUT_S) -> ChildOutcome:
+                    timeout_s: float = DEFAULT_TIMEOUT_S, stall_s: Optional[float] = None) -> ChildOutcome:
     """Run ``task`` (``module:function``) on a copy of ``model`` in a spawned interpreter; never raises for what
-    the child does. ``progress`` receives the child's progress messages as they come."""
+    the child does. ``progress`` receives the child's progress messages as they come. The child is hung when it has
+    not answered within ``timeout_s``, or (``stall_s``) has said nothing new for that long: a study's long proof
+    gets an hour, but a kernel that never returns should not hold it for the hour."""
     from safetensors.torch import save_file
 
     started = time.perf_counter()
@@ -85,9 +87,10 @@ def run_proof_child(task: str, model, config: TransformerConfig, dtype: torch.dt
         paths[0].write_text(json.dumps(request))
         seen = 0
         culprit = None
+        heard = started  # when the child last said something
 
         def follow() -> None:  # the child's progress lines since the last look
-            nonlocal seen, culprit
+            nonlocal seen, culprit, heard
             if not paths[2].is_file():
                 return
             lines = paths[2].read_text().splitlines()
@@ -97,23 +100,26 @@ def run_proof_child(task: str, model, config: TransformerConfig, dtype: torch.dt
                 except json.JSONDecodeError:  # a line being written; read again next time
                     break
                 seen += 1
+                heard = time.perf_counter()
                 if entry.get("key"):
                     culprit = entry["key"]
                 if entry.get("message") and progress:
                     progress(entry["message"])
 
-        with open(paths[3], "wb") as log:
-            child = spawn_python("kkdeploy.kernels.proof_process", [str(p) for p in paths[:3]], log)
+        with open(paths[3], "wb") as log, \
+                owned_child("kkdeploy.kernels.proof_process", [str(p) for p in paths[:3]], log) as child:
             returncode = None
             while returncode is None:
                 try:
                     returncode = child.wait(timeout=0.2)
                 except subprocess.TimeoutExpired:
                     follow()
-                    if time.perf_counter() - started > timeout_s:
+                    now = time.perf_counter()
+                    if now - started > timeout_s or (stall_s is not None and now - heard > stall_s):
                         kill_group(child)
-                        return ChildOutcome(HUNG, None, f"hung: no answer within {timeout_s:g} s", culprit,
-                                            round(time.perf_counter() - started, 3))
+                        why = (f"no answer within {timeout_s:g} s" if now - started > timeout_s
+                               else f"no progress for {stall_s:g} s")
+                        return ChildOutcome(HUNG, None, f"hung: {why}", culprit, round(now - started, 3))
         follow()
         seconds = round(time.perf_counter() - started, 3)
         if returncode < 0:
@@ -152,10 +158,12 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
                                  seed: Optional[int] = None, compile_workers: Optional[int] = None,
                                  progress: Optional[Callable[[str], None]] = None,
                                  task: str = MODEL_KERNELS_TASK, timeout_s: float = DEFAULT_TIMEOUT_S,
-                                 isolate: Optional[bool] = None, launches: Optional[dict[str, list[str]]] = None):
+                                 isolate: Optional[bool] = None, launches: Optional[dict[str, list[str]]] = None,
+                                 stall_s: Optional[float] = None):
     """``model_proofs.prove_model_kernels`` with its launches run in a child (``isolate``: default on CUDA), the op
     shapes whose proof took a child down refused; returns a ``ModelProofs`` as the in-process proof does.
-    ``launches`` ({kind: names}): the variants to prove instead of a build's (a study of every tile)."""
+    ``launches`` ({kind: names}): the variants to prove instead of a build's (a study of every tile). ``timeout_s``
+    and ``stall_s``: when a child counts as hung (``run_proof_child``)."""
     from .model_proofs import ModelProofs, _environment, _op, kernel_op_shapes, op_key, prove_model_kernels
     from .proof import ProofCache, lookup_proof
 
@@ -185,7 +193,8 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
                           f"KKDEPLOY_PROOF_PROCESS=0 to see where")
         args = {"kinds": kinds, "reuse": reuse, "refusals": refusals, "cache_dir": None if cache_dir is None
                 else str(cache_dir), "compile_workers": workers, "seed": seed, "launches": launches}
-        outcome = run_proof_child(task, model, config, dtype, device, args, progress=progress, timeout_s=timeout_s)
+        outcome = run_proof_child(task, model, config, dtype, device, args, progress=progress, timeout_s=timeout_s,
+                                  stall_s=stall_s)
         children.append(outcome.seconds)
         if outcome.status == OK:
             answer = outcome.answer
@@ -237,6 +246,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def _child(request_path: str, result_path: str, progress_path: str) -> int:
+    die_with_parent()
     request = json.loads(Path(request_path).read_text())
     adopt_sys_path(request["sys_path"])
     import importlib
