@@ -134,13 +134,19 @@ step_layernorm() {
   # The rows LayerNorm kernel, every launch, on every official shape's LayerNorms: the build's proof step.
   python3 scripts/layer_norm_selftest.py --out "$OUT/layer-norm.json" --all-launches ${LAYERNORM_ARGS:-}
 }
+every_launch_unless_named() {  # ARGS: --all-launches, unless ARGS name the launches to study (--launches)
+  case " $1 " in *" --launches "*) ;; *) echo --all-launches ;; esac
+}
 step_linear() {
   # kkdeploy_faithful::linear's Triton GEMM tiles with their epilogues, every official shape: the build's proof step.
-  python3 scripts/fused_linear_selftest.py --out "$OUT/fused-linear.json" --all-launches ${LINEAR_ARGS:-}
+  # every launch, unless LINEAR_ARGS names some (--launches linear=auto,tma,tma_ws)
+  python3 scripts/fused_linear_selftest.py --out "$OUT/fused-linear.json" $(every_launch_unless_named "${LINEAR_ARGS:-}") \
+    ${LINEAR_ARGS:-}
 }
 step_attention() {
   # The faithful attention kernel, every launch that fits the rows, every official shape: the build's proof step.
-  python3 scripts/faithful_attention_selftest.py --out "$OUT/attention.json" --all-launches ${ATTENTION_ARGS:-}
+  python3 scripts/faithful_attention_selftest.py --out "$OUT/attention.json" $(every_launch_unless_named "${ATTENTION_ARGS:-}") \
+    ${ATTENTION_ARGS:-}
 }
 step_shape14tiles() {
   # Issue 19: where a reference-order shape-14 tile spends its time, and which skips of masked work are bitwise.

@@ -46,6 +46,17 @@ def test_the_env_step_reports_the_machine_through_kkdeploy_env(tmp_path):
     assert "=== step env done: exit 0" in log and "What this machine can do" in log, log[-3000:]
 
 
+@pytest.mark.parametrize("step, variable, kind", [("linear", "LINEAR_ARGS", "linear"),
+                                                   ("attention", "ATTENTION_ARGS", "attention")])
+def test_the_study_steps_take_every_launch_unless_some_are_named(tmp_path, step, variable, kind):
+    """The kernel self-test's arguments reach it whole: --all-launches by default, or the launches named (the two
+    cannot go together); on the CPU the script then stops at its GPU check, past its argument parsing."""
+    named = f"{kind}=auto" if kind == "linear" else f"{kind}=cached64w4_mdiv"
+    for args in ("--shapes 8", f"--shapes 8 --launches {named}"):
+        log = _campaign(tmp_path, f"{step}=60", **{variable: args})
+        assert "needs a CUDA GPU" in log and "not allowed with" not in log, log[-2000:]
+
+
 def test_the_pdl_step_runs_end_to_end_and_pairs_each_graph_with_its_pdl_form(tmp_path):
     # A tiny custom shape with weights of our own: make_weights, the bench, the tarball and the paired summary.
     # On the CPU the -pdl form is refused in one line and recorded skipped; the pairing table must still say so.

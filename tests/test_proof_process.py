@@ -31,14 +31,16 @@ class _Patch:
 
 def fake_kernels_task(model, config, dtype, device, args, report):
     """The child's proof with FakeKernels; ``args["die_at"]`` (a kind) and ``args["how"]`` (``segv``, ``hang``,
-    ``raise``) make the child die when it names that kind's first op shape."""
+    ``raise``) make the child die when it names that kind's first op shape, or (``args["die_launch"]``) that launch
+    of it."""
     FakeKernels(_Patch, bad=set(args.get("bad", ())))
-    die_at, how = args.get("die_at"), args.get("how")
+    die_at, how, die_launch = args.get("die_at"), args.get("how"), args.get("die_launch")
     report(None, f"child pid {os.getpid()}")
 
     def dying_report(key, message):
         report(key, message)
-        if key and die_at and key.startswith(f"{die_at} "):
+        if (key and die_at and key.startswith(f"{die_at} ")
+                and (die_launch is None or key.endswith(f"{mp.LAUNCH_SEP}{die_launch}"))):
             if how == "segv":
                 os.kill(os.getpid(), signal.SIGSEGV)
             if how == "hang":
@@ -141,6 +143,30 @@ def test_a_silent_child_is_hung_long_before_its_timeout(monkeypatch, proof_sandb
     assert norm.reason.startswith("its proof hung: no progress for 8 s in a fresh process") and not norm.proven
     assert proofs.proven("attention") and proofs.proven("linear")
     assert time.perf_counter() - started < 120
+
+
+def test_a_launch_that_hangs_its_child_is_refused_alone(monkeypatch, proof_sandbox, model):
+    """The child names each launch before it runs it: a launch that never returns (a new tile's deadlock, in a
+    study) is refused by itself, and its op shape's other launches are proven by the next child."""
+    real = pp.run_proof_child
+    children = []
+
+    def hanging_at_rows2(task, *a, **kw):
+        children.append(dict(a[4].get("refusals") or {}))
+        a[4].update(die_at="layer_norm", die_launch="rows2", how="hang")
+        return real(task, *a, **kw)
+
+    monkeypatch.setattr(pp, "run_proof_child", hanging_at_rows2)
+    proofs = prove(model, task=TASK, stall_s=8.0)
+    norm = next(r for r in proofs.records if r.op == "layer_norm_rows")
+    launches = {r.launch: r for r in norm.launches}
+    assert launches["rows2"].status == "error"
+    assert launches["rows2"].detail == "it hung: no progress for 8 s in a fresh process, so it does not run here"
+    assert launches["rows1"].status == launches["rows2_full"].status == "proven" and norm.chosen != "rows2"
+    assert all(r.proven for r in proofs.records)
+    key = mp.launch_key(mp.op_key("layer_norm", norm.shape), "rows2")
+    assert len(children) == 2 and list(children[1]) == [key]
+    assert not norm.conclusive  # a refusal is this run's, not a lasting fact: the record is not cached
 
 
 def _gone(pid: int) -> bool:

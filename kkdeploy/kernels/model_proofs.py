@@ -30,7 +30,7 @@ from kkdeploy.inputs import DEFAULT_SEED, padded_case
 from . import fused_linear, layer_norm
 from . import faithful_attention as attention_kernel
 from .precompile import DEFAULT_WORKERS, parallel_compiles
-from .proof import ProofCache, ProofRecord, lookup_proof
+from .proof import ProofCache, ProofRecord, launch_watch, lookup_proof
 
 #: the kinds of kernel op a candidate can run, in the order they are proven
 KINDS = ("attention", "layer_norm", "linear")
@@ -248,6 +248,22 @@ def op_key(kind: str, shape: dict) -> str:
     return f"{kind} {json.dumps(shape, sort_keys=True)}"
 
 
+#: between an op key and a launch's name in a launch's key (``launch_key``)
+LAUNCH_SEP = " launch "
+
+
+def launch_key(op: str, launch: str) -> str:
+    """One launch at one op shape (``op`` an ``op_key``): what a proving child names before the launch runs, and
+    what ``refusals`` may hold to skip that launch alone."""
+    return f"{op}{LAUNCH_SEP}{launch}"
+
+
+def refused_launches(refusals: Optional[dict[str, str]], op: str) -> dict[str, str]:
+    """{launch: reason} for the launch keys of ``op`` in ``refusals``."""
+    head = f"{op}{LAUNCH_SEP}"
+    return {key[len(head):]: why for key, why in (refusals or {}).items() if key.startswith(head)}
+
+
 #: kind -> the module of its kernel op (``OP``, ``proof_environment``)
 _MODULES = {"attention": attention_kernel, "layer_norm": layer_norm, "linear": fused_linear}
 
@@ -267,13 +283,15 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
                         launches: Optional[dict[str, list[str]]] = None,
                         compile_workers: int = DEFAULT_WORKERS,
                         refusals: Optional[dict[str, str]] = None,
-                        on_op: Optional[Callable[[str], None]] = None) -> ModelProofs:
+                        on_op: Optional[Callable[[str], None]] = None,
+                        on_launch: Optional[Callable[[str], None]] = None) -> ModelProofs:
     """Prove every kernel op of ``kinds`` at ``model``'s op shapes here (``reuse``: a record already made in this
     environment is taken as it is). Off CUDA or in another dtype the records say why nothing runs. ``launches``
     ({kind: names}) replaces the launch variants a build proves (a study of every variant: scripts/kernel_selftest.py).
     On CUDA every launch is compiled first, ``compile_workers`` at a time (``precompile``; 0: one by one, as each
     proof first runs it). ``refusals`` ({``op_key``: reason}): op shapes not to run at all (their proof took a
-    process down: ``proof_process``); ``on_op(op_key)`` is called before the launches of each op shape run."""
+    process down: ``proof_process``), or, for a ``launch_key``, that launch alone; ``on_op(op_key)`` is called before
+    the launches of each op shape run, and ``on_launch(launch_key)`` before each launch runs (a case, or its timing)."""
     device = torch.device(device)
     kinds = [k for k in KINDS if k in set(kinds)]
     start = time.perf_counter()
@@ -312,7 +330,7 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
         if compile_workers and device.type == "cuda":
             if progress:
                 progress(f"compiling the launches of {len(todo)} op shapes")
-            _compile_ahead(todo, cases, config, device, launches, compile_workers)
+            _compile_ahead(todo, cases, config, device, launches, compile_workers, refusals)
             phase("compile")
     for slot in slots:
         if not isinstance(slot, tuple):
@@ -325,15 +343,19 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
             on_op(op_key(kind, shape))
         if progress:
             progress(f"proving {name} {shape}")
-        result.records.append(_prove(kind, name, shape, cases if refusal is None else None, config, device,
-                                     budget_s, cache, refusal, (launches or {}).get(kind)))
+        key = op_key(kind, shape)
+        before = on_launch and (lambda launch, key=key: on_launch(launch_key(key, launch)))
+        with launch_watch(before, refused_launches(refusals, key)):
+            result.records.append(_prove(kind, name, shape, cases if refusal is None else None, config, device,
+                                         budget_s, cache, refusal, (launches or {}).get(kind)))
     del cases
     phase("prove")
     result.seconds = round(time.perf_counter() - start, 3)
     return result
 
 
-def _compile_ahead(todo, cases: _Cases, config, device, launches, workers: int) -> None:
+def _compile_ahead(todo, cases: _Cases, config, device, launches, workers: int,
+                   refusals: Optional[dict[str, str]] = None) -> None:
     """Every launch of every op shape to prove, run once on its first case inside ``parallel_compiles``: Triton
     compiles them on a thread pool, and the proofs that follow find them compiled. The random inputs the proofs will
     draw are drawn again afterwards (the generator's state is put back), so the proofs see the same cases."""
@@ -342,8 +364,9 @@ def _compile_ahead(todo, cases: _Cases, config, device, launches, workers: int) 
         for kind, name, shape, refusal in todo:
             if refusal is not None:  # refused, or the rows LayerNorm (CUDA, built beside: nothing for Triton)
                 continue
-            try:  # ends in CompiledAhead once its launches are handed to the pool
-                _prove(kind, name, shape, cases, config, device, BUDGET_S, None, None, (launches or {}).get(kind))
+            try:  # ends in CompiledAhead once its launches are handed to the pool (a refused launch is not)
+                with launch_watch(None, refused_launches(refusals, op_key(kind, shape))):
+                    _prove(kind, name, shape, cases, config, device, BUDGET_S, None, None, (launches or {}).get(kind))
             except Exception:  # noqa: BLE001 - CompiledAhead, or an error the proof itself meets again and records
                 pass
     cases.generator.set_state(state)

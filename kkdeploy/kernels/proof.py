@@ -16,12 +16,14 @@ environment that differs (another GPU, torch, CUDA, compiler, or kernel source) 
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import json
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -213,6 +215,22 @@ def _captured(fn: Callable[[], object], device: torch.device):
         return None
 
 
+#: (before, refused) for the launches proven in this context (``launch_watch``)
+_WATCH: contextvars.ContextVar = contextvars.ContextVar("kkdeploy_launch_watch", default=(None, {}))
+
+
+@contextmanager
+def launch_watch(before: Optional[Callable[[str], None]], refused: Optional[dict[str, str]] = None):
+    """Within: ``prove_launches`` calls ``before(launch)`` before it runs a launch (on a case, or to time it), so a
+    proving child can name the launch that then hangs or faults it, and records each ``refused`` launch ({launch:
+    reason}) as an error without running it: the launch that took a child down, not its whole op shape."""
+    token = _WATCH.set((before, dict(refused or {})))
+    try:
+        yield
+    finally:
+        _WATCH.reset(token)
+
+
 class CompiledAhead(Exception):
     """Raised by ``prove_launches`` inside ``precompile.parallel_compiles``: it ran each launch once on the first case
     there, which only hands the launch's compile to the pool; the proof itself runs afterwards."""
@@ -236,8 +254,11 @@ def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequenc
     device = torch.device(device)
     if not launches:
         raise KKError(f"proof of {op}: no launch variants to prove")
+    before, refused = _WATCH.get()
     if compile_only() and cases:
         for name in launches:
+            if name in refused:
+                continue
             try:
                 cases[0].run(name)
             except Exception:  # noqa: BLE001 - the proof's own run meets it again and records it
@@ -246,6 +267,9 @@ def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequenc
     start = clock()
     record = ProofRecord(op=op, shape=dict(shape), environment=environment or environment_key(device))
     results = {name: LaunchResult(name) for name in launches}
+    for name, why in refused.items():
+        if name in results:
+            results[name].status, results[name].detail = "error", why
     for index, case in enumerate(cases):
         if index and clock() - start > budget_s:
             record.reason = f"budget of {budget_s:g} s spent before case {case.label!r}"
@@ -260,6 +284,8 @@ def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequenc
         for name, result in results.items():
             if result.status == "error" or result.differing:
                 continue
+            if before:
+                before(name)
             try:
                 got = case.run(name)
             except Exception as exc:
@@ -290,6 +316,8 @@ def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequenc
     elif survivors:
         chosen_case = cases[len(cases) - 1 if timing_case is None else timing_case]
         for result in survivors:
+            if before:
+                before(result.launch)
             result.ms = median_ms(lambda: chosen_case.run(result.launch), repeats, device)
         best = min(survivors, key=lambda r: r.ms)
         record.reason = (f"{len(survivors)} of {len(results)} launches bit-identical on {len(cases)} cases "

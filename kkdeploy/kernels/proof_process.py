@@ -62,6 +62,10 @@ class ChildOutcome:
     seconds: float
 
 
+#: launches a proof may refuse one by one (each took a child down) before it gives up on the children
+MAX_LAUNCH_REFUSALS = 16
+
+
 def isolation_wanted(device: torch.device | str) -> bool:
     """Whether proofs on ``device`` run in a child: on CUDA, unless ``KKDEPLOY_PROOF_PROCESS=0``."""
     return torch.device(device).type == "cuda" and os.environ.get("KKDEPLOY_PROOF_PROCESS", "1") != "0"
@@ -164,7 +168,8 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
     shapes whose proof took a child down refused; returns a ``ModelProofs`` as the in-process proof does.
     ``launches`` ({kind: names}): the variants to prove instead of a build's (a study of every tile). ``timeout_s``
     and ``stall_s``: when a child counts as hung (``run_proof_child``)."""
-    from .model_proofs import ModelProofs, _environment, _op, kernel_op_shapes, op_key, prove_model_kernels
+    from .model_proofs import (LAUNCH_SEP, ModelProofs, _environment, _op, kernel_op_shapes, op_key,
+                               prove_model_kernels)
     from .proof import ProofCache, lookup_proof
 
     device = torch.device(device)
@@ -188,7 +193,8 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
     children = []
     answer = None
     while answer is None:
-        if len(children) > len(shapes) + 1:  # each death refuses one more op shape: more is a child that cannot run
+        # each death refuses one more op shape or launch: more is a child that cannot run
+        if len(children) > len(shapes) + 1 + MAX_LAUNCH_REFUSALS:
             raise KKError(f"the kernel proof's process died {len(children)} times ({outcome.reason}); prove with "
                           f"KKDEPLOY_PROOF_PROCESS=0 to see where")
         args = {"kinds": kinds, "reuse": reuse, "refusals": refusals, "cache_dir": None if cache_dir is None
@@ -201,8 +207,10 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
         elif outcome.status == FAILED:
             raise KKError(f"the kernel proof failed in a fresh process: {outcome.reason}")
         elif outcome.culprit and outcome.culprit not in refusals:
-            refusals[outcome.culprit] = (f"its proof {outcome.reason} in a fresh process, so ATen runs it (the same "
-                                         f"bits)")
+            launch = outcome.culprit.partition(LAUNCH_SEP)[2]
+            refusals[outcome.culprit] = (
+                f"it {outcome.reason} in a fresh process, so it does not run here" if launch
+                else f"its proof {outcome.reason} in a fresh process, so ATen runs it (the same bits)")
         elif workers != 0:  # no op shape named yet (the compiles ahead): once more, one launch at a time
             workers = 0
         else:
@@ -229,6 +237,7 @@ def model_kernels_task(model, config: TransformerConfig, dtype: torch.dtype, dev
         model, config, dtype, device, args["kinds"], reuse=args.get("reuse", True),
         cache=ProofCache(Path(args["cache_dir"])) if args.get("cache_dir") else None,
         progress=lambda message: report(None, message), on_op=lambda key: report(key, None),
+        on_launch=lambda key: report(key, None),
         refusals=args.get("refusals") or None, compile_workers=DEFAULT_WORKERS if workers is None else workers,
         launches=args.get("launches"), **seed)
     reused = {id(r) for r in proofs.reused_records}
