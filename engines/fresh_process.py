@@ -37,8 +37,7 @@ import torch
 from kkdeploy.config import TransformerConfig, dtype_name
 from kkdeploy.errors import error_summary
 # signal_reason: re-exported for the probe's callers
-from kkdeploy.processes import (adopt_sys_path, die_with_parent, kill_group, owned_child,  # noqa: F401
-                                signal_reason, spawn_python)
+from kkdeploy.processes import adopt_sys_path, die_with_parent, kill_group, owned_child, signal_reason  # noqa: F401
 
 OK, CRASHED, HUNG, FAILED = "ok", "load-crashed", "load-hung", "load-failed"
 DEFAULT_TIMEOUT_S = 600.0  # a CUDA engine may compile or deserialize for minutes; a hang is longer than that

@@ -13,12 +13,13 @@ timings.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import subprocess
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 #: the spawning process's pid, in a spawned child's environment (``die_with_parent``)
 PARENT_ENV = "KKDEPLOY_PARENT_PID"
@@ -69,6 +70,29 @@ def owned_child(module: str, argv: list[str], log) -> Iterator[subprocess.Popen]
             kill_group(child)
 
 
+@functools.lru_cache(maxsize=None)
+def _prctl() -> Optional[Callable]:
+    """libc's ``prctl``, or None where there is none (not Linux)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def death_signal_hook(sig: int = signal.SIGTERM) -> Optional[Callable[[], None]]:
+    """A ``preexec_fn`` for a child that is not one of our Python children (the Triton server): it receives ``sig``
+    when its parent dies. ``prctl`` is looked up here, in the parent: the hook runs between fork and exec and must
+    not load anything. None where there is no ``prctl``."""
+    prctl = _prctl()
+    if prctl is None:
+        return None
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig))
+
+    return hook
+
+
 def die_with_parent() -> None:
     """In a child of ``spawn_python``, first thing: let the kernel kill this process when its parent ends
     (``PR_SET_PDEATHSIG``, Linux), so that a parent killed outright (SIGKILL, or SIGTERM's default, which runs no
@@ -76,11 +100,9 @@ def die_with_parent() -> None:
     parent = os.environ.get(PARENT_ENV)
     if not parent:
         return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):  # not Linux: the parent's owned_child still ends it on every way out
+    prctl = _prctl()
+    # not Linux, or refused: the parent's owned_child still ends it on every way out
+    if prctl is None or prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         return
     if os.getppid() != int(parent):  # the parent died before the request took effect
         os._exit(ORPHANED_EXIT)

@@ -11,8 +11,8 @@ model's own activations (all-valid and padded) and random inputs, and timed as C
 ``--all-launches`` proves every launch of each kernel, not only the ones a build tries; ``--launches`` names the ones
 to prove (``linear=auto,tma,tma_ws``: a study that fits one device call). Nothing here decides
 differently from a build: it is the same code, in a spawned child as a build's proof is
-(``kkdeploy.kernels.proof_process``), so a launch that faults the GPU refuses its op shape, with the reason in the
-report, and the study goes on. The child's progress is printed as it comes, with the seconds since the shape began,
+(``kkdeploy.kernels.proof_process``), so a launch that faults the GPU or never returns is refused, with the reason
+in the report, and the study goes on. The child's progress is printed as it comes, with the seconds since the shape began,
 so a study cut short says where it stood. The records land in the proof cache too.
 
 The three former self-tests (``faithful_attention_selftest.py``, ``layer_norm_selftest.py``,
@@ -31,12 +31,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: how long one proving child may take: a study of every launch compiles and proves several times what a build does
-#: (a build's child has 300 s), and a child ended by its timeout would refuse the op shape it was on and start over;
-#: the campaign step's own time limit is the bound on a real hang
+#: (a build's child has 300 s), and a child ended by its timeout would refuse what it was on and start over
 STUDY_TIMEOUT_S = 3600.0
-#: a child that says nothing new for this long is hung (a kernel that never returns): its op shape is refused and the
-#: study goes on. The longest silence of a study is its compiles ahead, one line for them all (session 38's study of
-#: every tile on three shapes took 330 s in all on the H200)
+#: a child that says nothing new for this long is hung (a kernel that never returns): the launch it last named is
+#: refused and the study goes on. The longest silence of a study is its compiles ahead, one line for them all
+#: (campaign 22's study of every tile on three shapes took 330 s in all on the H200)
 STUDY_STALL_S = 600.0
 
 
@@ -121,7 +120,8 @@ def main(argv=None) -> int:
     from kkdeploy.kernels.proof_process import prove_model_kernels_isolated
     from kkdeploy.models.weights import build_models
 
-    report, table_rows = {"kinds": args.kinds, "all_launches": args.all_launches, "shapes": {}}, []
+    report, table_rows = {"kinds": args.kinds, "all_launches": args.all_launches, "launches": args.launches,
+                          "shapes": {}}, []
     configs = {sid: OFFICIAL_SHAPES[sid] for sid in args.shapes}
     configs.update({",".join(map(str, d)): TransformerConfig(*d) for d in args.dims})
     for sid, config in configs.items():

@@ -195,26 +195,34 @@ def test_an_interrupted_proof_ends_its_child(proof_sandbox, model):
     assert pids and _gone(pids[0])
 
 
-def test_a_child_dies_with_a_parent_killed_outright(tmp_path):
-    """SIGKILL (or SIGTERM's default) ends a parent without running its ``finally``: the child asked the kernel to
-    end it with its parent (``die_with_parent``)."""
+@pytest.mark.parametrize("spawn", [
+    # one of our Python children (the proof's, the load check's): it asks at its start (die_with_parent)
+    "child = spawn_python('tests.proof_child_sleeper', [], open(LOG, 'wb'))",
+    # a binary (the Triton server): the parent asks for it between fork and exec (death_signal_hook)
+    "child = subprocess.Popen(['sleep', '600'], start_new_session=True, preexec_fn=death_signal_hook()); "
+    "open(LOG, 'w').write('sleeping')",
+], ids=["python-child", "binary"])
+def test_a_child_dies_with_a_parent_killed_outright(tmp_path, spawn):
+    """SIGKILL (or SIGTERM's default) ends a parent without running its ``finally``: the child was set to be ended by
+    the kernel with its parent (``PR_SET_PDEATHSIG``)."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
+    ready = tmp_path / "log"
     parent = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\n"
+        "import subprocess, sys, time\n"
         f"sys.path.insert(0, {str(root)!r})\n"
-        "from kkdeploy.processes import spawn_python\n"
-        f"child = spawn_python('tests.proof_child_sleeper', [], open({str(tmp_path / 'log')!r}, 'wb'))\n"
+        "from kkdeploy.processes import death_signal_hook, spawn_python\n"
+        f"LOG = {str(ready)!r}\n"
+        f"{spawn}\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
-    ready = tmp_path / "log"
     deadline = time.monotonic() + 60
-    while b"sleeping" not in ready.read_bytes() and time.monotonic() < deadline:  # die_with_parent has run
-        time.sleep(0.1)
+    while not (ready.is_file() and b"sleeping" in ready.read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the child has asked to die with its parent
     assert not _gone(child)
     parent.kill()
     parent.wait()

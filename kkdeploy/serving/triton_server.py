@@ -19,7 +19,6 @@ whole group, then removes any shared-memory region a killed stub left in ``/dev/
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import platform
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KKError
+from ..processes import death_signal_hook
 
 PYTRITON_VERSION = "0.7.0"
 # sha256 of the two published wheels of nvidia-pytriton 0.7.0 (PyPI), checked by pip (--require-hashes).
@@ -244,24 +244,6 @@ def check_ports(host: str, ports: dict[str, int]) -> None:
 
 
 # -- the server process -------------------------------------------------------------------------------------------
-_PR_SET_PDEATHSIG = 1
-_libc = None
-
-
-def _death_signal_hook():
-    """A preexec_fn that makes the child receive SIGTERM when its parent dies. libc is opened here, in the
-    parent: the hook itself runs between fork and exec and must not load anything."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        except OSError:
-            return None
-
-    def hook():
-        _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-
-    return hook
 
 
 def python_library_dir(embedder: str = "the Triton Python-backend stub") -> Path:
@@ -415,7 +397,7 @@ class TritonServer:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command(backend_dir), stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, env=self.environment(),
-                                            start_new_session=True, preexec_fn=_death_signal_hook())
+                                            start_new_session=True, preexec_fn=death_signal_hook())
         return self
 
     def alive(self) -> bool:
