@@ -61,8 +61,12 @@ def parse_args(argv):
                        help="only these launch variants of a kind (e.g. linear=auto,tma,tma_ws); other kinds as a "
                             "build proves them")
     p.add_argument("--weights-seed", type=int, default=None, help="trained-like weights (scripts/make_weights.py)")
+    p.add_argument("--stall-s", type=float, default=STUDY_STALL_S,
+                   help=f"seconds of a child's silence after which its launch is refused as hung ({STUDY_STALL_S:.0f})")
     p.add_argument("--out", required=True, help="JSON report")
     args = p.parse_args(argv)
+    if args.stall_s <= 0:
+        p.error(f"--stall-s takes a positive number of seconds, got {args.stall_s:g}")
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     try:
         args.dims = [tuple(int(v) for v in text.split(",")) for text in args.dims]
@@ -137,7 +141,7 @@ def main(argv=None) -> int:
         proofs = prove_model_kernels_isolated(
             model, config, torch.float16, "cuda", args.kinds, reuse=False,
             launches=all_launches() if args.all_launches else args.launches, timeout_s=STUDY_TIMEOUT_S,
-            stall_s=STUDY_STALL_S,
+            stall_s=args.stall_s,
             progress=lambda message: print(f"[shape {sid}, {time.perf_counter() - began:6.1f} s] {message}", flush=True))
         report["shapes"][sid] = {"seconds": proofs.seconds, "records": proofs.to_list()}
         table_rows += rows(sid, proofs.to_list())

@@ -235,9 +235,12 @@ def test_the_kernel_self_test_is_the_proof_step_and_reads_its_records(monkeypatc
     assert args.launches == {"linear": ["auto", "tma_ws"], "attention": ["cached64w8_mdiv"]}
     assert script.parse_args(["--out", "x"]).launches is None
     for bad in (["--launches", "linear=tma_nope"], ["--launches", "softmax=auto"], ["--launches", "linear="],
-                ["--launches", "linear=auto", "--all-launches"]):
+                ["--launches", "linear=auto", "--all-launches"], ["--stall-s", "0"]):
         with pytest.raises(SystemExit):
             script.parse_args([*bad, "--out", "x"])
+    # a study small enough for one device call bounds a hung launch's silence below the call's limit
+    assert script.parse_args(["--out", "x"]).stall_s == script.STUDY_STALL_S
+    assert script.parse_args(["--stall-s", "150", "--out", "x"]).stall_s == 150.0
 
 
 def test_bench_json_keeps_each_candidates_proofs(monkeypatch, proof_sandbox, model):
