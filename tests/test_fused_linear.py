@@ -146,8 +146,8 @@ def test_the_tiles_a_build_proves():
     assert fl.proof_launches(128, layer_norm=True) == ["auto", "regs", "regs_w4"]
     # studied (every tile, scripts/kernel_selftest.py --all-launches), not in builds: the TMA tiles wait for a build
     # on the GPU to ship them through the strict validation (the 64 x 64 one has); the rest were never the fastest
-    assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "tma_persistent", "tma_ws", "s4", "k128", "w4",
-                                                   "m256", "n256s4", "cols", "m64s2cols"}
+    assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "tma_persistent", "tma_ws", "tma_ws_k128", "s4",
+                                                   "k128", "w4", "m256", "n256s4", "cols", "m64s2cols"}
     assert not fl.tile_fits("k128", 128, 64) and fl.tile_fits("k128", 128, 128)  # no k-step longer than K
     assert fl.tile_fits("tma", 128, 128) and fl.tile_fits("tma_n256", 384, 768)
     assert not fl.tile_fits("tma", 128, 36)  # rows of 72 bytes: TMA reads multiples of 16
@@ -697,7 +697,7 @@ def test_a_build_proves_ffn_in_with_its_gelu_and_the_plan_takes_it_where_proven(
 TMA_SCRIPT = tile_race_script(11, """((100, 48, 40, "none", "none"), (130, 96, 64, "add_masked", "none"),
                                     (64, 32, 136, "masked_sum", "gelu"), (70, 40, 32, "gelu", "none"),
                                     (300, 200, 64, "add_masked", "none"))""", """
-    for tile in ("tma", "tma_n256", "tma_persistent", "tma_ws"):
+    for tile in ("tma", "tma_n256", "tma_persistent", "tma_ws", "tma_ws_k128"):
         config = dict(TILES[tile], BLOCK_K=32) if k > 64 else dict(TILES[tile])
         got = triton_linear(x, w, b, residual, keep, epilogue, prologue, **config)
         plain = {key: v for key, v in config.items() if key not in ("TMA", "PERSISTENT", "WS")}
@@ -709,7 +709,7 @@ def test_the_tma_tile_computes_what_the_pointer_tile_of_its_size_computes():
     against the pointer-load tile of the same sizes, bit for bit, with rows, columns and a K step past the ends
     (TMA's zero fill against the masked loads' ``other``), every epilogue and the GELU prologue."""
     results = run_interpreter_script(TMA_SCRIPT)
-    assert len(results) == 20
+    assert len(results) == 25
     assert all(r["differing"] == 0 for r in results), results
 
 
@@ -769,15 +769,18 @@ def test_the_warp_specialized_tma_tile_has_the_tma_tiles_arithmetic_in_each_cons
     script = load_script("offline_ptx")
     floating = lambda ptx: collections.Counter(  # noqa: E731
         op for op in arithmetic_opcodes(ptx) if not re.search(r"wait_group|wgmma\.(fence|commit)|\.[su](32|64)$", op))
-    for epilogue, gelu in ((0, False), (2, False), (3, False), (1, False), (0, True)):
-        change = {"EPILOGUE": epilogue, "HAS_MASK": True, "A_GELU": gelu}
+    cases = [(0, False, "tma_ws"), (2, False, "tma_ws"), (3, False, "tma_ws"), (1, False, "tma_ws"),
+             (0, True, "tma_ws"), (2, False, "tma_ws_k128"), (0, True, "tma_ws_k128")]
+    for epilogue, gelu, tile in cases:
+        sizes = {key: fl.TILES[tile][key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if key in fl.TILES[tile]}
+        change = {"EPILOGUE": epilogue, "HAS_MASK": True, "A_GELU": gelu, **sizes}
         tma = script.compile_ptx("linear_tma", {**script.KERNELS["linear_tma"][3], **change}, 8, 4)
         specialized = script.compile_ptx("linear_tma", {**script.KERNELS["linear_tma"][3], **change, "WS": True},
-                                         fl.TILES["tma_ws"]["num_warps"], fl.TILES["tma_ws"]["num_stages"])
+                                         fl.TILES[tile]["num_warps"], fl.TILES[tile]["num_stages"])
         assert re.findall(r"\.reqntid (\d+)", specialized) == ["384"] and "setmaxnreg" in specialized
         assert "setmaxnreg" not in tma
         twice = collections.Counter({op: 2 * n for op, n in floating(tma).items()})
-        assert floating(specialized) == twice, (epilogue, gelu)
+        assert floating(specialized) == twice, (epilogue, gelu, tile)
         assert any("m64n128k16" in op for op in twice)
 
 

@@ -79,6 +79,9 @@ TILES: dict[str, dict] = {
     # for sm_90a, each consumer issues the 8-warp TMA tile's wgmma and floating-point instructions, as many of each
     # (tests/test_fused_linear.py); 168 registers, no spills. Not yet run on a GPU: for the next tile study.
     "tma_ws": dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=4, TMA=True, WS=True),
+    # the same with k-steps of 128 (3 stages, 192 KB of shared memory): half the barriers and waits per FLOP, the
+    # same k16 chain of wgmma per accumulator (168 registers, no spills, compiled for sm_90a)
+    "tma_ws_k128": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3, TMA=True, WS=True),
     # pointer-load tiles for the GEMMs that take longest (shape 8's K = 1024, the custom shapes' few rows): a deeper
     # pipeline, a longer k-step, one warpgroup, taller or smaller tiles. Studied (``--all-launches``) before any joins
     # BUILD_TILES, on the same terms as the TMA tiles.
