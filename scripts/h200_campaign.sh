@@ -140,13 +140,15 @@ every_launch_unless_named() {  # ARGS: --all-launches, unless ARGS name the laun
 step_linear() {
   # kkdeploy_faithful::linear's Triton GEMM tiles with their epilogues, every official shape: the build's proof step.
   # every launch, unless LINEAR_ARGS names some (--launches linear=auto,tma,tma_ws)
-  python3 scripts/fused_linear_selftest.py --out "$OUT/fused-linear.json" $(every_launch_unless_named "${LINEAR_ARGS:-}") \
-    ${LINEAR_ARGS:-}
+  set -- --out "$OUT/fused-linear.json" $(every_launch_unless_named "${LINEAR_ARGS:-}") ${LINEAR_ARGS:-}
+  echo "+ scripts/fused_linear_selftest.py $*"
+  python3 scripts/fused_linear_selftest.py "$@"
 }
 step_attention() {
   # The faithful attention kernel, every launch that fits the rows, every official shape: the build's proof step.
-  python3 scripts/faithful_attention_selftest.py --out "$OUT/attention.json" $(every_launch_unless_named "${ATTENTION_ARGS:-}") \
-    ${ATTENTION_ARGS:-}
+  set -- --out "$OUT/attention.json" $(every_launch_unless_named "${ATTENTION_ARGS:-}") ${ATTENTION_ARGS:-}
+  echo "+ scripts/faithful_attention_selftest.py $*"
+  python3 scripts/faithful_attention_selftest.py "$@"
 }
 step_shape14tiles() {
   # Issue 19: where a reference-order shape-14 tile spends its time, and which skips of masked work are bitwise.
@@ -437,6 +439,6 @@ for arg in "$@"; do
   echo "=== step $name (limit ${limit}s) $(date -u +%T)" | tee -a "$log"
   start=$(date +%s)
   # The step's shell stops at the INT too (trap), so a loop over shapes does not start the next one.
-  ( export -f "step_$name"; timeout --signal=INT --kill-after=15 "$limit" bash -c "trap 'exit 130' INT; step_$name" ) 2>&1 | tee -a "$log"
+  ( export -f "step_$name" every_launch_unless_named; timeout --signal=INT --kill-after=15 "$limit" bash -c "trap 'exit 130' INT; step_$name" ) 2>&1 | tee -a "$log"
   echo "=== step $name done: exit ${PIPESTATUS[0]} in $(( $(date +%s) - start ))s" | tee -a "$log"
 done

@@ -52,9 +52,12 @@ def test_the_study_steps_take_every_launch_unless_some_are_named(tmp_path, step,
     """The kernel self-test's arguments reach it whole: --all-launches by default, or the launches named (the two
     cannot go together); on the CPU the script then stops at its GPU check, past its argument parsing."""
     named = f"{kind}=auto" if kind == "linear" else f"{kind}=cached64w4_mdiv"
-    for args in ("--shapes 8", f"--shapes 8 --launches {named}"):
+    for args, every in (("--shapes 8", True), (f"--shapes 8 --launches {named}", False)):
         log = _campaign(tmp_path, f"{step}=60", **{variable: args})
         assert "needs a CUDA GPU" in log and "not allowed with" not in log, log[-2000:]
+        assert "command not found" not in log, log[-2000:]  # the step's helpers reach its shell
+        command = [line for line in log.splitlines() if line.startswith("+ scripts/")][-1]  # the log is appended to
+        assert ("--all-launches" in command) == every and command.endswith(args), command
 
 
 def test_the_pdl_step_runs_end_to_end_and_pairs_each_graph_with_its_pdl_form(tmp_path):

@@ -145,7 +145,8 @@ def test_a_launch_that_hangs_its_child_is_refused_alone(monkeypatch, proof_sandb
         return real(task, *a, **kw)
 
     monkeypatch.setattr(pp, "run_proof_child", hanging_at_rows2)
-    proofs = prove(model, task=TASK, stall_s=8.0)
+    messages = []
+    proofs = prove(model, task=TASK, stall_s=8.0, progress=messages.append)
     norm = next(r for r in proofs.records if r.op == "layer_norm_rows")
     launches = {r.launch: r for r in norm.launches}
     assert launches["rows2"].status == "error"
@@ -154,6 +155,7 @@ def test_a_launch_that_hangs_its_child_is_refused_alone(monkeypatch, proof_sandb
     assert all(r.proven for r in proofs.records)
     key = mp.launch_key(mp.op_key("layer_norm", norm.shape), "rows2")
     assert len(children) == 2 and list(children[1]) == [key]
+    assert f"refused {key}: it hung: no progress for 8 s in a fresh process, so it does not run here" in messages
     assert not norm.conclusive  # a refusal is this run's, not a lasting fact: the record is not cached
 
 

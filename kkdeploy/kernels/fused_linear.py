@@ -104,6 +104,14 @@ TILES: dict[str, dict] = {
     "cols": dict(COLUMNS_FIRST=True),
     "m64s2cols": dict(BLOCK_M=64, num_warps=4, num_stages=2, COLUMNS_FIRST=True),
 }
+#: tiles that never returned on a GPU: a study of every launch (``--all-launches``) leaves them out, so that one hung
+#: kernel does not hold a study for its silence bound; naming one (``--launches linear=tma_ws``) still studies it, for
+#: a Triton whose Hopper warp specialization returns. Session 40, an H100 with Triton 3.6.0: each launch of these
+#: tiles, from 256 x 256 x 128 to shape 8's 8192 x 3072 x 1024, was still running 30 s later (docs/fused-linear.md).
+HANGS: dict[str, str] = {
+    "tma_ws": "never returned on an H100 (sm_90, Triton 3.6.0): Triton's Hopper warp specialization",
+    "tma_ws_k128": "never returned on an H100 (sm_90, Triton 3.6.0): Triton's Hopper warp specialization",
+}
 #: the tiles a build proves (each one a compile per op shape: a build's time counts them). The H200 study found
 #: "tma", "tma_n256" and "m64n64" bit-identical on every op shape it tried and the fastest of ours on some
 #: (docs/fused-linear.md); they join only once a build on the GPU has shipped them through its strict validation.

@@ -211,6 +211,8 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
             refusals[outcome.culprit] = (
                 f"it {outcome.reason} in a fresh process, so it does not run here" if launch
                 else f"its proof {outcome.reason} in a fresh process, so ATen runs it (the same bits)")
+            if progress:  # a study's log says what was refused, and why, before the next child starts
+                progress(f"refused {outcome.culprit}: {refusals[outcome.culprit]}")
         elif workers != 0:  # no op shape named yet (the compiles ahead): once more, one launch at a time
             workers = 0
         else:
