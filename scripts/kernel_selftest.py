@@ -12,8 +12,8 @@ model's own activations (all-valid and padded) and random inputs, and timed as C
 to prove (``linear=auto,tma,tma_ws``: a study that fits one device call). Nothing here decides
 differently from a build: it is the same code, in a spawned child as a build's proof is
 (``kkdeploy.kernels.proof_process``), so a launch that faults the GPU or never returns is refused, with the reason
-in the report, and the study goes on. The child's progress is printed as it comes, with the seconds since the shape began,
-so a study cut short says where it stood. The records land in the proof cache too.
+in the report, and the study goes on. The child's progress is printed as it comes, with the seconds since the shape
+began, so a study cut short says where it stood. The records land in the proof cache too.
 
 The three former self-tests (``faithful_attention_selftest.py``, ``layer_norm_selftest.py``,
 ``fused_linear_selftest.py``) are this script with one kind. Prints a table last: shape, op, op shape, launches
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -131,20 +132,23 @@ def main(argv=None) -> int:
     configs = {sid: OFFICIAL_SHAPES[sid] for sid in args.shapes}
     configs.update({",".join(map(str, d)): TransformerConfig(*d) for d in args.dims})
     for sid, config in configs.items():
-        weights = None
-        if args.weights_seed is not None:
+        if args.weights_seed is None:
+            model = build_models(config, torch.float16, "cuda")[0]
+        else:  # written for the loader only: not beside the report (a campaign's $OUT brings back what it holds)
             from scripts.make_weights import trained_like
             from safetensors.torch import save_file
 
-            weights = Path(args.out).with_suffix(f".weights-{sid}.safetensors")
-            save_file(trained_like(config, args.weights_seed), str(weights))
-        model = build_models(config, torch.float16, "cuda", weights=weights)[0]
+            with tempfile.TemporaryDirectory(prefix="kkdeploy-selftest-") as tmp:
+                weights = Path(tmp) / "weights.safetensors"
+                save_file(trained_like(config, args.weights_seed), str(weights))
+                model = build_models(config, torch.float16, "cuda", weights=weights)[0]
         began = time.perf_counter()
         proofs = prove_model_kernels_isolated(
             model, config, torch.float16, "cuda", args.kinds, reuse=False,
             launches=all_launches() if args.all_launches else args.launches, timeout_s=STUDY_TIMEOUT_S,
             stall_s=args.stall_s,
-            progress=lambda message: print(f"[shape {sid}, {time.perf_counter() - began:6.1f} s] {message}", flush=True))
+            progress=lambda message: print(f"[shape {sid}, {time.perf_counter() - began:6.1f} s] {message}",
+                                           flush=True))
         report["shapes"][sid] = {"seconds": proofs.seconds, "records": proofs.to_list()}
         table_rows += rows(sid, proofs.to_list())
         Path(args.out).write_text(json.dumps(report, indent=1))  # after every shape: a time limit keeps the rest

@@ -77,7 +77,7 @@ TILES: dict[str, dict] = {
     # the TMA tile's k-loop warp-specialized (Triton 3.6's Hopper pass): a producer warpgroup for the copies and two
     # consumer warpgroups of 4 warps (384 threads), each with 64 of the 128 rows: cuBLAS's cooperative layout. Compiled
     # for sm_90a, each consumer issues the 8-warp TMA tile's wgmma and floating-point instructions, as many of each
-    # (tests/test_fused_linear.py); 168 registers, no spills. Not yet run on a GPU: for the next tile study.
+    # (tests/test_fused_linear.py); 168 registers, no spills. On an H100 it never returns (``HANGS``).
     "tma_ws": dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=4, TMA=True, WS=True),
     # the same with k-steps of 128 (3 stages, 192 KB of shared memory): half the barriers and waits per FLOP, the
     # same k16 chain of wgmma per accumulator (168 registers, no spills, compiled for sm_90a)
@@ -108,10 +108,8 @@ TILES: dict[str, dict] = {
 #: kernel does not hold a study for its silence bound; naming one (``--launches linear=tma_ws``) still studies it, for
 #: a Triton whose Hopper warp specialization returns. Session 40, an H100 with Triton 3.6.0: each launch of these
 #: tiles, from 256 x 256 x 128 to shape 8's 8192 x 3072 x 1024, was still running 30 s later (docs/fused-linear.md).
-HANGS: dict[str, str] = {
-    "tma_ws": "never returned on an H100 (sm_90, Triton 3.6.0): Triton's Hopper warp specialization",
-    "tma_ws_k128": "never returned on an H100 (sm_90, Triton 3.6.0): Triton's Hopper warp specialization",
-}
+HANGS: dict[str, str] = {name: "never returned on an H100 (sm_90, Triton 3.6.0): Triton's Hopper warp specialization"
+                         for name, tile in TILES.items() if tile.get("WS")}
 #: the tiles a build proves (each one a compile per op shape: a build's time counts them). The H200 study found
 #: "tma", "tma_n256" and "m64n64" bit-identical on every op shape it tried and the fastest of ours on some
 #: (docs/fused-linear.md); they join only once a build on the GPU has shipped them through its strict validation.
