@@ -46,8 +46,8 @@ def all_launches(hanging: bool = False) -> dict[str, list[str]]:
     from kkdeploy.kernels import faithful_attention, fused_linear, layer_norm
 
     return {"attention": list(faithful_attention.LAUNCHES), "layer_norm": list(layer_norm.LAUNCHES),
-            "linear": [t for t in dict.fromkeys([*fused_linear.TILES, *fused_linear.LN_TILES])
-                       if hanging or t not in fused_linear.HANGS]}
+            "linear": [t for t in dict.fromkeys([*fused_linear.TILES, *fused_linear.LN_TILES,
+                                                 *fused_linear.FFN_TILES]) if hanging or t not in fused_linear.HANGS]}
 
 
 def parse_args(argv):

@@ -57,6 +57,12 @@ KERNELS = {
         "MASK": "*i1", "OUT": "*fp16", **{name: "i32" for name in ("M", "N", "K", "stride_rm", "stride_om")}},
         {"EPILOGUE": 3, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
          "NUM_PROGRAMS": 132, "GROUP_M": 8, "A_GELU": 0, "PDL": 0}),
+    "ffn": ("kkdeploy.kernels._fused_linear_triton", "_fused_ffn_kernel", {
+        **{name: "*fp16" for name in ("X", "W1", "B1", "W2", "B2", "R", "OUT", "LN_G", "LN_B", "OUT2")}, "MASK": "*i1",
+        **{name: "i32" for name in ("M", "F", "D", "stride_xm", "stride_w1", "stride_w2", "stride_rm", "stride_om")},
+        "eps": "fp32"},
+        {"HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_F": 64, "LN_RELOAD": 1,
+         "LN_ZERO_INVALID": 0, "PDL": 0}),
     "entry": ("kkdeploy.kernels._layer_triton", "_entry_kernel", {
         **{name: "*fp16" for name in ("X", "HN", "QKV", "G", "B", "WQKV", "BQKV")}, "S": "i32", "eps": "fp32"},
         {"D": 128, "BLOCK_M": 64, "BN_QKV": 128, "BK_D": 64, "ACCURATE": 1, "CHAIN_REGS": 0}),
@@ -88,13 +94,14 @@ DIVISIBLE = {
     "linear": ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"),
     "linear_tma": ("M", "N", "K", "stride_rm", "stride_om"),
     "linear_tma_persistent": ("M", "N", "K", "stride_rm", "stride_om"),
+    "ffn": ("M", "F", "D", "stride_xm", "stride_w1", "stride_w2", "stride_rm", "stride_om"),
     "entry": ("S", ),
     "layer": ("S", ),
     "model": ("S", "M"),
 }
 ONES = {"attention": ("stride_ms", )}
 #: the kernels with a dependent-launch form (kkdeploy/kernels/dependent_launch.py)
-PDL_KERNELS = ("attention", "linear", "linear_tma", "linear_tma_persistent")
+PDL_KERNELS = ("attention", "linear", "linear_tma", "linear_tma_persistent", "ffn")
 COUNTED = {"wgmma": r"wgmma\.mma_async", "mma.sync": r"\bmma\.sync", "fma.rn": r"fma\.rn\.f32",
            "div.rn": r"div\.rn\.f32", "rsqrt": r"rsqrt\.approx", "ex2": r"ex2\.approx", "bar.sync": r"bar\.sync"}
 

@@ -138,11 +138,12 @@ def test_the_summary_pairs_each_candidate_with_its_pdl_form(tmp_path):
 PDL_FORMS = [("linear", {}, 8, 3),  # the plain GEMM's default launch
              ("linear", {"EPILOGUE": 5, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "LN_RELOAD": True}, 8, 3),
              ("attention", {"BLOCK_M": 64, "NCACHED": 4, "FAST_DIV": True}, 4, 3),  # cached64w4_mdiv
-             ("linear_tma", {}, 8, 4)]  # the TMA tile
+             ("linear_tma", {}, 8, 4),  # the TMA tile
+             ("ffn", {"LN_RELOAD": False}, 8, 2)]  # the feed-forward launch's "regs" tile
 
 
 @pytest.mark.parametrize("kernel,constexprs,warps,stages", PDL_FORMS,
-                         ids=["gemm", "gemm-layer-norm", "attention", "gemm-tma"])
+                         ids=["gemm", "gemm-layer-norm", "attention", "gemm-tma", "feed-forward"])
 def test_the_pdl_form_has_the_proven_forms_arithmetic_on_sm90(kernel, constexprs, warps, stages):
     """Compiled here for sm_90a with this Triton (3.6.0, as on the H200): the same instructions, as many of each, and
     the same floating-point and MMA instructions in the same order, plus the two griddepcontrol instructions."""

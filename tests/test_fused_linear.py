@@ -317,7 +317,7 @@ def test_a_columns_first_tile_computes_what_its_tile_computes():
 def test_block_plan_on_the_cpu_is_the_reference_block():
     plan = fb.block_plan(CONFIG, torch.float16, torch.device("cpu"))
     assert plan == {"gemms": False, "packed_qkv": False, "gelu_prologue": False, "gelu": False, "layer_norm": False,
-                    "linears": {"qkv": False, "out_proj": False, "ffn_in": False, "ffn_out": False}}
+                    "ffn_chain": False, "linears": {"qkv": False, "out_proj": False, "ffn_in": False, "ffn_out": False}}
 
 
 def test_epilogues_are_the_reference_ops():
@@ -799,3 +799,127 @@ def test_tma_descriptors_copy_an_unaligned_view_and_refuse_a_stride_tma_cannot_r
     assert xd.base.data_ptr() == wide.data_ptr() and xd.strides == [192, 1]
     with pytest.raises(ValueError, match="multiple of 8 float16 values, not 36"):
         tma_descriptors(torch.zeros(4, 36, dtype=torch.float16), torch.zeros(8, 36, dtype=torch.float16), 64, 8, 32)
+
+
+# -- the whole feed-forward in one launch (kkdeploy_faithful::ffn_layer_norm) -------------------------------------
+FFN_PLAN = {**FULL_PLAN, "gelu_prologue": False, "ffn_chain": True}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio", [0.0, 0.25])
+def test_model_forward_with_the_feed_forward_in_one_launch_is_the_reference(dtype, ratio):
+    model = build_models(CONFIG, dtype, "cpu")[0]
+    x, mask = generate_case(CONFIG, "cpu", dtype, 1234, padding_ratio=ratio)
+    mask = mask if ratio else None
+    with torch.no_grad():
+        assert bits_equal(fb.fused_model_forward(model, x, mask, FFN_PLAN), model(x, mask))
+
+
+def test_the_feed_forward_op_is_ffn_in_then_ffn_out_s_layer_norm_launch():
+    torch.manual_seed(4)
+    x, r = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
+    ffn_in, ffn_out, norm = torch.nn.Linear(8, 12), torch.nn.Linear(12, 8), torch.nn.LayerNorm(8)
+    torch.nn.init.normal_(norm.weight)
+    mask = torch.tensor([[True, False, True, True, False]] * 3)
+    with torch.no_grad():
+        for zero_invalid in (False, True):
+            total, normed = fl.ffn_layer_norm(x, ffn_in, ffn_out, r, mask, norm, zero_invalid)
+            want = fl.linear_layer_norm(ffn_in(x), ffn_out.weight, ffn_out.bias, r, mask, norm, "masked_sum", "gelu",
+                                        zero_invalid)
+            assert torch.equal(total, want[0]) and torch.equal(normed, want[1])
+        args = (x, ffn_in.weight, ffn_in.bias, ffn_out.weight, ffn_out.bias, r, mask, norm.weight, norm.bias, 1e-5)
+        torch.library.opcheck(torch.ops.kkdeploy_faithful.ffn_layer_norm.default, args)
+        with pytest.raises(KKError, match=r"ffn_out must be \[8, 12\]"):
+            fl.ffn_layer_norm(x, ffn_in, torch.nn.Linear(8, 8), r, mask, norm)
+        with pytest.raises(KKError, match=r"ffn_in must be \[F, 8\]"):
+            fl.ffn_layer_norm(x, torch.nn.Linear(6, 12), ffn_out, r, mask, norm)
+        with pytest.raises(KKError, match="residual must have x's shape"):
+            fl.ffn_layer_norm(x, ffn_in, ffn_out, r[:, :4], mask, norm)
+        with pytest.raises(KKError, match=r"ln_weight must be \[8\]"):
+            fl.ffn_layer_norm(x, ffn_in, ffn_out, r, mask, torch.nn.LayerNorm(5))
+
+
+def test_a_build_proves_the_feed_forward_launch_and_the_plan_takes_it_where_it_pays(monkeypatch, proof_sandbox):
+    """The feed-forward launch is one of a build's op shapes where rows fit a LayerNorm tile; its tiles are the
+    feed-forward ones that fit; the plan takes it only with the LayerNorm epilogues, where proven and, by the proofs'
+    timings, faster than ffn_in's GELU launch and ffn_out's LayerNorm launch together."""
+    from kkdeploy.kernels import model_proofs
+    from kkdeploy.kernels import faithful_attention as fa
+
+    config = TransformerConfig(batch_size=4, seq_len=32, d_model=128, num_heads=2, ffn_dim=256, num_layers=1)
+    m = 4 * 32
+    assert fb.ffn_chain_launches(config) == {"ffn_chain_ln": (m, 128, 256, fl.FFN_FORM)}
+    assert ("linear", "ffn_chain_ln", fl.proof_shape(m, 128, 256, fl.FFN_FORM)) in \
+        model_proofs.kernel_op_shapes(config, ["linear"])
+    wide = TransformerConfig(batch_size=4, seq_len=32, d_model=256, num_heads=2, ffn_dim=256, num_layers=1)
+    assert fb.ffn_chain_launches(wide) == {}  # rows past a LayerNorm tile: no such launch
+    assert [t for t in fl.FFN_BUILD_TILES if fl.ffn_tile_fits(t, 128, 256)] == ["auto", "regs", "regs_w4"]
+    assert [t for t in fl.FFN_TILES if fl.ffn_tile_fits(t, 32, 64)] == ["auto"]
+    assert not fl.ffn_tile_fits("regs_f128", 128, 64) and fl.ffn_tile_fits("regs_f128", 128, 128)
+    with pytest.raises(KKError, match="does not apply to rows of 32"):
+        fl.run_ffn_launch(torch.zeros(2, 32), torch.zeros(64, 32), torch.zeros(64), torch.zeros(32, 64),
+                          torch.zeros(32), torch.zeros(2, 32), None, torch.ones(32), torch.zeros(32), 1e-5, False,
+                          "regs")
+
+    monkeypatch.setattr(fl, "triton_available", lambda: True)
+    monkeypatch.setattr(fa, "select_attention_path", lambda *a, **k: fa.AttentionPath("triton", "test", "bm64"))
+    cuda = torch.device("cuda")
+    from kkdeploy.kernels import layer_norm as ln
+
+    for n, k, form, ms, aten in ((384, 128, "none", 0.004, 0.005), (128, 128, "add_masked", 0.004, 0.005),
+                                 (256, 128, "none", 0.004, 0.005), (128, 256, "masked_sum", 0.004, 0.005),
+                                 (128, 128, "add_masked+layer_norm", 0.005, 0.02),
+                                 (128, 256, "masked_sum+layer_norm", 0.006, 0.02), (256, 128, "gelu", 0.005, 0.01)):
+        _remember_linear(proof_sandbox, m, n, k, form, chosen="auto", ms=ms, aten_ms=aten)
+    proof_sandbox.remember_proof(proof_sandbox.ProofRecord(
+        op=ln.OP, shape=ln.proof_shape(m, 128), environment=ln.proof_environment("cuda"), chosen="rows2",
+        launches=[proof_sandbox.LaunchResult("rows2", ms=0.004, status="proven")], reference_ms=0.009))
+    plan = fb.block_plan(config, torch.float16, cuda)
+    assert plan["layer_norm"] and not plan["ffn_chain"]  # not proven here
+    _remember_linear(proof_sandbox, m, 128, 256, fl.FFN_FORM, chosen="regs", ms=0.012, aten_ms=0.03)
+    assert not fb.block_plan(config, torch.float16, cuda)["ffn_chain"]  # 0.012 ms against 0.005 + 0.006
+    _remember_linear(proof_sandbox, m, 128, 256, fl.FFN_FORM, chosen="regs", ms=0.008, aten_ms=0.03)
+    assert fb.block_plan(config, torch.float16, cuda)["ffn_chain"]
+    path = fl.linear_path(m, 128, 256, torch.float16, cuda, epilogue=fl.FFN_FORM)
+    assert path.fused and path.launch == "regs"
+
+
+FFN_SCRIPT = """
+import json, torch
+from kkdeploy.kernels._fused_linear_triton import triton_linear, triton_linear_layer_norm, triton_ffn_layer_norm
+from kkdeploy.kernels.fused_linear import FFN_TILES
+results = []
+g = torch.Generator().manual_seed(21)
+# (M, D, F, tile, zero_invalid, mask): rows past M, F past its last chunk, rows under 128 (read back), no mask
+for m, d, f, tile, zero_invalid, has_mask in ((200, 128, 128, "auto", False, True), (200, 128, 128, "regs", True, True),
+                                              (130, 128, 256, "regs_w4", False, False),
+                                              (130, 128, 128, "regs_f128", True, True), (70, 32, 96, "auto", False, True),
+                                              (64, 64, 40, "auto", True, True)):
+    x = torch.randn(m, d, generator=g).half()
+    w1, b1 = (torch.randn(f, d, generator=g) / 8).half(), (torch.randn(f, generator=g) / 4).half()
+    w2, b2 = (torch.randn(d, f, generator=g) / 8).half(), (torch.randn(d, generator=g) / 4).half()
+    r = torch.randn(m, d, generator=g).half()
+    mask = (torch.rand(m, generator=g) > 0.3) if has_mask else None
+    lw, lb = (torch.rand(d, generator=g) + 0.5).half(), (torch.randn(d, generator=g) * 0.1).half()
+    config = dict(FFN_TILES[tile])
+    block_f = config.get("BLOCK_F", min(64, max(16, 1 << (f - 1).bit_length())))
+    # ffn_in's launch (one k-step of D), then ffn_out's LayerNorm launch with the GELU prologue, k-steps of BLOCK_F
+    pre = triton_linear(x, w1, b1, BLOCK_M=64, BLOCK_K=d)
+    want_total, want = triton_linear_layer_norm(pre, w2, b2, r, mask, lw, lb, 1e-5, "masked_sum", prologue="gelu",
+                                                zero_invalid=zero_invalid, BLOCK_M=64, BLOCK_K=block_f,
+                                                LN_RELOAD=config.get("LN_RELOAD", True) or d < 128)
+    total, normed = triton_ffn_layer_norm(x, w1, b1, w2, b2, r, mask, lw, lb, 1e-5, zero_invalid, **config)
+    results.append({"case": [m, d, f, tile, zero_invalid, has_mask],
+                    "differing": int((total.view(torch.int16) != want_total.view(torch.int16)).sum())
+                    + int((normed.view(torch.int16) != want.view(torch.int16)).sum())})
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_the_feed_forward_launch_computes_what_ffn_in_and_ffn_out_s_launches_compute():
+    """Under the interpreter, every feed-forward tile against ffn_in's launch followed by ffn_out's LayerNorm launch
+    with the GELU prologue (the launches a build proves apart), bit for bit: padded rows, F past its last chunk, rows
+    under 128 read back, no mask, the final LayerNorm's zeroed rows."""
+    results = run_interpreter_script(FFN_SCRIPT)
+    assert len(results) == 6
+    assert all(r["differing"] == 0 for r in results), results

@@ -279,13 +279,16 @@ def test_a_changed_launch_table_is_another_environment():
     from kkdeploy.kernels import layer_norm as ln
 
     environment = fl.proof_environment("cpu")
-    assert environment["launches"] == fl.TILES_DIGEST == proof.launch_table_digest(fl.TILES, fl.BUILD_TILES,
-                                                                                   fl.LN_TILES, fl.LN_BUILD_TILES)
+    assert environment["launches"] == fl.TILES_DIGEST == proof.launch_table_digest(
+        fl.TILES, fl.BUILD_TILES, fl.LN_TILES, fl.LN_BUILD_TILES, fl.FFN_TILES, fl.FFN_BUILD_TILES)
     assert fl.proof_environment("cpu") is environment  # one dict per device: the op's hot path freezes it once
     changed = dict(fl.TILES, m64=dict(fl.TILES["m64"], num_stages=3))
     assert proof.launch_table_digest(changed, fl.BUILD_TILES) != fl.TILES_DIGEST
     assert proof.launch_table_digest(fl.TILES, (*fl.BUILD_TILES, "tma")) != fl.TILES_DIGEST
     # the LayerNorm epilogue's tiles too: "regs" joining the build's set is another environment
     assert proof.launch_table_digest(fl.TILES, fl.BUILD_TILES, fl.LN_TILES, ("auto", "regs")) != fl.TILES_DIGEST
+    # and the feed-forward launch's: a tile leaving the build's set is another environment
+    assert proof.launch_table_digest(fl.TILES, fl.BUILD_TILES, fl.LN_TILES, fl.LN_BUILD_TILES, fl.FFN_TILES,
+                                     ("auto", "regs")) != fl.TILES_DIGEST
     assert fa.proof_environment("cpu")["launches"] == proof.launch_table_digest(fa.LAUNCHES, fa.BUILD_LAUNCHES)
     assert ln.LAUNCHES_DIGEST == proof.launch_table_digest(ln.LAUNCHES, ln.FULL_ROW_WIDTHS, ln.FULL_BLOCK_WIDTHS)

@@ -342,6 +342,94 @@ def _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, st
             tl.store(OUT2 + offs_m[:, None] * stride_om + offs_n[None, :], normed, mask=row_ok[:, None])
 
 
+@triton.jit
+def _fused_ffn_kernel(
+    X, W1, B1, W2, B2, R, MASK, OUT, LN_G, LN_B, OUT2,
+    M, F, D,
+    stride_xm, stride_w1, stride_w2, stride_rm, stride_om, eps,
+    HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+    LN_RELOAD: tl.constexpr, LN_ZERO_INVALID: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """The whole feed-forward of BLOCK_M rows in one program: ffn_in, GELU, ffn_out, the residual and mask, and the
+    next LayerNorm. BLOCK_N == D: the program holds whole rows (the LayerNorm epilogue needs them), so each of
+    ffn_in's outputs is computed once, by the program that owns its row, and never reaches memory.
+
+    Per chunk of BLOCK_F of ffn_in's columns: ``g = dot(x_rows, W1[chunk]^T)`` over K = D in order on a fresh float32
+    accumulator (ffn_in's tile for those columns), the bias, one rounding to float16, ATen's GELU rounded to float16
+    (the GELU prologue's arithmetic), and then ``acc = dot(gelu, W2[:, chunk]^T, acc)``: ffn_out's k16 chain over F in
+    order on one accumulator, chunk after chunk, as its own tile walks K. Then ``_linear_epilogue`` with
+    ``masked_sum`` and the LayerNorm (code 5), as ffn_out's LayerNorm launch. Columns of ffn_in past F come out as
+    GELU(0 + 0) = 0 and meet W2's masked zeros: they add nothing."""
+    if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < M
+    col_ok = offs_n < D
+    a = tl.load(X + offs_m[:, None] * stride_xm + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):  # F in order: ffn_out's K
+        offs_f = f0 + tl.arange(0, BLOCK_F)
+        f_ok = offs_f < F
+        w1 = tl.load(W1 + offs_f[:, None] * stride_w1 + offs_n[None, :], mask=f_ok[:, None] & col_ok[None, :],
+                     other=0.0)
+        g = tl.dot(a, tl.trans(w1), tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32))  # K = D in order
+        b1 = tl.load(B1 + offs_f, mask=f_ok, other=0.0).to(tl.float32)
+        h = _gelu16((g + b1[None, :]).to(tl.float16), ACCURATE)  # ffn_in's output rounded once, then ATen's GELU
+        w2 = tl.load(W2 + offs_n[:, None] * stride_w2 + offs_f[None, :], mask=col_ok[:, None] & f_ok[None, :],
+                     other=0.0)
+        acc = tl.dot(h, tl.trans(w2), acc)
+    _linear_epilogue(acc, B2, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, D, stride_rm, stride_om,
+                     5, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, LN_G, LN_B, OUT2, eps, LN_RELOAD, LN_ZERO_INVALID)
+
+
+def ffn_launch_config(d: int, f: int) -> dict:
+    """The feed-forward launch's defaults: 64 rows of 8 warps with the rows read back for the LayerNorm (the
+    LayerNorm epilogue's default), ffn_in's columns 64 at a time (fewer for a narrow F)."""
+    return dict(BLOCK_M=64, BLOCK_F=min(64, max(16, triton.next_power_of_2(f))), num_warps=8, num_stages=2,
+                LN_RELOAD=True)
+
+
+def triton_ffn_layer_norm(x: torch.Tensor, w_in: torch.Tensor, b_in: torch.Tensor, w_out: torch.Tensor,
+                          b_out: torch.Tensor, residual: torch.Tensor, mask, ln_weight: torch.Tensor,
+                          ln_bias: torch.Tensor, eps: float, zero_invalid: bool = False,
+                          **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+    """The feed-forward of rows x [..., D] in one launch (``_fused_ffn_kernel``): returns (``where(mask, residual +
+    ffn_out(GELU(ffn_in(x))), 0)``, its LayerNorm), both [..., D] float16, D one of LN_WIDTHS. ``zero_invalid``:
+    the LayerNorm's invalid rows zeroed too (the model's final_norm)."""
+    f, d = w_in.shape
+    if d not in LN_WIDTHS or tuple(w_out.shape) != (d, f):
+        raise ValueError(f"the feed-forward launch takes rows of {', '.join(map(str, LN_WIDTHS))} with ffn_in [F, D] "
+                         f"and ffn_out [D, F]; got {list(w_in.shape)} and {list(w_out.shape)}")
+    x2, w_in, w_out = _rows(x, d), w_in.contiguous(), w_out.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((*x.shape[:-1], d), dtype=torch.float16, device=x.device)
+    normed = torch.empty_like(out)
+    out2, normed2 = out.view(-1, d), normed.view(-1, d)
+    r2 = _rows(residual, d)
+    has_mask = mask is not None
+    mask1 = mask.reshape(-1).contiguous() if has_mask else out2
+    config = {**ffn_launch_config(d, f), **overrides}
+    if d < 128:
+        config["LN_RELOAD"] = True  # rows under 128 are always read back (the lanes past the row are masked there)
+    launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
+    if not INTERPRET:
+        launch.update({key: config.pop(key, value) for key, value in COMPILE_FLAGS.items()})
+        launch.update(launch_options())  # inside dependent_launches(True): PDL
+        libdevice = gelu_libdevice()  # ATen's erff: CUDA's libdevice, for this launch only
+        if libdevice:
+            launch["extern_libs"] = {"libdevice": libdevice}
+    launch_kernel(_fused_ffn_kernel, (triton.cdiv(m, config["BLOCK_M"]), ),
+        x2, w_in, b_in, w_out, b_out, r2, mask1, out2, ln_weight.contiguous(), ln_bias.contiguous(), normed2,
+        m, f, d,
+        x2.stride(0), w_in.stride(0), w_out.stride(0), r2.stride(0), out2.stride(0), float(eps),
+        HAS_MASK=has_mask, ACCURATE=not INTERPRET, BLOCK_N=d, LN_ZERO_INVALID=bool(zero_invalid), **config, **launch,
+    )
+    return out, normed
+
+
 def launch_config(n: int, k: int) -> dict:
     """Tile sizes for an [M, K] x [K, N] call: BLOCK_M 128 (>= 64 keeps wgmma), BLOCK_N the whole row up to 128,
     BLOCK_K up to 64 (the k16 chain is the same whatever BLOCK_K is; it only sets the unrolling)."""

@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .fused_linear import LN_WIDTHS, fused_linear, linear_layer_norm, linear_path, reference_linear
+from .fused_linear import (FFN_FORM, LN_WIDTHS, ffn_layer_norm, fused_linear, linear_layer_norm, linear_path,
+                           reference_linear)
 
 
 def linear_launches(config) -> dict[str, tuple[int, int, int, str]]:
@@ -42,6 +43,33 @@ def gelu_launches(config) -> dict[str, tuple[int, int, int, str]]:
     return {"ffn_in_gelu": (m, f, d, "gelu")}
 
 
+def ffn_chain_launches(config) -> dict[str, tuple[int, int, int, str]]:
+    """The block's whole feed-forward in one launch (ffn_in, GELU, ffn_out, residual and mask, the next LayerNorm),
+    where its rows fit one LayerNorm tile: one launch per block fewer than ffn_in's and ffn_out's, and ffn_in's output
+    never reaches memory. Its op shape is ffn_out's GEMM, (M, D, F)."""
+    m, d, f = config.batch_size * config.seq_len, config.d_model, config.ffn_dim
+    if d not in LN_WIDTHS:
+        return {}
+    return {"ffn_chain_ln": (m, d, f, FFN_FORM)}
+
+
+def ffn_chain_pays(config, dtype: torch.dtype, device) -> bool:
+    """Whether the feed-forward launch is proven here and, by the proofs' own timings, faster than the two launches it
+    replaces: ffn_in with its GELU (ours where chosen, else cuBLAS's GEMM and ATen's GELU) and ffn_out with the
+    residual and the next LayerNorm (ours where chosen, else ATen's)."""
+    from .fused_linear import proven_ms
+
+    m, d, f = config.batch_size * config.seq_len, config.d_model, config.ffn_dim
+    chain = proven_ms(m, d, f, FFN_FORM, dtype, device)
+    if chain is None or chain[0] is None:
+        return False
+    parts = [proven_ms(m, f, d, "gelu", dtype, device), proven_ms(m, d, f, "masked_sum+layer_norm", dtype, device)]
+    if any(ms is None for ms in parts):
+        return False  # a part never timed here: keep the plan the proofs can vouch for
+    best = lambda ms: ms[0] if ms[0] is not None else ms[1]  # noqa: E731 - ours where chosen, else ATen's
+    return chain[0] < sum(best(ms) for ms in parts)
+
+
 def layer_norm_epilogues_pay(config, dtype: torch.dtype, device) -> bool:
     """Whether the LayerNorm epilogues are proven here and faster than what they replace: per block, two residual
     launches plus two LayerNorms (our rows kernel where proven, else ATen's), by the proofs' own timings."""
@@ -67,8 +95,9 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
     the reference block with the attention op, so Inductor keeps fusing the elementwise ops), ``packed_qkv`` (Q/K/V
     in one launch: the attention kernel reads strided rows; ATen's attention keeps the reference's contiguous Q, K,
     V so cuBLAS sees the reference's strides), ``gelu_prologue`` (ffn_out computes GELU on its input: the GELU's
-    output never reaches memory), ``gelu`` (else GELU in ffn_in's epilogue) and ``layer_norm`` (each residual GEMM
-    also writes the next LayerNorm of its rows: ``fused_model_forward``)."""
+    output never reaches memory), ``gelu`` (else GELU in ffn_in's epilogue), ``layer_norm`` (each residual GEMM
+    also writes the next LayerNorm of its rows: ``fused_model_forward``) and ``ffn_chain`` (with ``layer_norm``: the
+    whole feed-forward in one launch, where proven and faster than the two it replaces: ``ffn_chain_pays``)."""
     from .faithful_attention import select_attention_path
 
     launches = linear_launches(config)
@@ -83,9 +112,10 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
                                       batch_heads=config.batch_size * config.num_heads, causal=config.causal)
     layer_norm = gemms and layer_norm_epilogues_pay(config, dtype, device)
     gelu_prologue = gemms and proven(d, f, "gelu_prologue", "masked_sum", *(["layer_norm"] if layer_norm else []))
+    ffn_chain = layer_norm and proven(d, f, FFN_FORM) and ffn_chain_pays(config, dtype, device)
     return {"gemms": gemms, "linears": linears, "packed_qkv": linears["qkv"] and attention.fused,
             "gelu_prologue": gelu_prologue, "gelu": gemms and not gelu_prologue and proven(f, d, "gelu"),
-            "layer_norm": layer_norm}
+            "layer_norm": layer_norm, "ffn_chain": ffn_chain}
 
 
 def _linear(plan: dict, name: str, x, weights, biases, residual=None, mask=None, epilogue: str = "none",
@@ -156,9 +186,12 @@ def fused_model_forward(model, x: torch.Tensor, valid_token_mask: Optional[torch
         context = _attention(attention, h, valid_token_mask, plan)
         x, h2 = linear_layer_norm(context, attention.out_proj.weight, attention.out_proj.bias, x, valid_token_mask,
                                   block.norm2, "add_masked")
-        g, prologue = _ffn_input(block, h2, plan)
         last = i + 1 == len(layers)
         next_norm = model.final_norm if last else layers[i + 1].norm1
+        if plan.get("ffn_chain"):  # the whole feed-forward in one launch
+            x, h = ffn_layer_norm(h2, block.ffn_in, block.ffn_out, x, valid_token_mask, next_norm, zero_invalid=last)
+            continue
+        g, prologue = _ffn_input(block, h2, plan)
         x, h = linear_layer_norm(g, block.ffn_out.weight, block.ffn_out.bias, x, valid_token_mask, next_norm,
                                  "masked_sum", prologue, zero_invalid=last)
     return h

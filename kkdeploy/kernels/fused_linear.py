@@ -54,7 +54,11 @@ LN_WIDTHS = (16, 32, 64, 128)
 PROLOGUES = ("none", "gelu")
 LN_OP_NAME = "kkdeploy_faithful::linear_layer_norm"
 #: every part a launch can have (``form``)
-PARTS = ("none", "gelu", "add_masked", "masked_sum", "gelu_prologue", "layer_norm")
+PARTS = ("none", "gelu", "add_masked", "masked_sum", "gelu_prologue", "layer_norm", "ffn_chain")
+FFN_OP_NAME = "kkdeploy_faithful::ffn_layer_norm"
+#: the feed-forward launch's form (``ffn_layer_norm``): ffn_in, GELU, ffn_out, residual and mask, the next LayerNorm;
+#: its proof shape is ffn_out's GEMM, (M, N, K) = (M, D, F)
+FFN_FORM = "ffn_chain+masked_sum+layer_norm"
 #: the kernel's tiles (launch variants): BLOCK_M x BLOCK_N output tiles, warps, pipeline stages. K is walked in
 #: order in every one (the k16 MMA chain on one float32 accumulator), so none changes what is computed in
 #: principle; each is still proven on its own, because the tile decides which MMA instructions Triton emits.
@@ -135,8 +139,33 @@ LN_TILES: dict[str, dict] = {
 LN_BUILD_TILES = ("auto", "regs", "regs_w4")
 
 
+#: The feed-forward launch's tiles (``_fused_ffn_kernel``): 64 whole rows per program, ffn_in's columns BLOCK_F at a
+#: time. "auto" reads the rows back for the LayerNorm, "regs" takes them from the accumulator (8 warps), "regs_w4" at
+#: 4 warps; "regs_f128" computes ffn_in's columns 128 at a time. Rows under 128 take "auto" only, as the LayerNorm
+#: epilogue. Under Triton's interpreter each equals ffn_in's launch followed by ffn_out's LayerNorm launch with the
+#: GELU prologue, bit for bit (tests/test_fused_linear.py); on a GPU a proof decides, as for every tile.
+FFN_TILES: dict[str, dict] = {
+    "auto": {},
+    "regs": dict(LN_RELOAD=False),
+    "regs_w4": dict(LN_RELOAD=False, num_warps=4),
+    "regs_f128": dict(LN_RELOAD=False, BLOCK_F=128),
+}
+#: the feed-forward tiles a build proves
+FFN_BUILD_TILES = ("auto", "regs", "regs_w4")
+
 #: what a proof's "proven" means: these tiles' settings, and the set a build proves (part of the proofs' key)
-TILES_DIGEST = launch_table_digest(TILES, BUILD_TILES, LN_TILES, LN_BUILD_TILES)
+TILES_DIGEST = launch_table_digest(TILES, BUILD_TILES, LN_TILES, LN_BUILD_TILES, FFN_TILES, FFN_BUILD_TILES)
+
+
+def ffn_tile_fits(launch: str, d: int, f: Optional[int] = None) -> bool:
+    """Whether a feed-forward tile applies to rows of ``d`` with ``f`` hidden columns: the register tiles need rows
+    of 128, and a column chunk no wider than F's power of two."""
+    if launch not in FFN_TILES:
+        return False
+    if launch == "auto":
+        return True
+    block_f = FFN_TILES[launch].get("BLOCK_F", 64)
+    return d == 128 and (f is None or block_f <= max(16, 1 << (max(1, f) - 1).bit_length()))
 
 
 def ln_tile_fits(launch: str, n: int) -> bool:
@@ -486,6 +515,87 @@ def fused_linear(x, weights, biases, residual=None, mask=None, epilogue: str = "
     return torch.ops.kkdeploy_faithful.linear(x, weights, biases, residual, mask, epilogue, prologue)
 
 
+def check_ffn_inputs(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias) -> tuple[int, int, int]:
+    """The contract of ``ffn_layer_norm``: ffn_in [F, D], ffn_out [D, F], a residual and a LayerNorm over D; returns
+    (M, D, F)."""
+    d = x.shape[-1]
+    if w_in.dim() != 2 or w_in.shape[1] != d or b_in is None or tuple(b_in.shape) != (w_in.shape[0],):
+        raise KKError(f"ffn_in must be [F, {d}] with a bias [F] (x's last dim is {d}); got {list(w_in.shape)} and "
+                      f"{None if b_in is None else list(b_in.shape)}")
+    f = w_in.shape[0]
+    if w_out.dim() != 2 or tuple(w_out.shape) != (d, f) or b_out is None or tuple(b_out.shape) != (d,):
+        raise KKError(f"ffn_out must be [{d}, {f}] with a bias [{d}] (back to x's width from ffn_in's {f}); got "
+                      f"{list(w_out.shape)} and {None if b_out is None else list(b_out.shape)}")
+    if residual is None or tuple(residual.shape) != tuple(x.shape):
+        raise KKError(f"the feed-forward's residual must have x's shape {list(x.shape)}, got "
+                      f"{None if residual is None else list(residual.shape)}")
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != tuple(x.shape[:-1])):
+        raise KKError(f"the mask must be bool of shape {list(x.shape[:-1])}, got {mask.dtype} {list(mask.shape)}")
+    for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        if t is None or tuple(t.shape) != (d,):
+            raise KKError(f"{name} must be [{d}] (the LayerNorm over the feed-forward's {d} outputs), got "
+                          f"{None if t is None else list(t.shape)}")
+    return (x.numel() // d if d else 0), d, f
+
+
+def reference_ffn_layer_norm(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps: float,
+                             zero_invalid: bool = False):
+    """The ATen composition: ``F.linear`` (ffn_in), then ffn_out's LayerNorm launch with the GELU prologue
+    (``reference_linear_layer_norm``): ``where(mask, residual + ffn_out(GELU(ffn_in(x))), 0)`` and its LayerNorm."""
+    return reference_linear_layer_norm(F.linear(x, w_in, b_in), w_out, b_out, residual, mask, ln_weight, ln_bias, eps,
+                                       "masked_sum", "gelu", zero_invalid)
+
+
+@torch.library.custom_op(FFN_OP_NAME, mutates_args=())
+def _ffn_layer_norm_op(x: torch.Tensor, w_in: torch.Tensor, b_in: torch.Tensor, w_out: torch.Tensor,
+                       b_out: torch.Tensor, residual: torch.Tensor, mask: Optional[torch.Tensor], ln_weight: torch.Tensor,
+                       ln_bias: torch.Tensor, eps: float, zero_invalid: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default (CPU and any non-CUDA device): the ATen composition itself."""
+    check_ffn_inputs(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias)
+    return reference_ffn_layer_norm(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, zero_invalid)
+
+
+@_ffn_layer_norm_op.register_kernel("cuda")
+def _ffn_layer_norm_cuda(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, zero_invalid=False):
+    """CUDA: the feed-forward launch where ``linear_path`` allows it (a proof of FFN_FORM at (M, D, F)), else the
+    composition."""
+    m, d, f = check_ffn_inputs(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias)
+    path = linear_path(m, d, f, x.dtype, x.device, epilogue=FFN_FORM) if d in LN_WIDTHS else None
+    if path is not None and path.fused:
+        return run_ffn_launch(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, zero_invalid,
+                              path.launch)
+    return reference_ffn_layer_norm(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, zero_invalid)
+
+
+def run_ffn_launch(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, zero_invalid=False,
+                   launch: Optional[str] = None):
+    """The feed-forward launch in one of FFN_TILES (no path rule: what a proof runs)."""
+    from ._fused_linear_triton import triton_ffn_layer_norm
+
+    if launch is not None and not ffn_tile_fits(launch, w_in.shape[1], w_in.shape[0]):
+        raise KKError(f"feed-forward tile {launch!r} does not apply to rows of {w_in.shape[1]} and F = "
+                      f"{w_in.shape[0]}; the tiles are {', '.join(FFN_TILES)} (the register ones for rows of 128)")
+    return triton_ffn_layer_norm(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, zero_invalid,
+                                 **FFN_TILES[launch or "auto"])
+
+
+@_ffn_layer_norm_op.register_fake
+def _ffn_layer_norm_fake(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, zero_invalid=False):
+    out = x.new_empty((*x.shape[:-1], w_out.shape[0]))
+    return out, torch.empty_like(out)
+
+
+def ffn_layer_norm(x, ffn_in: torch.nn.Linear, ffn_out: torch.nn.Linear, residual, mask, norm: torch.nn.LayerNorm,
+                   zero_invalid: bool = False):
+    """(``sum``, ``norm(sum)``) with ``sum = where(mask, residual + ffn_out(GELU(ffn_in(x))), 0)``: the block's whole
+    feed-forward and the next LayerNorm, one launch where proven (``kkdeploy_faithful::ffn_layer_norm``)."""
+    check_ffn_inputs(x, ffn_in.weight, ffn_in.bias, ffn_out.weight, ffn_out.bias, residual, mask, norm.weight,
+                     norm.bias)
+    return torch.ops.kkdeploy_faithful.ffn_layer_norm(x, ffn_in.weight, ffn_in.bias, ffn_out.weight, ffn_out.bias,
+                                                      residual, mask, norm.weight, norm.bias, float(norm.eps),
+                                                      bool(zero_invalid))
+
+
 # -- the proof ------------------------------------------------------------------------------------------------
 def compiled_baseline(x, weights, biases, residual=None, epilogue: str = "none", layer_norm=None,
                       prologue: str = "none"):
@@ -533,6 +643,31 @@ def linear_layer_norm_case(label: str, x, weight, bias, residual, mask, ln_weigh
                      compiled_baseline(x, [weight], [bias], residual, epilogue, (ln_weight, ln_bias, eps), prologue))
 
 
+def ffn_baseline(x, w_in, b_in, w_out, b_out, residual, ln_weight, ln_bias, eps):
+    """What the faithful compiled graph would run instead of the feed-forward launch, for timing: cuBLAS's ffn_in,
+    ATen's GELU, cuBLAS's ffn_out, one elementwise pass for the residual (an add stands for it), ATen's LayerNorm."""
+    def run():
+        g = F.gelu(F.linear(x, w_in, b_in), approximate="none")
+        total = torch.add(F.linear(g, w_out, b_out), residual)
+        return [total, F.layer_norm(total, (total.shape[-1],), ln_weight, ln_bias, eps)]
+
+    return run
+
+
+def ffn_layer_norm_case(label: str, x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps: float,
+                        zero_invalid: bool = False) -> ProofCase:
+    """One call of the feed-forward launch: both outputs compared (stacked) against the ATen composition."""
+    def reference():
+        return torch.stack(reference_ffn_layer_norm(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias,
+                                                    eps, zero_invalid))
+
+    def run(launch):
+        return torch.stack(run_ffn_launch(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps,
+                                          zero_invalid, launch))
+
+    return ProofCase(label, reference, run, ffn_baseline(x, w_in, b_in, w_out, b_out, residual, ln_weight, ln_bias, eps))
+
+
 def prove_linear(device: torch.device | str, cases: list[ProofCase], m: int, n: int, k: int, form_: str, *,
                  launches: Optional[list[str]] = None, budget_s: float = 20.0, repeats: int = 5,
                  cache: Optional[ProofCache] = None) -> ProofRecord:
@@ -548,7 +683,10 @@ def prove_linear(device: torch.device | str, cases: list[ProofCase], m: int, n: 
         refusal = f"the LayerNorm epilogue takes rows of {', '.join(map(str, LN_WIDTHS))}, not {n}"
     if refusal:
         return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
-    tiles = launches or proof_launches(n, layer_norm, k, m, multiprocessors(device))
+    if "ffn_chain" in form_.split("+"):
+        tiles = launches or [name for name in FFN_BUILD_TILES if ffn_tile_fits(name, n, k)]
+    else:
+        tiles = launches or proof_launches(n, layer_norm, k, m, multiprocessors(device))
     record = prove_launches(OP, shape, tiles, cases, device, environment=environment, budget_s=budget_s,
                             repeats=repeats, against_reference=True)
     remember_proof(record, cache)

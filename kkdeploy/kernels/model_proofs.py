@@ -202,6 +202,11 @@ class _Cases:
             return fused_linear.linear_layer_norm_case(label, inputs(layer.context), attention.out_proj.weight,
                                                        attention.out_proj.bias, inputs(layer.x), mask, norm.weight,
                                                        norm.bias, norm.eps, "add_masked")
+        if name == "ffn_chain_ln":
+            norm, zero_invalid = self._next_norm(block)
+            return fused_linear.ffn_layer_norm_case(label, inputs(layer.h2), block.ffn_in.weight, block.ffn_in.bias,
+                                                    block.ffn_out.weight, block.ffn_out.bias, inputs(layer.mid), mask,
+                                                    norm.weight, norm.bias, norm.eps, zero_invalid)
         if name == "ffn_out_ln":
             norm, zero_invalid = self._next_norm(block)
             return fused_linear.linear_layer_norm_case(label, inputs(layer.g), block.ffn_out.weight,
@@ -228,7 +233,7 @@ class _Cases:
 
 def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str]) -> list[tuple[str, str, dict]]:
     """(kind, name, op shape) of every kernel op of ``kinds`` in a model of ``config``."""
-    from .fused_blocks import gelu_launches, layer_norm_launches, linear_launches
+    from .fused_blocks import ffn_chain_launches, gelu_launches, layer_norm_launches, linear_launches
 
     b, s, d, h = config.batch_size, config.seq_len, config.d_model, config.num_heads
     shapes = []
@@ -237,7 +242,8 @@ def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str]) -> list[tu
     if "layer_norm" in kinds:
         shapes.append(("layer_norm", "layer_norm", layer_norm.proof_shape(b * s, d)))
     if "linear" in kinds:
-        launches = {**linear_launches(config), **gelu_launches(config), **layer_norm_launches(config)}
+        launches = {**linear_launches(config), **gelu_launches(config), **layer_norm_launches(config),
+                    **ffn_chain_launches(config)}
         for name, (m, n, k, form) in launches.items():
             shapes.append(("linear", name, fused_linear.proof_shape(m, n, k, form)))
     return shapes
@@ -396,7 +402,9 @@ def _prove(kind, name, shape, cases: Optional[_Cases], config, device, budget_s,
         return layer_norm.prove_layer_norm(device, cases.layer_norm(), shape["rows"], shape["width"],
                                            budget_s=budget_s, cache=cache, launches=launches)
     if launches is not None:  # a list for the kind: the LayerNorm epilogue's tiles, or the GEMM's, that apply here
-        if "layer_norm" in shape["form"]:
+        if "ffn_chain" in shape["form"]:
+            launches = [t for t in launches if fused_linear.ffn_tile_fits(t, shape["n"], shape["k"])]
+        elif "layer_norm" in shape["form"]:
             launches = [t for t in launches if fused_linear.ln_tile_fits(t, shape["n"])]
         else:
             launches = [t for t in launches if t in fused_linear.TILES]
