@@ -58,11 +58,13 @@ KERNELS = {
         {"EPILOGUE": 3, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
          "NUM_PROGRAMS": 132, "GROUP_M": 8, "A_GELU": 0, "PDL": 0}),
     "ffn": ("kkdeploy.kernels._fused_linear_triton", "_fused_ffn_kernel", {
-        **{name: "*fp16" for name in ("X", "W1", "B1", "W2", "B2", "R", "OUT", "LN_G", "LN_B", "OUT2")}, "MASK": "*i1",
-        **{name: "i32" for name in ("M", "F", "D", "stride_xm", "stride_w1", "stride_w2", "stride_rm", "stride_om")},
+        **{name: "*fp16" for name in ("X", "W1", "B1", "W2", "B2", "R", "OUT", "LN_G", "LN_B", "OUT2", "WQ", "BQ",
+                                      "QKV")}, "MASK": "*i1",
+        **{name: "i32" for name in ("M", "F", "D", "stride_xm", "stride_w1", "stride_w2", "stride_rm", "stride_om",
+                                    "stride_wq", "stride_qm")},
         "eps": "fp32"},
         {"HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_F": 64, "LN_RELOAD": 1,
-         "LN_ZERO_INVALID": 0, "PDL": 0}),
+         "LN_ZERO_INVALID": 0, "PDL": 0, "QKV_NEXT": 0}),
     "entry": ("kkdeploy.kernels._layer_triton", "_entry_kernel", {
         **{name: "*fp16" for name in ("X", "HN", "QKV", "G", "B", "WQKV", "BQKV")}, "S": "i32", "eps": "fp32"},
         {"D": 128, "BLOCK_M": 64, "BN_QKV": 128, "BK_D": 64, "ACCURATE": 1, "CHAIN_REGS": 0}),
@@ -94,7 +96,7 @@ DIVISIBLE = {
     "linear": ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"),
     "linear_tma": ("M", "N", "K", "stride_rm", "stride_om"),
     "linear_tma_persistent": ("M", "N", "K", "stride_rm", "stride_om"),
-    "ffn": ("M", "F", "D", "stride_xm", "stride_w1", "stride_w2", "stride_rm", "stride_om"),
+    "ffn": ("M", "F", "D", "stride_xm", "stride_w1", "stride_w2", "stride_rm", "stride_om", "stride_wq", "stride_qm"),
     "entry": ("S", ),
     "layer": ("S", ),
     "model": ("S", "M"),
@@ -115,7 +117,7 @@ def parse_constexprs(pairs: list[str], defaults: dict) -> dict:
         values[name] = int(value)
     return {k: bool(v) if k in ("CAUSAL", "HAS_MASK", "ACCURATE", "DEBUG", "ONE_PASS", "FAST_DIV", "LN_RELOAD",
                                 "A_GELU", "LN_ZERO_INVALID", "GELU_PROLOGUE", "LAST", "FUSE_ATTENTION", "PDL",
-                                "ROW_CHAIN", "TRACE", "RAW_MAX", "INTERIOR", "WS", "COLUMNS_FIRST") else v
+                                "ROW_CHAIN", "TRACE", "RAW_MAX", "INTERIOR", "WS", "COLUMNS_FIRST", "QKV_NEXT") else v
             for k, v in values.items()}
 
 

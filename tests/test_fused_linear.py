@@ -317,7 +317,8 @@ def test_a_columns_first_tile_computes_what_its_tile_computes():
 def test_block_plan_on_the_cpu_is_the_reference_block():
     plan = fb.block_plan(CONFIG, torch.float16, torch.device("cpu"))
     assert plan == {"gemms": False, "packed_qkv": False, "gelu_prologue": False, "gelu": False, "layer_norm": False,
-                    "ffn_chain": False, "linears": {"qkv": False, "out_proj": False, "ffn_in": False, "ffn_out": False}}
+                    "ffn_chain": False, "ffn_qkv": False,
+                    "linears": {"qkv": False, "out_proj": False, "ffn_in": False, "ffn_out": False}}
 
 
 def test_epilogues_are_the_reference_ops():
@@ -807,12 +808,31 @@ FFN_PLAN = {**FULL_PLAN, "gelu_prologue": False, "ffn_chain": True}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ratio", [0.0, 0.25])
-def test_model_forward_with_the_feed_forward_in_one_launch_is_the_reference(dtype, ratio):
+@pytest.mark.parametrize("next_qkv", [False, True])
+def test_model_forward_with_the_feed_forward_in_one_launch_is_the_reference(dtype, ratio, next_qkv):
     model = build_models(CONFIG, dtype, "cpu")[0]
     x, mask = generate_case(CONFIG, "cpu", dtype, 1234, padding_ratio=ratio)
     mask = mask if ratio else None
     with torch.no_grad():
-        assert bits_equal(fb.fused_model_forward(model, x, mask, FFN_PLAN), model(x, mask))
+        assert bits_equal(fb.fused_model_forward(model, x, mask, {**FFN_PLAN, "ffn_qkv": next_qkv}), model(x, mask))
+
+
+def test_the_feed_forward_op_with_the_next_qkv_is_the_feed_forward_then_the_packed_qkv():
+    torch.manual_seed(5)
+    x, r = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    ffn_in, ffn_out, norm = torch.nn.Linear(8, 12), torch.nn.Linear(12, 8), torch.nn.LayerNorm(8)
+    projections = [torch.nn.Linear(8, 8) for _ in range(3)]
+    mask = torch.tensor([[True, False, True, True, False]] * 2)
+    with torch.no_grad():
+        total, qkv = fl.ffn_layer_norm_qkv(x, ffn_in, ffn_out, r, mask, norm, projections)
+        want_total, normed = fl.ffn_layer_norm(x, ffn_in, ffn_out, r, mask, norm)
+        assert torch.equal(total, want_total)
+        assert torch.equal(qkv, torch.cat([p(normed) for p in projections], dim=-1))
+        args = (x, ffn_in.weight, ffn_in.bias, ffn_out.weight, ffn_out.bias, r, mask, norm.weight, norm.bias, 1e-5,
+                [p.weight for p in projections], [p.bias for p in projections])
+        torch.library.opcheck(torch.ops.kkdeploy_faithful.ffn_layer_norm_qkv.default, args)
+        with pytest.raises(KKError, match=r"the next Q\|K\|V takes Q, K and V's weights \[8, 8\]"):
+            fl.ffn_layer_norm_qkv(x, ffn_in, ffn_out, r, mask, norm, projections[:2])
 
 
 def test_the_feed_forward_op_is_ffn_in_then_ffn_out_s_layer_norm_launch():
@@ -882,6 +902,18 @@ def test_a_build_proves_the_feed_forward_launch_and_the_plan_takes_it_where_it_p
     assert fb.block_plan(config, torch.float16, cuda)["ffn_chain"]
     path = fl.linear_path(m, 128, 256, torch.float16, cuda, epilogue=fl.FFN_FORM)
     assert path.fused and path.launch == "regs"
+    # the next block's Q|K|V in the same launch: a model of one block has no next block; with two, it runs where its
+    # proof's time is below the feed-forward launch's and the packed Q|K|V launch's together (0.008 + 0.004 ms)
+    assert "ffn_chain_qkv" not in fb.ffn_chain_launches(config) and not fb.block_plan(config, torch.float16, cuda)[
+        "ffn_qkv"]
+    two = TransformerConfig(batch_size=4, seq_len=32, d_model=128, num_heads=2, ffn_dim=256, num_layers=2)
+    assert fb.ffn_chain_launches(two)["ffn_chain_qkv"] == (m, 128, 256, fl.FFN_QKV_FORM)
+    assert not fb.block_plan(two, torch.float16, cuda)["ffn_qkv"]  # not proven here
+    _remember_linear(proof_sandbox, m, 128, 256, fl.FFN_QKV_FORM, chosen="regs", ms=0.013, aten_ms=0.04)
+    assert not fb.block_plan(two, torch.float16, cuda)["ffn_qkv"]
+    _remember_linear(proof_sandbox, m, 128, 256, fl.FFN_QKV_FORM, chosen="regs", ms=0.011, aten_ms=0.04)
+    plan = fb.block_plan(two, torch.float16, cuda)
+    assert plan["ffn_chain"] and plan["ffn_qkv"]
 
 
 FFN_SCRIPT = """
@@ -891,10 +923,10 @@ from kkdeploy.kernels.fused_linear import FFN_TILES
 results = []
 g = torch.Generator().manual_seed(21)
 # (M, D, F, tile, zero_invalid, mask): rows past M, F past its last chunk, rows under 128 (read back), no mask
-for m, d, f, tile, zero_invalid, has_mask in ((200, 128, 128, "auto", False, True), (200, 128, 128, "regs", True, True),
-                                              (130, 128, 256, "regs_w4", False, False),
-                                              (130, 128, 128, "regs_f128", True, True), (70, 32, 96, "auto", False, True),
-                                              (64, 64, 40, "auto", True, True)):
+CASES = ((200, 128, 128, "auto", False, True), (200, 128, 128, "regs", True, True),
+         (130, 128, 256, "regs_w4", False, False), (130, 128, 128, "regs_f128", True, True),
+         (70, 32, 96, "auto", False, True), (64, 64, 40, "auto", True, True))
+for m, d, f, tile, zero_invalid, has_mask in CASES:
     x = torch.randn(m, d, generator=g).half()
     w1, b1 = (torch.randn(f, d, generator=g) / 8).half(), (torch.randn(f, generator=g) / 4).half()
     w2, b2 = (torch.randn(d, f, generator=g) / 8).half(), (torch.randn(d, generator=g) / 4).half()
@@ -914,6 +946,37 @@ for m, d, f, tile, zero_invalid, has_mask in ((200, 128, 128, "auto", False, Tru
                     + int((normed.view(torch.int16) != want.view(torch.int16)).sum())})
 print("RESULTS " + json.dumps(results))
 """
+
+
+FFN_QKV_SCRIPT = """
+import json, torch
+from kkdeploy.kernels._fused_linear_triton import triton_linear, triton_ffn_layer_norm
+from kkdeploy.kernels.fused_linear import FFN_TILES
+results = []
+g = torch.Generator().manual_seed(22)
+for m, d, f, tile in ((200, 128, 128, "auto"), (130, 128, 256, "regs"), (70, 32, 96, "auto")):
+    x = torch.randn(m, d, generator=g).half()
+    w1, b1 = (torch.randn(f, d, generator=g) / 8).half(), (torch.randn(f, generator=g) / 4).half()
+    w2, b2 = (torch.randn(d, f, generator=g) / 8).half(), (torch.randn(d, generator=g) / 4).half()
+    wq, bq = (torch.randn(3 * d, d, generator=g) / 8).half(), (torch.randn(3 * d, generator=g) / 4).half()
+    r = torch.randn(m, d, generator=g).half()
+    mask = torch.rand(m, generator=g) > 0.3
+    lw, lb = (torch.rand(d, generator=g) + 0.5).half(), (torch.randn(d, generator=g) * 0.1).half()
+    total, normed = triton_ffn_layer_norm(x, w1, b1, w2, b2, r, mask, lw, lb, 1e-5, False, **FFN_TILES[tile])
+    total2, qkv = triton_ffn_layer_norm(x, w1, b1, w2, b2, r, mask, lw, lb, 1e-5, False, wq, bq, **FFN_TILES[tile])
+    want = triton_linear(normed, wq, bq, BLOCK_M=64, BLOCK_N=d, BLOCK_K=d)  # the packed Q|K|V launch on its own
+    results.append({"case": [m, d, f, tile],
+                    "differing": int((total.view(torch.int16) != total2.view(torch.int16)).sum())
+                    + int((qkv.view(torch.int16) != want.view(torch.int16)).sum())})
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_the_feed_forward_launch_with_the_next_qkv_computes_what_the_packed_qkv_launch_computes():
+    """Under the interpreter: the sum as without the Q|K|V, and the Q|K|V as the packed Q|K|V launch computes it from
+    the launch's own normalized rows, bit for bit (rows past M, rows under 128)."""
+    results = run_interpreter_script(FFN_QKV_SCRIPT)
+    assert len(results) == 3 and all(r["differing"] == 0 for r in results), results
 
 
 def test_the_feed_forward_launch_computes_what_ffn_in_and_ffn_out_s_launches_compute():

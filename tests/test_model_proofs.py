@@ -66,7 +66,12 @@ class FakeKernels:
                                                                    eps, epilogue, prologue, zero_invalid))
 
     def ffn_layer_norm(self, x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, zero_invalid=False,
-                       launch=None):
+                       launch=None, qkv_weights=None, qkv_biases=None):
+        if qkv_weights is not None:
+            return self._answer(launch or "auto", ("ffnqkv", x.data_ptr(), w_in.data_ptr()), False,
+                                lambda: fl.reference_ffn_layer_norm_qkv(x, w_in, b_in, w_out, b_out, residual, mask,
+                                                                        ln_weight, ln_bias, eps, qkv_weights,
+                                                                        qkv_biases))
         return self._answer(launch or "auto", ("ffn", x.data_ptr(), w_in.data_ptr(), zero_invalid), False,
                             lambda: fl.reference_ffn_layer_norm(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight,
                                                                 ln_bias, eps, zero_invalid))
@@ -107,16 +112,17 @@ def test_each_op_gets_its_fastest_bit_identical_launch_and_a_failing_one_is_reje
     assert {(r.shape["n"], r.shape["k"], r.shape["form"]) for r in by_op[fl.OP]} == {
         (48, 16, "none"), (16, 16, "add_masked"), (32, 16, "none"), (16, 32, "masked_sum"), (32, 16, "gelu"),
         (16, 16, "add_masked+layer_norm"), (16, 32, "masked_sum+layer_norm"),
-        (16, 32, fl.FFN_FORM)}  # D = 16: rows fit one tile, and the whole feed-forward one launch
+        (16, 32, fl.FFN_FORM), (16, 32, fl.FFN_QKV_FORM)}  # D = 16: rows fit one tile, the feed-forward one launch
     for record in by_op[fl.OP]:
         if "layer_norm" in record.shape["form"]:  # the epilogue's one tile; the final norm's zeroing included
             assert record.proven and [r.launch for r in record.launches] == ["auto"], record.reason
             continue
-        residual = record.shape["form"] in ("add_masked", "masked_sum")  # the fake m64 flips a bit only where a padded mask reaches it
+        # the fake m64 flips a bit only where a padded mask reaches it
+        residual = record.shape["form"] in ("add_masked", "masked_sum")
         assert record.proven and (record.chosen != "m64" or not residual), record.reason
         assert ({r.launch: r.status for r in record.launches}["m64"] == "differs") is residual
     assert all(proofs.proven(kind) for kind in mp.KINDS) and proofs.reused == 0
-    assert [r.op for r in proofs.records] == [fa.OP, ln.OP] + [fl.OP] * 8
+    assert [r.op for r in proofs.records] == [fa.OP, ln.OP] + [fl.OP] * 9
 
 
 def test_proofs_are_reused_in_the_same_environment_and_made_again_in_another(monkeypatch, proof_sandbox, model):
@@ -283,6 +289,6 @@ def test_the_first_our_kernel_candidate_proves_for_all_of_them_in_one_step(monke
     gemms = prove_candidate_kernels(GEMMS, model, CONFIG, torch.float16, CPU, siblings)
     assert len(fakes.calls) == runs  # the LayerNorm and the GEMMs were proven in the first step
     assert [r.op for r in kernels.records] == [fa.OP, ln.OP] and kernels.reused == 2
-    assert [r.op for r in gemms.records] == [fa.OP, ln.OP] + [fl.OP] * 8 and gemms.reused == 10
+    assert [r.op for r in gemms.records] == [fa.OP, ln.OP] + [fl.OP] * 9 and gemms.reused == 11
     alone = prove_candidate_kernels(KERNEL_ATTENTION, model, CONFIG, torch.float16, CPU)  # bench: its kinds only
     assert [r.op for r in alone.records] == [fa.OP]

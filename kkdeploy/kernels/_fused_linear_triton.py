@@ -350,6 +350,7 @@ def _fused_ffn_kernel(
     HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
     LN_RELOAD: tl.constexpr, LN_ZERO_INVALID: tl.constexpr, PDL: tl.constexpr = False,
+    WQ=None, BQ=None, QKV=None, stride_wq=0, stride_qm=0, QKV_NEXT: tl.constexpr = False,
 ):
     """The whole feed-forward of BLOCK_M rows in one program: ffn_in, GELU, ffn_out, the residual and mask, and the
     next LayerNorm. BLOCK_N == D: the program holds whole rows (the LayerNorm epilogue needs them), so each of
@@ -360,8 +361,12 @@ def _fused_ffn_kernel(
     (the GELU prologue's arithmetic), and then ``acc = dot(gelu, W2[:, chunk]^T, acc)``: ffn_out's k16 chain over F in
     order on one accumulator, chunk after chunk, as its own tile walks K. Then ``_linear_epilogue`` with
     ``masked_sum`` and the LayerNorm (code 5), as ffn_out's LayerNorm launch. Columns of ffn_in past F come out as
-    GELU(0 + 0) = 0 and meet W2's masked zeros: they add nothing."""
-    if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
+    GELU(0 + 0) = 0 and meet W2's masked zeros: they add nothing.
+
+    ``QKV_NEXT``: then the next block's packed Q|K|V of the rows just normalized, ``WQ`` [3D, D] and ``BQ`` [3D] into
+    ``QKV`` [M, 3D]: the rows read back (the program's own stores, behind a barrier) and three column tiles of D, each
+    the GEMM tile's arithmetic (K = D in order, the bias in the float32 accumulator, one rounding)."""
+    if PDL:  # a dependent launch (kernels/dependent_launch.py): earlier kernels' writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -383,6 +388,17 @@ def _fused_ffn_kernel(
         acc = tl.dot(h, tl.trans(w2), acc)
     _linear_epilogue(acc, B2, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, D, stride_rm, stride_om,
                      5, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, LN_G, LN_B, OUT2, eps, LN_RELOAD, LN_ZERO_INVALID)
+    if QKV_NEXT:
+        tl.debug_barrier()  # this block's stores of the normalized rows are visible to all its threads after it
+        rows = tl.load(OUT2 + offs_m[:, None] * stride_om + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                       other=0.0)
+        for n0 in range(0, 3 * D, BLOCK_N):  # Q, K, V: a column tile of D each
+            wq = tl.load(WQ + (n0 + offs_n)[:, None] * stride_wq + offs_n[None, :],
+                         mask=col_ok[:, None] & col_ok[None, :], other=0.0)
+            q = tl.dot(rows, tl.trans(wq), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))  # K = D in order
+            bq = tl.load(BQ + n0 + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(QKV + offs_m[:, None] * stride_qm + (n0 + offs_n)[None, :], (q + bq[None, :]).to(tl.float16),
+                     mask=row_ok[:, None] & col_ok[None, :])
 
 
 def ffn_launch_config(d: int, f: int) -> dict:
@@ -394,11 +410,12 @@ def ffn_launch_config(d: int, f: int) -> dict:
 
 def triton_ffn_layer_norm(x: torch.Tensor, w_in: torch.Tensor, b_in: torch.Tensor, w_out: torch.Tensor,
                           b_out: torch.Tensor, residual: torch.Tensor, mask, ln_weight: torch.Tensor,
-                          ln_bias: torch.Tensor, eps: float, zero_invalid: bool = False,
-                          **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+                          ln_bias: torch.Tensor, eps: float, zero_invalid: bool = False, qkv_weight=None,
+                          qkv_bias=None, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """The feed-forward of rows x [..., D] in one launch (``_fused_ffn_kernel``): returns (``where(mask, residual +
     ffn_out(GELU(ffn_in(x))), 0)``, its LayerNorm), both [..., D] float16, D one of LN_WIDTHS. ``zero_invalid``:
-    the LayerNorm's invalid rows zeroed too (the model's final_norm)."""
+    the LayerNorm's invalid rows zeroed too (the model's final_norm). With ``qkv_weight`` [3D, D] and ``qkv_bias``
+    [3D]: the second output is the next block's packed Q|K|V of the LayerNorm's rows [..., 3D] instead."""
     f, d = w_in.shape
     if d not in LN_WIDTHS or tuple(w_out.shape) != (d, f):
         raise ValueError(f"the feed-forward launch takes rows of {', '.join(map(str, LN_WIDTHS))} with ffn_in [F, D] "
@@ -421,13 +438,23 @@ def triton_ffn_layer_norm(x: torch.Tensor, w_in: torch.Tensor, b_in: torch.Tenso
         libdevice = gelu_libdevice()  # ATen's erff: CUDA's libdevice, for this launch only
         if libdevice:
             launch["extern_libs"] = {"libdevice": libdevice}
+    qkv = {}
+    if qkv_weight is not None:
+        qkv_weight = qkv_weight.contiguous()
+        if tuple(qkv_weight.shape) != (3 * d, d) or tuple(qkv_bias.shape) != (3 * d, ):
+            raise ValueError(f"the next Q|K|V takes a weight [{3 * d}, {d}] and a bias [{3 * d}], got "
+                             f"{list(qkv_weight.shape)} and {list(qkv_bias.shape)}")
+        packed_out = torch.empty((*x.shape[:-1], 3 * d), dtype=torch.float16, device=x.device)
+        qkv = dict(WQ=qkv_weight, BQ=qkv_bias, QKV=packed_out.view(-1, 3 * d), stride_wq=qkv_weight.stride(0),
+                   stride_qm=3 * d, QKV_NEXT=True)
     launch_kernel(_fused_ffn_kernel, (triton.cdiv(m, config["BLOCK_M"]), ),
         x2, w_in, b_in, w_out, b_out, r2, mask1, out2, ln_weight.contiguous(), ln_bias.contiguous(), normed2,
         m, f, d,
         x2.stride(0), w_in.stride(0), w_out.stride(0), r2.stride(0), out2.stride(0), float(eps),
-        HAS_MASK=has_mask, ACCURATE=not INTERPRET, BLOCK_N=d, LN_ZERO_INVALID=bool(zero_invalid), **config, **launch,
+        HAS_MASK=has_mask, ACCURATE=not INTERPRET, BLOCK_N=d, LN_ZERO_INVALID=bool(zero_invalid), **qkv, **config,
+        **launch,
     )
-    return out, normed
+    return (out, qkv["QKV"].view(*x.shape[:-1], 3 * d)) if qkv else (out, normed)
 
 
 def launch_config(n: int, k: int) -> dict:

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .fused_linear import (FFN_FORM, LN_WIDTHS, ffn_layer_norm, fused_linear, linear_layer_norm, linear_path,
-                           reference_linear)
+from .fused_linear import (FFN_FORM, FFN_QKV_FORM, LN_WIDTHS, ffn_layer_norm, ffn_layer_norm_qkv, fused_linear,
+                           linear_layer_norm, linear_path, reference_linear)
 
 
 def linear_launches(config) -> dict[str, tuple[int, int, int, str]]:
@@ -50,7 +50,10 @@ def ffn_chain_launches(config) -> dict[str, tuple[int, int, int, str]]:
     m, d, f = config.batch_size * config.seq_len, config.d_model, config.ffn_dim
     if d not in LN_WIDTHS:
         return {}
-    return {"ffn_chain_ln": (m, d, f, FFN_FORM)}
+    launches = {"ffn_chain_ln": (m, d, f, FFN_FORM)}
+    if config.num_layers > 1:  # every block but the last also computes the next block's Q|K|V
+        launches["ffn_chain_qkv"] = (m, d, f, FFN_QKV_FORM)
+    return launches
 
 
 def ffn_chain_pays(config, dtype: torch.dtype, device) -> bool:
@@ -68,6 +71,19 @@ def ffn_chain_pays(config, dtype: torch.dtype, device) -> bool:
         return False  # a part never timed here: keep the plan the proofs can vouch for
     best = lambda ms: ms[0] if ms[0] is not None else ms[1]  # noqa: E731 - ours where chosen, else ATen's
     return chain[0] < sum(best(ms) for ms in parts)
+
+
+def ffn_qkv_pays(config, dtype: torch.dtype, device) -> bool:
+    """Whether the feed-forward launch with the next block's Q|K|V is proven here and, by the proofs' own timings,
+    faster than the feed-forward launch and the packed Q|K|V launch (ours where chosen, else cuBLAS's) together."""
+    from .fused_linear import proven_ms
+
+    m, d, f = config.batch_size * config.seq_len, config.d_model, config.ffn_dim
+    fused, chain, qkv = (proven_ms(m, d, f, FFN_QKV_FORM, dtype, device), proven_ms(m, d, f, FFN_FORM, dtype, device),
+                         proven_ms(m, 3 * d, d, "none", dtype, device))
+    if fused is None or fused[0] is None or chain is None or chain[0] is None or qkv is None:
+        return False
+    return fused[0] < chain[0] + (qkv[0] if qkv[0] is not None else qkv[1])
 
 
 def layer_norm_epilogues_pay(config, dtype: torch.dtype, device) -> bool:
@@ -97,7 +113,9 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
     V so cuBLAS sees the reference's strides), ``gelu_prologue`` (ffn_out computes GELU on its input: the GELU's
     output never reaches memory), ``gelu`` (else GELU in ffn_in's epilogue), ``layer_norm`` (each residual GEMM
     also writes the next LayerNorm of its rows: ``fused_model_forward``) and ``ffn_chain`` (with ``layer_norm``: the
-    whole feed-forward in one launch, where proven and faster than the two it replaces: ``ffn_chain_pays``)."""
+    whole feed-forward in one launch, where proven and faster than the two it replaces: ``ffn_chain_pays``) and
+    ``ffn_qkv`` (with ``ffn_chain`` and ``packed_qkv``: that launch also computes the next block's Q|K|V, where proven
+    and faster than the packed Q|K|V launch it replaces: ``ffn_qkv_pays``)."""
     from .faithful_attention import select_attention_path
 
     launches = linear_launches(config)
@@ -113,9 +131,12 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
     layer_norm = gemms and layer_norm_epilogues_pay(config, dtype, device)
     gelu_prologue = gemms and proven(d, f, "gelu_prologue", "masked_sum", *(["layer_norm"] if layer_norm else []))
     ffn_chain = layer_norm and proven(d, f, FFN_FORM) and ffn_chain_pays(config, dtype, device)
-    return {"gemms": gemms, "linears": linears, "packed_qkv": linears["qkv"] and attention.fused,
+    packed_qkv = linears["qkv"] and attention.fused
+    ffn_qkv = (ffn_chain and packed_qkv and config.num_layers > 1 and proven(d, f, FFN_QKV_FORM)
+               and ffn_qkv_pays(config, dtype, device))
+    return {"gemms": gemms, "linears": linears, "packed_qkv": packed_qkv,
             "gelu_prologue": gelu_prologue, "gelu": gemms and not gelu_prologue and proven(f, d, "gelu"),
-            "layer_norm": layer_norm, "ffn_chain": ffn_chain}
+            "layer_norm": layer_norm, "ffn_chain": ffn_chain, "ffn_qkv": ffn_qkv}
 
 
 def _linear(plan: dict, name: str, x, weights, biases, residual=None, mask=None, epilogue: str = "none",
@@ -139,11 +160,12 @@ def _projections(attention, h: torch.Tensor, plan: dict):
     return tuple(_linear(plan, "qkv", h, [p.weight], [p.bias]) for p in projections)
 
 
-def _attention(attention, h: torch.Tensor, valid_token_mask, plan: dict) -> torch.Tensor:
-    """The attention op's context for the normalized rows h (before out_proj)."""
+def _attention(attention, h: torch.Tensor, valid_token_mask, plan: dict, qkv=None) -> torch.Tensor:
+    """The attention op's context for the normalized rows h (before out_proj), or for the packed Q|K|V ``qkv`` the
+    previous block's feed-forward launch computed."""
     from .faithful_attention import faithful_attention
 
-    q, k, v = _projections(attention, h, plan)
+    q, k, v = _projections(attention, h, plan) if qkv is None else qkv.split(qkv.shape[-1] // 3, dim=-1)
     return faithful_attention(q, k, v, valid_token_mask, num_heads=attention.num_heads, causal=attention.causal)
 
 
@@ -180,14 +202,20 @@ def fused_model_forward(model, x: torch.Tensor, valid_token_mask: Optional[torch
     last one's ``final_norm(x)`` with the reference's final ``zero_invalid_rows``). The reference's ops and rounding
     points throughout; ``plan`` as ``block_plan`` gives it."""
     layers = list(model.layers)
-    h = layers[0].norm1(x)
+    h, qkv = layers[0].norm1(x), None
     for i, block in enumerate(layers):
         attention = block.attention
-        context = _attention(attention, h, valid_token_mask, plan)
+        context = _attention(attention, h, valid_token_mask, plan, qkv)
         x, h2 = linear_layer_norm(context, attention.out_proj.weight, attention.out_proj.bias, x, valid_token_mask,
                                   block.norm2, "add_masked")
         last = i + 1 == len(layers)
         next_norm = model.final_norm if last else layers[i + 1].norm1
+        if plan.get("ffn_chain") and plan.get("ffn_qkv") and not last:  # ... and the next block's Q|K|V
+            nxt = layers[i + 1].attention
+            x, qkv = ffn_layer_norm_qkv(h2, block.ffn_in, block.ffn_out, x, valid_token_mask, next_norm,
+                                        (nxt.q_proj, nxt.k_proj, nxt.v_proj))
+            continue
+        qkv = None
         if plan.get("ffn_chain"):  # the whole feed-forward in one launch
             x, h = ffn_layer_norm(h2, block.ffn_in, block.ffn_out, x, valid_token_mask, next_norm, zero_invalid=last)
             continue

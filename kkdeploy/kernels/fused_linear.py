@@ -54,11 +54,14 @@ LN_WIDTHS = (16, 32, 64, 128)
 PROLOGUES = ("none", "gelu")
 LN_OP_NAME = "kkdeploy_faithful::linear_layer_norm"
 #: every part a launch can have (``form``)
-PARTS = ("none", "gelu", "add_masked", "masked_sum", "gelu_prologue", "layer_norm", "ffn_chain")
+PARTS = ("none", "gelu", "add_masked", "masked_sum", "gelu_prologue", "layer_norm", "ffn_chain", "qkv")
 FFN_OP_NAME = "kkdeploy_faithful::ffn_layer_norm"
 #: the feed-forward launch's form (``ffn_layer_norm``): ffn_in, GELU, ffn_out, residual and mask, the next LayerNorm;
 #: its proof shape is ffn_out's GEMM, (M, N, K) = (M, D, F)
 FFN_FORM = "ffn_chain+masked_sum+layer_norm"
+FFN_QKV_OP_NAME = "kkdeploy_faithful::ffn_layer_norm_qkv"
+#: ... and then the next block's packed Q|K|V of the normalized rows, from the same launch (``ffn_layer_norm_qkv``)
+FFN_QKV_FORM = FFN_FORM + "+qkv"
 #: the kernel's tiles (launch variants): BLOCK_M x BLOCK_N output tiles, warps, pipeline stages. K is walked in
 #: order in every one (the k16 MMA chain on one float32 accumulator), so none changes what is computed in
 #: principle; each is still proven on its own, because the tile decides which MMA instructions Triton emits.
@@ -548,8 +551,9 @@ def reference_ffn_layer_norm(x, w_in, b_in, w_out, b_out, residual, mask, ln_wei
 
 @torch.library.custom_op(FFN_OP_NAME, mutates_args=())
 def _ffn_layer_norm_op(x: torch.Tensor, w_in: torch.Tensor, b_in: torch.Tensor, w_out: torch.Tensor,
-                       b_out: torch.Tensor, residual: torch.Tensor, mask: Optional[torch.Tensor], ln_weight: torch.Tensor,
-                       ln_bias: torch.Tensor, eps: float, zero_invalid: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       b_out: torch.Tensor, residual: torch.Tensor, mask: Optional[torch.Tensor],
+                       ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
+                       zero_invalid: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Default (CPU and any non-CUDA device): the ATen composition itself."""
     check_ffn_inputs(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias)
     return reference_ffn_layer_norm(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, zero_invalid)
@@ -568,21 +572,90 @@ def _ffn_layer_norm_cuda(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight,
 
 
 def run_ffn_launch(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, zero_invalid=False,
-                   launch: Optional[str] = None):
-    """The feed-forward launch in one of FFN_TILES (no path rule: what a proof runs)."""
+                   launch: Optional[str] = None, qkv_weights=None, qkv_biases=None):
+    """The feed-forward launch in one of FFN_TILES (no path rule: what a proof runs); with ``qkv_weights`` and
+    ``qkv_biases`` (Q, K and V's), its second output is the next block's packed Q|K|V."""
     from ._fused_linear_triton import triton_ffn_layer_norm
 
     if launch is not None and not ffn_tile_fits(launch, w_in.shape[1], w_in.shape[0]):
         raise KKError(f"feed-forward tile {launch!r} does not apply to rows of {w_in.shape[1]} and F = "
                       f"{w_in.shape[0]}; the tiles are {', '.join(FFN_TILES)} (the register ones for rows of 128)")
+    qkv = {}
+    if qkv_weights is not None:
+        weight, bias = packed(list(qkv_weights), list(qkv_biases))
+        qkv = dict(qkv_weight=weight, qkv_bias=bias)
     return triton_ffn_layer_norm(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, zero_invalid,
-                                 **FFN_TILES[launch or "auto"])
+                                 **qkv, **FFN_TILES[launch or "auto"])
 
 
 @_ffn_layer_norm_op.register_fake
 def _ffn_layer_norm_fake(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, zero_invalid=False):
     out = x.new_empty((*x.shape[:-1], w_out.shape[0]))
     return out, torch.empty_like(out)
+
+
+def check_qkv_weights(d: int, qkv_weights, qkv_biases) -> None:
+    """The next block's Q, K and V projections: three weights [D, D] and biases [D]."""
+    if len(qkv_weights) != 3 or len(qkv_biases) != 3 or any(
+            tuple(w.shape) != (d, d) or b is None or tuple(b.shape) != (d, ) for w, b in zip(qkv_weights, qkv_biases)):
+        shapes = [list(w.shape) for w in qkv_weights], [None if b is None else list(b.shape) for b in qkv_biases]
+        raise KKError(f"the next Q|K|V takes Q, K and V's weights [{d}, {d}] and biases [{d}], got {shapes[0]} and "
+                      f"{shapes[1]}")
+
+
+def reference_ffn_layer_norm_qkv(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps: float,
+                                 qkv_weights, qkv_biases):
+    """The ATen composition: the feed-forward launch's (sum, LayerNorm), then the packed Q|K|V of the LayerNorm's rows
+    (``reference_linear``: Q, K and V concatenated)."""
+    total, normed = reference_ffn_layer_norm(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps)
+    return total, reference_linear(normed, list(qkv_weights), list(qkv_biases))
+
+
+@torch.library.custom_op(FFN_QKV_OP_NAME, mutates_args=())
+def _ffn_layer_norm_qkv_op(x: torch.Tensor, w_in: torch.Tensor, b_in: torch.Tensor, w_out: torch.Tensor,
+                           b_out: torch.Tensor, residual: torch.Tensor, mask: Optional[torch.Tensor],
+                           ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, qkv_weights: list[torch.Tensor],
+                           qkv_biases: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default (CPU and any non-CUDA device): the ATen composition itself."""
+    _, d, _ = check_ffn_inputs(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias)
+    check_qkv_weights(d, qkv_weights, qkv_biases)
+    return reference_ffn_layer_norm_qkv(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps,
+                                        qkv_weights, qkv_biases)
+
+
+@_ffn_layer_norm_qkv_op.register_kernel("cuda")
+def _ffn_layer_norm_qkv_cuda(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, qkv_weights,
+                             qkv_biases):
+    """CUDA: the feed-forward launch with the next Q|K|V where a proof of FFN_QKV_FORM at (M, D, F) allows it, else
+    the composition."""
+    m, d, f = check_ffn_inputs(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias)
+    check_qkv_weights(d, qkv_weights, qkv_biases)
+    path = linear_path(m, d, f, x.dtype, x.device, epilogue=FFN_QKV_FORM) if d in LN_WIDTHS else None
+    if path is not None and path.fused:
+        return run_ffn_launch(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, False, path.launch,
+                              qkv_weights, qkv_biases)
+    return reference_ffn_layer_norm_qkv(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps,
+                                        qkv_weights, qkv_biases)
+
+
+@_ffn_layer_norm_qkv_op.register_fake
+def _ffn_layer_norm_qkv_fake(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, qkv_weights,
+                             qkv_biases):
+    d = w_out.shape[0]
+    return x.new_empty((*x.shape[:-1], d)), x.new_empty((*x.shape[:-1], 3 * d))
+
+
+def ffn_layer_norm_qkv(x, ffn_in: torch.nn.Linear, ffn_out: torch.nn.Linear, residual, mask, norm: torch.nn.LayerNorm,
+                       projections):
+    """(``sum``, the next block's packed Q|K|V of ``norm(sum)``): ``ffn_layer_norm`` followed by the next block's
+    Q, K and V projections (``projections``), one launch where proven (``kkdeploy_faithful::ffn_layer_norm_qkv``)."""
+    _, d, _ = check_ffn_inputs(x, ffn_in.weight, ffn_in.bias, ffn_out.weight, ffn_out.bias, residual, mask,
+                               norm.weight, norm.bias)
+    weights, biases = [p.weight for p in projections], [p.bias for p in projections]
+    check_qkv_weights(d, weights, biases)
+    return torch.ops.kkdeploy_faithful.ffn_layer_norm_qkv(x, ffn_in.weight, ffn_in.bias, ffn_out.weight, ffn_out.bias,
+                                                          residual, mask, norm.weight, norm.bias, float(norm.eps),
+                                                          weights, biases)
 
 
 def ffn_layer_norm(x, ffn_in: torch.nn.Linear, ffn_out: torch.nn.Linear, residual, mask, norm: torch.nn.LayerNorm,
@@ -665,7 +738,31 @@ def ffn_layer_norm_case(label: str, x, w_in, b_in, w_out, b_out, residual, mask,
         return torch.stack(run_ffn_launch(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps,
                                           zero_invalid, launch))
 
-    return ProofCase(label, reference, run, ffn_baseline(x, w_in, b_in, w_out, b_out, residual, ln_weight, ln_bias, eps))
+    return ProofCase(label, reference, run,
+                     ffn_baseline(x, w_in, b_in, w_out, b_out, residual, ln_weight, ln_bias, eps))
+
+
+def ffn_layer_norm_qkv_case(label: str, x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps: float,
+                            qkv_weights, qkv_biases) -> ProofCase:
+    """One call of the feed-forward launch with the next Q|K|V: the sum and the packed Q|K|V compared (flattened and
+    concatenated), against the ATen composition; timed against it with the Q, K and V GEMMs one by one."""
+    def reference():
+        total, qkv = reference_ffn_layer_norm_qkv(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps,
+                                                  qkv_weights, qkv_biases)
+        return torch.cat([total.reshape(-1), qkv.reshape(-1)])
+
+    def run(launch):
+        total, qkv = run_ffn_launch(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight, ln_bias, eps, False,
+                                    launch, qkv_weights, qkv_biases)
+        return torch.cat([total.reshape(-1), qkv.reshape(-1)])
+
+    feed_forward = ffn_baseline(x, w_in, b_in, w_out, b_out, residual, ln_weight, ln_bias, eps)
+
+    def baseline():
+        total, normed = feed_forward()
+        return [total, *(F.linear(normed, w, b) for w, b in zip(qkv_weights, qkv_biases))]
+
+    return ProofCase(label, reference, run, baseline)
 
 
 def prove_linear(device: torch.device | str, cases: list[ProofCase], m: int, n: int, k: int, form_: str, *,

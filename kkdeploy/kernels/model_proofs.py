@@ -202,6 +202,14 @@ class _Cases:
             return fused_linear.linear_layer_norm_case(label, inputs(layer.context), attention.out_proj.weight,
                                                        attention.out_proj.bias, inputs(layer.x), mask, norm.weight,
                                                        norm.bias, norm.eps, "add_masked")
+        if name == "ffn_chain_qkv":  # the next block's norm1 and Q|K|V (the last layer's: the first block's)
+            layers = list(self.model.layers)
+            nxt = layers[(layers.index(block) + 1) % len(layers)]
+            projections = (nxt.attention.q_proj, nxt.attention.k_proj, nxt.attention.v_proj)
+            return fused_linear.ffn_layer_norm_qkv_case(label, inputs(layer.h2), block.ffn_in.weight, block.ffn_in.bias,
+                                                        block.ffn_out.weight, block.ffn_out.bias, inputs(layer.mid),
+                                                        mask, nxt.norm1.weight, nxt.norm1.bias, nxt.norm1.eps,
+                                                        [p.weight for p in projections], [p.bias for p in projections])
         if name == "ffn_chain_ln":
             norm, zero_invalid = self._next_norm(block)
             return fused_linear.ffn_layer_norm_case(label, inputs(layer.h2), block.ffn_in.weight, block.ffn_in.bias,
