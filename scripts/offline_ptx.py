@@ -63,7 +63,7 @@ KERNELS = {
         **{name: "i32" for name in ("M", "F", "D", "stride_xm", "stride_w1", "stride_w2", "stride_rm", "stride_om",
                                     "stride_wq", "stride_qm")},
         "eps": "fp32"},
-        {"HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_F": 64, "LN_RELOAD": 1,
+        {"HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_F": 64, "BLOCK_K": 64, "LN_RELOAD": 1,
          "LN_ZERO_INVALID": 0, "PDL": 0, "QKV_NEXT": 0}),
     "entry": ("kkdeploy.kernels._layer_triton", "_entry_kernel", {
         **{name: "*fp16" for name in ("X", "HN", "QKV", "G", "B", "WQKV", "BQKV")}, "S": "i32", "eps": "fp32"},

@@ -935,8 +935,9 @@ for m, d, f, tile, zero_invalid, has_mask in CASES:
     lw, lb = (torch.rand(d, generator=g) + 0.5).half(), (torch.randn(d, generator=g) * 0.1).half()
     config = dict(FFN_TILES[tile])
     block_f = config.get("BLOCK_F", min(64, max(16, 1 << (f - 1).bit_length())))
-    # ffn_in's launch (one k-step of D), then ffn_out's LayerNorm launch with the GELU prologue, k-steps of BLOCK_F
-    pre = triton_linear(x, w1, b1, BLOCK_M=64, BLOCK_K=d)
+    # ffn_in's launch (k-steps of 64, as its own tile), then ffn_out's LayerNorm launch with the GELU prologue, k-steps
+    # of BLOCK_F
+    pre = triton_linear(x, w1, b1, BLOCK_M=64, BLOCK_K=min(64, d))
     want_total, want = triton_linear_layer_norm(pre, w2, b2, r, mask, lw, lb, 1e-5, "masked_sum", prologue="gelu",
                                                 zero_invalid=zero_invalid, BLOCK_M=64, BLOCK_K=block_f,
                                                 LN_RELOAD=config.get("LN_RELOAD", True) or d < 128)
@@ -964,7 +965,7 @@ for m, d, f, tile in ((200, 128, 128, "auto"), (130, 128, 256, "regs"), (70, 32,
     lw, lb = (torch.rand(d, generator=g) + 0.5).half(), (torch.randn(d, generator=g) * 0.1).half()
     total, normed = triton_ffn_layer_norm(x, w1, b1, w2, b2, r, mask, lw, lb, 1e-5, False, **FFN_TILES[tile])
     total2, qkv = triton_ffn_layer_norm(x, w1, b1, w2, b2, r, mask, lw, lb, 1e-5, False, wq, bq, **FFN_TILES[tile])
-    want = triton_linear(normed, wq, bq, BLOCK_M=64, BLOCK_N=d, BLOCK_K=d)  # the packed Q|K|V launch on its own
+    want = triton_linear(normed, wq, bq, BLOCK_M=64, BLOCK_N=d, BLOCK_K=min(64, d))  # the packed Q|K|V launch alone
     results.append({"case": [m, d, f, tile],
                     "differing": int((total.view(torch.int16) != total2.view(torch.int16)).sum())
                     + int((qkv.view(torch.int16) != want.view(torch.int16)).sum())})

@@ -348,7 +348,7 @@ def _fused_ffn_kernel(
     M, F, D,
     stride_xm, stride_w1, stride_w2, stride_rm, stride_om, eps,
     HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
     LN_RELOAD: tl.constexpr, LN_ZERO_INVALID: tl.constexpr, PDL: tl.constexpr = False,
     WQ=None, BQ=None, QKV=None, stride_wq=0, stride_qm=0, QKV_NEXT: tl.constexpr = False,
 ):
@@ -373,14 +373,19 @@ def _fused_ffn_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < M
     col_ok = offs_n < D
-    a = tl.load(X + offs_m[:, None] * stride_xm + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):  # F in order: ffn_out's K
         offs_f = f0 + tl.arange(0, BLOCK_F)
         f_ok = offs_f < F
-        w1 = tl.load(W1 + offs_f[:, None] * stride_w1 + offs_n[None, :], mask=f_ok[:, None] & col_ok[None, :],
-                     other=0.0)
-        g = tl.dot(a, tl.trans(w1), tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32))  # K = D in order
+        g = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):  # K = D in order, in the k-steps of ffn_in's own tile
+            kk = k0 + offs_k
+            a = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk < D)[None, :],
+                        other=0.0)
+            w1 = tl.load(W1 + offs_f[:, None] * stride_w1 + kk[None, :], mask=f_ok[:, None] & (kk < D)[None, :],
+                         other=0.0)
+            g = tl.dot(a, tl.trans(w1), g)
         b1 = tl.load(B1 + offs_f, mask=f_ok, other=0.0).to(tl.float32)
         h = _gelu16((g + b1[None, :]).to(tl.float16), ACCURATE)  # ffn_in's output rounded once, then ATen's GELU
         w2 = tl.load(W2 + offs_n[:, None] * stride_w2 + offs_f[None, :], mask=col_ok[:, None] & f_ok[None, :],
@@ -390,12 +395,15 @@ def _fused_ffn_kernel(
                      5, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, LN_G, LN_B, OUT2, eps, LN_RELOAD, LN_ZERO_INVALID)
     if QKV_NEXT:
         tl.debug_barrier()  # this block's stores of the normalized rows are visible to all its threads after it
-        rows = tl.load(OUT2 + offs_m[:, None] * stride_om + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                       other=0.0)
         for n0 in range(0, 3 * D, BLOCK_N):  # Q, K, V: a column tile of D each
-            wq = tl.load(WQ + (n0 + offs_n)[:, None] * stride_wq + offs_n[None, :],
-                         mask=col_ok[:, None] & col_ok[None, :], other=0.0)
-            q = tl.dot(rows, tl.trans(wq), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))  # K = D in order
+            q = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, D, BLOCK_K):  # K = D in order, in the packed Q|K|V tile's k-steps
+                kk = k0 + offs_k
+                rows = tl.load(OUT2 + offs_m[:, None] * stride_om + kk[None, :],
+                               mask=row_ok[:, None] & (kk < D)[None, :], other=0.0)
+                wq = tl.load(WQ + (n0 + offs_n)[:, None] * stride_wq + kk[None, :],
+                             mask=col_ok[:, None] & (kk < D)[None, :], other=0.0)
+                q = tl.dot(rows, tl.trans(wq), q)
             bq = tl.load(BQ + n0 + offs_n, mask=col_ok, other=0.0).to(tl.float32)
             tl.store(QKV + offs_m[:, None] * stride_qm + (n0 + offs_n)[None, :], (q + bq[None, :]).to(tl.float16),
                      mask=row_ok[:, None] & col_ok[None, :])
@@ -404,8 +412,8 @@ def _fused_ffn_kernel(
 def ffn_launch_config(d: int, f: int) -> dict:
     """The feed-forward launch's defaults: 64 rows of 8 warps with the rows read back for the LayerNorm (the
     LayerNorm epilogue's default), ffn_in's columns 64 at a time (fewer for a narrow F)."""
-    return dict(BLOCK_M=64, BLOCK_F=min(64, max(16, triton.next_power_of_2(f))), num_warps=8, num_stages=2,
-                LN_RELOAD=True)
+    return dict(BLOCK_M=64, BLOCK_F=min(64, max(16, triton.next_power_of_2(f))),
+                BLOCK_K=min(64, max(16, triton.next_power_of_2(d))), num_warps=8, num_stages=2, LN_RELOAD=True)
 
 
 def triton_ffn_layer_norm(x: torch.Tensor, w_in: torch.Tensor, b_in: torch.Tensor, w_out: torch.Tensor,
