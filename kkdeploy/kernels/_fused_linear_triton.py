@@ -467,7 +467,9 @@ def triton_ffn_layer_norm(x: torch.Tensor, w_in: torch.Tensor, b_in: torch.Tenso
 
 def launch_config(n: int, k: int) -> dict:
     """Tile sizes for an [M, K] x [K, N] call: BLOCK_M 128 (>= 64 keeps wgmma), BLOCK_N the whole row up to 128,
-    BLOCK_K up to 64 (the k16 chain is the same whatever BLOCK_K is; it only sets the unrolling)."""
+    BLOCK_K up to 64. In principle the k16 chain is the same whatever BLOCK_K is; on an H100 one K = 128 dot inside the
+    feed-forward launch gave other bits than the proven tiles' two k-steps of 64 (docs/fused-linear.md), so every
+    launch keeps to steps of at most 64, and each tile is proven on its own anyway."""
     block_n = auto_block_n(n)
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8 if block_n >= 128 else 4, num_stages=3)
