@@ -860,7 +860,8 @@ def test_the_feed_forward_op_is_ffn_in_then_ffn_out_s_layer_norm_launch():
 
 
 def test_a_build_proves_the_feed_forward_launch_and_the_plan_takes_it_where_it_pays(monkeypatch, proof_sandbox):
-    """The feed-forward launch is one of a build's op shapes where rows fit a LayerNorm tile; its tiles are the
+    """The feed-forward launch is an op shape where rows fit a LayerNorm tile, of a study that names its tiles (a
+    build proves none of them yet: FFN_BUILD_TILES, where the H100's end-to-end figures left it); its tiles are the
     feed-forward ones that fit; the plan takes it only with the LayerNorm epilogues, where proven and, by the proofs'
     timings, faster than ffn_in's GELU launch and ffn_out's LayerNorm launch together."""
     from kkdeploy.kernels import model_proofs
@@ -869,11 +870,14 @@ def test_a_build_proves_the_feed_forward_launch_and_the_plan_takes_it_where_it_p
     config = TransformerConfig(batch_size=4, seq_len=32, d_model=128, num_heads=2, ffn_dim=256, num_layers=1)
     m = 4 * 32
     assert fb.ffn_chain_launches(config) == {"ffn_chain_ln": (m, 128, 256, fl.FFN_FORM)}
-    assert ("linear", "ffn_chain_ln", fl.proof_shape(m, 128, 256, fl.FFN_FORM)) in \
-        model_proofs.kernel_op_shapes(config, ["linear"])
+    op = ("linear", "ffn_chain_ln", fl.proof_shape(m, 128, 256, fl.FFN_FORM))
+    assert fl.FFN_BUILD_TILES == () and op not in model_proofs.kernel_op_shapes(config, ["linear"])
+    assert op in model_proofs.kernel_op_shapes(config, ["linear"], {"linear": ["regs"]})  # a study names a tile
+    monkeypatch.setattr(fl, "FFN_BUILD_TILES", ("auto", "regs"))
+    assert op in model_proofs.kernel_op_shapes(config, ["linear"])  # ... or a build proves some
     wide = TransformerConfig(batch_size=4, seq_len=32, d_model=256, num_heads=2, ffn_dim=256, num_layers=1)
     assert fb.ffn_chain_launches(wide) == {}  # rows past a LayerNorm tile: no such launch
-    assert [t for t in fl.FFN_BUILD_TILES if fl.ffn_tile_fits(t, 128, 256)] == ["auto", "regs", "regs_w4"]
+    assert [t for t in fl.FFN_TILES if fl.ffn_tile_fits(t, 128, 256)] == ["auto", "regs", "regs_w4", "regs_f128"]
     assert [t for t in fl.FFN_TILES if fl.ffn_tile_fits(t, 32, 64)] == ["auto"]
     assert not fl.ffn_tile_fits("regs_f128", 128, 64) and fl.ffn_tile_fits("regs_f128", 128, 128)
     with pytest.raises(KKError, match="does not apply to rows of 32"):

@@ -153,8 +153,12 @@ FFN_TILES: dict[str, dict] = {
     "regs_w4": dict(LN_RELOAD=False, num_warps=4),
     "regs_f128": dict(LN_RELOAD=False, BLOCK_F=128),
 }
-#: the feed-forward tiles a build proves
-FFN_BUILD_TILES = ("auto", "regs", "regs_w4")
+#: the feed-forward tiles a build proves: none yet. All four were bit-identical on an H100 (session 41, shapes 3 and 6)
+#: once their dots walked K in steps of 64, but the launch did not pay end to end: shape 3 with it 0.0935 ms
+#: (`-gemms-pdl`) against 0.0909 without (two processes back to back), though its proof timed it at 11.5 µs against
+#: 12.9 for the two launches it replaces; on shape 6 it took 1.32 ms against 0.71 for ffn_in's and ffn_out's streaming
+#: tiles (docs/fused-linear.md). A study still proves them (``--launches linear=regs``, ``--all-launches``).
+FFN_BUILD_TILES: tuple[str, ...] = ()
 
 #: what a proof's "proven" means: these tiles' settings, and the set a build proves (part of the proofs' key)
 TILES_DIGEST = launch_table_digest(TILES, BUILD_TILES, LN_TILES, LN_BUILD_TILES, FFN_TILES, FFN_BUILD_TILES)

@@ -239,8 +239,11 @@ class _Cases:
                                         inputs(layer.mid), mask, "masked_sum")
 
 
-def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str]) -> list[tuple[str, str, dict]]:
-    """(kind, name, op shape) of every kernel op of ``kinds`` in a model of ``config``."""
+def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str],
+                     launches: Optional[dict[str, list[str]]] = None) -> list[tuple[str, str, dict]]:
+    """(kind, name, op shape) of every kernel op of ``kinds`` in a model of ``config``. The feed-forward launches
+    (``fused_blocks.ffn_chain_launches``) only where a build proves their tiles (``fused_linear.FFN_BUILD_TILES``)
+    or a study names one (``launches``)."""
     from .fused_blocks import ffn_chain_launches, gelu_launches, layer_norm_launches, linear_launches
 
     b, s, d, h = config.batch_size, config.seq_len, config.d_model, config.num_heads
@@ -250,9 +253,11 @@ def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str]) -> list[tu
     if "layer_norm" in kinds:
         shapes.append(("layer_norm", "layer_norm", layer_norm.proof_shape(b * s, d)))
     if "linear" in kinds:
-        launches = {**linear_launches(config), **gelu_launches(config), **layer_norm_launches(config),
-                    **ffn_chain_launches(config)}
-        for name, (m, n, k, form) in launches.items():
+        named = (launches or {}).get("linear") or ()
+        feed_forward = fused_linear.FFN_BUILD_TILES or any(t in fused_linear.FFN_TILES for t in named)
+        ops = {**linear_launches(config), **gelu_launches(config), **layer_norm_launches(config),
+               **(ffn_chain_launches(config) if feed_forward else {})}
+        for name, (m, n, k, form) in ops.items():
             shapes.append(("linear", name, fused_linear.proof_shape(m, n, k, form)))
     return shapes
 
@@ -312,7 +317,7 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
     result = ModelProofs()
     cases: Optional[_Cases] = None
     slots: list = []  # per op shape: its reused record, or (kind, name, shape, refusal) to prove
-    for kind, name, shape in kernel_op_shapes(config, kinds):
+    for kind, name, shape in kernel_op_shapes(config, kinds, launches):
         found = lookup_proof(_environment(kind, device), _op(kind), shape, cache=cache) if reuse else None
         if refusals and op_key(kind, shape) in refusals:
             slots.append((kind, name, shape, refusals[op_key(kind, shape)]))

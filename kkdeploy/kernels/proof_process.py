@@ -183,7 +183,7 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
     if not (isolation_wanted(device) if isolate is None else isolate):
         return prove_model_kernels(model, config, dtype, device, kinds, reuse=reuse, cache=cache, progress=progress,
                                    **options)
-    shapes = kernel_op_shapes(config, kinds)
+    shapes = kernel_op_shapes(config, kinds, launches)
     if reuse and all(lookup_proof(_environment(k, device), _op(k), s, cache=cache) is not None for k, _, s in shapes):
         return prove_model_kernels(model, config, dtype, device, kinds, cache=cache, progress=progress,
                                    launches=launches)
