@@ -435,17 +435,11 @@ def triton_ffn_layer_norm(x: torch.Tensor, w_in: torch.Tensor, b_in: torch.Tenso
     out2, normed2 = out.view(-1, d), normed.view(-1, d)
     r2 = _rows(residual, d)
     has_mask = mask is not None
-    mask1 = mask.reshape(-1).contiguous() if has_mask else out2
+    mask1 = _row_mask(mask, has_mask, out2)
     config = {**ffn_launch_config(d, f), **overrides}
     if d < 128:
         config["LN_RELOAD"] = True  # rows under 128 are always read back (the lanes past the row are masked there)
-    launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
-    if not INTERPRET:
-        launch.update({key: config.pop(key, value) for key, value in COMPILE_FLAGS.items()})
-        launch.update(launch_options())  # inside dependent_launches(True): PDL
-        libdevice = gelu_libdevice()  # ATen's erff: CUDA's libdevice, for this launch only
-        if libdevice:
-            launch["extern_libs"] = {"libdevice": libdevice}
+    config, launch = _launch_options(config, gelu=True)
     qkv = {}
     if qkv_weight is not None:
         qkv_weight = qkv_weight.contiguous()
@@ -481,6 +475,29 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+def _row_mask(mask, used: bool, placeholder: torch.Tensor) -> torch.Tensor:
+    """The rows' validity as one flat [rows] tensor the kernel indexes by row; ``placeholder`` (never read) where the
+    launch takes no mask."""
+    return mask.reshape(-1).contiguous() if used else placeholder
+
+
+def _launch_options(config: dict, gelu: bool) -> tuple[dict, dict]:
+    """Splits a tile's config into the kernel's constexprs and the launch's options, one rule for every launch of
+    this module: warps and stages; the compile flags that keep the arithmetic IEEE (a tile may override them); PDL
+    inside ``dependent_launches(True)``; and, where GELU runs, CUDA's libdevice for this launch only (ATen's erff;
+    Triton's bundled copy differs on 151 float16 inputs). Under the interpreter only the constexprs are kept."""
+    config = dict(config)
+    launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
+    flags = {key: config.pop(key, value) for key, value in COMPILE_FLAGS.items()}
+    if not INTERPRET:
+        launch.update(flags)
+        launch.update(launch_options())
+        libdevice = gelu_libdevice() if gelu else None
+        if libdevice:
+            launch["extern_libs"] = {"libdevice": libdevice}
+    return config, launch
+
+
 def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm=None):
     """One launch of ``_fused_linear_kernel``; returns the [..., N] output and, with ``layer_norm`` = (weight, bias,
     eps), the rows' LayerNorm too. ``config``: tile sizes, warps, stages and compile-flag overrides."""
@@ -491,17 +508,8 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
     out2 = out.view(-1, n)
     r2 = _rows(residual, n) if code >= 2 else out2  # out2: never read
     has_mask = mask is not None and code >= 2
-    mask1 = mask.reshape(-1).contiguous() if has_mask else out2
-    config = dict(config)
-    launch = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
-    flags = {key: config.pop(key, value) for key, value in COMPILE_FLAGS.items()}
-    if not INTERPRET:
-        launch.update(flags)
-        launch.update(launch_options())  # inside dependent_launches(True): PDL
-        if code == EPILOGUE_CODES["gelu"] or config.get("A_GELU"):
-            libdevice = gelu_libdevice()  # ATen's erff: CUDA's libdevice, for this launch only
-            if libdevice:
-                launch["extern_libs"] = {"libdevice": libdevice}
+    mask1 = _row_mask(mask, has_mask, out2)
+    config, launch = _launch_options(config, gelu=code == EPILOGUE_CODES["gelu"] or bool(config.get("A_GELU")))
     extra, normed = {}, None
     if layer_norm is not None:
         ln_weight, ln_bias, eps = layer_norm
