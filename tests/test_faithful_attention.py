@@ -317,7 +317,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     import numpy as np
     import torch
     from kkdeploy.kernels.faithful_attention import emulate_persistent_softmax
-    from kkdeploy.kernels._faithful_attention_triton import triton_attention
+    from kkdeploy.kernels._faithful_attention_triton import kernel_lanes, triton_attention
 
     def np_exp(t):  # the interpreter's tl.exp is numpy's float32 exp
         return torch.from_numpy(np.exp(t.numpy()))
@@ -359,6 +359,13 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         # the interior chunks without the bound and causal masks, then the edge chunks: the same scores and order
         inner = triton_attention(q, k, v, mask, h, causal, block_m=block_m, fast_div=True, raw_max=True,
                                  interior=True, **launch)
+        # the second pass's exps kept in a scratch and read back by the third: the same exps, so the same bits
+        # (three passes only; causal, the row block a multiple of the key chunk)
+        chunk = kernel_lanes(s) * (sub if isinstance(sub, int) and kernel_lanes(s) == 32 else 1)
+        cached_exps = None
+        if isinstance(sub, int) and (not causal or block_m % chunk == 0):
+            cached_exps = triton_attention(q, k, v, mask, h, causal, block_m=block_m, fast_div=True, raw_max=True,
+                                           interior=True, ecache=True, **launch)
         qh, kh, vh = (t.view(b, s, h, dh).transpose(1, 2) for t in (q, k, v))
         ref_scores = torch.matmul(qh, kh.transpose(-2, -1)) * dh ** -0.5
         if causal:
@@ -378,6 +385,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(
             fast_div_same=bool(torch.equal(fast.view(torch.int16), out.view(torch.int16))),
             raw_max_same=bool(torch.equal(raw.view(torch.int16), fast.view(torch.int16))),
             interior_same=bool(torch.equal(inner.view(torch.int16), raw.view(torch.int16))),
+            ecache_same=None if cached_exps is None else bool(torch.equal(cached_exps.view(torch.int16),
+                                                                          inner.view(torch.int16))),
         ))
     # the raw max on scores that round: normal inputs at three scales (the largest saturate the exponentials)
     for b, s, d, h, causal, padded, scale in [(2, 150, 64, 2, True, True, 1.0), (1, 200, 32, 1, False, True, 4.0),
@@ -388,9 +397,12 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         plain = triton_attention(q, k, v, mask, h, causal, fast_div=True)
         raw = triton_attention(q, k, v, mask, h, causal, fast_div=True, raw_max=True)
         inner = triton_attention(q, k, v, mask, h, causal, fast_div=True, raw_max=True, interior=True)
+        cached_exps = triton_attention(q, k, v, mask, h, causal, fast_div=True, raw_max=True, interior=True,
+                                       ecache=True)
         results.append(dict(case=["raw max", b, s, d, h, causal, padded, scale],
                             raw_max_same=bool(torch.equal(raw.view(torch.int16), plain.view(torch.int16))),
-                            interior_same=bool(torch.equal(inner.view(torch.int16), plain.view(torch.int16)))))
+                            interior_same=bool(torch.equal(inner.view(torch.int16), plain.view(torch.int16))),
+                            ecache_same=bool(torch.equal(cached_exps.view(torch.int16), plain.view(torch.int16)))))
     # the custom op's CUDA implementation, made to take the kernel branch on CPU tensors
     import kkdeploy.kernels.faithful_attention as fa
     fa.select_attention_path = lambda *a, **k: fa.AttentionPath("triton", "test", fa.DEFAULT_LAUNCH)
@@ -408,9 +420,11 @@ def test_triton_kernel_logic_under_the_interpreter():
     results = run_interpreter_script(INTERPRETER_SCRIPT)
     assert results[-1] == {"case": "cuda impl", "same": True}
     results, raw_max = results[:-4], results[-4:-1]
-    assert len(results) == 17 and all(r["raw_max_same"] and r["interior_same"] for r in raw_max), raw_max
+    assert len(results) == 17 and all(r["raw_max_same"] and r["interior_same"] and r["ecache_same"]
+                                      for r in raw_max), raw_max
+    assert sum(r["ecache_same"] is not None for r in results) >= 8, results
     for r in results:
-        assert r["raw_max_same"] and r["interior_same"], r
+        assert r["raw_max_same"] and r["interior_same"] and r["ecache_same"] in (None, True), r
         assert r["scores_diff"] == 0, r
         assert r["probs_diff"] == 0, r
         assert r["ctx_over_one_ulp"] == 0, r

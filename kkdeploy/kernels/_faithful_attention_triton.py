@@ -199,6 +199,7 @@ def _faithful_attention_kernel(
     RAW_MAX: tl.constexpr = False,
     PDL: tl.constexpr = False,
     INTERIOR: tl.constexpr = False,
+    ECACHE: tl.constexpr = False, E=None, E_CHUNKS=0,
 ):
     if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
         tl.extra.cuda.gdc_wait()
@@ -210,11 +211,25 @@ def _faithful_attention_kernel(
     acc = _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, pid_m * BLOCK_M,
                           stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_mb, stride_ms,
                           S, H, scale, HEAD_DIM, DH_PAD, BLOCK_M, LANES, SUB, CAUSAL, HAS_MASK, ACCURATE, DEBUG,
-                          ONE_PASS, NCACHED, FAST_DIV, RAW_MAX, INTERIOR)
+                          ONE_PASS, NCACHED, FAST_DIV, RAW_MAX, INTERIOR, ECACHE, E,
+                          _ecache_base(pid_m, pid_bh, S, E_CHUNKS, BLOCK_M, LANES * SUB, CAUSAL))
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DH_PAD)
     o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + h * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _ecache_base(pid_m, pid_bh, S, E_CHUNKS, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
+    """Where program (pid_m, pid_bh)'s exps start in the exp cache (int64 elements): each head owns E_CHUNKS tiles of
+    [BLOCK_M, CHUNK] float32, its row blocks one after another. Causal, row block i holds (i + 1) * BLOCK_M / CHUNK
+    chunks (the blocks before the last all end below S), so the blocks before it hold BLOCK_M / CHUNK * i (i + 1) / 2;
+    otherwise every block holds cdiv(S, CHUNK)."""
+    if CAUSAL:
+        chunk0 = (pid_m * (pid_m + 1) // 2) * (BLOCK_M // CHUNK)
+    else:
+        chunk0 = pid_m * tl.cdiv(S, CHUNK)
+    return (pid_bh.to(tl.int64) * E_CHUNKS + chunk0) * (BLOCK_M * CHUNK)
 
 
 @triton.jit
@@ -225,10 +240,13 @@ def _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, m0,
                     LANES: tl.constexpr, SUB: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
                     ONE_PASS: tl.constexpr, NCACHED: tl.constexpr, FAST_DIV: tl.constexpr,
-                    RAW_MAX: tl.constexpr = False, INTERIOR: tl.constexpr = False):
+                    RAW_MAX: tl.constexpr = False, INTERIOR: tl.constexpr = False, ECACHE: tl.constexpr = False,
+                    E=None, e_base=0):
     """Head ``h`` of sequence ``b`` (int64) for the query rows m0 .. m0 + BLOCK_M - 1: the float32 context
     [BLOCK_M, DH_PAD] before its rounding to float16. The kernel above is one tile per program; ``_layer_triton``
-    runs every head of a row block inside a whole layer."""
+    runs every head of a row block inside a whole layer. ``ECACHE`` (three passes only): the second pass stores each
+    chunk's exps in the program's own tiles of E from ``e_base`` on, and the third reads them back instead of scoring
+    the chunk and taking its exps again."""
     CHUNK: tl.constexpr = LANES * SUB
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DH_PAD)
@@ -338,20 +356,24 @@ def _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, m0,
         lane = tl.zeros((BLOCK_M, LANES), tl.float32)
         if INTERIOR:
             lane = _sum_pass(lane, row_max, q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_c, offs_d,
-                             S, scale, 0, n_int, HEAD_DIM, BLOCK_M, LANES, SUB, CAUSAL, HAS_MASK, ACCURATE, False)
+                             S, scale, 0, n_int, HEAD_DIM, BLOCK_M, LANES, SUB, CAUSAL, HAS_MASK, ACCURATE, False,
+                             ECACHE, E, e_base)
         lane = _sum_pass(lane, row_max, q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_c, offs_d,
-                         S, scale, n_int, n_end, HEAD_DIM, BLOCK_M, LANES, SUB, CAUSAL, HAS_MASK, ACCURATE, True)
+                         S, scale, n_int, n_end, HEAD_DIM, BLOCK_M, LANES, SUB, CAUSAL, HAS_MASK, ACCURATE, True,
+                         ECACHE, E, e_base)
         row_sum = _row_sum(lane, BLOCK_M, LANES)
+        if ECACHE:  # every thread's exps stored before any thread reads another's back
+            tl.debug_barrier()
 
         # pass 3: probabilities (IEEE division, fp16) and P.V in key order
         acc = tl.zeros((BLOCK_M, DH_PAD), tl.float32)
         if INTERIOR:
             acc = _pv_pass(acc, row_max, row_sum, q, K, V, k_row0, v_row0, stride_ks, stride_vs, MASK, m_row0,
                            stride_ms, offs_m, offs_c, offs_d, S, scale, 0, n_int, SCORES, PROBS, b, H, h, HEAD_DIM,
-                           CHUNK, CAUSAL, HAS_MASK, ACCURATE, DEBUG, FAST_DIV, False)
+                           CHUNK, CAUSAL, HAS_MASK, ACCURATE, DEBUG, FAST_DIV, False, ECACHE, E, e_base)
         acc = _pv_pass(acc, row_max, row_sum, q, K, V, k_row0, v_row0, stride_ks, stride_vs, MASK, m_row0,
                        stride_ms, offs_m, offs_c, offs_d, S, scale, n_int, n_end, SCORES, PROBS, b, H, h, HEAD_DIM,
-                       CHUNK, CAUSAL, HAS_MASK, ACCURATE, DEBUG, FAST_DIV, True)
+                       CHUNK, CAUSAL, HAS_MASK, ACCURATE, DEBUG, FAST_DIV, True, ECACHE, E, e_base)
     return acc
 
 
@@ -370,29 +392,64 @@ def _max_pass(run_max, q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m,
 @triton.jit
 def _sum_pass(lane, row_max, q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_c, offs_d, S, scale,
               lo, hi, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, LANES: tl.constexpr, SUB: tl.constexpr,
-              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, EDGE: tl.constexpr):
-    """The second pass over the key chunks lo .. hi: each lane's sequential sum of expf(s - max)."""
+              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, EDGE: tl.constexpr,
+              ECACHE: tl.constexpr = False, E=None, e_base=0):
+    """The second pass over the key chunks lo .. hi: each lane's sequential sum of expf(s - max); ``ECACHE``: each
+    chunk's exps stored too, for the third pass."""
     CHUNK: tl.constexpr = LANES * SUB
     for n0 in range(lo, hi, CHUNK):
         s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
                          S, scale, HEAD_DIM, CAUSAL, HAS_MASK, False, EDGE)
-        lane = _lane_add(lane, _exp(s - row_max[:, None], ACCURATE), BLOCK_M, LANES, SUB)
+        e = _exp(s - row_max[:, None], ACCURATE)
+        if ECACHE:
+            tl.store(_ecache_tile(E, e_base, n0, BLOCK_M, CHUNK), e, eviction_policy="evict_last")
+        lane = _lane_add(lane, e, BLOCK_M, LANES, SUB)
     return lane
+
+
+@triton.jit
+def _ecache_tile(E, e_base, n0, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """The pointers of the chunk at key n0 in a program's exp cache: one contiguous [BLOCK_M, CHUNK] tile."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    return E + e_base + (n0 // CHUNK) * (BLOCK_M * CHUNK) + offs
 
 
 @triton.jit
 def _pv_pass(acc, row_max, row_sum, q, K, V, k_row0, v_row0, stride_ks, stride_vs, MASK, m_row0, stride_ms, offs_m,
              offs_c, offs_d, S, scale, lo, hi, SCORES, PROBS, b, H, h, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
-             FAST_DIV: tl.constexpr, EDGE: tl.constexpr):
-    """The third pass over the key chunks lo .. hi: the probabilities and P.V in key order."""
+             FAST_DIV: tl.constexpr, EDGE: tl.constexpr, ECACHE: tl.constexpr = False, E=None, e_base=0):
+    """The third pass over the key chunks lo .. hi: the probabilities and P.V in key order; ``ECACHE``: the exps
+    the second pass stored, the same values, without the scores (no debug tensors then)."""
+    BLOCK_M: tl.constexpr = offs_m.shape[0]
     for n0 in range(lo, hi, CHUNK):
         offs_n = n0 + offs_c
-        s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d,
-                         S, scale, HEAD_DIM, CAUSAL, HAS_MASK, False, EDGE)
-        acc = _pv_chunk(_exp(s - row_max[:, None], ACCURATE), row_sum, acc, s, V, v_row0, stride_vs, offs_m,
-                        offs_n, offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG, FAST_DIV, EDGE)
+        if ECACHE:
+            e = tl.load(_ecache_tile(E, e_base, n0, BLOCK_M, CHUNK), eviction_policy="evict_first")
+            acc = _pv_chunk(e, row_sum, acc, e, V, v_row0, stride_vs, offs_m, offs_n, offs_d, S, HEAD_DIM, SCORES,
+                            PROBS, b, H, h, False, FAST_DIV, EDGE)
+        else:
+            s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d,
+                             S, scale, HEAD_DIM, CAUSAL, HAS_MASK, False, EDGE)
+            acc = _pv_chunk(_exp(s - row_max[:, None], ACCURATE), row_sum, acc, s, V, v_row0, stride_vs, offs_m,
+                            offs_n, offs_d, S, HEAD_DIM, SCORES, PROBS, b, H, h, DEBUG, FAST_DIV, EDGE)
     return acc
+
+
+#: the most scratch an ``ecache`` launch takes (float32 exps of every key chunk a program visits)
+ECACHE_MAX_BYTES = 2 << 30
+
+
+def ecache_chunks(seq_len: int, block_m: int, chunk: int, causal: bool) -> int:
+    """The [block_m, chunk] exp tiles one head's programs keep (``_ecache_base``'s layout): causal, row block i keeps
+    (i + 1) * block_m / chunk of them (block_m a multiple of chunk); otherwise each keeps cdiv(seq_len, chunk)."""
+    blocks = -(-seq_len // block_m)
+    if not causal:
+        return blocks * -(-seq_len // chunk)
+    if block_m % chunk:
+        raise KKError(f"ecache takes causal rows in blocks of a multiple of the key chunk ({block_m} rows, "
+                      f"{chunk} keys)")
+    return block_m // chunk * blocks * (blocks + 1) // 2
 
 
 def kernel_lanes(seq_len: int) -> int:
@@ -403,7 +460,7 @@ def kernel_lanes(seq_len: int) -> int:
 
 def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=None, sub=None,
                      num_warps=None, num_stages=None, debug=False, validate=True, one_pass=False, cached=False,
-                     fast_div=False, out=None, libdevice=None, raw_max=False, interior=False):
+                     fast_div=False, out=None, libdevice=None, raw_max=False, interior=False, ecache=False):
     """Launch the kernel; returns the context [B, S, D] fp16 (and, with ``debug``, the fp16 scores and
     probabilities [B, H, S, S] as the reference computes them; causal-skipped entries are filled with
     the reference's values -inf and 0). ``validate=False``: the caller already checked the inputs.
@@ -416,6 +473,9 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
     once per row, instead of every score: the same max, since the rounding and the scale are monotone;
     ``interior`` (three passes only): each pass walks the chunks that need no bound or causal mask first, without
     those masks, then the edge chunks: the same chunks in the same order, the same scores;
+    ``ecache`` (three passes only): the second pass keeps each chunk's exps in a float32 scratch of its own (at most
+    ECACHE_MAX_BYTES, ``ecache_bytes``) and the third reads them back: the same exps, without scoring every chunk
+    and taking its exps a second time;
     ``out``: a [B, S, D] float16 tensor (unit last stride) to write the context into instead of a new one;
     ``libdevice``: the libdevice.10.bc this launch links instead of Triton's bundled copy."""
     if validate:
@@ -447,6 +507,17 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         num_warps = 8 if (dh_pad >= 256 or block_m >= 128 or one_pass) else 4
     if num_stages is None and dh_pad >= 256:
         num_stages = 2  # 3 stages of [64, 256] K and V tiles pass the H200's 227 KiB of shared memory
+    ecache = bool(ecache) and not (one_pass or cached)
+    e_cache, e_chunks = None, 0
+    if ecache:
+        if debug:
+            raise KKError("ecache keeps no scores for debug tensors: launch without ecache to debug")
+        e_chunks = ecache_chunks(s, block_m, lanes * sub, causal)
+        need = b * num_heads * e_chunks * block_m * lanes * sub * 4
+        if need > ECACHE_MAX_BYTES:
+            raise KKError(f"ecache needs {need / 2**30:.1f} GiB of scratch at (B*H {b * num_heads}, S {s}), more than "
+                          f"{ECACHE_MAX_BYTES / 2**30:g} GiB: use a launch without ecache")
+        e_cache = torch.empty(need // 4, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty((b, s, d), dtype=q.dtype, device=q.device)
     if debug:
@@ -475,7 +546,7 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_M=block_m, LANES=lanes, SUB=sub,
         CAUSAL=bool(causal), HAS_MASK=has_mask, ACCURATE=not INTERPRET, DEBUG=bool(debug), ONE_PASS=bool(one_pass),
         NCACHED=ncached, FAST_DIV=bool(fast_div), RAW_MAX=bool(raw_max) and not (one_pass or cached),
-        INTERIOR=bool(interior) and not (one_pass or cached),
+        INTERIOR=bool(interior) and not (one_pass or cached), ECACHE=ecache, E=e_cache, E_CHUNKS=e_chunks,
         **launch,
     )
     if debug:

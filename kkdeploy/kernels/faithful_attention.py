@@ -102,6 +102,10 @@ LAUNCHES = {
     # attention is bound by the integer/select pipe (ncu, H100: ALU 63%, FMA 39%); the interior loops have about
     # half its instructions there (offline SASS, Triton 3.6, sm_90a: docs/faithful-attention.md)
     "bm64_mdiv_interior": dict(block_m=64, sub=1, fast_div=True, raw_max=True, interior=True),
+    # and the second pass's exps kept in a float32 scratch the third pass reads back (L2 where it fits): the third
+    # pass neither scores its chunks nor takes their exps again (docs/faithful-attention.md); for studies until a GPU
+    # shows it bit-identical and faster
+    "bm64_mdiv_ecache": dict(block_m=64, sub=1, fast_div=True, raw_max=True, interior=True, ecache=True),
     "cached64w4_mdiv": dict(block_m=64, cached=True, num_warps=4, fast_div=True),
     # for wide heads (shape 8's Dh = 256): at 4 warps the cached launch takes 253 registers there, one 4-warp program
     # per multiprocessor; at 8 warps 219, no spills (offline, Triton 3.6, sm_90a, 2 stages). The same 64-row wgmma
