@@ -416,6 +416,82 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 )
 
 
+try:  # the probe of the exp cache's layout (run under the interpreter only)
+    import triton
+    import triton.language as tl
+
+    from kkdeploy.kernels._faithful_attention_triton import _ecache_base, ecache_chunks
+
+    @triton.jit
+    def _ecache_probe(OUT, S, E_CHUNKS, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        tl.store(OUT + pid_bh * tl.num_programs(0) + pid_m,
+                 _ecache_base(pid_m, pid_bh, S, E_CHUNKS, BLOCK_M, CHUNK, CAUSAL))
+except ImportError:  # pragma: no cover - no Triton: the interpreter tests skip
+    _ecache_probe = None
+
+
+def ecache_bases(seq_len: int, block_m: int, chunk: int, causal: bool, heads: int) -> torch.Tensor:
+    """``_ecache_base`` of every program (row block, head) as the kernel computes it, under the interpreter."""
+    blocks = -(-seq_len // block_m)
+    out = torch.full((heads, blocks), -1, dtype=torch.int64)
+    _ecache_probe[(blocks, heads)](out, seq_len, ecache_chunks(seq_len, block_m, chunk, causal), BLOCK_M=block_m,
+                                   CHUNK=chunk, CAUSAL=causal)
+    return out
+
+
+ECACHE_LAYOUT_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from tests.test_faithful_attention import ecache_bases
+    results = []
+    for s, block_m, chunk, causal, heads in [(1024, 64, 32, True, 3), (150, 64, 32, True, 2), (130, 64, 64, True, 2),
+                                              (100, 64, 32, False, 2), (33, 64, 32, False, 1), (1000, 128, 64, True, 2),
+                                              (64, 64, 32, True, 2)]:
+        results.append(dict(case=[s, block_m, chunk, causal, heads],
+                            bases=ecache_bases(s, block_m, chunk, causal, heads).tolist()))
+    print("RESULTS " + json.dumps(results))
+    """
+)
+
+
+def test_each_program_keeps_its_exps_in_tiles_of_its_own():
+    """``ecache``'s scratch: the tiles of every program (row block, head), as the kernel's ``_ecache_base`` places
+    them, are disjoint and inside the scratch ``ecache_chunks`` sizes. A program visits the key chunks below
+    min(S, its last row + 1) where causal, below S otherwise (the chunks its second pass stores)."""
+    from kkdeploy.kernels._faithful_attention_triton import ecache_chunks
+
+    for result in run_interpreter_script(ECACHE_LAYOUT_SCRIPT):
+        s, block_m, chunk, causal, heads = result["case"]
+        tile = block_m * chunk
+        total = heads * ecache_chunks(s, block_m, chunk, causal) * tile
+        spans = []
+        for head, bases in enumerate(result["bases"]):
+            for block, base in enumerate(bases):
+                keys = min(s, (block + 1) * block_m) if causal else s
+                spans.append((base, base + -(-keys // chunk) * tile))
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] <= total, (result["case"], spans[-1], total)
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), result["case"]
+        assert total - spans[-1][1] < heads * tile * (block_m // chunk + 1), result["case"]  # no scratch to spare
+
+
+def test_ecache_refuses_what_it_cannot_hold():
+    """One-line refusals: a causal row block that is not a whole number of key chunks, and a scratch above
+    ECACHE_MAX_BYTES (shape 14's rows: the proof records the launch as an error and proves the others)."""
+    from kkdeploy.kernels import _faithful_attention_triton as fat
+
+    with pytest.raises(KKError, match="multiple of the key chunk"):
+        fat.ecache_chunks(128, 16, 32, True)
+    assert fat.ecache_chunks(1024, 64, 32, True) == 2 * 16 * 17 // 2
+    assert fat.ecache_chunks(100, 64, 32, False) == 2 * 4
+    q = torch.zeros(1, 1024, 128, dtype=torch.float16)
+    with pytest.raises(KKError, match="GiB of scratch"):
+        fat.triton_attention(q.expand(4096, 1024, 128), q.expand(4096, 1024, 128), q.expand(4096, 1024, 128), None,
+                             16, True, validate=False, fast_div=True, raw_max=True, interior=True, ecache=True)
+
+
 def test_triton_kernel_logic_under_the_interpreter():
     results = run_interpreter_script(INTERPRETER_SCRIPT)
     assert results[-1] == {"case": "cuda impl", "same": True}
