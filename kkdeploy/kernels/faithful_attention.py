@@ -102,9 +102,9 @@ LAUNCHES = {
     # attention is bound by the integer/select pipe (ncu, H100: ALU 63%, FMA 39%); the interior loops have about
     # half its instructions there (offline SASS, Triton 3.6, sm_90a: docs/faithful-attention.md)
     "bm64_mdiv_interior": dict(block_m=64, sub=1, fast_div=True, raw_max=True, interior=True),
-    # and the second pass's exps kept in a float32 scratch the third pass reads back (L2 where it fits): the third
-    # pass neither scores its chunks nor takes their exps again (docs/faithful-attention.md); for studies until a GPU
-    # shows it bit-identical and faster
+    # and the second pass's exps kept in a float32 scratch the third pass reads back: the third pass neither scores
+    # its chunks nor takes their exps again. Bit-identical on an H100 but slower at shape 13 (0.484 against 0.359 ms:
+    # 23% fewer instructions, but the scratch spills from L2 to DRAM; docs/faithful-attention.md): studies only
     "bm64_mdiv_ecache": dict(block_m=64, sub=1, fast_div=True, raw_max=True, interior=True, ecache=True),
     "cached64w4_mdiv": dict(block_m=64, cached=True, num_warps=4, fast_div=True),
     # for wide heads (shape 8's Dh = 256): at 4 warps the cached launch takes 253 registers there, one 4-warp program
