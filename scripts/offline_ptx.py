@@ -37,10 +37,10 @@ KERNELS = {
         **{name: "*fp16" for name in ("Q", "K", "V", "OUT", "SCORES", "PROBS")}, "MASK": "*i1",
         **{name: "i32" for name in ("stride_qb", "stride_qs", "stride_kb", "stride_ks", "stride_vb", "stride_vs",
                                     "stride_ob", "stride_os", "stride_mb", "stride_ms", "S", "H")},
-        "scale": "fp32", "E": "*fp32", "E_CHUNKS": "i32"},
+        "scale": "fp32", "E": "*fp32", "E_CHUNKS": "i32", "BH": "i32", "NUM_PROGRAMS": "i32"},
         {"HEAD_DIM": 32, "DH_PAD": 32, "BLOCK_M": 64, "LANES": 32, "SUB": 1, "CAUSAL": 1, "HAS_MASK": 1,
          "ACCURATE": 1, "DEBUG": 0, "ONE_PASS": 0, "NCACHED": 0, "FAST_DIV": 0, "PDL": 0, "RAW_MAX": 0,
-         "INTERIOR": 0, "ECACHE": 0}),
+         "INTERIOR": 0, "ECACHE": 0, "SLOTS": 0}),
     "linear": ("kkdeploy.kernels._fused_linear_triton", "_fused_linear_kernel", {
         **{name: "*fp16" for name in ("X", "W", "B", "R", "OUT", "LN_G", "LN_B", "OUT2")}, "MASK": "*i1",
         **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")},

@@ -366,6 +366,10 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         if isinstance(sub, int) and (not causal or block_m % chunk == 0):
             cached_exps = triton_attention(q, k, v, mask, h, causal, block_m=block_m, fast_div=True, raw_max=True,
                                            interior=True, ecache=True, **launch)
+            # persistent: two programs walk the items, each reusing its one slot
+            slotted = triton_attention(q, k, v, mask, h, causal, block_m=block_m, fast_div=True, raw_max=True,
+                                       interior=True, ecache=True, ecache_slots=1, **launch)
+            assert torch.equal(slotted.view(torch.int16), cached_exps.view(torch.int16)), (b, s, d, h, causal)
         qh, kh, vh = (t.view(b, s, h, dh).transpose(1, 2) for t in (q, k, v))
         ref_scores = torch.matmul(qh, kh.transpose(-2, -1)) * dh ** -0.5
         if causal:
@@ -399,6 +403,9 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         inner = triton_attention(q, k, v, mask, h, causal, fast_div=True, raw_max=True, interior=True)
         cached_exps = triton_attention(q, k, v, mask, h, causal, fast_div=True, raw_max=True, interior=True,
                                        ecache=True)
+        slotted = triton_attention(q, k, v, mask, h, causal, fast_div=True, raw_max=True, interior=True, ecache=True,
+                                   ecache_slots=1)
+        assert torch.equal(slotted.view(torch.int16), cached_exps.view(torch.int16)), (b, s, d, h, causal)
         results.append(dict(case=["raw max", b, s, d, h, causal, padded, scale],
                             raw_max_same=bool(torch.equal(raw.view(torch.int16), plain.view(torch.int16))),
                             interior_same=bool(torch.equal(inner.view(torch.int16), plain.view(torch.int16))),

@@ -200,19 +200,47 @@ def _faithful_attention_kernel(
     PDL: tl.constexpr = False,
     INTERIOR: tl.constexpr = False,
     ECACHE: tl.constexpr = False, E=None, E_CHUNKS=0,
+    SLOTS: tl.constexpr = False, BH=0, NUM_PROGRAMS=1,
 ):
     if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if SLOTS:  # persistent: NUM_PROGRAMS programs walk the (row block, head) items, each with one exp-cache slot
+        blocks = tl.cdiv(S, BLOCK_M)
+        slot = tl.program_id(0).to(tl.int64) * E_CHUNKS * (BLOCK_M * LANES * SUB)
+        for item in range(tl.program_id(0), blocks * BH, NUM_PROGRAMS):
+            _attention_program(Q, K, V, MASK, OUT, SCORES, PROBS, blocks - 1 - item % blocks, item // blocks,
+                               stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_ob, stride_os,
+                               stride_mb, stride_ms, S, H, scale, HEAD_DIM, DH_PAD, BLOCK_M, LANES, SUB, CAUSAL,
+                               HAS_MASK, ACCURATE, DEBUG, ONE_PASS, NCACHED, FAST_DIV, RAW_MAX, INTERIOR, ECACHE, E,
+                               slot)
+            tl.debug_barrier()  # every thread done with the slot before the next item writes it
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        _attention_program(Q, K, V, MASK, OUT, SCORES, PROBS, pid_m, pid_bh,
+                           stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_ob, stride_os,
+                           stride_mb, stride_ms, S, H, scale, HEAD_DIM, DH_PAD, BLOCK_M, LANES, SUB, CAUSAL, HAS_MASK,
+                           ACCURATE, DEBUG, ONE_PASS, NCACHED, FAST_DIV, RAW_MAX, INTERIOR, ECACHE, E,
+                           _ecache_base(pid_m, pid_bh, S, E_CHUNKS, BLOCK_M, LANES * SUB, CAUSAL))
+
+
+@triton.jit
+def _attention_program(Q, K, V, MASK, OUT, SCORES, PROBS, pid_m, pid_bh,
+                       stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_ob, stride_os,
+                       stride_mb, stride_ms, S, H, scale,
+                       HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                       LANES: tl.constexpr, SUB: tl.constexpr,
+                       CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, DEBUG: tl.constexpr,
+                       ONE_PASS: tl.constexpr, NCACHED: tl.constexpr, FAST_DIV: tl.constexpr,
+                       RAW_MAX: tl.constexpr, INTERIOR: tl.constexpr, ECACHE: tl.constexpr, E, e_base):
+    """Row block ``pid_m`` of head ``pid_bh`` (batch * H + head): the tile, rounded to float16 and stored."""
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     acc = _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, pid_m * BLOCK_M,
                           stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_mb, stride_ms,
                           S, H, scale, HEAD_DIM, DH_PAD, BLOCK_M, LANES, SUB, CAUSAL, HAS_MASK, ACCURATE, DEBUG,
-                          ONE_PASS, NCACHED, FAST_DIV, RAW_MAX, INTERIOR, ECACHE, E,
-                          _ecache_base(pid_m, pid_bh, S, E_CHUNKS, BLOCK_M, LANES * SUB, CAUSAL))
+                          ONE_PASS, NCACHED, FAST_DIV, RAW_MAX, INTERIOR, ECACHE, E, e_base)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DH_PAD)
     o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + h * HEAD_DIM + offs_d[None, :]
@@ -452,6 +480,11 @@ def ecache_chunks(seq_len: int, block_m: int, chunk: int, causal: bool) -> int:
     return block_m // chunk * blocks * (blocks + 1) // 2
 
 
+def multiprocessors(device) -> int:
+    """The device's multiprocessors (the persistent exp-cache grid's size per program a multiprocessor holds)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def kernel_lanes(seq_len: int) -> int:
     """ATen's WARP for this row length, raised to 16 (tl.dot's minimum): the extra lanes hold +0."""
     warp, _ = persistent_softmax_layout(seq_len)
@@ -460,7 +493,8 @@ def kernel_lanes(seq_len: int) -> int:
 
 def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=None, sub=None,
                      num_warps=None, num_stages=None, debug=False, validate=True, one_pass=False, cached=False,
-                     fast_div=False, out=None, libdevice=None, raw_max=False, interior=False, ecache=False):
+                     fast_div=False, out=None, libdevice=None, raw_max=False, interior=False, ecache=False,
+                     ecache_slots=None):
     """Launch the kernel; returns the context [B, S, D] fp16 (and, with ``debug``, the fp16 scores and
     probabilities [B, H, S, S] as the reference computes them; causal-skipped entries are filled with
     the reference's values -inf and 0). ``validate=False``: the caller already checked the inputs.
@@ -474,8 +508,11 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
     ``interior`` (three passes only): each pass walks the chunks that need no bound or causal mask first, without
     those masks, then the edge chunks: the same chunks in the same order, the same scores;
     ``ecache`` (three passes only): the second pass keeps each chunk's exps in a float32 scratch of its own (at most
-    ECACHE_MAX_BYTES, ``ecache_bytes``) and the third reads them back: the same exps, without scoring every chunk
+    ECACHE_MAX_BYTES, ``ecache_chunks``) and the third reads them back: the same exps, without scoring every chunk
     and taking its exps a second time;
+    ``ecache_slots`` (with ``ecache``): a persistent grid of that many programs per multiprocessor (two under the
+    interpreter), each walking (row block, head) items with one slot of the scratch it reuses, so the scratch is the
+    programs' slots only (at S = 1024, 256 KB each) and can stay in L2;
     ``out``: a [B, S, D] float16 tensor (unit last stride) to write the context into instead of a new one;
     ``libdevice``: the libdevice.10.bc this launch links instead of Triton's bundled copy."""
     if validate:
@@ -508,12 +545,20 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
     if num_stages is None and dh_pad >= 256:
         num_stages = 2  # 3 stages of [64, 256] K and V tiles pass the H200's 227 KiB of shared memory
     ecache = bool(ecache) and not (one_pass or cached)
-    e_cache, e_chunks = None, 0
+    e_cache, e_chunks, grid = None, 0, (triton.cdiv(s, block_m), b * num_heads)
+    slots = {}
     if ecache:
         if debug:
             raise KKError("ecache keeps no scores for debug tensors: launch without ecache to debug")
-        e_chunks = ecache_chunks(s, block_m, lanes * sub, causal)
-        need = b * num_heads * e_chunks * block_m * lanes * sub * 4
+        if ecache_slots:
+            programs = min(grid[0] * grid[1], 2 if INTERPRET else int(ecache_slots) * multiprocessors(q.device))
+            e_chunks = -(-s // (lanes * sub))  # a slot holds the longest row block's chunks
+            slots = dict(SLOTS=True, BH=b * num_heads, NUM_PROGRAMS=programs)
+            grid = (programs, )
+            need = programs * e_chunks * block_m * lanes * sub * 4
+        else:
+            e_chunks = ecache_chunks(s, block_m, lanes * sub, causal)
+            need = b * num_heads * e_chunks * block_m * lanes * sub * 4
         if need > ECACHE_MAX_BYTES:
             raise KKError(f"ecache needs {need / 2**30:.1f} GiB of scratch at (B*H {b * num_heads}, S {s}), more than "
                           f"{ECACHE_MAX_BYTES / 2**30:g} GiB: use a launch without ecache")
@@ -529,7 +574,6 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
     mask = valid_token_mask if has_mask else q
     stride_mb, stride_ms = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     scale = fp32_scale(dh)  # what ATen multiplies by (exact in fp32, so Triton's fp32 argument keeps it)
-    grid = (triton.cdiv(s, block_m), b * num_heads)
     launch = dict(num_warps=num_warps)
     if num_stages is not None:
         launch["num_stages"] = num_stages
@@ -547,7 +591,7 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         CAUSAL=bool(causal), HAS_MASK=has_mask, ACCURATE=not INTERPRET, DEBUG=bool(debug), ONE_PASS=bool(one_pass),
         NCACHED=ncached, FAST_DIV=bool(fast_div), RAW_MAX=bool(raw_max) and not (one_pass or cached),
         INTERIOR=bool(interior) and not (one_pass or cached), ECACHE=ecache, E=e_cache, E_CHUNKS=e_chunks,
-        **launch,
+        **slots, **launch,
     )
     if debug:
         return out, scores, probs

@@ -106,6 +106,14 @@ LAUNCHES = {
     # its chunks nor takes their exps again. Bit-identical on an H100 but slower at shape 13 (0.484 against 0.359 ms:
     # 23% fewer instructions, but the scratch spills from L2 to DRAM; docs/faithful-attention.md): studies only
     "bm64_mdiv_ecache": dict(block_m=64, sub=1, fast_div=True, raw_max=True, interior=True, ecache=True),
+    # the same with a persistent grid of one program per multiprocessor, each reusing one slot of the scratch: at
+    # S = 1024 the slots take 132 x 256 KB = 34 MB, under the 50 MB of L2 (the launch above had about 70 MB in
+    # flight). 4 warps: 168 registers; 8 warps: 136, its dots m64n16k16 where the others' are m64n32k16 (offline,
+    # Triton 3.6, sm_90a). Written on the CPU, not yet run on a GPU: studies only
+    "bm64_mdiv_eslots1": dict(block_m=64, sub=1, fast_div=True, raw_max=True, interior=True, ecache=True,
+                              ecache_slots=1),
+    "bm64w8_mdiv_eslots1": dict(block_m=64, sub=1, fast_div=True, raw_max=True, interior=True, ecache=True,
+                                ecache_slots=1, num_warps=8),
     "cached64w4_mdiv": dict(block_m=64, cached=True, num_warps=4, fast_div=True),
     # for wide heads (shape 8's Dh = 256): at 4 warps the cached launch takes 253 registers there, one 4-warp program
     # per multiprocessor; at 8 warps 219, no spills (offline, Triton 3.6, sm_90a, 2 stages). The same 64-row wgmma
