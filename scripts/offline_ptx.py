@@ -122,9 +122,9 @@ def parse_constexprs(pairs: list[str], defaults: dict) -> dict:
 
 
 def compile_ptx(kernel: str, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
-                fp_fusion: bool = False, specialize: bool = True) -> str:
+                fp_fusion: bool = False, specialize: bool = True, maxnreg: int | None = None) -> str:
     """The PTX of one of KERNELS for sm_90a, compiled here by the Triton on ``sys.path`` (no GPU needed), with the
-    options our launchers pass (no fp contraction unless ``fp_fusion``)."""
+    options our launchers pass (no fp contraction unless ``fp_fusion``; ``maxnreg``: a launch's register cap)."""
     import importlib
 
     import triton
@@ -145,6 +145,8 @@ def compile_ptx(kernel: str, constexprs: dict, num_warps: int = 4, num_stages: i
     signature = {**runtime, **{k: "constexpr" for k in constexprs}}
     options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion,
                "enable_reflect_ftz": False}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     return compiled.asm["ptx"]
@@ -207,6 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=3)
     ap.add_argument("--fp-fusion", action="store_true", help="Triton's default fp contraction (the kernels: off)")
+    ap.add_argument("--maxnreg", type=int, help="the registers a thread may use, as a launch's maxnreg sets them")
     ap.add_argument("--ptx", type=Path, help="also write the PTX here")
     ap.add_argument("--loops", action="store_true", help="also print each loop body's instructions and conversions")
     ap.add_argument("--sass", action="store_true",
@@ -226,7 +229,8 @@ def main(argv=None) -> int:
     import triton
 
     constexprs = parse_constexprs(args.constexprs, KERNELS[args.kernel][3])
-    ptx = compile_ptx(args.kernel, constexprs, args.num_warps, args.num_stages, args.fp_fusion, args.specialize)
+    ptx = compile_ptx(args.kernel, constexprs, args.num_warps, args.num_stages, args.fp_fusion, args.specialize,
+                      args.maxnreg)
     if args.ptx:
         args.ptx.write_text(ptx)
     with tempfile.TemporaryDirectory() as tmp:

@@ -463,6 +463,39 @@ ECACHE_LAYOUT_SCRIPT = textwrap.dedent(
 )
 
 
+LAUNCH_TABLE_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import torch
+    from kkdeploy.kernels import faithful_attention as fa
+    g = torch.Generator().manual_seed(3)
+    b, s, d, h = 2, 128, 64, 2
+    q, k = (torch.randint(-16, 17, (b, s, d), generator=g).half() / 16 for _ in range(2))
+    v = torch.randn(b, s, d, generator=g).half()
+    mask = torch.arange(s)[None, :] < torch.tensor([[s], [s - 45]])
+    # the P.V chain is a dot per key chunk: one of 64 keys (sub 2) sums in another order under numpy than two of 32
+    base = {sub: fa.run_launch(q, k, v, mask, h, True, name).view(torch.int16)
+            for sub, name in ((1, "bm64"), (2, "bm64x2"))}
+    results = {name: bool(torch.equal(fa.run_launch(q, k, v, mask, h, True, name).view(torch.int16),
+                                      base[opts.get("sub", 1)]))
+               for name, opts in fa.LAUNCHES.items() if name != "onepass"}
+    print("RESULTS " + json.dumps([results]))
+    """
+)
+
+
+def test_every_launch_of_the_table_runs_and_gives_the_same_bits():
+    """Under the interpreter every launch of LAUNCHES, with its table options as a proof passes them (the exp cache,
+    its persistent slots, the cached launch's interior chunks and register cap among them), gives bm64's bits on a
+    causal padded case of S = 128, where every launch fits; the launches of 64-key chunks give bm64x2's. (The
+    one-pass launch's single P.V dot sums in another order under numpy: the GPU proof decides it.)"""
+    results = run_interpreter_script(LAUNCH_TABLE_SCRIPT)[0]
+    from kkdeploy.kernels import faithful_attention as fa
+
+    assert set(results) == set(fa.LAUNCHES) - {"onepass"}
+    assert all(results.values()), {name: same for name, same in results.items() if not same}
+
+
 def test_each_program_keeps_its_exps_in_tiles_of_its_own():
     """``ecache``'s scratch: the tiles of every program (row block, head), as the kernel's ``_ecache_base`` places
     them, are disjoint and inside the scratch ``ecache_chunks`` sizes. A program visits the key chunks below
@@ -536,7 +569,7 @@ def test_the_fast_division_is_the_correctly_rounded_quotient():
 def test_a_build_proves_the_64_row_launches_that_fit():
     """Short rows (<= 128): the register-cached launches and bm64; longer rows: the streaming ones. None of the
     32- and 16-row tiles (other MMA instructions) costs a build a compile."""
-    assert fa.proof_launches(128) == ["cached64w4_mdiv", "cached64w4", "bm64"]
+    assert fa.proof_launches(128) == ["cached64w4_mdiv_interior", "cached64w4_mdiv", "cached64w4", "bm64"]
     assert fa.proof_launches(1024) == ["bm64_mdiv_interior", "bm64_mdiv_rawmax", "bm64_mdiv", "bm64", "bm128x2"]
     for s in (1, 17, 128, 129, 1024):
         assert all(fa.launch_fits(n, s) and n in fa.LAUNCHES for n in fa.proof_launches(s))

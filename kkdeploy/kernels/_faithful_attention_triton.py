@@ -303,27 +303,29 @@ def _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, m0,
     elif NCACHED > 0:  # up to 4 chunks of the row, each scored once and kept in registers (SUB == 1)
         # The three-pass kernel's arithmetic in its order, without recomputing: chunk k exists iff
         # k * CHUNK < n_end (the same chunks pass 1 visits), its exps are computed once and added to the lanes in
-        # chunk order, and P.V chains the chunks in key order.
-        s0 = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_c, offs_d,
-                          S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+        # chunk order, and P.V chains the chunks in key order. INTERIOR: a chunk that ends at or before n_int is
+        # scored without the bound and causal masks (the same scores, as in the three passes below)
+        n_int = _interior_end(S, m0, CHUNK, CAUSAL)
+        s0 = _cached_scores(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, 0, offs_c, offs_d, S, scale,
+                            n_int, HEAD_DIM, CHUNK, CAUSAL, HAS_MASK, INTERIOR)
         s1 = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
         s2 = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
         s3 = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
         run_max = s0
         if NCACHED > 1:
             if n_end > CHUNK:
-                s1 = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, CHUNK + offs_c, offs_d,
-                                  S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+                s1 = _cached_scores(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, CHUNK, offs_c, offs_d,
+                                    S, scale, n_int, HEAD_DIM, CHUNK, CAUSAL, HAS_MASK, INTERIOR)
                 run_max = tl.maximum(run_max, s1)
         if NCACHED > 2:
             if n_end > 2 * CHUNK:
-                s2 = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, 2 * CHUNK + offs_c,
-                                  offs_d, S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+                s2 = _cached_scores(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, 2 * CHUNK, offs_c,
+                                    offs_d, S, scale, n_int, HEAD_DIM, CHUNK, CAUSAL, HAS_MASK, INTERIOR)
                 run_max = tl.maximum(run_max, s2)
         if NCACHED > 3:
             if n_end > 3 * CHUNK:
-                s3 = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, 3 * CHUNK + offs_c,
-                                  offs_d, S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+                s3 = _cached_scores(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, 3 * CHUNK, offs_c,
+                                    offs_d, S, scale, n_int, HEAD_DIM, CHUNK, CAUSAL, HAS_MASK, INTERIOR)
                 run_max = tl.maximum(run_max, s3)
         row_max = tl.max(run_max, axis=1)
         e0 = _exp(s0 - row_max[:, None], ACCURATE)
@@ -365,10 +367,7 @@ def _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, m0,
         # shape 13's attention: ncu, docs/faithful-attention.md)
         n_int = 0
         if INTERIOR:
-            if CAUSAL:
-                n_int = (tl.minimum(S, m0 + 1) // CHUNK) * CHUNK
-            else:
-                n_int = (S // CHUNK) * CHUNK
+            n_int = _interior_end(S, m0, CHUNK, CAUSAL)
         # pass 1: the row max (order-free)
         run_max = tl.full((BLOCK_M, CHUNK), float("-inf"), tl.float32)
         if INTERIOR:
@@ -403,6 +402,36 @@ def _attention_tile(Q, K, V, MASK, SCORES, PROBS, b, h, m0,
                        stride_ms, offs_m, offs_c, offs_d, S, scale, n_int, n_end, SCORES, PROBS, b, H, h, HEAD_DIM,
                        CHUNK, CAUSAL, HAS_MASK, ACCURATE, DEBUG, FAST_DIV, True, ECACHE, E, e_base)
     return acc
+
+
+@triton.jit
+def _interior_end(S, m0, CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
+    """The end of the interior chunks of the row block from m0: keys 0 up to the largest multiple of CHUNK at or below
+    min(S, m0 + 1) where causal (S otherwise), which no bound or causal mask can hide from any row of the block."""
+    if CAUSAL:
+        end = (tl.minimum(S, m0 + 1) // CHUNK) * CHUNK
+    else:
+        end = (S // CHUNK) * CHUNK
+    return end
+
+
+@triton.jit
+def _cached_scores(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0, offs_c, offs_d, S, scale, n_int,
+                   HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                   INTERIOR: tl.constexpr):
+    """The cached launch's scores of the chunk at key n0; ``INTERIOR``: an interior chunk (it ends at or before n_int)
+    without the bound and causal compares and selects, an edge chunk with them."""
+    if INTERIOR:
+        if n0 + CHUNK <= n_int:
+            s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
+                             S, scale, HEAD_DIM, CAUSAL, HAS_MASK, False, False)
+        else:
+            s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
+                             S, scale, HEAD_DIM, CAUSAL, HAS_MASK, False, True)
+    else:
+        s = _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, n0 + offs_c, offs_d,
+                         S, scale, HEAD_DIM, CAUSAL, HAS_MASK)
+    return s
 
 
 @triton.jit
@@ -494,7 +523,7 @@ def kernel_lanes(seq_len: int) -> int:
 def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=None, sub=None,
                      num_warps=None, num_stages=None, debug=False, validate=True, one_pass=False, cached=False,
                      fast_div=False, out=None, libdevice=None, raw_max=False, interior=False, ecache=False,
-                     ecache_slots=None):
+                     ecache_slots=None, max_registers=None):
     """Launch the kernel; returns the context [B, S, D] fp16 (and, with ``debug``, the fp16 scores and
     probabilities [B, H, S, S] as the reference computes them; causal-skipped entries are filled with
     the reference's values -inf and 0). ``validate=False``: the caller already checked the inputs.
@@ -505,8 +534,11 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
     ``fast_div``: the probabilities' division as one reciprocal per row and two fmas per element (``_pv_chunk``).
     ``raw_max`` (three passes only): the first pass takes the max of the raw dot products and rounds and scales it
     once per row, instead of every score: the same max, since the rounding and the scale are monotone;
-    ``interior`` (three passes only): each pass walks the chunks that need no bound or causal mask first, without
-    those masks, then the edge chunks: the same chunks in the same order, the same scores;
+    ``interior`` (three passes, or cached): each pass walks the chunks that need no bound or causal mask first,
+    without those masks, then the edge chunks: the same chunks in the same order, the same scores; cached, each
+    chunk is scored the one way or the other as it comes;
+    ``max_registers``: the launch's register cap (Triton's ``maxnreg``: 128 keeps four 4-warp programs on a
+    multiprocessor);
     ``ecache`` (three passes only): the second pass keeps each chunk's exps in a float32 scratch of its own (at most
     ECACHE_MAX_BYTES, ``ecache_chunks``) and the third reads them back: the same exps, without scoring every chunk
     and taking its exps a second time;
@@ -575,6 +607,8 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
     stride_mb, stride_ms = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     scale = fp32_scale(dh)  # what ATen multiplies by (exact in fp32, so Triton's fp32 argument keeps it)
     launch = dict(num_warps=num_warps)
+    if max_registers and not INTERPRET:
+        launch["maxnreg"] = int(max_registers)
     if num_stages is not None:
         launch["num_stages"] = num_stages
     if not INTERPRET:
@@ -590,7 +624,7 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_M=block_m, LANES=lanes, SUB=sub,
         CAUSAL=bool(causal), HAS_MASK=has_mask, ACCURATE=not INTERPRET, DEBUG=bool(debug), ONE_PASS=bool(one_pass),
         NCACHED=ncached, FAST_DIV=bool(fast_div), RAW_MAX=bool(raw_max) and not (one_pass or cached),
-        INTERIOR=bool(interior) and not (one_pass or cached), ECACHE=ecache, E=e_cache, E_CHUNKS=e_chunks,
+        INTERIOR=bool(interior) and not one_pass, ECACHE=ecache, E=e_cache, E_CHUNKS=e_chunks,
         **slots, **launch,
     )
     if debug:

@@ -115,6 +115,13 @@ LAUNCHES = {
     "bm64w8_mdiv_eslots1": dict(block_m=64, sub=1, fast_div=True, raw_max=True, interior=True, ecache=True,
                                 ecache_slots=1, num_warps=8),
     "cached64w4_mdiv": dict(block_m=64, cached=True, num_warps=4, fast_div=True),
+    # and each chunk that ends at or before the block's first row (and S) scored without the bound and causal masks:
+    # the same scores. Offline SASS (Triton 3.6, sm_90a): such a chunk issues about a third fewer integer/compare/
+    # select instructions, on the pipe the S <= 128 launches are heaviest on; at S = 128 two of a head's six chunks
+    # are interior. Both branches take 131 registers; capped at 128 (no spills) four 4-warp programs still fit a
+    # multiprocessor. Not yet run on a GPU: in builds, whose proof decides, as for every launch
+    "cached64w4_mdiv_interior": dict(block_m=64, cached=True, num_warps=4, fast_div=True, interior=True,
+                                     max_registers=128),
     # for wide heads (shape 8's Dh = 256): at 4 warps the cached launch takes 253 registers there, one 4-warp program
     # per multiprocessor; at 8 warps 219, no spills (offline, Triton 3.6, sm_90a, 2 stages). The same 64-row wgmma
     # tiles; for studies (``--all-launches``) until a GPU shows it bit-identical and faster
@@ -127,7 +134,7 @@ DEFAULT_LAUNCH = "bm64"
 #: the launches a build proves, fastest first where they fit (``proof_launches``): the 64-row tiles, cached in
 #: registers for short rows. The others stay for studies (``prove_attention(launches=...)``); a build does not
 #: spend compiles on tiles that lower to other MMA instructions or were never faster (docs/faithful-attention.md).
-BUILD_LAUNCHES = ("cached64w4_mdiv", "cached64w4", "bm64_mdiv_interior", "bm64_mdiv_rawmax", "bm64_mdiv", "bm64",
+BUILD_LAUNCHES = ("cached64w4_mdiv_interior", "cached64w4_mdiv", "cached64w4", "bm64_mdiv_interior", "bm64_mdiv_rawmax", "bm64_mdiv", "bm64",
                   "bm128x2")
 #: what a proof's "proven" means: these launches' settings, and the set a build proves (part of the proofs' key)
 LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, BUILD_LAUNCHES)
@@ -141,7 +148,7 @@ def launch_fits(name: str, seq_len: int) -> bool:
 
 def proof_launches(seq_len: int) -> list[str]:
     """The launches a build proves for rows of ``seq_len`` keys: BUILD_LAUNCHES that take such rows; where the
-    register-cached launches fit (S <= 128), those and bm64 only (three compiles, not five)."""
+    register-cached launches fit (S <= 128), those and bm64 only (four compiles, not six)."""
     fitting = [name for name in BUILD_LAUNCHES if launch_fits(name, seq_len)]
     cached = [name for name in fitting if LAUNCHES[name].get("cached")]
     return cached + [DEFAULT_LAUNCH] if cached else fitting
