@@ -134,8 +134,8 @@ DEFAULT_LAUNCH = "bm64"
 #: the launches a build proves, fastest first where they fit (``proof_launches``): the 64-row tiles, cached in
 #: registers for short rows. The others stay for studies (``prove_attention(launches=...)``); a build does not
 #: spend compiles on tiles that lower to other MMA instructions or were never faster (docs/faithful-attention.md).
-BUILD_LAUNCHES = ("cached64w4_mdiv_interior", "cached64w4_mdiv", "cached64w4", "bm64_mdiv_interior", "bm64_mdiv_rawmax", "bm64_mdiv", "bm64",
-                  "bm128x2")
+BUILD_LAUNCHES = ("cached64w4_mdiv_interior", "cached64w4_mdiv", "cached64w4", "bm64_mdiv_interior",
+                  "bm64_mdiv_rawmax", "bm64_mdiv", "bm64", "bm128x2")
 #: what a proof's "proven" means: these launches' settings, and the set a build proves (part of the proofs' key)
 LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, BUILD_LAUNCHES)
 
