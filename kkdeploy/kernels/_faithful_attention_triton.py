@@ -34,6 +34,7 @@ from kkdeploy.errors import KKError
 
 from .faithful_attention import check_attention_inputs, fp32_scale, persistent_softmax_layout
 from .dependent_launch import launch_options
+from .fused_linear import multiprocessors
 from .precompile import launch as launch_kernel  # compile-only inside precompile.parallel_compiles
 
 try:  # the CUDA libdevice wrappers (absent or unusable under the interpreter)
@@ -199,7 +200,7 @@ def _faithful_attention_kernel(
     RAW_MAX: tl.constexpr = False,
     PDL: tl.constexpr = False,
     INTERIOR: tl.constexpr = False,
-    ECACHE: tl.constexpr = False, E=None, E_CHUNKS=0,
+    ECACHE: tl.constexpr = False, E=None, E_CHUNKS=0,  # E_CHUNKS: exp tiles per head, or per slot with SLOTS
     SLOTS: tl.constexpr = False, BH=0, NUM_PROGRAMS=1,
 ):
     if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
@@ -509,11 +510,6 @@ def ecache_chunks(seq_len: int, block_m: int, chunk: int, causal: bool) -> int:
     return block_m // chunk * blocks * (blocks + 1) // 2
 
 
-def multiprocessors(device) -> int:
-    """The device's multiprocessors (the persistent exp-cache grid's size per program a multiprocessor holds)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def kernel_lanes(seq_len: int) -> int:
     """ATen's WARP for this row length, raised to 16 (tl.dot's minimum): the extra lanes hold +0."""
     warp, _ = persistent_softmax_layout(seq_len)
@@ -594,7 +590,7 @@ def triton_attention(q, k, v, valid_token_mask, num_heads, causal, *, block_m=No
         if need > ECACHE_MAX_BYTES:
             raise KKError(f"ecache needs {need / 2**30:.1f} GiB of scratch at (B*H {b * num_heads}, S {s}), more than "
                           f"{ECACHE_MAX_BYTES / 2**30:g} GiB: use a launch without ecache")
-        e_cache = torch.empty(need // 4, dtype=torch.float32, device=q.device)
+        e_cache = torch.empty(need // 4, dtype=torch.float32, device=q.device)  # per call: these are study launches
     if out is None:
         out = torch.empty((b, s, d), dtype=q.dtype, device=q.device)
     if debug:
