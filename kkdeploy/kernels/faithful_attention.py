@@ -119,7 +119,8 @@ LAUNCHES = {
     # the same scores. Offline SASS (Triton 3.6, sm_90a): such a chunk issues about a third fewer integer/compare/
     # select instructions, on the pipe the S <= 128 launches are heaviest on; at S = 128 two of a head's six chunks
     # are interior. Both branches take 131 registers; capped at 128 (no spills) four 4-warp programs still fit a
-    # multiprocessor. Not yet run on a GPU: in builds, whose proof decides, as for every launch
+    # multiprocessor. Not yet run on a GPU (nor its maxnreg launch option): studies only until a GPU build has
+    # proven it and shipped it through strict validation
     "cached64w4_mdiv_interior": dict(block_m=64, cached=True, num_warps=4, fast_div=True, interior=True,
                                      max_registers=128),
     # for wide heads (shape 8's Dh = 256): at 4 warps the cached launch takes 253 registers there, one 4-warp program
@@ -134,8 +135,8 @@ DEFAULT_LAUNCH = "bm64"
 #: the launches a build proves, fastest first where they fit (``proof_launches``): the 64-row tiles, cached in
 #: registers for short rows. The others stay for studies (``prove_attention(launches=...)``); a build does not
 #: spend compiles on tiles that lower to other MMA instructions or were never faster (docs/faithful-attention.md).
-BUILD_LAUNCHES = ("cached64w4_mdiv_interior", "cached64w4_mdiv", "cached64w4", "bm64_mdiv_interior",
-                  "bm64_mdiv_rawmax", "bm64_mdiv", "bm64", "bm128x2")
+BUILD_LAUNCHES = ("cached64w4_mdiv", "cached64w4", "bm64_mdiv_interior", "bm64_mdiv_rawmax", "bm64_mdiv", "bm64",
+                  "bm128x2")
 #: what a proof's "proven" means: these launches' settings, and the set a build proves (part of the proofs' key)
 LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, BUILD_LAUNCHES)
 
@@ -148,7 +149,7 @@ def launch_fits(name: str, seq_len: int) -> bool:
 
 def proof_launches(seq_len: int) -> list[str]:
     """The launches a build proves for rows of ``seq_len`` keys: BUILD_LAUNCHES that take such rows; where the
-    register-cached launches fit (S <= 128), those and bm64 only (four compiles, not six)."""
+    register-cached launches fit (S <= 128), those and bm64 only (three compiles, not five)."""
     fitting = [name for name in BUILD_LAUNCHES if launch_fits(name, seq_len)]
     cached = [name for name in fitting if LAUNCHES[name].get("cached")]
     return cached + [DEFAULT_LAUNCH] if cached else fitting
