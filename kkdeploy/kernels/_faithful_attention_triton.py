@@ -164,6 +164,20 @@ def _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_n, s, p):
 
 
 @triton.jit
+def _probabilities(e, row_sum, FAST_DIV: tl.constexpr):
+    """fp16(e / row_sum) for a chunk's exps e [BLOCK_M, CHUNK], IEEE-correct: ``div_rn``, or with ``FAST_DIV`` one
+    reciprocal per row and two fmas per element (``_pv_chunk`` says why that is the same quotient)."""
+    if FAST_DIV:
+        y = tl.math.div_rn(tl.full(row_sum.shape, 1.0, tl.float32), row_sum)
+        q = e * y[:, None]
+        r = tl.fma(-q, row_sum[:, None], e)
+        p = tl.fma(r, y[:, None], q).to(tl.float16)
+    else:
+        p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
+    return p
+
+
+@triton.jit
 def _pv_chunk(e, row_sum, acc, s, V, v_row0, stride_vs, offs_m, offs_n, offs_d, S, HEAD_DIM: tl.constexpr,
               SCORES, PROBS, b, H, h, DEBUG: tl.constexpr, FAST_DIV: tl.constexpr = False, EDGE: tl.constexpr = True):
     """One chunk's probabilities (IEEE division, fp16) into the P.V chain; returns acc.
@@ -174,13 +188,7 @@ def _pv_chunk(e, row_sum, acc, s, V, v_row0, stride_vs, offs_m, offs_n, offs_d, 
     normal range rounds to float16 zero either way. Checked against exact rationals on 200,000 (e, sum) pairs
     (tests/test_faithful_attention.py); like every launch, it runs where a proof made here found it bit-identical
     (``faithful_attention.prove_attention``; measured on the H200 in docs/faithful-attention.md)."""
-    if FAST_DIV:
-        y = tl.math.div_rn(tl.full(row_sum.shape, 1.0, tl.float32), row_sum)
-        q = e * y[:, None]
-        r = tl.fma(-q, row_sum[:, None], e)
-        p = tl.fma(r, y[:, None], q).to(tl.float16)
-    else:
-        p = tl.math.div_rn(e, row_sum[:, None]).to(tl.float16)
+    p = _probabilities(e, row_sum, FAST_DIV)
     acc = _pv_step(p, acc, V, v_row0, stride_vs, offs_n, offs_d, S, HEAD_DIM, EDGE)
     if DEBUG:
         _store_debug(SCORES, PROBS, b, H, h, S, offs_m, offs_n, s, p)
