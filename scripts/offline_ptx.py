@@ -41,6 +41,13 @@ KERNELS = {
         {"HEAD_DIM": 32, "DH_PAD": 32, "BLOCK_M": 64, "LANES": 32, "SUB": 1, "CAUSAL": 1, "HAS_MASK": 1,
          "ACCURATE": 1, "DEBUG": 0, "ONE_PASS": 0, "NCACHED": 0, "FAST_DIV": 0, "PDL": 0, "RAW_MAX": 0,
          "INTERIOR": 0, "ECACHE": 0, "SLOTS": 0}),
+    "qkv_attention": ("kkdeploy.kernels._qkv_attention_triton", "_qkv_attention_kernel", {
+        **{name: "*fp16" for name in ("X", "WQ", "WK", "WV", "BQ", "BK", "BV", "OUT")}, "MASK": "*i1",
+        **{name: "i32" for name in ("stride_xb", "stride_xs", "stride_w", "stride_ob", "stride_os", "stride_mb",
+                                    "stride_ms", "S", "H", "D")},
+        "scale": "fp32"},
+        {"HEAD_DIM": 32, "DH_PAD": 32, "BLOCK_K": 64, "CAUSAL": 1, "HAS_MASK": 1, "ACCURATE": 1, "FAST_DIV": 1,
+         "PDL": 0}),
     "linear": ("kkdeploy.kernels._fused_linear_triton", "_fused_linear_kernel", {
         **{name: "*fp16" for name in ("X", "W", "B", "R", "OUT", "LN_G", "LN_B", "OUT2")}, "MASK": "*i1",
         **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")},
@@ -93,6 +100,7 @@ KERNELS = {
 DIVISIBLE = {
     "attention": ("stride_qb", "stride_qs", "stride_kb", "stride_ks", "stride_vb", "stride_vs", "stride_ob",
                   "stride_os", "stride_mb", "S"),
+    "qkv_attention": ("stride_xb", "stride_xs", "stride_w", "stride_ob", "stride_os", "stride_mb", "S", "D"),
     "linear": ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"),
     "linear_tma": ("M", "N", "K", "stride_rm", "stride_om"),
     "linear_tma_persistent": ("M", "N", "K", "stride_rm", "stride_om"),
@@ -101,9 +109,9 @@ DIVISIBLE = {
     "layer": ("S", ),
     "model": ("S", "M"),
 }
-ONES = {"attention": ("stride_ms", )}
+ONES = {"attention": ("stride_ms", ), "qkv_attention": ("stride_ms", )}
 #: the kernels with a dependent-launch form (kkdeploy/kernels/dependent_launch.py)
-PDL_KERNELS = ("attention", "linear", "linear_tma", "linear_tma_persistent", "ffn")
+PDL_KERNELS = ("attention", "qkv_attention", "linear", "linear_tma", "linear_tma_persistent", "ffn")
 COUNTED = {"wgmma": r"wgmma\.mma_async", "mma.sync": r"\bmma\.sync", "fma.rn": r"fma\.rn\.f32",
            "div.rn": r"div\.rn\.f32", "rsqrt": r"rsqrt\.approx", "ex2": r"ex2\.approx", "bar.sync": r"bar\.sync"}
 

@@ -1,0 +1,235 @@
+"""The attention with its Q, K and V projections in the same launch (``triton_qkv_attention``; a study, not in builds).
+
+Why: on the launch-bound shapes (S <= 128, D <= 128) a block runs its packed Q|K|V GEMM as a launch of its own
+before the attention, one of the five launches per block whose latencies add up one after another (shape 3: 21
+launches, 91 µs, of which about 28 µs is the graph's launch floor). On shape 6 the Q|K|V GEMM writes 983 MB per
+block that the attention reads back (0.78 ms a block by the proof's timing, of about 3.5). Here each program
+(64 query rows of one head) computes what it needs of Q, K and V itself, from the block's normalized rows:
+
+* q of its 64 rows, and k and v of the keys it needs, 64 keys at a time (the causal limit of the row block), each
+  exactly as the proven GEMM tile computes it (``_fused_linear_triton._linear_tile``): ``tl.dot`` over D in steps
+  of BLOCK_K = min(64, next_pow2(D)) on one float32 accumulator, the bias added to it, one rounding to float16.
+  Only the tile's width differs (the head's Dh columns instead of 64 or 128): each output element is its own
+  k16 chain of the same products, so the width should not change its bits; the GPU decides
+  (``scripts/qkv_attention_study.py``);
+* then the arithmetic of the register-cached attention launch (``cached64w4_mdiv``: ``_attention_tile`` with
+  NCACHED chunks of 32 keys) on those tiles, in its order: each 32-key chunk's scores from its own dot of q with the
+  chunk's K rows (the cached launch's wgmma tile); the same masks, max, exps, lane sums, butterfly, probabilities; P.V chained chunk by chunk on the float32 accumulator.
+
+K and V are computed once per row block that needs them (twice for the second row block's first 64 keys at
+S = 128): tensor-core work, which the launch-bound shapes have to spare. Rows 17..128 (ATen's WARP of 32 lanes).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kkdeploy.errors import KKError
+
+from ._faithful_attention_triton import (COMPILE_FLAGS, INTERPRET, _exp, _lane_add, _probabilities, _row_sum,
+                                         _scaled)
+from .dependent_launch import launch_options
+from .faithful_attention import fp32_scale
+from .precompile import launch as launch_kernel
+
+#: query rows per program and keys per projected block (wgmma's 64-row tiles); ATen's lanes, the softmax's chunk
+BLOCK_M = 64
+KEYS = 64
+CHUNK = 32
+#: the rows it takes: ATen's WARP is 32 lanes from S = 17 on, and four chunks of 32 keys hold S = 128
+MIN_SEQ_LEN, MAX_SEQ_LEN = 17, 128
+
+
+@triton.jit
+def _project(X, x_row0, stride_xs, rows, S, W, B, col0, stride_w, D,
+             HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp16(X[rows] . W[col0 : col0 + HEAD_DIM]^T + B[col0 : col0 + HEAD_DIM]) as [len(rows), DH_PAD] (columns past
+    HEAD_DIM hold 0): the proven GEMM tile's arithmetic, D in order in steps of BLOCK_K on one float32
+    accumulator, the bias inside it, one rounding. Rows at or past S read zeros (they come out as the bias)."""
+    ROWS: tl.constexpr = rows.shape[0]
+    offs_d = tl.arange(0, DH_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = rows < S
+    col_ok = offs_d < HEAD_DIM
+    acc = tl.zeros((ROWS, DH_PAD), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):  # K in order, one accumulator
+        kk = k0 + offs_k
+        a = tl.load(X + x_row0 + rows[:, None] * stride_xs + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < D),
+                    other=0.0)
+        w = tl.load(W + (col0 + offs_d)[:, None] * stride_w + kk[None, :], mask=col_ok[:, None] & (kk[None, :] < D),
+                    other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc)
+    bias = tl.load(B + col0 + offs_d, mask=col_ok, other=0.0).to(tl.float32)
+    return (acc + bias[None, :]).to(tl.float16)  # the bias inside the float32 accumulator, one rounding
+
+
+@triton.jit
+def _row_halves(t, W: tl.constexpr, COLS: tl.constexpr):
+    """[2W, COLS] -> (rows 0..W-1, rows W..2W-1)."""
+    return tl.split(tl.permute(tl.reshape(t, (2, W, COLS)), (1, 2, 0)))
+
+
+@triton.jit
+def _chunk_scores(q, k, MASK, m_row0, stride_ms, offs_m, keys, S, scale, CAUSAL: tl.constexpr,
+                  HAS_MASK: tl.constexpr):
+    """The scores of a 32-key chunk as ``_score_chunk`` gives them (its dot of q with the chunk's K rows, the same
+    wgmma tile): rounded and scaled where the reference rounds, -inf where causal, invalid or past S."""
+    s = _scaled(tl.dot(q, tl.trans(k)), scale)
+    valid = keys[None, :] < S
+    if CAUSAL:
+        valid = valid & (keys[None, :] <= offs_m[:, None])
+    if HAS_MASK:
+        km = tl.load(MASK + m_row0 + keys * stride_ms, mask=keys < S, other=0)
+        valid = valid & (km[None, :] != 0)
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _key_block(X, x_row0, stride_xs, key0, S, WK, WV, BK, BV, col0, stride_w, D, q, MASK, m_row0, stride_ms, offs_m,
+               scale, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_MASK: tl.constexpr):
+    """Keys key0 .. key0 + 63: their two chunks' scores [64, 32] and V rows [32, DH_PAD] (V's rows past S zeroed, as
+    the cached launch loads them)."""
+    keys = key0 + tl.arange(0, 64)
+    k = _project(X, x_row0, stride_xs, keys, S, WK, BK, col0, stride_w, D, HEAD_DIM, DH_PAD, BLOCK_K)
+    v = _project(X, x_row0, stride_xs, keys, S, WV, BV, col0, stride_w, D, HEAD_DIM, DH_PAD, BLOCK_K)
+    v = tl.where((keys < S)[:, None], v, tl.zeros_like(v))
+    k_lo, k_hi = _row_halves(k, 32, DH_PAD)
+    v_lo, v_hi = _row_halves(v, 32, DH_PAD)
+    s_lo = _chunk_scores(q, k_lo, MASK, m_row0, stride_ms, offs_m, key0 + tl.arange(0, 32), S, scale, CAUSAL,
+                         HAS_MASK)
+    s_hi = _chunk_scores(q, k_hi, MASK, m_row0, stride_ms, offs_m, key0 + 32 + tl.arange(0, 32), S, scale, CAUSAL,
+                         HAS_MASK)
+    return s_lo, s_hi, v_lo, v_hi
+
+
+@triton.jit
+def _qkv_attention_kernel(
+    X, WQ, WK, WV, BQ, BK, BV, MASK, OUT,
+    stride_xb, stride_xs, stride_w, stride_ob, stride_os, stride_mb, stride_ms,
+    S, H, D, scale,
+    HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    CH: tl.constexpr = 32  # ATen's lanes: the softmax's chunk
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    m0 = pid_m * 64
+    offs_m = m0 + tl.arange(0, 64)
+    col0 = h * HEAD_DIM
+    x_row0 = b * stride_xb
+    m_row0 = b * stride_mb
+    q = _project(X, x_row0, stride_xs, offs_m, S, WQ, BQ, col0, stride_w, D, HEAD_DIM, DH_PAD, BLOCK_K)
+    if CAUSAL:
+        n_end = tl.minimum(S, m0 + 64)  # later keys are -inf for every row of this block
+    else:
+        n_end = S
+
+    # the cached launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions
+    s0, s1, v0, v1 = _key_block(X, x_row0, stride_xs, 0, S, WK, WV, BK, BV, col0, stride_w, D, q, MASK, m_row0,
+                                stride_ms, offs_m, scale, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK)
+    s2 = tl.full((64, CH), float("-inf"), tl.float32)
+    s3 = tl.full((64, CH), float("-inf"), tl.float32)
+    v2 = tl.zeros((CH, DH_PAD), tl.float16)
+    v3 = tl.zeros((CH, DH_PAD), tl.float16)
+    if n_end > 2 * CH:
+        s2, s3, v2, v3 = _key_block(X, x_row0, stride_xs, 64, S, WK, WV, BK, BV, col0, stride_w, D, q, MASK, m_row0,
+                                    stride_ms, offs_m, scale, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK)
+    run_max = s0
+    if n_end > CH:
+        run_max = tl.maximum(run_max, s1)
+    if n_end > 2 * CH:
+        run_max = tl.maximum(run_max, s2)
+    if n_end > 3 * CH:
+        run_max = tl.maximum(run_max, s3)
+    row_max = tl.max(run_max, axis=1)
+    e0 = _exp(s0 - row_max[:, None], ACCURATE)
+    lane = _lane_add(tl.zeros((64, CH), tl.float32), e0, 64, CH, 1)
+    e1 = tl.zeros((64, CH), tl.float32)
+    e2 = tl.zeros((64, CH), tl.float32)
+    e3 = tl.zeros((64, CH), tl.float32)
+    if n_end > CH:
+        e1 = _exp(s1 - row_max[:, None], ACCURATE)
+        lane = _lane_add(lane, e1, 64, CH, 1)
+    if n_end > 2 * CH:
+        e2 = _exp(s2 - row_max[:, None], ACCURATE)
+        lane = _lane_add(lane, e2, 64, CH, 1)
+    if n_end > 3 * CH:
+        e3 = _exp(s3 - row_max[:, None], ACCURATE)
+        lane = _lane_add(lane, e3, 64, CH, 1)
+    row_sum = _row_sum(lane, 64, CH)
+    acc = tl.dot(_probabilities(e0, row_sum, FAST_DIV), v0, tl.zeros((64, DH_PAD), tl.float32))
+    if n_end > CH:
+        acc = tl.dot(_probabilities(e1, row_sum, FAST_DIV), v1, acc)
+    if n_end > 2 * CH:
+        acc = tl.dot(_probabilities(e2, row_sum, FAST_DIV), v2, acc)
+    if n_end > 3 * CH:
+        acc = tl.dot(_probabilities(e3, row_sum, FAST_DIV), v3, acc)
+    offs_d = tl.arange(0, DH_PAD)
+    o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
+
+
+def qkv_attention_refusal(seq_len: int, d_model: int, num_heads: int) -> str | None:
+    """Why the launch cannot take rows of ``seq_len`` at width ``d_model`` with ``num_heads`` heads (one line), or
+    None."""
+    if not MIN_SEQ_LEN <= seq_len <= MAX_SEQ_LEN:
+        return (f"the Q|K|V attention launch takes {MIN_SEQ_LEN} to {MAX_SEQ_LEN} keys (ATen's 32 lanes, four chunks "
+                f"in registers), got S = {seq_len}: use the attention launch on packed Q|K|V")
+    if num_heads < 1 or d_model % num_heads:
+        return f"d_model {d_model} does not split into {num_heads} heads"
+    if d_model // num_heads > 128:
+        return f"the Q|K|V attention launch takes head dims up to 128, got {d_model // num_heads}"
+    return None
+
+
+def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num_heads: int, causal: bool, *,
+                         fast_div: bool = True, num_warps: int = 4, num_stages=None, max_registers=None
+                         ) -> torch.Tensor:
+    """The attention's context [B, S, D] fp16 of the normalized rows ``h`` [B, S, D] fp16, with ``weights`` (Wq, Wk,
+    Wv), each [D, D], and ``biases`` (bq, bk, bv): what ``triton_linear`` of the packed Q|K|V followed by
+    ``triton_attention(..., cached=True, block_m=64, num_warps=4, fast_div=True)`` computes, in one launch.
+    ``max_registers``: Triton's ``maxnreg`` (offline, Triton 3.6, sm_90a: 168 registers at 4 warps, three programs
+    per multiprocessor; capped at 128, four, with 32 bytes of spills)."""
+    if h.dtype != torch.float16 or h.dim() != 3:
+        raise KKError(f"h must be float16 [B, S, D], got {h.dtype} {list(h.shape)}")
+    b, s, d = h.shape
+    refusal = qkv_attention_refusal(s, d, num_heads)
+    if refusal:
+        raise KKError(refusal)
+    ws = [w.contiguous() for w in weights]
+    bs = [x.contiguous() for x in biases]
+    if any(w.shape != (d, d) or w.dtype != torch.float16 for w in ws) or any(x.shape != (d, ) for x in bs):
+        raise KKError(f"weights must be three float16 [{d}, {d}] and biases three [{d}] (q_proj, k_proj, v_proj)")
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    dh = d // num_heads
+    dh_pad = max(16, triton.next_power_of_2(dh))
+    block_k = min(64, max(16, triton.next_power_of_2(d)))  # the proven GEMM tiles' k-step (``launch_config``)
+    out = torch.empty((b, s, d), dtype=torch.float16, device=h.device)
+    has_mask = valid_token_mask is not None
+    mask = valid_token_mask if has_mask else h
+    stride_mb, stride_ms = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
+    launch = dict(num_warps=num_warps)
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
+    if max_registers and not INTERPRET:
+        launch["maxnreg"] = int(max_registers)
+    if not INTERPRET:
+        launch.update(COMPILE_FLAGS)
+        launch.update(launch_options())
+    launch_kernel(_qkv_attention_kernel, (triton.cdiv(s, BLOCK_M), b * num_heads),
+                  h, *ws, *bs, mask, out,
+                  h.stride(0), h.stride(1), ws[0].stride(0), out.stride(0), out.stride(1), stride_mb, stride_ms,
+                  s, num_heads, d, fp32_scale(dh),
+                  HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_K=block_k, CAUSAL=bool(causal), HAS_MASK=has_mask,
+                  ACCURATE=not INTERPRET, FAST_DIV=bool(fast_div), **launch)
+    return out
