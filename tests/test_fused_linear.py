@@ -317,7 +317,7 @@ def test_a_columns_first_tile_computes_what_its_tile_computes():
 def test_block_plan_on_the_cpu_is_the_reference_block():
     plan = fb.block_plan(CONFIG, torch.float16, torch.device("cpu"))
     assert plan == {"gemms": False, "packed_qkv": False, "gelu_prologue": False, "gelu": False, "layer_norm": False,
-                    "ffn_chain": False, "ffn_qkv": False,
+                    "ffn_chain": False, "ffn_qkv": False, "qkv_attention": False,
                     "linears": {"qkv": False, "out_proj": False, "ffn_in": False, "ffn_out": False}}
 
 

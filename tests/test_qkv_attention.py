@@ -1,4 +1,5 @@
-"""kkdeploy.kernels._qkv_attention_triton: the attention with its Q, K and V projections in one launch (a study).
+"""kkdeploy.kernels._qkv_attention_triton and kkdeploy.kernels.qkv_attention: the attention with its Q, K and V
+projections in one launch (a study), and its op.
 
 Its claim is that it computes what the two launches a build runs now compute: the packed Q|K|V GEMM tile, then the
 register-cached attention launch. Under Triton's interpreter (CPU) the launch is checked against exactly those two
@@ -11,8 +12,19 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
-from tests.conftest import run_interpreter_script
+from kkdeploy import TransformerConfig, generate_case
+from kkdeploy.kernels import fused_blocks as fb
+from kkdeploy.kernels import qkv_attention as qa
+from kkdeploy.models.reference import zero_invalid_rows
+from kkdeploy.models.weights import build_models
+from tests.conftest import bits_equal, run_interpreter_script
+
+CONFIG = TransformerConfig(batch_size=2, seq_len=24, d_model=32, num_heads=4, ffn_dim=32, num_layers=2, causal=True)
+#: our GEMMs everywhere (their CPU kernels are the reference's ops), with and without the LayerNorm epilogues
+PLANS = [{"gemms": True, "packed_qkv": True, "gelu_prologue": True, "gelu": False, "layer_norm": layer_norm,
+          "qkv_attention": True} for layer_norm in (False, True)]
 
 INTERPRETER_SCRIPT = textwrap.dedent(
     """
@@ -108,3 +120,51 @@ def test_compiled_for_sm90_it_runs_the_cached_launchs_tiles_and_a_pdl_form_of_th
     assert len(re.findall(r"ex2\.approx", plain)) == len(re.findall(r"ex2\.approx", cached))
     assert "mma.sync" not in plain
     assert ptx_difference(plain, script.compile_ptx("qkv_attention", {**values, "PDL": True}, 4, 3)) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio", [0.0, 0.25])
+@pytest.mark.parametrize("plan", PLANS, ids=["blocks", "model"])
+def test_the_forward_through_the_op_is_the_reference_on_the_cpu(dtype, ratio, plan):
+    """On the CPU the op is the reference's composition: the block and model forwards through it are the reference's
+    bits, all-valid and padded."""
+    model = build_models(CONFIG, dtype, "cpu")[0]
+    x, mask = generate_case(CONFIG, "cpu", dtype, 1234, padding_ratio=ratio)
+    mask = mask if ratio else None
+    with torch.no_grad():
+        if plan["layer_norm"]:
+            got = fb.fused_model_forward(model, x, mask, plan)
+            want = model(x, mask)
+        else:
+            block = model.layers[0]
+            got, want = fb.fused_block_forward(block, x, mask, plan), block(x, mask)
+    assert bits_equal(got, want)
+
+
+def test_the_op_is_the_reference_composition_and_has_a_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = build_models(CONFIG, torch.float32, "cpu")[0]
+    attention = model.layers[0].attention
+    x, mask = generate_case(CONFIG, "cpu", torch.float32, 1236, padding_ratio=0.25)
+    with torch.no_grad():
+        h = model.layers[0].norm1(x)
+        got = qa.qkv_attention(h, attention, mask)
+        # the reference module's own forward is out_proj of this context, invalid rows zeroed
+        assert bits_equal(zero_invalid_rows(attention.out_proj(got), mask), attention(h, mask))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = qa.qkv_attention(mode.from_tensor(h), attention, mode.from_tensor(mask))
+    assert fake.shape == h.shape and fake.dtype == h.dtype
+
+
+def test_builds_take_the_one_launch_only_where_a_study_switches_it_on(monkeypatch):
+    assert not qa.IN_BUILDS  # off until a GPU has proven the launch
+    assert not fb.qkv_attention_in_plan(CONFIG, True, False, "cuda")
+    pytest.importorskip("triton")
+    monkeypatch.setattr(qa, "IN_BUILDS", True)
+    assert fb.qkv_attention_in_plan(CONFIG, True, False, "cuda")
+    assert not fb.qkv_attention_in_plan(CONFIG, False, False, "cuda")  # the packed Q|K|V not ours here
+    assert not fb.qkv_attention_in_plan(CONFIG, True, True, "cuda")  # the feed-forward launch computes Q|K|V
+    assert not fb.qkv_attention_in_plan(CONFIG, True, False, "cpu")
+    long_rows = TransformerConfig(batch_size=1, seq_len=256, d_model=32, num_heads=4, ffn_dim=32, num_layers=1)
+    assert not fb.qkv_attention_in_plan(long_rows, True, False, "cuda")

@@ -115,7 +115,8 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
     also writes the next LayerNorm of its rows: ``fused_model_forward``) and ``ffn_chain`` (with ``layer_norm``: the
     whole feed-forward in one launch, where proven and faster than the two it replaces: ``ffn_chain_pays``) and
     ``ffn_qkv`` (with ``ffn_chain`` and ``packed_qkv``: that launch also computes the next block's Q|K|V, where proven
-    and faster than the packed Q|K|V launch it replaces: ``ffn_qkv_pays``)."""
+    and faster than the packed Q|K|V launch it replaces: ``ffn_qkv_pays``) and ``qkv_attention`` (Q|K|V projected
+    inside the attention's launch: ``qkv_attention_in_plan``, off in builds)."""
     from .faithful_attention import select_attention_path
 
     launches = linear_launches(config)
@@ -136,7 +137,21 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
                and ffn_qkv_pays(config, dtype, device))
     return {"gemms": gemms, "linears": linears, "packed_qkv": packed_qkv,
             "gelu_prologue": gelu_prologue, "gelu": gemms and not gelu_prologue and proven(f, d, "gelu"),
-            "layer_norm": layer_norm, "ffn_chain": ffn_chain, "ffn_qkv": ffn_qkv}
+            "layer_norm": layer_norm, "ffn_chain": ffn_chain, "ffn_qkv": ffn_qkv,
+            "qkv_attention": qkv_attention_in_plan(config, packed_qkv, ffn_qkv, device)}
+
+
+def qkv_attention_in_plan(config, packed_qkv: bool, ffn_qkv: bool, device) -> bool:
+    """Whether a block's Q|K|V and attention run as one launch (``qkv_attention``): only where ``IN_BUILDS`` is set
+    (a study; no GPU has proven the launch yet), the packed Q|K|V and the attention kernel both taken, no feed-forward
+    launch computing the next Q|K|V, and the launch taking the shape (rows of 17-128, head dims up to 128)."""
+    from . import qkv_attention
+
+    if not (qkv_attention.IN_BUILDS and packed_qkv and not ffn_qkv and torch.device(device).type == "cuda"):
+        return False
+    from ._qkv_attention_triton import qkv_attention_refusal
+
+    return qkv_attention_refusal(config.seq_len, config.d_model, config.num_heads) is None
 
 
 def _linear(plan: dict, name: str, x, weights, biases, residual=None, mask=None, epilogue: str = "none",
@@ -162,9 +177,14 @@ def _projections(attention, h: torch.Tensor, plan: dict):
 
 def _attention(attention, h: torch.Tensor, valid_token_mask, plan: dict, qkv=None) -> torch.Tensor:
     """The attention op's context for the normalized rows h (before out_proj), or for the packed Q|K|V ``qkv`` the
-    previous block's feed-forward launch computed."""
+    previous block's feed-forward launch computed; with the plan's ``qkv_attention``, Q, K and V projected inside the
+    attention's launch (``qkv_attention``)."""
     from .faithful_attention import faithful_attention
 
+    if qkv is None and plan.get("qkv_attention"):
+        from .qkv_attention import qkv_attention
+
+        return qkv_attention(h, attention, valid_token_mask)
     q, k, v = _projections(attention, h, plan) if qkv is None else qkv.split(qkv.shape[-1] // 3, dim=-1)
     return faithful_attention(q, k, v, valid_token_mask, num_heads=attention.num_heads, causal=attention.causal)
 
