@@ -119,7 +119,8 @@ def main(argv=None) -> int:
 
             return {"two launches (auto)": two("auto"), "two launches (m64n64)": two("m64n64"),
                     "one launch (w4)": one(), "one launch (w4, maxnreg 128)": one(max_registers=128),
-                    "one launch (w8)": one(num_warps=8)}, aten
+                    "one launch (w8)": one(num_warps=8), "one launch, whole (w4)": one(whole=True),
+                    "one launch, whole (w8)": one(whole=True, num_warps=8)}, aten
 
         record = {"shape": shape, "cases": [], "ms": {}}
         with torch.no_grad():

@@ -51,8 +51,10 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         q, k, v = triton_linear(h, torch.cat(ws), torch.cat(bs)).split(d, dim=-1)
         two = triton_attention(q, k, v, mask, heads, causal, cached=True, block_m=64, num_warps=4, fast_div=True)
         one = triton_qkv_attention(h, ws, bs, mask, heads, causal)
+        whole = triton_qkv_attention(h, ws, bs, mask, heads, causal, whole=True)
         results.append(dict(case=[b, s, d, heads, causal, padded], elements=two.numel(),
                             differing=int((one.view(torch.int16) != two.view(torch.int16)).sum()),
+                            whole_differing=int((whole.view(torch.int16) != two.view(torch.int16)).sum()),
                             finite=bool(torch.isfinite(one).all())))
     print("RESULTS " + json.dumps(results))
     """
@@ -60,10 +62,12 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 
 
 def test_one_launch_equals_the_two_it_replaces_under_the_interpreter():
+    """Both forms: each projection on its own (keys as the causal limit needs them) and q, k and v in one walk over D
+    (``whole``)."""
     results = run_interpreter_script(INTERPRETER_SCRIPT)
     assert len(results) == 6
     for r in results:
-        assert r["differing"] == 0, r
+        assert r["differing"] == 0 and r["whole_differing"] == 0, r
         assert r["finite"], r
 
 
@@ -120,6 +124,9 @@ def test_compiled_for_sm90_it_runs_the_cached_launchs_tiles_and_a_pdl_form_of_th
     assert len(re.findall(r"ex2\.approx", plain)) == len(re.findall(r"ex2\.approx", cached))
     assert "mma.sync" not in plain
     assert ptx_difference(plain, script.compile_ptx("qkv_attention", {**values, "PDL": True}, 4, 3)) == []
+    whole = script.compile_ptx("qkv_attention", {**values, "WHOLE": True}, 4, 3)  # one walk over D for q, k and v
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", whole)) == {"m64n32k16"}
+    assert len(re.findall(r"ex2\.approx", whole)) == len(re.findall(r"ex2\.approx", cached))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

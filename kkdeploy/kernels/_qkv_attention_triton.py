@@ -96,13 +96,60 @@ def _key_block(X, x_row0, stride_xs, key0, S, WK, WV, BK, BV, col0, stride_w, D,
     k = _project(X, x_row0, stride_xs, keys, S, WK, BK, col0, stride_w, D, HEAD_DIM, DH_PAD, BLOCK_K)
     v = _project(X, x_row0, stride_xs, keys, S, WV, BV, col0, stride_w, D, HEAD_DIM, DH_PAD, BLOCK_K)
     v = tl.where((keys < S)[:, None], v, tl.zeros_like(v))
-    k_lo, k_hi = _row_halves(k, 32, DH_PAD)
+    s_lo, s_hi = _chunk_pair_scores(q, k, MASK, m_row0, stride_ms, offs_m, key0, S, scale, CAUSAL, HAS_MASK)
     v_lo, v_hi = _row_halves(v, 32, DH_PAD)
+    return s_lo, s_hi, v_lo, v_hi
+
+
+@triton.jit
+def _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D,
+                   NK: tl.constexpr, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_project`` of q (the block's rows) and of k and v (keys 0 .. NK - 1) in one walk over D: each k-step's rows
+    and weights loaded together and three dots, one float32 accumulator each (each its own chain of the same
+    products, in D order), so the loads of the three projections overlap instead of following one another.
+    Returns q [64, DH_PAD] and k, v [NK, DH_PAD] in float16; V's rows past S zeroed."""
+    offs_d = tl.arange(0, DH_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    keys = tl.arange(0, NK)
+    col_ok = offs_d < HEAD_DIM
+    acc_q = tl.zeros((64, DH_PAD), dtype=tl.float32)
+    acc_k = tl.zeros((NK, DH_PAD), dtype=tl.float32)
+    acc_v = tl.zeros((NK, DH_PAD), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):  # K in order, one accumulator per projection
+        kk = k0 + offs_k
+        k_ok = kk[None, :] < D
+        xq = tl.load(X + x_row0 + offs_m[:, None] * stride_xs + kk[None, :], mask=(offs_m < S)[:, None] & k_ok,
+                     other=0.0)
+        xk = tl.load(X + x_row0 + keys[:, None] * stride_xs + kk[None, :], mask=(keys < S)[:, None] & k_ok,
+                     other=0.0)
+        w_offs = (col0 + offs_d)[:, None] * stride_w + kk[None, :]
+        w_ok = col_ok[:, None] & k_ok
+        wq = tl.load(WQ + w_offs, mask=w_ok, other=0.0)
+        wk = tl.load(WK + w_offs, mask=w_ok, other=0.0)
+        wv = tl.load(WV + w_offs, mask=w_ok, other=0.0)
+        acc_q = tl.dot(xq, tl.trans(wq), acc_q)
+        acc_k = tl.dot(xk, tl.trans(wk), acc_k)
+        acc_v = tl.dot(xk, tl.trans(wv), acc_v)
+    bq = tl.load(BQ + col0 + offs_d, mask=col_ok, other=0.0).to(tl.float32)
+    bk = tl.load(BK + col0 + offs_d, mask=col_ok, other=0.0).to(tl.float32)
+    bv = tl.load(BV + col0 + offs_d, mask=col_ok, other=0.0).to(tl.float32)
+    q = (acc_q + bq[None, :]).to(tl.float16)
+    k = (acc_k + bk[None, :]).to(tl.float16)
+    v = (acc_v + bv[None, :]).to(tl.float16)
+    return q, k, tl.where((keys < S)[:, None], v, tl.zeros_like(v))
+
+
+@triton.jit
+def _chunk_pair_scores(q, k, MASK, m_row0, stride_ms, offs_m, key0, S, scale, CAUSAL: tl.constexpr,
+                       HAS_MASK: tl.constexpr):
+    """The scores of the two 32-key chunks of keys key0 .. key0 + 63, from their K rows k [64, DH_PAD]."""
+    DH_PAD: tl.constexpr = k.shape[1]
+    k_lo, k_hi = _row_halves(k, 32, DH_PAD)
     s_lo = _chunk_scores(q, k_lo, MASK, m_row0, stride_ms, offs_m, key0 + tl.arange(0, 32), S, scale, CAUSAL,
                          HAS_MASK)
     s_hi = _chunk_scores(q, k_hi, MASK, m_row0, stride_ms, offs_m, key0 + 32 + tl.arange(0, 32), S, scale, CAUSAL,
                          HAS_MASK)
-    return s_lo, s_hi, v_lo, v_hi
+    return s_lo, s_hi
 
 
 @triton.jit
@@ -112,8 +159,11 @@ def _qkv_attention_kernel(
     S, H, D, scale,
     HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, WHOLE: tl.constexpr = False, NK: tl.constexpr = 128,
 ):
+    """``WHOLE``: q, k and v projected in one walk over D (``_project_whole``), k and v for keys 0 .. NK - 1 (NK =
+    64 or 128, the rows rounded up), whether the row block needs them all or not; otherwise each projection on its
+    own, keys 64 at a time as the causal limit needs them."""
     if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -127,22 +177,38 @@ def _qkv_attention_kernel(
     col0 = h * HEAD_DIM
     x_row0 = b * stride_xb
     m_row0 = b * stride_mb
-    q = _project(X, x_row0, stride_xs, offs_m, S, WQ, BQ, col0, stride_w, D, HEAD_DIM, DH_PAD, BLOCK_K)
     if CAUSAL:
         n_end = tl.minimum(S, m0 + 64)  # later keys are -inf for every row of this block
     else:
         n_end = S
 
     # the cached launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions
-    s0, s1, v0, v1 = _key_block(X, x_row0, stride_xs, 0, S, WK, WV, BK, BV, col0, stride_w, D, q, MASK, m_row0,
-                                stride_ms, offs_m, scale, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK)
     s2 = tl.full((64, CH), float("-inf"), tl.float32)
     s3 = tl.full((64, CH), float("-inf"), tl.float32)
     v2 = tl.zeros((CH, DH_PAD), tl.float16)
     v3 = tl.zeros((CH, DH_PAD), tl.float16)
-    if n_end > 2 * CH:
-        s2, s3, v2, v3 = _key_block(X, x_row0, stride_xs, 64, S, WK, WV, BK, BV, col0, stride_w, D, q, MASK, m_row0,
+    if WHOLE:
+        q, k, v = _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, NK,
+                                 HEAD_DIM, DH_PAD, BLOCK_K)
+        if NK == 128:
+            k01, k23 = _row_halves(k, 64, DH_PAD)
+            v01, v23 = _row_halves(v, 64, DH_PAD)
+        else:
+            k01 = k
+            v01 = v
+        s0, s1 = _chunk_pair_scores(q, k01, MASK, m_row0, stride_ms, offs_m, 0, S, scale, CAUSAL, HAS_MASK)
+        v0, v1 = _row_halves(v01, 32, DH_PAD)
+        if NK == 128:
+            if n_end > 2 * CH:
+                s2, s3 = _chunk_pair_scores(q, k23, MASK, m_row0, stride_ms, offs_m, 64, S, scale, CAUSAL, HAS_MASK)
+                v2, v3 = _row_halves(v23, 32, DH_PAD)
+    else:
+        q = _project(X, x_row0, stride_xs, offs_m, S, WQ, BQ, col0, stride_w, D, HEAD_DIM, DH_PAD, BLOCK_K)
+        s0, s1, v0, v1 = _key_block(X, x_row0, stride_xs, 0, S, WK, WV, BK, BV, col0, stride_w, D, q, MASK, m_row0,
                                     stride_ms, offs_m, scale, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK)
+        if n_end > 2 * CH:
+            s2, s3, v2, v3 = _key_block(X, x_row0, stride_xs, 64, S, WK, WV, BK, BV, col0, stride_w, D, q, MASK,
+                                        m_row0, stride_ms, offs_m, scale, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK)
     run_max = s0
     if n_end > CH:
         run_max = tl.maximum(run_max, s1)
@@ -192,13 +258,14 @@ def qkv_attention_refusal(seq_len: int, d_model: int, num_heads: int) -> str | N
 
 
 def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num_heads: int, causal: bool, *,
-                         fast_div: bool = True, num_warps: int = 4, num_stages=None, max_registers=None
-                         ) -> torch.Tensor:
+                         fast_div: bool = True, num_warps: int = 4, num_stages=None, max_registers=None,
+                         whole: bool = False) -> torch.Tensor:
     """The attention's context [B, S, D] fp16 of the normalized rows ``h`` [B, S, D] fp16, with ``weights`` (Wq, Wk,
     Wv), each [D, D], and ``biases`` (bq, bk, bv): what ``triton_linear`` of the packed Q|K|V followed by
     ``triton_attention(..., cached=True, block_m=64, num_warps=4, fast_div=True)`` computes, in one launch.
     ``max_registers``: Triton's ``maxnreg`` (offline, Triton 3.6, sm_90a: 168 registers at 4 warps, three programs
-    per multiprocessor; capped at 128, four, with 32 bytes of spills)."""
+    per multiprocessor; capped at 128, four, with 32 bytes of spills). ``whole``: q, k and v projected in one walk
+    over D, k and v of every key (the kernel's WHOLE)."""
     if h.dtype != torch.float16 or h.dim() != 3:
         raise KKError(f"h must be float16 [B, S, D], got {h.dtype} {list(h.shape)}")
     b, s, d = h.shape
@@ -231,5 +298,6 @@ def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num
                   h.stride(0), h.stride(1), ws[0].stride(0), out.stride(0), out.stride(1), stride_mb, stride_ms,
                   s, num_heads, d, fp32_scale(dh),
                   HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_K=block_k, CAUSAL=bool(causal), HAS_MASK=has_mask,
-                  ACCURATE=not INTERPRET, FAST_DIV=bool(fast_div), **launch)
+                  ACCURATE=not INTERPRET, FAST_DIV=bool(fast_div), WHOLE=bool(whole), NK=64 if s <= 64 else 128,
+                  **launch)
     return out

@@ -22,6 +22,8 @@ OP_NAME = "kkdeploy_faithful::qkv_attention"
 #: whether a build's graph takes the one launch (``fused_blocks.block_plan``'s "qkv_attention"); off until a GPU has
 #: proven it (docs/faithful-attention.md, "Q, K and V in the attention's launch")
 IN_BUILDS = False
+#: the launch's options where it runs (``triton_qkv_attention``'s keywords: ``whole``, ``num_warps``, ...)
+LAUNCH: dict = {}
 
 
 def reference_qkv_attention(h, wq, wk, wv, bq, bk, bv, valid_token_mask, num_heads: int, causal: bool):
@@ -56,7 +58,7 @@ def _qkv_attention_cuda(h, wq, wk, wv, bq, bk, bv, valid_token_mask, num_heads, 
     if IN_BUILDS and launch_takes(h, num_heads):
         from ._qkv_attention_triton import triton_qkv_attention
 
-        return triton_qkv_attention(h, (wq, wk, wv), (bq, bk, bv), valid_token_mask, num_heads, causal)
+        return triton_qkv_attention(h, (wq, wk, wv), (bq, bk, bv), valid_token_mask, num_heads, causal, **LAUNCH)
     return reference_qkv_attention(h, wq, wk, wv, bq, bk, bv, valid_token_mask, num_heads, causal)
 
 
