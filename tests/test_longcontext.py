@@ -1,5 +1,6 @@
 """Shape 14's bounded-memory path: the tiled reference, the long-context model, check and build."""
 
+import functools
 import json
 import os
 import subprocess
@@ -40,6 +41,24 @@ def spy_block_softmax(monkeypatch) -> list[int]:
     calls, real = [], bs.causal_block_softmax
     monkeypatch.setattr(bs, "causal_block_softmax", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     return calls
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_gemm_ignores_trailing_zero_keys(dtype, rows: int = 1024, keys: int = 12400, cut: int = 12288) -> bool:
+    """Whether this CPU's GEMM gives P.V over ``keys`` keys the bits it gives over the first ``cut`` when P is zero
+    past the cut: what an aligned key cut's bits rest on (cuBLAS's, measured on the H200 by
+    scripts/shape14_tile_study.py). A BLAS that blocks K by its extent regroups the sums: MKL on a 2-core Xeon with
+    AVX-512 (session 43) splits K = 12,400 at 12,152, so rows with keys in 12,152-12,287 differ by an ulp."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.rand(rows, keys, generator=g).to(dtype)
+    p[:, cut:] = 0
+    v = torch.randn(keys, 8, generator=g).to(dtype)
+    return torch.equal(p @ v, p[:, :cut] @ v[:cut])
+
+
+CUT_BITS_ELSEWHERE = ("this CPU's GEMM regroups P.V's sums with the key extent (cpu_gemm_ignores_trailing_zero_keys), "
+                      "so an aligned cut's bits here are the BLAS's, not the path's: the GPU's proof and full-length "
+                      "validation decide them")
 
 
 def cpu_kernels_for(dtype) -> bool:
@@ -447,9 +466,12 @@ def test_padded_aligned_path_is_bitwise_the_tiled_reference_past_one_4096_block(
     x, mask = generate_case(config, "cpu", dtype, 3, padding_ratio=ratio)
     assert not mask.all()
     with torch.inference_mode():
-        assert torch.equal(path(x, mask), tiled(x, mask))
+        out, ref = path(x, mask), tiled(x, mask)
     expected = {f"padded/tiled/cut-rows/{softmax}"} | ({f"padded/tiled/full-rows/{softmax}"} if ratio < 0.01 else set())
     assert path.last_path_features == expected
+    if not torch.equal(out, ref) and not cpu_gemm_ignores_trailing_zero_keys(dtype):
+        pytest.skip(CUT_BITS_ELSEWHERE)
+    assert torch.equal(out, ref)
 
 
 def test_validation_plan_adds_full_length_trials_only_for_paths_the_reduced_shape_misses(monkeypatch):
@@ -492,10 +514,14 @@ def test_build_runs_full_length_trials_where_the_reduced_shape_misses_the_cut_ro
     assert shipped["not_exercised"] == [] and set(shipped["plan"]["full_features"]) <= set(shipped["exercised_features"])
     assert "padded/tiled/cut-rows/aten" in shipped["stages"][1]["exercised_features"]
     assert {r["stage"] for r in result["validation"]["reports"]} == set(stages)
-    assert all(r["bitwise_equal"] for r in result["validation"]["reports"])
+    assert all(r["failed"] == 0 for r in result["validation"]["reports"])
     assert chosen["validated_shapes"][1]["seq_len"] == 12400
     assert result["kernel_proofs"][0]["chosen"] is None  # the CPU cannot prove the CUDA kernel: it says why
     assert "CUDA-only" in result["kernel_proofs"][0]["reason"]
+    bitwise = all(r["bitwise_equal"] for r in result["validation"]["reports"])
+    if not bitwise and not cpu_gemm_ignores_trailing_zero_keys(torch.float32):
+        pytest.skip(CUT_BITS_ELSEWHERE)
+    assert bitwise
 
 
 def test_build_does_not_ship_a_path_no_trial_can_exercise(monkeypatch):
