@@ -147,7 +147,10 @@ def test_the_tiles_a_build_proves():
     # studied (every tile, scripts/kernel_selftest.py --all-launches), not in builds: the TMA tiles wait for a build
     # on the GPU to ship them through the strict validation (the 64 x 64 one has); the rest were never the fastest
     assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "tma_persistent", "tma_ws", "tma_ws_k128", "s4",
-                                                   "k128", "w4", "m256", "n256s4", "cols", "m64s2cols"}
+                                                   "k128", "w4", "m256", "n256s4"}
+    # the columns-first tiles only where a launch has several column tiles over rows that outgrow L2 (shape 6's Q|K|V)
+    assert fl.proof_launches(384, k=128, m=1_280_000, sms=132)[-2:] == ["cols", "m64s2cols"]
+    assert not {"cols", "m64s2cols"} & set(fl.proof_launches(384, k=128, m=512, sms=132))
     assert not fl.tile_fits("k128", 128, 64) and fl.tile_fits("k128", 128, 128)  # no k-step longer than K
     assert fl.tile_fits("tma", 128, 128) and fl.tile_fits("tma_n256", 384, 768)
     assert not fl.tile_fits("tma", 128, 36)  # rows of 72 bytes: TMA reads multiples of 16
@@ -202,8 +205,9 @@ def test_tiles_are_proven_only_where_they_can_pay(monkeypatch):
     D = 384 and 1024 shapes) and the 64 x 64 tile only where "auto"'s grid leaves multiprocessors idle: shape 6's launches
     (K = 128, 10,000 row tiles) compile nothing more."""
     monkeypatch.setattr(fl, "BUILD_TILES", fl.BUILD_TILES + ("tma", "tma_n256"))
-    # shape 6's Q|K|V: K = 128, 1.28 M rows: neither pays (the streaming tile does)
-    assert fl.proof_launches(384, k=128, m=1_280_000, sms=132) == ["auto", "m64", "n64", "n256", "m64s2"]
+    # shape 6's Q|K|V: K = 128, 1.28 M rows: neither pays (the streaming and columns-first tiles do)
+    assert fl.proof_launches(384, k=128, m=1_280_000, sms=132) == ["auto", "m64", "n64", "n256", "m64s2", "cols",
+                                                                    "m64s2cols"]
     # shape 8's Q|K|V: K = 1024, 8192 rows (64 x 3 "auto" tiles >= 132): the TMA tiles, not the 64 x 64 one
     assert fl.proof_launches(3072, k=1024, m=8192, sms=132) == ["auto", "m64", "n64", "n256", "tma", "tma_n256"]
     # one sequence of 1024 at D = 1024 (8 x 8 "auto" tiles < 132): all three
@@ -274,11 +278,11 @@ COLUMNS_SCRIPT = tile_race_script(12, """((300, 200, 64, "add_masked", "none"), 
         want = triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[base])""")
 
 
-def test_the_columns_first_tiles_are_for_launches_whose_rows_outgrow_l2(monkeypatch):
+def test_the_columns_first_tiles_are_for_launches_whose_rows_outgrow_l2():
     """A columns-first grid pays only where a launch has several column tiles and its X does not stay in L2 between
     them: shape 6's Q|K|V (three column tiles over 328 MB), not its one-tile launches, not shape 13's 16 MB, and not
     where the sizes are unknown or the row tiles pass the grid's y limit."""
-    monkeypatch.setattr(fl, "BUILD_TILES", fl.BUILD_TILES + ("cols", "m64s2cols"))
+    assert {"cols", "m64s2cols"} <= set(fl.BUILD_TILES)
     assert fl.proof_launches(384, k=128, m=1_280_000, sms=132)[-3:] == ["m64s2", "cols", "m64s2cols"]
     assert not {"cols", "m64s2cols"} & set(fl.proof_launches(128, k=128, m=1_280_000, sms=132))  # one column tile
     assert not {"cols", "m64s2cols"} & set(fl.proof_launches(384, k=128, m=65_536, sms=132))  # shape 13: in L2
