@@ -78,8 +78,7 @@ def test_one_launch_equals_the_two_it_replaces_under_the_interpreter():
     (64, 512, 2, "head dims up to 128"),
 ])
 def test_refusals_name_the_limit(s, d, heads, fragment):
-    pytest.importorskip("triton")
-    from kkdeploy.kernels._qkv_attention_triton import qkv_attention_refusal
+    from kkdeploy.kernels.qkv_attention import qkv_attention_refusal
 
     refusal = qkv_attention_refusal(s, d, heads)
     assert refusal is not None and fragment in refusal and "\n" not in refusal
@@ -164,14 +163,69 @@ def test_the_op_is_the_reference_composition_and_has_a_fake():
     assert fake.shape == h.shape and fake.dtype == h.dtype
 
 
-def test_builds_take_the_one_launch_only_where_a_study_switches_it_on(monkeypatch):
-    assert not qa.IN_BUILDS  # off until a GPU has proven the launch
-    assert not fb.qkv_attention_in_plan(CONFIG, True, False, "cuda")
-    pytest.importorskip("triton")
-    monkeypatch.setattr(qa, "IN_BUILDS", True)
-    assert fb.qkv_attention_in_plan(CONFIG, True, False, "cuda")
-    assert not fb.qkv_attention_in_plan(CONFIG, False, False, "cuda")  # the packed Q|K|V not ours here
-    assert not fb.qkv_attention_in_plan(CONFIG, True, True, "cuda")  # the feed-forward launch computes Q|K|V
-    assert not fb.qkv_attention_in_plan(CONFIG, True, False, "cpu")
-    long_rows = TransformerConfig(batch_size=1, seq_len=256, d_model=32, num_heads=4, ffn_dim=32, num_layers=1)
-    assert not fb.qkv_attention_in_plan(long_rows, True, False, "cuda")
+def _remember(proof, op, shape, environment, chosen, ms, aten_ms=None):
+    launches = [proof.LaunchResult(chosen, ms=ms, status="proven")] if chosen else []
+    proof.remember_proof(proof.ProofRecord(op=op, shape=shape, environment=environment, chosen=chosen,
+                                           reason="test", launches=launches, reference_ms=aten_ms))
+
+
+def test_the_plan_takes_the_one_launch_where_its_proof_beats_the_two_it_replaces(monkeypatch, proof_sandbox):
+    """Proven and, by the proofs' own times, faster than the packed Q|K|V GEMM plus the attention's launch: taken;
+    slower (shape 6 on an H100: 1.90 ms against 0.63 + 1.10), unproven, or without the packed Q|K|V: not."""
+    from kkdeploy.kernels import faithful_attention as fa
+    from kkdeploy.kernels import fused_linear as fl
+    from kkdeploy.kernels import paths
+
+    monkeypatch.setattr(paths, "triton_available", lambda: True)
+    monkeypatch.setattr(qa, "triton_available", lambda: True)
+    monkeypatch.setattr(fl, "triton_available", lambda: True)
+    config = TransformerConfig(batch_size=4, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=2)
+    cuda = torch.device("cuda")
+    b, s, d, h = 4, 128, 128, 4
+    assert not fb.qkv_attention_in_plan(config, torch.float16, cuda, True, False)  # no proof of it here
+    _remember(proof_sandbox, fl.OP, fl.proof_shape(b * s, 3 * d, d, "none"), fl.proof_environment(cuda), "m64n64",
+              0.0037, 0.0099)
+    _remember(proof_sandbox, fa.OP, fa.proof_shape(b * h, s, d // h, True), fa.proof_environment(cuda),
+              "cached64w4_mdiv", 0.0050, 0.040)
+    shape = qa.proof_shape(b, s, d, h, True)
+    _remember(proof_sandbox, qa.OP, shape, qa.proof_environment(cuda), "whole", 0.0070, 0.045)
+    assert fb.qkv_attention_in_plan(config, torch.float16, cuda, True, False)  # 7.0 us against 3.7 + 5.0
+    assert not fb.qkv_attention_in_plan(config, torch.float16, cuda, False, False)  # Q|K|V not packed here
+    assert not fb.qkv_attention_in_plan(config, torch.float16, cuda, True, True)  # the feed-forward computes it
+    assert not fb.qkv_attention_in_plan(config, torch.float32, cuda, True, False)
+    assert not fb.qkv_attention_in_plan(config, torch.float16, torch.device("cpu"), True, False)
+    _remember(proof_sandbox, qa.OP, shape, qa.proof_environment(cuda), "whole", 0.0090, 0.045)
+    assert not fb.qkv_attention_in_plan(config, torch.float16, cuda, True, False)  # 9.0 us: slower than the two
+    _remember(proof_sandbox, qa.OP, shape, qa.proof_environment(cuda), None, None, 0.045)
+    assert not fb.qkv_attention_in_plan(config, torch.float16, cuda, True, False)  # refused by its proof
+
+
+def test_a_gemm_candidate_proves_it_beside_its_gemms_and_records_it():
+    """The op shape is proven with the GEMMs (the "linear" kind) where the attention kernel runs too, for rows it
+    takes; its records belong to that kind and are adopted back from a manifest."""
+    from kkdeploy.config import official_config
+    from kkdeploy.kernels import model_proofs as mp
+
+    gemms = ["attention", "layer_norm", "linear"]
+    named = lambda config, kinds: [n for _, n, _ in mp.kernel_op_shapes(config, kinds)]  # noqa: E731
+    assert "qkv_attention" in named(official_config(3), gemms)
+    assert "qkv_attention" in named(official_config(12), gemms)  # S = 32
+    assert "qkv_attention" not in named(official_config(13), gemms)  # S = 1024: the attention launch on packed Q|K|V
+    assert "qkv_attention" not in named(official_config(3), ["linear"])
+    assert "qkv_attention" not in named(official_config(3), ["attention", "layer_norm"])
+    config = TransformerConfig(batch_size=2, seq_len=24, d_model=32, num_heads=4, ffn_dim=32, num_layers=2)
+    model = build_models(config, torch.float16, "cpu")[0]
+    proofs = mp.prove_model_kernels(model, config, torch.float16, "cpu", gemms, reuse=False)
+    records = [r for r in proofs.of_kind("linear") if r.op == qa.OP]
+    assert len(records) == 1 and not records[0].proven and "CUDA-only" in records[0].reason
+    assert records[0].shape == qa.proof_shape(2, 24, 32, 4, True)
+    assert records[0] in proofs.only(["linear"]).records and records[0] not in proofs.only(["attention"]).records
+    assert mp.adopt_recorded([records[0].to_dict()], "cpu") == (1, 0)
+
+
+def test_the_launch_refuses_what_it_cannot_take_in_one_line():
+    assert "CUDA-only" in qa.kernel_refusal(128, 128, 4, torch.float16, "cpu")
+    assert "float16 reference only" in qa.kernel_refusal(128, 128, 4, torch.float32, "cuda")
+    assert "17 to 128 keys" in qa.kernel_refusal(256, 128, 4, torch.float16, "cuda")
+    with pytest.raises(Exception, match="unknown Q\\|K\\|V attention launch 'nope'"):
+        qa.run_launch(None, (), (), None, 4, True, "nope")

@@ -1,4 +1,4 @@
-"""The attention with its Q, K and V projections in the same launch (``triton_qkv_attention``; a study, not in builds).
+"""The attention with its Q, K and V projections in the same launch (``triton_qkv_attention``).
 
 Why: on the launch-bound shapes (S <= 128, D <= 128) a block runs its packed Q|K|V GEMM as a launch of its own
 before the attention, one of the five launches per block whose latencies add up one after another (shape 3: 21
@@ -10,8 +10,8 @@ block that the attention reads back (0.78 ms a block by the proof's timing, of a
   exactly as the proven GEMM tile computes it (``_fused_linear_triton._linear_tile``): ``tl.dot`` over D in steps
   of BLOCK_K = min(64, next_pow2(D)) on one float32 accumulator, the bias added to it, one rounding to float16.
   Only the tile's width differs (the head's Dh columns instead of 64 or 128): each output element is its own
-  k16 chain of the same products, so the width should not change its bits; the GPU decides
-  (``scripts/qkv_attention_study.py``);
+  k16 chain of the same products, so the width should not change its bits; the GPU decides (on an H100 it did
+  not, session 43: ``scripts/qkv_attention_study.py``), and a build proves it (``qkv_attention``);
 * then the arithmetic of the register-cached attention launch (``cached64w4_mdiv``: ``_attention_tile`` with
   NCACHED chunks of 32 keys) on those tiles, in its order: each 32-key chunk's scores from its own dot of q with the
   chunk's K rows (the cached launch's wgmma tile); the same masks, max, exps, lane sums, butterfly, probabilities; P.V chained chunk by chunk on the float32 accumulator.
@@ -33,13 +33,10 @@ from ._faithful_attention_triton import (COMPILE_FLAGS, INTERPRET, _exp, _lane_a
 from .dependent_launch import launch_options
 from .faithful_attention import fp32_scale
 from .precompile import launch as launch_kernel
+from .qkv_attention import qkv_attention_refusal
 
-#: query rows per program and keys per projected block (wgmma's 64-row tiles); ATen's lanes, the softmax's chunk
+#: query rows per program (wgmma's 64-row tiles)
 BLOCK_M = 64
-KEYS = 64
-CHUNK = 32
-#: the rows it takes: ATen's WARP is 32 lanes from S = 17 on, and four chunks of 32 keys hold S = 128
-MIN_SEQ_LEN, MAX_SEQ_LEN = 17, 128
 
 
 @triton.jit
@@ -242,19 +239,6 @@ def _qkv_attention_kernel(
     offs_d = tl.arange(0, DH_PAD)
     o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
     tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
-
-
-def qkv_attention_refusal(seq_len: int, d_model: int, num_heads: int) -> str | None:
-    """Why the launch cannot take rows of ``seq_len`` at width ``d_model`` with ``num_heads`` heads (one line), or
-    None."""
-    if not MIN_SEQ_LEN <= seq_len <= MAX_SEQ_LEN:
-        return (f"the Q|K|V attention launch takes {MIN_SEQ_LEN} to {MAX_SEQ_LEN} keys (ATen's 32 lanes, four chunks "
-                f"in registers), got S = {seq_len}: use the attention launch on packed Q|K|V")
-    if num_heads < 1 or d_model % num_heads:
-        return f"d_model {d_model} does not split into {num_heads} heads"
-    if d_model // num_heads > 128:
-        return f"the Q|K|V attention launch takes head dims up to 128, got {d_model // num_heads}"
-    return None
 
 
 def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num_heads: int, causal: bool, *,

@@ -116,7 +116,7 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
     whole feed-forward in one launch, where proven and faster than the two it replaces: ``ffn_chain_pays``) and
     ``ffn_qkv`` (with ``ffn_chain`` and ``packed_qkv``: that launch also computes the next block's Q|K|V, where proven
     and faster than the packed Q|K|V launch it replaces: ``ffn_qkv_pays``) and ``qkv_attention`` (Q|K|V projected
-    inside the attention's launch: ``qkv_attention_in_plan``, off in builds)."""
+    inside the attention's launch, where proven and faster than the two launches: ``qkv_attention_in_plan``)."""
     from .faithful_attention import select_attention_path
 
     launches = linear_launches(config)
@@ -138,20 +138,33 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
     return {"gemms": gemms, "linears": linears, "packed_qkv": packed_qkv,
             "gelu_prologue": gelu_prologue, "gelu": gemms and not gelu_prologue and proven(f, d, "gelu"),
             "layer_norm": layer_norm, "ffn_chain": ffn_chain, "ffn_qkv": ffn_qkv,
-            "qkv_attention": qkv_attention_in_plan(config, packed_qkv, ffn_qkv, device)}
+            "qkv_attention": qkv_attention_in_plan(config, dtype, device, packed_qkv, ffn_qkv)}
 
 
-def qkv_attention_in_plan(config, packed_qkv: bool, ffn_qkv: bool, device) -> bool:
-    """Whether a block's Q|K|V and attention run as one launch (``qkv_attention``): only where ``IN_BUILDS`` is set
-    (a study; no GPU has proven the launch yet), the packed Q|K|V and the attention kernel both taken, no feed-forward
-    launch computing the next Q|K|V, and the launch taking the shape (rows of 17-128, head dims up to 128)."""
-    from . import qkv_attention
+def qkv_attention_in_plan(config, dtype: torch.dtype, device, packed_qkv: bool, ffn_qkv: bool) -> bool:
+    """Whether a block's Q|K|V and attention run as one launch (``qkv_attention``): where the packed Q|K|V and the
+    attention kernel are both taken (``packed_qkv``), no feed-forward launch computes the next Q|K|V, and a proof
+    made here found the launch bit-identical and, by the proofs' own times, faster than the two launches it replaces:
+    the packed Q|K|V GEMM (ours where chosen, else cuBLAS's) and the attention's chosen launch."""
+    from .faithful_attention import OP as ATTENTION_OP
+    from .faithful_attention import proof_environment as attention_environment
+    from .faithful_attention import proof_shape as attention_shape
+    from .fused_linear import proven_ms
+    from .proof import lookup_proof
+    from .qkv_attention import proven_record
 
-    if not (qkv_attention.IN_BUILDS and packed_qkv and not ffn_qkv and torch.device(device).type == "cuda"):
+    if not packed_qkv or ffn_qkv:
         return False
-    from ._qkv_attention_triton import qkv_attention_refusal
-
-    return qkv_attention_refusal(config.seq_len, config.d_model, config.num_heads) is None
+    b, s, d, h = config.batch_size, config.seq_len, config.d_model, config.num_heads
+    record = proven_record(b, s, d, h, config.causal, dtype, device)
+    if record is None or not record.proven or record.chosen_ms is None:
+        return False
+    qkv = proven_ms(b * s, 3 * d, d, "none", dtype, device)
+    attention = lookup_proof(attention_environment(device), ATTENTION_OP, attention_shape(b * h, s, d // h,
+                                                                                          config.causal))
+    if qkv is None or attention is None or attention.chosen_ms is None:
+        return False  # a part never timed here: keep the plan the proofs can vouch for
+    return record.chosen_ms < (qkv[0] if qkv[0] is not None else qkv[1]) + attention.chosen_ms
 
 
 def _linear(plan: dict, name: str, x, weights, biases, residual=None, mask=None, epilogue: str = "none",

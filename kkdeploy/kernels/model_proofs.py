@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from kkdeploy.config import TransformerConfig
 from kkdeploy.inputs import DEFAULT_SEED, padded_case
 
-from . import fused_linear, layer_norm
+from . import fused_linear, layer_norm, qkv_attention
 from . import faithful_attention as attention_kernel
 from .precompile import DEFAULT_WORKERS, parallel_compiles
 from .proof import ProofCache, ProofRecord, launch_watch, lookup_proof
@@ -57,7 +57,7 @@ class ModelProofs:
         return len(self.reused_records)
 
     def of_kind(self, kind: str) -> list[ProofRecord]:
-        return [r for r in self.records if r.op == _op(kind)]
+        return [r for r in self.records if r.op in _ops(kind)]
 
     def only(self, kinds: Iterable[str]) -> "ModelProofs":
         """The records of ``kinds`` (in the order they were proven), with this step's seconds."""
@@ -162,6 +162,22 @@ class _Cases:
             self.random_mask, heads, causal))
         return cases
 
+    def qkv_attention(self):
+        """The Q|K|V attention launch's cases: each layer's normalized rows with its q/k/v weights, and random rows
+        with the first layer's."""
+        heads, causal = self.config.num_heads, self.config.causal
+
+        def case(label, h, block, mask):
+            projections = (block.attention.q_proj, block.attention.k_proj, block.attention.v_proj)
+            return qkv_attention.qkv_attention_case(label, h, [p.weight for p in projections],
+                                                    [p.bias for p in projections], mask, heads, causal)
+
+        cases = [case(label, layer.h, block, mask) for label, mask, layer, block in self.real()]
+        block = self.model.layers[self.layer_ids[0]]
+        cases += self.random(lambda s: case(f"random x{s:g}, padded", self.rand(self.random_base.h, s), block,
+                                            self.random_mask))
+        return cases
+
     def layer_norm(self):
         cases = []
         for label, mask, layer, block in self.real():
@@ -259,6 +275,9 @@ def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str],
                **(ffn_chain_launches(config) if feed_forward else {})}
         for name, (m, n, k, form) in ops.items():
             shapes.append(("linear", name, fused_linear.proof_shape(m, n, k, form)))
+        if "attention" in kinds and qkv_attention.qkv_attention_refusal(s, d, h) is None:
+            # the packed Q|K|V and the attention in one launch: a GEMM candidate's op, where the attention kernel runs
+            shapes.append(("linear", "qkv_attention", qkv_attention.proof_shape(b, s, d, h, config.causal)))
     return shapes
 
 
@@ -285,14 +304,26 @@ def refused_launches(refusals: Optional[dict[str, str]], op: str) -> dict[str, s
 
 #: kind -> the module of its kernel op (``OP``, ``proof_environment``)
 _MODULES = {"attention": attention_kernel, "layer_norm": layer_norm, "linear": fused_linear}
+#: op shapes (by name) whose op is another module's than their kind's: the Q|K|V attention launch, proven with a GEMM
+#: candidate's ops
+_NAMED = {"qkv_attention": qkv_attention}
 
 
-def _environment(kind: str, device) -> dict:
-    return _MODULES[kind].proof_environment(device)
+def _module(kind: str, name: Optional[str] = None):
+    return _NAMED.get(name) or _MODULES[kind]
 
 
-def _op(kind: str) -> str:
-    return _MODULES[kind].OP
+def _environment(kind: str, device, name: Optional[str] = None) -> dict:
+    return _module(kind, name).proof_environment(device)
+
+
+def _op(kind: str, name: Optional[str] = None) -> str:
+    return _module(kind, name).OP
+
+
+def _ops(kind: str) -> set[str]:
+    """The ops whose records belong to ``kind``."""
+    return {_MODULES[kind].OP} | {module.OP for name, module in _NAMED.items() if kind == "linear"}
 
 
 def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, device: torch.device | str,
@@ -318,7 +349,7 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
     cases: Optional[_Cases] = None
     slots: list = []  # per op shape: its reused record, or (kind, name, shape, refusal) to prove
     for kind, name, shape in kernel_op_shapes(config, kinds, launches):
-        found = lookup_proof(_environment(kind, device), _op(kind), shape, cache=cache) if reuse else None
+        found = lookup_proof(_environment(kind, device, name), _op(kind, name), shape, cache=cache) if reuse else None
         if refusals and op_key(kind, shape) in refusals:
             slots.append((kind, name, shape, refusals[op_key(kind, shape)]))
         elif found is not None:
@@ -332,7 +363,7 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
             slots.append((kind, name, shape, builder.submit(_refusal, kind, config, dtype, device)))
             builder.shutdown(wait=False)
         else:
-            slots.append((kind, name, shape, _refusal(kind, config, dtype, device)))
+            slots.append((kind, name, shape, _refusal(kind, config, dtype, device, name)))
     todo = [slot for slot in slots if isinstance(slot, tuple)]
     mark = start
 
@@ -391,8 +422,11 @@ def _compile_ahead(todo, cases: _Cases, config, device, launches, workers: int,
     cases.generator.set_state(state)
 
 
-def _refusal(kind: str, config: TransformerConfig, dtype: torch.dtype, device: torch.device) -> Optional[str]:
-    """Why no kernel of ``kind`` can run here at all (then no activations are captured for it)."""
+def _refusal(kind: str, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+             name: Optional[str] = None) -> Optional[str]:
+    """Why no kernel of ``kind`` (op shape ``name``) can run here at all (then no activations are captured for it)."""
+    if name == "qkv_attention":
+        return qkv_attention.kernel_refusal(config.seq_len, config.d_model, config.num_heads, dtype, device)
     if kind == "attention":
         return attention_kernel.kernel_refusal(config.seq_len, config.head_dim, dtype, device)
     if kind == "layer_norm":
@@ -405,7 +439,12 @@ def _refusal(kind: str, config: TransformerConfig, dtype: torch.dtype, device: t
 def _prove(kind, name, shape, cases: Optional[_Cases], config, device, budget_s, cache, refusal,
            launches: Optional[list[str]]) -> ProofRecord:
     if refusal is not None:  # not cached: asking again is cheap, and a refusal may not hold tomorrow (nvcc installed)
-        return ProofRecord(op=_op(kind), shape=shape, environment=_environment(kind, device), reason=refusal)
+        return ProofRecord(op=_op(kind, name), shape=shape, environment=_environment(kind, device, name),
+                           reason=refusal)
+    if name == "qkv_attention":
+        named = [n for n in (launches or ()) if n in qkv_attention.LAUNCHES] or None
+        return qkv_attention.prove_qkv_attention(device, cases.qkv_attention(), shape, launches=named,
+                                                 budget_s=budget_s, cache=cache)
     if kind == "attention":
         fitting = [n for n in launches or () if attention_kernel.launch_fits(n, shape["seq_len"])] or None
         return attention_kernel.prove_attention(device, cases.attention(), shape["batch_heads"], shape["seq_len"],
@@ -439,10 +478,12 @@ def adopt_recorded(records: Iterable[dict], device: torch.device | str) -> tuple
         except TypeError:
             foreign += 1
             continue
-        kind = {_op(k): k for k in KINDS}.get(record.op)
+        owner = {_op(k): (k, None) for k in KINDS}
+        owner.update({module.OP: ("linear", name) for name, module in _NAMED.items()})
+        kind, name = owner.get(record.op, (None, None))
         if kind is None:
             continue
-        if record.environment == _environment(kind, device):
+        if record.environment == _environment(kind, device, name):
             remember_proof(record, persist=False)
             adopted += 1
         else:

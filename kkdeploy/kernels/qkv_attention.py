@@ -1,29 +1,86 @@
 """``kkdeploy_faithful::qkv_attention``: the attention of a block from its normalized rows, Q, K and V projected
-inside the attention's launch (a study; ``_qkv_attention_triton`` says what the launch computes and why).
+inside the attention's launch (``_qkv_attention_triton`` says what the launch computes and why).
 
-The op is the reference's ATen composition everywhere (the model's q_proj, k_proj and v_proj, then
-``reference_attention``) except where ``IN_BUILDS`` is set and the launch takes the shape: then the Triton launch.
-``IN_BUILDS`` is off. No GPU has run the launch yet; a study flips it (``sed``) to time a whole graph with it, where
-the bench validates every trial against the reference, bit for bit under the strict rule. It gives way to a proof of
-the launch in the build once a GPU has shown it bit-identical and faster than the two launches it replaces. This
-module imports only torch; Triton is imported where the launch runs.
+The op is the reference's ATen composition (the model's q_proj, k_proj and v_proj, then ``reference_attention``)
+except where a proof made in this environment found a launch bit-identical at the call's shape: then that launch.
+A build proves it beside the GEMMs (``model_proofs``, the "linear" kind, where the model also runs the attention
+kernel), and ``fused_blocks.block_plan`` takes it only where the proof's time is below the two launches it replaces
+by their own proofs' times (the packed Q|K|V GEMM and the attention).
+
+On an H100 (session 43, ``scripts/qkv_attention_study.py``, weights of our own) both forms were bit-identical to
+ATen's composition on shapes 3, 12 and 6 (first and last block, all-valid and padded, random inputs). With
+dependent launches, in a CUDA graph: shape 3 6.90 µs ("whole") against 8.35 for the two launches, shape 12 5.45
+against 6.06; shape 6 1.90 ms against 1.79 (there the two launches stay). This module imports only torch; Triton is
+imported where the launch runs.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from kkdeploy.errors import KKError
+
 from .faithful_attention import reference_attention
+from .paths import triton_available
+from .proof import (ProofCache, ProofCase, ProofRecord, kernel_environment, launch_table_digest, lookup_proof,
+                    prove_launches, remember_proof)
 
 OP_NAME = "kkdeploy_faithful::qkv_attention"
-#: whether a build's graph takes the one launch (``fused_blocks.block_plan``'s "qkv_attention"); off until a GPU has
-#: proven it (docs/faithful-attention.md, "Q, K and V in the attention's launch")
-IN_BUILDS = False
-#: the launch's options where it runs (``triton_qkv_attention``'s keywords: ``whole``, ``num_warps``, ...)
-LAUNCH: dict = {}
+#: the proofs' op name
+OP = "qkv_attention"
+SOURCES = (Path(__file__).resolve().with_name("_qkv_attention_triton.py"),
+           Path(__file__).resolve().with_name("_faithful_attention_triton.py"))  # its softmax's jit functions
+#: the launch's forms (``triton_qkv_attention``'s keywords): each projection on its own, 64 keys at a time as the
+#: causal limit needs them ("split"), or q, k and v in one walk over D with every key ("whole": the faster of the
+#: two on shapes 3 and 12 in session 43)
+LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True}}
+#: the forms a build proves
+BUILD_LAUNCHES = ("whole", "split")
+LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, BUILD_LAUNCHES)
+#: the rows it takes: ATen's WARP is 32 lanes from S = 17 on, and four chunks of 32 keys hold S = 128
+MIN_SEQ_LEN, MAX_SEQ_LEN = 17, 128
+#: the head dims it was compiled and proven for (the attention kernel's cached launch takes up to 128)
+MAX_HEAD_DIM = 128
+
+
+def qkv_attention_refusal(seq_len: int, d_model: int, num_heads: int) -> Optional[str]:
+    """Why the launch cannot take rows of ``seq_len`` at width ``d_model`` with ``num_heads`` heads (one line), or
+    None."""
+    if not MIN_SEQ_LEN <= seq_len <= MAX_SEQ_LEN:
+        return (f"the Q|K|V attention launch takes {MIN_SEQ_LEN} to {MAX_SEQ_LEN} keys (ATen's 32 lanes, four chunks "
+                f"in registers), got S = {seq_len}: use the attention launch on packed Q|K|V")
+    if num_heads < 1 or d_model % num_heads:
+        return f"d_model {d_model} does not split into {num_heads} heads"
+    if d_model // num_heads > MAX_HEAD_DIM:
+        return f"the Q|K|V attention launch takes head dims up to {MAX_HEAD_DIM}, got {d_model // num_heads}"
+    return None
+
+
+def kernel_refusal(seq_len: int, d_model: int, num_heads: int, dtype: torch.dtype, device) -> Optional[str]:
+    """None when the launch can run a model of this shape here (proven or not), else why not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"{device.type} device: the reference composition runs (the launch is CUDA-only)"
+    if dtype != torch.float16:
+        return f"dtype {dtype}: the launch reproduces the float16 reference only"
+    if not triton_available():
+        return "triton is not importable"
+    return qkv_attention_refusal(seq_len, d_model, num_heads)
+
+
+def proof_shape(batch_size: int, seq_len: int, d_model: int, num_heads: int, causal: bool = True) -> dict:
+    """The op shape a proof holds for."""
+    return {"batch": int(batch_size), "seq_len": int(seq_len), "d_model": int(d_model), "heads": int(num_heads),
+            "causal": bool(causal), "dtype": "float16"}
+
+
+def proof_environment(device: torch.device | str) -> dict:
+    """The environment key of the launch's proofs (device, torch, CUDA, Triton, the kernels' source)."""
+    return kernel_environment(device, OP, SOURCES, launches=LAUNCHES_DIGEST)
 
 
 def reference_qkv_attention(h, wq, wk, wv, bq, bk, bv, valid_token_mask, num_heads: int, causal: bool):
@@ -32,16 +89,21 @@ def reference_qkv_attention(h, wq, wk, wv, bq, bk, bv, valid_token_mask, num_hea
                                num_heads, causal)
 
 
-def launch_takes(h: torch.Tensor, num_heads: int) -> bool:
-    """Whether the one launch can run here on ``h`` [B, S, D]: CUDA, float16, Triton importable, rows and heads it
-    takes."""
-    from .paths import triton_available
+def run_launch(h, weights, biases, valid_token_mask, num_heads: int, causal: bool, launch: str) -> torch.Tensor:
+    """The launch in one of LAUNCHES' forms (no path rule: what a proof runs)."""
+    if launch not in LAUNCHES:
+        raise KKError(f"unknown Q|K|V attention launch {launch!r}; the launches are {', '.join(LAUNCHES)}")
+    from ._qkv_attention_triton import triton_qkv_attention
 
-    if h.device.type != "cuda" or h.dtype != torch.float16 or h.dim() != 3 or not triton_available():
-        return False
-    from ._qkv_attention_triton import qkv_attention_refusal
+    return triton_qkv_attention(h, weights, biases, valid_token_mask, num_heads, causal, **LAUNCHES[launch])
 
-    return qkv_attention_refusal(h.shape[1], h.shape[2], num_heads) is None
+
+def proven_record(batch_size: int, seq_len: int, d_model: int, num_heads: int, causal: bool, dtype: torch.dtype,
+                  device) -> Optional[ProofRecord]:
+    """This environment's proof of the launch at this shape (None: none made, or the launch cannot run here)."""
+    if kernel_refusal(seq_len, d_model, num_heads, dtype, device):
+        return None
+    return lookup_proof(proof_environment(device), OP, proof_shape(batch_size, seq_len, d_model, num_heads, causal))
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
@@ -54,11 +116,11 @@ def _qkv_attention_op(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: t
 
 @_qkv_attention_op.register_kernel("cuda")
 def _qkv_attention_cuda(h, wq, wk, wv, bq, bk, bv, valid_token_mask, num_heads, causal):
-    """CUDA: the one launch where ``IN_BUILDS`` and the launch takes the shape, else the composition."""
-    if IN_BUILDS and launch_takes(h, num_heads):
-        from ._qkv_attention_triton import triton_qkv_attention
-
-        return triton_qkv_attention(h, (wq, wk, wv), (bq, bk, bv), valid_token_mask, num_heads, causal, **LAUNCH)
+    """CUDA: the launch a proof made here chose for this shape, else the composition."""
+    b, s, d = h.shape
+    record = proven_record(b, s, d, num_heads, causal, h.dtype, h.device)
+    if record is not None and record.proven:
+        return run_launch(h, (wq, wk, wv), (bq, bk, bv), valid_token_mask, num_heads, causal, record.chosen)
     return reference_qkv_attention(h, wq, wk, wv, bq, bk, bv, valid_token_mask, num_heads, causal)
 
 
@@ -74,3 +136,31 @@ def qkv_attention(h: torch.Tensor, attention, valid_token_mask=None) -> torch.Te
     return torch.ops.kkdeploy_faithful.qkv_attention(
         h, attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight, attention.q_proj.bias,
         attention.k_proj.bias, attention.v_proj.bias, valid_token_mask, attention.num_heads, attention.causal)
+
+
+# ----------------------------------------------------------------------------------------------
+# the proof
+# ----------------------------------------------------------------------------------------------
+
+
+def qkv_attention_case(label: str, h: torch.Tensor, weights, biases, valid_token_mask, num_heads: int,
+                       causal: bool) -> ProofCase:
+    """One input set of the op (a block's normalized rows h [B, S, D], its q/k/v weights and biases, the mask): the
+    reference composition against a launch."""
+    return ProofCase(label, lambda: reference_qkv_attention(h, *weights, *biases, valid_token_mask, num_heads, causal),
+                     lambda launch: run_launch(h, weights, biases, valid_token_mask, num_heads, causal, launch))
+
+
+def prove_qkv_attention(device: torch.device | str, cases: list[ProofCase], shape: dict, *,
+                        launches: Optional[list[str]] = None, budget_s: float = 20.0, repeats: int = 5,
+                        cache: Optional[ProofCache] = None) -> ProofRecord:
+    """Prove the launch's forms on ``cases`` (``qkv_attention_case``) at ``shape`` (``proof_shape``); remember the
+    record for this process and in the on-disk cache. Where the launch cannot run at all, the record says why."""
+    environment = proof_environment(device)
+    refusal = kernel_refusal(shape["seq_len"], shape["d_model"], shape["heads"], torch.float16, device)
+    if refusal:
+        return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
+    record = prove_launches(OP, shape, [n for n in launches or BUILD_LAUNCHES if n in LAUNCHES], cases, device,
+                            environment=environment, budget_s=budget_s, repeats=repeats, against_reference=True)
+    remember_proof(record, cache)
+    return record
