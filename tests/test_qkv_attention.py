@@ -200,13 +200,19 @@ def test_the_plan_takes_the_one_launch_where_its_proof_beats_the_two_it_replaces
     assert not fb.qkv_attention_in_plan(config, torch.float16, cuda, True, False)  # refused by its proof
 
 
-def test_a_gemm_candidate_proves_it_beside_its_gemms_and_records_it():
+def test_a_gemm_candidate_proves_it_beside_its_gemms_and_records_it(monkeypatch):
     """The op shape is proven with the GEMMs (the "linear" kind) where the attention kernel runs too, for rows it
-    takes; its records belong to that kind and are adopted back from a manifest."""
+    takes, once its forms are in the build's (a study names them until then); its records belong to that kind and
+    are adopted back from a manifest."""
     from kkdeploy.config import official_config
     from kkdeploy.kernels import model_proofs as mp
 
     gemms = ["attention", "layer_norm", "linear"]
+    assert qa.BUILD_LAUNCHES == ()  # not in builds until a GPU build ships it through strict validation
+    assert "qkv_attention" not in [n for _, n, _ in mp.kernel_op_shapes(official_config(3), gemms)]
+    assert "qkv_attention" in [n for _, n, _ in mp.kernel_op_shapes(official_config(3), gemms,
+                                                                      {"linear": ["auto", "whole"]})]  # a study's
+    monkeypatch.setattr(qa, "BUILD_LAUNCHES", ("whole", "split"))
     named = lambda config, kinds: [n for _, n, _ in mp.kernel_op_shapes(config, kinds)]  # noqa: E731
     assert "qkv_attention" in named(official_config(3), gemms)
     assert "qkv_attention" in named(official_config(12), gemms)  # S = 32

@@ -259,7 +259,8 @@ def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str],
                      launches: Optional[dict[str, list[str]]] = None) -> list[tuple[str, str, dict]]:
     """(kind, name, op shape) of every kernel op of ``kinds`` in a model of ``config``. The feed-forward launches
     (``fused_blocks.ffn_chain_launches``) only where a build proves their tiles (``fused_linear.FFN_BUILD_TILES``)
-    or a study names one (``launches``)."""
+    or a study names one (``launches``), and the Q|K|V attention launch likewise (``qkv_attention.BUILD_LAUNCHES``,
+    or a study naming "whole" or "split" among the linear launches)."""
     from .fused_blocks import ffn_chain_launches, gelu_launches, layer_norm_launches, linear_launches
 
     b, s, d, h = config.batch_size, config.seq_len, config.d_model, config.num_heads
@@ -275,7 +276,8 @@ def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str],
                **(ffn_chain_launches(config) if feed_forward else {})}
         for name, (m, n, k, form) in ops.items():
             shapes.append(("linear", name, fused_linear.proof_shape(m, n, k, form)))
-        if "attention" in kinds and qkv_attention.qkv_attention_refusal(s, d, h) is None:
+        one_launch = qkv_attention.BUILD_LAUNCHES or any(t in qkv_attention.LAUNCHES for t in named)
+        if "attention" in kinds and one_launch and qkv_attention.qkv_attention_refusal(s, d, h) is None:
             # the packed Q|K|V and the attention in one launch: a GEMM candidate's op, where the attention kernel runs
             shapes.append(("linear", "qkv_attention", qkv_attention.proof_shape(b, s, d, h, config.causal)))
     return shapes
