@@ -113,6 +113,19 @@ def _scaled(s, scale):
 
 
 @triton.jit
+def _edge_masked(s, MASK, m_row0, stride_ms, offs_m, offs_n, S, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Scores s [rows offs_m, keys offs_n] with -inf where a key is past S, in a row's causal future or invalid: an
+    edge chunk's masks, as the reference's masked_fill leaves them."""
+    valid = offs_n[None, :] < S
+    if CAUSAL:
+        valid = valid & (offs_n[None, :] <= offs_m[:, None])
+    if HAS_MASK:
+        km = tl.load(MASK + m_row0 + offs_n * stride_ms, mask=offs_n < S, other=0)
+        valid = valid & (km[None, :] != 0)
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
 def _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_n, offs_d, S, scale,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, RAW: tl.constexpr = False,
                  EDGE: tl.constexpr = True):
@@ -130,13 +143,7 @@ def _score_chunk(q, K, k_row0, stride_ks, MASK, m_row0, stride_ms, offs_m, offs_
     if not RAW:
         s = _scaled(s, scale)
     if EDGE:
-        valid = offs_n[None, :] < S
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        if HAS_MASK:
-            km = tl.load(MASK + m_row0 + offs_n * stride_ms, mask=offs_n < S, other=0)
-            valid = valid & (km[None, :] != 0)
-        s = tl.where(valid, s, float("-inf"))
+        s = _edge_masked(s, MASK, m_row0, stride_ms, offs_m, offs_n, S, CAUSAL, HAS_MASK)
     elif HAS_MASK:
         km = tl.load(MASK + m_row0 + offs_n * stride_ms)
         s = tl.where(km[None, :] != 0, s, float("-inf"))

@@ -28,8 +28,8 @@ import triton.language as tl
 
 from kkdeploy.errors import KKError
 
-from ._faithful_attention_triton import (COMPILE_FLAGS, INTERPRET, _exp, _lane_add, _probabilities, _row_sum,
-                                         _scaled)
+from ._faithful_attention_triton import (COMPILE_FLAGS, INTERPRET, _edge_masked, _exp, _lane_add, _probabilities,
+                                         _row_sum, _scaled)
 from .dependent_launch import launch_options
 from .faithful_attention import fp32_scale
 from .precompile import launch as launch_kernel
@@ -73,14 +73,8 @@ def _chunk_scores(q, k, MASK, m_row0, stride_ms, offs_m, keys, S, scale, CAUSAL:
                   HAS_MASK: tl.constexpr):
     """The scores of a 32-key chunk as ``_score_chunk`` gives them (its dot of q with the chunk's K rows, the same
     wgmma tile): rounded and scaled where the reference rounds, -inf where causal, invalid or past S."""
-    s = _scaled(tl.dot(q, tl.trans(k)), scale)
-    valid = keys[None, :] < S
-    if CAUSAL:
-        valid = valid & (keys[None, :] <= offs_m[:, None])
-    if HAS_MASK:
-        km = tl.load(MASK + m_row0 + keys * stride_ms, mask=keys < S, other=0)
-        valid = valid & (km[None, :] != 0)
-    return tl.where(valid, s, float("-inf"))
+    return _edge_masked(_scaled(tl.dot(q, tl.trans(k)), scale), MASK, m_row0, stride_ms, offs_m, keys, S, CAUSAL,
+                        HAS_MASK)
 
 
 @triton.jit
