@@ -202,16 +202,17 @@ def test_the_plan_takes_the_one_launch_where_its_proof_beats_the_two_it_replaces
 
 def test_a_gemm_candidate_proves_it_beside_its_gemms_and_records_it(monkeypatch):
     """The op shape is proven with the GEMMs (the "linear" kind) where the attention kernel runs too, for rows it
-    takes, once its forms are in the build's (a study names them until then); its records belong to that kind and
-    are adopted back from a manifest."""
+    takes (where a build proves its forms, or a study names one); its records belong to that kind and are adopted
+    back from a manifest."""
     from kkdeploy.config import official_config
     from kkdeploy.kernels import model_proofs as mp
 
     gemms = ["attention", "layer_norm", "linear"]
-    assert qa.BUILD_LAUNCHES == ()  # not in builds until a GPU build ships it through strict validation
+    assert qa.BUILD_LAUNCHES == ("whole", "split")  # a GPU build shipped it through strict validation
+    monkeypatch.setattr(qa, "BUILD_LAUNCHES", ())  # with none in builds, only a study naming one proves it
     assert "qkv_attention" not in [n for _, n, _ in mp.kernel_op_shapes(official_config(3), gemms)]
     assert "qkv_attention" in [n for _, n, _ in mp.kernel_op_shapes(official_config(3), gemms,
-                                                                      {"linear": ["auto", "whole"]})]  # a study's
+                                                                      {"linear": ["auto", "whole"]})]
     monkeypatch.setattr(qa, "BUILD_LAUNCHES", ("whole", "split"))
     named = lambda config, kinds: [n for _, n, _ in mp.kernel_op_shapes(config, kinds)]  # noqa: E731
     assert "qkv_attention" in named(official_config(3), gemms)
