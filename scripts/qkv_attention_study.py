@@ -66,7 +66,8 @@ def main(argv=None) -> int:
 
     from kkdeploy.kernels._faithful_attention_triton import triton_attention
     from kkdeploy.kernels._fused_linear_triton import triton_linear
-    from kkdeploy.kernels._qkv_attention_triton import qkv_attention_refusal, triton_qkv_attention
+    from kkdeploy.kernels._qkv_attention_triton import triton_qkv_attention
+    from kkdeploy.kernels.qkv_attention import qkv_attention_refusal
     from kkdeploy.kernels.faithful_attention import reference_attention
     from kkdeploy.kernels.fused_linear import TILES
     from kkdeploy.kernels.timing import differing_bits

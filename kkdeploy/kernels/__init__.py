@@ -18,6 +18,8 @@ through ``cuda_build``), the long-context path's where a build proved it bit-ide
 ``fused_linear`` is the reference's Linear with its next elementwise ops (residual add, mask, GELU) in a Triton
 GEMM's epilogue, and Q/K/V in one launch, as the custom op ``kkdeploy_faithful::linear``, used by the
 ``torch-compile-faithful-gemms`` candidate through ``fused_blocks`` (the reference's blocks composed of these ops).
+``qkv_attention`` is a block's packed Q|K|V GEMM and its attention in one launch (rows of 17-128 keys), as the
+custom op ``kkdeploy_faithful::qkv_attention``, which that candidate's plan takes where its proof beats the two.
 
 Every kernel runs only where a proof made in this environment found it bit-identical to the ATen op it replaces, at
 the op shape of the call (``proof``, ``model_proofs``: the build's proof step; docs/kernel-proofs.md).
