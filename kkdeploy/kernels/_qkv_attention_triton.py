@@ -14,7 +14,8 @@ block that the attention reads back (0.78 ms a block by the proof's timing, of a
   not, session 43: ``scripts/qkv_attention_study.py``), and a build proves it (``qkv_attention``);
 * then the arithmetic of the register-cached attention launch (``cached64w4_mdiv``: ``_attention_tile`` with
   NCACHED chunks of 32 keys) on those tiles, in its order: each 32-key chunk's scores from its own dot of q with the
-  chunk's K rows (the cached launch's wgmma tile); the same masks, max, exps, lane sums, butterfly, probabilities; P.V chained chunk by chunk on the float32 accumulator.
+  chunk's K rows (the cached launch's wgmma tile); the same masks, max, exps, lane sums, butterfly, probabilities;
+  P.V chained chunk by chunk on the float32 accumulator.
 
 K and V are computed once per row block that needs them (twice for the second row block's first 64 keys at
 S = 128): tensor-core work, which the launch-bound shapes have to spare. Rows 17..128 (ATen's WARP of 32 lanes).
@@ -155,7 +156,7 @@ def _qkv_attention_kernel(
     """``WHOLE``: q, k and v projected in one walk over D (``_project_whole``), k and v for keys 0 .. NK - 1 (NK =
     64 or 128, the rows rounded up), whether the row block needs them all or not; otherwise each projection on its
     own, keys 64 at a time as the causal limit needs them."""
-    if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
+    if PDL:  # a dependent launch (kernels/dependent_launch.py): earlier kernels' writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     CH: tl.constexpr = 32  # ATen's lanes: the softmax's chunk

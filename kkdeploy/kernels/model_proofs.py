@@ -325,7 +325,7 @@ def _op(kind: str, name: Optional[str] = None) -> str:
 
 def _ops(kind: str) -> set[str]:
     """The ops whose records belong to ``kind``."""
-    return {_MODULES[kind].OP} | {module.OP for name, module in _NAMED.items() if kind == "linear"}
+    return {_MODULES[kind].OP} | ({module.OP for module in _NAMED.values()} if kind == "linear" else set())
 
 
 def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, device: torch.device | str,
@@ -473,6 +473,8 @@ def adopt_recorded(records: Iterable[dict], device: torch.device | str) -> tuple
     another environment). The others need a proof here (``prove_model_kernels``)."""
     from .proof import remember_proof
 
+    owner = {_op(k): (k, None) for k in KINDS}  # op -> (kind, op shape name)
+    owner.update({module.OP: ("linear", name) for name, module in _NAMED.items()})
     adopted = foreign = 0
     for data in records or []:
         try:
@@ -480,8 +482,6 @@ def adopt_recorded(records: Iterable[dict], device: torch.device | str) -> tuple
         except TypeError:
             foreign += 1
             continue
-        owner = {_op(k): (k, None) for k in KINDS}
-        owner.update({module.OP: ("linear", name) for name, module in _NAMED.items()})
         kind, name = owner.get(record.op, (None, None))
         if kind is None:
             continue
