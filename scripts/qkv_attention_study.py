@@ -32,25 +32,20 @@ INNER = 20  # launch sequences per graph
 
 
 def graph_ms(fn, repeats: int, pdl: bool) -> float:
-    """Milliseconds per call of ``fn`` captured INNER times in one CUDA graph (median of ``repeats`` replays)."""
+    """Milliseconds per call of ``fn`` captured INNER times in one CUDA graph (median of ``repeats`` replays): the
+    proofs' capture (``proof._captured``), a sequence repeated inside the graph so that dependent launches overlap
+    one call's tail with the next call's head, as they do in a build's graph."""
     from kkdeploy.kernels.dependent_launch import dependent_launches
+    from kkdeploy.kernels.proof import _captured
     from kkdeploy.kernels.timing import event_median_ms
 
+    device = torch.device("cuda")
     with dependent_launches(pdl):
         fn()
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(INNER):
-                fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return round(event_median_ms(graph.replay, repeats) / INNER, 5)
+        graph = _captured(lambda: [fn() for _ in range(INNER)], device)
+    if graph is None:
+        raise RuntimeError("the launch sequence could not be captured in a CUDA graph")
+    return round(event_median_ms(graph.replay, repeats, device) / INNER, 5)
 
 
 def main(argv=None) -> int:

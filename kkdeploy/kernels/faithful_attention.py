@@ -313,6 +313,16 @@ def select_attention_path(seq_len: int, head_dim: int, dtype: torch.dtype, devic
                            f"(B*H, S, Dh) = {(batch_heads, seq_len, head_dim)}", "its model's shape")
 
 
+def proven_ms(batch_heads: int, seq_len: int, head_dim: int, causal: bool, dtype: torch.dtype,
+              device) -> Optional[tuple]:
+    """(our chosen launch's ms or None, ATen's ms) from the proof made here at this shape; None without a timed
+    proof. What ``fused_blocks`` weighs one plan against another with, as ``fused_linear.proven_ms``."""
+    if kernel_refusal(seq_len, head_dim, dtype, device):
+        return None
+    record = lookup_proof(proof_environment(device), OP, proof_shape(batch_heads, seq_len, head_dim, causal))
+    return None if record is None else record.timings
+
+
 def fp32_scale(head_dim: int) -> float:
     """``head_dim ** -0.5`` rounded to float32 (what ATen multiplies the fp16 scores by), as a Python float."""
     return struct.unpack("f", struct.pack("f", head_dim ** -0.5))[0]

@@ -69,8 +69,7 @@ def ffn_chain_pays(config, dtype: torch.dtype, device) -> bool:
     parts = [proven_ms(m, f, d, "gelu", dtype, device), proven_ms(m, d, f, "masked_sum+layer_norm", dtype, device)]
     if any(ms is None for ms in parts):
         return False  # a part never timed here: keep the plan the proofs can vouch for
-    best = lambda ms: ms[0] if ms[0] is not None else ms[1]  # noqa: E731 - ours where chosen, else ATen's
-    return chain[0] < sum(best(ms) for ms in parts)
+    return chain[0] < sum(_best(ms) for ms in parts)
 
 
 def ffn_qkv_pays(config, dtype: torch.dtype, device) -> bool:
@@ -83,7 +82,7 @@ def ffn_qkv_pays(config, dtype: torch.dtype, device) -> bool:
                          proven_ms(m, 3 * d, d, "none", dtype, device))
     if fused is None or fused[0] is None or chain is None or chain[0] is None or qkv is None:
         return False
-    return fused[0] < chain[0] + (qkv[0] if qkv[0] is not None else qkv[1])
+    return fused[0] < chain[0] + _best(qkv)
 
 
 def layer_norm_epilogues_pay(config, dtype: torch.dtype, device) -> bool:
@@ -101,8 +100,7 @@ def layer_norm_epilogues_pay(config, dtype: torch.dtype, device) -> bool:
     norm = layer_norm_ms(m, d, dtype, device)
     if any(ms is None for ms in plain) or norm is None:
         return False  # a part never timed here: keep the plan the proofs can vouch for
-    best = lambda ms: ms[0] if ms[0] is not None else ms[1]  # noqa: E731 - ours where chosen, else ATen's
-    return sum(ms[0] for ms in fused) < sum(best(ms) for ms in plain) + 2 * best(norm)
+    return sum(ms[0] for ms in fused) < sum(_best(ms) for ms in plain) + 2 * _best(norm)
 
 
 def block_plan(config, dtype: torch.dtype, device) -> dict:
@@ -146,25 +144,22 @@ def qkv_attention_in_plan(config, dtype: torch.dtype, device, packed_qkv: bool, 
     attention kernel are both taken (``packed_qkv``), no feed-forward launch computes the next Q|K|V, and a proof
     made here found the launch bit-identical and, by the proofs' own times, faster than the two launches it replaces:
     the packed Q|K|V GEMM (ours where chosen, else cuBLAS's) and the attention's chosen launch."""
-    from .faithful_attention import OP as ATTENTION_OP
-    from .faithful_attention import proof_environment as attention_environment
-    from .faithful_attention import proof_shape as attention_shape
-    from .fused_linear import proven_ms
-    from .proof import lookup_proof
-    from .qkv_attention import proven_record
+    from . import faithful_attention, fused_linear, qkv_attention
 
     if not packed_qkv or ffn_qkv:
         return False
     b, s, d, h = config.batch_size, config.seq_len, config.d_model, config.num_heads
-    record = proven_record(b, s, d, h, config.causal, dtype, device)
-    if record is None or not record.proven or record.chosen_ms is None:
-        return False
-    qkv = proven_ms(b * s, 3 * d, d, "none", dtype, device)
-    attention = lookup_proof(attention_environment(device), ATTENTION_OP, attention_shape(b * h, s, d // h,
-                                                                                          config.causal))
-    if qkv is None or attention is None or attention.chosen_ms is None:
-        return False  # a part never timed here: keep the plan the proofs can vouch for
-    return record.chosen_ms < (qkv[0] if qkv[0] is not None else qkv[1]) + attention.chosen_ms
+    one = qkv_attention.proven_ms(b, s, d, h, config.causal, dtype, device)
+    gemm = fused_linear.proven_ms(b * s, 3 * d, d, "none", dtype, device)
+    attention = faithful_attention.proven_ms(b * h, s, d // h, config.causal, dtype, device)
+    if one is None or one[0] is None or gemm is None or attention is None or attention[0] is None:
+        return False  # not proven, or a part never timed here: keep the plan the proofs can vouch for
+    return one[0] < _best(gemm) + attention[0]
+
+
+def _best(ms: tuple) -> float:
+    """A launch's time by its proof's (ours, ATen's) timings: ours where the proof chose ours, else ATen's."""
+    return ms[0] if ms[0] is not None else ms[1]
 
 
 def _linear(plan: dict, name: str, x, weights, biases, residual=None, mask=None, epilogue: str = "none",
