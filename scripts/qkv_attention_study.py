@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     from kkdeploy.kernels._faithful_attention_triton import triton_attention
     from kkdeploy.kernels._fused_linear_triton import triton_linear
     from kkdeploy.kernels._qkv_attention_triton import triton_qkv_attention
-    from kkdeploy.kernels.qkv_attention import qkv_attention_refusal
+    from kkdeploy.kernels.qkv_attention import LAUNCHES, qkv_attention_refusal
     from kkdeploy.kernels.faithful_attention import reference_attention
     from kkdeploy.kernels.fused_linear import TILES
     from kkdeploy.kernels.timing import differing_bits
@@ -114,9 +114,12 @@ def main(argv=None) -> int:
                 return reference_attention(a.q_proj(h), a.k_proj(h), a.v_proj(h), mask, heads, True)
 
             return {"two launches (auto)": two("auto"), "two launches (m64n64)": two("m64n64"),
+                    "two launches (cols)": two("cols"),
                     "one launch (w4)": one(), "one launch (w4, maxnreg 128)": one(max_registers=128),
                     "one launch (w8)": one(num_warps=8), "one launch, whole (w4)": one(whole=True),
-                    "one launch, whole (w8)": one(whole=True, num_warps=8)}, aten
+                    "one launch, whole (w8)": one(whole=True, num_warps=8),
+                    **{f"one launch, {form}": one(**LAUNCHES[form]) for form in ("whole_tight", "pair", "pair_r168")}
+                    }, aten
 
         record = {"shape": shape, "cases": [], "ms": {}}
         with torch.no_grad():
@@ -149,8 +152,9 @@ def main(argv=None) -> int:
         report["shapes"].append(record)
         for name in ["ATen composition", *runs]:
             ms = record["ms"].get(name, {})
-            worst = max((c["differing"].get(name, 0) for c in record["cases"]
-                         if isinstance(c["differing"].get(name, 0), int)), default=0)
+            counts = [c["differing"].get(name, 0) for c in record["cases"]]
+            worst = (max(counts, default=0) if all(isinstance(n, int) for n in counts)
+                     else "error")  # a launch that failed on any case is no 0
             rows.append((shape, name, ms.get("plain"), ms.get("pdl"), worst if name in runs else "-"))
         args.out.write_text(json.dumps(report, indent=1))
     print("\nshape | launch | ms plain | ms pdl | most differing elements (of any case)")

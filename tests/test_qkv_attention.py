@@ -51,10 +51,13 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         q, k, v = triton_linear(h, torch.cat(ws), torch.cat(bs)).split(d, dim=-1)
         two = triton_attention(q, k, v, mask, heads, causal, cached=True, block_m=64, num_warps=4, fast_div=True)
         one = triton_qkv_attention(h, ws, bs, mask, heads, causal)
-        whole = triton_qkv_attention(h, ws, bs, mask, heads, causal, whole=True)
+        forms = {"whole": triton_qkv_attention(h, ws, bs, mask, heads, causal, whole=True),
+                 "tight": triton_qkv_attention(h, ws, bs, mask, heads, causal, whole=True, tight=True),
+                 "pair": triton_qkv_attention(h, ws, bs, mask, heads, causal, pair=True)}
         results.append(dict(case=[b, s, d, heads, causal, padded], elements=two.numel(),
                             differing=int((one.view(torch.int16) != two.view(torch.int16)).sum()),
-                            whole_differing=int((whole.view(torch.int16) != two.view(torch.int16)).sum()),
+                            forms_differing={name: int((out.view(torch.int16) != two.view(torch.int16)).sum())
+                                             for name, out in forms.items()},
                             finite=bool(torch.isfinite(one).all())))
     print("RESULTS " + json.dumps(results))
     """
@@ -62,12 +65,13 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 
 
 def test_one_launch_equals_the_two_it_replaces_under_the_interpreter():
-    """Both forms: each projection on its own (keys as the causal limit needs them) and q, k and v in one walk over D
-    (``whole``)."""
+    """Every form: each projection on its own (keys as the causal limit needs them); q, k and v in one walk over D
+    (``whole``), also with the first row block projecting only its 64 keys (``tight``); and one program per head
+    walking both row blocks on rows projected once (``pair``)."""
     results = run_interpreter_script(INTERPRETER_SCRIPT)
     assert len(results) == 6
     for r in results:
-        assert r["differing"] == 0 and r["whole_differing"] == 0, r
+        assert r["differing"] == 0 and r["forms_differing"] == {"whole": 0, "tight": 0, "pair": 0}, r
         assert r["finite"], r
 
 
@@ -126,6 +130,10 @@ def test_compiled_for_sm90_it_runs_the_cached_launchs_tiles_and_a_pdl_form_of_th
     whole = script.compile_ptx("qkv_attention", {**values, "WHOLE": True}, 4, 3)  # one walk over D for q, k and v
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", whole)) == {"m64n32k16"}
     assert len(re.findall(r"ex2\.approx", whole)) == len(re.findall(r"ex2\.approx", cached))
+    for form in ({"TIGHT": True}, {"PAIR": True}):  # the first block's 64 keys alone; both blocks in one program
+        ptx = script.compile_ptx("qkv_attention", {**values, "WHOLE": True, **form}, 4, 3)
+        assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) == {"m64n32k16"}, form
+        assert "mma.sync" not in ptx, form
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -95,25 +95,35 @@ def _key_block(X, x_row0, stride_xs, key0, S, WK, WV, BK, BV, col0, stride_w, D,
 
 @triton.jit
 def _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D,
-                   NK: tl.constexpr, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+                   NK: tl.constexpr, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+                   Q_OF_KEYS: tl.constexpr = False):
     """``_project`` of q (the block's rows) and of k and v (keys 0 .. NK - 1) in one walk over D: each k-step's rows
     and weights loaded together and three dots, one float32 accumulator each (each its own chain of the same
     products, in D order), so the loads of the three projections overlap instead of following one another.
-    Returns q [64, DH_PAD] and k, v [NK, DH_PAD] in float16; V's rows past S zeroed."""
+    Returns q [64, DH_PAD] and k, v [NK, DH_PAD] in float16; V's rows past S zeroed. ``Q_OF_KEYS``: q of the key
+    rows themselves ([NK, DH_PAD], one load of the rows for all three dots; ``offs_m`` is not read)."""
     offs_d = tl.arange(0, DH_PAD)
     offs_k = tl.arange(0, BLOCK_K)
     keys = tl.arange(0, NK)
     col_ok = offs_d < HEAD_DIM
-    acc_q = tl.zeros((64, DH_PAD), dtype=tl.float32)
+    if Q_OF_KEYS:
+        acc_q = tl.zeros((NK, DH_PAD), dtype=tl.float32)
+    else:
+        acc_q = tl.zeros((64, DH_PAD), dtype=tl.float32)
     acc_k = tl.zeros((NK, DH_PAD), dtype=tl.float32)
     acc_v = tl.zeros((NK, DH_PAD), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):  # K in order, one accumulator per projection
         kk = k0 + offs_k
         k_ok = kk[None, :] < D
-        xq = tl.load(X + x_row0 + offs_m[:, None] * stride_xs + kk[None, :], mask=(offs_m < S)[:, None] & k_ok,
-                     other=0.0)
-        xk = tl.load(X + x_row0 + keys[:, None] * stride_xs + kk[None, :], mask=(keys < S)[:, None] & k_ok,
-                     other=0.0)
+        if Q_OF_KEYS:
+            xk = tl.load(X + x_row0 + keys[:, None] * stride_xs + kk[None, :], mask=(keys < S)[:, None] & k_ok,
+                         other=0.0)
+            xq = xk
+        else:
+            xq = tl.load(X + x_row0 + offs_m[:, None] * stride_xs + kk[None, :],
+                         mask=(offs_m < S)[:, None] & k_ok, other=0.0)
+            xk = tl.load(X + x_row0 + keys[:, None] * stride_xs + kk[None, :], mask=(keys < S)[:, None] & k_ok,
+                         other=0.0)
         w_offs = (col0 + offs_d)[:, None] * stride_w + kk[None, :]
         w_ok = col_ok[:, None] & k_ok
         wq = tl.load(WQ + w_offs, mask=w_ok, other=0.0)
@@ -145,62 +155,11 @@ def _chunk_pair_scores(q, k, MASK, m_row0, stride_ms, offs_m, key0, S, scale, CA
 
 
 @triton.jit
-def _qkv_attention_kernel(
-    X, WQ, WK, WV, BQ, BK, BV, MASK, OUT,
-    stride_xb, stride_xs, stride_w, stride_ob, stride_os, stride_mb, stride_ms,
-    S, H, D, scale,
-    HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr,
-    PDL: tl.constexpr = False, WHOLE: tl.constexpr = False, NK: tl.constexpr = 128,
-):
-    """``WHOLE``: q, k and v projected in one walk over D (``_project_whole``), k and v for keys 0 .. NK - 1 (NK =
-    64 or 128, the rows rounded up), whether the row block needs them all or not; otherwise each projection on its
-    own, keys 64 at a time as the causal limit needs them."""
-    if PDL:  # a dependent launch (kernels/dependent_launch.py): earlier kernels' writes first, then the next's start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+def _attend(s0, s1, s2, s3, v0, v1, v2, v3, n_end, OUT, o_row0, stride_os, offs_m, col0, S,
+            HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr):
+    """The cached launch's softmax and P.V on a row block's four chunk scores and V chunks (chunks at or past
+    ``n_end`` are not read: their scores are -inf), then the context's store: ``_attention_tile``'s order."""
     CH: tl.constexpr = 32  # ATen's lanes: the softmax's chunk
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    m0 = pid_m * 64
-    offs_m = m0 + tl.arange(0, 64)
-    col0 = h * HEAD_DIM
-    x_row0 = b * stride_xb
-    m_row0 = b * stride_mb
-    if CAUSAL:
-        n_end = tl.minimum(S, m0 + 64)  # later keys are -inf for every row of this block
-    else:
-        n_end = S
-
-    # the cached launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions
-    s2 = tl.full((64, CH), float("-inf"), tl.float32)
-    s3 = tl.full((64, CH), float("-inf"), tl.float32)
-    v2 = tl.zeros((CH, DH_PAD), tl.float16)
-    v3 = tl.zeros((CH, DH_PAD), tl.float16)
-    if WHOLE:
-        q, k, v = _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, NK,
-                                 HEAD_DIM, DH_PAD, BLOCK_K)
-        if NK == 128:
-            k01, k23 = _row_halves(k, 64, DH_PAD)
-            v01, v23 = _row_halves(v, 64, DH_PAD)
-        else:
-            k01 = k
-            v01 = v
-        s0, s1 = _chunk_pair_scores(q, k01, MASK, m_row0, stride_ms, offs_m, 0, S, scale, CAUSAL, HAS_MASK)
-        v0, v1 = _row_halves(v01, 32, DH_PAD)
-        if NK == 128:
-            if n_end > 2 * CH:
-                s2, s3 = _chunk_pair_scores(q, k23, MASK, m_row0, stride_ms, offs_m, 64, S, scale, CAUSAL, HAS_MASK)
-                v2, v3 = _row_halves(v23, 32, DH_PAD)
-    else:
-        q = _project(X, x_row0, stride_xs, offs_m, S, WQ, BQ, col0, stride_w, D, HEAD_DIM, DH_PAD, BLOCK_K)
-        s0, s1, v0, v1 = _key_block(X, x_row0, stride_xs, 0, S, WK, WV, BK, BV, col0, stride_w, D, q, MASK, m_row0,
-                                    stride_ms, offs_m, scale, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK)
-        if n_end > 2 * CH:
-            s2, s3, v2, v3 = _key_block(X, x_row0, stride_xs, 64, S, WK, WV, BK, BV, col0, stride_w, D, q, MASK,
-                                        m_row0, stride_ms, offs_m, scale, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK)
     run_max = s0
     if n_end > CH:
         run_max = tl.maximum(run_max, s1)
@@ -232,19 +191,142 @@ def _qkv_attention_kernel(
     if n_end > 3 * CH:
         acc = tl.dot(_probabilities(e3, row_sum, FAST_DIV), v3, acc)
     offs_d = tl.arange(0, DH_PAD)
-    o_ptrs = OUT + b * stride_ob + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
+    o_ptrs = OUT + o_row0 + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
     tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0,
+                  NK: tl.constexpr, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                  HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr):
+    """Row block m0 .. m0 + 63 from its q [64, DH_PAD] and the projected k, v of keys 0 .. NK - 1: the cached
+    launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions."""
+    CH: tl.constexpr = 32
+    offs_m = m0 + tl.arange(0, 64)
+    if CAUSAL:
+        n_end = tl.minimum(S, m0 + 64)  # later keys are -inf for every row of this block
+    else:
+        n_end = S
+    s2 = tl.full((64, CH), float("-inf"), tl.float32)
+    s3 = tl.full((64, CH), float("-inf"), tl.float32)
+    v2 = tl.zeros((CH, DH_PAD), tl.float16)
+    v3 = tl.zeros((CH, DH_PAD), tl.float16)
+    if NK == 128:
+        k01, k23 = _row_halves(k, 64, DH_PAD)
+        v01, v23 = _row_halves(v, 64, DH_PAD)
+    else:
+        k01 = k
+        v01 = v
+    s0, s1 = _chunk_pair_scores(q, k01, MASK, m_row0, stride_ms, offs_m, 0, S, scale, CAUSAL, HAS_MASK)
+    v0, v1 = _row_halves(v01, 32, DH_PAD)
+    if NK == 128:
+        if n_end > 2 * CH:
+            s2, s3 = _chunk_pair_scores(q, k23, MASK, m_row0, stride_ms, offs_m, 64, S, scale, CAUSAL, HAS_MASK)
+            v2, v3 = _row_halves(v23, 32, DH_PAD)
+    _attend(s0, s1, s2, s3, v0, v1, v2, v3, n_end, OUT, o_row0, stride_os, offs_m, col0, S, HEAD_DIM, DH_PAD,
+            ACCURATE, FAST_DIV)
+
+
+@triton.jit
+def _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0, stride_ms,
+                 scale, OUT, o_row0, stride_os, NK: tl.constexpr, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr,
+                 BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
+                 FAST_DIV: tl.constexpr):
+    """One row block, q, k and v projected in one walk over D (k and v of keys 0 .. NK - 1), then attended."""
+    offs_m = m0 + tl.arange(0, 64)
+    q, k, v = _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, NK,
+                             HEAD_DIM, DH_PAD, BLOCK_K)
+    _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0, NK, HEAD_DIM,
+                  DH_PAD, CAUSAL, HAS_MASK, ACCURATE, FAST_DIV)
+
+
+@triton.jit
+def _qkv_attention_kernel(
+    X, WQ, WK, WV, BQ, BK, BV, MASK, OUT,
+    stride_xb, stride_xs, stride_w, stride_ob, stride_os, stride_mb, stride_ms,
+    S, H, D, scale,
+    HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr,
+    PDL: tl.constexpr = False, WHOLE: tl.constexpr = False, NK: tl.constexpr = 128, TIGHT: tl.constexpr = False,
+    PAIR: tl.constexpr = False,
+):
+    """``WHOLE``: q, k and v projected in one walk over D (``_project_whole``), k and v for keys 0 .. NK - 1 (NK =
+    64 or 128, the rows rounded up), whether the row block needs them all or not; with ``TIGHT`` a causal row block
+    whose keys end by 64 projects 64 keys only. ``PAIR`` (WHOLE's projections, one program per head): every row's q
+    and every key's k and v from one load of the rows and one walk over D, then both row blocks attended one after
+    the other, so no row is projected twice. Otherwise each projection on its own, keys 64 at a time as the causal
+    limit needs them."""
+    if PDL:  # a dependent launch (kernels/dependent_launch.py): earlier kernels' writes first, then the next's start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    CH: tl.constexpr = 32  # ATen's lanes: the softmax's chunk
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    m0 = pid_m * 64
+    offs_m = m0 + tl.arange(0, 64)
+    col0 = h * HEAD_DIM
+    x_row0 = b * stride_xb
+    m_row0 = b * stride_mb
+    o_row0 = b * stride_ob
+    if PAIR:
+        q, k, v = _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, NK,
+                                 HEAD_DIM, DH_PAD, BLOCK_K, True)
+        if NK == 128:
+            q0, q1 = _row_halves(q, 64, DH_PAD)
+            _attend_tiles(q0, k, v, 0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0, NK,
+                          HEAD_DIM, DH_PAD, CAUSAL, HAS_MASK, ACCURATE, FAST_DIV)
+            _attend_tiles(q1, k, v, 64, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0, NK,
+                          HEAD_DIM, DH_PAD, CAUSAL, HAS_MASK, ACCURATE, FAST_DIV)
+        else:
+            _attend_tiles(q, k, v, 0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0, NK, HEAD_DIM,
+                          DH_PAD, CAUSAL, HAS_MASK, ACCURATE, FAST_DIV)
+    elif WHOLE:
+        if TIGHT and CAUSAL and NK == 128:  # the first block's keys end by 64: it projects those only
+            if pid_m == 0:
+                _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0,
+                             stride_ms, scale, OUT, o_row0, stride_os, 64, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK,
+                             ACCURATE, FAST_DIV)
+            else:
+                _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0,
+                             stride_ms, scale, OUT, o_row0, stride_os, NK, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK,
+                             ACCURATE, FAST_DIV)
+        else:
+            _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0,
+                         stride_ms, scale, OUT, o_row0, stride_os, NK, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK,
+                         ACCURATE, FAST_DIV)
+    else:
+        if CAUSAL:
+            n_end = tl.minimum(S, m0 + 64)  # later keys are -inf for every row of this block
+        else:
+            n_end = S
+        # the cached launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions
+        s2 = tl.full((64, CH), float("-inf"), tl.float32)
+        s3 = tl.full((64, CH), float("-inf"), tl.float32)
+        v2 = tl.zeros((CH, DH_PAD), tl.float16)
+        v3 = tl.zeros((CH, DH_PAD), tl.float16)
+        q = _project(X, x_row0, stride_xs, offs_m, S, WQ, BQ, col0, stride_w, D, HEAD_DIM, DH_PAD, BLOCK_K)
+        s0, s1, v0, v1 = _key_block(X, x_row0, stride_xs, 0, S, WK, WV, BK, BV, col0, stride_w, D, q, MASK, m_row0,
+                                    stride_ms, offs_m, scale, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK)
+        if n_end > 2 * CH:
+            s2, s3, v2, v3 = _key_block(X, x_row0, stride_xs, 64, S, WK, WV, BK, BV, col0, stride_w, D, q, MASK,
+                                        m_row0, stride_ms, offs_m, scale, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK)
+        _attend(s0, s1, s2, s3, v0, v1, v2, v3, n_end, OUT, o_row0, stride_os, offs_m, col0, S, HEAD_DIM, DH_PAD,
+                ACCURATE, FAST_DIV)
 
 
 def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num_heads: int, causal: bool, *,
                          fast_div: bool = True, num_warps: int = 4, num_stages=None, max_registers=None,
-                         whole: bool = False) -> torch.Tensor:
+                         whole: bool = False, tight: bool = False, pair: bool = False) -> torch.Tensor:
     """The attention's context [B, S, D] fp16 of the normalized rows ``h`` [B, S, D] fp16, with ``weights`` (Wq, Wk,
     Wv), each [D, D], and ``biases`` (bq, bk, bv): what ``triton_linear`` of the packed Q|K|V followed by
     ``triton_attention(..., cached=True, block_m=64, num_warps=4, fast_div=True)`` computes, in one launch.
     ``max_registers``: Triton's ``maxnreg`` (offline, Triton 3.6, sm_90a: 168 registers at 4 warps, three programs
     per multiprocessor; capped at 128, four, with 32 bytes of spills). ``whole``: q, k and v projected in one walk
-    over D, k and v of every key (the kernel's WHOLE)."""
+    over D, k and v of every key (the kernel's WHOLE); ``tight``: with ``whole``, the first row block projects only
+    the 64 keys it needs; ``pair``: one program per head, every row projected once and both row blocks attended
+    (the kernel's PAIR)."""
     if h.dtype != torch.float16 or h.dim() != 3:
         raise KKError(f"h must be float16 [B, S, D], got {h.dtype} {list(h.shape)}")
     b, s, d = h.shape
@@ -272,11 +354,13 @@ def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num
     if not INTERPRET:
         launch.update(COMPILE_FLAGS)
         launch.update(launch_options())
-    launch_kernel(_qkv_attention_kernel, (triton.cdiv(s, BLOCK_M), b * num_heads),
+    row_blocks = 1 if pair else triton.cdiv(s, BLOCK_M)  # a pair program walks both row blocks itself
+    launch_kernel(_qkv_attention_kernel, (row_blocks, b * num_heads),
                   h, *ws, *bs, mask, out,
                   h.stride(0), h.stride(1), ws[0].stride(0), out.stride(0), out.stride(1), stride_mb, stride_ms,
                   s, num_heads, d, fp32_scale(dh),
                   HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_K=block_k, CAUSAL=bool(causal), HAS_MASK=has_mask,
-                  ACCURATE=not INTERPRET, FAST_DIV=bool(fast_div), WHOLE=bool(whole), NK=64 if s <= 64 else 128,
+                  ACCURATE=not INTERPRET, FAST_DIV=bool(fast_div), WHOLE=bool(whole or pair), PAIR=bool(pair),
+                  TIGHT=bool(tight) and s > 64, NK=64 if s <= 64 else 128,
                   **launch)
     return out

@@ -36,8 +36,12 @@ SOURCES = (Path(__file__).resolve().with_name("_qkv_attention_triton.py"),
            Path(__file__).resolve().with_name("_faithful_attention_triton.py"))  # its softmax's jit functions
 #: the launch's forms (``triton_qkv_attention``'s keywords): each projection on its own, 64 keys at a time as the
 #: causal limit needs them ("split"), or q, k and v in one walk over D with every key ("whole": the faster of the
-#: two on shapes 3 and 12 in session 43)
-LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True}}
+#: two on shapes 3 and 12 in session 43); "whole_tight", whose first row block projects only its 64 keys; "pair"
+#: (one program per head: every row projected once, both row blocks attended in turn; 197 registers offline, so
+#: "pair_r168" caps it at the whole form's 168, no spills). The last three are for rows that outgrow the launch
+#: count (shape 6), where the whole form's projections of keys a block does not need, or needs twice, cost time
+LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True}, "whole_tight": {"whole": True, "tight": True},
+                             "pair": {"pair": True}, "pair_r168": {"pair": True, "max_registers": 168}}
 #: the forms a build proves: "whole", since a build on a GPU shipped it through strict validation (session 43, an
 #: H100: a new user's build of shape 3 proved it at 8.3 µs against the packed Q|K|V GEMM's 3.8 and the attention's
 #: 7.1, took it, and served a padded run with 0 failed elements; `-gemms-pdl` 0.0827 ms against 0.0897 without it,
