@@ -292,3 +292,37 @@ def test_a_changed_launch_table_is_another_environment():
                                      ("auto", "regs")) != fl.TILES_DIGEST
     assert fa.proof_environment("cpu")["launches"] == proof.launch_table_digest(fa.LAUNCHES, fa.BUILD_LAUNCHES)
     assert ln.LAUNCHES_DIGEST == proof.launch_table_digest(ln.LAUNCHES, ln.FULL_ROW_WIDTHS, ln.FULL_BLOCK_WIDTHS)
+
+
+def test_the_survivors_and_aten_are_timed_in_rounds_of_alternating_order(monkeypatch):
+    """A slow start (a clock still rising, another process finishing) makes whatever is timed first look slow. Each
+    launch and ATen keep their fastest of TIMING_ROUNDS rounds, the second in reverse order, so the launch timed
+    first in the first round is still chosen when it is the fastest; the repeats are shared out between rounds."""
+    x = torch.arange(16, dtype=torch.float16)
+    last = []
+
+    def run(launch):
+        last.append(launch)
+        return x * 2
+
+    def reference():
+        last.append("aten")
+        return x * 2
+
+    true_ms = {"fast": 1.0, "slower": 2.0, "aten": 3.0}
+    timed = []
+
+    def fake_median_ms(fn, repeats, device):
+        fn()
+        name = last[-1]
+        timed.append((name, repeats))
+        return true_ms[name] * (8.0 if len(timed) == 1 else 1.0)  # the first timing of a proof runs slow
+
+    monkeypatch.setattr(proof, "median_ms", fake_median_ms)
+    record = proof.prove_launches("fake", {}, ["fast", "slower"], [proof.ProofCase("c", reference, run)], "cpu",
+                                  environment={}, repeats=5, against_reference=True)
+    assert proof.TIMING_ROUNDS == 2
+    assert [name for name, _ in timed] == ["fast", "slower", "aten", "aten", "slower", "fast"]
+    assert {repeats for _, repeats in timed} == {3}  # ceil(5 / 2) per round
+    assert record.chosen == "fast" and {r.launch: r.ms for r in record.launches} == {"fast": 1.0, "slower": 2.0}
+    assert record.reference_ms == 3.0 and "fastest fast at 1.0 ms" in record.reason

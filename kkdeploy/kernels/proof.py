@@ -215,6 +215,32 @@ def _captured(fn: Callable[[], object], device: torch.device):
         return None
 
 
+#: rounds in which a proof times its survivors and ATen, each round in the other order; each keeps its fastest
+#: round. One round in one order let a slow start decide: a build on an H100 (session 44) timed shape 1's Q|K|V
+#: tiles at 0.129, 0.041, 0.022 and 0.017 ms one after another, where the same tiles take 0.007 ms, and kept ATen
+TIMING_ROUNDS = 2
+
+
+def _timed_rounds(survivors, case: ProofCase, against_reference: bool, repeats: int, device: torch.device,
+                  before) -> dict:
+    """{launch: ms, None: ATen's ms (``against_reference``)}: each one's fastest of TIMING_ROUNDS round medians of
+    ``case``, the rounds alternating the order (the first launch first, then last), so that a clock still rising,
+    or another process's work ending, makes no launch look slower than it is. ``repeats`` is shared out between
+    the rounds (at least one each), so a proof times about as many calls as it did in one round."""
+    timed = [(r.launch, lambda launch=r.launch: case.run(launch)) for r in survivors]
+    if against_reference:
+        timed.append((None, case.baseline or case.reference))
+    per_round = max(1, math.ceil(repeats / TIMING_ROUNDS))
+    best: dict = {}
+    for index in range(TIMING_ROUNDS):
+        for name, fn in timed if index % 2 == 0 else timed[::-1]:
+            if before and name is not None:
+                before(name)
+            ms = median_ms(fn, per_round, device)
+            best[name] = ms if name not in best else min(best[name], ms)
+    return best
+
+
 #: (before, refused) for the launches proven in this context (``launch_watch``)
 _WATCH: contextvars.ContextVar = contextvars.ContextVar("kkdeploy_launch_watch", default=(None, {}))
 
@@ -315,16 +341,15 @@ def prove_launches(op: str, shape: dict, launches: Sequence[str], cases: Sequenc
                          f"({survivors[0].elements} elements each); not timed")
     elif survivors:
         chosen_case = cases[len(cases) - 1 if timing_case is None else timing_case]
+        timings = _timed_rounds(survivors, chosen_case, against_reference, repeats, device, before)
         for result in survivors:
-            if before:
-                before(result.launch)
-            result.ms = median_ms(lambda: chosen_case.run(result.launch), repeats, device)
+            result.ms = timings[result.launch]
         best = min(survivors, key=lambda r: r.ms)
         record.reason = (f"{len(survivors)} of {len(results)} launches bit-identical on {len(cases)} cases "
                          f"({best.elements} elements each); fastest {best.launch} at {best.ms} ms on "
                          f"{chosen_case.label}")
         if against_reference:
-            record.reference_ms = median_ms(chosen_case.baseline or chosen_case.reference, repeats, device)
+            record.reference_ms = timings[None]
             record.reason += f", ATen {record.reference_ms} ms"
         if against_reference and record.reference_ms <= best.ms:
             record.reason += ": ATen is as fast or faster, so ATen runs (the same bits)"
