@@ -247,15 +247,13 @@ def _qkv_attention_kernel(
     S, H, D, scale,
     HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr,
-    PDL: tl.constexpr = False, WHOLE: tl.constexpr = False, NK: tl.constexpr = 128, TIGHT: tl.constexpr = False,
-    PAIR: tl.constexpr = False,
+    PDL: tl.constexpr = False, WHOLE: tl.constexpr = False, NK: tl.constexpr = 128, PAIR: tl.constexpr = False,
 ):
     """``WHOLE``: q, k and v projected in one walk over D (``_project_whole``), k and v for keys 0 .. NK - 1 (NK =
-    64 or 128, the rows rounded up), whether the row block needs them all or not; with ``TIGHT`` a causal row block
-    whose keys end by 64 projects 64 keys only. ``PAIR`` (WHOLE's projections, one program per head): every row's q
-    and every key's k and v from one load of the rows and one walk over D, then both row blocks attended one after
-    the other, so no row is projected twice. Otherwise each projection on its own, keys 64 at a time as the causal
-    limit needs them."""
+    64 or 128, the rows rounded up), whether the row block needs them all or not. ``PAIR`` (WHOLE's projections,
+    one program per head): every row's q and every key's k and v from one load of the rows and one walk over D,
+    then both row blocks attended one after the other, so no row is projected twice. Otherwise each projection on
+    its own, keys 64 at a time as the causal limit needs them."""
     if PDL:  # a dependent launch (kernels/dependent_launch.py): earlier kernels' writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -283,19 +281,9 @@ def _qkv_attention_kernel(
             _attend_tiles(q, k, v, 0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0, NK, HEAD_DIM,
                           DH_PAD, CAUSAL, HAS_MASK, ACCURATE, FAST_DIV)
     elif WHOLE:
-        if TIGHT and CAUSAL and NK == 128:  # the first block's keys end by 64: it projects those only
-            if pid_m == 0:
-                _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0,
-                             stride_ms, scale, OUT, o_row0, stride_os, 64, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK,
-                             ACCURATE, FAST_DIV)
-            else:
-                _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0,
-                             stride_ms, scale, OUT, o_row0, stride_os, NK, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK,
-                             ACCURATE, FAST_DIV)
-        else:
-            _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0,
-                         stride_ms, scale, OUT, o_row0, stride_os, NK, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK,
-                         ACCURATE, FAST_DIV)
+        _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0, stride_ms,
+                     scale, OUT, o_row0, stride_os, NK, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK, ACCURATE,
+                     FAST_DIV)
     else:
         if CAUSAL:
             n_end = tl.minimum(S, m0 + 64)  # later keys are -inf for every row of this block
@@ -318,15 +306,14 @@ def _qkv_attention_kernel(
 
 def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num_heads: int, causal: bool, *,
                          fast_div: bool = True, num_warps: int = 4, num_stages=None, max_registers=None,
-                         whole: bool = False, tight: bool = False, pair: bool = False) -> torch.Tensor:
+                         whole: bool = False, pair: bool = False) -> torch.Tensor:
     """The attention's context [B, S, D] fp16 of the normalized rows ``h`` [B, S, D] fp16, with ``weights`` (Wq, Wk,
     Wv), each [D, D], and ``biases`` (bq, bk, bv): what ``triton_linear`` of the packed Q|K|V followed by
     ``triton_attention(..., cached=True, block_m=64, num_warps=4, fast_div=True)`` computes, in one launch.
     ``max_registers``: Triton's ``maxnreg`` (offline, Triton 3.6, sm_90a: 168 registers at 4 warps, three programs
     per multiprocessor; capped at 128, four, with 32 bytes of spills). ``whole``: q, k and v projected in one walk
-    over D, k and v of every key (the kernel's WHOLE); ``tight``: with ``whole``, the first row block projects only
-    the 64 keys it needs; ``pair``: one program per head, every row projected once and both row blocks attended
-    (the kernel's PAIR)."""
+    over D, k and v of every key (the kernel's WHOLE); ``pair``: one program per head, every row projected once and
+    both row blocks attended (the kernel's PAIR)."""
     if h.dtype != torch.float16 or h.dim() != 3:
         raise KKError(f"h must be float16 [B, S, D], got {h.dtype} {list(h.shape)}")
     b, s, d = h.shape
@@ -361,6 +348,6 @@ def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num
                   s, num_heads, d, fp32_scale(dh),
                   HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_K=block_k, CAUSAL=bool(causal), HAS_MASK=has_mask,
                   ACCURATE=not INTERPRET, FAST_DIV=bool(fast_div), WHOLE=bool(whole or pair), PAIR=bool(pair),
-                  TIGHT=bool(tight) and s > 64, NK=64 if s <= 64 else 128,
+                  NK=64 if s <= 64 else 128,
                   **launch)
     return out

@@ -7,11 +7,11 @@ A build proves it beside the GEMMs (``model_proofs``, the "linear" kind, where t
 kernel), and ``fused_blocks.block_plan`` takes it only where the proof's time is below the two launches it replaces
 by their own proofs' times (the packed Q|K|V GEMM and the attention).
 
-On an H100 (session 43, ``scripts/qkv_attention_study.py``, weights of our own) both forms were bit-identical to
-ATen's composition on shapes 3, 12 and 6 (first and last block, all-valid and padded, random inputs). With
-dependent launches, in a CUDA graph: shape 3 6.90 µs ("whole") against 8.35 for the two launches, shape 12 5.45
-against 6.06; shape 6 1.90 ms against 1.79 (there the two launches stay). This module imports only torch; Triton is
-imported where the launch runs.
+On an H100 (sessions 43-44, ``scripts/qkv_attention_study.py``, weights of our own) every form was bit-identical
+to ATen's composition on shapes 3, 12 and 6 (first and last block, all-valid and padded, random inputs). With
+dependent launches, in a CUDA graph: shape 3 6.6-6.9 µs ("whole") against 8.3-9.0 for the two launches, shape 12
+5.4 against 5.9-6.1; shape 6 1.30 ms ("pair", one program per head) against 1.74 for the two launches and 1.91 for
+"whole". This module imports only torch; Triton is imported where the launch runs.
 """
 
 from __future__ import annotations
@@ -36,18 +36,21 @@ SOURCES = (Path(__file__).resolve().with_name("_qkv_attention_triton.py"),
            Path(__file__).resolve().with_name("_faithful_attention_triton.py"))  # its softmax's jit functions
 #: the launch's forms (``triton_qkv_attention``'s keywords): each projection on its own, 64 keys at a time as the
 #: causal limit needs them ("split"), or q, k and v in one walk over D with every key ("whole": the faster of the
-#: two on shapes 3 and 12 in session 43); "whole_tight", whose first row block projects only its 64 keys; "pair"
-#: (one program per head: every row projected once, both row blocks attended in turn; 197 registers offline, so
-#: "pair_r168" caps it at the whole form's 168, no spills). The last three are for rows that outgrow the launch
-#: count (shape 6), where the whole form's projections of keys a block does not need, or needs twice, cost time
-LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True}, "whole_tight": {"whole": True, "tight": True},
-                             "pair": {"pair": True}, "pair_r168": {"pair": True, "max_registers": 168}}
-#: the forms a build proves: "whole", since a build on a GPU shipped it through strict validation (session 43, an
-#: H100: a new user's build of shape 3 proved it at 8.3 µs against the packed Q|K|V GEMM's 3.8 and the attention's
-#: 7.1, took it, and served a padded run with 0 failed elements; `-gemms-pdl` 0.0827 ms against 0.0897 without it,
-#: two bench processes back to back). "split" was slower than "whole" wherever both ran (that build: 9.9 µs; the
-#: study: shapes 3, 12, 6), so a build does not spend a compile on it; studies still name it
-BUILD_LAUNCHES: tuple[str, ...] = ("whole", )
+#: two on shapes 3 and 12 in session 43), or one program per head that projects every row once and attends both
+#: row blocks in turn ("pair": no key projected twice, half the programs; the fastest where rows outgrow the
+#: launch count, shape 6 in session 44)
+LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True}, "pair": {"pair": True}}
+#: the forms a build proves, each shipped by a GPU build through strict validation first (H100s):
+#: - "whole" (session 43): a new user's build of shape 3 proved it at 8.3 µs against the packed Q|K|V GEMM's 3.8 and
+#:   the attention's 7.1, took it, and served a padded run with 0 failed elements; `-gemms-pdl` 0.0827 ms against
+#:   0.0897 without it (two bench processes back to back);
+#: - "pair" (session 44): a new user's build of shape 6 proved it at 1.320 ms against "whole"'s 1.934 (the two
+#:   launches it replaces: 0.624 + 1.185), took it, and shipped at 11.95 ms; its padded run failed 0 of 163,840,000
+#:   elements. Shape 6 13.70 -> 12.03 ms, shape 5 0.2245 -> 0.1932 ms (`-gemms-pdl`; one bench process each, back
+#:   to back on one machine). Where launches bound (shape 3) "whole" is the faster, and the proof picks per shape.
+#: "split" was slower than "whole" wherever both ran, so a build does not spend a compile on it; studies still
+#: name it
+BUILD_LAUNCHES: tuple[str, ...] = ("whole", "pair")
 LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, BUILD_LAUNCHES)
 #: the rows it takes: ATen's WARP is 32 lanes from S = 17 on, and four chunks of 32 keys hold S = 128
 MIN_SEQ_LEN, MAX_SEQ_LEN = 17, 128
