@@ -196,6 +196,24 @@ def _attend(s0, s1, s2, s3, v0, v1, v2, v3, n_end, OUT, o_row0, stride_os, offs_
 
 
 @triton.jit
+def _keys_end(m0, S, CAUSAL: tl.constexpr):
+    """Where row block m0's keys end: from there on every score of the block is -inf (causal), else S."""
+    if CAUSAL:
+        n_end = tl.minimum(S, m0 + 64)
+    else:
+        n_end = S
+    return n_end
+
+
+@triton.jit
+def _unscored_chunks(DH_PAD: tl.constexpr):
+    """Chunks 2 and 3 before they are scored: -inf scores and zero V rows, what a chunk past the keys holds."""
+    CH: tl.constexpr = 32
+    return (tl.full((64, CH), float("-inf"), tl.float32), tl.full((64, CH), float("-inf"), tl.float32),
+            tl.zeros((CH, DH_PAD), tl.float16), tl.zeros((CH, DH_PAD), tl.float16))
+
+
+@triton.jit
 def _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0,
                   NK: tl.constexpr, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                   HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr):
@@ -203,14 +221,8 @@ def _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, s
     launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions."""
     CH: tl.constexpr = 32
     offs_m = m0 + tl.arange(0, 64)
-    if CAUSAL:
-        n_end = tl.minimum(S, m0 + 64)  # later keys are -inf for every row of this block
-    else:
-        n_end = S
-    s2 = tl.full((64, CH), float("-inf"), tl.float32)
-    s3 = tl.full((64, CH), float("-inf"), tl.float32)
-    v2 = tl.zeros((CH, DH_PAD), tl.float16)
-    v3 = tl.zeros((CH, DH_PAD), tl.float16)
+    n_end = _keys_end(m0, S, CAUSAL)
+    s2, s3, v2, v3 = _unscored_chunks(DH_PAD)
     if NK == 128:
         k01, k23 = _row_halves(k, 64, DH_PAD)
         v01, v23 = _row_halves(v, 64, DH_PAD)
@@ -285,15 +297,9 @@ def _qkv_attention_kernel(
                      scale, OUT, o_row0, stride_os, NK, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK, ACCURATE,
                      FAST_DIV)
     else:
-        if CAUSAL:
-            n_end = tl.minimum(S, m0 + 64)  # later keys are -inf for every row of this block
-        else:
-            n_end = S
         # the cached launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions
-        s2 = tl.full((64, CH), float("-inf"), tl.float32)
-        s3 = tl.full((64, CH), float("-inf"), tl.float32)
-        v2 = tl.zeros((CH, DH_PAD), tl.float16)
-        v3 = tl.zeros((CH, DH_PAD), tl.float16)
+        n_end = _keys_end(m0, S, CAUSAL)
+        s2, s3, v2, v3 = _unscored_chunks(DH_PAD)
         q = _project(X, x_row0, stride_xs, offs_m, S, WQ, BQ, col0, stride_w, D, HEAD_DIM, DH_PAD, BLOCK_K)
         s0, s1, v0, v1 = _key_block(X, x_row0, stride_xs, 0, S, WK, WV, BK, BV, col0, stride_w, D, q, MASK, m_row0,
                                     stride_ms, offs_m, scale, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK)
