@@ -165,7 +165,8 @@ def test_an_inconclusive_proof_is_not_kept_on_disk(tmp_path, monkeypatch):
 
 def test_a_kernel_op_asking_on_every_call_reads_the_disk_once(tmp_path, monkeypatch):
     """A miss in the default cache is remembered too (an op without a proof asks on every call it is not captured
-    in a graph); a proof remembered later replaces the miss. A cache passed in (an artifact's proofs/) is always read."""
+    in a graph); a proof remembered later replaces the miss. A cache passed in (an artifact's proofs/) is always
+    read."""
     monkeypatch.setenv("KKDEPLOY_CACHE_DIR", str(tmp_path))
     reads = []
     real_get = proof.ProofCache.get
