@@ -397,7 +397,8 @@ def test_path_rules(monkeypatch, proof_sandbox):
     assert fl.linear_path(8192, 128, 128, torch.float16, "cuda").fused
     assert not fl.linear_path(8192, 128, 128, torch.float16, "cuda", epilogue="masked_sum").fused  # another form
     assert not fl.linear_path(8192, 128, 64, torch.float16, "cuda").fused  # another size
-    assert "float16 GEMMs only" in fl.linear_path(8192, 128, 128, torch.float32, "cuda").reason
+    assert ("dtype torch.float32: ATen's ops run (the GEMM kernels reproduce the float16 reference only)"
+            in fl.linear_path(8192, 128, 128, torch.float32, "cuda").reason)
     monkeypatch.setenv(fl.PATH_ENV, "aten")
     assert not fl.linear_path(8192, 128, 128, torch.float16, "cuda").fused
     monkeypatch.setenv(fl.PATH_ENV, "triton")

@@ -49,7 +49,7 @@ from kkdeploy.inputs import check_mask
 from kkdeploy.models.reference import attention_core
 
 # triton_available is looked up here at call time, so tests can patch it on this module
-from .paths import KernelPath, path_from_proof, path_mode, triton_available
+from .paths import KernelPath, path_from_proof, path_mode, triton_available, triton_refusal
 from .proof import (ProofCache, ProofCase, ProofRecord, kernel_environment, launch_table_digest, lookup_proof,
                     prove_launches, remember_proof)
 
@@ -280,18 +280,15 @@ def proof_environment(device: torch.device | str) -> dict:
 
 def kernel_refusal(seq_len: int, head_dim: int, dtype: torch.dtype, device) -> Optional[str]:
     """None when the kernel can run a call of this shape here (proven or not), else why not."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"{device.type} device: the reference composition runs (the kernel is CUDA-only)"
-    if dtype != torch.float16:
-        return f"dtype {dtype}: the kernel reproduces the float16 reference only"
+    platform = triton_refusal(device, dtype, "attention kernels", "the reference composition runs",
+                              triton_available)
+    if platform:
+        return platform
     if not 1 <= seq_len <= MAX_FUSED_SEQ_LEN:
         return (f"S = {seq_len} outside 1..{MAX_FUSED_SEQ_LEN}: the kernel is built and proven for ATen's persistent "
                 f"warp softmax up to {MAX_FUSED_SEQ_LEN} keys (longer rows take another softmax kernel)")
     if head_dim > MAX_FUSED_HEAD_DIM:
         return f"head_dim = {head_dim} > {MAX_FUSED_HEAD_DIM}: not built or measured"
-    if not triton_available():
-        return "triton is not importable"
     return None
 
 

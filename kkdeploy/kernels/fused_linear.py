@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from kkdeploy.errors import KKError
 
-from .paths import KernelPath, path_from_proof, path_mode, triton_available
+from .paths import KernelPath, path_from_proof, path_mode, triton_available, triton_refusal
 from .proof import (ProofCache, ProofCase, ProofRecord, kernel_environment, launch_table_digest, lookup_proof,
                     prove_launches, remember_proof)
 
@@ -288,14 +288,7 @@ def proof_environment(device: torch.device | str) -> dict:
 
 def kernel_refusal(dtype: torch.dtype, device) -> Optional[str]:
     """None when the kernel can run here (proven or not), else why not."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"{device.type} device: ATen's ops run (the kernel is CUDA-only)"
-    if dtype != torch.float16:
-        return f"dtype {dtype}: the kernel reproduces float16 GEMMs only"
-    if not triton_available():
-        return "triton is not importable"
-    return None
+    return triton_refusal(device, dtype, "GEMM kernels", "ATen's ops run", triton_available)
 
 
 def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, epilogue: str = "none") -> LinearPath:

@@ -39,6 +39,23 @@ def triton_available() -> bool:
         return False
 
 
+def triton_refusal(device, dtype, kernel: str, otherwise: str, importable) -> Optional[str]:
+    """Why the ``kernel`` (Triton code that reproduces a float16 reference op on CUDA) cannot run on ``device`` for
+    ``dtype``, in one line that says what runs instead (``otherwise``), or None. Every Triton kernel module's own
+    refusal asks this first, then its shape limits; each passes its own ``triton_available`` as ``importable``, the
+    name its tests patch."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"{device.type} device: {otherwise} (CUDA-only {kernel})"
+    if dtype != torch.float16:
+        return f"dtype {dtype}: {otherwise} (the {kernel} reproduce the float16 reference only)"
+    if not importable():
+        return "triton is not importable"
+    return None
+
+
 def path_mode(env: str) -> str:
     """``$env`` (auto, aten or triton: a Triton kernel's path override), checked with a one-line error."""
     mode = os.environ.get(env, "auto").strip().lower() or "auto"

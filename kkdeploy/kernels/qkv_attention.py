@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kkdeploy.errors import KKError
 
 from .faithful_attention import reference_attention
-from .paths import triton_available
+from .paths import triton_available, triton_refusal
 from .proof import (ProofCache, ProofCase, ProofRecord, kernel_environment, launch_table_digest, lookup_proof,
                     prove_launches, remember_proof)
 
@@ -73,14 +73,8 @@ def qkv_attention_refusal(seq_len: int, d_model: int, num_heads: int) -> Optiona
 
 def kernel_refusal(seq_len: int, d_model: int, num_heads: int, dtype: torch.dtype, device) -> Optional[str]:
     """None when the launch can run a model of this shape here (proven or not), else why not."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"{device.type} device: the reference composition runs (the launch is CUDA-only)"
-    if dtype != torch.float16:
-        return f"dtype {dtype}: the launch reproduces the float16 reference only"
-    if not triton_available():
-        return "triton is not importable"
-    return qkv_attention_refusal(seq_len, d_model, num_heads)
+    return (triton_refusal(device, dtype, "Q|K|V attention launches", "the reference composition runs",
+                           triton_available) or qkv_attention_refusal(seq_len, d_model, num_heads))
 
 
 def proof_shape(batch_size: int, seq_len: int, d_model: int, num_heads: int, causal: bool = True) -> dict:

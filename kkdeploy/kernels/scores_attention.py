@@ -24,7 +24,7 @@ import torch
 from kkdeploy.errors import KKError
 
 from .block_softmax import block_softmax_layout, kernel_covers, reference_causal_softmax
-from .paths import triton_available
+from .paths import triton_available, triton_refusal
 from .proof import ProofCase, ProofRecord, kernel_environment, lookup_proof, prove_launches, remember_proof
 
 OP = "scores_attention"
@@ -63,13 +63,10 @@ def launch_config(launch: str) -> dict:
 def kernel_refusal(device: torch.device | str, dtype: torch.dtype, row_len: Optional[int] = None,
                    head_dim: Optional[int] = None) -> Optional[str]:
     """None when the kernels can run here for this dtype (and row length, head dim), else why not."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"{device.type} device: the scores-attention kernels are CUDA-only"
-    if dtype != torch.float16:
-        return f"{dtype}: the scores-attention kernels reproduce the float16 reference only"
-    if not triton_available():
-        return "triton is not importable"
+    platform = triton_refusal(device, dtype, "scores-attention kernels", "ATen's block order runs",
+                              triton_available)
+    if platform:
+        return platform
     if row_len is not None and not kernel_covers(row_len):
         return f"rows of {row_len} keys take another ATen softmax kernel than the block softmax these reproduce"
     if head_dim is not None and not 16 <= head_dim <= 256:
