@@ -260,7 +260,7 @@ def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str],
     """(kind, name, op shape) of every kernel op of ``kinds`` in a model of ``config``. The feed-forward launches
     (``fused_blocks.ffn_chain_launches``) only where a build proves their tiles (``fused_linear.FFN_BUILD_TILES``)
     or a study names one (``launches``), and the Q|K|V attention launch likewise (``qkv_attention.BUILD_LAUNCHES``,
-    or a study naming "whole" or "split" among the linear launches)."""
+    or a study naming one of its forms, ``qkv_attention.LAUNCHES``, among the linear launches)."""
     from .fused_blocks import ffn_chain_launches, gelu_launches, layer_norm_launches, linear_launches
 
     b, s, d, h = config.batch_size, config.seq_len, config.d_model, config.num_heads
