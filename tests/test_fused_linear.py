@@ -318,6 +318,64 @@ def test_a_columns_first_tile_computes_what_its_tile_computes():
         assert re.search(r"%ctaid\.y", columns_first) and re.search(r"%ctaid\.x", columns_first)
 
 
+# the epilogue's operands loaded before the k-loop (``EARLY``) against the same tile loading them after it: every
+# epilogue, the GELU prologue, row, column and K tails, and the LayerNorm epilogue read back and in registers
+EARLY_SCRIPT = """
+import json, torch
+from kkdeploy.kernels._fused_linear_triton import triton_linear, triton_linear_layer_norm
+from kkdeploy.kernels.fused_linear import LN_TILES, TILES
+results = []
+g = torch.Generator().manual_seed(13)
+for m, n, k, epilogue, prologue in ((300, 200, 64, "add_masked", "none"), (130, 128, 128, "add_masked", "none"),
+                                    (70, 160, 48, "gelu", "none"), (200, 128, 96, "masked_sum", "gelu"),
+                                    (64, 96, 32, "none", "none")):
+    x = (torch.randn(m, k, generator=g) * 2).half()
+    w, b = (torch.randn(n, k, generator=g) / 4).half(), torch.randn(n, generator=g).half()
+    r = torch.randn(m, n, generator=g).half()
+    mask = torch.rand(m, generator=g) > 0.3
+    residual = r if epilogue in ("add_masked", "masked_sum") else None
+    keep = mask if residual is not None else None
+    pairs = []
+    for tile in ("auto", "m64n64"):
+        pairs.append((tile, triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[tile], EARLY=True),
+                      triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[tile])))
+    if residual is not None and n == 128:
+        lw, lb = (torch.rand(n, generator=g) + 0.5).half(), (torch.randn(n, generator=g) * 0.1).half()
+        for tile in ("auto", "regs", "regs_w4"):
+            for zero_invalid in (False, True):
+                kw = dict(prologue=prologue, zero_invalid=zero_invalid, **LN_TILES[tile])
+                args = (x, w, b, r, mask, lw, lb, 1e-5, epilogue)
+                pairs.append((tile + "+layer_norm", torch.cat(triton_linear_layer_norm(*args, EARLY=True, **kw)),
+                              torch.cat(triton_linear_layer_norm(*args, **kw))))
+    for tile, got, want in pairs:
+        results.append({"case": [m, n, k, epilogue, prologue, tile],
+                        "differing": int((got.view(torch.int16) != want.view(torch.int16)).sum())})
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_the_epilogue_s_operands_loaded_early_change_no_bit():
+    """``EARLY`` moves the loads of the bias, the residual and the mask ahead of the k-loop (one round trip to L2 fewer
+    on a short launch's critical path). Under the interpreter, bit for bit the tile that loads them after the loop;
+    compiled here for sm_90a (Triton 3.6.0, as on the GPU), the same wgmma and floating-point instructions in the
+    same order for the GEMM tiles and the 8-warp LayerNorm epilogue, and the tile without it compiles as before."""
+    results = run_interpreter_script(EARLY_SCRIPT)
+    assert len(results) == 5 * 2 + 2 * 6 and all(r["differing"] == 0 for r in results), results
+    pytest.importorskip("triton")
+    from kkdeploy.kernels.dependent_launch import arithmetic_opcodes
+
+    script = load_script("offline_ptx")
+    arithmetic = lambda ptx: [op for op in arithmetic_opcodes(ptx) if "wait_group" not in op]  # noqa: E731
+    for epilogue, gelu, block_m, block_n, warps, stages, reload in (
+            (0, False, 64, 64, 4, 4, 0), (1, False, 64, 64, 4, 4, 0), (3, False, 64, 64, 4, 4, 0),
+            (2, True, 128, 128, 8, 3, 0), (5, False, 64, 128, 8, 3, 0), (4, False, 64, 128, 8, 3, 1)):
+        values = {**script.KERNELS["linear"][3], "EPILOGUE": epilogue, "HAS_MASK": epilogue >= 2, "A_GELU": gelu,
+                  "BLOCK_M": block_m, "BLOCK_N": block_n, "LN_RELOAD": reload}
+        late = script.compile_ptx("linear", values, warps, stages)
+        early = script.compile_ptx("linear", {**values, "EARLY": True}, warps, stages)
+        assert arithmetic(early) == arithmetic(late) and arithmetic(late), (epilogue, gelu, block_m)
+
+
 def test_block_plan_on_the_cpu_is_the_reference_block():
     plan = fb.block_plan(CONFIG, torch.float16, torch.device("cpu"))
     assert plan == {"gemms": False, "packed_qkv": False, "gelu_prologue": False, "gelu": False, "layer_norm": False,

@@ -175,11 +175,15 @@ def _fused_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LN_G=None, LN_B=None, OUT2=None, eps=0.0, LN_RELOAD: tl.constexpr = False, A_GELU: tl.constexpr = False,
     LN_ZERO_INVALID: tl.constexpr = False, PDL: tl.constexpr = False, COLUMNS_FIRST: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     """``COLUMNS_FIRST``: the grid is (column tiles, row tiles), so the column tiles of one row block are launched
     one after another and read its rows of X while they are in L2. With rows first, a launch of N > BLOCK_N whose X
     outgrows L2 (shape 6's Q|K|V: 328 MB of X, three column tiles) reads X from memory once per column tile. Which
-    program computes which tile is all that changes."""
+    program computes which tile is all that changes.
+
+    ``EARLY``: the epilogue's operands (bias, residual, mask) are loaded before the k-loop, so their loads are in
+    flight with the GEMM's instead of after it (``_linear_tile``)."""
     if PDL:  # a dependent launch (kernels/dependent_launch.py): every earlier kernel's writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -193,7 +197,7 @@ def _fused_linear_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, offs_m < M, offs_n < N, N, K,
                  stride_xm, stride_wn, stride_rm, stride_om, EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, BLOCK_K,
-                 LN_G, LN_B, OUT2, eps, LN_RELOAD, A_GELU, LN_ZERO_INVALID)
+                 LN_G, LN_B, OUT2, eps, LN_RELOAD, A_GELU, LN_ZERO_INVALID, EARLY)
 
 
 @triton.jit
@@ -278,11 +282,22 @@ def _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, K,
                  stride_xm, stride_wn, stride_rm, stride_om,
                  EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 LN_G, LN_B, OUT2, eps, LN_RELOAD: tl.constexpr, A_GELU: tl.constexpr, LN_ZERO_INVALID: tl.constexpr):
+                 LN_G, LN_B, OUT2, eps, LN_RELOAD: tl.constexpr, A_GELU: tl.constexpr, LN_ZERO_INVALID: tl.constexpr,
+                 EARLY: tl.constexpr = False):
     """One [BLOCK_M, BLOCK_N] output tile at rows ``offs_m`` (int64; ``row_ok`` which exist) and columns
     ``offs_n``: the GEMM, the bias, the epilogue and, for EPILOGUE >= 4, the rows' next LayerNorm. The kernel above
-    is one tile per program; ``_layer_triton`` runs the same tiles one after another inside a whole layer."""
+    is one tile per program; ``_layer_triton`` runs the same tiles one after another inside a whole layer.
+
+    ``EARLY``: the epilogue's operands are loaded before the k-loop. Where a launch is a few microseconds (the
+    launch-bound shapes' tiles), the loads after the loop are one more round trip to L2 on its critical path; loaded
+    first, they travel with the GEMM's operands. What is computed, and in which order, does not change; the values
+    stay live in registers across the loop, so tiles that stream many rows (where registers bound the programs per
+    multiprocessor) keep the late loads."""
     offs_k = tl.arange(0, BLOCK_K)
+    if EARLY:
+        bias, r, valid = _epilogue_operands(B, R, MASK, offs_m, offs_n, row_ok, col_ok, stride_rm, EPILOGUE, HAS_MASK)
+    else:
+        bias, r, valid = None, None, None
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K in order, one accumulator
@@ -293,28 +308,57 @@ def _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, K,
         w = tl.load(W + offs_n[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & (kk[None, :] < K), other=0.0)
         acc = tl.dot(a, tl.trans(w), acc)
     _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, stride_rm, stride_om,
-                     EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, LN_G, LN_B, OUT2, eps, LN_RELOAD, LN_ZERO_INVALID)
+                     EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, LN_G, LN_B, OUT2, eps, LN_RELOAD, LN_ZERO_INVALID,
+                     EARLY, bias, r, valid)
 
 
 @triton.jit
-def _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, stride_rm, stride_om,
-                     EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     LN_G, LN_B, OUT2, eps, LN_RELOAD: tl.constexpr, LN_ZERO_INVALID: tl.constexpr):
-    """The tile's float32 accumulator to its outputs: the bias, the epilogue, the store and, for EPILOGUE >= 4, the
-    rows' next LayerNorm (shared by the pointer-load tile above and the TMA kernel below)."""
+def _epilogue_operands(B, R, MASK, offs_m, offs_n, row_ok, col_ok, stride_rm,
+                       EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr):
+    """What the epilogue reads besides the accumulator, loaded ahead of it (``EARLY``): the bias (float32) and, for
+    EPILOGUE >= 2, the residual tile and the rows' validity, each loaded as the epilogue loads it."""
     bias = tl.load(B + offs_n, mask=col_ok, other=0.0).to(tl.float32)
-    y = (acc + bias[None, :]).to(tl.float16)  # the bias inside the float32 accumulator, one rounding
-
-    if EPILOGUE == 1:  # exact GELU, ATen's expression order
-        out = _gelu16(y, ACCURATE)
-    elif EPILOGUE >= 2:
+    r = 0.0  # placeholders where the epilogue reads no residual (never read)
+    valid = row_ok
+    if EPILOGUE >= 2:
         r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :],
                     other=0.0)
         if HAS_MASK:
             valid = tl.load(MASK + offs_m, mask=row_ok, other=0) != 0
         else:
             valid = row_ok
+    return bias, r, valid
+
+
+@triton.jit
+def _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, stride_rm, stride_om,
+                     EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     LN_G, LN_B, OUT2, eps, LN_RELOAD: tl.constexpr, LN_ZERO_INVALID: tl.constexpr,
+                     LOADED: tl.constexpr = False, bias_loaded=None, r_loaded=None, valid_loaded=None):
+    """The tile's float32 accumulator to its outputs: the bias, the epilogue, the store and, for EPILOGUE >= 4, the
+    rows' next LayerNorm (shared by the pointer-load tile above and the TMA kernel below). ``LOADED``: the bias,
+    residual and validity come in already loaded (``_epilogue_operands``); otherwise each is loaded where it is first
+    needed, as the proven tiles always have."""
+    if LOADED:
+        bias = bias_loaded
+    else:
+        bias = tl.load(B + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+    y = (acc + bias[None, :]).to(tl.float16)  # the bias inside the float32 accumulator, one rounding
+
+    if EPILOGUE == 1:  # exact GELU, ATen's expression order
+        out = _gelu16(y, ACCURATE)
+    elif EPILOGUE >= 2:
+        if LOADED:
+            r = r_loaded
+            valid = valid_loaded
+        else:
+            r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            if HAS_MASK:
+                valid = tl.load(MASK + offs_m, mask=row_ok, other=0) != 0
+            else:
+                valid = row_ok
         zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float16)
         if EPILOGUE == 2 or EPILOGUE == 4:  # r + where(mask, y, 0)
             out = (r.to(tl.float32) + tl.where(valid[:, None], y, zero).to(tl.float32)).to(tl.float16)
