@@ -53,7 +53,9 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         two = triton_attention(q, k, v, mask, heads, causal, cached=True, block_m=64, num_warps=4, fast_div=True)
         one = triton_qkv_attention(h, ws, bs, mask, heads, causal)
         forms = {"whole": triton_qkv_attention(h, ws, bs, mask, heads, causal, whole=True),
-                 "pair": triton_qkv_attention(h, ws, bs, mask, heads, causal, pair=True)}
+                 "pair": triton_qkv_attention(h, ws, bs, mask, heads, causal, pair=True),
+                 "whole, early": triton_qkv_attention(h, ws, bs, mask, heads, causal, whole=True, early=True),
+                 "pair, early": triton_qkv_attention(h, ws, bs, mask, heads, causal, pair=True, early=True)}
         results.append(dict(case=[b, s, d, heads, causal, padded], elements=two.numel(),
                             differing=int((one.view(torch.int16) != two.view(torch.int16)).sum()),
                             forms_differing={name: int((out.view(torch.int16) != two.view(torch.int16)).sum())
@@ -66,11 +68,13 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 
 def test_one_launch_equals_the_two_it_replaces_under_the_interpreter():
     """Every form: each projection on its own (keys as the causal limit needs them); q, k and v in one walk over D
-    (``whole``); and one program per head walking both row blocks on rows projected once (``pair``)."""
+    (``whole``); and one program per head walking both row blocks on rows projected once (``pair``); the last two
+    with their biases loaded before the walk over D (``early``)."""
     results = run_interpreter_script(INTERPRETER_SCRIPT)
     assert len(results) == 7
     for r in results:
-        assert r["differing"] == 0 and r["forms_differing"] == {"whole": 0, "pair": 0}, r
+        assert r["differing"] == 0 and r["forms_differing"] == {"whole": 0, "pair": 0, "whole, early": 0,
+                                                                "pair, early": 0}, r
         assert r["finite"], r
 
 
@@ -111,9 +115,10 @@ def test_compiled_for_sm90_it_runs_the_cached_launchs_tiles_and_a_pdl_form_of_th
     cached launch's own shape (m64n32k16 at Dh = 32), the exps are as many as the cached launch's (one per score,
     each chunk taken once), and the dependent-launch form adds only the two griddepcontrol instructions."""
     pytest.importorskip("triton")
+    import collections
     import re
 
-    from kkdeploy.kernels.dependent_launch import ptx_difference
+    from kkdeploy.kernels.dependent_launch import arithmetic_opcodes, ptx_difference
     from tests.conftest import load_script
 
     script = load_script("offline_ptx")
@@ -133,6 +138,15 @@ def test_compiled_for_sm90_it_runs_the_cached_launchs_tiles_and_a_pdl_form_of_th
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", pair)) == {"m64n32k16"}
     assert "mma.sync" not in pair
     assert len(re.findall(r"ex2\.approx", pair)) < 2 * len(re.findall(r"ex2\.approx", cached))  # block 0: 2 chunks
+    # the biases loaded before the walk over D: the same floating-point, MMA and conversion instructions, as many of
+    # each, and the same MMA chain in order (the scheduler interleaves the bias additions anew; the interpreter
+    # above, and a GPU proof, compare the bits)
+    mma = lambda ptx: [op for op in arithmetic_opcodes(ptx) if op.startswith("wgmma")]  # noqa: E731
+    for form in (whole, pair):
+        early = script.compile_ptx("qkv_attention", {**values, "WHOLE": True, "PAIR": form is pair, "EARLY": True},
+                                   4, 3)
+        assert collections.Counter(arithmetic_opcodes(early)) == collections.Counter(arithmetic_opcodes(form))
+        assert mma(early) == mma(form)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

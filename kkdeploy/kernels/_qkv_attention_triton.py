@@ -98,14 +98,24 @@ def _key_block(X, x_row0, stride_xs, key0, S, WK, WV, BK, BV, col0, stride_w, D,
 
 
 @triton.jit
+def _head_biases(BQ, BK, BV, col0, offs_d, col_ok):
+    """The head's q, k and v biases (columns col0 + offs_d), in float32."""
+    bq = tl.load(BQ + col0 + offs_d, mask=col_ok, other=0.0).to(tl.float32)
+    bk = tl.load(BK + col0 + offs_d, mask=col_ok, other=0.0).to(tl.float32)
+    bv = tl.load(BV + col0 + offs_d, mask=col_ok, other=0.0).to(tl.float32)
+    return bq, bk, bv
+
+
+@triton.jit
 def _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D,
                    NK: tl.constexpr, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-                   Q_OF_KEYS: tl.constexpr = False):
+                   Q_OF_KEYS: tl.constexpr = False, EARLY: tl.constexpr = False):
     """``_project`` of q (the block's rows) and of k and v (keys 0 .. NK - 1) in one walk over D: each k-step's rows
     and weights loaded together and three dots, one float32 accumulator each (each its own chain of the same
     products, in D order), so the loads of the three projections overlap instead of following one another.
     Returns q [64, DH_PAD] and k, v [NK, DH_PAD] in float16; V's rows past S zeroed. ``Q_OF_KEYS``: q of the key
-    rows themselves ([NK, DH_PAD], one load of the rows for all three dots; ``offs_m`` is not read)."""
+    rows themselves ([NK, DH_PAD], one load of the rows for all three dots; ``offs_m`` is not read). ``EARLY``: the
+    biases are loaded before the walk over D, in flight with its first loads, not after its last dot."""
     offs_d = tl.arange(0, DH_PAD)
     offs_k = tl.arange(0, BLOCK_K)
     keys = tl.arange(0, NK)
@@ -116,6 +126,8 @@ def _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0
         acc_q = tl.zeros((64, DH_PAD), dtype=tl.float32)
     acc_k = tl.zeros((NK, DH_PAD), dtype=tl.float32)
     acc_v = tl.zeros((NK, DH_PAD), dtype=tl.float32)
+    if EARLY:
+        bq, bk, bv = _head_biases(BQ, BK, BV, col0, offs_d, col_ok)
     for k0 in range(0, D, BLOCK_K):  # K in order, one accumulator per projection
         kk = k0 + offs_k
         k_ok = kk[None, :] < D
@@ -136,9 +148,8 @@ def _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0
         acc_q = tl.dot(xq, tl.trans(wq), acc_q)
         acc_k = tl.dot(xk, tl.trans(wk), acc_k)
         acc_v = tl.dot(xk, tl.trans(wv), acc_v)
-    bq = tl.load(BQ + col0 + offs_d, mask=col_ok, other=0.0).to(tl.float32)
-    bk = tl.load(BK + col0 + offs_d, mask=col_ok, other=0.0).to(tl.float32)
-    bv = tl.load(BV + col0 + offs_d, mask=col_ok, other=0.0).to(tl.float32)
+    if not EARLY:
+        bq, bk, bv = _head_biases(BQ, BK, BV, col0, offs_d, col_ok)
     q = (acc_q + bq[None, :]).to(tl.float16)
     k = (acc_k + bk[None, :]).to(tl.float16)
     v = (acc_v + bv[None, :]).to(tl.float16)
@@ -247,11 +258,11 @@ def _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, s
 def _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0, stride_ms,
                  scale, OUT, o_row0, stride_os, NK: tl.constexpr, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr,
                  BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
-                 FAST_DIV: tl.constexpr):
+                 FAST_DIV: tl.constexpr, EARLY: tl.constexpr = False):
     """One row block, q, k and v projected in one walk over D (k and v of keys 0 .. NK - 1), then attended."""
     offs_m = m0 + tl.arange(0, 64)
     q, k, v = _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, NK,
-                             HEAD_DIM, DH_PAD, BLOCK_K)
+                             HEAD_DIM, DH_PAD, BLOCK_K, False, EARLY)
     _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0, NK, HEAD_DIM,
                   DH_PAD, CAUSAL, HAS_MASK, ACCURATE, FAST_DIV)
 
@@ -264,12 +275,14 @@ def _qkv_attention_kernel(
     HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr,
     PDL: tl.constexpr = False, WHOLE: tl.constexpr = False, NK: tl.constexpr = 128, PAIR: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     """``WHOLE``: q, k and v projected in one walk over D (``_project_whole``), k and v for keys 0 .. NK - 1 (NK =
     64 or 128, the rows rounded up), whether the row block needs them all or not. ``PAIR`` (WHOLE's projections,
     one program per head): every row's q and every key's k and v from one load of the rows and one walk over D,
     then both row blocks attended one after the other, so no row is projected twice. Otherwise each projection on
-    its own, keys 64 at a time as the causal limit needs them."""
+    its own, keys 64 at a time as the causal limit needs them. ``EARLY`` (WHOLE and PAIR): the biases loaded before
+    the walk over D (``_project_whole``)."""
     if PDL:  # a dependent launch (kernels/dependent_launch.py): earlier kernels' writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -286,7 +299,7 @@ def _qkv_attention_kernel(
     o_row0 = b * stride_ob
     if PAIR:
         q, k, v = _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, NK,
-                                 HEAD_DIM, DH_PAD, BLOCK_K, True)
+                                 HEAD_DIM, DH_PAD, BLOCK_K, True, EARLY)
         if NK == 128:
             q0, q1 = _row_halves(q, 64, DH_PAD)
             _attend_tiles(q0, k, v, 0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0, NK,
@@ -299,7 +312,7 @@ def _qkv_attention_kernel(
     elif WHOLE:
         _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0, stride_ms,
                      scale, OUT, o_row0, stride_os, NK, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK, ACCURATE,
-                     FAST_DIV)
+                     FAST_DIV, EARLY)
     else:
         # the cached launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions
         n_end = _keys_end(m0, S, CAUSAL)
@@ -316,14 +329,14 @@ def _qkv_attention_kernel(
 
 def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num_heads: int, causal: bool, *,
                          fast_div: bool = True, num_warps: int = 4, num_stages=None, max_registers=None,
-                         whole: bool = False, pair: bool = False) -> torch.Tensor:
+                         whole: bool = False, pair: bool = False, early: bool = False) -> torch.Tensor:
     """The attention's context [B, S, D] fp16 of the normalized rows ``h`` [B, S, D] fp16, with ``weights`` (Wq, Wk,
     Wv), each [D, D], and ``biases`` (bq, bk, bv): what ``triton_linear`` of the packed Q|K|V followed by
     ``triton_attention(..., cached=True, block_m=64, num_warps=4, fast_div=True)`` computes, in one launch.
     ``max_registers``: Triton's ``maxnreg`` (offline, Triton 3.6, sm_90a: 168 registers at 4 warps, three programs
     per multiprocessor; capped at 128, four, with 32 bytes of spills). ``whole``: q, k and v projected in one walk
     over D, k and v of every key (the kernel's WHOLE); ``pair``: one program per head, every row projected once and
-    both row blocks attended (the kernel's PAIR)."""
+    both row blocks attended (the kernel's PAIR); ``early``: the biases loaded before the walk over D (EARLY)."""
     if h.dtype != torch.float16 or h.dim() != 3:
         raise KKError(f"h must be float16 [B, S, D], got {h.dtype} {list(h.shape)}")
     b, s, d = h.shape
@@ -358,6 +371,6 @@ def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num
                   s, num_heads, d, fp32_scale(dh),
                   HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_K=block_k, CAUSAL=bool(causal), HAS_MASK=has_mask,
                   ACCURATE=not INTERPRET, FAST_DIV=bool(fast_div), WHOLE=bool(whole or pair), PAIR=bool(pair),
-                  NK=64 if s <= 64 else 128,
+                  NK=64 if s <= 64 else 128, EARLY=bool(early),
                   **launch)
     return out
