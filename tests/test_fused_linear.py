@@ -175,7 +175,7 @@ def test_the_layer_norm_epilogue_s_tiles(monkeypatch):
     args = (x, w, b, None, None, None, None, 1e-5, "add_masked")
     fl.run_layer_norm_launch(*args, launch="regs_w4")
     fl.run_layer_norm_launch(*args)
-    assert seen == [{"LN_RELOAD": False, "num_warps": 4}, {}]
+    assert seen == [{"LN_RELOAD": False, "num_warps": 4, "EARLY": True}, {}]
     with pytest.raises(KKError, match="tile 'regs' does not apply to rows of 32"):
         fl.run_layer_norm_launch(x, w[:32], b[:32], None, None, None, None, 1e-5, "add_masked", launch="regs")
     # at run time the CUDA kernel launches the tile the proof chose
@@ -337,15 +337,16 @@ for m, n, k, epilogue, prologue in ((300, 200, 64, "add_masked", "none"), (130, 
     keep = mask if residual is not None else None
     pairs = []
     for tile in ("auto", "m64n64"):
-        pairs.append((tile, triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[tile], EARLY=True),
-                      triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[tile])))
+        late = {**TILES[tile], "EARLY": False}
+        pairs.append((tile, triton_linear(x, w, b, residual, keep, epilogue, prologue, **{**late, "EARLY": True}),
+                      triton_linear(x, w, b, residual, keep, epilogue, prologue, **late)))
     if residual is not None and n == 128:
         lw, lb = (torch.rand(n, generator=g) + 0.5).half(), (torch.randn(n, generator=g) * 0.1).half()
         for tile in ("auto", "regs", "regs_w4"):
             for zero_invalid in (False, True):
-                kw = dict(prologue=prologue, zero_invalid=zero_invalid, **LN_TILES[tile])
+                kw = dict(prologue=prologue, zero_invalid=zero_invalid, **{**LN_TILES[tile], "EARLY": False})
                 args = (x, w, b, r, mask, lw, lb, 1e-5, epilogue)
-                pairs.append((tile + "+layer_norm", torch.cat(triton_linear_layer_norm(*args, EARLY=True, **kw)),
+                pairs.append((tile + "+layer_norm", torch.cat(triton_linear_layer_norm(*args, **{**kw, "EARLY": True})),
                               torch.cat(triton_linear_layer_norm(*args, **kw))))
     for tile, got, want in pairs:
         results.append({"case": [m, n, k, epilogue, prologue, tile],

@@ -97,7 +97,13 @@ TILES: dict[str, dict] = {
     "w4": dict(BLOCK_M=128, num_warps=4, num_stages=3),
     "m256": dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3),
     "n256s4": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=4),
-    "m64n64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
+    # "m64n64" loads its epilogue's bias, residual and mask before the k-loop (``EARLY``): its launches are a few
+    # microseconds (grids that leave multiprocessors idle), and loads after the loop are one more round trip to L2 on
+    # their critical path. The same wgmma and floating-point instructions in the same order (offline, sm_90a). On an
+    # H100 (session 45) bit-identical in builds and every bench, and shape 3's `-gemms-pdl` 0.0805 and 0.0840 ms
+    # without it against 0.0784 with it (with the LayerNorm tiles' and the Q|K|V attention's early loads; one bench
+    # process each, interleaved, docs/fused-linear.md)
+    "m64n64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4, EARLY=True),
     # for GEMMs that stream their activations (K <= 128, many row tiles: shape 6): the 64-row tile with two stages.
     # At K = 128 a tile has two k-steps, so "auto", "m64" and "n64" allocate stages they never fill: 96 KB of shared
     # memory each, two programs per multiprocessor. Two stages take 48 KB, four programs (compiled offline for sm_90a,
@@ -133,11 +139,13 @@ BUILD_TILES = ("auto", "m64", "n64", "n256", "m64s2", "m64n64", "cols", "m64s2co
 #: and "regs_w4" at 4 warps. Under Triton's interpreter the three give the same bits (tests/test_fused_linear.py).
 #: On an H100 (session 36, shape 3's out_proj + residual + norm2, M 512-8192) all three were bit-identical to ATen,
 #: and "regs" took 5.4-5.9 µs and "regs_w4" 6.3-6.8 against "auto"'s 8.8-11.4 (docs/fused-linear.md). Rows under
-#: 128 are always read back (the lanes past the row are masked there), so only "auto" applies to them.
+#: 128 are always read back (the lanes past the row are masked there), so only "auto" applies to them. The register
+#: tiles load their bias, residual and mask before the k-loop, as "m64n64" does (session 45: bit-identical in builds,
+#: faster on the launch-bound shapes); "auto", which also serves shape 6's long launches, keeps the late loads.
 LN_TILES: dict[str, dict] = {
     "auto": {},
-    "regs": dict(LN_RELOAD=False),
-    "regs_w4": dict(LN_RELOAD=False, num_warps=4),
+    "regs": dict(LN_RELOAD=False, EARLY=True),
+    "regs_w4": dict(LN_RELOAD=False, num_warps=4, EARLY=True),
 }
 #: the LayerNorm epilogue's tiles a build proves: all three, since builds on the GPU shipped "regs" through their
 #: strict validation (session 37, an H200: shapes 3 and 12, 0 failed; docs/fused-linear.md has the timings), the

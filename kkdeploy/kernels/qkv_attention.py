@@ -38,8 +38,11 @@ SOURCES = (Path(__file__).resolve().with_name("_qkv_attention_triton.py"),
 #: causal limit needs them ("split"), or q, k and v in one walk over D with every key ("whole": the faster of the
 #: two on shapes 3 and 12 in session 43), or one program per head that projects every row once and attends both
 #: row blocks in turn ("pair": no key projected twice, half the programs; the fastest where rows outgrow the
-#: launch count, shape 6 in session 44)
-LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True}, "pair": {"pair": True}}
+#: launch count, shape 6 in session 44). Both load the head's biases before the walk over D (``early``: in flight
+#: with its first loads instead of after its last dot; session 45, with the GEMM tiles' early loads: bit-identical in
+#: builds and benches, shape 3 faster)
+LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True},
+                             "pair": {"pair": True, "early": True}}
 #: the forms a build proves, each shipped by a GPU build through strict validation first (H100s):
 #: - "whole" (session 43): a new user's build of shape 3 proved it at 8.3 µs against the packed Q|K|V GEMM's 3.8 and
 #:   the attention's 7.1, took it, and served a padded run with 0 failed elements; `-gemms-pdl` 0.0827 ms against
