@@ -113,7 +113,8 @@ from tests.standins import CapturedStandIn, HostDriver, captured_bucket_engine  
 
 #: the rows LayerNorm's kernels in csrc/layer_norm.cu, as ``layer_norm_ptx_entries`` names them (rows2_full and
 #: block4_full once per width they are compiled for)
-LAYER_NORM_KERNELS = ("rows", "rows2", *(f"rows2_full{n}" for n in (16, 32, 64, 128)), "block4",
+LAYER_NORM_KERNELS = ("rows", "rows2", *(f"rows2_full{n}" for n in (16, 32, 64, 128)),
+                      *(f"rows2_full_early{n}" for n in (16, 32, 64, 128)), "block4",
                       *(f"block4_full{n}" for n in (256, 384, 512, 768, 1024)))
 
 
@@ -134,10 +135,10 @@ def layer_norm_ptx_entries(tmp_path: Path) -> dict[str, str]:
     found = {}
     for match in re.finditer(r"\.entry (\S+)\(", ptx):
         name = match.group(1)
-        kernel = re.search(r"layer_norm_(rows2|rows|block4)_f16_kernelILb([01])E(?:Li(\d+)E)?E", name)
+        kernel = re.search(r"layer_norm_(rows2|rows|block4)_f16_kernelILb([01])E(?:Li(\d+)E)?(Lb1E)?(?:Lb0E)?E", name)
         body = ptx[match.start():ptx.index("\n}\n", match.end())].replace(name, "KERNEL")
         width = int(kernel.group(3) or 0)  # the full forms are the kernels compiled for one width
-        launch = f"{kernel.group(1)}_full{width}" if width else kernel.group(1)
+        launch = f"{kernel.group(1)}_full{'_early' if kernel.group(4) else ''}{width}" if width else kernel.group(1)
         key = f"{launch}<{'pdl' if kernel.group(2) == '1' else 'plain'}>"
         found[key] = re.sub(r"\$L__BB\d+_", "$L__BB_", body)
     return found

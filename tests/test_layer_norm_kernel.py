@@ -64,8 +64,8 @@ def test_calls_the_kernel_does_not_cover_are_named():
     assert "float16 CUDA only" in ln.rows_kernel_reason(x, [128], torch.ones(128).half(), torch.zeros(128).half())
     with pytest.raises(KKError, match="layer_norm_rows_kernel: cpu torch.float16: the kernel is float16 CUDA only"):
         ln.layer_norm_rows_kernel(x, torch.ones(128).half(), torch.zeros(128).half(), 1e-5)
-    with pytest.raises(KKError, match=r"rows_per_warp is one of \[1, 2, 3, 4, 5\] \(the launches rows2, rows1, "
-                                      r"block4, rows2_full, block4_full\), got 7"):
+    with pytest.raises(KKError, match=r"rows_per_warp is one of \[1, 2, 3, 4, 5, 6\] \(the launches rows2, rows1, "
+                                      r"block4, rows2_full, block4_full, rows2_full_early\), got 7"):
         ln.layer_norm_rows_kernel(x, torch.ones(128).half(), torch.zeros(128).half(), 1e-5, rows_per_warp=7)
     assert ln.DEFAULT_ROWS_PER_WARP == 2  # proven with 1 on the H200 (campaign 11) and faster: the op's launch
 
@@ -271,8 +271,34 @@ def test_the_proof_tries_only_the_launches_that_take_the_rows(monkeypatch, proof
     ln.prove_layer_norm("cpu", [], 64, 128)
     ln.prove_layer_norm("cpu", [], 64, 128, launches=list(ln.LAUNCHES))
     ln.prove_layer_norm("cpu", [], 64, 1024)
+    ln.prove_layer_norm("cpu", [], 64, 96, launches=["rows2_full_early", "rows2"])  # a study launch's width only
     assert tried == [["block4_full", "block4"], ["block4"], ["rows2_full", "rows2", "rows1"],
-                     ["rows2", "rows1", "rows2_full"], ["block4_full", "block4"]]
+                     ["rows2", "rows1", "rows2_full", "rows2_full_early"], ["block4_full", "block4"], ["rows2"]]
+
+
+def test_the_early_rows_launch_is_a_study_launch_with_rows2_full_s_arithmetic(tmp_path):
+    """``rows2_full_early`` loads the lane's gamma and beta before the tree instead of after its last shuffle. A build
+    does not prove it (a study names it) until a GPU build ships it; compiled to PTX for sm_90 with the build's
+    flags, it has rows2_full's floating-point instructions, as many of each and in its order (but for where the
+    kernel reads eps), plain and as a dependent launch; and gamma's loads come before the first shuffle."""
+    import collections
+    import re
+
+    from kkdeploy.kernels.dependent_launch import arithmetic_opcodes
+    from tests.conftest import layer_norm_ptx_entries
+
+    assert "rows2_full_early" not in ln.launches_for(128) and ln.takes("rows2_full_early", 128)
+    assert not ln.takes("rows2_full_early", 96) and ln.LAUNCHES["rows2_full_early"] == 6
+    kernels = layer_norm_ptx_entries(tmp_path)
+    floating = lambda body: [op for op in arithmetic_opcodes(body) if not op.startswith(("mov", "ld.param"))]  # noqa
+    for width in (16, 32, 64, 128):
+        for mode in ("plain", "pdl"):
+            full, early = kernels[f"rows2_full{width}<{mode}>"], kernels[f"rows2_full_early{width}<{mode}>"]
+            assert floating(early) == floating(full), (width, mode)
+            assert collections.Counter(arithmetic_opcodes(early)) == collections.Counter(arithmetic_opcodes(full))
+            first_shuffle = early.index("shfl.sync")
+            assert len(re.findall(r"ld\.global\.nc", early[:first_shuffle])) > \
+                len(re.findall(r"ld\.global\.nc", full[:full.index("shfl.sync")])), (width, mode)
 
 
 def test_a_build_captures_activations_for_rows_of_any_width_the_kernel_takes(monkeypatch):

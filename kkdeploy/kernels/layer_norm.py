@@ -50,8 +50,13 @@ BLOCK_WARPS, BLOCK_THREADS = 4, 128  # ATen's block per row: (32, 4) threads
 #: playing ATen's 4 warps. "rows2_full" (FULL_ROW_WIDTHS) and "block4_full" (FULL_BLOCK_WIDTHS) are rows2 and
 #: block4 with every count of the Welford folds and trees known when the kernel is compiled: the same operations, the
 #: reciprocals done by the compiler and the counts not shuffled (``kk_welford::merge_counted``). Each is proven on
-#: its own (``prove_layer_norm``).
-LAUNCHES = {"rows2": 2, "rows1": 1, "block4": 4, "rows2_full": 3, "block4_full": 5}
+#: its own (``prove_layer_norm``). "rows2_full_early" is rows2_full with the lane's gamma and beta loaded before the
+#: tree instead of after it (csrc/layer_norm.cu, ``kEarly``: the same arithmetic, one round trip to L2 fewer after
+#: the last shuffle); a study launch (STUDY_LAUNCHES) until a GPU build ships it through strict validation.
+LAUNCHES = {"rows2": 2, "rows1": 1, "block4": 4, "rows2_full": 3, "block4_full": 5, "rows2_full_early": 6}
+#: launches proven only where asked for by name (``prove_layer_norm(..., launches=...)``, ``scripts/kernel_selftest.py
+#: --launches layer_norm=rows2_full_early``), not in builds, and the widths they take
+STUDY_LAUNCHES = {"rows2_full_early": (16, 32, 64, 128)}
 #: the row widths block4_full is compiled for: multiples of 128, so that every lane of one of ATen's warps holds as
 #: many elements as the others; the widths of our shapes (each more width costs the kernel library's first compile
 #: about 0.25 s here)
@@ -75,9 +80,15 @@ def launches_for(width: int) -> list[str]:
     return (["block4_full"] if width in FULL_BLOCK_WIDTHS else []) + ["block4"]
 
 
+def takes(launch: str, width: int) -> bool:
+    """Whether ``launch`` takes rows of ``width``: a build's launch (``launches_for``) or a study launch."""
+    return launch in launches_for(width) or width in STUDY_LAUNCHES.get(launch, ())
+
+
 def proof_launches(width: int, asked: Optional[list[str]] = None) -> list[str]:
-    """The launches a proof tries on rows of ``width``: those ``asked`` for that take them, else every one that does."""
-    chosen = [name for name in asked or () if name in launches_for(width)]
+    """The launches a proof tries on rows of ``width``: those ``asked`` for that take them (study launches too), else
+    every one a build proves that does."""
+    chosen = [name for name in asked or () if takes(name, width)]
     return chosen or launches_for(width)
 
 
@@ -287,7 +298,7 @@ def layer_norm_rows_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     reason = rows_kernel_reason(x, [x.shape[-1]], weight, bias)
     if reason:
         raise KKError(f"layer_norm_rows_kernel: {reason}")
-    if launch not in launches_for(x.shape[-1]):
+    if not takes(launch, x.shape[-1]):
         raise KKError(f"layer_norm_rows_kernel: the {launch} launch does not take rows of {x.shape[-1]}; those take "
                       f"{', '.join(launches_for(x.shape[-1]))}")
     out = torch.empty_like(x)

@@ -101,10 +101,8 @@ __device__ __forceinline__ void finish_stats(kk_welford::Moments s, int N, float
 }
 
 // One output vector: y = g * (rstd * (x - mean)) + b, rounded once (ATen's expression and operand order).
-__device__ __forceinline__ void write_vector(const Half4 data, const __half* gamma, const __half* beta, Half4* out4,
-                                             int v, float mean, float rstd) {
-  const Half4 g = reinterpret_cast<const Half4*>(gamma)[v];
-  const Half4 b = reinterpret_cast<const Half4*>(beta)[v];
+__device__ __forceinline__ void write_loaded(const Half4 data, const Half4 g, const Half4 b, Half4* out4, int v,
+                                            float mean, float rstd) {
   Half4 out;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -112,6 +110,13 @@ __device__ __forceinline__ void write_vector(const Half4 data, const __half* gam
                                __half2float(b.v[k]));
   }
   out4[v] = out;
+}
+
+// write_loaded with vector v of gamma and beta loaded here.
+__device__ __forceinline__ void write_vector(const Half4 data, const __half* gamma, const __half* beta, Half4* out4,
+                                             int v, float mean, float rstd) {
+  write_loaded(data, reinterpret_cast<const Half4*>(gamma)[v], reinterpret_cast<const Half4*>(beta)[v], out4, v, mean,
+               rstd);
 }
 
 // rows2_full's tree, for rows of kV = N / 4 vectors (a power of two up to 32; ATen's lane t holds vector t): at the
@@ -131,12 +136,30 @@ constexpr int kTreeOther = kV >= 2 * kOffset ? kTreeOwn<kV, kOffset> : 0;
 // kN > 0 (the rows2_full launch, rows of exactly kN: 16, 32, 64 or 128): every count in the tree that ATen's lane 0
 // depends on is known when the kernel is compiled (rows2_full_counts), and kk_welford::merge_counted takes the same
 // steps with the reciprocals and the counts' shuffles done by the compiler. kN == 0: N at run time (rows2, as proven).
-template <bool kPdl, int kN>
+// kEarly (with kN > 0: the rows2_full_early launch): the lane's vectors of gamma and beta are loaded first, beside
+// the row's own loads, instead of in write_vector. Without it nvcc issues those loads after the tree's last shuffle:
+// one more round trip to L2 on the critical path of a launch of a few microseconds. (Loaded before the dependent
+// launch's wait in the source, ptxas of CUDA 13.0 still issued them after it, so they follow it here, and the PDL
+// form stays the plain one plus the two griddepcontrol instructions.) The same arithmetic on the same values.
+template <bool kPdl, int kN, bool kEarly = false>
 __device__ __forceinline__ void layer_norm_rows2_f16(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                                      const __half* __restrict__ beta, __half* __restrict__ Y,
                                                      int64_t M, int N, float eps) {
+  static_assert(!kEarly || kN > 0, "rows2_full_early: rows of a width known when the kernel is compiled");
   dependent_launch_entry<kPdl>();
   constexpr int kHalf = kWarp / 2;
+  Half4 g_low, b_low, g_high, b_high;
+  if constexpr (kEarly) {
+    const int lane = threadIdx.x % kHalf;
+    if (lane < kN / 4) {
+      g_low = reinterpret_cast<const Half4*>(gamma)[lane];
+      b_low = reinterpret_cast<const Half4*>(beta)[lane];
+    }
+    if (lane + kHalf < kN / 4) {
+      g_high = reinterpret_cast<const Half4*>(gamma)[lane + kHalf];
+      b_high = reinterpret_cast<const Half4*>(beta)[lane + kHalf];
+    }
+  }
   if constexpr (kN > 0) N = kN;
   const int64_t warp_row = (static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp) * 2;
   if (warp_row >= M) return;  // both rows of this warp are past the end: the whole warp leaves together
@@ -185,17 +208,22 @@ __device__ __forceinline__ void layer_norm_rows2_f16(const __half* __restrict__ 
   }
   if (!live) return;
   Half4* out4 = reinterpret_cast<Half4*>(Y + row * N);
-  if (lane < vectors) write_vector(data_low, gamma, beta, out4, lane, mean, rstd);
-  if (lane + kHalf < vectors) write_vector(data_high, gamma, beta, out4, lane + kHalf, mean, rstd);
+  if constexpr (kEarly) {
+    if (lane < vectors) write_loaded(data_low, g_low, b_low, out4, lane, mean, rstd);
+    if (lane + kHalf < vectors) write_loaded(data_high, g_high, b_high, out4, lane + kHalf, mean, rstd);
+  } else {
+    if (lane < vectors) write_vector(data_low, gamma, beta, out4, lane, mean, rstd);
+    if (lane + kHalf < vectors) write_vector(data_high, gamma, beta, out4, lane + kHalf, mean, rstd);
+  }
 }
 
-// rows2 (kN == 0) and rows2_full (kN: 16, 32, 64 or 128).
-template <bool kPdl, int kN>
+// rows2 (kN == 0), rows2_full (kN: 16, 32, 64 or 128) and rows2_full_early (kEarly).
+template <bool kPdl, int kN, bool kEarly = false>
 __global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                             const __half* __restrict__ beta, __half* __restrict__ Y, int64_t M,
                                             int N, float eps) {
   static_assert(kN == 0 || kN == 16 || kN == 32 || kN == 64 || kN == 128, "rows2_full: rows of 16, 32, 64 or 128");
-  layer_norm_rows2_f16<kPdl, kN>(X, gamma, beta, Y, M, N, eps);
+  layer_norm_rows2_f16<kPdl, kN, kEarly>(X, gamma, beta, Y, M, N, eps);
 }
 
 // Rows of any width ATen's vector path takes, one warp per row: the warp plays ATen's whole block of 4 warps.
@@ -314,6 +342,18 @@ Kernel full_kernel(int64_t N) {
   }
 }
 
+// rows2_full_early's kernel for rows of N (16, 32, 64 or 128); nullptr for another width.
+template <bool kPdl>
+Kernel early_kernel(int64_t N) {
+  switch (N) {
+    case 16: return layer_norm_rows2_f16_kernel<kPdl, 16, true>;
+    case 32: return layer_norm_rows2_f16_kernel<kPdl, 32, true>;
+    case 64: return layer_norm_rows2_f16_kernel<kPdl, 64, true>;
+    case 128: return layer_norm_rows2_f16_kernel<kPdl, 128, true>;
+    default: return nullptr;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -325,7 +365,8 @@ __attribute__((visibility("default"))) const char* kk_layer_norm_last_error(void
 // rows_per_warp 1: layer_norm_rows_f16_kernel; 2: layer_norm_rows2_f16_kernel (N <= 128 for both);
 // 3: layer_norm_rows2_f16_kernel<kN> (rows2_full: two rows per warp, N of 16, 32, 64 or 128, the tree's counts known);
 // 4: layer_norm_block4_f16_kernel (one row per warp playing ATen's 4 warps; N <= 2^24, ATen's vector-path limit);
-// 5: layer_norm_block4_f16_kernel<kN> (block4_full: every count known, N of 256, 384, 512, 768 or 1024).
+// 5: layer_norm_block4_f16_kernel<kN> (block4_full: every count known, N of 256, 384, 512, 768 or 1024);
+// 6: rows2_full with gamma and beta loaded first (rows2_full_early: N of 16, 32, 64 or 128).
 // Each launch runs only where the build proved it bit-identical. pdl 1: a programmatic dependent launch (the same
 // arithmetic, plus griddepcontrol.wait and launch_dependents at the kernel's start).
 __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x, const void* weight,
@@ -337,11 +378,15 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
     g_error = "kk_layer_norm_rows_f16: the rows2_full launch takes rows of 16, 32, 64 or 128 elements";
     return 1;
   }
+  if (rows_per_warp == 6 && early_kernel<false>(N) == nullptr) {
+    g_error = "kk_layer_norm_rows_f16: the rows2_full_early launch takes rows of 16, 32, 64 or 128 elements";
+    return 1;
+  }
   if (rows_per_warp == 5 && (N <= 128 || full_kernel<false>(N) == nullptr)) {
     g_error = "kk_layer_norm_rows_f16: the block4_full launch takes rows of 256, 384, 512, 768 or 1024 elements";
     return 1;
   }
-  if (rows_per_warp >= 4) {
+  if (rows_per_warp == 4 || rows_per_warp == 5) {
     if (N <= 0 || N > (1LL << 24) || N % 4 != 0) {
       g_error = "kk_layer_norm_rows_f16: rows of 4..2^24 elements, a multiple of 4 (ATen's vector path)";
       return 1;
@@ -355,12 +400,13 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
       g_error = "kk_layer_norm_rows_f16: buffers must be 8-byte aligned (ATen's vector path)";
       return 1;
     }
-  if (rows_per_warp < 1 || rows_per_warp > 5) {
+  if (rows_per_warp < 1 || rows_per_warp > 6) {
     g_error = "kk_layer_norm_rows_f16: rows_per_warp is 1 or 2 (3: two rows of 128 with known counts; 4: ATen's "
-              "block in one warp; 5: that with known counts)";
+              "block in one warp; 5: that with known counts; 6: 3 with gamma and beta loaded first)";
     return 1;
   }
-  const int64_t rows_per_block = kRowsPerBlock * (rows_per_warp == 2 || rows_per_warp == 3 ? 2 : 1);
+  const bool two_rows = rows_per_warp == 2 || rows_per_warp == 3 || rows_per_warp == 6;  // the rows2 kernels
+  const int64_t rows_per_block = kRowsPerBlock * (two_rows ? 2 : 1);
   const int64_t blocks = (M + rows_per_block - 1) / rows_per_block;
   if (blocks > 2147483647LL) {
     g_error = "kk_layer_norm_rows_f16: too many rows";
@@ -371,6 +417,7 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
       : rows_per_warp == 2 ? (pdl ? layer_norm_rows2_f16_kernel<true, 0> : layer_norm_rows2_f16_kernel<false, 0>)
       : rows_per_warp == 3 ? (pdl ? full_kernel<true>(N) : full_kernel<false>(N))
       : rows_per_warp == 4 ? (pdl ? layer_norm_block4_f16_kernel<true, 0> : layer_norm_block4_f16_kernel<false, 0>)
+      : rows_per_warp == 6 ? (pdl ? early_kernel<true>(N) : early_kernel<false>(N))
                            : (pdl ? full_kernel<true>(N) : full_kernel<false>(N));
   const auto* xh = static_cast<const __half*>(x);
   const auto* wh = static_cast<const __half*>(weight);
