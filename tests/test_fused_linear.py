@@ -320,21 +320,11 @@ def test_a_columns_first_tile_computes_what_its_tile_computes():
 
 # the epilogue's operands loaded before the k-loop (``EARLY``) against the same tile loading them after it: every
 # epilogue, the GELU prologue, row, column and K tails, and the LayerNorm epilogue read back and in registers
-EARLY_SCRIPT = """
-import json, torch
-from kkdeploy.kernels._fused_linear_triton import triton_linear, triton_linear_layer_norm
-from kkdeploy.kernels.fused_linear import LN_TILES, TILES
-results = []
-g = torch.Generator().manual_seed(13)
-for m, n, k, epilogue, prologue in ((300, 200, 64, "add_masked", "none"), (130, 128, 128, "add_masked", "none"),
-                                    (70, 160, 48, "gelu", "none"), (200, 128, 96, "masked_sum", "gelu"),
-                                    (64, 96, 32, "none", "none")):
-    x = (torch.randn(m, k, generator=g) * 2).half()
-    w, b = (torch.randn(n, k, generator=g) / 4).half(), torch.randn(n, generator=g).half()
-    r = torch.randn(m, n, generator=g).half()
-    mask = torch.rand(m, generator=g) > 0.3
-    residual = r if epilogue in ("add_masked", "masked_sum") else None
-    keep = mask if residual is not None else None
+EARLY_SCRIPT = tile_race_script(13, """((300, 200, 64, "add_masked", "none"), (130, 128, 128, "add_masked", "none"),
+                                  (70, 160, 48, "gelu", "none"), (200, 128, 96, "masked_sum", "gelu"),
+                                  (64, 96, 32, "none", "none"))""", """
+    from kkdeploy.kernels._fused_linear_triton import triton_linear_layer_norm
+    from kkdeploy.kernels.fused_linear import LN_TILES
     pairs = []
     for tile in ("auto", "m64n64"):
         late = {**TILES[tile], "EARLY": False}
@@ -348,11 +338,7 @@ for m, n, k, epilogue, prologue in ((300, 200, 64, "add_masked", "none"), (130, 
                 args = (x, w, b, r, mask, lw, lb, 1e-5, epilogue)
                 pairs.append((tile + "+layer_norm", torch.cat(triton_linear_layer_norm(*args, **{**kw, "EARLY": True})),
                               torch.cat(triton_linear_layer_norm(*args, **kw))))
-    for tile, got, want in pairs:
-        results.append({"case": [m, n, k, epilogue, prologue, tile],
-                        "differing": int((got.view(torch.int16) != want.view(torch.int16)).sum())})
-print("RESULTS " + json.dumps(results))
-"""
+    for tile, got, want in pairs:""")
 
 
 def test_the_epilogue_s_operands_loaded_early_change_no_bit():

@@ -321,13 +321,19 @@ def _epilogue_operands(B, R, MASK, offs_m, offs_n, row_ok, col_ok, stride_rm,
     r = 0.0  # placeholders where the epilogue reads no residual (never read)
     valid = row_ok
     if EPILOGUE >= 2:
-        r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                    other=0.0)
-        if HAS_MASK:
-            valid = tl.load(MASK + offs_m, mask=row_ok, other=0) != 0
-        else:
-            valid = row_ok
+        r, valid = _residual_operands(R, MASK, offs_m, offs_n, row_ok, col_ok, stride_rm, HAS_MASK)
     return bias, r, valid
+
+
+@triton.jit
+def _residual_operands(R, MASK, offs_m, offs_n, row_ok, col_ok, stride_rm, HAS_MASK: tl.constexpr):
+    """The residual tile and the rows' validity (the mask's rows, or the rows that exist)."""
+    r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if HAS_MASK:
+        valid = tl.load(MASK + offs_m, mask=row_ok, other=0) != 0
+    else:
+        valid = row_ok
+    return r, valid
 
 
 @triton.jit
@@ -353,12 +359,7 @@ def _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, st
             r = r_loaded
             valid = valid_loaded
         else:
-            r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                        other=0.0)
-            if HAS_MASK:
-                valid = tl.load(MASK + offs_m, mask=row_ok, other=0) != 0
-            else:
-                valid = row_ok
+            r, valid = _residual_operands(R, MASK, offs_m, offs_n, row_ok, col_ok, stride_rm, HAS_MASK)
         zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float16)
         if EPILOGUE == 2 or EPILOGUE == 4:  # r + where(mask, y, 0)
             out = (r.to(tl.float32) + tl.where(valid[:, None], y, zero).to(tl.float32)).to(tl.float16)
