@@ -116,8 +116,8 @@ def main(argv=None) -> int:
             return {"two launches (auto)": two("auto"), "two launches (m64n64)": two("m64n64"),
                     "two launches (cols)": two("cols"),
                     "one launch (w4)": one(), "one launch (w4, maxnreg 128)": one(max_registers=128),
-                    "one launch (w8)": one(num_warps=8), "one launch, whole (w4)": one(whole=True),
-                    "one launch, whole (w8)": one(whole=True, num_warps=8),
+                    "one launch (w8)": one(num_warps=8), "one launch, whole (w4)": one(**LAUNCHES["whole"]),
+                    "one launch, whole (w8)": one(**LAUNCHES["whole"], num_warps=8),
                     "one launch, pair (w4)": one(**LAUNCHES["pair"])}, aten
 
         record = {"shape": shape, "cases": [], "ms": {}}

@@ -108,6 +108,8 @@ def test_launcher_refuses_wrong_weights_in_one_line():
         triton_qkv_attention(torch.zeros(1, 8, 64, dtype=torch.float16), [w] * 3, [bias] * 3, None, 4, True)
     with pytest.raises(KKError, match="float16"):
         triton_qkv_attention(h.float(), [w] * 3, [bias] * 3, None, 4, True)
+    with pytest.raises(KKError, match="pass whole=True or pair=True"):  # the split form has no early loads
+        triton_qkv_attention(h, [w] * 3, [bias] * 3, None, 4, True, early=True)
 
 
 def test_compiled_for_sm90_it_runs_the_cached_launchs_tiles_and_a_pdl_form_of_the_same_arithmetic():

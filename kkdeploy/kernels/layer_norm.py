@@ -54,9 +54,6 @@ BLOCK_WARPS, BLOCK_THREADS = 4, 128  # ATen's block per row: (32, 4) threads
 #: tree instead of after it (csrc/layer_norm.cu, ``kEarly``: the same arithmetic, one round trip to L2 fewer after
 #: the last shuffle); a study launch (STUDY_LAUNCHES) until a GPU build ships it through strict validation.
 LAUNCHES = {"rows2": 2, "rows1": 1, "block4": 4, "rows2_full": 3, "block4_full": 5, "rows2_full_early": 6}
-#: launches proven only where asked for by name (``prove_layer_norm(..., launches=...)``, ``scripts/kernel_selftest.py
-#: --launches layer_norm=rows2_full_early``), not in builds, and the widths they take
-STUDY_LAUNCHES = {"rows2_full_early": (16, 32, 64, 128)}
 #: the row widths block4_full is compiled for: multiples of 128, so that every lane of one of ATen's warps holds as
 #: many elements as the others; the widths of our shapes (each more width costs the kernel library's first compile
 #: about 0.25 s here)
@@ -64,6 +61,9 @@ FULL_BLOCK_WIDTHS = (256, 384, 512, 768, 1024)
 #: the row widths rows2_full is compiled for: 4-wide vectors a power of two, so that every count ATen's lane 0 depends
 #: on is the same in every lane it comes from
 FULL_ROW_WIDTHS = (16, 32, 64, 128)
+#: launches proven only where asked for by name (``prove_layer_norm(..., launches=...)``, ``scripts/kernel_selftest.py
+#: --launches layer_norm=rows2_full_early``), not in builds, and the widths they take
+STUDY_LAUNCHES = {"rows2_full_early": FULL_ROW_WIDTHS}
 #: what a proof's "proven" means: these launches' rows per warp and the widths the full forms take (part of the
 #: proofs' key: a record made when a launch took other widths would name a launch that no longer takes its rows)
 LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, FULL_ROW_WIDTHS, FULL_BLOCK_WIDTHS)

@@ -325,31 +325,19 @@ __global__ void layer_norm_block4_f16_kernel(const __half* __restrict__ X, const
 using Kernel = void (*)(const __half*, const __half*, const __half*, __half*, int64_t, int, float);
 
 // The full forms' kernel for rows of N: rows2_full at 16-128 (FULL_ROW_WIDTHS in layer_norm.py), block4_full at
-// 256-1024 (FULL_BLOCK_WIDTHS); nullptr for another width.
-template <bool kPdl>
+// 256-1024 (FULL_BLOCK_WIDTHS); with kEarly, rows2_full_early (rows2_full's widths only); nullptr for another width.
+template <bool kPdl, bool kEarly = false>
 Kernel full_kernel(int64_t N) {
   switch (N) {
-    case 16: return layer_norm_rows2_f16_kernel<kPdl, 16>;
-    case 32: return layer_norm_rows2_f16_kernel<kPdl, 32>;
-    case 64: return layer_norm_rows2_f16_kernel<kPdl, 64>;
-    case 128: return layer_norm_rows2_f16_kernel<kPdl, 128>;
-    case 256: return layer_norm_block4_f16_kernel<kPdl, 256>;
-    case 384: return layer_norm_block4_f16_kernel<kPdl, 384>;
-    case 512: return layer_norm_block4_f16_kernel<kPdl, 512>;
-    case 768: return layer_norm_block4_f16_kernel<kPdl, 768>;
-    case 1024: return layer_norm_block4_f16_kernel<kPdl, 1024>;
-    default: return nullptr;
-  }
-}
-
-// rows2_full_early's kernel for rows of N (16, 32, 64 or 128); nullptr for another width.
-template <bool kPdl>
-Kernel early_kernel(int64_t N) {
-  switch (N) {
-    case 16: return layer_norm_rows2_f16_kernel<kPdl, 16, true>;
-    case 32: return layer_norm_rows2_f16_kernel<kPdl, 32, true>;
-    case 64: return layer_norm_rows2_f16_kernel<kPdl, 64, true>;
-    case 128: return layer_norm_rows2_f16_kernel<kPdl, 128, true>;
+    case 16: return layer_norm_rows2_f16_kernel<kPdl, 16, kEarly>;
+    case 32: return layer_norm_rows2_f16_kernel<kPdl, 32, kEarly>;
+    case 64: return layer_norm_rows2_f16_kernel<kPdl, 64, kEarly>;
+    case 128: return layer_norm_rows2_f16_kernel<kPdl, 128, kEarly>;
+    case 256: return kEarly ? nullptr : layer_norm_block4_f16_kernel<kPdl, 256>;
+    case 384: return kEarly ? nullptr : layer_norm_block4_f16_kernel<kPdl, 384>;
+    case 512: return kEarly ? nullptr : layer_norm_block4_f16_kernel<kPdl, 512>;
+    case 768: return kEarly ? nullptr : layer_norm_block4_f16_kernel<kPdl, 768>;
+    case 1024: return kEarly ? nullptr : layer_norm_block4_f16_kernel<kPdl, 1024>;
     default: return nullptr;
   }
 }
@@ -378,7 +366,7 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
     g_error = "kk_layer_norm_rows_f16: the rows2_full launch takes rows of 16, 32, 64 or 128 elements";
     return 1;
   }
-  if (rows_per_warp == 6 && early_kernel<false>(N) == nullptr) {
+  if (rows_per_warp == 6 && full_kernel<false, true>(N) == nullptr) {
     g_error = "kk_layer_norm_rows_f16: the rows2_full_early launch takes rows of 16, 32, 64 or 128 elements";
     return 1;
   }
@@ -417,7 +405,7 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
       : rows_per_warp == 2 ? (pdl ? layer_norm_rows2_f16_kernel<true, 0> : layer_norm_rows2_f16_kernel<false, 0>)
       : rows_per_warp == 3 ? (pdl ? full_kernel<true>(N) : full_kernel<false>(N))
       : rows_per_warp == 4 ? (pdl ? layer_norm_block4_f16_kernel<true, 0> : layer_norm_block4_f16_kernel<false, 0>)
-      : rows_per_warp == 6 ? (pdl ? early_kernel<true>(N) : early_kernel<false>(N))
+      : rows_per_warp == 6 ? (pdl ? full_kernel<true, true>(N) : full_kernel<false, true>(N))
                            : (pdl ? full_kernel<true>(N) : full_kernel<false>(N));
   const auto* xh = static_cast<const __half*>(x);
   const auto* wh = static_cast<const __half*>(weight);
