@@ -93,17 +93,35 @@ class KernelAttentionForward(ReferenceForward):
 
     Bit for bit the same composition (the op's CPU kernel *is* that composition, its CUDA kernel was
     proven equal to it), but one opaque op for Inductor: the [B,H,S,S] scores never reach memory where the
-    fused kernel runs. The projections, out_proj, LayerNorms and GELU stay the faithful graph's."""
+    fused kernel runs. The projections, out_proj, LayerNorms and GELU stay the faithful graph's.
+
+    ``layer_norm_kernel`` (the LayerNorms are our rows kernel's op): the final LayerNorm and the reference's
+    ``zero_invalid_rows`` after it are one op, ``kkdeploy_faithful::layer_norm_rows_zero_invalid``, whose launch
+    writes the invalid rows' zeros itself: one launch fewer per call than the LayerNorm and Inductor's masked fill."""
+
+    def __init__(self, model: torch.nn.Module, layer_norm_kernel: bool = False):
+        super().__init__(model)
+        self.layer_norm_kernel = layer_norm_kernel
 
     def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
         attentions = [layer.attention for layer in self.model.layers]
         for attention in attentions:
             attention.attend = functools.partial(_kernel_attend, attention)
         try:
-            return self.model.reference_forward(x, valid_token_mask)
+            return self._reference_forward(x, valid_token_mask)
         finally:
             for attention in attentions:
                 del attention.attend  # the instance attribute goes; the class's reference attend is back
+
+    def _reference_forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
+        """``reference_forward``, its final step as one op where the LayerNorms are our kernel's."""
+        if not masked_final_norm(self.layer_norm_kernel):
+            return self.model.reference_forward(x, valid_token_mask)
+        self.model.final = functools.partial(_kernel_final, self.model.final_norm)
+        try:
+            return self.model.reference_forward(x, valid_token_mask)
+        finally:
+            del self.model.final  # the instance attribute goes; the class's reference final is back
 
 
 class KernelGemmForward(KernelAttentionForward):
@@ -113,8 +131,8 @@ class KernelGemmForward(KernelAttentionForward):
     unproven platform or size) it is ``KernelAttentionForward``, so Inductor keeps fusing the elementwise ops; the
     LayerNorms (and a GELU outside the epilogue) stay ATen nodes for ``make_sensitive_ops_opaque``."""
 
-    def __init__(self, model: torch.nn.Module, plan: dict):
-        super().__init__(model)
+    def __init__(self, model: torch.nn.Module, plan: dict, layer_norm_kernel: bool = False):
+        super().__init__(model, layer_norm_kernel)
         self.plan = plan
 
     def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor) -> torch.Tensor:
@@ -128,10 +146,29 @@ class KernelGemmForward(KernelAttentionForward):
         for layer in layers:
             layer.forward = functools.partial(fused_block_forward, layer, plan=self.plan)
         try:
-            return self.model.reference_forward(x, valid_token_mask)
+            return self._reference_forward(x, valid_token_mask)
         finally:
             for layer in layers:
                 del layer.forward  # the instance attribute goes; Block.forward is back
+
+
+def masked_final_norm(layer_norm_kernel: bool) -> bool:
+    """Whether the graph's final LayerNorm and ``zero_invalid_rows`` are one op: where the LayerNorms are our rows
+    kernel's, once builds take it (``kkdeploy.kernels.layer_norm.MASKED_FINAL``)."""
+    from kkdeploy.kernels import layer_norm
+
+    return layer_norm_kernel and layer_norm.MASKED_FINAL
+
+
+def _kernel_final(final_norm, x, valid_token_mask):
+    """``ReferenceTransformer.final`` as one op: the rows kernel's masked launch where proven, else ATen's ops."""
+    import kkdeploy.kernels.layer_norm  # noqa: F401  registers kkdeploy_faithful::layer_norm_rows_zero_invalid
+
+    if valid_token_mask is None:
+        return final_norm(x)
+    return torch.ops.kkdeploy_faithful.layer_norm_rows_zero_invalid(x, list(final_norm.normalized_shape),
+                                                                    final_norm.weight, final_norm.bias,
+                                                                    final_norm.eps, valid_token_mask)
 
 
 def _kernel_attend(attention, q, k, v, valid_token_mask):
@@ -186,9 +223,9 @@ def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: tor
             from kkdeploy.kernels.fused_blocks import block_plan
 
             plan = block_plan(config, dtype, device)
-            module = KernelGemmForward(model, plan)
+            module = KernelGemmForward(model, plan, kernel_layer_norm)
         else:
-            module = KernelAttentionForward(model)
+            module = KernelAttentionForward(model, kernel_layer_norm)
     else:
         module = AllValidSdpaForward(model, sdpa_layers) if sdpa_layers else ReferenceForward(model)
     x = torch.zeros(config.batch_size, config.seq_len, config.d_model, dtype=dtype, device=device)
@@ -199,7 +236,8 @@ def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: tor
         counts = make_sensitive_ops_opaque(exported, keep=opaque, layer_norm_kernel=kernel_layer_norm)
         gelu_fused = kernel_attention and kernel_linear and plan["gemms"] and (plan["gelu"] or plan["gelu_prologue"])
         norms_fused = kernel_attention and kernel_linear and plan["gemms"] and plan.get("layer_norm", False)
-        expected = {"layer_norm": 1 if norms_fused else 2 * config.num_layers + 1,
+        final_fused = kernel_attention and masked_final_norm(kernel_layer_norm)  # the masked op (or in norms_fused)
+        expected = {"layer_norm": 1 if norms_fused else 2 * config.num_layers + (0 if final_fused else 1),
                     "gelu": 0 if gelu_fused else config.num_layers,
                     "softmax": 0 if kernel_attention else config.num_layers - sdpa_layers}
         wrong = {op: (counts[op], expected[op]) for op in opaque if counts[op] != expected[op]}

@@ -115,13 +115,14 @@ from tests.standins import CapturedStandIn, HostDriver, captured_bucket_engine  
 #: block4_full once per width they are compiled for)
 LAYER_NORM_KERNELS = ("rows", "rows2", *(f"rows2_full{n}" for n in (16, 32, 64, 128)),
                       *(f"rows2_full_early{n}" for n in (16, 32, 64, 128)), "block4",
-                      *(f"block4_full{n}" for n in (256, 384, 512, 768, 1024)))
+                      *(f"block4_full{n}" for n in (256, 384, 512, 768, 1024)),
+                      "rows2_masked", *(f"rows2_full{e}_masked{n}" for e in ("", "_early") for n in (16, 32, 64, 128)))
 
 
 def layer_norm_ptx_entries(tmp_path: Path) -> dict[str, str]:
     """csrc/layer_norm.cu compiled to PTX for sm_90 with the build's nvcc flags: each kernel by its template
-    arguments ({"rows2<pdl>": body, "block4_full1024<plain>": body, ...}), the kernel's own name and its basic blocks'
-    numbers taken out (they follow the order the kernels are emitted in)."""
+    arguments ({"rows2<pdl>": body, "block4_full1024<plain>": body, "rows2_full_masked128<pdl>": body, ...}), the
+    kernel's own name and its basic blocks' numbers taken out (they follow the order the kernels are emitted in)."""
     import re
 
     from kkdeploy.kernels import layer_norm
@@ -135,10 +136,13 @@ def layer_norm_ptx_entries(tmp_path: Path) -> dict[str, str]:
     found = {}
     for match in re.finditer(r"\.entry (\S+)\(", ptx):
         name = match.group(1)
-        kernel = re.search(r"layer_norm_(rows2|rows|block4)_f16_kernelILb([01])E(?:Li(\d+)E)?(Lb1E)?(?:Lb0E)?E", name)
+        kernel = re.search(r"layer_norm_(rows2|rows|block4)(_masked)?_f16_kernelILb([01])E(?:Li(\d+)E)?(Lb1E)?(?:Lb0E)?E",
+                           name)
         body = ptx[match.start():ptx.index("\n}\n", match.end())].replace(name, "KERNEL")
-        width = int(kernel.group(3) or 0)  # the full forms are the kernels compiled for one width
-        launch = f"{kernel.group(1)}_full{'_early' if kernel.group(4) else ''}{width}" if width else kernel.group(1)
-        key = f"{launch}<{'pdl' if kernel.group(2) == '1' else 'plain'}>"
+        width = int(kernel.group(4) or 0)  # the full forms are the kernels compiled for one width
+        masked = "_masked" if kernel.group(2) else ""
+        launch = (f"{kernel.group(1)}_full{'_early' if kernel.group(5) else ''}{masked}{width}" if width
+                  else kernel.group(1) + masked)
+        key = f"{launch}<{'pdl' if kernel.group(3) == '1' else 'plain'}>"
         found[key] = re.sub(r"\$L__BB\d+_", "$L__BB_", body)
     return found

@@ -454,10 +454,14 @@ def test_path_rules(monkeypatch, proof_sandbox):
         fl.linear_path(8, 4, 4, torch.float16, "cuda")
 
 
+@pytest.mark.parametrize("masked_final", [False, True], ids=["final-apart", "final-masked"])
 @pytest.mark.parametrize("ratio", [0.0, 0.25])
-def test_gemms_candidate_export_is_bitwise_on_the_cpu(ratio, monkeypatch):
+def test_gemms_candidate_export_is_bitwise_on_the_cpu(ratio, masked_final, monkeypatch):
     import engines.inductor_ops  # noqa: F401
     from engines.inductor import export_variant
+    from kkdeploy.kernels import layer_norm
+
+    monkeypatch.setattr(layer_norm, "MASKED_FINAL", masked_final)
 
     # the GPU plan (our GEMMs, Q/K/V one by one as where ATen's attention runs, GELU in the epilogue), whose ops run
     # their CPU kernels here: the ATen composition
@@ -469,21 +473,28 @@ def test_gemms_candidate_export_is_bitwise_on_the_cpu(ratio, monkeypatch):
     targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
     assert targets.count("kkdeploy_faithful.linear.default") == 6 * CONFIG.num_layers
     assert targets.count("kkdeploy_faithful.attention.default") == CONFIG.num_layers
-    assert targets.count("kkdeploy_faithful.layer_norm_rows.default") == 2 * CONFIG.num_layers + 1
+    assert targets.count("kkdeploy_faithful.layer_norm_rows.default") == 2 * CONFIG.num_layers + (not masked_final)
+    # final_norm and zero_invalid_rows: one op where builds take it, else the rows op and the reference's masked fill
+    assert targets.count("kkdeploy_faithful.layer_norm_rows_zero_invalid.default") == masked_final
+    assert targets.count("aten.masked_fill.Scalar") == (not masked_final)
     assert not any("gelu" in t or "addmm" in t or "softmax" in t for t in targets)
     x, mask = generate_case(CONFIG, "cpu", torch.float32, 1234, padding_ratio=ratio)
     with torch.no_grad():
         assert torch.equal(exported.module()(x, mask), model(x, mask))
 
 
+@pytest.mark.parametrize("masked_final", [False, True], ids=["final-apart", "final-masked"])
 @pytest.mark.parametrize("ratio", [0.0, 0.25])
-def test_a_launch_whose_proof_chose_aten_is_the_references_ops_in_the_graph(ratio, monkeypatch):
+def test_a_launch_whose_proof_chose_aten_is_the_references_ops_in_the_graph(ratio, masked_final, monkeypatch):
     """A launch the proof gave to ATen is not our op (whose fallback would run the GEMM, the mask's inversion,
     masked_fill and the add as four eager kernels inside one opaque call) but the reference's own ops in the graph,
     where Inductor fuses the residual and the mask: here out_proj and ffn_out, with Q/K/V and ffn_in ours."""
     import engines.inductor_ops  # noqa: F401
     from engines.inductor import export_variant
 
+    from kkdeploy.kernels import layer_norm
+
+    monkeypatch.setattr(layer_norm, "MASKED_FINAL", masked_final)
     linears = {"qkv": True, "out_proj": False, "ffn_in": True, "ffn_out": False}
     monkeypatch.setattr(fb, "block_plan", lambda *a: {"gemms": True, "packed_qkv": False, "gelu_prologue": False,
                                                       "gelu": False, "layer_norm": False, "linears": linears})
@@ -493,7 +504,8 @@ def test_a_launch_whose_proof_chose_aten_is_the_references_ops_in_the_graph(rati
     targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
     assert targets.count("kkdeploy_faithful.linear.default") == 4 * CONFIG.num_layers  # Q, K, V, ffn_in
     assert targets.count("aten.linear.default") == 2 * CONFIG.num_layers  # out_proj, ffn_out
-    assert targets.count("aten.masked_fill.Scalar") == 2 * CONFIG.num_layers + 1  # theirs; the output's invalid rows
+    # theirs, and the output's invalid rows (inside the final op where builds take it)
+    assert targets.count("aten.masked_fill.Scalar") == 2 * CONFIG.num_layers + (not masked_final)
     x, mask = generate_case(CONFIG, "cpu", torch.float32, 1234, padding_ratio=ratio)
     with torch.no_grad():
         assert torch.equal(exported.module()(x, mask), model(x, mask))

@@ -312,3 +312,130 @@ def test_a_build_captures_activations_for_rows_of_any_width_the_kernel_takes(mon
     assert model_proofs._refusal("layer_norm", narrow, torch.float16, torch.device("cuda")) is None
     odd = replace(wide, d_model=130, num_heads=2)
     assert "multiple of 4" in model_proofs._refusal("layer_norm", odd, torch.float16, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_final_layer_norm_op_is_the_references_final_step_bit_for_bit_on_the_cpu(dtype):
+    """``layer_norm_rows_zero_invalid`` is ``ReferenceTransformer.final``: ATen's layer_norm, then the invalid tokens'
+    rows +0 (a NaN row too), valid rows untouched; its schema and fake kernel pass opcheck."""
+    from kkdeploy.models.reference import zero_invalid_rows
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 6, 64, generator=g) * 5 + 2).to(dtype)
+    x[1, 4] = float("nan")
+    w, b = torch.randn(64, generator=g).to(dtype), torch.randn(64, generator=g).to(dtype)
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[2, 5] = False
+    op = torch.ops.kkdeploy_faithful.layer_norm_rows_zero_invalid
+    got = op(x, [64], w, b, 1e-5, mask)
+    expected = zero_invalid_rows(F.layer_norm(x, (64,), w, b, 1e-5), mask)
+    assert torch.equal(got, expected) and not got[1, 4].isnan().any()
+    assert torch.equal(got[~mask].view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       torch.zeros_like(got[~mask].view(torch.int16 if dtype != torch.float32 else torch.int32)))
+    torch.library.opcheck(op.default, (x, [64], w, b, 1e-5, mask))
+
+
+def test_a_mask_that_does_not_fit_the_rows_is_refused_in_one_line():
+    x = torch.zeros(2, 5, 32, dtype=torch.float16)
+    assert ln.valid_rows_reason(x, torch.ones(2, 5, dtype=torch.bool)) is None
+    assert "must be bool of shape (2, 5) on cpu; got uint8 (2, 5) on cpu" in ln.valid_rows_reason(
+        x, torch.ones(2, 5, dtype=torch.uint8))
+    assert "got bool (10,) on cpu" in ln.valid_rows_reason(x, torch.ones(10, dtype=torch.bool))
+
+
+def test_the_final_norm_proof_cases_run_the_launch_masked(monkeypatch):
+    """Where builds take the masked final LayerNorm, the proof of a LayerNorm op shape holds the final norm's cases
+    with the reference's zero_invalid_rows after it, and runs each launch masked on them: a launch proven there is
+    proven masked and plain."""
+    from kkdeploy import TransformerConfig
+    from kkdeploy.kernels import model_proofs
+    from kkdeploy.models.weights import build_models
+
+    calls = []
+
+    def fake_kernel(x, weight, bias, eps, rows_per_warp=ln.DEFAULT_ROWS_PER_WARP, valid=None):
+        calls.append((rows_per_warp, valid))
+        out = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        return out if valid is None else out.masked_fill(~valid[..., None], 0)
+
+    monkeypatch.setattr(ln, "layer_norm_rows_kernel", fake_kernel)
+    config = TransformerConfig(batch_size=2, seq_len=8, d_model=32, num_heads=2, ffn_dim=64, num_layers=2)
+    model = build_models(config, torch.float32, "cpu")[0]
+    for case in model_proofs._Cases(model, config, torch.float32, torch.device("cpu"), 1234).layer_norm():
+        case.run("rows2")  # until builds take the masked final norm (MASKED_FINAL), every case is plain
+    assert all(valid is None for _, valid in calls)
+    monkeypatch.setattr(ln, "MASKED_FINAL", True)
+    cases = model_proofs._Cases(model, config, torch.float32, torch.device("cpu"), 1234).layer_norm()
+    finals = [c for c in cases if c.label.endswith("final_norm")]
+    assert [c.label for c in finals] == ["all-valid, final_norm", "padded 0.25, final_norm"]
+    padded = finals[1]
+    reference = padded.reference()
+    invalid = (reference == 0).all(dim=-1)
+    assert invalid.any() and not invalid.all()  # the padded tokens' rows are the reference's zeros
+    assert torch.equal(padded.run("rows2_full"), reference)
+    assert calls[-1][0] == ln.LAUNCHES["rows2_full"] and torch.equal(~calls[-1][1], invalid)
+    others = [c for c in cases if not c.label.endswith("final_norm")]
+    others[0].run("rows2")
+    assert calls[-1][1] is None  # norm1, norm2 and the random cases stay plain
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH on this machine")
+def test_the_masked_launches_have_their_plain_forms_arithmetic_and_write_zeros(tmp_path):
+    """Compiled to PTX for sm_90 with the build's flags: each masked kernel (rows2, rows2_full, rows2_full_early; plain
+    and dependent) has its plain form's floating-point instructions, as many of each and in its order; it reads its
+    row's flag before the first shuffle (in flight with the row); and it has a store of zeros its plain form lacks.
+    Every plain kernel's PTX is as before (``rows2_full_early``'s test and the proofs' keys rely on that)."""
+    import collections
+    import re
+
+    from kkdeploy.kernels.dependent_launch import arithmetic_opcodes
+    from tests.conftest import layer_norm_ptx_entries
+
+    kernels = layer_norm_ptx_entries(tmp_path)
+    floating = lambda body: [op for op in arithmetic_opcodes(body) if not op.startswith(("mov", "ld.param"))]  # noqa
+    pairs = [("rows2", "rows2_masked")] + [(f"rows2_full{early}{n}", f"rows2_full{early}_masked{n}")
+                                          for early in ("", "_early") for n in (16, 32, 64, 128)]
+    for plain, masked in pairs:
+        for mode in ("plain", "pdl"):
+            a, b = kernels[f"{plain}<{mode}>"], kernels[f"{masked}<{mode}>"]
+            assert floating(b) == floating(a), (masked, mode)
+            assert collections.Counter(arithmetic_opcodes(b)) == collections.Counter(arithmetic_opcodes(a))
+            assert re.search(r"ld\.global(\.nc)?\.u8", b[:b.index("shfl.sync")]), (masked, mode)
+            zero_stores = re.findall(r"st\.global\.v2\.u32\s+\[[^]]+\], \{(%r\d+), \1\};", b)
+            assert zero_stores and all(re.search(rf"mov\.(b|u)32\s+{r}, 0;", b) for r in zero_stores), (masked, mode)
+            assert "st.global.v2.u32" not in a, (plain, mode)
+            assert ("griddepcontrol.wait" in b) == (mode == "pdl")
+    assert not any("_masked" in name for name in kernels if name.startswith(("rows<", "block4")))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH on this machine")
+def test_the_masked_entry_refuses_what_it_cannot_launch_in_one_line(tmp_path):
+    """The C entry's checks run on the host before any launch, so a library built here answers them without a GPU:
+    a launch without a masked form, a width rows2_full does not take, rows past one warp, no mask."""
+    import ctypes
+
+    from kkdeploy.kernels.cuda_build import NVCC_FLAGS, gencode
+
+    so = tmp_path / "k.so"
+    proc = subprocess.run(["nvcc", *NVCC_FLAGS, "-shared", "-gencode", gencode("sm_90"), str(ln.SOURCE), "-o",
+                           str(so)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lib = ctypes.CDLL(str(so))
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.kk_layer_norm_last_error.restype = ctypes.c_char_p
+    lib.kk_layer_norm_rows_masked_f16.argtypes = [vp, vp, vp, vp, vp, i64, i64, ctypes.c_float, ctypes.c_int,
+                                                  ctypes.c_int, vp]
+    aligned, mask = 4096, 8192
+
+    def call(n, rows_per_warp, valid=mask):
+        rc = lib.kk_layer_norm_rows_masked_f16(aligned, aligned, aligned, valid, aligned, 64, n, 1e-5, rows_per_warp,
+                                               0, None)
+        return rc, lib.kk_layer_norm_last_error().decode()
+
+    for rows_per_warp, n in ((1, 128), (4, 128), (5, 128), (3, 96), (6, 48)):
+        rc, error = call(n, rows_per_warp)
+        assert rc == 1 and "masked launches are rows2 (rows_per_warp 2)" in error, (rows_per_warp, n)
+    assert "rows of 4..128 elements" in call(256, 2)[1]
+    assert "no valid-token mask" in call(128, 3, valid=None)[1]
+    assert lib.kk_layer_norm_rows_masked_f16(None, None, None, None, None, 0, 128, 1e-5, 1, 0, None) == 0  # no rows

@@ -54,10 +54,15 @@ class FakeKernels:
         return self._answer(launch, ("a", q.data_ptr(), mask.data_ptr()), not bool(mask.all()),
                             lambda: fa.reference_attention(q, k, v, mask, heads, causal))
 
-    def layer_norm(self, x, weight, bias, eps, rows_per_warp=2):
+    def layer_norm(self, x, weight, bias, eps, rows_per_warp=2, valid=None):
         launch = {v: k for k, v in ln.LAUNCHES.items()}[rows_per_warp]
-        return self._answer(launch, ("ln", x.data_ptr(), weight.data_ptr()), True,
-                            lambda: torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps))
+
+        def compute():  # the final norm's cases pass the mask (ln.layer_norm_case): zero_invalid_rows after it
+            out = torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+            return out if valid is None else out.masked_fill(~valid[..., None], 0)
+
+        key = ("ln", x.data_ptr(), weight.data_ptr(), None if valid is None else valid.data_ptr())
+        return self._answer(launch, key, True, compute)
 
     def linear_layer_norm(self, x, weight, bias, residual, mask, ln_weight, ln_bias, eps, epilogue, prologue="none",
                           zero_invalid=False, launch=None):

@@ -293,12 +293,19 @@ def test_faithful_attention_variant_is_one_kernel_op_per_block_and_bitwise(dtype
             assert torch.equal(runner(x, mask), reference(x, mask))
 
 
+@pytest.mark.parametrize("masked_final", [False, True], ids=["final-apart", "final-masked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_faithful_kernels_variant_swaps_every_layer_norm_for_the_rows_op_and_stays_bitwise(dtype):
+def test_faithful_kernels_variant_swaps_every_layer_norm_for_the_rows_op_and_stays_bitwise(dtype, masked_final,
+                                                                                           monkeypatch):
     """torch-compile-faithful-kernels: the attention op of -faithful-attention plus every LayerNorm as
-    kkdeploy_faithful::layer_norm_rows (ATen's own layer_norm off the proven GPU path, so bitwise here)."""
+    kkdeploy_faithful::layer_norm_rows, the final one with the reference's zero_invalid_rows as
+    kkdeploy_faithful::layer_norm_rows_zero_invalid once builds take it (ATen's own ops off the proven GPU path, so
+    bitwise here)."""
     from engines.inductor import export_variant
     from engines.torch_compile import KERNELS, kernel_paths_record, uses_kernel_layer_norm
+    from kkdeploy.kernels import layer_norm
+
+    monkeypatch.setattr(layer_norm, "MASKED_FINAL", masked_final)
 
     reason = BACKEND.unavailable_reason(CPU, dtype)
     if reason:
@@ -308,7 +315,13 @@ def test_faithful_kernels_variant_swaps_every_layer_norm_for_the_rows_op_and_sta
     exported = export_variant(reference, TINY, dtype, CPU, inductor_variant(KERNELS), kernel_attention=True,
                               kernel_layer_norm=True)
     targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
-    assert sum("kkdeploy_faithful.layer_norm_rows" in t for t in targets) == 2 * TINY.num_layers + 1
+    # the blocks' norms, then the final LayerNorm: with the invalid rows' zeros as one op (one launch on a GPU)
+    # where builds take it, else the rows op and the reference's masked fill
+    masked = "kkdeploy_faithful.layer_norm_rows_zero_invalid.default"
+    assert targets.count("kkdeploy_faithful.layer_norm_rows.default") == 2 * TINY.num_layers + (not masked_final)
+    assert targets.count(masked) == masked_final
+    if masked_final:
+        assert "aten.masked_fill.Scalar" not in targets[targets.index(masked):]
     assert sum("kkdeploy_faithful.attention" in t for t in targets) == TINY.num_layers
     assert not any("layer_norm" in t and "kkdeploy" not in t for t in targets)
     runner = CompiledRunner(reference, TINY, dtype, CPU, name=KERNELS)

@@ -40,6 +40,9 @@ from .proof import (ProofCache, ProofCase, ProofRecord, kernel_environment, laun
                     prove_launches, remember_proof)
 
 OP_NAME = "kkdeploy_faithful::layer_norm_rows"
+#: the model's final LayerNorm with the reference's ``zero_invalid_rows`` after it, as one op (one launch, where the
+#: launch has a masked form: ``MASKED_LAUNCHES``)
+MASKED_OP_NAME = "kkdeploy_faithful::layer_norm_rows_zero_invalid"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "layer_norm.cu"
 HEADER = SOURCE.with_name("welford.cuh")
 MAX_ROW = 128  # one warp of 4-wide vectors: the rows1 / rows2 launches
@@ -64,6 +67,14 @@ FULL_ROW_WIDTHS = (16, 32, 64, 128)
 #: launches proven only where asked for by name (``prove_layer_norm(..., launches=...)``, ``scripts/kernel_selftest.py
 #: --launches layer_norm=rows2_full_early``), not in builds, and the widths they take
 STUDY_LAUNCHES = {"rows2_full_early": FULL_ROW_WIDTHS}
+#: the launches with a masked form (csrc/layer_norm.cu, ``kMasked``): the rows of invalid tokens written as +0 by the
+#: launch itself, as the reference's ``zero_invalid_rows`` (``masked_fill``) writes them after the final LayerNorm.
+#: The same arithmetic; only the store of an invalid row changes. Other launches apply the mask after the kernel.
+MASKED_LAUNCHES = ("rows2", "rows2_full", "rows2_full_early")
+#: whether builds run the final LayerNorm as ``MASKED_OP_NAME`` (engines/inductor.py) and prove the masked launches
+#: on the final norm's cases (model_proofs). Off until a GPU build ships it through strict validation: written in
+#: session 46 without a GPU (its PTX checked offline; ``.whl``'s edit script turns it on for a device run).
+MASKED_FINAL = False
 #: what a proof's "proven" means: these launches' rows per warp and the widths the full forms take (part of the
 #: proofs' key: a record made when a launch took other widths would name a launch that no longer takes its rows)
 LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, FULL_ROW_WIDTHS, FULL_BLOCK_WIDTHS)
@@ -285,12 +296,25 @@ def _load(device: str):
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     lib.kk_layer_norm_last_error.restype = ctypes.c_char_p
     lib.kk_layer_norm_rows_f16.argtypes = [vp, vp, vp, vp, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, vp]
+    lib.kk_layer_norm_rows_masked_f16.argtypes = [vp, vp, vp, vp, vp, i64, i64, ctypes.c_float, ctypes.c_int,
+                                                  ctypes.c_int, vp]
     return lib
 
 
+def valid_rows_reason(x: torch.Tensor, valid: torch.Tensor) -> Optional[str]:
+    """None when ``valid`` can mask the rows of ``x`` (a bool tensor of x's leading dims on its device), else why."""
+    if valid.dtype != torch.bool or tuple(valid.shape) != tuple(x.shape[:-1]) or valid.device != x.device:
+        return (f"the valid-token mask must be bool of shape {tuple(x.shape[:-1])} on {x.device}; got "
+                f"{str(valid.dtype).replace('torch.', '')} {tuple(valid.shape)} on {valid.device}")
+    return None
+
+
 def layer_norm_rows_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                           rows_per_warp: int = DEFAULT_ROWS_PER_WARP) -> torch.Tensor:
-    """The rows kernel itself (no fallback): what the self-test compares with ``F.layer_norm``."""
+                           rows_per_warp: int = DEFAULT_ROWS_PER_WARP,
+                           valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The rows kernel itself (no fallback): what the self-test compares with ``F.layer_norm``. With ``valid``
+    (bool, x's leading dims) the rows of invalid tokens come out +0, as ``zero_invalid_rows`` writes them: in the
+    launch itself where it has a masked form (``MASKED_LAUNCHES``), else by ``masked_fill_`` after it."""
     launch = next((name for name, code in LAUNCHES.items() if code == rows_per_warp), None)
     if launch is None:
         raise KKError(f"rows_per_warp is one of {sorted(LAUNCHES.values())} (the launches {', '.join(LAUNCHES)}), got "
@@ -301,14 +325,26 @@ def layer_norm_rows_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if not takes(launch, x.shape[-1]):
         raise KKError(f"layer_norm_rows_kernel: the {launch} launch does not take rows of {x.shape[-1]}; those take "
                       f"{', '.join(launches_for(x.shape[-1]))}")
+    if valid is not None:
+        reason = valid_rows_reason(x, valid)
+        if reason:
+            raise KKError(f"layer_norm_rows_kernel: {reason}")
     out = torch.empty_like(x)
     lib = _load(str(x.device))
-    rc = lib.kk_layer_norm_rows_f16(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),
-                                    x.numel() // x.shape[-1], x.shape[-1], float(eps), int(rows_per_warp),
-                                    int(dependent_launch_enabled()), torch.cuda.current_stream(x.device).cuda_stream)
+    rows, width = x.numel() // x.shape[-1], x.shape[-1]
+    pdl, stream = int(dependent_launch_enabled()), torch.cuda.current_stream(x.device).cuda_stream
+    if valid is not None and launch in MASKED_LAUNCHES:
+        valid = valid.contiguous()
+        rc = lib.kk_layer_norm_rows_masked_f16(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), valid.data_ptr(),
+                                               out.data_ptr(), rows, width, float(eps), int(rows_per_warp), pdl,
+                                               stream)
+        valid = None  # applied by the launch
+    else:
+        rc = lib.kk_layer_norm_rows_f16(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), rows, width,
+                                        float(eps), int(rows_per_warp), pdl, stream)
     if rc != 0:
         raise KKError(lib.kk_layer_norm_last_error().decode())
-    return out
+    return out if valid is None else out.masked_fill_(~valid[..., None], 0)
 
 
 def _custom_op(name: str):
@@ -342,11 +378,48 @@ def _layer_norm_rows_fake(x, normalized_shape, weight, bias, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def zero_invalid_rows_reference(x, normalized_shape, weight, bias, eps, valid_token_mask) -> torch.Tensor:
+    """The reference's final LayerNorm and ``zero_invalid_rows`` (models/reference.py), ATen's ops as it runs them."""
+    out = torch.ops.aten.layer_norm.default(x, normalized_shape, weight, bias, eps)
+    return out.masked_fill(~valid_token_mask[..., None], 0)
+
+
+@_custom_op(MASKED_OP_NAME)
+def layer_norm_rows_zero_invalid(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
+                                 bias: Optional[torch.Tensor], eps: float,
+                                 valid_token_mask: torch.Tensor) -> torch.Tensor:
+    """Default (CPU and any non-CUDA device): ATen's layer_norm, then the invalid tokens' rows set to 0."""
+    return zero_invalid_rows_reference(x, normalized_shape, weight, bias, eps, valid_token_mask)
+
+
+@layer_norm_rows_zero_invalid.register_kernel("cuda")
+def _layer_norm_rows_zero_invalid_cuda(x, normalized_shape, weight, bias, eps, valid_token_mask):
+    """CUDA: the rows kernel's masked launch where the call fits it and a proof here covers its shape (the proof's
+    final-norm cases run it masked), else ATen's two ops."""
+    if rows_kernel_reason(x, normalized_shape, weight, bias) is None and valid_rows_reason(x, valid_token_mask) is None:
+        width = x.shape[-1]
+        path = layer_norm_path(x.device, x.numel() // width, width)
+        if path.fused:
+            return layer_norm_rows_kernel(x, weight, bias, eps, LAUNCHES[path.launch], valid=valid_token_mask)
+    return zero_invalid_rows_reference(x, normalized_shape, weight, bias, eps, valid_token_mask)
+
+
+@layer_norm_rows_zero_invalid.register_fake
+def _layer_norm_rows_zero_invalid_fake(x, normalized_shape, weight, bias, eps, valid_token_mask):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 # -- the proof ------------------------------------------------------------------------------------------------
-def layer_norm_case(label: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> ProofCase:
-    """One LayerNorm call: ``F.layer_norm`` (what nn.LayerNorm runs) against a launch of the rows kernel."""
-    return ProofCase(label, lambda: torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps),
-                     lambda launch: layer_norm_rows_kernel(x, weight, bias, eps, LAUNCHES[launch]))
+def layer_norm_case(label: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                    valid: Optional[torch.Tensor] = None) -> ProofCase:
+    """One LayerNorm call: ``F.layer_norm`` (what nn.LayerNorm runs) against a launch of the rows kernel. With
+    ``valid`` (the model's final LayerNorm), the reference's ``zero_invalid_rows`` follows it, and the launch runs
+    masked: so the proof of the op shape covers the masked launches the final LayerNorm takes."""
+    if valid is None:
+        return ProofCase(label, lambda: torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps),
+                         lambda launch: layer_norm_rows_kernel(x, weight, bias, eps, LAUNCHES[launch]))
+    return ProofCase(label, lambda: zero_invalid_rows_reference(x, [x.shape[-1]], weight, bias, eps, valid),
+                     lambda launch: layer_norm_rows_kernel(x, weight, bias, eps, LAUNCHES[launch], valid=valid))
 
 
 def prove_layer_norm(device: torch.device | str, cases: list[ProofCase], rows: int, width: int, *,

@@ -186,9 +186,10 @@ class _Cases:
             cases.append(layer_norm.layer_norm_case(f"{label}, norm2", layer.mid, block.norm2.weight,
                                                     block.norm2.bias, block.norm2.eps))
         final = self.model.final_norm
-        for label, mask, layers in self.inputs:
+        for label, mask, layers in self.inputs:  # with zero_invalid_rows after it where the graph runs it so
             out = layers[self.layer_ids[-1]].out
-            cases.append(layer_norm.layer_norm_case(f"{label}, final_norm", out, final.weight, final.bias, final.eps))
+            cases.append(layer_norm.layer_norm_case(f"{label}, final_norm", out, final.weight, final.bias, final.eps,
+                                                    valid=mask if layer_norm.MASKED_FINAL else None))
         base = self.random_base
         cases += self.random(lambda s: layer_norm.layer_norm_case(
             f"random x{s:g}", self.rand(base.x, s), self.rand(final.weight, 1.0), self.rand(final.bias, 1.0),

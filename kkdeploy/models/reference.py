@@ -113,6 +113,11 @@ class ReferenceTransformer(nn.Module):
     def reference_forward(self, x, valid_token_mask=None):
         for layer in self.layers:
             x = layer(x, valid_token_mask)
+        return self.final(x, valid_token_mask)
+
+    def final(self, x, valid_token_mask=None):
+        """The final LayerNorm, then the invalid tokens' rows zeroed: a step of its own so that an engine can run
+        the two as one op (engines/inductor.py, with our LayerNorm kernel)."""
         return zero_invalid_rows(self.final_norm(x), valid_token_mask)
 
     def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:

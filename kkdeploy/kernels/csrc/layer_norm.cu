@@ -141,10 +141,16 @@ constexpr int kTreeOther = kV >= 2 * kOffset ? kTreeOwn<kV, kOffset> : 0;
 // one more round trip to L2 on the critical path of a launch of a few microseconds. (Loaded before the dependent
 // launch's wait in the source, ptxas of CUDA 13.0 still issued them after it, so they follow it here, and the PDL
 // form stays the plain one plus the two griddepcontrol instructions.) The same arithmetic on the same values.
-template <bool kPdl, int kN, bool kEarly = false>
+//
+// kMasked (the masked kernels: the model's final LayerNorm with the reference's zero_invalid_rows after it): a row
+// whose valid[row] is false is written as +0 in every element, as masked_fill(~mask, 0) writes it. Its statistics
+// are still computed (the other half of the warp shuffles with it); only its store changes. The flag is read beside
+// the row's loads. Without kMasked the code is the plain kernels' (their PTX is unchanged).
+template <bool kPdl, int kN, bool kEarly = false, bool kMasked = false>
 __device__ __forceinline__ void layer_norm_rows2_f16(const __half* __restrict__ X, const __half* __restrict__ gamma,
                                                      const __half* __restrict__ beta, __half* __restrict__ Y,
-                                                     int64_t M, int N, float eps) {
+                                                     int64_t M, int N, float eps,
+                                                     const bool* __restrict__ valid = nullptr) {
   static_assert(!kEarly || kN > 0, "rows2_full_early: rows of a width known when the kernel is compiled");
   dependent_launch_entry<kPdl>();
   constexpr int kHalf = kWarp / 2;
@@ -168,6 +174,8 @@ __device__ __forceinline__ void layer_norm_rows2_f16(const __half* __restrict__ 
   const bool live = row < M;  // a half past the end still takes part in the shuffles
   const int vectors = N / 4;
   const Half4* row4 = reinterpret_cast<const Half4*>(X + (live ? row : 0) * N);
+  bool keep = true;  // kMasked: whether this row is written (valid), else zeroed
+  if constexpr (kMasked) keep = live && valid[row];
 
   kk_welford::Moments low{0.f, 0.f, 0.f}, high{0.f, 0.f, 0.f};
   Half4 data_low, data_high;
@@ -208,6 +216,14 @@ __device__ __forceinline__ void layer_norm_rows2_f16(const __half* __restrict__ 
   }
   if (!live) return;
   Half4* out4 = reinterpret_cast<Half4*>(Y + row * N);
+  if constexpr (kMasked) {
+    if (!keep) {  // an invalid token's row: +0, as the reference's masked_fill writes it
+      const Half4 zero{{__ushort_as_half(0), __ushort_as_half(0), __ushort_as_half(0), __ushort_as_half(0)}};
+      if (lane < vectors) out4[lane] = zero;
+      if (lane + kHalf < vectors) out4[lane + kHalf] = zero;
+      return;
+    }
+  }
   if constexpr (kEarly) {
     if (lane < vectors) write_loaded(data_low, g_low, b_low, out4, lane, mean, rstd);
     if (lane + kHalf < vectors) write_loaded(data_high, g_high, b_high, out4, lane + kHalf, mean, rstd);
@@ -224,6 +240,14 @@ __global__ void layer_norm_rows2_f16_kernel(const __half* __restrict__ X, const 
                                             int N, float eps) {
   static_assert(kN == 0 || kN == 16 || kN == 32 || kN == 64 || kN == 128, "rows2_full: rows of 16, 32, 64 or 128");
   layer_norm_rows2_f16<kPdl, kN, kEarly>(X, gamma, beta, Y, M, N, eps);
+}
+
+// The masked kernels: rows2 (kN == 0) or rows2_full (kN) with valid[row] false rows written as +0 (kMasked above).
+template <bool kPdl, int kN, bool kEarly = false>
+__global__ void layer_norm_rows2_masked_f16_kernel(const __half* __restrict__ X, const __half* __restrict__ gamma,
+                                                   const __half* __restrict__ beta, const bool* __restrict__ valid,
+                                                   __half* __restrict__ Y, int64_t M, int N, float eps) {
+  layer_norm_rows2_f16<kPdl, kN, kEarly, true>(X, gamma, beta, Y, M, N, eps, valid);
 }
 
 // Rows of any width ATen's vector path takes, one warp per row: the warp plays ATen's whole block of 4 warps.
@@ -342,6 +366,46 @@ Kernel full_kernel(int64_t N) {
   }
 }
 
+using MaskedKernel = void (*)(const __half*, const __half*, const __half*, const bool*, __half*, int64_t, int, float);
+template <bool kPdl, int kN, bool kEarly = false>
+constexpr MaskedKernel masked = layer_norm_rows2_masked_f16_kernel<kPdl, kN, kEarly>;
+
+// The masked kernel of a launch: rows2 (rows_per_warp 2, any N up to 128), rows2_full (3) or rows2_full_early (6) at
+// 16, 32, 64 or 128; nullptr where the launch has no masked form or does not take rows of N.
+template <bool kPdl>
+MaskedKernel masked_kernel(int rows_per_warp, int64_t N) {
+  if (rows_per_warp == 2) return masked<kPdl, 0>;
+  if (rows_per_warp != 3 && rows_per_warp != 6) return nullptr;
+  const bool early = rows_per_warp == 6;
+  switch (N) {
+    case 16: return early ? masked<kPdl, 16, true> : masked<kPdl, 16>;
+    case 32: return early ? masked<kPdl, 32, true> : masked<kPdl, 32>;
+    case 64: return early ? masked<kPdl, 64, true> : masked<kPdl, 64>;
+    case 128: return early ? masked<kPdl, 128, true> : masked<kPdl, 128>;
+    default: return nullptr;
+  }
+}
+
+// One launch of 8-warp blocks on `stream`; with pdl, as a programmatic dependent launch.
+template <typename K, typename... Args>
+cudaError_t launch_rows(K kernel, int64_t blocks, int pdl, void* stream, Args... args) {
+  if (pdl) {
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(blocks));
+    config.blockDim = dim3(kRowsPerBlock * kWarp);
+    config.dynamicSmemBytes = 0;
+    config.stream = static_cast<cudaStream_t>(stream);
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, args...);
+  }
+  kernel<<<static_cast<unsigned>(blocks), kRowsPerBlock * kWarp, 0, static_cast<cudaStream_t>(stream)>>>(args...);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 extern "C" {
@@ -407,31 +471,56 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
       : rows_per_warp == 4 ? (pdl ? layer_norm_block4_f16_kernel<true, 0> : layer_norm_block4_f16_kernel<false, 0>)
       : rows_per_warp == 6 ? (pdl ? full_kernel<true, true>(N) : full_kernel<false, true>(N))
                            : (pdl ? full_kernel<true>(N) : full_kernel<false>(N));
-  const auto* xh = static_cast<const __half*>(x);
-  const auto* wh = static_cast<const __half*>(weight);
-  const auto* bh = static_cast<const __half*>(bias);
-  auto* yh = static_cast<__half*>(y);
   const int n = static_cast<int>(N);
-  cudaError_t err;
-  if (pdl) {
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(blocks));
-    config.blockDim = dim3(kRowsPerBlock * kWarp);
-    config.dynamicSmemBytes = 0;
-    config.stream = static_cast<cudaStream_t>(stream);
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    err = cudaLaunchKernelEx(&config, kernel, xh, wh, bh, yh, M, n, eps);
-  } else {
-    kernel<<<static_cast<unsigned>(blocks), kRowsPerBlock * kWarp, 0, static_cast<cudaStream_t>(stream)>>>(
-        xh, wh, bh, yh, M, n, eps);
-    err = cudaGetLastError();
-  }
+  const cudaError_t err = launch_rows(kernel, blocks, pdl, stream, static_cast<const __half*>(x),
+                                      static_cast<const __half*>(weight), static_cast<const __half*>(bias),
+                                      static_cast<__half*>(y), M, n, eps);
   if (err != cudaSuccess) {
     g_error = std::string("layer_norm_rows_f16_kernel: ") + cudaGetErrorString(err);
+    return 1;
+  }
+  return 0;
+}
+
+// y as kk_layer_norm_rows_f16 computes it, with the rows whose valid[row] is 0 written as +0 (the model's final
+// LayerNorm followed by the reference's zero_invalid_rows, in one launch). valid: M bools. rows_per_warp 2 (rows2), 3
+// (rows2_full) or 6 (rows2_full_early); the other launches have no masked form. Returns 0, or 1 with
+// kk_layer_norm_last_error().
+__attribute__((visibility("default"))) int kk_layer_norm_rows_masked_f16(const void* x, const void* weight,
+                                                                         const void* bias, const void* valid, void* y,
+                                                                         int64_t M, int64_t N, float eps,
+                                                                         int rows_per_warp, int pdl, void* stream) {
+  if (M <= 0) return 0;
+  if (N <= 0 || N > 128 || N % 4 != 0) {
+    g_error = "kk_layer_norm_rows_masked_f16: rows of 4..128 elements, a multiple of 4 (ATen's vector path, one warp)";
+    return 1;
+  }
+  const MaskedKernel kernel = pdl ? masked_kernel<true>(rows_per_warp, N) : masked_kernel<false>(rows_per_warp, N);
+  if (kernel == nullptr) {
+    g_error = "kk_layer_norm_rows_masked_f16: masked launches are rows2 (rows_per_warp 2) and, at 16, 32, 64 or 128 "
+              "elements, rows2_full (3) and rows2_full_early (6)";
+    return 1;
+  }
+  for (const void* p : {x, weight, bias, static_cast<const void*>(y)})
+    if (reinterpret_cast<uintptr_t>(p) % 8 != 0) {
+      g_error = "kk_layer_norm_rows_masked_f16: buffers must be 8-byte aligned (ATen's vector path)";
+      return 1;
+    }
+  if (valid == nullptr) {
+    g_error = "kk_layer_norm_rows_masked_f16: no valid-token mask";
+    return 1;
+  }
+  const int64_t blocks = (M + 2 * kRowsPerBlock - 1) / (2 * kRowsPerBlock);
+  if (blocks > 2147483647LL) {
+    g_error = "kk_layer_norm_rows_masked_f16: too many rows";
+    return 1;
+  }
+  const cudaError_t err = launch_rows(kernel, blocks, pdl, stream, static_cast<const __half*>(x),
+                                      static_cast<const __half*>(weight), static_cast<const __half*>(bias),
+                                      static_cast<const bool*>(valid), static_cast<__half*>(y), M,
+                                      static_cast<int>(N), eps);
+  if (err != cudaSuccess) {
+    g_error = std::string("layer_norm_rows2_masked_f16_kernel: ") + cudaGetErrorString(err);
     return 1;
   }
   return 0;
