@@ -95,9 +95,10 @@ class KernelAttentionForward(ReferenceForward):
     proven equal to it), but one opaque op for Inductor: the [B,H,S,S] scores never reach memory where the
     fused kernel runs. The projections, out_proj, LayerNorms and GELU stay the faithful graph's.
 
-    ``layer_norm_kernel`` (the LayerNorms are our rows kernel's op): the final LayerNorm and the reference's
-    ``zero_invalid_rows`` after it are one op, ``kkdeploy_faithful::layer_norm_rows_zero_invalid``, whose launch
-    writes the invalid rows' zeros itself: one launch fewer per call than the LayerNorm and Inductor's masked fill."""
+    ``layer_norm_kernel`` (the LayerNorms are our rows kernel's op), once builds take it (``masked_final_norm``): the
+    final LayerNorm and the reference's ``zero_invalid_rows`` after it are one op,
+    ``kkdeploy_faithful::layer_norm_rows_zero_invalid``, whose launch writes the invalid rows' zeros itself: one
+    launch fewer per call than the LayerNorm and Inductor's masked fill."""
 
     def __init__(self, model: torch.nn.Module, layer_norm_kernel: bool = False):
         super().__init__(model)
