@@ -1,6 +1,7 @@
 """kkdeploy.kernels.proof: a kernel runs only where a proof made here found it bit-identical (fake ops on the CPU;
 the real kernels' arithmetic is the GPU's and the interpreter tests')."""
 
+import pytest
 import torch
 
 from kkdeploy.kernels import proof
@@ -270,6 +271,66 @@ def test_a_proof_replays_a_graph_enough_to_time_it_and_no_more():
     assert graph_replays(0.1) == 5 and graph_replays(0.1) * 0.1 >= REPLAYED_MS
     assert graph_replays(1.1) == graph_replays(14.7) == 1
     assert graph_replays(0.0) == GRAPH_REPLAYS  # a replay too short to register: the most replays
+
+
+def test_a_short_op_is_timed_many_calls_to_a_graph_and_a_long_one_alone():
+    """A graph replay's own launch costs the device microseconds: a short op (one replay under SHORT_OP_MS) is timed
+    CALLS_PER_GRAPH calls to a graph, fewer where their outputs would not fit CALLS_OUTPUT_BYTES; a long one alone."""
+    from kkdeploy.kernels.proof import CALLS_OUTPUT_BYTES, CALLS_PER_GRAPH, SHORT_OP_MS, calls_per_graph, output_bytes
+
+    assert calls_per_graph(0.0055, 128 << 10) == CALLS_PER_GRAPH == 16  # shape 3's ops: 128 KiB outputs
+    assert calls_per_graph(SHORT_OP_MS, 10) == calls_per_graph(1.3, 10) == 1
+    assert calls_per_graph(0.01, CALLS_OUTPUT_BYTES // 3) == 3 and calls_per_graph(0.01, CALLS_OUTPUT_BYTES * 2) == 1
+    assert calls_per_graph(0.01, 0) == CALLS_PER_GRAPH  # an op returning nothing the timer can size
+    x = torch.zeros(4, 8, dtype=torch.float16)
+    assert output_bytes(x) == 64 and output_bytes((x, [x, x], None)) == 192 and output_bytes(3.0) == 0
+
+
+class _FakeGraph:
+    """A captured ``fn``: each replay runs it (counting calls) and takes ``per_call_ms`` per call plus ``launch_ms``
+    for the replay's own launch, as the fake event timer reads it."""
+
+    def __init__(self, fn, calls, clock):
+        self.fn, self.calls, self.clock = fn, calls, clock
+
+    def replay(self):
+        self.fn()
+        self.clock["ms"] += self.clock["launch_ms"] + self.calls * self.clock["per_call_ms"]
+
+
+@pytest.mark.parametrize("capture_many", [True, False], ids=["many-calls", "many-calls-refused"])
+def test_the_proof_timer_shares_a_replay_between_its_calls(monkeypatch, capture_many):
+    """``median_ms`` on a GPU, its CUDA pieces faked: a 2 µs op whose replay launch costs 5 µs times 2.3 µs a call
+    with 16 calls to a graph (the launch shared), not 7 µs; where the many-call graph cannot be captured, the
+    one-call graph times it as before."""
+    clock = {"ms": 0.0, "launch_ms": 0.005, "per_call_ms": 0.002}
+    calls = []
+    out = torch.zeros(1024, dtype=torch.float16)
+
+    def fn():
+        calls.append(1)
+        return out
+
+    def fake_captured(body, device):
+        before = len(calls)
+        body()  # what capture records: count the op's calls in the body
+        n = len(calls) - before
+        if n > 1 and not capture_many:
+            return None
+        return _FakeGraph(body, n, clock)
+
+    def fake_event_median_ms(body, repeats, device=None, digits=4):
+        start = clock["ms"]
+        body()
+        return clock["ms"] - start
+
+    monkeypatch.setattr(proof, "_captured", fake_captured)
+    monkeypatch.setattr(proof, "event_median_ms", fake_event_median_ms)
+    ms = proof.median_ms(fn, 3, torch.device("cuda"))
+    if capture_many:
+        assert ms == pytest.approx(0.002 + 0.005 / proof.CALLS_PER_GRAPH, abs=1e-5)
+    else:
+        assert ms == pytest.approx(0.007, abs=1e-5)
 
 
 def test_a_changed_launch_table_is_another_environment():

@@ -173,20 +173,59 @@ def graph_replays(one_ms: float) -> int:
     return max(1, min(GRAPH_REPLAYS, math.ceil(REPLAYED_MS / one_ms)))
 
 
+#: calls of a short op captured back to back in one timed graph (``calls_per_graph``): a graph replay's own launch
+#: costs the device several microseconds, as much as a launch-bound shape's op. Replayed one call per graph, every
+#: op of shape 3 timed 5.5-5.7 µs on one H100 in session 46 (ours and ATen's alike, 0.1 µs apart, so the plan
+#: changed from process to process: 20 or 24 launches), where another H100 had timed them 2.9-3.7 µs in session 45.
+#: In one graph the calls follow each other as the compiled graph's launches do, and the replay's launch is shared.
+CALLS_PER_GRAPH = 16
+#: an op whose one replay takes less than this is short: it is timed with CALLS_PER_GRAPH calls per graph
+SHORT_OP_MS = 0.05
+#: the most bytes of outputs the CALLS_PER_GRAPH calls may hold at once (each call keeps its own in the graph's pool)
+CALLS_OUTPUT_BYTES = 256 << 20
+
+
+def output_bytes(out) -> int:
+    """Bytes of the tensors ``out`` holds (a tensor, or a tuple or list of them; 0 for anything else)."""
+    if isinstance(out, torch.Tensor):
+        return out.numel() * out.element_size()
+    if isinstance(out, (tuple, list)):
+        return sum(output_bytes(o) for o in out)
+    return 0
+
+
+def calls_per_graph(one_ms: float, out_bytes: int) -> int:
+    """How many calls of an op one timed graph holds: CALLS_PER_GRAPH for a short op (one replay under
+    SHORT_OP_MS) whose outputs fit CALLS_OUTPUT_BYTES that many times, else 1 (a long op's replay launch is noise)."""
+    if one_ms >= SHORT_OP_MS:
+        return 1
+    fit = CALLS_OUTPUT_BYTES // max(1, out_bytes)
+    return max(1, min(CALLS_PER_GRAPH, fit))
+
+
 def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Median milliseconds of one ``fn()`` on the device, after a warm-up call.
 
     On a GPU, ``fn`` is captured in a CUDA graph and timed by replays (CUDA events): that is how every runner calls
     these ops, and a plain call would time the host's launch path instead (a Triton launch costs ~40 us of Python,
-    a cuBLAS call ~10: at the launch-bound shapes that, not the kernel, would decide). Where ``fn`` cannot be
-    captured (it synchronizes), its plain calls are timed instead. Elsewhere: wall time."""
-    fn()
+    a cuBLAS call ~10: at the launch-bound shapes that, not the kernel, would decide). A short op is captured
+    ``calls_per_graph`` times in one graph, back to back, and each replay's time is shared out between its calls.
+    Where ``fn`` cannot be captured (it synchronizes), its plain calls are timed instead. Elsewhere: wall time."""
+    out_bytes = output_bytes(fn())  # the warm-up (its output is not kept)
     if device.type == "cuda":
         graph = _captured(fn, device)
         if graph is not None:
-            count = graph_replays(event_median_ms(graph.replay, 1, device))
+            one_ms = event_median_ms(graph.replay, 1, device)
+            calls = calls_per_graph(one_ms, out_bytes)
+            if calls > 1:
+                many = _captured(lambda: [fn() for _ in range(calls)], device)
+                if many is not None:  # else the one-call graph, as before
+                    graph, one_ms = many, event_median_ms(many.replay, 1, device)
+                else:
+                    calls = 1
+            count = graph_replays(one_ms)
             replays = event_median_ms(lambda: [graph.replay() for _ in range(count)], repeats, device)
-            return round(replays / count, 5)
+            return round(replays / (count * calls), 5)
         return event_median_ms(fn, repeats, device)
     times = []
     for _ in range(max(1, repeats)):
