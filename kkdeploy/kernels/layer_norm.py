@@ -380,8 +380,10 @@ def _layer_norm_rows_fake(x, normalized_shape, weight, bias, eps):
 
 def zero_invalid_rows_reference(x, normalized_shape, weight, bias, eps, valid_token_mask) -> torch.Tensor:
     """The reference's final LayerNorm and ``zero_invalid_rows`` (models/reference.py), ATen's ops as it runs them."""
-    out = torch.ops.aten.layer_norm.default(x, normalized_shape, weight, bias, eps)
-    return out.masked_fill(~valid_token_mask[..., None], 0)
+    from kkdeploy.models.reference import zero_invalid_rows
+
+    return zero_invalid_rows(torch.ops.aten.layer_norm.default(x, normalized_shape, weight, bias, eps),
+                             valid_token_mask)
 
 
 @_custom_op(MASKED_OP_NAME)
