@@ -296,3 +296,35 @@ def test_old_bench_png_has_one_panel(tmp_path):
     assert shape["backends"]["engine"]["roofline"]["fraction"] is None  # no limits: nothing to draw
     plot_speedups(_data([shape]), tmp_path / "bench.png")
     assert _png_size(tmp_path / "bench.png")[1] == 605
+
+
+def test_processes_that_chose_different_plans_are_shown_with_each_ones_launches():
+    """Each bench process proves its own plan, and proof timings 0.1 µs apart gave shape 3 20 launches in one process
+    and 24 in the next (session 46). The pooled entry keeps every process's plan where they differ (reasons, which
+    quote timings, left out), the roofline every process's count, and bench.md says which choices differed."""
+    from kkdeploy.pipeline.bench import kernel_plan
+
+    def plan(gelu: bool, reason: str) -> dict:
+        return {"layer_norm_path": {"kernel": "rows", "launch": "rows2", "reason": reason},
+                "linear_path": {"kernel": "triton", "reason": reason, "plan": {"gemms": True, "gelu": gelu},
+                                "launches": {"ffn_in": {"kernel": "triton", "launch": "m64", "reason": reason}}}}
+
+    results = [_worker(LIMITS, 20), _worker(LIMITS, 24), _worker(LIMITS, 24)]
+    for result, (gelu, reason) in zip(results, [(True, "at 0.0056 ms"), (False, "at 0.0057 ms"),
+                                                (False, "at 0.0055 ms")]):
+        result["backends"]["engine"].update(plan(gelu, reason))
+    shape = aggregate_shape(ShapeJob("shape-03", 3, official_config(3)), results, [])
+    engine = shape["backends"]["engine"]
+    assert [p["linear_path"]["plan"]["gelu"] for p in engine["plans_per_process"]] == [True, False, False]
+    assert "reason" not in engine["plans_per_process"][0]["layer_norm_path"]
+    assert engine["roofline"]["launches"] == 20 and engine["roofline"]["launches_per_process"] == [20, 24, 24]
+    md = markdown_table(_data([shape]))
+    assert "| shape-03 | engine | 0.09 | 20 (20/24/24) |" in md
+    assert "- shape-03 engine: launches per process 20/24/24; linear_path.plan.gelu: True/False/False" in md
+    # processes that agree (their timings differ, their choices do not): one plan, one count
+    same = [_worker(LIMITS, 24), _worker(LIMITS, 24)]
+    for result, reason in zip(same, ["at 0.0057 ms", "at 0.0055 ms"]):
+        result["backends"]["engine"].update(plan(False, reason))
+    agreed = aggregate_shape(ShapeJob("shape-03", 3, official_config(3)), same, [])["backends"]["engine"]
+    assert "plans_per_process" not in agreed and "launches_per_process" not in agreed["roofline"]
+    assert kernel_plan({}) == {}

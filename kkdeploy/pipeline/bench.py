@@ -516,8 +516,11 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str], dtype
             entry["proof_seconds_per_process"] = [e.get("proof_seconds") for e in entries]
         for key in ("attention_path", "layer_norm_path", "linear_path", "kernel_proofs"):  # our kernels, and why
             paths = [e[key] for e in entries if key in e]
-            if paths:  # the same shape and machine in every process: one answer
+            if paths:  # the first process's; where the processes chose otherwise, plans_per_process says so
                 entry[key] = paths[0]
+        plans = [kernel_plan(e) for e in entries]
+        if any(plans) and any(plan != plans[0] for plan in plans[1:]):
+            entry["plans_per_process"] = plans  # each process proves its own plan, from timings that can be close
         latencies = [e["latency"] for e in entries if e.get("latency")]
         if latencies and status != FAILED and len(latencies) == len(entries):
             times = [t for lat in latencies for t in lat["times_ms"]]
@@ -548,6 +551,31 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str], dtype
         shape["roofline"] = attach_roofline(backends, call_work(config, parse_dtype(dtype)),
                                             [r.get("limits") for r in results], launches)
     return shape
+
+
+def kernel_plan(entry: dict) -> dict:
+    """What a process's proofs chose for a backend: each ``*_path`` record without its reasons (which quote the
+    proofs' timings, different in every process). Equal plans run the same launches."""
+    def decided(value):
+        if isinstance(value, dict):
+            return {k: decided(v) for k, v in value.items() if k != "reason"}
+        return value
+
+    return {key: decided(entry[key]) for key in ("attention_path", "layer_norm_path", "linear_path") if key in entry}
+
+
+def _plan_difference(plans: list[dict]) -> str:
+    """Which choices the processes' plans disagree on, as 'linear_path.plan.gelu: False/True'."""
+    def flat(value, prefix=""):
+        if isinstance(value, dict):
+            return {k: v for key, sub in value.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: value}
+
+    flats = [flat(plan) for plan in plans]
+    keys = sorted({k for f in flats for k in f})
+    differ = [k for k in keys if len({json.dumps(f.get(k), default=str) for f in flats}) > 1]
+    shown = ", ".join(f"{k}: {'/'.join(str(f.get(k)) for f in flats)}" for k in differ[:6])
+    return shown + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
 
 
 def eager_floor_ms(eager: dict) -> float | None:
@@ -635,6 +663,13 @@ def markdown_table(data: dict) -> str:
             for n, b in shape["backends"].items() if "half_gemm_kernel" in b]
     if half:
         lines += ["", "Half-GEMM blocks ran their GEMMs as:", ""] + half
+    differed = [f"- {shape['label']} {n}: launches per process "
+                + "/".join(str(c) for c in (b.get("roofline") or {}).get("launches_per_process", ["?"]))
+                + f"; {_plan_difference(b['plans_per_process'])}"
+                for shape in data["shapes"] for n, b in shape["backends"].items() if b.get("plans_per_process")]
+    if differed:
+        lines += ["", "Plans that differed between processes (each proves its own; the median pools them):", ""]
+        lines += differed
     lines += roofline_lines(data["shapes"])
     return "\n".join(lines) + "\n"
 
@@ -682,6 +717,8 @@ def roofline_lines(shapes: list[dict]) -> list[str]:
                 continue
             terms = r.get("terms_ms") or {}
             launches = r["launches"] if r.get("launches") is not None else "not counted"
+            if r.get("launches_per_process"):  # the processes ran different plans: each one's count
+                launches = f"{launches} ({'/'.join(str(n) for n in r['launches_per_process'])})"
             lines.append(f"| {shape['label']} | {name} | {_fmt(r['measured_ms'], '.4g')} | {launches} | "
                          f"{_fmt(terms.get('compute'), '.3g')} | {_fmt(terms.get('memory'), '.3g')} | "
                          f"{_fmt(terms.get('launch'), '.3g')} | {r.get('bound') or '-'} | "

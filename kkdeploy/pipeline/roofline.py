@@ -125,6 +125,8 @@ def roofline_record(work: dict, limits: dict | None, launches: dict | None, meas
               "launches_counted_by": (launches or {}).get("method"),
               "achieved_tflop_s": flops / (measured_ms * 1e-3) / 1e12 if measured_ms > 0 else None,
               "achieved_gb_s": nbytes / (measured_ms * 1e-3) / 1e9 if measured_ms > 0 else None}
+    if (launches or {}).get("per_process"):  # the processes' plans differed (each proves its own): every count
+        record["launches_per_process"] = list(launches["per_process"])
     if count is None:
         record["launches_reason"] = (launches or {}).get("reason", "launches not counted")
     if not limits:
