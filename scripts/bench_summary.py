@@ -54,7 +54,7 @@ def best(shape: dict, statuses: tuple[str, ...]) -> tuple[str, dict] | None:
 
 
 def summarize(shapes: list[dict]) -> dict:
-    rows, full, valid, floor, fractions = [], [], [], [], []
+    rows, full, valid, floor, fractions, differed = [], [], [], [], [], []
     for s in shapes:
         eager_entry = s["backends"].get(EAGER, {})
         eager, eager_floor = eager_entry.get("median_ms"), eager_floor_ms(eager_entry)
@@ -69,6 +69,8 @@ def summarize(shapes: list[dict]) -> dict:
                      "failed": failed, "errors": s["errors"]})
         if b_full:
             full.append(b_full[1]["speedup"])
+            if b_full[1].get("plans_per_process"):  # its processes chose different plans (kkdeploy bench)
+                differed.append((s["label"], b_full[0], (b_full[1].get("roofline") or {}).get("launches_per_process")))
             roofline = b_full[1].get("roofline") or {}
             if roofline.get("fraction") is not None:
                 fractions.append((roofline["fraction"], s["label"], b_full[0], roofline.get("bound")))
@@ -81,7 +83,7 @@ def summarize(shapes: list[dict]) -> dict:
             "geomean_full_over_eager_floor": geometric_mean(floor),
             "min_full_over_eager_floor": min(floor, default=None),
             "geomean_fraction_full": geometric_mean([f[0] for f in fractions]), "fraction_shapes": len(fractions),
-            "furthest_from_limit": sorted(fractions)[:FURTHEST]}
+            "furthest_from_limit": sorted(fractions)[:FURTHEST], "plans_differed": differed}
 
 
 def markdown(summary: dict, runs: list[dict]) -> str:
@@ -113,6 +115,10 @@ def markdown(summary: dict, runs: list[dict]) -> str:
                              for frac, label, name, bound in summary["furthest_from_limit"])
         lines.append(f"fraction of the roofline limit, fastest fully passing: geomean "
                      f"{summary['geomean_fraction_full']:.3g} over {summary['fraction_shapes']} shape(s); furthest from it: {furthest}")
+    if summary.get("plans_differed"):
+        lines.append("plans that differed between processes (the best's median pools them): " + ", ".join(
+            f"{label} {name}" + (f" (launches {'/'.join(map(str, counts))})" if counts else "")
+            for label, name, counts in summary["plans_differed"]))
     return "\n".join(lines) + "\n"
 
 

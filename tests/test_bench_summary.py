@@ -62,3 +62,18 @@ def test_the_fraction_of_the_limit_follows_the_best_fully_passing_backend(bench_
     assert "| shape-01 | 3 | 4 (4) | a 0.5 ms, 8.00x | 0.50 launch |" in text
     assert "| shape-04 | 3 | 2 (2) | a 1 ms, 2.00x | - |" in text
     assert "geomean 0.0928 over 3 shape(s); furthest from it: shape-02 0.02 (a, compute bound)" in text
+
+
+def test_the_summary_names_shapes_whose_best_ran_different_plans_in_its_processes(bench_summary):
+    """A best backend whose processes chose different plans (``plans_per_process``) is named with each process's
+    launch count: its pooled median mixes them. One whose processes agreed is not."""
+    shapes = [shape(3, [2.0], 2.0, {"a": ("passed", 0.084)}), shape(12, [2.0], 2.0, {"a": ("passed", 0.08)})]
+    shapes[0]["backends"]["a"].update(plans_per_process=[{"linear_path": {"plan": {"gelu": g}}} for g in (1, 0, 0)],
+                                      roofline={"fraction": 0.4, "bound": "launch",
+                                                "launches_per_process": [20, 24, 24]})
+    summary = bench_summary.summarize(shapes)
+    assert summary["plans_differed"] == [("shape-03", "a", [20, 24, 24])]
+    text = bench_summary.markdown(summary, [{"environment": {}, "protocol": {"processes": 3}}])
+    assert "plans that differed between processes (the best's median pools them): shape-03 a (launches 20/24/24)" \
+        in text
+    assert "shape-12 a" not in text
