@@ -299,9 +299,10 @@ def test_old_bench_png_has_one_panel(tmp_path):
 
 
 def test_processes_that_chose_different_plans_are_shown_with_each_ones_launches():
-    """Each bench process proves its own plan, and proof timings 0.1 µs apart gave shape 3 20 launches in one process
-    and 24 in the next (session 46). The pooled entry keeps every process's plan where they differ (reasons, which
-    quote timings, left out), the roofline every process's count, and bench.md says which choices differed."""
+    """A bench process that proves anew can choose another plan: proof timings 0.1 µs apart gave shape 3 20 launches
+    in one process and 24 in the next (session 46, a proof cache per process). The pooled entry keeps every process's
+    plan where they differ (reasons, which quote timings, left out), the roofline every process's count, and bench.md
+    says which choices differed."""
     from kkdeploy.pipeline.bench import kernel_plan
 
     def plan(gelu: bool, reason: str) -> dict:

@@ -520,7 +520,7 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str], dtype
                 entry[key] = paths[0]
         plans = [kernel_plan(e) for e in entries]
         if any(plans) and any(plan != plans[0] for plan in plans[1:]):
-            entry["plans_per_process"] = plans  # each process proves its own plan, from timings that can be close
+            entry["plans_per_process"] = plans  # a process that proved anew chose otherwise: timings can be close
         latencies = [e["latency"] for e in entries if e.get("latency")]
         if latencies and status != FAILED and len(latencies) == len(entries):
             times = [t for lat in latencies for t in lat["times_ms"]]
@@ -668,7 +668,7 @@ def markdown_table(data: dict) -> str:
                 + f"; {_plan_difference(b['plans_per_process'])}"
                 for shape in data["shapes"] for n, b in shape["backends"].items() if b.get("plans_per_process")]
     if differed:
-        lines += ["", "Plans that differed between processes (each proves its own; the median pools them):", ""]
+        lines += ["", "Plans that differed between processes (a process proved anew; the median pools them):", ""]
         lines += differed
     lines += roofline_lines(data["shapes"])
     return "\n".join(lines) + "\n"
