@@ -564,7 +564,7 @@ def kernel_plan(entry: dict) -> dict:
     return {key: decided(entry[key]) for key in ("attention_path", "layer_norm_path", "linear_path") if key in entry}
 
 
-def _plan_difference(plans: list[dict]) -> str:
+def plan_difference(plans: list[dict]) -> str:
     """Which choices the processes' plans disagree on, as 'linear_path.plan.gelu: False/True'."""
     def flat(value, prefix=""):
         if isinstance(value, dict):
@@ -665,7 +665,7 @@ def markdown_table(data: dict) -> str:
         lines += ["", "Half-GEMM blocks ran their GEMMs as:", ""] + half
     differed = [f"- {shape['label']} {n}: launches per process "
                 + "/".join(str(c) for c in (b.get("roofline") or {}).get("launches_per_process", ["?"]))
-                + f"; {_plan_difference(b['plans_per_process'])}"
+                + f"; {plan_difference(b['plans_per_process'])}"
                 for shape in data["shapes"] for n, b in shape["backends"].items() if b.get("plans_per_process")]
     if differed:
         lines += ["", "Plans that differed between processes (a process proved anew; the median pools them):", ""]

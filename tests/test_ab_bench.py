@@ -1,0 +1,107 @@
+"""scripts/ab_bench.py: an A/B of a code change with the kernels' plan held, its bench processes faked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import load_script
+
+
+@pytest.fixture(scope="module")
+def ab():
+    return load_script("ab_bench")
+
+
+def _bench_json(folder, ms: float, launches: int, gelu: bool):
+    folder.mkdir(parents=True)
+    plan = {"linear_path": {"kernel": "triton", "reason": f"timed at {ms}", "plan": {"gelu": gelu}}}
+    backend = {"status": "passed", "median_ms": ms, "failed_elements": {"all-valid": 0, "padded": 0},
+               "roofline": {"launches": launches}, **plan}
+    (folder / "bench.json").write_text(json.dumps({"shapes": [{"backends": {
+        "eager": {"status": "reference", "median_ms": 2.0}, "engine": backend}}]}))
+
+
+def test_every_later_side_starts_from_the_first_side_s_proof_records_and_the_table_says_whether_the_plan_held(
+        ab, tmp_path, monkeypatch):
+    """Session 46's A/B proved each side in its own cache and measured two plans instead of the edit. Here the
+    edited copy holds the edit, every later side's cache starts as a copy of the first's, each side runs in its own
+    tree, and the table marks a side whose plan still differs, naming the choice."""
+    runs = []
+    times = {"base": (0.0845, 24, False), "edit": (0.0837, 24, False), "base2": (0.0868, 24, False)}
+
+    def fake_bench(cmd, cwd, env, log):
+        label = next(lab for lab in times if cmd[cmd.index("--out") + 1].endswith(f"/{lab}-3"))
+        cache = Path(env["KKDEPLOY_CACHE_DIR"])
+        runs.append((label, cwd, sorted(p.name for p in cache.glob("*"))))
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / f"proof-from-{label}").write_text("record")
+        _bench_json(Path(cmd[cmd.index("--out") + 1]), *times[label])
+        return 0
+
+    monkeypatch.setattr(ab.subprocess, "run", _make_weights_only(ab.subprocess.run))
+    out = tmp_path / "ab"
+    edit = "sed -i 's/^MASKED_FINAL = False$/MASKED_FINAL = True/' kkdeploy/kernels/layer_norm.py"
+    assert ab.main(["--edit", edit, "--shapes", "3", "--out", str(out), "--device", "cpu"], bench=fake_bench) == 0
+    assert "MASKED_FINAL = True" in (out / "tree-edit" / "kkdeploy" / "kernels" / "layer_norm.py").read_text()
+    assert "MASKED_FINAL = False" in (ab.ROOT / "kkdeploy" / "kernels" / "layer_norm.py").read_text()
+    assert [(label, cwd == ab.ROOT) for label, cwd, _ in runs] == [("base", True), ("edit", False), ("base2", True)]
+    assert [caches for _, _, caches in runs] == [[], ["proof-from-base"], ["proof-from-base"]]
+    result = json.loads((out / "ab.json").read_text())
+    (row,) = result["rows"]
+    assert result["changed"] == ["kkdeploy/kernels/layer_norm.py"] and result["sides"] == ["base", "edit", "base2"]
+    assert row["plan_held"] and row["verdict"] == "faster" and row["ms"]["edit"] == 0.0837
+    assert "| 3 | engine | 0.0845 (24) | 0.0837 (24) | 0.0868 (24) | yes | faster |" in (out / "ab.md").read_text()
+    # a side whose proofs still chose otherwise: named, and the times read against it
+    runs.clear()
+    times["edit"] = (0.0837, 20, True)
+    assert ab.main(["--edit", edit, "--shapes", "3", "--out", str(out), "--device", "cpu"], bench=fake_bench) == 0
+    (row,) = json.loads((out / "ab.json").read_text())["rows"]
+    assert not row["plan_held"] and row["plan_difference"] == "linear_path.plan.gelu: False/True/False"
+
+
+def _make_weights_only(real_run):
+    """subprocess.run with make_weights.py answered without running it (the fake bench never reads the file)."""
+    def run(cmd, *args, **kwargs):
+        if isinstance(cmd, list) and any(str(c).endswith("make_weights.py") for c in cmd):
+            return subprocess.CompletedProcess(cmd, 0, b"", b"")
+        return real_run(cmd, *args, **kwargs)
+    return run
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--edit", "true"], "the edit changed no file in the copy: true"),
+    (["--edit", "exit 3"], "the edit exited 3 in the copy"),
+    (["--edit", "true", "--shapes", "3,15"], "--shapes takes official shape ids 1-14, got '3,15'"),
+    (["--edit", "true", "--order", "base,base"], "--order needs at least one base and one edit side"),
+    (["--edit", "true", "--order", "base,new"], "--order takes base and edit, got 'new'"),
+])
+def test_bad_input_is_one_line_and_exit_2(ab, tmp_path, capsys, argv, message):
+    assert ab.main([*argv, "--out", str(tmp_path / "ab")], bench=lambda *a: pytest.fail("no bench should run")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ab_bench: ") and message in err and "\n" not in err
+
+
+def test_the_verdict_reads_the_edit_against_the_committed_sides_spread(ab):
+    assert ab.verdict([0.083], [0.084, 0.086]) == "faster"
+    assert ab.verdict([0.087], [0.084, 0.086]) == "slower"
+    assert ab.verdict([0.085], [0.084, 0.086]) == "within the drift"
+    assert ab.verdict([], [0.084]) == "not timed"
+    assert ab.side_labels(["base", "edit", "base", "edit"]) == ["base", "edit", "base2", "edit2"]
+
+
+def test_a_real_a_b_on_the_cpu_runs_make_weights_and_three_bench_processes(ab, tmp_path):
+    """The script's commands as they run (make_weights.py, ``kkdeploy bench`` in the committed tree and in the edited
+    copy), on the CPU with a short protocol: every side times the candidate and holds the plan (no kernels here)."""
+    out = tmp_path / "ab"
+    edit = "sed -i 's/^MASKED_FINAL = False$/MASKED_FINAL = True/' kkdeploy/kernels/layer_norm.py"
+    assert ab.main(["--edit", edit, "--shapes", "3", "--device", "cpu", "--dtype", "float32", "--candidates",
+                    "optimized-sdpa0", "--bench-args", "--trials 1 --warmups 1 --repeats 3 --rounds 1",
+                    "--out", str(out)]) == 0
+    (row,) = json.loads((out / "ab.json").read_text())["rows"]
+    assert row["candidate"] == "optimized-sdpa0" and row["plan_held"]
+    assert row["exits"] == {"base": 0, "edit": 0, "base2": 0} and all(v > 0 for v in row["ms"].values())
+    assert (out / "w3.safetensors").is_file() and (out / "edit-3" / "bench.json").is_file()
