@@ -336,12 +336,17 @@ def test_the_final_layer_norm_op_is_the_references_final_step_bit_for_bit_on_the
     torch.library.opcheck(op.default, (x, [64], w, b, 1e-5, mask))
 
 
-def test_a_mask_that_does_not_fit_the_rows_is_refused_in_one_line():
-    x = torch.zeros(2, 5, 32, dtype=torch.float16)
-    assert ln.valid_rows_reason(x, torch.ones(2, 5, dtype=torch.bool)) is None
-    assert "must be bool of shape (2, 5) on cpu; got uint8 (2, 5) on cpu" in ln.valid_rows_reason(
-        x, torch.ones(2, 5, dtype=torch.uint8))
-    assert "got bool (10,) on cpu" in ln.valid_rows_reason(x, torch.ones(10, dtype=torch.bool))
+@pytest.mark.parametrize("mask, message", [
+    (torch.ones(2, 5, dtype=torch.uint8), "valid_token_mask must have dtype torch.bool, got torch.uint8"),
+    (torch.ones(5, dtype=torch.bool), "valid_token_mask must have shape [B, S] = [2, 5], got [5]"),
+])
+def test_a_mask_that_does_not_fit_the_rows_is_refused_in_one_line(mask, message):
+    """The final LayerNorm's op checks its mask as every kkdeploy call does (``inputs.check_mask``): a misshapen one
+    is a one-line error, never broadcast by masked_fill into a silently wrong answer."""
+    x = torch.zeros(2, 5, 32)
+    with pytest.raises(KKError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        torch.ops.kkdeploy_faithful.layer_norm_rows_zero_invalid(x, [32], torch.ones(32), torch.zeros(32), 1e-5,
+                                                                  mask)
 
 
 def test_the_final_norm_proof_cases_run_the_launch_masked(monkeypatch):

@@ -341,7 +341,8 @@ def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num
         raise KKError(f"h must be float16 [B, S, D], got {h.dtype} {list(h.shape)}")
     b, s, d = h.shape
     if early and not (whole or pair):
-        raise KKError("early loads the biases before the whole or pair form's walk over D; pass whole=True or pair=True")
+        raise KKError("early loads the biases before the whole or pair form's walk over D; "
+                      "pass whole=True or pair=True")
     refusal = qkv_attention_refusal(s, d, num_heads)
     if refusal:
         raise KKError(refusal)

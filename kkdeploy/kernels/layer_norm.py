@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from kkdeploy.errors import KKError
+from kkdeploy.inputs import check_mask
 
 from .cuda_build import load_problem
 from .dependent_launch import enabled as dependent_launch_enabled
@@ -301,14 +302,6 @@ def _load(device: str):
     return lib
 
 
-def valid_rows_reason(x: torch.Tensor, valid: torch.Tensor) -> Optional[str]:
-    """None when ``valid`` can mask the rows of ``x`` (a bool tensor of x's leading dims on its device), else why."""
-    if valid.dtype != torch.bool or tuple(valid.shape) != tuple(x.shape[:-1]) or valid.device != x.device:
-        return (f"the valid-token mask must be bool of shape {tuple(x.shape[:-1])} on {x.device}; got "
-                f"{str(valid.dtype).replace('torch.', '')} {tuple(valid.shape)} on {valid.device}")
-    return None
-
-
 def layer_norm_rows_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                            rows_per_warp: int = DEFAULT_ROWS_PER_WARP,
                            valid: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -325,10 +318,7 @@ def layer_norm_rows_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if not takes(launch, x.shape[-1]):
         raise KKError(f"layer_norm_rows_kernel: the {launch} launch does not take rows of {x.shape[-1]}; those take "
                       f"{', '.join(launches_for(x.shape[-1]))}")
-    if valid is not None:
-        reason = valid_rows_reason(x, valid)
-        if reason:
-            raise KKError(f"layer_norm_rows_kernel: {reason}")
+    check_mask(valid, tuple(x.shape[:-1]), x.device, "x")
     out = torch.empty_like(x)
     lib = _load(str(x.device))
     rows, width = x.numel() // x.shape[-1], x.shape[-1]
@@ -391,6 +381,7 @@ def layer_norm_rows_zero_invalid(x: torch.Tensor, normalized_shape: list[int], w
                                  bias: Optional[torch.Tensor], eps: float,
                                  valid_token_mask: torch.Tensor) -> torch.Tensor:
     """Default (CPU and any non-CUDA device): ATen's layer_norm, then the invalid tokens' rows set to 0."""
+    check_mask(valid_token_mask, tuple(x.shape[:-1]), x.device, "x")  # never a broadcast of a misshapen mask
     return zero_invalid_rows_reference(x, normalized_shape, weight, bias, eps, valid_token_mask)
 
 
@@ -398,7 +389,8 @@ def layer_norm_rows_zero_invalid(x: torch.Tensor, normalized_shape: list[int], w
 def _layer_norm_rows_zero_invalid_cuda(x, normalized_shape, weight, bias, eps, valid_token_mask):
     """CUDA: the rows kernel's masked launch where the call fits it and a proof here covers its shape (the proof's
     final-norm cases run it masked), else ATen's two ops."""
-    if rows_kernel_reason(x, normalized_shape, weight, bias) is None and valid_rows_reason(x, valid_token_mask) is None:
+    check_mask(valid_token_mask, tuple(x.shape[:-1]), x.device, "x")  # never a broadcast of a misshapen mask
+    if rows_kernel_reason(x, normalized_shape, weight, bias) is None:
         width = x.shape[-1]
         path = layer_norm_path(x.device, x.numel() // width, width)
         if path.fused:

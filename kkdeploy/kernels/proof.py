@@ -188,7 +188,7 @@ CALLS_OUTPUT_BYTES = 256 << 20
 def output_bytes(out) -> int:
     """Bytes of the tensors ``out`` holds (a tensor, or a tuple or list of them; 0 for anything else)."""
     if isinstance(out, torch.Tensor):
-        return out.numel() * out.element_size()
+        return out.nbytes
     if isinstance(out, (tuple, list)):
         return sum(output_bytes(o) for o in out)
     return 0

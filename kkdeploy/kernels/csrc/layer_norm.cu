@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "welford.cuh"
@@ -386,6 +387,13 @@ MaskedKernel masked_kernel(int rows_per_warp, int64_t N) {
   }
 }
 
+// Whether every buffer is 8-byte aligned: the kernels read and write 4 halves at once, as ATen's vector path does.
+bool aligned8(std::initializer_list<const void*> buffers) {
+  for (const void* p : buffers)
+    if (reinterpret_cast<uintptr_t>(p) % 8 != 0) return false;
+  return true;
+}
+
 // One launch of 8-warp blocks on `stream`; with pdl, as a programmatic dependent launch.
 template <typename K, typename... Args>
 cudaError_t launch_rows(K kernel, int64_t blocks, int pdl, void* stream, Args... args) {
@@ -447,11 +455,10 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_f16(const void* x,
     g_error = "kk_layer_norm_rows_f16: rows of 4..128 elements, a multiple of 4 (ATen's vector path, one warp)";
     return 1;
   }
-  for (const void* p : {x, weight, bias, static_cast<const void*>(y)})
-    if (reinterpret_cast<uintptr_t>(p) % 8 != 0) {
-      g_error = "kk_layer_norm_rows_f16: buffers must be 8-byte aligned (ATen's vector path)";
-      return 1;
-    }
+  if (!aligned8({x, weight, bias, y})) {
+    g_error = "kk_layer_norm_rows_f16: buffers must be 8-byte aligned (ATen's vector path)";
+    return 1;
+  }
   if (rows_per_warp < 1 || rows_per_warp > 6) {
     g_error = "kk_layer_norm_rows_f16: rows_per_warp is 1 or 2 (3: two rows of 128 with known counts; 4: ATen's "
               "block in one warp; 5: that with known counts; 6: 3 with gamma and beta loaded first)";
@@ -501,11 +508,10 @@ __attribute__((visibility("default"))) int kk_layer_norm_rows_masked_f16(const v
               "elements, rows2_full (3) and rows2_full_early (6)";
     return 1;
   }
-  for (const void* p : {x, weight, bias, static_cast<const void*>(y)})
-    if (reinterpret_cast<uintptr_t>(p) % 8 != 0) {
-      g_error = "kk_layer_norm_rows_masked_f16: buffers must be 8-byte aligned (ATen's vector path)";
-      return 1;
-    }
+  if (!aligned8({x, weight, bias, y})) {
+    g_error = "kk_layer_norm_rows_masked_f16: buffers must be 8-byte aligned (ATen's vector path)";
+    return 1;
+  }
   if (valid == nullptr) {
     g_error = "kk_layer_norm_rows_masked_f16: no valid-token mask";
     return 1;
