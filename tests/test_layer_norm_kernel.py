@@ -417,7 +417,8 @@ def test_the_masked_launches_have_their_plain_forms_arithmetic_and_write_zeros(t
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH on this machine")
 def test_the_masked_entry_refuses_what_it_cannot_launch_in_one_line(tmp_path):
     """The C entry's checks run on the host before any launch, so a library built here answers them without a GPU:
-    a launch without a masked form, a width rows2_full does not take, rows past one warp, no mask."""
+    a launch without a masked form, a width rows2_full does not take, rows past one warp, no mask; and both entries a
+    misaligned buffer."""
     import ctypes
 
     from kkdeploy.kernels.cuda_build import NVCC_FLAGS, gencode
@@ -443,4 +444,9 @@ def test_the_masked_entry_refuses_what_it_cannot_launch_in_one_line(tmp_path):
         assert rc == 1 and "masked launches are rows2 (rows_per_warp 2)" in error, (rows_per_warp, n)
     assert "rows of 4..128 elements" in call(256, 2)[1]
     assert "no valid-token mask" in call(128, 3, valid=None)[1]
+    lib.kk_layer_norm_rows_f16.argtypes = [vp, vp, vp, vp, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, vp]
+    for entry, args in ((lib.kk_layer_norm_rows_masked_f16, (aligned, aligned, aligned + 4, mask, aligned)),
+                        (lib.kk_layer_norm_rows_f16, (aligned, aligned, aligned + 4, aligned))):  # bias misaligned
+        assert entry(*args, 64, 128, 1e-5, 3, 0, None) == 1
+        assert "buffers must be 8-byte aligned" in lib.kk_layer_norm_last_error().decode()
     assert lib.kk_layer_norm_rows_masked_f16(None, None, None, None, None, 0, 128, 1e-5, 1, 0, None) == 0  # no rows

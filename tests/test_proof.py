@@ -273,10 +273,14 @@ def test_a_proof_replays_a_graph_enough_to_time_it_and_no_more():
     assert graph_replays(0.0) == GRAPH_REPLAYS  # a replay too short to register: the most replays
 
 
-def test_a_short_op_is_timed_many_calls_to_a_graph_and_a_long_one_alone():
+def test_a_short_op_is_timed_many_calls_to_a_graph_and_a_long_one_alone(monkeypatch):
     """A graph replay's own launch costs the device microseconds: a short op (one replay under SHORT_OP_MS) is timed
-    CALLS_PER_GRAPH calls to a graph, fewer where their outputs would not fit CALLS_OUTPUT_BYTES; a long one alone."""
+    CALLS_PER_GRAPH calls to a graph, fewer where their outputs would not fit CALLS_OUTPUT_BYTES; a long one alone.
+    Until a GPU build has run it (MANY_CALLS_PER_GRAPH off), every op is timed one call per graph, as before."""
     from kkdeploy.kernels.proof import CALLS_OUTPUT_BYTES, CALLS_PER_GRAPH, SHORT_OP_MS, calls_per_graph, output_bytes
+
+    assert not proof.MANY_CALLS_PER_GRAPH and calls_per_graph(0.0055, 128 << 10) == 1
+    monkeypatch.setattr(proof, "MANY_CALLS_PER_GRAPH", True)
 
     assert calls_per_graph(0.0055, 128 << 10) == CALLS_PER_GRAPH == 16  # shape 3's ops: 128 KiB outputs
     assert calls_per_graph(SHORT_OP_MS, 10) == calls_per_graph(1.3, 10) == 1
@@ -298,11 +302,12 @@ class _FakeGraph:
         self.clock["ms"] += self.clock["launch_ms"] + self.calls * self.clock["per_call_ms"]
 
 
-@pytest.mark.parametrize("capture_many", [True, False], ids=["many-calls", "many-calls-refused"])
+@pytest.mark.parametrize("capture_many", [True, False, None], ids=["many-calls", "many-calls-refused", "off"])
 def test_the_proof_timer_shares_a_replay_between_its_calls(monkeypatch, capture_many):
     """``median_ms`` on a GPU, its CUDA pieces faked: a 2 µs op whose replay launch costs 5 µs times 2.3 µs a call
-    with 16 calls to a graph (the launch shared), not 7 µs; where the many-call graph cannot be captured, the
-    one-call graph times it as before."""
+    with 16 calls to a graph (the launch shared), not 7 µs; where the many-call graph cannot be captured, or while
+    MANY_CALLS_PER_GRAPH is off, the one-call graph times it as before."""
+    monkeypatch.setattr(proof, "MANY_CALLS_PER_GRAPH", capture_many is not None)
     clock = {"ms": 0.0, "launch_ms": 0.005, "per_call_ms": 0.002}
     calls = []
     out = torch.zeros(1024, dtype=torch.float16)

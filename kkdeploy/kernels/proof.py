@@ -179,6 +179,10 @@ def graph_replays(one_ms: float) -> int:
 #: changed from process to process: 20 or 24 launches), where another H100 had timed them 2.9-3.7 µs in session 45.
 #: In one graph the calls follow each other as the compiled graph's launches do, and the replay's launch is shared.
 CALLS_PER_GRAPH = 16
+#: whether proofs time short ops CALLS_PER_GRAPH calls to a graph. Off until a GPU build has run it: it changes which
+#: proven launch every build on a GPU chooses, and it was written in session 46 without a GPU (``.whl``'s edit
+#: script turns it on for a device run). Off, every op is timed one call per graph, as before.
+MANY_CALLS_PER_GRAPH = False
 #: an op whose one replay takes less than this is short: it is timed with CALLS_PER_GRAPH calls per graph
 SHORT_OP_MS = 0.05
 #: the most bytes of outputs the CALLS_PER_GRAPH calls may hold at once (each call keeps its own in the graph's pool)
@@ -196,8 +200,9 @@ def output_bytes(out) -> int:
 
 def calls_per_graph(one_ms: float, out_bytes: int) -> int:
     """How many calls of an op one timed graph holds: CALLS_PER_GRAPH for a short op (one replay under
-    SHORT_OP_MS) whose outputs fit CALLS_OUTPUT_BYTES that many times, else 1 (a long op's replay launch is noise)."""
-    if one_ms >= SHORT_OP_MS:
+    SHORT_OP_MS) whose outputs fit CALLS_OUTPUT_BYTES that many times, else 1 (a long op's replay launch is noise);
+    1 while MANY_CALLS_PER_GRAPH is off."""
+    if not MANY_CALLS_PER_GRAPH or one_ms >= SHORT_OP_MS:
         return 1
     fit = CALLS_OUTPUT_BYTES // max(1, out_bytes)
     return max(1, min(CALLS_PER_GRAPH, fit))
