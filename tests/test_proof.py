@@ -1,6 +1,8 @@
 """kkdeploy.kernels.proof: a kernel runs only where a proof made here found it bit-identical (fake ops on the CPU;
 the real kernels' arithmetic is the GPU's and the interpreter tests')."""
 
+import json
+
 import pytest
 import torch
 
@@ -77,6 +79,25 @@ def test_the_cache_is_keyed_by_environment_op_and_shape(tmp_path):
     assert cache.get({"torch": "a"}, "other", {"n": 16}) is None
     cache.path({"torch": "a"}, "fake", {"n": 16}).write_text("{not json")
     assert cache.get({"torch": "a"}, "fake", {"n": 16}) is None  # a damaged file is no proof
+
+
+def test_a_cached_record_timed_another_way_is_proven_again(tmp_path, monkeypatch):
+    """The record says how its launches were timed; the disk cache finds only records timed as this process times
+    (a record from before the 16-calls timer, with no timer, or with the other one, chose on other clocks). The
+    manifest's records are adopted at load whatever their timer."""
+    cache = proof.ProofCache(tmp_path)
+    record = proof.ProofRecord(op="fake", shape={"n": 16}, environment={"torch": "a"}, chosen="exact")
+    assert record.timer == proof.timer() == "16 calls per graph under 0.05 ms"
+    path = cache.put(record)
+    assert cache.get({"torch": "a"}, "fake", {"n": 16}) == record
+    monkeypatch.setattr(proof, "MANY_CALLS_PER_GRAPH", False)
+    assert proof.timer() == "1 call per graph" and cache.get({"torch": "a"}, "fake", {"n": 16}) is None
+    monkeypatch.setattr(proof, "MANY_CALLS_PER_GRAPH", True)
+    data = json.loads(path.read_text())
+    del data["timer"]  # a record written before records said how they were timed
+    path.write_text(json.dumps(data))
+    assert cache.get({"torch": "a"}, "fake", {"n": 16}) is None
+    assert proof.ProofRecord.from_dict(data).chosen == "exact"  # what a manifest's adoption reads
 
 
 def test_remembered_proofs_are_found_in_process_then_on_disk(tmp_path, monkeypatch):
@@ -276,10 +297,13 @@ def test_a_proof_replays_a_graph_enough_to_time_it_and_no_more():
 def test_a_short_op_is_timed_many_calls_to_a_graph_and_a_long_one_alone(monkeypatch):
     """A graph replay's own launch costs the device microseconds: a short op (one replay under SHORT_OP_MS) is timed
     CALLS_PER_GRAPH calls to a graph, fewer where their outputs would not fit CALLS_OUTPUT_BYTES; a long one alone.
-    Until a GPU build has run it (MANY_CALLS_PER_GRAPH off), every op is timed one call per graph, as before."""
+    On in builds since a GPU build ran it (session 47); with MANY_CALLS_PER_GRAPH off, every op is timed one call per
+    graph, as before."""
     from kkdeploy.kernels.proof import CALLS_OUTPUT_BYTES, CALLS_PER_GRAPH, SHORT_OP_MS, calls_per_graph, output_bytes
 
-    assert not proof.MANY_CALLS_PER_GRAPH and calls_per_graph(0.0055, 128 << 10) == 1
+    assert proof.MANY_CALLS_PER_GRAPH
+    monkeypatch.setattr(proof, "MANY_CALLS_PER_GRAPH", False)
+    assert calls_per_graph(0.0055, 128 << 10) == 1
     monkeypatch.setattr(proof, "MANY_CALLS_PER_GRAPH", True)
 
     assert calls_per_graph(0.0055, 128 << 10) == CALLS_PER_GRAPH == 16  # shape 3's ops: 128 KiB outputs
