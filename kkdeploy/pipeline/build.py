@@ -650,7 +650,7 @@ def proofs_table(manifest: dict):
     of its ORT candidates with custom ops), or None."""
     from kkdeploy.kernels.proof import ProofRecord
 
-    seen, rows = set(), []
+    seen, rows, timers = set(), [], set()
     for candidate in manifest.get("candidates", []):
         options = candidate.get("options") or {}
         for data in [*(options.get("kernel_proofs") or []), *(options.get("custom_op_proofs") or [])]:
@@ -658,13 +658,16 @@ def proofs_table(manifest: dict):
             if (record.op, record.shape_text) in seen:
                 continue
             seen.add((record.op, record.shape_text))
+            if data.get("timer"):  # a record from before records said how they were timed has none
+                timers.add(data["timer"])
             fallback = "none (candidate skipped)" if record.op.startswith("custom-op") else "aten"
             rows.append([record.op, record.shape_text, record.chosen or fallback,
                          "-" if record.chosen_ms is None else f"{record.chosen_ms:.4f}",
                          "-" if record.reference_ms is None else f"{record.reference_ms:.4f}", f"{record.seconds:.2f}"])
     if not rows:
         return None
-    return table("Kernel proofs (bit-identical launches, timed as graph replays)",
+    how = f": {', '.join(sorted(timers))}" if timers else ""
+    return table(f"Kernel proofs (bit-identical launches, timed as graph replays{how})",
                  ["op", "shape", "runs", "ours ms", "ATen ms", "proof s"], rows)
 
 
