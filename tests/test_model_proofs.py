@@ -204,8 +204,10 @@ def test_the_build_summary_lists_each_proven_op_shape_once(monkeypatch, proof_sa
                                {"name": GEMMS, "options": {"kernel_proofs": records}}, {"name": "torch-compile"}]}
     table = proofs_table(manifest)
     assert table.row_count == len(records)
-    assert table.title == ("Kernel proofs (bit-identical launches, timed as graph replays: 16 calls per graph under "
-                           "0.05 ms)")  # how the proofs timed, as their records say
+    assert table.title == "Kernel proofs (bit-identical launches; timing: wall clock, one call at a time)"
+    gpu = [dict(r, timer="16 calls per graph under 0.05 ms") for r in records]  # how the records say they were timed
+    title = proofs_table({"candidates": [{"name": GEMMS, "options": {"kernel_proofs": gpu}}]}).title
+    assert title == "Kernel proofs (bit-identical launches; timing: 16 calls per graph under 0.05 ms)"
     assert proofs_table({"candidates": [{"name": "torch-compile", "options": {}}]}) is None
 
 

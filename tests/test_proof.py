@@ -97,7 +97,12 @@ def test_a_cached_record_timed_another_way_is_proven_again(tmp_path, monkeypatch
     del data["timer"]  # a record written before records said how they were timed
     path.write_text(json.dumps(data))
     assert cache.get({"torch": "a"}, "fake", {"n": 16}) is None
-    assert proof.ProofRecord.from_dict(data).chosen == "exact"  # what a manifest's adoption reads
+    adopted = proof.ProofRecord.from_dict(data)  # what a manifest's adoption reads
+    assert adopted.chosen == "exact" and adopted.timer == "not recorded"
+    cpu = proof.ProofRecord(op="fake", shape={"n": 16}, environment={"device_type": "cpu"}, chosen="exact")
+    assert cpu.timer == "wall clock, one call at a time"  # no graph off CUDA
+    cache.put(cpu)
+    assert cache.get({"device_type": "cpu"}, "fake", {"n": 16}) == cpu
 
 
 def test_remembered_proofs_are_found_in_process_then_on_disk(tmp_path, monkeypatch):

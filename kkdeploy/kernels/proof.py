@@ -114,8 +114,12 @@ class ProofRecord:
     schema: str = PROOF_SCHEMA
     #: the ATen op's own time on the timing case, where the proof raced it (``against_reference``)
     reference_ms: Optional[float] = None
-    #: how the launches were timed (``timer()``)
-    timer: str = field(default_factory=lambda: timer())
+    #: how the launches were timed (``timer``; "not recorded" in a record from before records said)
+    timer: str = ""
+
+    def __post_init__(self):
+        if not self.timer:
+            self.timer = timer(self.environment.get("device_type", "cuda"))
 
     @property
     def proven(self) -> bool:
@@ -151,6 +155,7 @@ class ProofRecord:
         """The record from ``to_dict`` (keys it does not know, such as a caller's ``wall_seconds``, are ignored)."""
         known = {f.name for f in fields(cls)}
         data = {k: v for k, v in data.items() if k in known}
+        data.setdefault("timer", "not recorded")
         data["launches"] = [LaunchResult(**r) for r in data.get("launches", [])]
         return cls(**data)
 
@@ -192,11 +197,13 @@ SHORT_OP_MS = 0.05
 CALLS_OUTPUT_BYTES = 256 << 20
 
 
-def timer() -> str:
-    """How the proofs of this process time their launches, as a proof records it (``ProofRecord.timer``). A cached
-    record timed another way is proven again once (``ProofCache.get``): its bits still hold, but its choice was made
-    on other clocks. A manifest's records are adopted at load whatever their timer (the artifact serves what its
-    build chose)."""
+def timer(device_type: str = "cuda") -> str:
+    """How the proofs of this process time their launches on ``device_type``, as a proof records it
+    (``ProofRecord.timer``). A cached record timed another way is proven again once (``ProofCache.get``): its bits
+    still hold, but its choice was made on other clocks. A manifest's records are adopted at load whatever their
+    timer (the artifact serves what its build chose)."""
+    if device_type != "cuda":
+        return "wall clock, one call at a time"
     if MANY_CALLS_PER_GRAPH:
         return f"{CALLS_PER_GRAPH} calls per graph under {SHORT_OP_MS} ms"
     return "1 call per graph"
@@ -441,7 +448,7 @@ class ProofCache:
         except (OSError, ValueError):
             return None
         if (data.get("schema") != PROOF_SCHEMA or data.get("environment") != environment
-                or data.get("timer") != timer()):
+                or data.get("timer") != timer(environment.get("device_type", "cuda"))):
             return None
         try:
             return ProofRecord.from_dict(data)
