@@ -83,7 +83,16 @@ def summarize(shapes: list[dict]) -> dict:
             "geomean_full_over_eager_floor": geometric_mean(floor),
             "min_full_over_eager_floor": min(floor, default=None),
             "geomean_fraction_full": geometric_mean([f[0] for f in fractions]), "fraction_shapes": len(fractions),
-            "furthest_from_limit": sorted(fractions)[:FURTHEST], "plans_differed": differed}
+            "furthest_from_limit": sorted(fractions)[:FURTHEST], "plans_differed": differed,
+            "furthest_ops": {label: furthest_op(next(s for s in shapes if s["label"] == label), name)
+                             for _, label, name, _ in sorted(fractions)[:FURTHEST]}}
+
+
+def furthest_op(shape: dict, name: str) -> dict | None:
+    """The kernel op shape of backend ``name`` furthest from its own limit (bench.json's ``roofline.ops``, the
+    furthest first), or None where none was timed against limits: why that shape sits where it does."""
+    ops = ((shape["backends"].get(name) or {}).get("roofline") or {}).get("ops") or []
+    return next((op for op in ops if op.get("fraction") is not None), None)
 
 
 def markdown(summary: dict, runs: list[dict]) -> str:
@@ -115,6 +124,11 @@ def markdown(summary: dict, runs: list[dict]) -> str:
                              for frac, label, name, bound in summary["furthest_from_limit"])
         lines.append(f"fraction of the roofline limit, fastest fully passing: geomean "
                      f"{summary['geomean_fraction_full']:.3g} over {summary['fraction_shapes']} shape(s); furthest from it: {furthest}")
+    ops = [(label, op) for label, op in (summary.get("furthest_ops") or {}).items() if op]
+    if ops:
+        lines.append("their kernel ops furthest from their own limit (bench.md, Kernel ops against the machine): "
+                     + ", ".join(f"{label} {op['op']} {op['runs']} {op['fraction']:.2g} ({op['bound']} bound, "
+                                 f"{op['ms']:.4g} ms)" for label, op in ops))
     if summary.get("plans_differed"):
         lines.append("plans that differed between processes (the best's median pools them): " + ", ".join(
             f"{label} {name}" + (f" (launches {'/'.join(map(str, counts))})" if counts else "")

@@ -62,6 +62,23 @@ def test_the_fraction_of_the_limit_follows_the_best_fully_passing_backend(bench_
     assert "| shape-01 | 3 | 4 (4) | a 0.5 ms, 8.00x | 0.50 launch |" in text
     assert "| shape-04 | 3 | 2 (2) | a 1 ms, 2.00x | - |" in text
     assert "geomean 0.0928 over 3 shape(s); furthest from it: shape-02 0.02 (a, compute bound)" in text
+    assert "furthest from their own limit" not in text  # no kernel op timed: no line
+
+
+def test_the_furthest_shapes_name_their_furthest_kernel_op(bench_summary):
+    """Why a shape sits far from its limit: its best backend's kernel op furthest from its own limit (bench.json's
+    ``roofline.ops``, the furthest first; an op without a fraction skipped)."""
+    shapes = [shape(6, [92.0], 92.0, {"a": ("passed", 11.87)}), shape(3, [2.0], 2.0, {"a": ("passed", 0.08)})]
+    shapes[0]["backends"]["a"]["roofline"] = {"fraction": 0.13, "bound": "compute", "ops": [
+        {"op": "block_softmax", "runs": "bm64", "fraction": None, "bound": None, "ms": 0.1},
+        {"op": "qkv_attention", "runs": "pair", "fraction": 0.167, "bound": "compute", "ms": 1.3227},
+        {"op": "layer_norm_rows", "runs": "rows2_full", "fraction": 0.978, "bound": "memory", "ms": 0.2251}]}
+    shapes[1]["backends"]["a"]["roofline"] = {"fraction": 0.2, "bound": "launch"}  # an older bench.json: no ops
+    summary = bench_summary.summarize(shapes)
+    assert summary["furthest_ops"]["shape-06"]["op"] == "qkv_attention" and summary["furthest_ops"]["shape-03"] is None
+    text = bench_summary.markdown(summary, [{"environment": {"gpu": "test"}, "protocol": {"processes": 3}}])
+    assert ("their kernel ops furthest from their own limit (bench.md, Kernel ops against the machine): shape-06 "
+            "qkv_attention pair 0.17 (compute bound, 1.323 ms)") in text
 
 
 def test_the_summary_names_shapes_whose_best_ran_different_plans_in_its_processes(bench_summary):

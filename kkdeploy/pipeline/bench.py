@@ -34,6 +34,7 @@ from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_c
 from ..status import PASSED, PASSED_ALL_VALID_ONLY
 from .launches import count_launches
 from .machine_limits import measure_limits
+from .op_roofline import op_rooflines
 from .roofline import attach_roofline, call_work, format_fraction
 from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS, LatencyStats, measure_latency
 
@@ -550,6 +551,9 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str], dtype
         launches = {name: [r["backends"].get(name, {}).get("launches") for r in results] for name in names}
         shape["roofline"] = attach_roofline(backends, call_work(config, parse_dtype(dtype)),
                                             [r.get("limits") for r in results], launches)
+        for entry in backends.values():  # each proven kernel op against the same limits (op_roofline)
+            if entry.get("roofline") and entry.get("kernel_proofs"):
+                entry["roofline"]["ops"] = op_rooflines(entry["kernel_proofs"], shape["roofline"]["limits"])
     return shape
 
 
@@ -671,6 +675,7 @@ def markdown_table(data: dict) -> str:
         lines += ["", "Plans that differed between processes (a process proved anew; the median pools them):", ""]
         lines += differed
     lines += roofline_lines(data["shapes"])
+    lines += op_roofline_lines(data["shapes"])
     return "\n".join(lines) + "\n"
 
 
@@ -724,6 +729,39 @@ def roofline_lines(shapes: list[dict]) -> list[str]:
                          f"{_fmt(terms.get('launch'), '.3g')} | {r.get('bound') or '-'} | "
                          f"{_fmt(r.get('fraction'), '.3g')} | "
                          f"{_fmt(r.get('achieved_tflop_s'), '.3g')} | {_fmt(r.get('achieved_gb_s'), '.4g')} |")
+    return lines
+
+
+def shape_op_rooflines(shape: dict) -> list[dict]:
+    """The shape's proven op shapes against the machine, each once (the candidates of one process share their
+    proofs; the first candidate's record of an op shape stands), the furthest from its limit first."""
+    rows: dict[tuple, dict] = {}
+    for entry in shape["backends"].values():
+        for row in (entry.get("roofline") or {}).get("ops") or []:
+            rows.setdefault((row["op"], row["shape"]), row)
+    return sorted(rows.values(), key=lambda r: (r["fraction"] is None, r["fraction"] or 0.0))
+
+
+def op_roofline_lines(shapes: list[dict]) -> list[str]:
+    """bench.md's per-op section: every proven kernel op shape's time (the proof's) against its own three terms."""
+    per_shape = [(s, [r for r in shape_op_rooflines(s) if r.get("fraction") is not None]) for s in shapes]
+    if not any(rows for _, rows in per_shape):
+        return []  # no kernel op timed (the CPU), or no limits measured
+    lines = ["", "## Kernel ops against the machine", "",
+             "Each op shape a candidate's proofs timed (one launch, graph replays), whether its plan runs it or not "
+             "(`linear_path.plan` and the other `*_path` records say), against the same limits: compute = its GEMM "
+             "FLOPs / GEMM peak, memory = its least bytes / copy bandwidth, launch = one launch in a graph; fraction "
+             "= the largest / the time of what runs (ours where chosen, else ATen's). The furthest first "
+             "(docs/benchmark.md).", "",
+             "| shape | op | op shape | runs | ours ms | ATen ms | compute ms | memory ms | launch ms | bound | "
+             "fraction |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for shape, rows in per_shape:
+        for r in rows:
+            terms = r.get("terms_ms") or {}
+            lines.append(f"| {shape['label']} | {r['op']} | {r['shape']} | {r['runs']} | {_fmt(r['ours_ms'], '.4g')} | "
+                         f"{_fmt(r['aten_ms'], '.4g')} | {_fmt(terms.get('compute'), '.3g')} | "
+                         f"{_fmt(terms.get('memory'), '.3g')} | {_fmt(terms.get('launch'), '.3g')} | "
+                         f"{r.get('bound') or '-'} | {_fmt(r.get('fraction'), '.3g')} |")
     return lines
 
 
