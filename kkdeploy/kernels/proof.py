@@ -188,7 +188,7 @@ def graph_replays(one_ms: float) -> int:
 CALLS_PER_GRAPH = 16
 #: whether proofs time short ops CALLS_PER_GRAPH calls to a graph. On since session 47: on one H100, shape 3's three
 #: builds from fresh caches timed ours and ATen's apart again (the rows LayerNorm 1.7 µs against 2.9, the GEMMs
-#: 3.2 against 2.8-8.4) and chose the same launches, and new users' builds of shapes 1-5, 7, 11 and 12 with it
+#: 2.4-3.2 against 2.8-8.4) and chose the same launches, and new users' builds of shapes 1-5, 7, 11 and 12 with it
 #: (seeded and own weights) shipped bitwise. Off, every op is timed one call per graph, as before.
 MANY_CALLS_PER_GRAPH = True
 #: an op whose one replay takes less than this is short: it is timed with CALLS_PER_GRAPH calls per graph
