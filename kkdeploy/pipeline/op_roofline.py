@@ -22,14 +22,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .roofline import time_terms_ms
+from .roofline import seq_pairs, time_terms_ms
 
 ITEMSIZE = 2  # the kernels' ops are float16 (their proofs' shapes say so)
 MASK_ITEMSIZE = 1
-
-
-def _pairs(seq_len: int, causal: bool) -> int:
-    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
 
 
 def linear_work(m: int, n: int, k: int, form: str) -> dict:
@@ -66,12 +62,12 @@ def op_work(op: str, shape: dict) -> Optional[dict]:
             return {"flops": 0, "bytes": (2 * rows * width + 2 * width) * ITEMSIZE}
         if op == "faithful_attention":
             bh, s, dh = shape["batch_heads"], shape["seq_len"], shape["head_dim"]
-            return {"flops": 2 * 2 * bh * dh * _pairs(s, shape.get("causal", True)),
+            return {"flops": 2 * 2 * bh * dh * seq_pairs(s, shape.get("causal", True)),
                     "bytes": 4 * bh * s * dh * ITEMSIZE}  # Q, K, V read, the context written (the mask left out)
         if op == "qkv_attention":
             b, s, d = shape["batch"], shape["seq_len"], shape["d_model"]
             tokens = b * s
-            return {"flops": 2 * tokens * d * 3 * d + 2 * 2 * b * d * _pairs(s, shape.get("causal", True)),
+            return {"flops": 2 * tokens * d * 3 * d + 2 * 2 * b * d * seq_pairs(s, shape.get("causal", True)),
                     "bytes": (2 * tokens * d + 3 * d * d + 3 * d) * ITEMSIZE + tokens * MASK_ITEMSIZE}
     except (KeyError, TypeError):
         return None

@@ -37,8 +37,12 @@ MASK_ITEMSIZE = 1  # the boolean valid_token_mask: one byte per token
 
 def attention_pairs(config: TransformerConfig) -> int:
     """(query, key) pairs of one sequence and head that the model lets interact: S(S+1)/2 when causal."""
-    s = config.seq_len
-    return s * (s + 1) // 2 if config.causal else s * s
+    return seq_pairs(config.seq_len, config.causal)
+
+
+def seq_pairs(seq_len: int, causal: bool) -> int:
+    """(query, key) pairs of a sequence of ``seq_len``: S(S+1)/2 when causal, else S²."""
+    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
 
 
 def gemm_flops(config: TransformerConfig) -> dict[str, int]:
