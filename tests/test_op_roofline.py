@@ -106,3 +106,20 @@ def test_bench_json_and_md_carry_each_op_once_the_furthest_first():
     assert md.count("| shape-03 | layer_norm_rows |") == 1  # two candidates, one proof: one row
     assert "| shape-03 | layer_norm_rows | rows=512 width=128 | rows2_full | 0.0017 | 0.0029 |" in md
     assert op_roofline_lines([dict(shape, backends={"eager": shape["backends"]["eager"]})]) == []
+
+
+def test_the_bench_command_prints_each_shapes_furthest_kernel_op(capsys):
+    """The console summary of `kkdeploy bench` names, per shape, the kernel op furthest from its own limit (the
+    reason the shape sits where it does); a shape without timed ops prints no such line."""
+    from kkdeploy.commands.bench import print_summary
+
+    proofs = [record("layer_norm_rows", {"rows": 512, "width": 128}, "rows2_full", 0.0017, 0.0029),
+              record("qkv_attention", {"batch": 4, "seq_len": 128, "d_model": 128, "heads": 4, "causal": True},
+                     "whole", 0.0075, 0.0492)]
+    timed = aggregate_shape(ShapeJob("shape-03", 3, official_config(3)), [_worker(proofs)], [])
+    untimed = aggregate_shape(ShapeJob("shape-02", 2, official_config(2)), [_worker([])], [])
+    print_summary({"shapes": [timed, untimed]})
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert ("kernel op furthest from its limit, shape-03: qkv_attention batch=4 seq_len=128 d_model=128 heads=4 "
+            "causal=True (whole) 0.0075 ms, 0.1 of its launch limit") in out
+    assert "furthest from its limit, shape-02" not in out

@@ -77,7 +77,7 @@ def run(args) -> int:
 
 
 def print_summary(data: dict) -> None:
-    from ..pipeline.bench import EAGER, _limits_text, geometric_mean
+    from ..pipeline.bench import EAGER, _limits_text, geometric_mean, shape_op_rooflines
     from ..pipeline.roofline import format_fraction
 
     rows = []
@@ -105,6 +105,11 @@ def print_summary(data: dict) -> None:
             work = roofline["work"]
             console.print(f"roofline {shape['label']}: {work['flops']['total'] / 1e9:.4g} GFLOP, "
                           f"{work['bytes']['total'] / 1e6:.4g} MB per call; {_limits_text(roofline['limits'])}")
+        furthest = next((r for r in shape_op_rooflines(shape) if r.get("fraction") is not None), None)
+        if furthest:  # why the shape sits where it does (bench.md: Kernel ops against the machine)
+            console.print(f"kernel op furthest from its limit, {shape['label']}: {furthest['op']} {furthest['shape']} "
+                          f"({furthest['runs']}) {furthest['ms']:.4g} ms, {furthest['fraction']:.2g} of its "
+                          f"{furthest['bound']} limit")
     if len(data["shapes"]) > 1:
         for name, values in speedups.items():
             console.print(f"{name}: geometric-mean speedup {geometric_mean(values):.2f}x over "
