@@ -119,7 +119,7 @@ class ProofRecord:
 
     def __post_init__(self):
         if not self.timer:
-            self.timer = timer(self.environment.get("device_type", "cuda"))
+            self.timer = environment_timer(self.environment)
 
     @property
     def proven(self) -> bool:
@@ -207,6 +207,11 @@ def timer(device_type: str = "cuda") -> str:
     if MANY_CALLS_PER_GRAPH:
         return f"{CALLS_PER_GRAPH} calls per graph under {SHORT_OP_MS} ms"
     return "1 call per graph"
+
+
+def environment_timer(environment: dict) -> str:
+    """``timer`` for the device a proof's environment key names (a key without one: CUDA's)."""
+    return timer(environment.get("device_type", "cuda"))
 
 
 def output_bytes(out) -> int:
@@ -448,7 +453,7 @@ class ProofCache:
         except (OSError, ValueError):
             return None
         if (data.get("schema") != PROOF_SCHEMA or data.get("environment") != environment
-                or data.get("timer") != timer(environment.get("device_type", "cuda"))):
+                or data.get("timer") != environment_timer(environment)):
             return None
         try:
             return ProofRecord.from_dict(data)
