@@ -145,9 +145,10 @@ def test_the_tiles_a_build_proves():
     assert "m64n64" not in fl.proof_launches(128, k=128, m=1_280_000, sms=132)
     assert fl.proof_launches(128, layer_norm=True) == ["auto", "regs", "regs_w4"]
     # studied (every tile, scripts/kernel_selftest.py --all-launches), not in builds: the TMA tiles wait for a build
-    # on the GPU to ship them through the strict validation (the 64 x 64 one has); the rest were never the fastest
+    # on the GPU to ship them through the strict validation (the 64 x 64 one has), as do the tiles under 64 rows
+    # (session 48); the rest were never the fastest
     assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "tma_persistent", "tma_ws", "tma_ws_k128", "s4",
-                                                   "k128", "w4", "m256", "n256s4"}
+                                                   "k128", "w4", "m256", "n256s4", "m32n64", "m32n32"}
     # the columns-first tiles only where a launch has several column tiles over rows that outgrow L2 (shape 6's Q|K|V)
     assert fl.proof_launches(384, k=128, m=1_280_000, sms=132)[-2:] == ["cols", "m64s2cols"]
     assert not {"cols", "m64s2cols"} & set(fl.proof_launches(384, k=128, m=512, sms=132))
@@ -165,7 +166,8 @@ def test_the_layer_norm_epilogue_s_tiles(monkeypatch):
     from kkdeploy.kernels.paths import KernelPath
 
     assert fl.LN_BUILD_TILES == ("auto", "regs", "regs_w4")
-    assert set(fl.LN_TILES) - set(fl.LN_BUILD_TILES) == {"regs_w16"}  # studied until a GPU build ships it
+    # studied until a GPU build ships them
+    assert set(fl.LN_TILES) - set(fl.LN_BUILD_TILES) == {"regs_w16", "regs_m32", "regs_m16"}
     assert fl.ln_tile_fits("regs", 128) and not fl.ln_tile_fits("regs", 32) and fl.ln_tile_fits("auto", 32)
     assert not fl.ln_tile_fits("m64", 128)  # a GEMM tile is not one of the LayerNorm epilogue's
     assert fl.proof_launches(128, layer_norm=True) == ["auto", "regs", "regs_w4"]
@@ -362,6 +364,48 @@ def test_the_epilogue_s_operands_loaded_early_change_no_bit():
         late = script.compile_ptx("linear", values, warps, stages)
         early = script.compile_ptx("linear", {**values, "EARLY": True}, warps, stages)
         assert arithmetic(early) == arithmetic(late) and arithmetic(late), (epilogue, gelu, block_m)
+
+
+# tiles under 64 rows against the proven tiles they would replace: row, column and K tails, every epilogue, the GELU
+# prologue, and the LayerNorm epilogue with and without the final LayerNorm's zeros
+SMALL_ROWS_SCRIPT = tile_race_script(14, """((300, 200, 64, "add_masked", "none"), (130, 128, 128, "add_masked", "none"),
+                                       (70, 160, 48, "gelu", "none"), (200, 128, 96, "masked_sum", "gelu"))""", """
+    from kkdeploy.kernels._fused_linear_triton import triton_linear_layer_norm
+    from kkdeploy.kernels.fused_linear import LN_TILES
+    pairs = [(tile, triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[tile]),
+              triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES["m64n64"]))
+             for tile in ("m32n64", "m32n32")]
+    if residual is not None and n == 128:
+        lw, lb = (torch.rand(n, generator=g) + 0.5).half(), (torch.randn(n, generator=g) * 0.1).half()
+        for tile in ("regs_m32", "regs_m16"):
+            for zero_invalid in (False, True):
+                args = (x, w, b, r, mask, lw, lb, 1e-5, epilogue)
+                got = triton_linear_layer_norm(*args, prologue=prologue, zero_invalid=zero_invalid, **LN_TILES[tile])
+                want = triton_linear_layer_norm(*args, prologue=prologue, zero_invalid=zero_invalid,
+                                                **LN_TILES["regs"])
+                pairs.append((tile + "+layer_norm", torch.cat(got), torch.cat(want)))
+    for tile, got, want in pairs:""")
+
+
+def test_tiles_under_64_rows_compute_what_the_proven_tiles_compute():
+    """The tiles for the launch-bound shapes' few rows (``m32n64``, ``m32n32``; the LayerNorm epilogue's
+    ``regs_m32`` and ``regs_m16``): under the interpreter bit for bit the proven 64-row tiles, masks and tails
+    included. Compiled for sm_90a (Triton 3.6.0, as on the GPU) they issue mma.sync, not the proven tiles' wgmma:
+    another instruction, which is why they are studied and not built until a GPU proof and build have run them."""
+    results = run_interpreter_script(SMALL_ROWS_SCRIPT)
+    assert len(results) == 4 * 2 + 2 * 4 and all(r["differing"] == 0 for r in results), results
+    assert not {"m32n64", "m32n32"} & set(fl.BUILD_TILES)
+    assert not {"regs_m32", "regs_m16"} & set(fl.LN_BUILD_TILES)
+    pytest.importorskip("triton")
+    import re
+
+    script = load_script("offline_ptx")
+    for epilogue, block_m, block_n, warps in ((1, 32, 64, 4), (0, 32, 32, 4), (5, 32, 128, 8), (5, 16, 128, 4)):
+        values = {**script.KERNELS["linear"][3], "EPILOGUE": epilogue, "HAS_MASK": epilogue >= 2, "EARLY": True,
+                  "BLOCK_M": block_m, "BLOCK_N": block_n}
+        ptx = script.compile_ptx("linear", values, warps, 2)
+        assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", ptx), (block_m, block_n)
+        assert "wgmma" not in ptx and "local" not in re.sub(r"//.*", "", ptx), (block_m, block_n)
 
 
 def test_block_plan_on_the_cpu_is_the_reference_block():

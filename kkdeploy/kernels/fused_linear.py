@@ -117,6 +117,13 @@ TILES: dict[str, dict] = {
     # in 0.631 ms against "auto"'s 0.785 and "m64s2"'s 0.814 (docs/fused-linear.md)
     "cols": dict(COLUMNS_FIRST=True),
     "m64s2cols": dict(BLOCK_M=64, num_warps=4, num_stages=2, COLUMNS_FIRST=True),
+    # tiles under 64 rows for the launch-bound shapes (session 48, studies only): shape 3's 512 x 128 GEMMs make 16
+    # programs of "m64n64" on 132 multiprocessors, each a chain of round trips to L2; "m32n64" makes 32 and "m32n32"
+    # 64, each with half or a quarter of the work. Under 64 rows Triton issues mma.sync m16n8k16, not wgmma
+    # (offline, sm_90a: 72 and 48 registers, no spills): the same k16 chain on a float32 accumulator, but another
+    # instruction, so only a proof on the GPU can say it is bit-identical to cuBLAS
+    "m32n64": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, EARLY=True),
+    "m32n32": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, EARLY=True),
 }
 #: tiles that never returned on a GPU: a study of every launch (``--all-launches``) leaves them out, so that one hung
 #: kernel does not hold a study for its silence bound; naming one (``--launches linear=tma_ws``) still studies it, for
@@ -151,10 +158,17 @@ LN_TILES: dict[str, dict] = {
     # of each step's latency. Offline (Triton 3.6.0, sm_90a): 64 registers, no spills, 1,599 PTX lines a thread
     # against 2,098 at 8 warps (more in all: the tree's last levels are repeated in every thread)
     "regs_w16": dict(LN_RELOAD=False, num_warps=16, EARLY=True),
+    # fewer rows a program (session 48, studies only): 32 rows at 8 warps make 16 programs at shape 3 and 16 rows at
+    # 4 warps 32, each thread with a quarter of the 64-row tile's (row, lane) pairs, as at 16 warps, but spread over
+    # more multiprocessors instead of more warps on each. Offline (Triton 3.6.0, sm_90a): mma.sync, not wgmma (80 and
+    # 108 registers, no spills), so a proof on the GPU decides whether the GEMM half is still cuBLAS's bits
+    "regs_m32": dict(LN_RELOAD=False, BLOCK_M=32, num_warps=8, EARLY=True),
+    "regs_m16": dict(LN_RELOAD=False, BLOCK_M=16, num_warps=4, EARLY=True),
 }
 #: the LayerNorm epilogue's tiles a build proves: "auto", "regs" and "regs_w4", since builds on the GPU shipped "regs"
 #: through their strict validation (session 37, an H200: shapes 3 and 12, 0 failed; docs/fused-linear.md has the
-#: timings), the rule the GEMM tiles follow. "regs_w16" joins once a GPU build has shipped it.
+#: timings), the rule the GEMM tiles follow. "regs_w16", "regs_m32" and "regs_m16" join once a GPU build has shipped
+#: them.
 LN_BUILD_TILES = ("auto", "regs", "regs_w4")
 
 
