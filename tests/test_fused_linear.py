@@ -400,7 +400,7 @@ def test_tiles_under_64_rows_compute_what_the_proven_tiles_compute():
     import re
 
     script = load_script("offline_ptx")
-    for epilogue, block_m, block_n, warps in ((1, 32, 64, 4), (0, 32, 32, 4), (5, 32, 128, 8), (5, 16, 128, 4)):
+    for epilogue, block_m, block_n, warps in ((1, 32, 64, 4), (0, 32, 32, 4), (5, 32, 128, 8), (5, 16, 128, 8)):
         values = {**script.KERNELS["linear"][3], "EPILOGUE": epilogue, "HAS_MASK": epilogue >= 2, "EARLY": True,
                   "BLOCK_M": block_m, "BLOCK_N": block_n}
         ptx = script.compile_ptx("linear", values, warps, 2)

@@ -158,12 +158,13 @@ LN_TILES: dict[str, dict] = {
     # of each step's latency. Offline (Triton 3.6.0, sm_90a): 64 registers, no spills, 1,599 PTX lines a thread
     # against 2,098 at 8 warps (more in all: the tree's last levels are repeated in every thread)
     "regs_w16": dict(LN_RELOAD=False, num_warps=16, EARLY=True),
-    # fewer rows a program (session 48, studies only): 32 rows at 8 warps make 16 programs at shape 3 and 16 rows at
-    # 4 warps 32, each thread with a quarter of the 64-row tile's (row, lane) pairs, as at 16 warps, but spread over
-    # more multiprocessors instead of more warps on each. Offline (Triton 3.6.0, sm_90a): mma.sync, not wgmma (80 and
-    # 108 registers, no spills), so a proof on the GPU decides whether the GEMM half is still cuBLAS's bits
+    # fewer rows a program (session 48, studies only): 32 rows make 16 programs at shape 3 and 16 rows 32, at 8 warps
+    # each thread with a half or a quarter of the 64-row tile's (row, lane) pairs, spread over more multiprocessors
+    # instead of more warps on each. Offline (Triton 3.6.0, sm_90a), the instructions after the last MMA: 631 and 395
+    # SASS a thread against 1,016 for "regs" (665 at 16 warps); mma.sync, not wgmma (80 and 62 registers, no
+    # spills), so a proof on the GPU decides whether the GEMM half is still cuBLAS's bits
     "regs_m32": dict(LN_RELOAD=False, BLOCK_M=32, num_warps=8, EARLY=True),
-    "regs_m16": dict(LN_RELOAD=False, BLOCK_M=16, num_warps=4, EARLY=True),
+    "regs_m16": dict(LN_RELOAD=False, BLOCK_M=16, num_warps=8, EARLY=True),
 }
 #: the LayerNorm epilogue's tiles a build proves: "auto", "regs" and "regs_w4", since builds on the GPU shipped "regs"
 #: through their strict validation (session 37, an H200: shapes 3 and 12, 0 failed; docs/fused-linear.md has the
