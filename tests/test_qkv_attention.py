@@ -33,6 +33,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     from kkdeploy.kernels._fused_linear_triton import triton_linear
     from kkdeploy.kernels._faithful_attention_triton import triton_attention
     from kkdeploy.kernels._qkv_attention_triton import triton_qkv_attention
+    from kkdeploy.kernels.qkv_attention import LAUNCHES
 
     g = torch.Generator().manual_seed(0)
     results = []
@@ -55,7 +56,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         forms = {"whole": triton_qkv_attention(h, ws, bs, mask, heads, causal, whole=True, early=True),
                  "pair": triton_qkv_attention(h, ws, bs, mask, heads, causal, pair=True, early=True),
                  "whole, late": triton_qkv_attention(h, ws, bs, mask, heads, causal, whole=True, early=False),
-                 "pair, late": triton_qkv_attention(h, ws, bs, mask, heads, causal, pair=True, early=False)}
+                 "pair, late": triton_qkv_attention(h, ws, bs, mask, heads, causal, pair=True, early=False),
+                 "whole_w8": triton_qkv_attention(h, ws, bs, mask, heads, causal, **LAUNCHES["whole_w8"])}
         results.append(dict(case=[b, s, d, heads, causal, padded], elements=two.numel(),
                             differing=int((one.view(torch.int16) != two.view(torch.int16)).sum()),
                             forms_differing={name: int((out.view(torch.int16) != two.view(torch.int16)).sum())
@@ -74,7 +76,7 @@ def test_one_launch_equals_the_two_it_replaces_under_the_interpreter():
     assert len(results) == 7
     for r in results:
         assert r["differing"] == 0 and r["forms_differing"] == {"whole": 0, "pair": 0, "whole, late": 0,
-                                                                "pair, late": 0}, r
+                                                                "pair, late": 0, "whole_w8": 0}, r
         assert r["finite"], r
 
 
@@ -98,6 +100,7 @@ def test_launcher_refuses_wrong_weights_in_one_line():
 
     from kkdeploy.errors import KKError
     from kkdeploy.kernels._qkv_attention_triton import triton_qkv_attention
+    from kkdeploy.kernels.qkv_attention import LAUNCHES
 
     h = torch.zeros(1, 32, 64, dtype=torch.float16)
     w = torch.zeros(64, 64, dtype=torch.float16)

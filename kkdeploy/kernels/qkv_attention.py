@@ -42,7 +42,12 @@ SOURCES = (Path(__file__).resolve().with_name("_qkv_attention_triton.py"),
 #: with its first loads instead of after its last dot; session 45, with the GEMM tiles' early loads: bit-identical in
 #: builds and benches, shape 3 faster)
 LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True},
-                             "pair": {"pair": True, "early": True}}
+                             "pair": {"pair": True, "early": True},
+                             # "whole" at 8 warps (session 48, studies only): where launches bound (shape 3: 32
+                             # programs), each thread's share of the softmax halves. Offline (Triton 3.6.0, sm_90a):
+                             # 2,200 SASS instructions a thread against 3,288 at 4 warps, 116 registers, no spills,
+                             # but ptxas serializes its wgmma and it has 46 barriers against 20
+                             "whole_w8": {"whole": True, "early": True, "num_warps": 8}}
 #: the forms a build proves, each shipped by a GPU build through strict validation first (H100s):
 #: - "whole" (session 43): a new user's build of shape 3 proved it at 8.3 µs against the packed Q|K|V GEMM's 3.8 and
 #:   the attention's 7.1, took it, and served a padded run with 0 failed elements; `-gemms-pdl` 0.0827 ms against
