@@ -167,7 +167,7 @@ def test_the_layer_norm_epilogue_s_tiles(monkeypatch):
 
     assert fl.LN_BUILD_TILES == ("auto", "regs", "regs_w4")
     # studied until a GPU build ships them
-    assert set(fl.LN_TILES) - set(fl.LN_BUILD_TILES) == {"regs_w16", "regs_m32", "regs_m16"}
+    assert set(fl.LN_TILES) - set(fl.LN_BUILD_TILES) == {"regs_w16", "regs_e", "regs_m32", "regs_m16"}
     assert fl.ln_tile_fits("regs", 128) and not fl.ln_tile_fits("regs", 32) and fl.ln_tile_fits("auto", 32)
     assert not fl.ln_tile_fits("m64", 128)  # a GEMM tile is not one of the LayerNorm epilogue's
     assert fl.proof_launches(128, layer_norm=True) == ["auto", "regs", "regs_w4"]
@@ -364,6 +364,9 @@ def test_the_epilogue_s_operands_loaded_early_change_no_bit():
         late = script.compile_ptx("linear", values, warps, stages)
         early = script.compile_ptx("linear", {**values, "EARLY": True}, warps, stages)
         assert arithmetic(early) == arithmetic(late) and arithmetic(late), (epilogue, gelu, block_m)
+        if epilogue == 5 and not reload:  # the LayerNorm's weight and bias loaded early too (``regs_e``)
+            ln_early = script.compile_ptx("linear", {**values, "EARLY": True, "LN_EARLY": True}, warps, stages)
+            assert arithmetic(ln_early) == arithmetic(early)
 
 
 # tiles under 64 rows against the proven tiles they would replace: row, column and K tails, every epilogue, the GELU
@@ -377,7 +380,7 @@ SMALL_ROWS_SCRIPT = tile_race_script(14, """((300, 200, 64, "add_masked", "none"
              for tile in ("m32n64", "m32n32")]
     if residual is not None and n == 128:
         lw, lb = (torch.rand(n, generator=g) + 0.5).half(), (torch.randn(n, generator=g) * 0.1).half()
-        for tile in ("regs_m32", "regs_m16"):
+        for tile in ("regs_e", "regs_m32", "regs_m16"):
             for zero_invalid in (False, True):
                 args = (x, w, b, r, mask, lw, lb, 1e-5, epilogue)
                 got = triton_linear_layer_norm(*args, prologue=prologue, zero_invalid=zero_invalid, **LN_TILES[tile])
@@ -389,13 +392,13 @@ SMALL_ROWS_SCRIPT = tile_race_script(14, """((300, 200, 64, "add_masked", "none"
 
 def test_tiles_under_64_rows_compute_what_the_proven_tiles_compute():
     """The tiles for the launch-bound shapes' few rows (``m32n64``, ``m32n32``; the LayerNorm epilogue's
-    ``regs_m32`` and ``regs_m16``): under the interpreter bit for bit the proven 64-row tiles, masks and tails
-    included. Compiled for sm_90a (Triton 3.6.0, as on the GPU) they issue mma.sync, not the proven tiles' wgmma:
+    ``regs_m32`` and ``regs_m16``), and ``regs_e`` (the LayerNorm's weight and bias loaded early): under the
+    interpreter bit for bit the proven 64-row tiles, masks and tails included. Compiled for sm_90a (Triton 3.6.0, as on the GPU) they issue mma.sync, not the proven tiles' wgmma:
     another instruction, which is why they are studied and not built until a GPU proof and build have run them."""
     results = run_interpreter_script(SMALL_ROWS_SCRIPT)
-    assert len(results) == 4 * 2 + 2 * 4 and all(r["differing"] == 0 for r in results), results
+    assert len(results) == 4 * 2 + 2 * 6 and all(r["differing"] == 0 for r in results), results
     assert not {"m32n64", "m32n32"} & set(fl.BUILD_TILES)
-    assert not {"regs_m32", "regs_m16"} & set(fl.LN_BUILD_TILES)
+    assert not {"regs_e", "regs_m32", "regs_m16"} & set(fl.LN_BUILD_TILES)
     pytest.importorskip("triton")
     import re
 

@@ -158,18 +158,22 @@ LN_TILES: dict[str, dict] = {
     # of each step's latency. Offline (Triton 3.6.0, sm_90a): 64 registers, no spills, 1,599 PTX lines a thread
     # against 2,098 at 8 warps (more in all: the tree's last levels are repeated in every thread)
     "regs_w16": dict(LN_RELOAD=False, num_warps=16, EARLY=True),
+    # "regs" with the LayerNorm's weight and bias loaded before the k-loop too (``LN_EARLY``, session 48, studies
+    # only): compiled for sm_90a, "regs" issues their loads about 20 instructions before the rsqrt that they follow,
+    # one round trip to L2 on the launch's critical path. The tiles below load them early as well
+    "regs_e": dict(LN_RELOAD=False, EARLY=True, LN_EARLY=True),
     # fewer rows a program (session 48, studies only): 32 rows make 16 programs at shape 3 and 16 rows 32, at 8 warps
     # each thread with a half or a quarter of the 64-row tile's (row, lane) pairs, spread over more multiprocessors
     # instead of more warps on each. Offline (Triton 3.6.0, sm_90a), the instructions after the last MMA: 631 and 395
     # SASS a thread against 1,016 for "regs" (665 at 16 warps); mma.sync, not wgmma (80 and 62 registers, no
     # spills), so a proof on the GPU decides whether the GEMM half is still cuBLAS's bits
-    "regs_m32": dict(LN_RELOAD=False, BLOCK_M=32, num_warps=8, EARLY=True),
-    "regs_m16": dict(LN_RELOAD=False, BLOCK_M=16, num_warps=8, EARLY=True),
+    "regs_m32": dict(LN_RELOAD=False, BLOCK_M=32, num_warps=8, EARLY=True, LN_EARLY=True),
+    "regs_m16": dict(LN_RELOAD=False, BLOCK_M=16, num_warps=8, EARLY=True, LN_EARLY=True),
 }
 #: the LayerNorm epilogue's tiles a build proves: "auto", "regs" and "regs_w4", since builds on the GPU shipped "regs"
 #: through their strict validation (session 37, an H200: shapes 3 and 12, 0 failed; docs/fused-linear.md has the
-#: timings), the rule the GEMM tiles follow. "regs_w16", "regs_m32" and "regs_m16" join once a GPU build has shipped
-#: them.
+#: timings), the rule the GEMM tiles follow. "regs_w16", "regs_e", "regs_m32" and "regs_m16" join once a GPU build
+#: has shipped them.
 LN_BUILD_TILES = ("auto", "regs", "regs_w4")
 
 
