@@ -57,7 +57,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(
                  "pair": triton_qkv_attention(h, ws, bs, mask, heads, causal, pair=True, early=True),
                  "whole, late": triton_qkv_attention(h, ws, bs, mask, heads, causal, whole=True, early=False),
                  "pair, late": triton_qkv_attention(h, ws, bs, mask, heads, causal, pair=True, early=False),
-                 "whole_w8": triton_qkv_attention(h, ws, bs, mask, heads, causal, **LAUNCHES["whole_w8"])}
+                 "whole_w8": triton_qkv_attention(h, ws, bs, mask, heads, causal, **LAUNCHES["whole_w8"]),
+                 "whole_em": triton_qkv_attention(h, ws, bs, mask, heads, causal, **LAUNCHES["whole_em"])}
         results.append(dict(case=[b, s, d, heads, causal, padded], elements=two.numel(),
                             differing=int((one.view(torch.int16) != two.view(torch.int16)).sum()),
                             forms_differing={name: int((out.view(torch.int16) != two.view(torch.int16)).sum())
@@ -76,7 +77,7 @@ def test_one_launch_equals_the_two_it_replaces_under_the_interpreter():
     assert len(results) == 7
     for r in results:
         assert r["differing"] == 0 and r["forms_differing"] == {"whole": 0, "pair": 0, "whole, late": 0,
-                                                                "pair, late": 0, "whole_w8": 0}, r
+                                                                "pair, late": 0, "whole_w8": 0, "whole_em": 0}, r
         assert r["finite"], r
 
 

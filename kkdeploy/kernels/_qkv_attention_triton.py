@@ -75,11 +75,31 @@ def _row_halves(t, W: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def _chunk_scores(q, k, MASK, m_row0, stride_ms, offs_m, keys, S, scale, CAUSAL: tl.constexpr,
-                  HAS_MASK: tl.constexpr):
+                  HAS_MASK: tl.constexpr, km=None):
     """The scores of a 32-key chunk as ``_score_chunk`` gives them (its dot of q with the chunk's K rows, the same
-    wgmma tile): rounded and scaled where the reference rounds, -inf where causal, invalid or past S."""
-    return _edge_masked(_scaled(tl.dot(q, tl.trans(k)), scale), MASK, m_row0, stride_ms, offs_m, keys, S, CAUSAL,
-                        HAS_MASK)
+    wgmma tile): rounded and scaled where the reference rounds, -inf where causal, invalid or past S. ``km``: the
+    chunk's key validity already loaded (``_key_masks``), else it is loaded here, after the dot."""
+    s = _scaled(tl.dot(q, tl.trans(k)), scale)
+    if km is None:
+        out = _edge_masked(s, MASK, m_row0, stride_ms, offs_m, keys, S, CAUSAL, HAS_MASK)
+    else:  # ``_edge_masked``'s conditions, the padding mask's taken as loaded
+        valid = keys[None, :] < S
+        if CAUSAL:
+            valid = valid & (keys[None, :] <= offs_m[:, None])
+        out = tl.where(valid & km[None, :], s, float("-inf"))
+    return out
+
+
+@triton.jit
+def _key_masks(MASK, m_row0, stride_ms, S):
+    """The validity of keys 0 .. 127 as four 32-key chunks, loaded as ``_edge_masked`` loads each (keys past S:
+    invalid): before the walk over D, so that the loads are in flight with the projections' (``EARLY_MASK``)."""
+    keys = tl.arange(0, 32)
+    km0 = tl.load(MASK + m_row0 + keys * stride_ms, mask=keys < S, other=0) != 0
+    km1 = tl.load(MASK + m_row0 + (32 + keys) * stride_ms, mask=32 + keys < S, other=0) != 0
+    km2 = tl.load(MASK + m_row0 + (64 + keys) * stride_ms, mask=64 + keys < S, other=0) != 0
+    km3 = tl.load(MASK + m_row0 + (96 + keys) * stride_ms, mask=96 + keys < S, other=0) != 0
+    return km0, km1, km2, km3
 
 
 @triton.jit
@@ -158,14 +178,15 @@ def _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0
 
 @triton.jit
 def _chunk_pair_scores(q, k, MASK, m_row0, stride_ms, offs_m, key0, S, scale, CAUSAL: tl.constexpr,
-                       HAS_MASK: tl.constexpr):
-    """The scores of the two 32-key chunks of keys key0 .. key0 + 63, from their K rows k [64, DH_PAD]."""
+                       HAS_MASK: tl.constexpr, km_lo=None, km_hi=None):
+    """The scores of the two 32-key chunks of keys key0 .. key0 + 63, from their K rows k [64, DH_PAD] (``km_lo``,
+    ``km_hi``: their key validity already loaded)."""
     DH_PAD: tl.constexpr = k.shape[1]
     k_lo, k_hi = _row_halves(k, 32, DH_PAD)
     s_lo = _chunk_scores(q, k_lo, MASK, m_row0, stride_ms, offs_m, key0 + tl.arange(0, 32), S, scale, CAUSAL,
-                         HAS_MASK)
+                         HAS_MASK, km_lo)
     s_hi = _chunk_scores(q, k_hi, MASK, m_row0, stride_ms, offs_m, key0 + 32 + tl.arange(0, 32), S, scale, CAUSAL,
-                         HAS_MASK)
+                         HAS_MASK, km_hi)
     return s_lo, s_hi
 
 
@@ -231,9 +252,11 @@ def _unscored_chunks(DH_PAD: tl.constexpr):
 @triton.jit
 def _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0,
                   NK: tl.constexpr, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                  HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr):
+                  HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr,
+                  km0=None, km1=None, km2=None, km3=None):
     """Row block m0 .. m0 + 63 from its q [64, DH_PAD] and the projected k, v of keys 0 .. NK - 1: the cached
-    launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions."""
+    launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions. ``km0`` ..
+    ``km3``: the chunks' key validity already loaded (``_key_masks``)."""
     CH: tl.constexpr = 32
     offs_m = m0 + tl.arange(0, 64)
     n_end = _keys_end(m0, S, CAUSAL)
@@ -244,11 +267,12 @@ def _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, s
     else:
         k01 = k
         v01 = v
-    s0, s1 = _chunk_pair_scores(q, k01, MASK, m_row0, stride_ms, offs_m, 0, S, scale, CAUSAL, HAS_MASK)
+    s0, s1 = _chunk_pair_scores(q, k01, MASK, m_row0, stride_ms, offs_m, 0, S, scale, CAUSAL, HAS_MASK, km0, km1)
     v0, v1 = _row_halves(v01, 32, DH_PAD)
     if NK == 128:
         if n_end > 2 * CH:
-            s2, s3 = _chunk_pair_scores(q, k23, MASK, m_row0, stride_ms, offs_m, 64, S, scale, CAUSAL, HAS_MASK)
+            s2, s3 = _chunk_pair_scores(q, k23, MASK, m_row0, stride_ms, offs_m, 64, S, scale, CAUSAL, HAS_MASK,
+                                        km2, km3)
             v2, v3 = _row_halves(v23, 32, DH_PAD)
     _attend(s0, s1, s2, s3, v0, v1, v2, v3, n_end, OUT, o_row0, stride_os, offs_m, col0, S, HEAD_DIM, DH_PAD,
             ACCURATE, FAST_DIV)
@@ -258,13 +282,18 @@ def _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, s
 def _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0, stride_ms,
                  scale, OUT, o_row0, stride_os, NK: tl.constexpr, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr,
                  BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
-                 FAST_DIV: tl.constexpr, EARLY: tl.constexpr = False):
-    """One row block, q, k and v projected in one walk over D (k and v of keys 0 .. NK - 1), then attended."""
+                 FAST_DIV: tl.constexpr, EARLY: tl.constexpr = False, EARLY_MASK: tl.constexpr = False):
+    """One row block, q, k and v projected in one walk over D (k and v of keys 0 .. NK - 1), then attended.
+    ``EARLY_MASK`` (with a padding mask): the keys' validity is loaded before the walk, not after the score dots."""
     offs_m = m0 + tl.arange(0, 64)
+    if EARLY_MASK and HAS_MASK:
+        km0, km1, km2, km3 = _key_masks(MASK, m_row0, stride_ms, S)
+    else:
+        km0, km1, km2, km3 = None, None, None, None
     q, k, v = _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, NK,
                              HEAD_DIM, DH_PAD, BLOCK_K, False, EARLY)
     _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0, NK, HEAD_DIM,
-                  DH_PAD, CAUSAL, HAS_MASK, ACCURATE, FAST_DIV)
+                  DH_PAD, CAUSAL, HAS_MASK, ACCURATE, FAST_DIV, km0, km1, km2, km3)
 
 
 @triton.jit
@@ -275,14 +304,14 @@ def _qkv_attention_kernel(
     HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr,
     PDL: tl.constexpr = False, WHOLE: tl.constexpr = False, NK: tl.constexpr = 128, PAIR: tl.constexpr = False,
-    EARLY: tl.constexpr = False,
+    EARLY: tl.constexpr = False, EARLY_MASK: tl.constexpr = False,
 ):
     """``WHOLE``: q, k and v projected in one walk over D (``_project_whole``), k and v for keys 0 .. NK - 1 (NK =
     64 or 128, the rows rounded up), whether the row block needs them all or not. ``PAIR`` (WHOLE's projections,
     one program per head): every row's q and every key's k and v from one load of the rows and one walk over D,
     then both row blocks attended one after the other, so no row is projected twice. Otherwise each projection on
     its own, keys 64 at a time as the causal limit needs them. ``EARLY`` (WHOLE and PAIR): the biases loaded before
-    the walk over D (``_project_whole``)."""
+    the walk over D (``_project_whole``); ``EARLY_MASK`` (WHOLE): the keys' validity too (``_whole_block``)."""
     if PDL:  # a dependent launch (kernels/dependent_launch.py): earlier kernels' writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -312,7 +341,7 @@ def _qkv_attention_kernel(
     elif WHOLE:
         _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0, stride_ms,
                      scale, OUT, o_row0, stride_os, NK, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK, ACCURATE,
-                     FAST_DIV, EARLY)
+                     FAST_DIV, EARLY, EARLY_MASK)
     else:
         # the cached launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions
         n_end = _keys_end(m0, S, CAUSAL)
@@ -329,20 +358,24 @@ def _qkv_attention_kernel(
 
 def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num_heads: int, causal: bool, *,
                          fast_div: bool = True, num_warps: int = 4, num_stages=None, max_registers=None,
-                         whole: bool = False, pair: bool = False, early: bool = False) -> torch.Tensor:
+                         whole: bool = False, pair: bool = False, early: bool = False,
+                         early_mask: bool = False) -> torch.Tensor:
     """The attention's context [B, S, D] fp16 of the normalized rows ``h`` [B, S, D] fp16, with ``weights`` (Wq, Wk,
     Wv), each [D, D], and ``biases`` (bq, bk, bv): what ``triton_linear`` of the packed Q|K|V followed by
     ``triton_attention(..., cached=True, block_m=64, num_warps=4, fast_div=True)`` computes, in one launch.
     ``max_registers``: Triton's ``maxnreg`` (offline, Triton 3.6, sm_90a: 168 registers at 4 warps, three programs
     per multiprocessor; capped at 128, four, with 32 bytes of spills). ``whole``: q, k and v projected in one walk
     over D, k and v of every key (the kernel's WHOLE); ``pair``: one program per head, every row projected once and
-    both row blocks attended (the kernel's PAIR); ``early``: the biases loaded before the walk over D (EARLY)."""
+    both row blocks attended (the kernel's PAIR); ``early``: the biases loaded before the walk over D (EARLY);
+    ``early_mask`` (``whole`` only): the keys' validity too (EARLY_MASK)."""
     if h.dtype != torch.float16 or h.dim() != 3:
         raise KKError(f"h must be float16 [B, S, D], got {h.dtype} {list(h.shape)}")
     b, s, d = h.shape
     if early and not (whole or pair):
         raise KKError("early loads the biases before the whole or pair form's walk over D; "
                       "pass whole=True or pair=True")
+    if early_mask and not (whole and not pair):
+        raise KKError("early_mask loads the keys' validity before the whole form's walk over D; pass whole=True")
     refusal = qkv_attention_refusal(s, d, num_heads)
     if refusal:
         raise KKError(refusal)
@@ -374,6 +407,6 @@ def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num
                   s, num_heads, d, fp32_scale(dh),
                   HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_K=block_k, CAUSAL=bool(causal), HAS_MASK=has_mask,
                   ACCURATE=not INTERPRET, FAST_DIV=bool(fast_div), WHOLE=bool(whole or pair), PAIR=bool(pair),
-                  NK=64 if s <= 64 else 128, EARLY=bool(early),
+                  NK=64 if s <= 64 else 128, EARLY=bool(early), EARLY_MASK=bool(early_mask),
                   **launch)
     return out

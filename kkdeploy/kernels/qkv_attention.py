@@ -47,7 +47,12 @@ LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True
                              # programs), each thread's share of the softmax halves. Offline (Triton 3.6.0, sm_90a):
                              # 2,200 SASS instructions a thread against 3,288 at 4 warps, 116 registers, no spills,
                              # but ptxas serializes its wgmma and it has 46 barriers against 20
-                             "whole_w8": {"whole": True, "early": True, "num_warps": 8}}
+                             "whole_w8": {"whole": True, "early": True, "num_warps": 8},
+                             # "whole" with the keys' validity loaded before the walk over D (session 48, studies
+                             # only): compiled for sm_90a, "whole" loads each 32-key chunk's validity after the
+                             # projections, one round trip to L2 before the scores can be masked, twice a row block
+                             # at S = 128 (a bench's timed input always has a mask)
+                             "whole_em": {"whole": True, "early": True, "early_mask": True}}
 #: the forms a build proves, each shipped by a GPU build through strict validation first (H100s):
 #: - "whole" (session 43): a new user's build of shape 3 proved it at 8.3 µs against the packed Q|K|V GEMM's 3.8 and
 #:   the attention's 7.1, took it, and served a padded run with 0 failed elements; `-gemms-pdl` 0.0827 ms against
