@@ -266,6 +266,12 @@ def test_the_kernel_self_test_is_the_proof_step_and_reads_its_records(monkeypatc
     # every launch, less the tiles known never to return (still studied when named)
     assert set(fl.HANGS) and not set(fl.HANGS) & set(script.all_launches()["linear"])
     assert script.parse_args(["--launches", "linear=tma_ws", "--out", "x"]).launches == {"linear": ["tma_ws"]}
+    # the Q|K|V attention's forms are the linear kind's launches too (proven beside the GEMMs)
+    from kkdeploy.kernels import qkv_attention as qa
+
+    assert set(qa.LAUNCHES) <= set(script.all_launches()["linear"])
+    args = script.parse_args(["--launches", "linear=m64n64,regs_m16,whole,whole_w8", "--out", "x"])
+    assert args.launches == {"linear": ["m64n64", "regs_m16", "whole", "whole_w8"]}
     # a study small enough for one device call bounds a hung launch's silence below the call's limit
     assert script.parse_args(["--out", "x"]).stall_s == script.STUDY_STALL_S
     assert script.parse_args(["--stall-s", "150", "--out", "x"]).stall_s == 150.0
