@@ -108,3 +108,33 @@ def test_a_real_a_b_on_the_cpu_runs_make_weights_and_three_bench_processes(ab, t
     assert row["candidate"] == "optimized-sdpa0" and row["plan_held"]
     assert row["exits"] == {"base": 0, "edit": 0, "base2": 0} and all(v > 0 for v in row["ms"].values())
     assert (out / "w3.safetensors").is_file() and (out / "edit-3" / "bench.json").is_file()
+
+
+def test_the_study_launches_edit_applies_to_this_tree_and_names_only_known_launches(tmp_path):
+    """scripts/ab_edits/study_launches_join_builds.sh (the A/B docs/fused-linear.md gives for session 48's study
+    launches) still finds the lines it edits, and every launch it adds to a build's tuples is one of the tables'."""
+    import ast
+    import re
+    import shutil
+
+    from kkdeploy.kernels import fused_linear as fl
+    from kkdeploy.kernels import qkv_attention as qa
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("fused_linear.py", "qkv_attention.py"):
+        (tmp_path / "kkdeploy" / "kernels").mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / "kkdeploy" / "kernels" / name, tmp_path / "kkdeploy" / "kernels" / name)
+    run = subprocess.run(["bash", str(root / "scripts" / "ab_edits" / "study_launches_join_builds.sh")],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "4", (run.stdout, run.stderr)
+    text = (tmp_path / "kkdeploy" / "kernels" / "fused_linear.py").read_text()
+    text += (tmp_path / "kkdeploy" / "kernels" / "qkv_attention.py").read_text()
+    tuples = {m.group(1): ast.literal_eval(m.group(2))
+              for m in re.finditer(r"^(BUILD_TILES|SMALL_TILES|LN_BUILD_TILES|BUILD_LAUNCHES)\b[^=]*= (\(.*\))$",
+                                   text, re.M)}
+    assert set(tuples["BUILD_TILES"]) - set(fl.BUILD_TILES) == {"m32n64", "m32n32"} <= set(fl.TILES)
+    assert set(tuples["SMALL_TILES"]) <= set(fl.TILES)
+    assert set(tuples["LN_BUILD_TILES"]) - set(fl.LN_BUILD_TILES) == set(fl.LN_TILES) - set(fl.LN_BUILD_TILES)
+    assert set(tuples["BUILD_LAUNCHES"]) - set(qa.BUILD_LAUNCHES) == {"whole_w8", "whole_em"} <= set(qa.LAUNCHES)
+    # the committed tree is untouched
+    assert "m32n32" not in fl.BUILD_TILES and "whole_em" not in qa.BUILD_LAUNCHES

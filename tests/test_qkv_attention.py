@@ -263,3 +263,12 @@ def test_the_launch_refuses_what_it_cannot_take_in_one_line():
     assert "17 to 128 keys" in qa.kernel_refusal(256, 128, 4, torch.float16, "cuda")
     with pytest.raises(Exception, match="unknown Q\\|K\\|V attention launch 'nope'"):
         qa.run_launch(None, (), (), None, 4, True, "nope")
+    pytest.importorskip("triton")
+    from kkdeploy.errors import KKError
+    from kkdeploy.kernels._qkv_attention_triton import triton_qkv_attention
+
+    h = torch.zeros(1, 32, 32, dtype=torch.float16)
+    ws, bs = [torch.zeros(32, 32, dtype=torch.float16)] * 3, [torch.zeros(32, dtype=torch.float16)] * 3
+    for form in ({}, {"pair": True}):  # the keys' validity loaded early is the whole form's only
+        with pytest.raises(KKError, match="early_mask loads the keys' validity .* pass whole=True"):
+            triton_qkv_attention(h, ws, bs, None, 4, True, early=bool(form), early_mask=True, **form)
