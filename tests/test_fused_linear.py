@@ -390,7 +390,7 @@ SMALL_ROWS_SCRIPT = tile_race_script(14, """((300, 200, 64, "add_masked", "none"
     for tile, got, want in pairs:""")
 
 
-def test_tiles_under_64_rows_compute_what_the_proven_tiles_compute():
+def test_tiles_under_64_rows_compute_what_the_proven_tiles_compute(monkeypatch):
     """The tiles for the launch-bound shapes' few rows (``m32n64``, ``m32n32``; the LayerNorm epilogue's
     ``regs_m32`` and ``regs_m16``), and ``regs_e`` (the LayerNorm's weight and bias loaded early): under the
     interpreter bit for bit the proven 64-row tiles, masks and tails included. Compiled for sm_90a (Triton 3.6.0, as on the GPU) they issue mma.sync, not the proven tiles' wgmma:
@@ -399,6 +399,15 @@ def test_tiles_under_64_rows_compute_what_the_proven_tiles_compute():
     assert len(results) == 4 * 2 + 2 * 6 and all(r["differing"] == 0 for r in results), results
     assert not {"m32n64", "m32n32"} & set(fl.BUILD_TILES)
     assert not {"regs_e", "regs_m32", "regs_m16"} & set(fl.LN_BUILD_TILES)
+    # once in a build, the LayerNorm tiles under 64 rows are proven only where 64-row programs leave
+    # multiprocessors idle: shape 3's 8 and shape 12's 32 of 132, not shape 13's 1,024 or shape 6's 20,000
+    assert fl.ln_tile_pays("regs_m16", 512, 132) and fl.ln_tile_pays("regs_m32", 2048, 132)
+    assert not fl.ln_tile_pays("regs_m16", 65_536, 132) and not fl.ln_tile_pays("regs_m32", 1_280_000, 132)
+    assert fl.ln_tile_pays("regs_m16", None, None) and fl.ln_tile_pays("regs", 1_280_000, 132)
+    monkeypatch.setattr(fl, "LN_BUILD_TILES", ("auto", "regs", "regs_e", "regs_m32", "regs_m16"))
+    assert fl.proof_launches(128, layer_norm=True, m=512, sms=132) == ["auto", "regs", "regs_e", "regs_m32", "regs_m16"]
+    assert fl.proof_launches(128, layer_norm=True, m=65_536, sms=132) == ["auto", "regs", "regs_e"]
+    assert fl.proof_launches(32, layer_norm=True, m=512, sms=132) == ["auto"]  # rows under 128 are read back
     pytest.importorskip("triton")
     import re
 

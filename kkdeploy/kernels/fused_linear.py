@@ -297,8 +297,17 @@ def proof_launches(n: int, layer_norm: bool = False, k: Optional[int] = None, m:
     BUILD_TILES that fit (``tile_fits``) and can pay (``tile_pays``). The LayerNorm epilogue holds whole rows in
     tiles of its own: those of LN_BUILD_TILES that fit (``ln_tile_fits``)."""
     if layer_norm:
-        return [name for name in LN_BUILD_TILES if ln_tile_fits(name, n)]
+        return [name for name in LN_BUILD_TILES if ln_tile_fits(name, n) and ln_tile_pays(name, m, sms)]
     return [name for name in BUILD_TILES if tile_fits(name, n, k) and tile_pays(name, m, n, k, sms)]
+
+
+def ln_tile_pays(launch: str, m: Optional[int], sms: Optional[int]) -> bool:
+    """Whether a LayerNorm epilogue tile can pay for its compile and proof in a build: a tile of fewer rows than
+    the 64 of the others only where 64-row programs leave multiprocessors idle (the launch-bound shapes; not shape
+    6's 20,000 programs or shape 13's 1,024). Unknown sizes (None) do not rule it out."""
+    if LN_TILES[launch].get("BLOCK_M", 64) >= 64 or m is None or sms is None:
+        return True
+    return -(-m // 64) < sms
 
 
 class LinearPath(KernelPath):
