@@ -117,12 +117,16 @@ TILES: dict[str, dict] = {
     # in 0.631 ms against "auto"'s 0.785 and "m64s2"'s 0.814 (docs/fused-linear.md)
     "cols": dict(COLUMNS_FIRST=True),
     "m64s2cols": dict(BLOCK_M=64, num_warps=4, num_stages=2, COLUMNS_FIRST=True),
-    # tiles under 64 rows for the launch-bound shapes (session 48, studies only): shape 3's 512 x 128 GEMMs make 16
-    # programs of "m64n64" on 132 multiprocessors, each a chain of round trips to L2; "m32n64" makes 32 and "m32n32"
-    # 64, each with half or a quarter of the work. Under 64 rows Triton issues mma.sync m16n8k16, not wgmma
-    # (offline, sm_90a: 72 and 48 registers, no spills): the same k16 chain on a float32 accumulator, but another
-    # instruction, so only a proof on the GPU can say it is bit-identical to cuBLAS
-    "m32n64": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, EARLY=True),
+    # narrower tiles for the launch-bound shapes (session 48, studies only): shape 3's 512 x 128 GEMMs make 16
+    # programs of "m64n64" on 132 multiprocessors, each a chain of round trips to L2 and, for the GELU GEMM, of 32
+    # exact GELUs a thread. "m64n32" makes 32 programs and "m64n16" 64, still 64 rows (wgmma m64n32k16 and
+    # m64n16k16, the rule every proven kernel here follows): offline (sm_90a) 54 and 40 registers, no spills, and
+    # the GELU GEMM's SASS after its last MMA 646 and 352 instructions a thread against 1,273
+    "m64n32": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4, EARLY=True),
+    "m64n16": dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=4, EARLY=True),
+    # ... and a probe of the rule itself: 32 rows, which Triton lowers to mma.sync m16n8k16, not wgmma (48
+    # registers). The attention's 32- and 16-row launches, on mma.sync, differed from cuBLAS by one ulp on padded
+    # inputs (campaign 11, docs/faithful-attention.md); whether a GEMM's does is for the GPU's proof to say
     "m32n32": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, EARLY=True),
 }
 #: tiles that never returned on a GPU: a study of every launch (``--all-launches``) leaves them out, so that one hung
@@ -156,8 +160,9 @@ LN_TILES: dict[str, dict] = {
     # 16 warps (session 47, not yet run on a GPU): at shape 3 the epilogue's 512 rows make 8 programs, two warps per
     # scheduler at 8 warps, and its LayerNorm is a chain of dependent float32 steps; 4 warps per scheduler hide more
     # of each step's latency. Offline (Triton 3.6.0, sm_90a): 64 registers, no spills, 1,599 PTX lines a thread
-    # against 2,098 at 8 warps (more in all: the tree's last levels are repeated in every thread)
-    "regs_w16": dict(LN_RELOAD=False, num_warps=16, EARLY=True),
+    # against 2,098 at 8 warps (more in all: the tree's last levels are repeated in every thread). Since session 48
+    # it loads the LayerNorm's weight and bias early too (``LN_EARLY``, below; 79 registers), as it never ran without
+    "regs_w16": dict(LN_RELOAD=False, num_warps=16, EARLY=True, LN_EARLY=True),
     # "regs" with the LayerNorm's weight and bias loaded before the k-loop too (``LN_EARLY``, session 48, studies
     # only): compiled for sm_90a, "regs" issues their loads about 20 instructions before the rsqrt that they follow,
     # one round trip to L2 on the launch's critical path. The tiles below load them early as well
@@ -165,8 +170,9 @@ LN_TILES: dict[str, dict] = {
     # fewer rows a program (session 48, studies only): 32 rows make 16 programs at shape 3 and 16 rows 32, at 8 warps
     # each thread with a half or a quarter of the 64-row tile's (row, lane) pairs, spread over more multiprocessors
     # instead of more warps on each. Offline (Triton 3.6.0, sm_90a), the instructions after the last MMA: 631 and 395
-    # SASS a thread against 1,016 for "regs" (665 at 16 warps); mma.sync, not wgmma (80 and 62 registers, no
-    # spills), so a proof on the GPU decides whether the GEMM half is still cuBLAS's bits
+    # SASS a thread against 1,016 for "regs" (665 for "regs_w16", which keeps wgmma). Under 64 rows the GEMM half is
+    # mma.sync, not wgmma (80 and 62 registers, no spills): the rule the attention's 32-row launches broke by one ulp
+    # on padded inputs (campaign 11), so these probe it and a proof on the GPU decides
     "regs_m32": dict(LN_RELOAD=False, BLOCK_M=32, num_warps=8, EARLY=True, LN_EARLY=True),
     "regs_m16": dict(LN_RELOAD=False, BLOCK_M=16, num_warps=8, EARLY=True, LN_EARLY=True),
 }
@@ -243,7 +249,7 @@ def tile_fits(launch: str, n: int, k: Optional[int] = None) -> bool:
 #: them and keeps the pointer-load tiles, so those builds compile nothing more
 TMA_MIN_K = 256
 #: tiles for launches whose "auto" grid leaves multiprocessors idle: more, smaller tiles
-SMALL_TILES = ("m64n64", )
+SMALL_TILES = ("m64n64", "m64n32", "m64n16", "m32n32")
 #: tiles for launches that stream their rows (K <= STREAM_MAX_K and at least STREAM_MIN_WAVES 64-row tiles per
 #: multiprocessor: shape 6's 20,000 row tiles on 132, not shape 13's 1,024): more programs per multiprocessor
 STREAM_TILES = ("m64s2", "m64s2cols")
