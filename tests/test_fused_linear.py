@@ -371,8 +371,9 @@ def test_the_epilogue_s_operands_loaded_early_change_no_bit():
 
 # tiles under 64 rows against the proven tiles they would replace: row, column and K tails, every epilogue, the GELU
 # prologue, and the LayerNorm epilogue with and without the final LayerNorm's zeros
-SMALL_ROWS_SCRIPT = tile_race_script(14, """((300, 200, 64, "add_masked", "none"), (130, 128, 128, "add_masked", "none"),
-                                       (70, 160, 48, "gelu", "none"), (200, 128, 96, "masked_sum", "gelu"))""", """
+SMALL_ROWS_SCRIPT = tile_race_script(14, """((300, 200, 64, "add_masked", "none"),
+                                       (130, 128, 128, "add_masked", "none"), (70, 160, 48, "gelu", "none"),
+                                       (200, 128, 96, "masked_sum", "gelu"))""", """
     from kkdeploy.kernels._fused_linear_triton import triton_linear_layer_norm
     from kkdeploy.kernels.fused_linear import LN_TILES
     pairs = [(tile, triton_linear(x, w, b, residual, keep, epilogue, prologue, **TILES[tile]),

@@ -126,7 +126,7 @@ TILES: dict[str, dict] = {
     "m64n16": dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=4, EARLY=True),
     # ... and a probe of the rule itself: 32 rows, which Triton lowers to mma.sync m16n8k16, not wgmma (48
     # registers). The attention's 32- and 16-row launches, on mma.sync, differed from cuBLAS by one ulp on padded
-    # inputs (campaign 11, docs/faithful-attention.md); whether a GEMM's does is for the GPU's proof to say
+    # inputs (docs/faithful-attention.md, "Cached chunks"); whether a GEMM's does is for the GPU's proof to say
     "m32n32": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, EARLY=True),
 }
 #: tiles that never returned on a GPU: a study of every launch (``--all-launches``) leaves them out, so that one hung
@@ -172,7 +172,7 @@ LN_TILES: dict[str, dict] = {
     # instead of more warps on each. Offline (Triton 3.6.0, sm_90a), the instructions after the last MMA: 631 and 395
     # SASS a thread against 1,016 for "regs" (665 for "regs_w16", which keeps wgmma). Under 64 rows the GEMM half is
     # mma.sync, not wgmma (80 and 62 registers, no spills): the rule the attention's 32-row launches broke by one ulp
-    # on padded inputs (campaign 11), so these probe it and a proof on the GPU decides
+    # on padded inputs (docs/faithful-attention.md), so these probe it and a proof on the GPU decides
     "regs_m32": dict(LN_RELOAD=False, BLOCK_M=32, num_warps=8, EARLY=True, LN_EARLY=True),
     "regs_m16": dict(LN_RELOAD=False, BLOCK_M=16, num_warps=8, EARLY=True, LN_EARLY=True),
 }
