@@ -113,15 +113,24 @@ def _scaled(s, scale):
 
 
 @triton.jit
-def _edge_masked(s, MASK, m_row0, stride_ms, offs_m, offs_n, S, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+def _key_valid(MASK, m_row0, stride_ms, offs_n, S):
+    """The padding mask of keys offs_n (keys past S: invalid)."""
+    return tl.load(MASK + m_row0 + offs_n * stride_ms, mask=offs_n < S, other=0) != 0
+
+
+@triton.jit
+def _edge_masked(s, MASK, m_row0, stride_ms, offs_m, offs_n, S, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                 km=None):
     """Scores s [rows offs_m, keys offs_n] with -inf where a key is past S, in a row's causal future or invalid: an
-    edge chunk's masks, as the reference's masked_fill leaves them."""
+    edge chunk's masks, as the reference's masked_fill leaves them. ``km``: the keys' padding mask already loaded
+    (``_key_valid``), else it is loaded here."""
     valid = offs_n[None, :] < S
     if CAUSAL:
         valid = valid & (offs_n[None, :] <= offs_m[:, None])
     if HAS_MASK:
-        km = tl.load(MASK + m_row0 + offs_n * stride_ms, mask=offs_n < S, other=0)
-        valid = valid & (km[None, :] != 0)
+        if km is None:
+            km = _key_valid(MASK, m_row0, stride_ms, offs_n, S)
+        valid = valid & km[None, :]
     return tl.where(valid, s, float("-inf"))
 
 

@@ -144,13 +144,13 @@ def _ln_affine(G, B, LN_N: tl.constexpr):
 
 @triton.jit
 def _rows_layer_norm(v, G, B, eps, LN_N: tl.constexpr, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr,
-                     LOADED: tl.constexpr = False, g_loaded=None, b_loaded=None):
+                     g=None, b=None):
     """ATen's float16 LayerNorm of each row of v [BLOCK_M, 32, 4] (float32 holding float16 values; [row, lane t,
     k] is element 4t + k of a row of LN_N; lanes t >= LN_N / 4 hold nothing), in the order of
     ``kkdeploy.kernels.layer_norm.emulate_layer_norm_rows``: a Welford push per element, the shuffle-down tree over
     the 32 lanes, two merges with empty states, var = m2 / LN_N, rstd = rsqrt(var + eps), y = fma(g, rstd * (x -
-    mean), b); returns float16 [BLOCK_M, 32, 4] (lanes past the row: don't care). ``LOADED``: the weight and bias
-    come in already loaded (``_ln_affine``), else they are loaded here, after the statistics."""
+    mean), b); returns float16 [BLOCK_M, 32, 4] (lanes past the row: don't care). ``g``, ``b``: the weight and bias
+    already loaded (``_ln_affine``), else they are loaded here, after the statistics."""
     x4 = tl.reshape(v, (BLOCK_M, 32, 2, 2))  # [row, lane t, hi, lo]: element 4t + 2 hi + lo
     lo0, lo1 = tl.split(x4)
     e0, e2 = tl.split(lo0)
@@ -171,10 +171,7 @@ def _rows_layer_norm(v, G, B, eps, LN_N: tl.constexpr, BLOCK_M: tl.constexpr, AC
     mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 2)
     mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 1)
     mean, rstd = _rows_mean_rstd(mean, m2, count, eps, LN_N, BLOCK_M, ACCURATE)
-    if LOADED:
-        g = g_loaded
-        b = b_loaded
-    else:
+    if g is None:
         g, b = _ln_affine(G, B, LN_N)
     return tl.fma(g[None, :, :], rstd[:, None, None] * (v - mean[:, None, None]), b[None, :, :]).to(tl.float16)
 
@@ -306,15 +303,15 @@ def _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, K,
     launch-bound shapes' tiles), the loads after the loop are one more round trip to L2 on its critical path; loaded
     first, they travel with the GEMM's operands. What is computed, and in which order, does not change; the values
     stay live in registers across the loop, so tiles that stream many rows (where registers bound the programs per
-    multiprocessor) keep the late loads. ``LN_EARLY`` (with ``EARLY``, the LayerNorm epilogue in registers): the
-    LayerNorm's weight and bias too, which otherwise are loaded after the rows' statistics, one round trip to L2
-    between the last reduction and the stores (session 48)."""
+    multiprocessor) keep the late loads. ``LN_EARLY`` (the LayerNorm epilogue in registers; ignored where the rows
+    are read back): the LayerNorm's weight and bias too, which otherwise are loaded after the rows' statistics, one
+    round trip to L2 between the last reduction and the stores."""
     offs_k = tl.arange(0, BLOCK_K)
     if EARLY:
         bias, r, valid = _epilogue_operands(B, R, MASK, offs_m, offs_n, row_ok, col_ok, stride_rm, EPILOGUE, HAS_MASK)
     else:
         bias, r, valid = None, None, None
-    if LN_EARLY:
+    if LN_EARLY and EPILOGUE >= 4 and not LN_RELOAD:
         ln_g, ln_b = _ln_affine(LN_G, LN_B, BLOCK_N)
     else:
         ln_g, ln_b = None, None
@@ -329,7 +326,7 @@ def _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, K,
         acc = tl.dot(a, tl.trans(w), acc)
     _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, stride_rm, stride_om,
                      EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, LN_G, LN_B, OUT2, eps, LN_RELOAD, LN_ZERO_INVALID,
-                     EARLY, bias, r, valid, LN_EARLY, ln_g, ln_b)
+                     EARLY, bias, r, valid, ln_g, ln_b)
 
 
 @triton.jit
@@ -362,12 +359,12 @@ def _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, st
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      LN_G, LN_B, OUT2, eps, LN_RELOAD: tl.constexpr, LN_ZERO_INVALID: tl.constexpr,
                      LOADED: tl.constexpr = False, bias_loaded=None, r_loaded=None, valid_loaded=None,
-                     LN_LOADED: tl.constexpr = False, g_loaded=None, b_loaded=None):
+                     g_loaded=None, b_loaded=None):
     """The tile's float32 accumulator to its outputs: the bias, the epilogue, the store and, for EPILOGUE >= 4, the
     rows' next LayerNorm (shared by the pointer-load tile above and the TMA kernel below). ``LOADED``: the bias,
     residual and validity come in already loaded (``_epilogue_operands``); otherwise each is loaded where it is first
-    needed, as the proven tiles always have. ``LN_LOADED``: the LayerNorm's weight and bias come in loaded too (the
-    register path only)."""
+    needed, as the proven tiles always have. ``g_loaded``, ``b_loaded``: the LayerNorm's weight and bias loaded
+    already (the register path; else None)."""
     if LOADED:
         bias = bias_loaded
     else:
@@ -403,8 +400,8 @@ def _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, st
             tl.store(OUT2 + offs3, normed, mask=in_row)
         else:  # BLOCK_N == 128: the accumulator's tile regrouped in registers
             v3 = tl.reshape(out.to(tl.float32), (BLOCK_M, 32, 4))
-            normed = tl.reshape(_rows_layer_norm(v3, LN_G, LN_B, eps, BLOCK_N, BLOCK_M, ACCURATE, LN_LOADED, g_loaded,
-                                                 b_loaded), (BLOCK_M, 128))
+            normed = tl.reshape(_rows_layer_norm(v3, LN_G, LN_B, eps, BLOCK_N, BLOCK_M, ACCURATE, g_loaded, b_loaded),
+                                (BLOCK_M, 128))
             if LN_ZERO_INVALID:
                 normed = tl.where(valid[:, None], normed, 0.0)
             tl.store(OUT2 + offs_m[:, None] * stride_om + offs_n[None, :], normed, mask=row_ok[:, None])
@@ -666,6 +663,4 @@ def triton_linear_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.
               "BLOCK_N": n, "LN_ZERO_INVALID": bool(zero_invalid)}
     if n < 128:
         config["LN_RELOAD"] = True
-    if config["LN_RELOAD"]:
-        config.pop("LN_EARLY", None)  # the rows read back load the LayerNorm's weight and bias where they use them
     return _launch(x, weight, bias, residual, mask, LN_EPILOGUE_CODES[epilogue], config, (ln_weight, ln_bias, eps))

@@ -33,8 +33,8 @@ import triton.language as tl
 
 from kkdeploy.errors import KKError
 
-from ._faithful_attention_triton import (COMPILE_FLAGS, INTERPRET, _edge_masked, _exp, _lane_add, _probabilities,
-                                         _row_sum, _scaled)
+from ._faithful_attention_triton import (COMPILE_FLAGS, INTERPRET, _edge_masked, _exp, _key_valid, _lane_add,
+                                         _probabilities, _row_sum, _scaled)
 from .dependent_launch import launch_options
 from .faithful_attention import fp32_scale
 from .precompile import launch as launch_kernel
@@ -79,27 +79,17 @@ def _chunk_scores(q, k, MASK, m_row0, stride_ms, offs_m, keys, S, scale, CAUSAL:
     """The scores of a 32-key chunk as ``_score_chunk`` gives them (its dot of q with the chunk's K rows, the same
     wgmma tile): rounded and scaled where the reference rounds, -inf where causal, invalid or past S. ``km``: the
     chunk's key validity already loaded (``_key_masks``), else it is loaded here, after the dot."""
-    s = _scaled(tl.dot(q, tl.trans(k)), scale)
-    if km is None:
-        out = _edge_masked(s, MASK, m_row0, stride_ms, offs_m, keys, S, CAUSAL, HAS_MASK)
-    else:  # ``_edge_masked``'s conditions, the padding mask's taken as loaded
-        valid = keys[None, :] < S
-        if CAUSAL:
-            valid = valid & (keys[None, :] <= offs_m[:, None])
-        out = tl.where(valid & km[None, :], s, float("-inf"))
-    return out
+    return _edge_masked(_scaled(tl.dot(q, tl.trans(k)), scale), MASK, m_row0, stride_ms, offs_m, keys, S, CAUSAL,
+                        HAS_MASK, km)
 
 
 @triton.jit
 def _key_masks(MASK, m_row0, stride_ms, S):
-    """The validity of keys 0 .. 127 as four 32-key chunks, loaded as ``_edge_masked`` loads each (keys past S:
-    invalid): before the walk over D, so that the loads are in flight with the projections' (``EARLY_MASK``)."""
+    """The padding mask of keys 0 .. 127 as four 32-key chunks (``_key_valid``, as ``_edge_masked`` loads each):
+    before the walk over D, so that the loads are in flight with the projections' (``EARLY_MASK``)."""
     keys = tl.arange(0, 32)
-    km0 = tl.load(MASK + m_row0 + keys * stride_ms, mask=keys < S, other=0) != 0
-    km1 = tl.load(MASK + m_row0 + (32 + keys) * stride_ms, mask=32 + keys < S, other=0) != 0
-    km2 = tl.load(MASK + m_row0 + (64 + keys) * stride_ms, mask=64 + keys < S, other=0) != 0
-    km3 = tl.load(MASK + m_row0 + (96 + keys) * stride_ms, mask=96 + keys < S, other=0) != 0
-    return km0, km1, km2, km3
+    return (_key_valid(MASK, m_row0, stride_ms, keys, S), _key_valid(MASK, m_row0, stride_ms, 32 + keys, S),
+            _key_valid(MASK, m_row0, stride_ms, 64 + keys, S), _key_valid(MASK, m_row0, stride_ms, 96 + keys, S))
 
 
 @triton.jit
