@@ -187,9 +187,8 @@ SASS_PIPES = {
 }
 
 
-def sass_loops(cubin: Path, cuobjdump: Path) -> list[dict]:
-    """Per loop body of the compiled SASS (a backward branch's span), in address order: its instructions by issue
-    pipe (``SASS_PIPES``), what one iteration costs each pipe per thread."""
+def sass_code(cubin: Path, cuobjdump: Path) -> list[tuple[int, str, int | None]]:
+    """The compiled SASS as (address, opcode, backward or forward branch target or None), in address order."""
     text = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     code = []
     for line in text.splitlines():
@@ -197,6 +196,22 @@ def sass_loops(cubin: Path, cuobjdump: Path) -> list[dict]:
         if m:
             target = re.search(r"\bBRA\s+(?:!?U?P\w+,\s*)?(0x[0-9a-f]+)", line)
             code.append((int(m.group(1), 16), m.group(2), int(target.group(1), 16) if target else None))
+    return code
+
+
+def sass_tail(code: list[tuple[int, str, int | None]]) -> tuple[int, int]:
+    """(instructions in all, instructions after the last tensor-core MMA up to the last EXIT): the epilogue a thread
+    runs once its GEMMs are done, where a short launch's latency chain is (the LayerNorm or GELU epilogue)."""
+    ops = [op for _, op, _ in code]
+    end = max((i for i, op in enumerate(ops) if op == "EXIT"), default=len(ops) - 1)
+    last_mma = max((i for i, op in enumerate(ops) if op in SASS_PIPES["tensor"]), default=-1)
+    return end + 1, end - last_mma
+
+
+def sass_loops(cubin: Path, cuobjdump: Path, code=None) -> list[dict]:
+    """Per loop body of the compiled SASS (a backward branch's span), in address order: its instructions by issue
+    pipe (``SASS_PIPES``), what one iteration costs each pipe per thread."""
+    code = sass_code(cubin, cuobjdump) if code is None else code
     loops = []
     for address, _, target in code:
         if target is not None and target < address:
@@ -222,8 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ptx", type=Path, help="also write the PTX here")
     ap.add_argument("--loops", action="store_true", help="also print each loop body's instructions and conversions")
     ap.add_argument("--sass", action="store_true",
-                    help="also print each SASS loop body's instructions by issue pipe (ptxas and cuobjdump bundled with "
-                         "Triton)")
+                    help="also print the SASS instructions a thread runs (in all, and after the last MMA) and each "
+                         "loop body's by issue pipe (ptxas and cuobjdump bundled with Triton)")
     ap.add_argument("--no-specialize", dest="specialize", action="store_false",
                     help="compile without the JIT's specialization of the arguments (DIVISIBLE, ONES)")
     ap.add_argument("--pdl", action="store_true",
@@ -247,7 +262,8 @@ def main(argv=None) -> int:
         source.write_text(ptx)
         run = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(source), "-o", str(Path(tmp, "k.cubin"))],
                              capture_output=True, text=True)
-        loops_sass = sass_loops(Path(tmp, "k.cubin"), ptxas.with_name("cuobjdump")) if args.sass else []
+        code = sass_code(Path(tmp, "k.cubin"), ptxas.with_name("cuobjdump")) if args.sass else []
+        loops_sass = sass_loops(Path(tmp, "k.cubin"), ptxas.with_name("cuobjdump"), code) if args.sass else []
     registers = re.search(r"Used (\d+) registers", run.stderr)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
     counts = " ".join(f"{label} {len(re.findall(pattern, ptx))}" for label, pattern in COUNTED.items())
@@ -259,6 +275,8 @@ def main(argv=None) -> int:
         print("loops (instructions/conversions per iteration): "
               + (", ".join(f"{n}/{c}" for n, c in loop_counts(ptx)) or "none"))
     if args.sass:
+        total, tail = sass_tail(code)
+        print(f"SASS: {total} instructions a thread, {tail} after the last MMA")
         print("SASS loops (per iteration, by pipe): " + ("; ".join(
             " ".join(f"{k} {v}" for k, v in loop.items()) for loop in loops_sass) or "none"))
     if args.pdl and args.kernel in PDL_KERNELS:

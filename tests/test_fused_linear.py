@@ -434,6 +434,36 @@ def test_the_launch_bound_study_tiles_compute_what_the_proven_tiles_compute(monk
         assert "local" not in re.sub(r"//.*", "", ptx), (block_m, block_n)  # no spills
 
 
+def test_the_sass_tail_counts_what_a_thread_runs_after_its_last_mma(tmp_path):
+    """``scripts/offline_ptx.py --sass``'s "after the last MMA": from the last HGMMA/HMMA to the last EXIT. Compiled
+    here for sm_90a, the 16-row LayerNorm tile's chain is under half the 64-row tile's, and the 16-column GELU GEMM's
+    under a third of the 64-column one's (the figures docs/fused-linear.md gives)."""
+    import subprocess
+    from pathlib import Path
+
+    script = load_script("offline_ptx")
+    code = [(0, "LDG", None), (16, "HGMMA", None), (32, "HGMMA", None), (48, "FFMA", None), (64, "STG", None),
+            (80, "EXIT", None), (96, "BRA", 96), (112, "NOP", None)]
+    assert script.sass_tail(code) == (6, 3)
+    triton = pytest.importorskip("triton")
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bin_dir / "ptxas").is_file() or not (bin_dir / "cuobjdump").is_file():
+        pytest.skip("this Triton has no bundled ptxas/cuobjdump")
+
+    def tail(warps: int, stages: int, **values) -> int:
+        ptx = tmp_path / "k.ptx"
+        ptx.write_text(script.compile_ptx("linear", {**script.KERNELS["linear"][3], "EARLY": True, **values}, warps,
+                                          stages))
+        subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", str(ptx), "-o", str(tmp_path / "k.cubin")],
+                       check=True)
+        return script.sass_tail(script.sass_code(tmp_path / "k.cubin", bin_dir / "cuobjdump"))[1]
+
+    layer_norm = dict(EPILOGUE=5, BLOCK_N=128, LN_RELOAD=False, LN_EARLY=True)
+    assert 2 * tail(8, 3, BLOCK_M=16, **layer_norm) < tail(8, 3, BLOCK_M=64, **layer_norm)
+    gelu = dict(EPILOGUE=1, BLOCK_M=64, HAS_MASK=False)
+    assert 3 * tail(4, 4, BLOCK_N=16, **gelu) < tail(4, 4, BLOCK_N=64, **gelu)
+
+
 def test_block_plan_on_the_cpu_is_the_reference_block():
     plan = fb.block_plan(CONFIG, torch.float16, torch.device("cpu"))
     assert plan == {"gemms": False, "packed_qkv": False, "gelu_prologue": False, "gelu": False, "layer_norm": False,

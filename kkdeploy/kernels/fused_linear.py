@@ -120,8 +120,9 @@ TILES: dict[str, dict] = {
     # narrower tiles for the launch-bound shapes (session 48, studies only): shape 3's 512 x 128 GEMMs make 16
     # programs of "m64n64" on 132 multiprocessors, each a chain of round trips to L2 and, for the GELU GEMM, of 32
     # exact GELUs a thread. "m64n32" makes 32 programs and "m64n16" 64, still 64 rows (wgmma m64n32k16 and
-    # m64n16k16, the rule every proven kernel here follows): offline (sm_90a) 54 and 40 registers, no spills, and
-    # the GELU GEMM's SASS after its last MMA 646 and 352 instructions a thread against 1,273
+    # m64n16k16, the rule every proven kernel here follows): offline (sm_90a, ``scripts/offline_ptx.py --sass``)
+    # 54 and 40 registers, no spills, and the GELU GEMM's SASS after its last MMA 645 and 351 instructions a thread
+    # against 1,272
     "m64n32": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4, EARLY=True),
     "m64n16": dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=4, EARLY=True),
     # ... and a probe of the rule itself: 32 rows, which Triton lowers to mma.sync m16n8k16, not wgmma (48
@@ -169,9 +170,10 @@ LN_TILES: dict[str, dict] = {
     "regs_e": dict(LN_RELOAD=False, EARLY=True, LN_EARLY=True),
     # fewer rows a program (session 48, studies only): 32 rows make 16 programs at shape 3 and 16 rows 32, at 8 warps
     # each thread with a half or a quarter of the 64-row tile's (row, lane) pairs, spread over more multiprocessors
-    # instead of more warps on each. Offline (Triton 3.6.0, sm_90a), the instructions after the last MMA: 631 and 395
-    # SASS a thread against 1,016 for "regs" (665 for "regs_w16", which keeps wgmma). Under 64 rows the GEMM half is
-    # mma.sync, not wgmma (80 and 62 registers, no spills): the rule the attention's 32-row launches broke by one ulp
+    # instead of more warps on each. Offline (Triton 3.6.0, sm_90a, ``scripts/offline_ptx.py --sass``), the SASS
+    # instructions a thread runs after the last MMA: 626 and 383 against 1,009 for "regs" (623 for "regs_w16", which
+    # keeps wgmma). Under 64 rows the GEMM half is mma.sync, not wgmma (106 and 80 registers with the early loads, no
+    # spills): the rule the attention's 32-row launches broke by one ulp
     # on padded inputs (docs/faithful-attention.md), so these probe it and a proof on the GPU decides
     "regs_m32": dict(LN_RELOAD=False, BLOCK_M=32, num_warps=8, EARLY=True, LN_EARLY=True),
     "regs_m16": dict(LN_RELOAD=False, BLOCK_M=16, num_warps=8, EARLY=True, LN_EARLY=True),

@@ -45,7 +45,7 @@ LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True
                              "pair": {"pair": True, "early": True},
                              # "whole" at 8 warps (session 48, studies only): where launches bound (shape 3: 32
                              # programs), each thread's share of the softmax halves. Offline (Triton 3.6.0, sm_90a):
-                             # 2,200 SASS instructions a thread against 3,288 at 4 warps, 116 registers, no spills,
+                             # 2,079 SASS instructions a thread against 3,174 at 4 warps, 116 registers, no spills,
                              # but ptxas serializes its wgmma and it has 46 barriers against 20
                              "whole_w8": {"whole": True, "early": True, "num_warps": 8},
                              # "whole" with the keys' validity loaded before the walk over D (session 48, studies
