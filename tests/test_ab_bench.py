@@ -110,30 +110,37 @@ def test_a_real_a_b_on_the_cpu_runs_make_weights_and_three_bench_processes(ab, t
     assert (out / "w3.safetensors").is_file() and (out / "edit-3" / "bench.json").is_file()
 
 
-def test_the_study_launches_edit_applies_to_this_tree_and_names_only_known_launches(tmp_path):
-    """scripts/ab_edits/study_launches_join_builds.sh (the A/B docs/fused-linear.md gives for session 48's study
-    launches) still finds the lines it edits, and every launch it adds to a build's tuples is one of the tables'."""
+def _edited_tuples(tmp_path, edit, lines):
+    """Run scripts/ab_edits/EDIT on a copy of the two kernel tables; the build tuples it leaves, by name."""
     import ast
     import re
     import shutil
 
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "kkdeploy" / "kernels").mkdir(parents=True, exist_ok=True)
+    for name in ("fused_linear.py", "qkv_attention.py"):
+        shutil.copy(root / "kkdeploy" / "kernels" / name, tmp_path / "kkdeploy" / "kernels" / name)
+    run = subprocess.run(["bash", str(root / "scripts" / "ab_edits" / edit)], cwd=tmp_path, capture_output=True,
+                         text=True)
+    assert run.returncode == 0 and run.stdout.strip() == str(lines), (run.stdout, run.stderr)
+    text = "".join((tmp_path / "kkdeploy" / "kernels" / name).read_text()
+                   for name in ("fused_linear.py", "qkv_attention.py"))
+    return {m.group(1): ast.literal_eval(m.group(2))
+            for m in re.finditer(r"^(BUILD_TILES|LN_BUILD_TILES|BUILD_LAUNCHES)\b[^=]*= (\(.*\))$", text, re.M)}
+
+
+def test_the_ab_edits_apply_to_this_tree_and_name_only_known_launches(tmp_path):
+    """scripts/ab_edits/ (the A/Bs docs/fused-linear.md gives) still find the lines they edit, and change only the
+    launches they name: the small launches leave the build tuples (the tree before they joined), and the LayerNorm
+    epilogue's study tiles join them. The committed tree is untouched."""
     from kkdeploy.kernels import fused_linear as fl
     from kkdeploy.kernels import qkv_attention as qa
 
-    root = Path(__file__).resolve().parents[1]
-    for name in ("fused_linear.py", "qkv_attention.py"):
-        (tmp_path / "kkdeploy" / "kernels").mkdir(parents=True, exist_ok=True)
-        shutil.copy(root / "kkdeploy" / "kernels" / name, tmp_path / "kkdeploy" / "kernels" / name)
-    run = subprocess.run(["bash", str(root / "scripts" / "ab_edits" / "study_launches_join_builds.sh")],
-                         cwd=tmp_path, capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip() == "3", (run.stdout, run.stderr)
-    text = (tmp_path / "kkdeploy" / "kernels" / "fused_linear.py").read_text()
-    text += (tmp_path / "kkdeploy" / "kernels" / "qkv_attention.py").read_text()
-    tuples = {m.group(1): ast.literal_eval(m.group(2))
-              for m in re.finditer(r"^(BUILD_TILES|LN_BUILD_TILES|BUILD_LAUNCHES)\b[^=]*= (\(.*\))$",
-                                   text, re.M)}
-    assert set(tuples["BUILD_TILES"]) - set(fl.BUILD_TILES) == {"m64n32", "m64n16", "m32n32"} <= set(fl.SMALL_TILES)
-    assert set(tuples["LN_BUILD_TILES"]) - set(fl.LN_BUILD_TILES) == set(fl.LN_TILES) - set(fl.LN_BUILD_TILES)
-    assert set(tuples["BUILD_LAUNCHES"]) - set(qa.BUILD_LAUNCHES) == {"whole_w8", "whole_em"} <= set(qa.LAUNCHES)
-    # the committed tree is untouched
-    assert "m32n32" not in fl.BUILD_TILES and "whole_em" not in qa.BUILD_LAUNCHES
+    before = _edited_tuples(tmp_path / "leave", "small_launches_leave_builds.sh", 2)
+    assert set(fl.BUILD_TILES) - set(before["BUILD_TILES"]) == {"m64n32", "m64n16", "m32n32"} <= set(fl.SMALL_TILES)
+    assert set(qa.BUILD_LAUNCHES) - set(before["BUILD_LAUNCHES"]) == {"whole_w8", "whole_em"}
+    assert set(before["BUILD_TILES"]) < set(fl.BUILD_TILES) and before["LN_BUILD_TILES"] == fl.LN_BUILD_TILES
+    joined = _edited_tuples(tmp_path / "join", "layer_norm_tiles_join_builds.sh", 1)
+    assert set(joined["LN_BUILD_TILES"]) == set(fl.LN_TILES)
+    assert joined["BUILD_TILES"] == fl.BUILD_TILES and joined["BUILD_LAUNCHES"] == qa.BUILD_LAUNCHES
+    assert "regs_m16" not in fl.LN_BUILD_TILES and "whole_em" in qa.BUILD_LAUNCHES

@@ -136,19 +136,25 @@ def test_the_plan_follows_the_proofs_made_here(monkeypatch, proof_sandbox):
 
 
 def test_the_tiles_a_build_proves():
-    # sizes unknown: the 64 x 64 tile is not ruled out; it is where the row is narrower than its 64 columns
-    assert fl.proof_launches(128, k=128) == ["auto", "m64", "n64", "m64n64"]
-    assert fl.proof_launches(384, k=768) == ["auto", "m64", "n64", "n256", "m64n64"]
-    assert fl.proof_launches(32, k=32) == ["auto", "m64"]
-    # shape 3's launches (512 rows: 4 "auto" tiles on 132 multiprocessors) prove it; shape 6's do not
-    assert fl.proof_launches(128, k=128, m=512, sms=132) == ["auto", "m64", "n64", "m64n64"]
+    # sizes unknown: the small tiles are not ruled out; the 64 x 64 one is where the row is narrower than its 64
+    # columns, and the 32-column ones keep shape 7's 32-wide rows
+    small = ["m64n32", "m64n16", "m32n32"]
+    assert fl.proof_launches(128, k=128) == ["auto", "m64", "n64", "m64n64", *small]
+    assert fl.proof_launches(384, k=768) == ["auto", "m64", "n64", "n256", "m64n64", *small]
+    assert fl.proof_launches(32, k=32) == ["auto", "m64", *small]
+    # shape 3's launches (512 rows: 4 "auto" tiles on 132 multiprocessors) prove them; shape 6's do not
+    assert fl.proof_launches(128, k=128, m=512, sms=132) == ["auto", "m64", "n64", "m64n64", *small]
     assert "m64n64" not in fl.proof_launches(128, k=128, m=1_280_000, sms=132)
     assert fl.proof_launches(128, layer_norm=True) == ["auto", "regs", "regs_w4"]
     # studied (every tile, scripts/kernel_selftest.py --all-launches), not in builds: the TMA tiles wait for a build
-    # on the GPU to ship them through the strict validation (the 64 x 64 one has), as do the tiles under 64 rows
-    # (session 48); the rest were never the fastest
+    # on the GPU to ship them through the strict validation (the 64 x 64 one has, and the narrower small tiles since
+    # session 49); the rest were never the fastest
     assert set(fl.TILES) - set(fl.BUILD_TILES) == {"tma", "tma_n256", "tma_persistent", "tma_ws", "tma_ws_k128", "s4",
-                                                   "k128", "w4", "m256", "n256s4", "m64n32", "m64n16", "m32n32"}
+                                                   "k128", "w4", "m256", "n256s4"}
+    assert {"m64n32", "m64n16", "m32n32"} <= set(fl.SMALL_TILES) & set(fl.BUILD_TILES)
+    # a launch-bound GEMM (shape 3's out_proj) proves them beside "m64n64"; shape 6's streams past them
+    assert fl.proof_launches(128, k=128, m=512, sms=132)[-4:] == ["m64n64", "m64n32", "m64n16", "m32n32"]
+    assert not {"m64n32", "m64n16", "m32n32"} & set(fl.proof_launches(128, k=128, m=1_280_000, sms=132))
     # the columns-first tiles only where a launch has several column tiles over rows that outgrow L2 (shape 6's Q|K|V)
     assert fl.proof_launches(384, k=128, m=1_280_000, sms=132)[-2:] == ["cols", "m64s2cols"]
     assert not {"cols", "m64s2cols"} & set(fl.proof_launches(384, k=128, m=512, sms=132))
@@ -213,9 +219,9 @@ def test_tiles_are_proven_only_where_they_can_pay(monkeypatch):
                                                                     "m64s2cols"]
     # shape 8's Q|K|V: K = 1024, 8192 rows (64 x 3 "auto" tiles >= 132): the TMA tiles, not the 64 x 64 one
     assert fl.proof_launches(3072, k=1024, m=8192, sms=132) == ["auto", "m64", "n64", "n256", "tma", "tma_n256"]
-    # one sequence of 1024 at D = 1024 (8 x 8 "auto" tiles < 132): all three
-    assert fl.proof_launches(1024, k=1024, m=1024, sms=132) == ["auto", "m64", "n64", "n256", "m64n64", "tma",
-                                                                  "tma_n256"]
+    # one sequence of 1024 at D = 1024 (8 x 8 "auto" tiles < 132): all the small tiles and the TMA ones
+    assert fl.proof_launches(1024, k=1024, m=1024, sms=132) == ["auto", "m64", "n64", "n256", "m64n64", "m64n32",
+                                                                  "m64n16", "m32n32", "tma", "tma_n256"]
     assert fl.tile_pays("m64n64", None, 1024, 1024, None)  # sizes unknown: not ruled out
     assert not fl.tile_pays("tma", 1024, 1024, 128, 132) and fl.tile_pays("tma", 3200, 384, 384, 132)
     assert fl.tile_pays("tma", 1024, 1024, None, 132)
@@ -398,11 +404,12 @@ def test_the_launch_bound_study_tiles_compute_what_the_proven_tiles_compute(monk
     early), ``regs_m32`` and ``regs_m16``. Under the interpreter each is bit for bit the proven tile it would
     replace, masks and tails included. Compiled for sm_90a (Triton 3.6.0, as on the GPU) the 64-row ones issue
     wgmma, as every proven tile does, and the ones under 64 rows mma.sync: another instruction, the one the
-    attention's 32-row launches broke by an ulp (campaign 11). None is built until a GPU proof and build have run it."""
+    attention's 32-row launches broke by an ulp (campaign 11). The GEMM tiles are in builds since GPU builds shipped
+    them (session 49); the LayerNorm tiles wait for a plan that runs them."""
     results = run_interpreter_script(SMALL_ROWS_SCRIPT)
     assert len(results) == 4 * 3 + 2 * 8 and all(r["differing"] == 0 for r in results), results
-    assert not {"m64n32", "m64n16", "m32n32"} & set(fl.BUILD_TILES)
-    assert not {"regs_w16", "regs_e", "regs_m32", "regs_m16"} & set(fl.LN_BUILD_TILES)
+    assert {"m64n32", "m64n16", "m32n32"} <= set(fl.BUILD_TILES)  # shipped by GPU builds (session 49)
+    assert not {"regs_w16", "regs_e", "regs_m32", "regs_m16"} & set(fl.LN_BUILD_TILES)  # no plan ran them yet
     # once in a build, the LayerNorm tiles under 64 rows are proven only where 64-row programs leave
     # multiprocessors idle: shape 3's 8 and shape 12's 32 of 132, not shape 13's 1,024 or shape 6's 20,000
     assert fl.ln_tile_pays("regs_m16", 512, 132) and fl.ln_tile_pays("regs_m32", 2048, 132)

@@ -235,7 +235,8 @@ def test_a_gemm_candidate_proves_it_beside_its_gemms_and_records_it(monkeypatch)
     from kkdeploy.kernels import model_proofs as mp
 
     gemms = ["attention", "layer_norm", "linear"]
-    assert qa.BUILD_LAUNCHES == ("whole", "pair")  # the forms GPU builds shipped through strict validation
+    # the forms GPU builds shipped through strict validation
+    assert qa.BUILD_LAUNCHES == ("whole", "pair", "whole_w8", "whole_em")
     monkeypatch.setattr(qa, "BUILD_LAUNCHES", ())  # with none in builds, only a study naming one proves it
     assert "qkv_attention" not in [n for _, n, _ in mp.kernel_op_shapes(official_config(3), gemms)]
     assert "qkv_attention" in [n for _, n, _ in mp.kernel_op_shapes(official_config(3), gemms,

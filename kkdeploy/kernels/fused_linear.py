@@ -117,17 +117,19 @@ TILES: dict[str, dict] = {
     # in 0.631 ms against "auto"'s 0.785 and "m64s2"'s 0.814 (docs/fused-linear.md)
     "cols": dict(COLUMNS_FIRST=True),
     "m64s2cols": dict(BLOCK_M=64, num_warps=4, num_stages=2, COLUMNS_FIRST=True),
-    # narrower tiles for the launch-bound shapes (session 48, studies only): shape 3's 512 x 128 GEMMs make 16
-    # programs of "m64n64" on 132 multiprocessors, each a chain of round trips to L2 and, for the GELU GEMM, of 32
-    # exact GELUs a thread. "m64n32" makes 32 programs and "m64n16" 64, still 64 rows (wgmma m64n32k16 and
-    # m64n16k16, the rule every proven kernel here follows): offline (sm_90a, ``scripts/offline_ptx.py --sass``)
-    # 54 and 40 registers, no spills, and the GELU GEMM's SASS after its last MMA 645 and 351 instructions a thread
-    # against 1,272
+    # narrower tiles for the launch-bound shapes (session 48; in builds since session 49): shape 3's 512 x 128 GEMMs
+    # make 16 programs of "m64n64" on 132 multiprocessors, each a chain of round trips to L2 and, for the GELU GEMM,
+    # of 32 exact GELUs a thread. "m64n32" makes 32 programs and "m64n16" 64, still 64 rows (wgmma m64n32k16 and
+    # m64n16k16): offline (sm_90a, ``scripts/offline_ptx.py --sass``) 54 and 40 registers, no spills, and the GELU
+    # GEMM's SASS after its last MMA 645 and 351 instructions a thread against 1,272. On an H100 (session 49)
+    # bit-identical on every op shape of shapes 1-5, 7, 9 and 12, and shape 3's GELU GEMM 2.2 µs against 3.1
+    # (docs/fused-linear.md)
     "m64n32": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4, EARLY=True),
     "m64n16": dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=4, EARLY=True),
     # ... and a probe of the rule itself: 32 rows, which Triton lowers to mma.sync m16n8k16, not wgmma (48
     # registers). The attention's 32- and 16-row launches, on mma.sync, differed from cuBLAS by one ulp on padded
-    # inputs (docs/faithful-attention.md, "Cached chunks"); whether a GEMM's does is for the GPU's proof to say
+    # inputs (docs/faithful-attention.md, "Cached chunks"); this GEMM's did not on an H100 (session 49: every op
+    # shape proven, 0 differing), and shape 7's GELU GEMM took it
     "m32n32": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, EARLY=True),
 }
 #: tiles that never returned on a GPU: a study of every launch (``--all-launches``) leaves them out, so that one hung
@@ -143,7 +145,10 @@ HANGS: dict[str, str] = {name: "never returned on an H100 (sm_90, Triton 3.6.0):
 #: timings), and ``tile_pays`` keeps it to launches whose "auto" grid leaves multiprocessors idle. The columns-first
 #: tiles have too (session 43, an H100: a new user's build of shape 6 shipped "cols" for Q|K|V, strict PASS, 0 of
 #: 163,840,000 elements failed), and ``tile_pays`` keeps them to launches of several column tiles whose X outgrows L2.
-BUILD_TILES = ("auto", "m64", "n64", "n256", "m64s2", "m64n64", "cols", "m64s2cols")
+#: The narrower tiles have too (session 49, an H100: new users' builds of shapes 3 and 2 shipped "m64n16" and
+#: "m64n32", strict PASS on padded runs, 0 failed; the bench of shape 7 shipped "m32n32", 0 failed on every trial),
+#: and ``tile_pays`` keeps them, as "m64n64", to launches whose "auto" grid leaves multiprocessors idle.
+BUILD_TILES = ("auto", "m64", "n64", "n256", "m64s2", "m64n64", "cols", "m64s2cols", "m64n32", "m64n16", "m32n32")
 
 
 #: The LayerNorm epilogue's tiles: one tile holds 64 whole rows. "auto" stores the sum and reads it back in the
@@ -181,7 +186,11 @@ LN_TILES: dict[str, dict] = {
 #: the LayerNorm epilogue's tiles a build proves: "auto", "regs" and "regs_w4", since builds on the GPU shipped "regs"
 #: through their strict validation (session 37, an H200: shapes 3 and 12, 0 failed; docs/fused-linear.md has the
 #: timings), the rule the GEMM tiles follow. "regs_w16", "regs_e", "regs_m32" and "regs_m16" join once a GPU build
-#: has shipped them.
+#: has shipped them. Each was bit-identical on an H100 wherever its proof ran (session 49: the epilogue op shapes of
+#: shapes 1-5, 9 and 12, the 32- and 16-row tiles up to 8,192 rows). "regs_m16" was the fastest up to 2,048 rows
+#: (shape 3: 4.5 µs against "regs"' 5.8) and "regs_e" above. But with the narrower GEMM tiles, the residual GEMM and
+#: the rows LayerNorm took less than either (shape 3: 2.0 + 1.7 µs), so no plan ran the epilogue and no build has
+#: shipped them.
 LN_BUILD_TILES = ("auto", "regs", "regs_w4")
 
 

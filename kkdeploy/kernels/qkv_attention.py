@@ -43,15 +43,19 @@ SOURCES = (Path(__file__).resolve().with_name("_qkv_attention_triton.py"),
 #: builds and benches, shape 3 faster)
 LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True},
                              "pair": {"pair": True, "early": True},
-                             # "whole" at 8 warps (session 48, studies only): where launches bound (shape 3: 32
-                             # programs), each thread's share of the softmax halves. Offline (Triton 3.6.0, sm_90a):
-                             # 2,079 SASS instructions a thread against 3,174 at 4 warps, 116 registers, no spills,
-                             # but ptxas serializes its wgmma and it has 46 barriers against 20
+                             # "whole" at 8 warps (session 48; in builds since session 49): where launches bound
+                             # (shape 3: 32 programs), each thread's share of the softmax halves. Offline (Triton
+                             # 3.6.0, sm_90a): 2,079 SASS instructions a thread against 3,174 at 4 warps, 116
+                             # registers, no spills, but ptxas serializes its wgmma and it has 46 barriers against
+                             # 20. On an H100 (session 49) slower than "whole" on the launch-bound shapes, but the
+                             # fastest form on shape 9's one head of 128 (12.4 µs against 28.9), where the plan
+                             # took it over the two launches
                              "whole_w8": {"whole": True, "early": True, "num_warps": 8},
-                             # "whole" with the keys' validity loaded before the walk over D (session 48, studies
-                             # only): compiled for sm_90a, "whole" loads each 32-key chunk's validity after the
-                             # projections, one round trip to L2 before the scores can be masked, twice a row block
-                             # at S = 128 (a bench's timed input always has a mask)
+                             # "whole" with the keys' validity loaded before the walk over D (session 48; in
+                             # builds since session 49): compiled for sm_90a, "whole" loads each 32-key chunk's
+                             # validity after the projections, one round trip to L2 before the scores can be
+                             # masked, twice a row block at S = 128 (a bench's timed input always has a mask). On
+                             # an H100 (session 49) shape 3's form at 7.1 µs against "whole"'s 7.2-7.5
                              "whole_em": {"whole": True, "early": True, "early_mask": True}}
 #: the forms a build proves, each shipped by a GPU build through strict validation first (H100s):
 #: - "whole" (session 43): a new user's build of shape 3 proved it at 8.3 µs against the packed Q|K|V GEMM's 3.8 and
@@ -61,9 +65,12 @@ LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True
 #:   launches it replaces: 0.624 + 1.185), took it, and shipped at 11.95 ms; its padded run failed 0 of 163,840,000
 #:   elements. Shape 6 13.70 -> 12.03 ms, shape 5 0.2245 -> 0.1932 ms (`-gemms-pdl`; one bench process each, back
 #:   to back on one machine). Where launches bound (shape 3) "whole" is the faster, and the proof picks per shape.
+#: - "whole_w8" and "whole_em" (session 49): new users' builds of shapes 3 (own weights) and 2 (seeded) proved
+#:   "whole_em" at 7.1 and 6.1 µs against "whole"'s 7.5 and 6.3, took it, and served padded runs with 0 failed
+#:   elements; the bench of shape 9 shipped "whole_w8", 0 failed on every trial (docs/faithful-attention.md).
 #: "split" was slower than "whole" wherever both ran, so a build does not spend a compile on it; studies still
 #: name it
-BUILD_LAUNCHES: tuple[str, ...] = ("whole", "pair")
+BUILD_LAUNCHES: tuple[str, ...] = ("whole", "pair", "whole_w8", "whole_em")
 LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, BUILD_LAUNCHES)
 #: the rows it takes: ATen's WARP is 32 lanes from S = 17 on, and four chunks of 32 keys hold S = 128
 MIN_SEQ_LEN, MAX_SEQ_LEN = 17, 128
