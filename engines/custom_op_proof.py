@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from kkdeploy.inputs import padded_case
-from kkdeploy.kernels.model_proofs import RANDOM_SCALES, capture_layers, random_like
-from kkdeploy.kernels.proof import (ProofCase, ProofRecord, environment_key, lookup_proof, prove_launches,
-                                    remember_proof)
+from kkdeploy.kernels.model_proofs import capture_layers
+from kkdeploy.kernels.proof import (RANDOM_INPUTS, RANDOM_INPUTS_DIGEST, ProofCase, ProofRecord, environment_key,
+                                    lookup_proof, prove_launches, random_like, remember_proof)
 
 LAUNCH = "ort-cuda"  # the one way each op runs: its node in an ORT CUDA session with the library
 OPS = ("Linear", "LayerNorm", "Gelu")
@@ -81,7 +81,7 @@ def model_cases(model, config, dtype, device, seed: int, padding_ratio: float, p
                 ops=OPS) -> list[OpCase]:
     """The custom ops' cases: the inputs each op gets in the first and last layer (and the final LayerNorm) on the
     build's all-valid and padded inputs (``capture_layers``, as the kernel proofs take them), then random inputs at
-    each op shape (``RANDOM_SCALES``). Every reference is the ATen op on the case's own inputs. ``packed_qkv``: the
+    each op shape (``RANDOM_INPUTS``). Every reference is the ATen op on the case's own inputs. ``packed_qkv``: the
     graph runs Q/K/V as one Linear on [Wq; Wk; Wv]."""
     last = config.num_layers - 1
     cases: list[OpCase] = []
@@ -100,9 +100,9 @@ def model_cases(model, config, dtype, device, seed: int, padding_ratio: float, p
         if key in seen:
             continue
         seen.add(key)
-        for scale in RANDOM_SCALES:
-            x = random_like(case.inputs[0], scale, generator)
-            randoms.append(OpCase(case.op, f"random x{scale:g} {'x'.join(map(str, x.shape))}", [x, *case.inputs[1:]],
+        for spec in RANDOM_INPUTS:
+            x = random_like(case.inputs[0], spec, generator)
+            randoms.append(OpCase(case.op, f"random {spec.label} {'x'.join(map(str, x.shape))}", [x, *case.inputs[1:]],
                                   reference_output(case.op, [x, *case.inputs[1:]], case.attrs), case.attrs))
     return cases + randoms
 
@@ -154,7 +154,8 @@ def library_environment(device, library: Path) -> dict:
     import onnxruntime as ort
 
     digest = hashlib.sha256(Path(library).read_bytes()).hexdigest()[:16]
-    return environment_key(device, {"kernel": "kkdeploy-custom-ops", "library": digest, "onnxruntime": ort.__version__})
+    return environment_key(device, {"kernel": "kkdeploy-custom-ops", "library": digest, "onnxruntime": ort.__version__,
+                                    "cases": RANDOM_INPUTS_DIGEST})
 
 
 def prove_custom_ops(cases: list[OpCase], run_node: Callable[[OpCase], torch.Tensor], device, environment: dict,

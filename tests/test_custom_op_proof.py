@@ -38,7 +38,7 @@ def test_cases_are_the_models_own_activations_at_each_op_shape(model):
         ("Linear", 16, None), ("Linear", 32, None), ("LayerNorm", None, 16), ("Gelu", None, 32)}
     assert all(c.inputs[0].shape[0] == tokens for c in cases)
     randoms = [c for c in cases if c.label.startswith("random")]
-    assert len(randoms) == len(cop.RANDOM_SCALES) * len(shapes)  # random inputs at each op shape, at each scale
+    assert len(randoms) == len(cop.RANDOM_INPUTS) * len(shapes)  # each kind of random input at each op shape
     for case in cases:  # every reference is the ATen op on the case's own inputs, bit for bit
         again = cop.reference_output(case.op, case.inputs, case.attrs)
         assert torch.equal(again, case.reference), case.label

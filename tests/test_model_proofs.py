@@ -107,9 +107,10 @@ def test_each_op_gets_its_fastest_bit_identical_launch_and_a_failing_one_is_reje
     status = {r.launch: r for r in attention.launches}
     assert status["cached64w4_mdiv"].status == "differs" and status["cached64w4_mdiv"].cases == 3  # then dropped
     assert attention.chosen in ("cached64w4", "bm64") and status[attention.chosen].differing == 0
-    # two inputs (all-valid, padded) x two layers (first, last) + two random inputs
+    # two inputs (all-valid, padded) x two layers (first, last) + four random inputs
     assert attention.cases == ["all-valid, layer 0", "all-valid, layer 1", "padded 0.25, layer 0",
-                               "padded 0.25, layer 1", "random x1, padded", "random x8, padded"]
+                               "padded 0.25, layer 1", "random x1, padded", "random x8, padded",
+                               "random x1, a quarter zeros, padded", "random x1, magnitudes 2^-12..2^3, padded"]
     assert attention.reference_ms is not None and attention.environment == fa.proof_environment(CPU)
     (norm,) = by_op[ln.OP]
     assert norm.shape == ln.proof_shape(16, 16) and norm.chosen == "rows1"
@@ -309,3 +310,26 @@ def test_the_first_our_kernel_candidate_proves_for_all_of_them_in_one_step(monke
     assert [r.op for r in gemms.records] == [fa.OP, ln.OP] + [fl.OP] * 7 and gemms.reused == 9
     alone = prove_candidate_kernels(KERNEL_ATTENTION, model, CONFIG, torch.float16, CPU)  # bench: its kinds only
     assert [r.op for r in alone.records] == [fa.OP]
+
+
+def test_the_random_inputs_hold_zeros_and_spread_magnitudes_and_key_the_proofs():
+    """The proofs' random inputs (``proof.RANDOM_INPUTS``): besides N(0, 1) at two scales, one with a quarter exact
+    zeros (signed) and one whose magnitudes spread over 2^-12..2^3, the inputs where two MMA instructions can round a
+    k-step's sum apart. Drawn from the generator alone, so a seed gives the same inputs; their recipe is in every
+    proof's environment key, so a record proven on other random inputs is not found."""
+    from kkdeploy.kernels import proof
+
+    t = torch.zeros(64, 128, dtype=torch.float16)
+    draw = {spec.label: proof.random_like(t, spec, torch.Generator().manual_seed(5)) for spec in proof.RANDOM_INPUTS}
+    assert list(draw) == ["x1", "x8", "x1, a quarter zeros", "x1, magnitudes 2^-12..2^3"]
+    assert all(d.dtype == torch.float16 and d.shape == t.shape and torch.isfinite(d).all() for d in draw.values())
+    zeros = draw["x1, a quarter zeros"] == 0
+    assert 0.2 < zeros.float().mean() < 0.3 and (zeros & draw["x1, a quarter zeros"].signbit()).any()
+    assert (zeros & ~draw["x1, a quarter zeros"].signbit()).any() and (draw["x1"] == 0).sum() == 0
+    spread = draw["x1, magnitudes 2^-12..2^3"].float().abs()
+    assert spread.max() / spread[spread > 0].median() > 8 and (spread < 2 ** -10).any()
+    assert 4 < draw["x8"].float().std() < 12
+    again = proof.random_like(t, proof.RANDOM_INPUTS[2], torch.Generator().manual_seed(5))
+    assert torch.equal(again.view(torch.int16), draw["x1, a quarter zeros"].view(torch.int16))
+    assert fa.proof_environment(CPU)["cases"] == proof.RANDOM_INPUTS_DIGEST
+    assert proof.launch_table_digest([{"label": "x1"}]) != proof.RANDOM_INPUTS_DIGEST

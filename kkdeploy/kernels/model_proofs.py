@@ -30,14 +30,12 @@ from kkdeploy.inputs import DEFAULT_SEED, padded_case
 from . import fused_linear, layer_norm, qkv_attention
 from . import faithful_attention as attention_kernel
 from .precompile import DEFAULT_WORKERS, parallel_compiles
-from .proof import ProofCache, ProofRecord, launch_watch, lookup_proof
+from .proof import RANDOM_INPUTS, ProofCache, ProofRecord, RandomInput, launch_watch, lookup_proof, random_like
 
 #: the kinds of kernel op a candidate can run, in the order they are proven
 KINDS = ("attention", "layer_norm", "linear")
 #: the padded input's ratio (the build's default padded trial)
 PADDING_RATIO = 0.25
-#: random inputs on top of the model's own: scales of N(0, 1) values (a wide one exercises large magnitudes)
-RANDOM_SCALES = (1.0, 8.0)
 #: per op shape, the seconds a proof may spend on cases after the first (the first pays the compiles)
 BUDGET_S = 20.0
 
@@ -119,10 +117,6 @@ def capture_layers(model, x: torch.Tensor, mask: torch.Tensor, keep: Iterable[in
     return kept
 
 
-def random_like(t: torch.Tensor, scale: float, generator: torch.Generator) -> torch.Tensor:
-    return (torch.randn(t.shape, generator=generator, device=t.device, dtype=torch.float32) * scale).to(t.dtype)
-
-
 class _Cases:
     """The model's inputs and their captured layers; the cases of each op shape built on demand."""
 
@@ -145,11 +139,12 @@ class _Cases:
             for i in self.layer_ids:
                 yield f"{label}, layer {i}", mask, layers[i], self.model.layers[i]
 
-    def random(self, make: Callable[[float], object]):
-        return [make(scale) for scale in RANDOM_SCALES]
+    def random(self, make: Callable[[RandomInput], object]):
+        """One case per kind of random input (``proof.RANDOM_INPUTS``), in their order."""
+        return [make(spec) for spec in RANDOM_INPUTS]
 
-    def rand(self, t: torch.Tensor, scale: float) -> torch.Tensor:
-        return random_like(t, scale, self.generator)
+    def rand(self, t: torch.Tensor, spec: RandomInput) -> torch.Tensor:
+        return random_like(t, spec, self.generator)
 
     # -- per op -------------------------------------------------------------------------------------------
     def attention(self):
@@ -158,7 +153,7 @@ class _Cases:
                  for label, mask, layer, _ in self.real()]
         base = self.random_base
         cases += self.random(lambda s: attention_kernel.attention_case(
-            f"random x{s:g}, padded", self.rand(base.q, s), self.rand(base.k, s), self.rand(base.v, s),
+            f"random {s.label}, padded", self.rand(base.q, s), self.rand(base.k, s), self.rand(base.v, s),
             self.random_mask, heads, causal))
         return cases
 
@@ -174,7 +169,7 @@ class _Cases:
 
         cases = [case(label, layer.h, block, mask) for label, mask, layer, block in self.real()]
         block = self.model.layers[self.layer_ids[0]]
-        cases += self.random(lambda s: case(f"random x{s:g}, padded", self.rand(self.random_base.h, s), block,
+        cases += self.random(lambda s: case(f"random {s.label}, padded", self.rand(self.random_base.h, s), block,
                                             self.random_mask))
         return cases
 
@@ -192,8 +187,8 @@ class _Cases:
                                                     valid=mask if layer_norm.MASKED_FINAL else None))
         base = self.random_base
         cases += self.random(lambda s: layer_norm.layer_norm_case(
-            f"random x{s:g}", self.rand(base.x, s), self.rand(final.weight, 1.0), self.rand(final.bias, 1.0),
-            final.eps))
+            f"random {s.label}", self.rand(base.x, s), self.rand(final.weight, RANDOM_INPUTS[0]),
+            self.rand(final.bias, RANDOM_INPUTS[0]), final.eps))
         return cases
 
     def linear(self, name: str):
@@ -201,7 +196,7 @@ class _Cases:
         for label, mask, layer, block in self.real():
             cases.append(self._linear_case(name, label, mask, layer, block, lambda t: t))
         block = self.model.layers[self.layer_ids[0]]
-        cases += self.random(lambda s: self._linear_case(name, f"random x{s:g}, padded", self.random_mask,
+        cases += self.random(lambda s: self._linear_case(name, f"random {s.label}, padded", self.random_mask,
                                                          self.random_base, block, lambda t: self.rand(t, s)))
         return cases
 

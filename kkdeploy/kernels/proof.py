@@ -39,6 +39,40 @@ from .timing import event_median_ms
 PROOF_SCHEMA = "kkdeploy-proof/1"
 
 
+@dataclass(frozen=True)
+class RandomInput:
+    """One kind of random input a proof adds to the model's own activations (``random_like`` draws it): N(0, 1)
+    values times ``scale``; each element times 2**e with e uniform in ``exponents`` (inclusive) where given; and a
+    fraction ``zeros`` of the elements exact zeros, half of them -0."""
+    label: str
+    scale: float = 1.0
+    zeros: float = 0.0
+    exponents: Optional[tuple[int, int]] = None
+
+
+#: the random inputs of every proof, after the model's own. A wide scale exercises large magnitudes. Zeros among an
+#: MMA's products and products of very different sizes in one k-step are where two MMA instructions may align and
+#: round their sums apart: the attention's 32-row launches on ``mma.sync`` differed from cuBLAS by one ulp only on
+#: padded inputs, whose masked keys are zeros in P.V's k (docs/faithful-attention.md), and the model's own inputs
+#: rarely hold either (a GELU's output underflows to zero only below about -5.7).
+RANDOM_INPUTS = (RandomInput("x1"), RandomInput("x8", 8.0), RandomInput("x1, a quarter zeros", zeros=0.25),
+                 RandomInput("x1, magnitudes 2^-12..2^3", exponents=(-12, 3)))
+
+
+def random_like(t: torch.Tensor, spec: RandomInput, generator: torch.Generator) -> torch.Tensor:
+    """A random tensor of ``t``'s shape, dtype and device, drawn as ``spec`` says from ``generator``."""
+    v = torch.randn(t.shape, generator=generator, device=t.device, dtype=torch.float32) * spec.scale
+    if spec.exponents is not None:
+        lo, hi = spec.exponents
+        e = torch.randint(lo, hi + 1, t.shape, generator=generator, device=t.device)
+        v = v * torch.exp2(e.to(torch.float32))
+    if spec.zeros:
+        u = torch.rand(t.shape, generator=generator, device=t.device)
+        zero = torch.where(u < spec.zeros / 2, torch.full_like(v, -0.0), torch.zeros_like(v))
+        v = torch.where(u < spec.zeros, zero, v)
+    return v.to(t.dtype)
+
+
 def differing_elements(ours: torch.Tensor, ref: torch.Tensor) -> int:
     """Elements whose bits differ (any dtype: compared as raw bytes per element; signed zeros and NaN payloads
     count). A shape or dtype mismatch counts every element."""
@@ -534,7 +568,7 @@ def source_digest(*paths: Path) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _kernel_environment(device, op: str, sources: tuple, compiler: str, launches: str) -> dict:
-    extra = {"kernel": op, "source": source_digest(*sources)}
+    extra = {"kernel": op, "source": source_digest(*sources), "cases": RANDOM_INPUTS_DIGEST}
     if launches:
         extra["launches"] = launches
     if compiler == "nvcc":
@@ -563,3 +597,8 @@ def launch_table_digest(*tables) -> str:
     "proven" means these settings, and a cached record made before a tile changed or joined the build's set would
     otherwise vouch for another kernel, or leave the new tile unproven."""
     return hashlib.sha256(json.dumps(tables, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+#: the random inputs' recipe in every proof's environment key: a record proven on other (fewer) random inputs is
+#: not found, so a build or a load proves again on these
+RANDOM_INPUTS_DIGEST = launch_table_digest([asdict(spec) for spec in RANDOM_INPUTS])
