@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kkdeploy.pipeline.bench import EAGER, eager_floor_ms, geometric_mean, plot_speedups  # noqa: E402
+from kkdeploy.pipeline.op_roofline import furthest_in_plan  # noqa: E402
 from kkdeploy.pipeline.roofline import format_fraction  # noqa: E402
 
 FURTHEST = 3  # shapes listed as furthest from their limit
@@ -89,10 +90,11 @@ def summarize(shapes: list[dict]) -> dict:
 
 
 def furthest_op(shape: dict, name: str) -> dict | None:
-    """The kernel op shape of backend ``name`` furthest from its own limit (bench.json's ``roofline.ops``, the
-    furthest first), or None where none was timed against limits: why that shape sits where it does."""
+    """The kernel op shape of backend ``name`` furthest from its own limit among those its graph computes
+    (bench.json's ``roofline.ops``; an op whose ``in_plan`` is False is timed by a proof but not run), or None where
+    none was timed against limits: why that shape sits where it does."""
     ops = ((shape["backends"].get(name) or {}).get("roofline") or {}).get("ops") or []
-    return next((op for op in ops if op.get("fraction") is not None), None)
+    return furthest_in_plan(sorted(ops, key=lambda r: (r.get("fraction") is None, r.get("fraction") or 0.0)))
 
 
 def markdown(summary: dict, runs: list[dict]) -> str:

@@ -104,7 +104,8 @@ def test_bench_json_and_md_carry_each_op_once_the_furthest_first():
                          "environment": {"device": "cuda", "gpu": "test GPU", "versions": {"torch": "x"}}})
     assert "## Kernel ops against the machine" in md
     assert md.count("| shape-03 | layer_norm_rows |") == 1  # two candidates, one proof: one row
-    assert "| shape-03 | layer_norm_rows | rows=512 width=128 | rows2_full | 0.0017 | 0.0029 |" in md
+    # the entries carry no *_path records: whether a graph computes each op is not known ("-")
+    assert "| shape-03 | layer_norm_rows | rows=512 width=128 | - | rows2_full | 0.0017 | 0.0029 |" in md
     assert op_roofline_lines([dict(shape, backends={"eager": shape["backends"]["eager"]})]) == []
 
 
@@ -123,3 +124,61 @@ def test_the_bench_command_prints_each_shapes_furthest_kernel_op(capsys):
     assert ("kernel op furthest from its limit, shape-03: qkv_attention batch=4 seq_len=128 d_model=128 heads=4 "
             "causal=True (whole) 0.0075 ms, 0.1 of its launch limit") in out
     assert "furthest from its limit, shape-02" not in out
+
+
+def _plan(**over):
+    plan = {"gemms": True, "linears": {"qkv": True, "out_proj": True, "ffn_in": True, "ffn_out": True},
+            "packed_qkv": True, "gelu_prologue": False, "gelu": True, "layer_norm": False, "ffn_chain": False,
+            "ffn_qkv": False, "qkv_attention": True}
+    return dict(plan, **over)
+
+
+def test_the_plan_says_which_proven_gemm_forms_a_graph_computes():
+    """``fused_blocks.planned_linear_forms``: of the GEMM forms the proofs time (every one a plan might take), those
+    a block plan launches. Shape 3 under session 49's plan: out_proj and ffn_out with their residuals and the GELU
+    GEMM; Q|K|V inside the attention's launch, so not the packed GEMM, and no LayerNorm epilogue."""
+    from kkdeploy.kernels.fused_blocks import planned_linear_forms
+    from kkdeploy.kernels.fused_linear import FFN_FORM, FFN_QKV_FORM
+
+    config = official_config(3)  # D = F = 128
+    assert planned_linear_forms(config, _plan()) == {(128, 128, "add_masked"), (128, 128, "gelu"),
+                                                      (128, 128, "masked_sum")}
+    assert (384, 128, "none") in planned_linear_forms(config, _plan(qkv_attention=False))
+    assert planned_linear_forms(config, _plan(layer_norm=True, gelu=False)) == {
+        (128, 128, "add_masked+layer_norm"), (128, 128, "none"), (128, 128, "masked_sum+layer_norm"),
+        (384, 128, "none")} - {(384, 128, "none")}
+    assert (128, 128, "gelu_prologue+masked_sum+layer_norm") in planned_linear_forms(
+        config, _plan(layer_norm=True, gelu_prologue=True, gelu=False))
+    chain = planned_linear_forms(config, _plan(layer_norm=True, ffn_chain=True, ffn_qkv=True, qkv_attention=False))
+    assert {(128, 128, FFN_FORM), (128, 128, FFN_QKV_FORM), (384, 128, "none")} <= chain
+    assert not {(128, 128, "gelu"), (128, 128, "masked_sum+layer_norm")} & chain
+    assert (128, 128, "none") in planned_linear_forms(config, _plan(packed_qkv=False, qkv_attention=False))
+    assert planned_linear_forms(config, _plan(gemms=False)) == set() == planned_linear_forms(config, None)
+
+
+def test_the_furthest_op_is_one_the_graph_computes():
+    """Shape 7's session-49 bench named the attention launch (cached64w4_mdiv, 0.079) as its furthest op, but its
+    plan ran the Q|K|V attention instead: the proof timed an op the graph never launched. ``in_plan`` marks each op
+    row from the candidate's *_path records, the rows a graph computes come first, and the furthest named is one of
+    them; the bench's table says which."""
+    from kkdeploy.pipeline.op_roofline import furthest_in_plan, in_plan, op_rooflines
+
+    config = official_config(3)
+    proofs = [record("faithful_attention", {"batch_heads": 16, "seq_len": 128, "head_dim": 32, "causal": True},
+                     "cached64w4_mdiv", 0.0097, 0.0391),
+              record("qkv_attention", {"batch": 4, "seq_len": 128, "d_model": 128, "heads": 4, "causal": True},
+                     "whole_em", 0.0071, 0.0490),
+              record("fused_linear", {"m": 512, "n": 128, "k": 128, "form": "masked_sum+layer_norm"}, "regs_m16",
+                     0.0047, 0.0070),
+              record("fused_linear", {"m": 512, "n": 128, "k": 128, "form": "masked_sum"}, "m64n16", 0.0020, 0.0041),
+              record("layer_norm_rows", {"rows": 512, "width": 128}, "rows2_full", 0.0017, 0.0029)]
+    entry = {"attention_path": {}, "layer_norm_path": {}, "linear_path": {"plan": _plan()}}
+    rows = op_rooflines(proofs, LIMITS, in_plan(entry, config))
+    computed = {r["op"] + " " + r["runs"]: r["in_plan"] for r in rows}
+    assert computed == {"faithful_attention cached64w4_mdiv": False, "qkv_attention whole_em": True,
+                        "fused_linear regs_m16": False, "fused_linear m64n16": True, "layer_norm_rows rows2_full": True}
+    assert [r["in_plan"] for r in rows] == [True, True, True, False, False]  # those computed first
+    assert furthest_in_plan(rows)["runs"] == "whole_em"
+    assert min(rows, key=lambda r: r["fraction"])["runs"] == "cached64w4_mdiv"  # what was named before
+    unknown = op_rooflines(proofs, LIMITS, in_plan({"status": "passed"}, config))
+    assert {r["in_plan"] for r in unknown} == {None} and furthest_in_plan(unknown)["runs"] == "cached64w4_mdiv"

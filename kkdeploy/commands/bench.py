@@ -78,6 +78,7 @@ def run(args) -> int:
 
 def print_summary(data: dict) -> None:
     from ..pipeline.bench import EAGER, _limits_text, geometric_mean, shape_op_rooflines
+    from ..pipeline.op_roofline import furthest_in_plan
     from ..pipeline.roofline import format_fraction
 
     rows = []
@@ -105,7 +106,7 @@ def print_summary(data: dict) -> None:
             work = roofline["work"]
             console.print(f"roofline {shape['label']}: {work['flops']['total'] / 1e9:.4g} GFLOP, "
                           f"{work['bytes']['total'] / 1e6:.4g} MB per call; {_limits_text(roofline['limits'])}")
-        furthest = next((r for r in shape_op_rooflines(shape) if r.get("fraction") is not None), None)
+        furthest = furthest_in_plan(shape_op_rooflines(shape))
         if furthest:  # why the shape sits where it does (bench.md: Kernel ops against the machine)
             console.print(f"kernel op furthest from its limit, {shape['label']}: {furthest['op']} {furthest['shape']} "
                           f"({furthest['runs']}) {furthest['ms']:.4g} ms, {furthest['fraction']:.2g} of its "

@@ -139,6 +139,31 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
             "qkv_attention": qkv_attention_in_plan(config, dtype, device, packed_qkv, ffn_qkv)}
 
 
+def planned_linear_forms(config, plan: Optional[dict]) -> set[tuple[int, int, str]]:
+    """The (N, K, form) of every GEMM launch a model of ``config`` computes under ``plan`` (``block_plan``'s), as
+    ``fused_block_forward`` and ``fused_model_forward`` launch them, by our kernel or, where its proof chose ATen,
+    by the reference's ops: of the op shapes the proofs timed, the ones a report may count as run (a proof is made
+    for each form a plan might take, and a plan takes only some)."""
+    if not plan or not plan.get("gemms"):
+        return set()
+    d, f = config.d_model, config.ffn_dim
+    ln = "+layer_norm" if plan.get("layer_norm") else ""  # fused_model_forward: residual launches write the norm
+    forms = {(d, d, "add_masked" + ln)}
+    if not plan.get("packed_qkv"):
+        forms.add((d, d, "none"))  # Q, K and V one by one
+    elif not plan.get("qkv_attention"):
+        forms.add((3 * d, d, "none"))
+    if plan.get("ffn_chain"):
+        forms.add((d, f, FFN_FORM))
+        if plan.get("ffn_qkv") and config.num_layers > 1:
+            forms.add((d, f, FFN_QKV_FORM))
+    elif plan.get("gelu_prologue"):
+        forms |= {(f, d, "none"), (d, f, "gelu_prologue+masked_sum" + ln)}
+    else:
+        forms |= {(f, d, "gelu" if plan.get("gelu") else "none"), (d, f, "masked_sum" + ln)}
+    return forms
+
+
 def qkv_attention_in_plan(config, dtype: torch.dtype, device, packed_qkv: bool, ffn_qkv: bool) -> bool:
     """Whether a block's Q|K|V and attention run as one launch (``qkv_attention``): where the packed Q|K|V and the
     attention kernel are both taken (``packed_qkv``), no feed-forward launch computes the next Q|K|V, and a proof

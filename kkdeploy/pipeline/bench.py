@@ -34,7 +34,7 @@ from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_c
 from ..status import PASSED, PASSED_ALL_VALID_ONLY
 from .launches import count_launches
 from .machine_limits import measure_limits
-from .op_roofline import op_rooflines
+from .op_roofline import in_plan, op_rooflines
 from .roofline import attach_roofline, call_work, format_fraction
 from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS, LatencyStats, measure_latency
 
@@ -553,7 +553,8 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str], dtype
                                             [r.get("limits") for r in results], launches)
         for entry in backends.values():  # each proven kernel op against the same limits (op_roofline)
             if entry.get("roofline") and entry.get("kernel_proofs"):
-                entry["roofline"]["ops"] = op_rooflines(entry["kernel_proofs"], shape["roofline"]["limits"])
+                entry["roofline"]["ops"] = op_rooflines(entry["kernel_proofs"], shape["roofline"]["limits"],
+                                                        in_plan(entry, config))
     return shape
 
 
@@ -734,12 +735,19 @@ def roofline_lines(shapes: list[dict]) -> list[str]:
 
 def shape_op_rooflines(shape: dict) -> list[dict]:
     """The shape's proven op shapes against the machine, each once (the candidates of one process share their
-    proofs; the first candidate's record of an op shape stands), the furthest from its limit first."""
+    proofs; the first candidate's record of an op shape stands), with ``in_plan`` True where some candidate's graph
+    computes it, False where none does, None where not known: those computed first, each group the furthest from its
+    limit first."""
     rows: dict[tuple, dict] = {}
+    seen: dict[tuple, set] = {}
     for entry in shape["backends"].values():
         for row in (entry.get("roofline") or {}).get("ops") or []:
-            rows.setdefault((row["op"], row["shape"]), row)
-    return sorted(rows.values(), key=lambda r: (r["fraction"] is None, r["fraction"] or 0.0))
+            key = (row["op"], row["shape"])
+            rows.setdefault(key, dict(row))
+            seen.setdefault(key, set()).add(row.get("in_plan"))
+    for key, row in rows.items():
+        row["in_plan"] = True if True in seen[key] else (False if seen[key] == {False} else None)
+    return sorted(rows.values(), key=lambda r: (r["in_plan"] is False, r["fraction"] is None, r["fraction"] or 0.0))
 
 
 def op_roofline_lines(shapes: list[dict]) -> list[str]:
@@ -748,17 +756,19 @@ def op_roofline_lines(shapes: list[dict]) -> list[str]:
     if not any(rows for _, rows in per_shape):
         return []  # no kernel op timed (the CPU), or no limits measured
     lines = ["", "## Kernel ops against the machine", "",
-             "Each op shape a candidate's proofs timed (one launch, graph replays), whether its plan runs it or not "
-             "(`linear_path.plan` and the other `*_path` records say), against the same limits: compute = its GEMM "
-             "FLOPs / GEMM peak, memory = its least bytes / copy bandwidth, launch = one launch in a graph; fraction "
-             "= the largest / the time of what runs (ours where chosen, else ATen's). The furthest first "
-             "(docs/benchmark.md).", "",
-             "| shape | op | op shape | runs | ours ms | ATen ms | compute ms | memory ms | launch ms | bound | "
-             "fraction |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Each op shape a candidate's proofs timed (one launch, graph replays), against the same limits: "
+             "compute = its GEMM FLOPs / GEMM peak, memory = its least bytes / copy bandwidth, launch = one launch "
+             "in a graph; fraction = the largest / the time of what runs (ours where chosen, else ATen's). \"in a "
+             "graph\": whether a candidate's plan computes it (`linear_path.plan` and the other `*_path` records); "
+             "those first, each group the furthest first (docs/benchmark.md).", "",
+             "| shape | op | op shape | in a graph | runs | ours ms | ATen ms | compute ms | memory ms | launch ms | "
+             "bound | fraction |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, rows in per_shape:
         for r in rows:
             terms = r.get("terms_ms") or {}
-            lines.append(f"| {shape['label']} | {r['op']} | {r['shape']} | {r['runs']} | {_fmt(r['ours_ms'], '.4g')} | "
+            graph = {True: "yes", False: "no"}.get(r.get("in_plan"), "-")
+            lines.append(f"| {shape['label']} | {r['op']} | {r['shape']} | {graph} | {r['runs']} | "
+                         f"{_fmt(r['ours_ms'], '.4g')} | "
                          f"{_fmt(r['aten_ms'], '.4g')} | {_fmt(terms.get('compute'), '.3g')} | "
                          f"{_fmt(terms.get('memory'), '.3g')} | {_fmt(terms.get('launch'), '.3g')} | "
                          f"{r.get('bound') or '-'} | {_fmt(r.get('fraction'), '.3g')} |")

@@ -20,7 +20,7 @@ graph), not its share of a call: a call also waits between launches.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from .roofline import seq_pairs, time_terms_ms
 
@@ -74,9 +74,40 @@ def op_work(op: str, shape: dict) -> Optional[dict]:
     return None
 
 
-def op_roofline(record: dict, limits: Optional[dict]) -> dict:
+def in_plan(entry: dict, config) -> Callable[[str, dict], Optional[bool]]:
+    """Whether a candidate's graph computes a proven op shape, from its ``*_path`` records (bench.json's backend entry,
+    ``engines.torch_compile.kernel_paths_record``): the GEMM forms its block plan launches
+    (``fused_blocks.planned_linear_forms``), the Q|K|V attention where the plan takes it, the attention op where it
+    does not, the rows LayerNorm where the candidate has it (the first norm1 always runs as one). None for an op
+    this does not know, and for every op of an entry without those records."""
+    from kkdeploy.kernels.fused_blocks import planned_linear_forms
+
+    plan = (entry.get("linear_path") or {}).get("plan")
+    forms = planned_linear_forms(config, plan)
+    qkv_attention = bool(plan and plan.get("qkv_attention"))
+    known = any(key in entry for key in ("attention_path", "layer_norm_path", "linear_path"))
+
+    def runs(op: str, shape: dict) -> Optional[bool]:
+        if not known:
+            return None
+        if op == "fused_linear":
+            return (shape.get("n"), shape.get("k"), shape.get("form")) in forms
+        if op == "qkv_attention":
+            return qkv_attention
+        if op == "faithful_attention":
+            return "attention_path" in entry and not qkv_attention
+        if op == "layer_norm_rows":
+            return "layer_norm_path" in entry
+        return None
+
+    return runs
+
+
+def op_roofline(record: dict, limits: Optional[dict], runs: Optional[Callable[[str, dict], Optional[bool]]] = None
+                ) -> dict:
     """One proof record (``ProofRecord.to_dict``) against ``limits`` (``roofline.pool_limits``): what runs, its ms,
-    the three terms, the bound and the fraction (None, with a reason, where the op or the limits are not known)."""
+    the three terms, the bound and the fraction (None, with a reason, where the op or the limits are not known), and
+    ``in_plan``: whether the candidate's graph computes this op shape (``in_plan``; None where not known)."""
     chosen = record.get("chosen")
     ours = next((r.get("ms") for r in record.get("launches") or [] if r.get("launch") == chosen), None)
     aten = record.get("reference_ms")
@@ -84,6 +115,7 @@ def op_roofline(record: dict, limits: Optional[dict]) -> dict:
     shape = record.get("shape") or {}
     row = {"op": record.get("op"), "shape": " ".join(f"{k}={v}" for k, v in shape.items() if k != "dtype"),
            "runs": chosen or "aten", "ours_ms": ours, "aten_ms": aten, "ms": ms,
+           "in_plan": runs(record.get("op"), shape) if runs else None,
            "terms_ms": None, "bound": None, "bound_ms": None, "fraction": None}
     work = op_work(record.get("op"), shape)
     if work is None:
@@ -104,8 +136,15 @@ def op_roofline(record: dict, limits: Optional[dict]) -> dict:
     return row
 
 
-def op_rooflines(records: list[dict], limits: Optional[dict]) -> list[dict]:
-    """Every proven op shape of one candidate against the machine, the furthest from its limit first (an op without a
-    fraction last)."""
-    rows = [op_roofline(r, limits) for r in records or []]
-    return sorted(rows, key=lambda r: (r["fraction"] is None, r["fraction"] or 0.0))
+def op_rooflines(records: list[dict], limits: Optional[dict],
+                 runs: Optional[Callable[[str, dict], Optional[bool]]] = None) -> list[dict]:
+    """Every proven op shape of one candidate against the machine: those its graph computes first (``runs``, as
+    ``in_plan`` gives it), each group the furthest from its limit first (an op without a fraction last)."""
+    rows = [op_roofline(r, limits, runs) for r in records or []]
+    return sorted(rows, key=lambda r: (r["in_plan"] is False, r["fraction"] is None, r["fraction"] or 0.0))
+
+
+def furthest_in_plan(rows: list[dict]) -> Optional[dict]:
+    """Of ``op_rooflines``' rows, the op shape furthest from its own limit among those the graph computes (or may:
+    ``in_plan`` not False), or None."""
+    return next((r for r in rows if r.get("fraction") is not None and r.get("in_plan") is not False), None)
