@@ -273,3 +273,25 @@ def test_the_launch_refuses_what_it_cannot_take_in_one_line():
     for form in ({}, {"pair": True}):  # the keys' validity loaded early is the whole form's only
         with pytest.raises(KKError, match="early_mask loads the keys' validity .* pass whole=True"):
             triton_qkv_attention(h, ws, bs, None, 4, True, early=bool(form), early_mask=True, **form)
+
+
+def test_the_launch_bound_forms_are_proven_only_where_launches_bound():
+    """``whole_w8`` and ``whole_em`` (session 49: the fastest at 32-256 programs, slower than ``pair`` at 512 and
+    more) are proven where the launch's programs (head x 64-row block) fill at most two waves of the
+    multiprocessors: shapes 2, 3, 4, 9, 10 and 12 on 132, not shapes 1, 5, 6 or 7. The other forms everywhere, and
+    every form where the multiprocessors are not known (the CPU)."""
+    from kkdeploy.config import official_config
+
+    def shape(sid):
+        c = official_config(sid)
+        return qa.proof_shape(c.batch_size, c.seq_len, c.d_model, c.num_heads, c.causal)
+
+    sids = (1, 2, 3, 4, 5, 6, 7, 9, 10, 12)
+    paid = {sid: [n for n in qa.BUILD_LAUNCHES if qa.launch_pays(n, shape(sid), 132)] for sid in sids}
+    assert all(paid[sid] == list(qa.BUILD_LAUNCHES) for sid in (2, 3, 4, 9, 10, 12))
+    assert all(paid[sid] == ["whole", "pair"] for sid in (1, 5, 6, 7))
+    assert all(qa.launch_pays(n, shape(6), None) for n in qa.BUILD_LAUNCHES)
+    # the rule is part of the launches' digest: a record proven under another rule is not found
+    from kkdeploy.kernels.proof import launch_table_digest
+
+    assert qa.LAUNCHES_DIGEST != launch_table_digest(qa.LAUNCHES, qa.BUILD_LAUNCHES, qa.LAUNCH_BOUND_FORMS, 4)

@@ -71,7 +71,12 @@ LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True
 #: "split" was slower than "whole" wherever both ran, so a build does not spend a compile on it; studies still
 #: name it
 BUILD_LAUNCHES: tuple[str, ...] = ("whole", "pair", "whole_w8", "whole_em")
-LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, BUILD_LAUNCHES)
+#: the forms for launches whose programs (one per head and 64-row block) fill at most this many waves of the
+#: multiprocessors: a build proves them only there (``launch_pays``). On an H100 (session 49) "whole_w8" and
+#: "whole_em" won at 32-256 programs (shapes 2, 3, 4, 9) and lost to "pair" at 512 and more (shapes 1, 5, 7: 20.2 and
+#: 16.0 µs against 10.4 at shape 1), where they cost a build two compiles and their proofs on every case
+LAUNCH_BOUND_FORMS, LAUNCH_BOUND_MAX_WAVES = ("whole_w8", "whole_em"), 2
+LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, BUILD_LAUNCHES, LAUNCH_BOUND_FORMS, LAUNCH_BOUND_MAX_WAVES)
 #: the rows it takes: ATen's WARP is 32 lanes from S = 17 on, and four chunks of 32 keys hold S = 128
 MIN_SEQ_LEN, MAX_SEQ_LEN = 17, 128
 #: the head dims it was compiled and proven for (the attention kernel's cached launch takes up to 128)
@@ -101,6 +106,16 @@ def proof_shape(batch_size: int, seq_len: int, d_model: int, num_heads: int, cau
     """The op shape a proof holds for."""
     return {"batch": int(batch_size), "seq_len": int(seq_len), "d_model": int(d_model), "heads": int(num_heads),
             "causal": bool(causal), "dtype": "float16"}
+
+
+def launch_pays(launch: str, shape: dict, sms: Optional[int]) -> bool:
+    """Whether a build proves ``launch`` at op shape ``shape`` (``proof_shape``) on a device of ``sms``
+    multiprocessors: the launch-bound forms (``LAUNCH_BOUND_FORMS``) only where the launch's programs fill at most
+    ``LAUNCH_BOUND_MAX_WAVES`` waves; every other form everywhere. Unknown multiprocessors (None) rule nothing out."""
+    if launch not in LAUNCH_BOUND_FORMS or sms is None:
+        return True
+    programs = shape["batch"] * shape["heads"] * -(-shape["seq_len"] // 64)
+    return programs <= LAUNCH_BOUND_MAX_WAVES * sms
 
 
 def proof_environment(device: torch.device | str) -> dict:
@@ -192,7 +207,12 @@ def prove_qkv_attention(device: torch.device | str, cases: list[ProofCase], shap
     refusal = kernel_refusal(shape["seq_len"], shape["d_model"], shape["heads"], torch.float16, device)
     if refusal:
         return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
-    record = prove_launches(OP, shape, [n for n in launches or BUILD_LAUNCHES if n in LAUNCHES], cases, device,
+    if launches is None:
+        from .fused_linear import multiprocessors
+
+        sms = multiprocessors(device)
+        launches = [n for n in BUILD_LAUNCHES if launch_pays(n, shape, sms)]
+    record = prove_launches(OP, shape, [n for n in launches if n in LAUNCHES], cases, device,
                             environment=environment, budget_s=budget_s, repeats=repeats, against_reference=True)
     remember_proof(record, cache)
     return record
