@@ -118,7 +118,7 @@ def _edited_tuples(tmp_path, edit, lines):
 
     root = Path(__file__).resolve().parents[1]
     (tmp_path / "kkdeploy" / "kernels").mkdir(parents=True, exist_ok=True)
-    for name in ("fused_linear.py", "qkv_attention.py"):
+    for name in ("fused_linear.py", "qkv_attention.py", "fused_blocks.py"):
         shutil.copy(root / "kkdeploy" / "kernels" / name, tmp_path / "kkdeploy" / "kernels" / name)
     run = subprocess.run(["bash", str(root / "scripts" / "ab_edits" / edit)], cwd=tmp_path, capture_output=True,
                          text=True)
@@ -131,8 +131,9 @@ def _edited_tuples(tmp_path, edit, lines):
 
 def test_the_ab_edits_apply_to_this_tree_and_name_only_known_launches(tmp_path):
     """scripts/ab_edits/ (the A/Bs docs/fused-linear.md gives) still find the lines they edit, and change only the
-    launches they name: the small launches leave the build tuples (the tree before they joined), and the LayerNorm
-    epilogue's study tiles join them. The committed tree is untouched."""
+    launches they name: the small launches leave the build tuples (the tree before they joined), the LayerNorm
+    epilogue's study tiles join them, and with them the plan may be forced to take the epilogues. The committed tree
+    is untouched."""
     from kkdeploy.kernels import fused_linear as fl
     from kkdeploy.kernels import qkv_attention as qa
 
@@ -144,3 +145,9 @@ def test_the_ab_edits_apply_to_this_tree_and_name_only_known_launches(tmp_path):
     assert set(joined["LN_BUILD_TILES"]) == set(fl.LN_TILES)
     assert joined["BUILD_TILES"] == fl.BUILD_TILES and joined["BUILD_LAUNCHES"] == qa.BUILD_LAUNCHES
     assert "regs_m16" not in fl.LN_BUILD_TILES and "whole_em" in qa.BUILD_LAUNCHES
+    forced = _edited_tuples(tmp_path / "forced", "layer_norm_epilogues_forced.sh", 2)
+    assert forced == joined  # the same tiles, and the plan's rule ...
+    blocks = (tmp_path / "forced" / "kkdeploy" / "kernels" / "fused_blocks.py").read_text()
+    rule = "    return sum(ms[0] for ms in fused) < sum(_best(ms) for ms in plain) + 2 * _best(norm)\n"
+    assert rule in (Path(__file__).resolve().parents[1] / "kkdeploy" / "kernels" / "fused_blocks.py").read_text()
+    assert rule not in blocks and "return True  # forced by" in blocks  # ... taken wherever both are proven
