@@ -134,6 +134,12 @@ def compile_ptx(kernel: str, constexprs: dict, num_warps: int = 4, num_stages: i
                 fp_fusion: bool = False, specialize: bool = True, maxnreg: int | None = None) -> str:
     """The PTX of one of KERNELS for sm_90a, compiled here by the Triton on ``sys.path`` (no GPU needed), with the
     options our launchers pass (no fp contraction unless ``fp_fusion``; ``maxnreg``: a launch's register cap)."""
+    return compile_asm(kernel, constexprs, num_warps, num_stages, fp_fusion, specialize, maxnreg)["ptx"]
+
+
+def compile_asm(kernel: str, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                fp_fusion: bool = False, specialize: bool = True, maxnreg: int | None = None) -> dict:
+    """``compile_ptx``'s compile, every stage Triton keeps (``"ttgir"``, ``"ptx"``, ...)."""
     import importlib
 
     import triton
@@ -158,7 +164,41 @@ def compile_ptx(kernel: str, constexprs: dict, num_warps: int = 4, num_stages: i
         options["maxnreg"] = maxnreg
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
-    return compiled.asm["ptx"]
+    return compiled.asm
+
+
+#: the TTGIR operations that move a tensor between layouts or into shared memory: what a thread's SASS pays in
+#: shared-memory stores, loads and barriers between its arithmetic (the MMA operands staged for wgmma among them)
+LAYOUT_MOVES = ("ttg.convert_layout", "ttg.local_alloc", "ttg.local_store")
+
+
+def layout_moves(ttgir: str) -> list[tuple[int, str, str]]:
+    """(count, operation, where) for each of ``LAYOUT_MOVES`` in the TTGIR, by source location: the innermost line
+    first, then its callers (``file:line <- file:line ...``), most frequent first. Where a kernel's time goes
+    between its MMAs: each conversion through shared memory is stores, a barrier and loads."""
+    defs = dict(re.findall(r"^(#loc\d*) = loc\((.*)\)$", ttgir, re.M))
+
+    def frames(loc: str, depth: int = 0) -> list[str]:
+        text = defs.get(loc)
+        if text is None or depth > 64:
+            return []
+        if m := re.match(r'"([^"]+)":(\d+):\d+', text):
+            return [f"{Path(m.group(1)).name}:{m.group(2)}"]
+        if m := re.match(r"callsite\((#loc\d*) at (#loc\d*)\)", text):
+            return frames(m.group(1), depth + 1) + frames(m.group(2), depth + 1)
+        if m := re.match(r'"[^"]*"\((#loc\d*)\)', text):
+            return frames(m.group(1), depth + 1)
+        return []
+
+    counts: dict[tuple[str, str], int] = {}
+    for line in ttgir.splitlines():
+        op = next((name for name in LAYOUT_MOVES if f"{name} " in line), None)
+        if op is None:
+            continue
+        loc = re.search(r"loc\((#loc\d*)\)\s*$", line)
+        where = " <- ".join(frames(loc.group(1))) if loc else ""
+        counts[(op, where or "?")] = counts.get((op, where or "?"), 0) + 1
+    return sorted(((n, op, where) for (op, where), n in counts.items()), key=lambda r: (-r[0], r[1], r[2]))
 
 
 def loop_counts(ptx: str) -> list[tuple[int, int]]:
@@ -239,6 +279,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sass", action="store_true",
                     help="also print the SASS instructions a thread runs (in all, and after the last MMA) and each "
                          "loop body's by issue pipe (ptxas and cuobjdump bundled with Triton)")
+    ap.add_argument("--layouts", action="store_true",
+                    help="also print the layout conversions and shared-memory stagings of the TTGIR, by source line")
     ap.add_argument("--no-specialize", dest="specialize", action="store_false",
                     help="compile without the JIT's specialization of the arguments (DIVISIBLE, ONES)")
     ap.add_argument("--pdl", action="store_true",
@@ -253,8 +295,9 @@ def main(argv=None) -> int:
     import triton
 
     constexprs = parse_constexprs(args.constexprs, KERNELS[args.kernel][3])
-    ptx = compile_ptx(args.kernel, constexprs, args.num_warps, args.num_stages, args.fp_fusion, args.specialize,
+    asm = compile_asm(args.kernel, constexprs, args.num_warps, args.num_stages, args.fp_fusion, args.specialize,
                       args.maxnreg)
+    ptx = asm["ptx"]
     if args.ptx:
         args.ptx.write_text(ptx)
     with tempfile.TemporaryDirectory() as tmp:
@@ -279,6 +322,12 @@ def main(argv=None) -> int:
         print(f"SASS: {total} instructions a thread, {tail} after the last MMA")
         print("SASS loops (per iteration, by pipe): " + ("; ".join(
             " ".join(f"{k} {v}" for k, v in loop.items()) for loop in loops_sass) or "none"))
+    if args.layouts:
+        moves = layout_moves(asm["ttgir"])
+        print(f"layout moves (TTGIR): {sum(n for n, op, _ in moves if op == 'ttg.convert_layout')} conversions, "
+              f"{sum(n for n, op, _ in moves if op != 'ttg.convert_layout')} shared-memory stagings")
+        for n, op, where in moves:
+            print(f"  {n} {op.split('.')[-1]} {where}")
     if args.pdl and args.kernel in PDL_KERNELS:
         from kkdeploy.kernels.dependent_launch import ptx_difference
 

@@ -295,3 +295,36 @@ def test_the_launch_bound_forms_are_proven_only_where_launches_bound():
     from kkdeploy.kernels.proof import launch_table_digest
 
     assert qa.LAUNCHES_DIGEST != launch_table_digest(qa.LAUNCHES, qa.BUILD_LAUNCHES, qa.LAUNCH_BOUND_FORMS, 4)
+
+
+def test_offline_ptx_lists_the_layout_moves_by_source_line():
+    """``scripts/offline_ptx.py --layouts``: the TTGIR's layout conversions and shared-memory stagings, each by its
+    source line and the calls that led there (where a short launch's time goes between its MMAs). On a made-up
+    TTGIR the call sites resolve innermost first; compiled here for sm_90a, the ``whole_em`` form's V is split into
+    its 32-key chunks through a conversion (``_row_halves``), which a future form could avoid."""
+    from pathlib import Path
+
+    import kkdeploy.kernels._qkv_attention_triton as kernel
+    from tests.conftest import load_script
+
+    script = load_script("offline_ptx")
+    ttgir = "\n".join([
+        '%0 = ttg.convert_layout %a : tensor<64x32xf32> loc(#loc3)',
+        '%1 = ttg.convert_layout %b : tensor<64x32xf32> loc(#loc3)',
+        '%2 = ttg.local_alloc %c : tensor<32x32xf16> loc(#loc1)',
+        '%3 = arith.addf %x, %y : tensor<64x32xf32> loc(#loc1)',
+        '#loc1 = loc("/x/kernels/_qkv_attention_triton.py":73:20)',
+        '#loc2 = loc("/x/kernels/_qkv_attention_triton.py":261:8)',
+        '#loc3 = loc(callsite(#loc1 at #loc2))'])
+    assert script.layout_moves(ttgir) == [
+        (2, "ttg.convert_layout", "_qkv_attention_triton.py:73 <- _qkv_attention_triton.py:261"),
+        (1, "ttg.local_alloc", "_qkv_attention_triton.py:73")]
+    pytest.importorskip("triton")
+    asm = script.compile_asm("qkv_attention", {**script.KERNELS["qkv_attention"][3], "WHOLE": True, "EARLY": True,
+                                               "EARLY_MASK": True, "NK": 128})
+    moves = script.layout_moves(asm["ttgir"])
+    assert sum(n for n, op, _ in moves if op == "ttg.convert_layout") >= 4
+    halves = next(i for i, line in enumerate(Path(kernel.__file__).read_text().splitlines(), 1)
+                  if "def _row_halves" in line)
+    assert any(op == "ttg.convert_layout" and where.startswith(f"_qkv_attention_triton.py:{halves + 2}")
+               for _, op, where in moves), moves
