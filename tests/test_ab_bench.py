@@ -132,8 +132,8 @@ def _edited_tuples(tmp_path, edit, lines):
 def test_the_ab_edits_apply_to_this_tree_and_name_only_known_launches(tmp_path):
     """scripts/ab_edits/ (the A/Bs docs/fused-linear.md gives) still find the lines they edit, and change only the
     launches they name: the small launches leave the build tuples (the tree before they joined), the LayerNorm
-    epilogue's study tiles join them, and with them the plan may be forced to take the epilogues. The committed tree
-    is untouched."""
+    epilogue's study tiles join them, and with them the plan may be forced to take the epilogues; the Q|K|V
+    attention's whole_pv joins as a launch-bound form. The committed tree is untouched."""
     from kkdeploy.kernels import fused_linear as fl
     from kkdeploy.kernels import qkv_attention as qa
 
@@ -151,3 +151,7 @@ def test_the_ab_edits_apply_to_this_tree_and_name_only_known_launches(tmp_path):
     rule = "    return sum(ms[0] for ms in fused) < sum(_best(ms) for ms in plain) + 2 * _best(norm)\n"
     assert rule in (Path(__file__).resolve().parents[1] / "kkdeploy" / "kernels" / "fused_blocks.py").read_text()
     assert rule not in blocks and "return True  # forced by" in blocks  # ... taken wherever both are proven
+    pv = _edited_tuples(tmp_path / "pv", "whole_pv_joins_builds.sh", 2)
+    assert set(pv["BUILD_LAUNCHES"]) - set(qa.BUILD_LAUNCHES) == {"whole_pv"} <= set(qa.LAUNCHES)
+    assert pv["BUILD_TILES"] == fl.BUILD_TILES and pv["LN_BUILD_TILES"] == fl.LN_BUILD_TILES
+    assert '"whole_pv"), 2' in (tmp_path / "pv" / "kkdeploy" / "kernels" / "qkv_attention.py").read_text()

@@ -81,6 +81,65 @@ def test_one_launch_equals_the_two_it_replaces_under_the_interpreter():
         assert r["finite"], r
 
 
+PV64_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import torch
+    from kkdeploy.kernels._fused_linear_triton import triton_linear
+    from kkdeploy.kernels._faithful_attention_triton import triton_attention
+    from kkdeploy.kernels._qkv_attention_triton import triton_qkv_attention
+    from kkdeploy.kernels.qkv_attention import LAUNCHES
+
+    g = torch.Generator().manual_seed(1)
+    results = []
+    for b, s, d, heads, causal, padded in [(2, 128, 128, 4, True, True), (1, 80, 64, 2, False, True),
+                                           (3, 32, 128, 4, True, False), (2, 17, 32, 4, True, True),
+                                           (1, 100, 96, 3, True, True), (1, 65, 64, 4, True, False),
+                                           (1, 128, 32, 4, True, True)]:
+        # inputs whose every P.V sum is exact in float32, whatever its order: V small integers (rows of -1/0/1
+        # against sparse -1/0/1 weights, integer biases), and scores within about +-0.25, so a row's
+        # probabilities span at most two binades; 11 bits of p, 3 of v, 2 binades and 7 bits of terms fit 24 bits
+        h = torch.randint(-1, 2, (b, s, d), generator=g).half()
+        sparse = lambda density, scale: (torch.randint(-1, 2, (d, d), generator=g)
+                                         * (torch.rand(d, d, generator=g) < density)).half() * scale
+        ws = [sparse(0.1, 1 / 64), sparse(0.1, 1 / 64), sparse(1.5 / d, 1.0)]
+        bs = [torch.zeros(d).half(), torch.zeros(d).half(), torch.randint(-2, 3, (d,), generator=g).half()]
+        mask = None
+        if padded:
+            lengths = torch.randint(max(1, s // 2), s + 1, (b,), generator=g)
+            mask = torch.arange(s)[None, :] < lengths[:, None]
+        q, k, v = triton_linear(h, torch.cat(ws), torch.cat(bs)).split(d, dim=-1)
+        two = triton_attention(q, k, v, mask, heads, causal, cached=True, block_m=64, num_warps=4, fast_div=True)
+        forms = {name: triton_qkv_attention(h, ws, bs, mask, heads, causal, **LAUNCHES[name])
+                 for name in ("whole_em", "whole_pv")}
+        dh = d // heads
+        qh, kh = (t.float().view(b, s, heads, dh).transpose(1, 2) for t in (q, k))
+        score_max = float((qh @ kh.transpose(-1, -2)).abs().max()) / dh ** 0.5
+        results.append(dict(case=[b, s, d, heads, causal, padded], v_max=float(v.abs().max()),
+                            v_integer=bool((v == v.round()).all()), score_max=score_max,
+                            forms_differing={name: int((out.view(torch.int16) != two.view(torch.int16)).sum())
+                                             for name, out in forms.items()},
+                            finite=all(bool(torch.isfinite(out).all()) for out in forms.values())))
+    print("RESULTS " + json.dumps(results))
+    """
+)
+
+
+def test_p_v_over_64_keys_equals_the_chained_chunks_on_exact_sums():
+    """``whole_pv`` (each chunk pair's P.V as one 64-key dot, V not split into chunks). Triton's interpreter sums a
+    dot in numpy's order, so it cannot vouch for the bits of a 64-key sum against two chained 32-key sums in
+    general (only the GPU's proof can). On inputs whose every P.V sum is exact in float32 it can vouch for the
+    rest: which probability meets which V row, the unscored chunks' zeros (S of 32 and less, and 65-96), the
+    padded keys and the non-causal rows."""
+    results = run_interpreter_script(PV64_SCRIPT)
+    assert len(results) == 7
+    for r in results:
+        # the exactness's conditions: V integers of 3 bits, and scores within +-0.35 (exps within a factor 2 of a
+        # row's largest, so its probabilities span at most two binades)
+        assert r["v_integer"] and 1 <= r["v_max"] <= 7 and r["score_max"] <= 0.35, r
+        assert r["forms_differing"] == {"whole_em": 0, "whole_pv": 0} and r["finite"], r
+
+
 @pytest.mark.parametrize("s, d, heads, fragment", [
     (16, 128, 4, "takes 17 to 128 keys"),
     (129, 128, 4, "takes 17 to 128 keys"),
@@ -114,6 +173,8 @@ def test_launcher_refuses_wrong_weights_in_one_line():
         triton_qkv_attention(h.float(), [w] * 3, [bias] * 3, None, 4, True)
     with pytest.raises(KKError, match="pass whole=True or pair=True"):  # the split form has no early loads
         triton_qkv_attention(h, [w] * 3, [bias] * 3, None, 4, True, early=True)
+    with pytest.raises(KKError, match="pv64 runs the whole form's P.V"):
+        triton_qkv_attention(h, [w] * 3, [bias] * 3, None, 4, True, pair=True, pv64=True)
 
 
 def test_compiled_for_sm90_it_runs_the_cached_launchs_tiles_and_a_pdl_form_of_the_same_arithmetic():
@@ -328,3 +389,27 @@ def test_offline_ptx_lists_the_layout_moves_by_source_line():
                   if "def _row_halves" in line)
     assert any(op == "ttg.convert_layout" and where.startswith(f"_qkv_attention_triton.py:{halves + 2}")
                for _, op, where in moves), moves
+
+
+def test_p_v_over_64_keys_issues_the_same_mmas_with_fewer_trips_through_shared_memory():
+    """Compiled here for sm_90a (``scripts/offline_ptx.py``): ``whole_pv`` issues ``whole_em``'s wgmma tiles, as
+    many, and as many exps, with fewer barriers and layout conversions (V is never split into its 32-key chunks):
+    session 49's 14 barriers against 20 and 7 conversions against 11, at Triton 3.6.0."""
+    pytest.importorskip("triton")
+    import re
+
+    from tests.conftest import load_script
+
+    script = load_script("offline_ptx")
+    values = {**script.KERNELS["qkv_attention"][3], "WHOLE": True, "EARLY": True, "EARLY_MASK": True, "NK": 128}
+    em, pv = (script.compile_asm("qkv_attention", {**values, "PV64": flag}) for flag in (False, True))
+    tiles = lambda ptx: re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)  # noqa: E731
+    assert set(tiles(pv["ptx"])) == set(tiles(em["ptx"])) == {"m64n32k16"} and "mma.sync" not in pv["ptx"]
+    assert len(tiles(pv["ptx"])) == len(tiles(em["ptx"]))
+    assert len(re.findall(r"ex2\.approx", pv["ptx"])) == len(re.findall(r"ex2\.approx", em["ptx"]))
+    assert len(re.findall(r"bar\.sync", pv["ptx"])) < len(re.findall(r"bar\.sync", em["ptx"]))
+    conversions = lambda asm: sum(n for n, op, _ in script.layout_moves(asm["ttgir"])  # noqa: E731
+                                  if op == "ttg.convert_layout")
+    assert conversions(pv) < conversions(em)
+    assert qa.LAUNCHES["whole_pv"] == {**qa.LAUNCHES["whole_em"], "pv64": True}
+    assert "whole_pv" not in qa.BUILD_LAUNCHES  # a study until a GPU proves it and a build ships it

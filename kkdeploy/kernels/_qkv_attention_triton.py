@@ -181,10 +181,27 @@ def _chunk_pair_scores(q, k, MASK, m_row0, stride_ms, offs_m, key0, S, scale, CA
 
 
 @triton.jit
+def _pair_pv(p_lo, p_hi, v_pair, acc):
+    """acc + P.V of a chunk pair in one dot over its 64 keys: the two chunks' probabilities [64, 32] joined into
+    [64, 64] (column c is the pair's key c: the low chunk's 32 first), against the pair's V rows [64, DH_PAD] as they
+    were projected, not split into chunks. On the tensor cores the same k16 MMAs over the keys in order as two
+    chained 32-key dots; it saves the split's trips through shared memory (``scripts/offline_ptx.py --layouts``)."""
+    p = tl.reshape(tl.permute(tl.join(p_lo, p_hi), (0, 2, 1)), (64, 64))
+    return tl.dot(p, v_pair, acc)
+
+
+@triton.jit
 def _attend(s0, s1, s2, s3, v0, v1, v2, v3, n_end, OUT, o_row0, stride_os, offs_m, col0, S,
-            HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr):
+            HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr,
+            PV64: tl.constexpr = False):
     """The cached launch's softmax and P.V on a row block's four chunk scores and V chunks (chunks at or past
-    ``n_end`` are not read: their scores are -inf), then the context's store: ``_attention_tile``'s order."""
+    ``n_end`` are not read: their scores are -inf), then the context's store: ``_attention_tile``'s order.
+    ``PV64``: v0 and v2 are the two chunk pairs' V rows [64, DH_PAD] (v1 and v3 are not read), and each pair with a
+    scored chunk runs its P.V as one 64-key dot (``_pair_pv``). Where the pair's second chunk is unscored (a causal
+    end at or below its first key, or past S), its probabilities are +0 and its V rows are finite (zeros past S), so
+    its k16 steps add +0 products to the float32 accumulator. The accumulator starts at +0 and a sum of finite
+    products rounds to +0, never -0, when it cancels, so adding +0 leaves every bit as it was. The cached launch
+    skips those steps, and the reference's P.V over all S keys runs them; the proof checks both on the GPU."""
     CH: tl.constexpr = 32  # ATen's lanes: the softmax's chunk
     run_max = s0
     if n_end > CH:
@@ -209,13 +226,19 @@ def _attend(s0, s1, s2, s3, v0, v1, v2, v3, n_end, OUT, o_row0, stride_os, offs_
         e3 = _exp(s3 - row_max[:, None], ACCURATE)
         lane = _lane_add(lane, e3, 64, CH, 1)
     row_sum = _row_sum(lane, 64, CH)
-    acc = tl.dot(_probabilities(e0, row_sum, FAST_DIV), v0, tl.zeros((64, DH_PAD), tl.float32))
-    if n_end > CH:
-        acc = tl.dot(_probabilities(e1, row_sum, FAST_DIV), v1, acc)
-    if n_end > 2 * CH:
-        acc = tl.dot(_probabilities(e2, row_sum, FAST_DIV), v2, acc)
-    if n_end > 3 * CH:
-        acc = tl.dot(_probabilities(e3, row_sum, FAST_DIV), v3, acc)
+    if PV64:  # an unscored chunk of a pair adds +0s (its exps are 0): the accumulator, never -0, stays as it is
+        acc = _pair_pv(_probabilities(e0, row_sum, FAST_DIV), _probabilities(e1, row_sum, FAST_DIV), v0,
+                       tl.zeros((64, DH_PAD), tl.float32))
+        if n_end > 2 * CH:
+            acc = _pair_pv(_probabilities(e2, row_sum, FAST_DIV), _probabilities(e3, row_sum, FAST_DIV), v2, acc)
+    else:
+        acc = tl.dot(_probabilities(e0, row_sum, FAST_DIV), v0, tl.zeros((64, DH_PAD), tl.float32))
+        if n_end > CH:
+            acc = tl.dot(_probabilities(e1, row_sum, FAST_DIV), v1, acc)
+        if n_end > 2 * CH:
+            acc = tl.dot(_probabilities(e2, row_sum, FAST_DIV), v2, acc)
+        if n_end > 3 * CH:
+            acc = tl.dot(_probabilities(e3, row_sum, FAST_DIV), v3, acc)
     offs_d = tl.arange(0, DH_PAD)
     o_ptrs = OUT + o_row0 + offs_m[:, None] * stride_os + col0 + offs_d[None, :]
     tl.store(o_ptrs, acc.to(tl.float16), mask=(offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM))
@@ -243,10 +266,11 @@ def _unscored_chunks(DH_PAD: tl.constexpr):
 def _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0,
                   NK: tl.constexpr, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                   HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr,
-                  km0=None, km1=None, km2=None, km3=None):
+                  km0=None, km1=None, km2=None, km3=None, PV64: tl.constexpr = False):
     """Row block m0 .. m0 + 63 from its q [64, DH_PAD] and the projected k, v of keys 0 .. NK - 1: the cached
     launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions. ``km0`` ..
-    ``km3``: the chunks' key validity already loaded (``_key_masks``)."""
+    ``km3``: the chunks' key validity already loaded (``_key_masks``). ``PV64``: V stays in its 64-key pairs
+    (``_attend``'s)."""
     CH: tl.constexpr = 32
     offs_m = m0 + tl.arange(0, 64)
     n_end = _keys_end(m0, S, CAUSAL)
@@ -258,23 +282,36 @@ def _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, s
         k01 = k
         v01 = v
     s0, s1 = _chunk_pair_scores(q, k01, MASK, m_row0, stride_ms, offs_m, 0, S, scale, CAUSAL, HAS_MASK, km0, km1)
-    v0, v1 = _row_halves(v01, 32, DH_PAD)
-    if NK == 128:
-        if n_end > 2 * CH:
-            s2, s3 = _chunk_pair_scores(q, k23, MASK, m_row0, stride_ms, offs_m, 64, S, scale, CAUSAL, HAS_MASK,
-                                        km2, km3)
-            v2, v3 = _row_halves(v23, 32, DH_PAD)
-    _attend(s0, s1, s2, s3, v0, v1, v2, v3, n_end, OUT, o_row0, stride_os, offs_m, col0, S, HEAD_DIM, DH_PAD,
-            ACCURATE, FAST_DIV)
+    if PV64:  # V in its 64-key pairs, never split (``_attend``)
+        if NK == 128:
+            if n_end > 2 * CH:
+                s2, s3 = _chunk_pair_scores(q, k23, MASK, m_row0, stride_ms, offs_m, 64, S, scale, CAUSAL,
+                                            HAS_MASK, km2, km3)
+            _attend(s0, s1, s2, s3, v01, v01, v23, v23, n_end, OUT, o_row0, stride_os, offs_m, col0, S, HEAD_DIM,
+                    DH_PAD, ACCURATE, FAST_DIV, True)
+        else:  # 64 keys at most: the second pair is never read
+            _attend(s0, s1, s2, s3, v01, v01, v01, v01, n_end, OUT, o_row0, stride_os, offs_m, col0, S, HEAD_DIM,
+                    DH_PAD, ACCURATE, FAST_DIV, True)
+    else:
+        v0, v1 = _row_halves(v01, 32, DH_PAD)
+        if NK == 128:
+            if n_end > 2 * CH:
+                s2, s3 = _chunk_pair_scores(q, k23, MASK, m_row0, stride_ms, offs_m, 64, S, scale, CAUSAL,
+                                            HAS_MASK, km2, km3)
+                v2, v3 = _row_halves(v23, 32, DH_PAD)
+        _attend(s0, s1, s2, s3, v0, v1, v2, v3, n_end, OUT, o_row0, stride_os, offs_m, col0, S, HEAD_DIM, DH_PAD,
+                ACCURATE, FAST_DIV)
 
 
 @triton.jit
 def _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0, stride_ms,
                  scale, OUT, o_row0, stride_os, NK: tl.constexpr, HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr,
                  BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
-                 FAST_DIV: tl.constexpr, EARLY: tl.constexpr = False, EARLY_MASK: tl.constexpr = False):
+                 FAST_DIV: tl.constexpr, EARLY: tl.constexpr = False, EARLY_MASK: tl.constexpr = False,
+                 PV64: tl.constexpr = False):
     """One row block, q, k and v projected in one walk over D (k and v of keys 0 .. NK - 1), then attended.
-    ``EARLY_MASK`` (with a padding mask): the keys' validity is loaded before the walk, not after the score dots."""
+    ``EARLY_MASK`` (with a padding mask): the keys' validity is loaded before the walk, not after the score dots.
+    ``PV64``: P.V over 64 keys a dot (``_attend``)."""
     offs_m = m0 + tl.arange(0, 64)
     if EARLY_MASK and HAS_MASK:
         km0, km1, km2, km3 = _key_masks(MASK, m_row0, stride_ms, S)
@@ -283,7 +320,7 @@ def _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stri
     q, k, v = _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, NK,
                              HEAD_DIM, DH_PAD, BLOCK_K, False, EARLY)
     _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0, NK, HEAD_DIM,
-                  DH_PAD, CAUSAL, HAS_MASK, ACCURATE, FAST_DIV, km0, km1, km2, km3)
+                  DH_PAD, CAUSAL, HAS_MASK, ACCURATE, FAST_DIV, km0, km1, km2, km3, PV64)
 
 
 @triton.jit
@@ -294,14 +331,15 @@ def _qkv_attention_kernel(
     HEAD_DIM: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr,
     PDL: tl.constexpr = False, WHOLE: tl.constexpr = False, NK: tl.constexpr = 128, PAIR: tl.constexpr = False,
-    EARLY: tl.constexpr = False, EARLY_MASK: tl.constexpr = False,
+    EARLY: tl.constexpr = False, EARLY_MASK: tl.constexpr = False, PV64: tl.constexpr = False,
 ):
     """``WHOLE``: q, k and v projected in one walk over D (``_project_whole``), k and v for keys 0 .. NK - 1 (NK =
     64 or 128, the rows rounded up), whether the row block needs them all or not. ``PAIR`` (WHOLE's projections,
     one program per head): every row's q and every key's k and v from one load of the rows and one walk over D,
     then both row blocks attended one after the other, so no row is projected twice. Otherwise each projection on
     its own, keys 64 at a time as the causal limit needs them. ``EARLY`` (WHOLE and PAIR): the biases loaded before
-    the walk over D (``_project_whole``); ``EARLY_MASK`` (WHOLE): the keys' validity too (``_whole_block``)."""
+    the walk over D (``_project_whole``); ``EARLY_MASK`` (WHOLE): the keys' validity too (``_whole_block``);
+    ``PV64`` (WHOLE): P.V over 64 keys a dot (``_pair_pv``)."""
     if PDL:  # a dependent launch (kernels/dependent_launch.py): earlier kernels' writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -331,7 +369,7 @@ def _qkv_attention_kernel(
     elif WHOLE:
         _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0, stride_ms,
                      scale, OUT, o_row0, stride_os, NK, HEAD_DIM, DH_PAD, BLOCK_K, CAUSAL, HAS_MASK, ACCURATE,
-                     FAST_DIV, EARLY, EARLY_MASK)
+                     FAST_DIV, EARLY, EARLY_MASK, PV64)
     else:
         # the cached launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions
         n_end = _keys_end(m0, S, CAUSAL)
@@ -349,7 +387,7 @@ def _qkv_attention_kernel(
 def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num_heads: int, causal: bool, *,
                          fast_div: bool = True, num_warps: int = 4, num_stages=None, max_registers=None,
                          whole: bool = False, pair: bool = False, early: bool = False,
-                         early_mask: bool = False) -> torch.Tensor:
+                         early_mask: bool = False, pv64: bool = False) -> torch.Tensor:
     """The attention's context [B, S, D] fp16 of the normalized rows ``h`` [B, S, D] fp16, with ``weights`` (Wq, Wk,
     Wv), each [D, D], and ``biases`` (bq, bk, bv): what ``triton_linear`` of the packed Q|K|V followed by
     ``triton_attention(..., cached=True, block_m=64, num_warps=4, fast_div=True)`` computes, in one launch.
@@ -357,7 +395,8 @@ def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num
     per multiprocessor; capped at 128, four, with 32 bytes of spills). ``whole``: q, k and v projected in one walk
     over D, k and v of every key (the kernel's WHOLE); ``pair``: one program per head, every row projected once and
     both row blocks attended (the kernel's PAIR); ``early``: the biases loaded before the walk over D (EARLY);
-    ``early_mask`` (``whole`` only): the keys' validity too (EARLY_MASK)."""
+    ``early_mask`` (``whole`` only): the keys' validity too (EARLY_MASK); ``pv64`` (``whole`` only): P.V over 64
+    keys a dot (PV64)."""
     if h.dtype != torch.float16 or h.dim() != 3:
         raise KKError(f"h must be float16 [B, S, D], got {h.dtype} {list(h.shape)}")
     b, s, d = h.shape
@@ -366,6 +405,8 @@ def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num
                       "pass whole=True or pair=True")
     if early_mask and not (whole and not pair):
         raise KKError("early_mask loads the keys' validity before the whole form's walk over D; pass whole=True")
+    if pv64 and not (whole and not pair):
+        raise KKError("pv64 runs the whole form's P.V over 64 keys a dot; pass whole=True")
     refusal = qkv_attention_refusal(s, d, num_heads)
     if refusal:
         raise KKError(refusal)
@@ -397,6 +438,6 @@ def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num
                   s, num_heads, d, fp32_scale(dh),
                   HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_K=block_k, CAUSAL=bool(causal), HAS_MASK=has_mask,
                   ACCURATE=not INTERPRET, FAST_DIV=bool(fast_div), WHOLE=bool(whole or pair), PAIR=bool(pair),
-                  NK=64 if s <= 64 else 128, EARLY=bool(early), EARLY_MASK=bool(early_mask),
+                  NK=64 if s <= 64 else 128, EARLY=bool(early), EARLY_MASK=bool(early_mask), PV64=bool(pv64),
                   **launch)
     return out

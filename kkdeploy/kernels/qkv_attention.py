@@ -56,7 +56,14 @@ LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True
                              # validity after the projections, one round trip to L2 before the scores can be
                              # masked, twice a row block at S = 128 (a bench's timed input always has a mask). On
                              # an H100 (session 49) shape 3's form at 7.1 µs against "whole"'s 7.2-7.5
-                             "whole_em": {"whole": True, "early": True, "early_mask": True}}
+                             "whole_em": {"whole": True, "early": True, "early_mask": True},
+                             # "whole_em" with each chunk pair's P.V as one 64-key dot, V never split into its
+                             # 32-key chunks (session 49, studies only): offline (Triton 3.6.0, sm_90a, ``scripts/
+                             # offline_ptx.py --layouts --sass``) 14 barriers against 20, 7 layout conversions
+                             # against 11 and 3,046 SASS instructions a thread against 3,158, the same 64 exps.
+                             # The same k16 MMAs in key order on the tensor cores; Triton's interpreter sums a dot
+                             # in numpy's order, so only the GPU's proof can vouch for its bits
+                             "whole_pv": {"whole": True, "early": True, "early_mask": True, "pv64": True}}
 #: the forms a build proves, each shipped by a GPU build through strict validation first (H100s):
 #: - "whole" (session 43): a new user's build of shape 3 proved it at 8.3 µs against the packed Q|K|V GEMM's 3.8 and
 #:   the attention's 7.1, took it, and served a padded run with 0 failed elements; `-gemms-pdl` 0.0827 ms against
