@@ -26,7 +26,9 @@ CONFIG = TransformerConfig(batch_size=2, seq_len=24, d_model=32, num_heads=4, ff
 PLANS = [{"gemms": True, "packed_qkv": True, "gelu_prologue": True, "gelu": False, "layer_norm": layer_norm,
           "qkv_attention": True} for layer_norm in (False, True)]
 
-INTERPRETER_SCRIPT = textwrap.dedent(
+#: what both interpreter scripts share: the kernels, the seven cases (padded and not, S from 17 to 128, causal and
+#: not) and the two launches the one launch replaces, the reference each form is compared with
+SCRIPT_HEAD = textwrap.dedent(
     """
     import json
     import torch
@@ -35,23 +37,34 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     from kkdeploy.kernels._qkv_attention_triton import triton_qkv_attention
     from kkdeploy.kernels.qkv_attention import LAUNCHES
 
-    g = torch.Generator().manual_seed(0)
-    results = []
-    for b, s, d, heads, causal, padded in [(2, 128, 128, 4, True, True), (1, 80, 64, 2, False, True),
-                                           (3, 32, 128, 4, True, False), (2, 17, 32, 4, True, True),
-                                           (1, 100, 96, 3, True, True), (1, 65, 64, 4, True, False),
-                                           (1, 128, 32, 4, True, True)]:
-        # h and the weights on grids whose products and sums are exact in float32: the interpreter's dots then
-        # agree whatever their tile, and the softmax inputs are spread out
-        h = torch.randint(-16, 17, (b, s, d), generator=g).half() / 16
-        ws = [torch.randint(-8, 9, (d, d), generator=g).half() / 64 for _ in range(3)]
-        bs = [torch.randn(d, generator=g).half() for _ in range(3)]
+    CASES = [(2, 128, 128, 4, True, True), (1, 80, 64, 2, False, True), (3, 32, 128, 4, True, False),
+             (2, 17, 32, 4, True, True), (1, 100, 96, 3, True, True), (1, 65, 64, 4, True, False),
+             (1, 128, 32, 4, True, True)]
+
+
+    def two_launches(h, ws, bs, padded, heads, causal, g):
+        b, s, d = h.shape
         mask = None
         if padded:
             lengths = torch.randint(max(1, s // 2), s + 1, (b,), generator=g)
             mask = torch.arange(s)[None, :] < lengths[:, None]
         q, k, v = triton_linear(h, torch.cat(ws), torch.cat(bs)).split(d, dim=-1)
         two = triton_attention(q, k, v, mask, heads, causal, cached=True, block_m=64, num_warps=4, fast_div=True)
+        return mask, q, k, v, two
+    """
+)
+
+INTERPRETER_SCRIPT = SCRIPT_HEAD + textwrap.dedent(
+    """
+    g = torch.Generator().manual_seed(0)
+    results = []
+    for b, s, d, heads, causal, padded in CASES:
+        # h and the weights on grids whose products and sums are exact in float32: the interpreter's dots then
+        # agree whatever their tile, and the softmax inputs are spread out
+        h = torch.randint(-16, 17, (b, s, d), generator=g).half() / 16
+        ws = [torch.randint(-8, 9, (d, d), generator=g).half() / 64 for _ in range(3)]
+        bs = [torch.randn(d, generator=g).half() for _ in range(3)]
+        mask, q, k, v, two = two_launches(h, ws, bs, padded, heads, causal, g)
         one = triton_qkv_attention(h, ws, bs, mask, heads, causal)
         forms = {"whole": triton_qkv_attention(h, ws, bs, mask, heads, causal, whole=True, early=True),
                  "pair": triton_qkv_attention(h, ws, bs, mask, heads, causal, pair=True, early=True),
@@ -81,21 +94,11 @@ def test_one_launch_equals_the_two_it_replaces_under_the_interpreter():
         assert r["finite"], r
 
 
-PV64_SCRIPT = textwrap.dedent(
+PV64_SCRIPT = SCRIPT_HEAD + textwrap.dedent(
     """
-    import json
-    import torch
-    from kkdeploy.kernels._fused_linear_triton import triton_linear
-    from kkdeploy.kernels._faithful_attention_triton import triton_attention
-    from kkdeploy.kernels._qkv_attention_triton import triton_qkv_attention
-    from kkdeploy.kernels.qkv_attention import LAUNCHES
-
     g = torch.Generator().manual_seed(1)
     results = []
-    for b, s, d, heads, causal, padded in [(2, 128, 128, 4, True, True), (1, 80, 64, 2, False, True),
-                                           (3, 32, 128, 4, True, False), (2, 17, 32, 4, True, True),
-                                           (1, 100, 96, 3, True, True), (1, 65, 64, 4, True, False),
-                                           (1, 128, 32, 4, True, True)]:
+    for b, s, d, heads, causal, padded in CASES:
         # inputs whose every P.V sum is exact in float32, whatever its order: V small integers (rows of -1/0/1
         # against sparse -1/0/1 weights, integer biases), and scores within about +-0.25, so a row's
         # probabilities span at most two binades; 11 bits of p, 3 of v, 2 binades and 7 bits of terms fit 24 bits
@@ -104,12 +107,7 @@ PV64_SCRIPT = textwrap.dedent(
                                          * (torch.rand(d, d, generator=g) < density)).half() * scale
         ws = [sparse(0.1, 1 / 64), sparse(0.1, 1 / 64), sparse(1.5 / d, 1.0)]
         bs = [torch.zeros(d).half(), torch.zeros(d).half(), torch.randint(-2, 3, (d,), generator=g).half()]
-        mask = None
-        if padded:
-            lengths = torch.randint(max(1, s // 2), s + 1, (b,), generator=g)
-            mask = torch.arange(s)[None, :] < lengths[:, None]
-        q, k, v = triton_linear(h, torch.cat(ws), torch.cat(bs)).split(d, dim=-1)
-        two = triton_attention(q, k, v, mask, heads, causal, cached=True, block_m=64, num_warps=4, fast_div=True)
+        mask, q, k, v, two = two_launches(h, ws, bs, padded, heads, causal, g)
         forms = {name: triton_qkv_attention(h, ws, bs, mask, heads, causal, **LAUNCHES[name])
                  for name in ("whole_em", "whole_pv")}
         dh = d // heads
