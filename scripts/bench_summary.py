@@ -91,10 +91,9 @@ def summarize(shapes: list[dict]) -> dict:
 
 def furthest_op(shape: dict, name: str) -> dict | None:
     """The kernel op shape of backend ``name`` furthest from its own limit among those its graph computes
-    (bench.json's ``roofline.ops``; an op whose ``in_plan`` is False is timed by a proof but not run), or None where
-    none was timed against limits: why that shape sits where it does."""
-    ops = ((shape["backends"].get(name) or {}).get("roofline") or {}).get("ops") or []
-    return furthest_in_plan(sorted(ops, key=lambda r: (r.get("fraction") is None, r.get("fraction") or 0.0)))
+    (bench.json's ``roofline.ops``, the furthest first; an op whose ``in_plan`` is False is timed by a proof but not
+    run), or None where none was timed against limits: why that shape sits where it does."""
+    return furthest_in_plan(((shape["backends"].get(name) or {}).get("roofline") or {}).get("ops") or [])
 
 
 def markdown(summary: dict, runs: list[dict]) -> str:
