@@ -133,13 +133,13 @@ def test_the_ab_edits_apply_to_this_tree_and_name_only_known_launches(tmp_path):
     """scripts/ab_edits/ (the A/Bs docs/fused-linear.md gives) still find the lines they edit, and change only the
     launches they name: the small launches leave the build tuples (the tree before they joined), the LayerNorm
     epilogue's study tiles join them, and with them the plan may be forced to take the epilogues; the Q|K|V
-    attention's whole_pv joins as a launch-bound form. The committed tree is untouched."""
+    attention's whole_pv leaves the build's forms and the launch-bound ones. The committed tree is untouched."""
     from kkdeploy.kernels import fused_linear as fl
     from kkdeploy.kernels import qkv_attention as qa
 
     before = _edited_tuples(tmp_path / "leave", "small_launches_leave_builds.sh", 2)
     assert set(fl.BUILD_TILES) - set(before["BUILD_TILES"]) == {"m64n32", "m64n16", "m32n32"} <= set(fl.SMALL_TILES)
-    assert set(qa.BUILD_LAUNCHES) - set(before["BUILD_LAUNCHES"]) == {"whole_w8", "whole_em"}
+    assert set(qa.BUILD_LAUNCHES) - set(before["BUILD_LAUNCHES"]) == {"whole_w8", "whole_em", "whole_pv"}
     assert set(before["BUILD_TILES"]) < set(fl.BUILD_TILES) and before["LN_BUILD_TILES"] == fl.LN_BUILD_TILES
     joined = _edited_tuples(tmp_path / "join", "layer_norm_tiles_join_builds.sh", 1)
     assert set(joined["LN_BUILD_TILES"]) == set(fl.LN_TILES)
@@ -151,7 +151,8 @@ def test_the_ab_edits_apply_to_this_tree_and_name_only_known_launches(tmp_path):
     rule = "    return sum(ms[0] for ms in fused) < sum(_best(ms) for ms in plain) + 2 * _best(norm)\n"
     assert rule in (Path(__file__).resolve().parents[1] / "kkdeploy" / "kernels" / "fused_blocks.py").read_text()
     assert rule not in blocks and "return True  # forced by" in blocks  # ... taken wherever both are proven
-    pv = _edited_tuples(tmp_path / "pv", "whole_pv_joins_builds.sh", 2)
-    assert set(pv["BUILD_LAUNCHES"]) - set(qa.BUILD_LAUNCHES) == {"whole_pv"} <= set(qa.LAUNCHES)
+    pv = _edited_tuples(tmp_path / "pv", "whole_pv_leaves_builds.sh", 2)
+    assert set(qa.BUILD_LAUNCHES) - set(pv["BUILD_LAUNCHES"]) == {"whole_pv"} and "whole_pv" in qa.LAUNCHES
     assert pv["BUILD_TILES"] == fl.BUILD_TILES and pv["LN_BUILD_TILES"] == fl.LN_BUILD_TILES
-    assert '"whole_pv"), 2' in (tmp_path / "pv" / "kkdeploy" / "kernels" / "qkv_attention.py").read_text()
+    edited = (tmp_path / "pv" / "kkdeploy" / "kernels" / "qkv_attention.py").read_text()
+    assert '"whole_em"), 2\n' in edited and "whole_pv" in qa.LAUNCH_BOUND_FORMS

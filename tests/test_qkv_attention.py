@@ -295,7 +295,7 @@ def test_a_gemm_candidate_proves_it_beside_its_gemms_and_records_it(monkeypatch)
 
     gemms = ["attention", "layer_norm", "linear"]
     # the forms GPU builds shipped through strict validation
-    assert qa.BUILD_LAUNCHES == ("whole", "pair", "whole_w8", "whole_em")
+    assert qa.BUILD_LAUNCHES == ("whole", "pair", "whole_w8", "whole_em", "whole_pv")
     monkeypatch.setattr(qa, "BUILD_LAUNCHES", ())  # with none in builds, only a study naming one proves it
     assert "qkv_attention" not in [n for _, n, _ in mp.kernel_op_shapes(official_config(3), gemms)]
     assert "qkv_attention" in [n for _, n, _ in mp.kernel_op_shapes(official_config(3), gemms,
@@ -410,4 +410,5 @@ def test_p_v_over_64_keys_issues_the_same_mmas_with_fewer_trips_through_shared_m
                                   if op == "ttg.convert_layout")
     assert conversions(pv) < conversions(em)
     assert qa.LAUNCHES["whole_pv"] == {**qa.LAUNCHES["whole_em"], "pv64": True}
-    assert "whole_pv" not in qa.BUILD_LAUNCHES  # a study until a GPU proves it and a build ships it
+    # in builds since a GPU proved it (session 50), proven only where launches bound, as whole_em
+    assert "whole_pv" in qa.BUILD_LAUNCHES and "whole_pv" in qa.LAUNCH_BOUND_FORMS

@@ -58,11 +58,11 @@ LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True
                              # an H100 (session 49) shape 3's form at 7.1 µs against "whole"'s 7.2-7.5
                              "whole_em": {"whole": True, "early": True, "early_mask": True},
                              # "whole_em" with each chunk pair's P.V as one 64-key dot, V never split into its
-                             # 32-key chunks (session 49, studies only): offline (Triton 3.6.0, sm_90a, ``scripts/
-                             # offline_ptx.py --layouts --sass``) 14 barriers against 20, 7 layout conversions
-                             # against 11 and 3,046 SASS instructions a thread against 3,158, the same 64 exps.
-                             # The same k16 MMAs in key order on the tensor cores; Triton's interpreter sums a dot
-                             # in numpy's order, so only the GPU's proof can vouch for its bits
+                             # 32-key chunks (session 49; in builds since session 50): offline (Triton 3.6.0,
+                             # sm_90a, ``scripts/offline_ptx.py --layouts --sass``) 14 barriers against 20, 7 layout
+                             # conversions against 11 and 3,046 SASS instructions a thread against 3,158, the same
+                             # 64 exps. The same k16 MMAs in key order on the tensor cores; Triton's interpreter
+                             # sums a dot in numpy's order, so only the GPU's proof can vouch for its bits
                              "whole_pv": {"whole": True, "early": True, "early_mask": True, "pv64": True}}
 #: the forms a build proves, each shipped by a GPU build through strict validation first (H100s):
 #: - "whole" (session 43): a new user's build of shape 3 proved it at 8.3 µs against the packed Q|K|V GEMM's 3.8 and
@@ -75,14 +75,18 @@ LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True
 #: - "whole_w8" and "whole_em" (session 49): new users' builds of shapes 3 (own weights) and 2 (seeded) proved
 #:   "whole_em" at 7.1 and 6.1 µs against "whole"'s 7.5 and 6.3, took it, and served padded runs with 0 failed
 #:   elements; the bench of shape 9 shipped "whole_w8", 0 failed on every trial (docs/faithful-attention.md).
+#: - "whole_pv" (session 50): proven bit-identical on shapes 3 and 2, the random inputs included, at 6.85 and 5.85 µs
+#:   against "whole_em"'s 7.05 and 6.09; a new user's build of shape 3 (own weights) took it and served a padded
+#:   run with 0 failed elements.
 #: "split" was slower than "whole" wherever both ran, so a build does not spend a compile on it; studies still
 #: name it
-BUILD_LAUNCHES: tuple[str, ...] = ("whole", "pair", "whole_w8", "whole_em")
+BUILD_LAUNCHES: tuple[str, ...] = ("whole", "pair", "whole_w8", "whole_em", "whole_pv")
 #: the forms for launches whose programs (one per head and 64-row block) fill at most this many waves of the
 #: multiprocessors: a build proves them only there (``launch_pays``). On an H100 (session 49) "whole_w8" and
 #: "whole_em" won at 32-256 programs (shapes 2, 3, 4, 9) and lost to "pair" at 512 and more (shapes 1, 5, 7: 20.2 and
-#: 16.0 µs against 10.4 at shape 1), where they cost a build two compiles and their proofs on every case
-LAUNCH_BOUND_FORMS, LAUNCH_BOUND_MAX_WAVES = ("whole_w8", "whole_em"), 2
+#: 16.0 µs against 10.4 at shape 1), where they cost a build two compiles and their proofs on every case. "whole_pv"
+#: is "whole_em" with its P.V joined, proven and timed only where "whole_em" won (session 50)
+LAUNCH_BOUND_FORMS, LAUNCH_BOUND_MAX_WAVES = ("whole_w8", "whole_em", "whole_pv"), 2
 LAUNCHES_DIGEST = launch_table_digest(LAUNCHES, BUILD_LAUNCHES, LAUNCH_BOUND_FORMS, LAUNCH_BOUND_MAX_WAVES)
 #: the rows it takes: ATen's WARP is 32 lanes from S = 17 on, and four chunks of 32 keys hold S = 128
 MIN_SEQ_LEN, MAX_SEQ_LEN = 17, 128
