@@ -47,7 +47,8 @@ KERNELS = {
                                     "stride_ms", "S", "H", "D")},
         "scale": "fp32"},
         {"HEAD_DIM": 32, "DH_PAD": 32, "BLOCK_K": 64, "CAUSAL": 1, "HAS_MASK": 1, "ACCURATE": 1, "FAST_DIV": 1,
-         "PDL": 0, "WHOLE": 0, "NK": 128, "PAIR": 0, "EARLY": 0, "EARLY_MASK": 0, "PV64": 0}),
+         "PDL": 0, "WHOLE": 0, "NK": 128, "PAIR": 0, "EARLY": 0, "EARLY_MASK": 0, "PV64": 0,
+        "ROWS128": 0}),
     "linear": ("kkdeploy.kernels._fused_linear_triton", "_fused_linear_kernel", {
         **{name: "*fp16" for name in ("X", "W", "B", "R", "OUT", "LN_G", "LN_B", "OUT2")}, "MASK": "*i1",
         **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")},

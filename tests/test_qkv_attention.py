@@ -71,7 +71,8 @@ INTERPRETER_SCRIPT = SCRIPT_HEAD + textwrap.dedent(
                  "whole, late": triton_qkv_attention(h, ws, bs, mask, heads, causal, whole=True, early=False),
                  "pair, late": triton_qkv_attention(h, ws, bs, mask, heads, causal, pair=True, early=False),
                  "whole_w8": triton_qkv_attention(h, ws, bs, mask, heads, causal, **LAUNCHES["whole_w8"]),
-                 "whole_em": triton_qkv_attention(h, ws, bs, mask, heads, causal, **LAUNCHES["whole_em"])}
+                 "whole_em": triton_qkv_attention(h, ws, bs, mask, heads, causal, **LAUNCHES["whole_em"]),
+                 "pair128_w8": triton_qkv_attention(h, ws, bs, mask, heads, causal, **LAUNCHES["pair128_w8"])}
         results.append(dict(case=[b, s, d, heads, causal, padded], elements=two.numel(),
                             differing=int((one.view(torch.int16) != two.view(torch.int16)).sum()),
                             forms_differing={name: int((out.view(torch.int16) != two.view(torch.int16)).sum())
@@ -90,7 +91,8 @@ def test_one_launch_equals_the_two_it_replaces_under_the_interpreter():
     assert len(results) == 7
     for r in results:
         assert r["differing"] == 0 and r["forms_differing"] == {"whole": 0, "pair": 0, "whole, late": 0,
-                                                                "pair, late": 0, "whole_w8": 0, "whole_em": 0}, r
+                                                                "pair, late": 0, "whole_w8": 0, "whole_em": 0,
+                                                                "pair128_w8": 0}, r
         assert r["finite"], r
 
 
@@ -109,7 +111,7 @@ PV64_SCRIPT = SCRIPT_HEAD + textwrap.dedent(
         bs = [torch.zeros(d).half(), torch.zeros(d).half(), torch.randint(-2, 3, (d,), generator=g).half()]
         mask, q, k, v, two = two_launches(h, ws, bs, padded, heads, causal, g)
         forms = {name: triton_qkv_attention(h, ws, bs, mask, heads, causal, **LAUNCHES[name])
-                 for name in ("whole_em", "whole_pv")}
+                 for name in ("whole_em", "whole_pv", "pair128_pv_w8")}
         dh = d // heads
         qh, kh = (t.float().view(b, s, heads, dh).transpose(1, 2) for t in (q, k))
         score_max = float((qh @ kh.transpose(-1, -2)).abs().max()) / dh ** 0.5
@@ -128,14 +130,14 @@ def test_p_v_over_64_keys_equals_the_chained_chunks_on_exact_sums():
     dot in numpy's order, so it cannot vouch for the bits of a 64-key sum against two chained 32-key sums in
     general (only the GPU's proof can). On inputs whose every P.V sum is exact in float32 it can vouch for the
     rest: which probability meets which V row, the unscored chunks' zeros (S of 32 and less, and 65-96), the
-    padded keys and the non-causal rows."""
+    padded keys and the non-causal rows. ``pair128_pv_w8`` (both row blocks as one tile, P.V over 64 keys) too."""
     results = run_interpreter_script(PV64_SCRIPT)
     assert len(results) == 7
     for r in results:
         # the exactness's conditions: V integers of 3 bits, and scores within +-0.35 (exps within a factor 2 of a
         # row's largest, so its probabilities span at most two binades)
         assert r["v_integer"] and 1 <= r["v_max"] <= 7 and r["score_max"] <= 0.35, r
-        assert r["forms_differing"] == {"whole_em": 0, "whole_pv": 0} and r["finite"], r
+        assert r["forms_differing"] == {"whole_em": 0, "whole_pv": 0, "pair128_pv_w8": 0} and r["finite"], r
 
 
 @pytest.mark.parametrize("s, d, heads, fragment", [
@@ -332,6 +334,10 @@ def test_the_launch_refuses_what_it_cannot_take_in_one_line():
     for form in ({}, {"pair": True}):  # the keys' validity loaded early is the whole form's only
         with pytest.raises(KKError, match="early_mask loads the keys' validity .* pass whole=True"):
             triton_qkv_attention(h, ws, bs, None, 4, True, early=bool(form), early_mask=True, **form)
+    with pytest.raises(KKError, match="rows128 attends a pair program's two row blocks as one tile; pass pair=True"):
+        triton_qkv_attention(h, ws, bs, None, 4, True, whole=True, rows128=True)
+    with pytest.raises(KKError, match="pv64 runs .* pass whole=True \\(or pair=True with rows128=True\\)"):
+        triton_qkv_attention(h, ws, bs, None, 4, True, pair=True, pv64=True)
 
 
 def test_the_launch_bound_forms_are_proven_only_where_launches_bound():
@@ -387,6 +393,27 @@ def test_offline_ptx_lists_the_layout_moves_by_source_line():
                   if "def _row_halves" in line)
     assert any(op == "ttg.convert_layout" and where.startswith(f"_qkv_attention_triton.py:{halves + 2}")
                for _, op, where in moves), moves
+
+
+def test_both_row_blocks_in_one_tile_keep_each_warpgroups_softmax_to_itself():
+    """Compiled here for sm_90a: ``pair128_w8`` (one program per head, 8 warps, both row blocks as one 128-row tile)
+    issues only ``wgmma`` tiles of 64 rows and has about as many barriers as the 4-warp forms, where ``whole_w8``
+    (8 warps on one 64-row block, each row's keys split across the warpgroups) has more than twice as many: each
+    warpgroup's rows stay in its own warps, so a row's max and sums need no trip through shared memory."""
+    pytest.importorskip("triton")
+    import re
+
+    from tests.conftest import load_script
+
+    script = load_script("offline_ptx")
+    values = {**script.KERNELS["qkv_attention"][3], "EARLY": True, "NK": 128}
+    rows128 = script.compile_asm("qkv_attention", {**values, "PAIR": True, "ROWS128": True, "PV64": True}, 8)["ptx"]
+    w8 = script.compile_asm("qkv_attention", {**values, "WHOLE": True}, 8)["ptx"]
+    tiles = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", rows128))
+    assert tiles and all(tile.startswith("m64") for tile in tiles) and "mma.sync" not in rows128, tiles
+    assert 2 * len(re.findall(r"bar\.sync", rows128)) < len(re.findall(r"bar\.sync", w8))
+    assert qa.LAUNCHES["pair128_pv_w8"] == {**qa.LAUNCHES["pair128_w8"], "pv64": True}
+    assert "pair128_w8" not in qa.BUILD_LAUNCHES  # a study until a GPU proves it and a build ships it
 
 
 def test_p_v_over_64_keys_issues_the_same_mmas_with_fewer_trips_through_shared_memory():

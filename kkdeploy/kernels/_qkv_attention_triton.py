@@ -186,7 +186,8 @@ def _pair_pv(p_lo, p_hi, v_pair, acc):
     [64, 64] (column c is the pair's key c: the low chunk's 32 first), against the pair's V rows [64, DH_PAD] as they
     were projected, not split into chunks. On the tensor cores the same k16 MMAs over the keys in order as two
     chained 32-key dots; it saves the split's trips through shared memory (``scripts/offline_ptx.py --layouts``)."""
-    p = tl.reshape(tl.permute(tl.join(p_lo, p_hi), (0, 2, 1)), (64, 64))
+    ROWS: tl.constexpr = p_lo.shape[0]
+    p = tl.reshape(tl.permute(tl.join(p_lo, p_hi), (0, 2, 1)), (ROWS, 64))
     return tl.dot(p, v_pair, acc)
 
 
@@ -203,6 +204,7 @@ def _attend(s0, s1, s2, s3, v0, v1, v2, v3, n_end, OUT, o_row0, stride_os, offs_
     products rounds to +0, never -0, when it cancels, so adding +0 leaves every bit as it was. The cached launch
     skips those steps, and the reference's P.V over all S keys runs them; the proof checks both on the GPU."""
     CH: tl.constexpr = 32  # ATen's lanes: the softmax's chunk
+    ROWS: tl.constexpr = s0.shape[0]  # 64, or 128 (``ROWS128``: both row blocks of a sequence in one tile)
     run_max = s0
     if n_end > CH:
         run_max = tl.maximum(run_max, s1)
@@ -212,27 +214,27 @@ def _attend(s0, s1, s2, s3, v0, v1, v2, v3, n_end, OUT, o_row0, stride_os, offs_
         run_max = tl.maximum(run_max, s3)
     row_max = tl.max(run_max, axis=1)
     e0 = _exp(s0 - row_max[:, None], ACCURATE)
-    lane = _lane_add(tl.zeros((64, CH), tl.float32), e0, 64, CH, 1)
-    e1 = tl.zeros((64, CH), tl.float32)
-    e2 = tl.zeros((64, CH), tl.float32)
-    e3 = tl.zeros((64, CH), tl.float32)
+    lane = _lane_add(tl.zeros((ROWS, CH), tl.float32), e0, ROWS, CH, 1)
+    e1 = tl.zeros((ROWS, CH), tl.float32)
+    e2 = tl.zeros((ROWS, CH), tl.float32)
+    e3 = tl.zeros((ROWS, CH), tl.float32)
     if n_end > CH:
         e1 = _exp(s1 - row_max[:, None], ACCURATE)
-        lane = _lane_add(lane, e1, 64, CH, 1)
+        lane = _lane_add(lane, e1, ROWS, CH, 1)
     if n_end > 2 * CH:
         e2 = _exp(s2 - row_max[:, None], ACCURATE)
-        lane = _lane_add(lane, e2, 64, CH, 1)
+        lane = _lane_add(lane, e2, ROWS, CH, 1)
     if n_end > 3 * CH:
         e3 = _exp(s3 - row_max[:, None], ACCURATE)
-        lane = _lane_add(lane, e3, 64, CH, 1)
-    row_sum = _row_sum(lane, 64, CH)
+        lane = _lane_add(lane, e3, ROWS, CH, 1)
+    row_sum = _row_sum(lane, ROWS, CH)
     if PV64:  # an unscored chunk of a pair adds +0s (its exps are 0): the accumulator, never -0, stays as it is
         acc = _pair_pv(_probabilities(e0, row_sum, FAST_DIV), _probabilities(e1, row_sum, FAST_DIV), v0,
-                       tl.zeros((64, DH_PAD), tl.float32))
+                       tl.zeros((ROWS, DH_PAD), tl.float32))
         if n_end > 2 * CH:
             acc = _pair_pv(_probabilities(e2, row_sum, FAST_DIV), _probabilities(e3, row_sum, FAST_DIV), v2, acc)
     else:
-        acc = tl.dot(_probabilities(e0, row_sum, FAST_DIV), v0, tl.zeros((64, DH_PAD), tl.float32))
+        acc = tl.dot(_probabilities(e0, row_sum, FAST_DIV), v0, tl.zeros((ROWS, DH_PAD), tl.float32))
         if n_end > CH:
             acc = tl.dot(_probabilities(e1, row_sum, FAST_DIV), v1, acc)
         if n_end > 2 * CH:
@@ -255,10 +257,10 @@ def _keys_end(m0, S, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _unscored_chunks(DH_PAD: tl.constexpr):
+def _unscored_chunks(DH_PAD: tl.constexpr, ROWS: tl.constexpr = 64):
     """Chunks 2 and 3 before they are scored: -inf scores and zero V rows, what a chunk past the keys holds."""
     CH: tl.constexpr = 32
-    return (tl.full((64, CH), float("-inf"), tl.float32), tl.full((64, CH), float("-inf"), tl.float32),
+    return (tl.full((ROWS, CH), float("-inf"), tl.float32), tl.full((ROWS, CH), float("-inf"), tl.float32),
             tl.zeros((CH, DH_PAD), tl.float16), tl.zeros((CH, DH_PAD), tl.float16))
 
 
@@ -270,11 +272,15 @@ def _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, s
     """Row block m0 .. m0 + 63 from its q [64, DH_PAD] and the projected k, v of keys 0 .. NK - 1: the cached
     launch's chunks 0-3 (``_attention_tile``, NCACHED = 4), in its order and under its conditions. ``km0`` ..
     ``km3``: the chunks' key validity already loaded (``_key_masks``). ``PV64``: V stays in its 64-key pairs
-    (``_attend``'s)."""
+    (``_attend``'s). A q of 128 rows (``ROWS128``, m0 = 0) attends both row blocks as one tile: the keys end where
+    the second block's end, and the first block's rows score the second block's keys too. Those scores are -inf
+    (causal), so they leave the row's max as it was, their exps are +0, the lane sums stay as they were, and their
+    probabilities add +0 products to P.V: the unscored chunks' argument (``_attend``)."""
     CH: tl.constexpr = 32
-    offs_m = m0 + tl.arange(0, 64)
-    n_end = _keys_end(m0, S, CAUSAL)
-    s2, s3, v2, v3 = _unscored_chunks(DH_PAD)
+    ROWS: tl.constexpr = q.shape[0]
+    offs_m = m0 + tl.arange(0, ROWS)
+    n_end = _keys_end(m0 + ROWS - 64, S, CAUSAL)
+    s2, s3, v2, v3 = _unscored_chunks(DH_PAD, ROWS)
     if NK == 128:
         k01, k23 = _row_halves(k, 64, DH_PAD)
         v01, v23 = _row_halves(v, 64, DH_PAD)
@@ -331,6 +337,7 @@ def _qkv_attention_kernel(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr, FAST_DIV: tl.constexpr,
     PDL: tl.constexpr = False, WHOLE: tl.constexpr = False, NK: tl.constexpr = 128, PAIR: tl.constexpr = False,
     EARLY: tl.constexpr = False, EARLY_MASK: tl.constexpr = False, PV64: tl.constexpr = False,
+    ROWS128: tl.constexpr = False,
 ):
     """``WHOLE``: q, k and v projected in one walk over D (``_project_whole``), k and v for keys 0 .. NK - 1 (NK =
     64 or 128, the rows rounded up), whether the row block needs them all or not. ``PAIR`` (WHOLE's projections,
@@ -338,7 +345,9 @@ def _qkv_attention_kernel(
     then both row blocks attended one after the other, so no row is projected twice. Otherwise each projection on
     its own, keys 64 at a time as the causal limit needs them. ``EARLY`` (WHOLE and PAIR): the biases loaded before
     the walk over D (``_project_whole``); ``EARLY_MASK`` (WHOLE): the keys' validity too (``_whole_block``);
-    ``PV64`` (WHOLE): P.V over 64 keys a dot (``_pair_pv``)."""
+    ``PV64`` (WHOLE, or PAIR with ROWS128): P.V over 64 keys a dot (``_pair_pv``). ``ROWS128`` (PAIR): both row
+    blocks attended as one 128-row tile (``_attend_tiles``), which at 8 warps gives each warpgroup one row block's
+    wgmma rows, so the two blocks' softmaxes run side by side instead of one after the other."""
     if PDL:  # a dependent launch (kernels/dependent_launch.py): earlier kernels' writes first, then the next's start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -356,7 +365,10 @@ def _qkv_attention_kernel(
     if PAIR:
         q, k, v = _project_whole(X, x_row0, stride_xs, offs_m, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, NK,
                                  HEAD_DIM, DH_PAD, BLOCK_K, True, EARLY)
-        if NK == 128:
+        if NK == 128 and ROWS128:
+            _attend_tiles(q, k, v, 0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0, NK,
+                          HEAD_DIM, DH_PAD, CAUSAL, HAS_MASK, ACCURATE, FAST_DIV, PV64=PV64)
+        elif NK == 128:
             q0, q1 = _row_halves(q, 64, DH_PAD)
             _attend_tiles(q0, k, v, 0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, stride_os, col0, NK,
                           HEAD_DIM, DH_PAD, CAUSAL, HAS_MASK, ACCURATE, FAST_DIV)
@@ -386,7 +398,7 @@ def _qkv_attention_kernel(
 def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num_heads: int, causal: bool, *,
                          fast_div: bool = True, num_warps: int = 4, num_stages=None, max_registers=None,
                          whole: bool = False, pair: bool = False, early: bool = False,
-                         early_mask: bool = False, pv64: bool = False) -> torch.Tensor:
+                         early_mask: bool = False, pv64: bool = False, rows128: bool = False) -> torch.Tensor:
     """The attention's context [B, S, D] fp16 of the normalized rows ``h`` [B, S, D] fp16, with ``weights`` (Wq, Wk,
     Wv), each [D, D], and ``biases`` (bq, bk, bv): what ``triton_linear`` of the packed Q|K|V followed by
     ``triton_attention(..., cached=True, block_m=64, num_warps=4, fast_div=True)`` computes, in one launch.
@@ -394,8 +406,9 @@ def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num
     per multiprocessor; capped at 128, four, with 32 bytes of spills). ``whole``: q, k and v projected in one walk
     over D, k and v of every key (the kernel's WHOLE); ``pair``: one program per head, every row projected once and
     both row blocks attended (the kernel's PAIR); ``early``: the biases loaded before the walk over D (EARLY);
-    ``early_mask`` (``whole`` only): the keys' validity too (EARLY_MASK); ``pv64`` (``whole`` only): P.V over 64
-    keys a dot (PV64)."""
+    ``early_mask`` (``whole`` only): the keys' validity too (EARLY_MASK); ``pv64`` (``whole``, or ``pair`` with
+    ``rows128``): P.V over 64 keys a dot (PV64); ``rows128`` (``pair`` only): both row blocks as one tile
+    (ROWS128)."""
     if h.dtype != torch.float16 or h.dim() != 3:
         raise KKError(f"h must be float16 [B, S, D], got {h.dtype} {list(h.shape)}")
     b, s, d = h.shape
@@ -404,8 +417,11 @@ def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num
                       "pass whole=True or pair=True")
     if early_mask and not (whole and not pair):
         raise KKError("early_mask loads the keys' validity before the whole form's walk over D; pass whole=True")
-    if pv64 and not (whole and not pair):
-        raise KKError("pv64 runs the whole form's P.V over 64 keys a dot; pass whole=True")
+    if pv64 and not ((whole and not pair) or (pair and rows128)):
+        raise KKError("pv64 runs the whole form's P.V over 64 keys a dot; pass whole=True (or pair=True with "
+                      "rows128=True)")
+    if rows128 and not pair:
+        raise KKError("rows128 attends a pair program's two row blocks as one tile; pass pair=True")
     refusal = qkv_attention_refusal(s, d, num_heads)
     if refusal:
         raise KKError(refusal)
@@ -438,5 +454,5 @@ def triton_qkv_attention(h: torch.Tensor, weights, biases, valid_token_mask, num
                   HEAD_DIM=dh, DH_PAD=dh_pad, BLOCK_K=block_k, CAUSAL=bool(causal), HAS_MASK=has_mask,
                   ACCURATE=not INTERPRET, FAST_DIV=bool(fast_div), WHOLE=bool(whole or pair), PAIR=bool(pair),
                   NK=64 if s <= 64 else 128, EARLY=bool(early), EARLY_MASK=bool(early_mask), PV64=bool(pv64),
-                  **launch)
+                  ROWS128=bool(rows128), **launch)
     return out

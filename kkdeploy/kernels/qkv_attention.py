@@ -63,7 +63,17 @@ LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True
                              # conversions against 11 and 3,046 SASS instructions a thread against 3,158, the same
                              # 64 exps. The same k16 MMAs in key order on the tensor cores; Triton's interpreter
                              # sums a dot in numpy's order, so only the GPU's proof can vouch for its bits
-                             "whole_pv": {"whole": True, "early": True, "early_mask": True, "pv64": True}}
+                             "whole_pv": {"whole": True, "early": True, "early_mask": True, "pv64": True},
+                             # "pair" at 8 warps with both row blocks attended as one 128-row tile (session 50,
+                             # studies only): each warpgroup holds one row block's wgmma rows, so the blocks'
+                             # softmaxes run side by side in one program per head, and every key is projected once
+                             # (the first block's rows also score the second block's keys: -inf, +0 exps, +0
+                             # products). Offline (Triton 3.6.0, sm_90a): 2,696 SASS instructions a thread (2,631
+                             # with P.V over 64 keys) against "whole_pv"'s 3,046 at 4 warps, 14-16 barriers,
+                             # 117-122 registers, no spills; half the programs of "whole", each 8 warps
+                             "pair128_w8": {"pair": True, "early": True, "rows128": True, "num_warps": 8},
+                             "pair128_pv_w8": {"pair": True, "early": True, "rows128": True, "pv64": True,
+                                               "num_warps": 8}}
 #: the forms a build proves, each shipped by a GPU build through strict validation first (H100s):
 #: - "whole" (session 43): a new user's build of shape 3 proved it at 8.3 µs against the packed Q|K|V GEMM's 3.8 and
 #:   the attention's 7.1, took it, and served a padded run with 0 failed elements; `-gemms-pdl` 0.0827 ms against
