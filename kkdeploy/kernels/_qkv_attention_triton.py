@@ -288,25 +288,23 @@ def _attend_tiles(q, k, v, m0, MASK, m_row0, stride_ms, S, scale, OUT, o_row0, s
         k01 = k
         v01 = v
     s0, s1 = _chunk_pair_scores(q, k01, MASK, m_row0, stride_ms, offs_m, 0, S, scale, CAUSAL, HAS_MASK, km0, km1)
-    if PV64:  # V in its 64-key pairs, never split (``_attend``); with 64 keys at most the second pair is not read
+    if not PV64:  # V split into its 32-key chunks; PV64 keeps its 64-key pairs (``_attend``)
+        v0, v1 = _row_halves(v01, 32, DH_PAD)
+    if NK == 128:
+        if n_end > 2 * CH:
+            s2, s3 = _chunk_pair_scores(q, k23, MASK, m_row0, stride_ms, offs_m, 64, S, scale, CAUSAL, HAS_MASK,
+                                        km2, km3)
+            if not PV64:
+                v2, v3 = _row_halves(v23, 32, DH_PAD)
+    if PV64:  # with 64 keys at most the second pair is not read
         v_pair1 = v01
         if NK == 128:
             v_pair1 = v23
-            if n_end > 2 * CH:
-                s2, s3 = _chunk_pair_scores(q, k23, MASK, m_row0, stride_ms, offs_m, 64, S, scale, CAUSAL,
-                                            HAS_MASK, km2, km3)
         _attend(s0, s1, s2, s3, v01, v01, v_pair1, v_pair1, n_end, OUT, o_row0, stride_os, offs_m, col0, S, HEAD_DIM,
                 DH_PAD, ACCURATE, FAST_DIV, True)
     else:
-        v0, v1 = _row_halves(v01, 32, DH_PAD)
-        if NK == 128:
-            if n_end > 2 * CH:
-                s2, s3 = _chunk_pair_scores(q, k23, MASK, m_row0, stride_ms, offs_m, 64, S, scale, CAUSAL,
-                                            HAS_MASK, km2, km3)
-                v2, v3 = _row_halves(v23, 32, DH_PAD)
         _attend(s0, s1, s2, s3, v0, v1, v2, v3, n_end, OUT, o_row0, stride_os, offs_m, col0, S, HEAD_DIM, DH_PAD,
                 ACCURATE, FAST_DIV)
-
 
 @triton.jit
 def _whole_block(X, x_row0, stride_xs, m0, S, WQ, WK, WV, BQ, BK, BV, col0, stride_w, D, MASK, m_row0, stride_ms,
