@@ -62,6 +62,17 @@ def test_backends_take_short_names_and_exact_candidate_names():
         parse_backends("tensorrt", torch.device("cpu"))
 
 
+def test_a_backends_own_name_stands_for_its_choices_on_this_device():
+    """``kkdeploy env`` lists ONNX Runtime as ``ort``; a user who types that gets the device's ORT candidates."""
+    import torch
+
+    from kkdeploy.pipeline.build import parse_backends
+
+    assert parse_backends("ort", torch.device("cpu")) == ["ort-cpu"]
+    assert parse_backends("ort,torch-compile", torch.device("cuda")) == ["ort-cuda", "torch-compile"]
+    assert parse_backends("ort-cpu,ort", torch.device("cpu")) == ["ort-cpu"]
+
+
 def test_the_attention_kernel_form_has_its_own_name_and_old_records_still_read():
     """Once 'faithful-kernel', one letter from 'faithful-kernels'; now named as its candidate suffix."""
     recipe = parse("torch-compile-faithful-attention")

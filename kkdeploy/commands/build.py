@@ -27,7 +27,8 @@ def register(sub):
     add_shape_args(p)
     p.add_argument("--all", action="store_true", help="every official shape (1-13; 14 takes the long-context path)")
     add_runtime_args(p)
-    p.add_argument("--backends", help=f"comma list from {','.join(BACKEND_CHOICES)} (default: all available here)")
+    p.add_argument("--backends", help=f"comma list from {','.join(BACKEND_CHOICES)}, or a backend's own name as `kkdeploy env` "
+                   "lists it (ort: this device's ORT candidates) (default: all available here)")
     p.add_argument("--out", help="artifact directory (default artifacts/shape-NN-<dtype>-<device>)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     add_contract_arg(p)

@@ -101,12 +101,31 @@ def backend_choice(name: str) -> tuple[str, list[str] | None, list[str] | None]:
     return registry.recipe_backends()[recipe.backend].key, None, [name]
 
 
+def device_choices(name: str, device: torch.device) -> list[str] | None:
+    """A backend's own name (``ort``, as ``kkdeploy env`` lists it) where it is not itself a ``--backends`` name ->
+    its choices for this device (``ort-cpu`` on a CPU, ``ort-cuda`` on a GPU); None for any other name."""
+    if registry.choice(name) is not None:
+        return None
+    for desc in registry.DESCRIPTORS.values():
+        if name in (desc.key, desc.recipe_name):
+            here = [option.name for option in desc.choices if device.type in option.default_on]
+            if not here:
+                raise KKError(f"backend {name!r} has no choice for a {device.type} device; name one of "
+                              f"{', '.join(option.name for option in desc.choices)}")
+            return here
+    return None
+
+
 def parse_backends(text: str | None, device: torch.device) -> list[str]:
+    """``--backends`` -> the names a build asks for: a backend's own name stands for its choices on this device."""
     if not text:
         return registry.default_choices(device.type)
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    for name in names:
-        backend_choice(name)
+    names = []
+    for name in (n.strip() for n in text.split(",") if n.strip()):
+        for chosen in device_choices(name, device) or [name]:
+            backend_choice(chosen)
+            if chosen not in names:
+                names.append(chosen)
     return names
 
 
