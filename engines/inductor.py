@@ -238,7 +238,9 @@ def export_variant(model: torch.nn.Module, config: TransformerConfig, dtype: tor
         gelu_fused = kernel_attention and kernel_linear and plan["gemms"] and (plan["gelu"] or plan["gelu_prologue"])
         norms_fused = kernel_attention and kernel_linear and plan["gemms"] and plan.get("layer_norm", False)
         final_fused = kernel_attention and masked_final_norm(kernel_layer_norm)  # the masked op (or in norms_fused)
-        expected = {"layer_norm": 1 if norms_fused else 2 * config.num_layers + (0 if final_fused else 1),
+        in_gemms = (config.num_layers * (bool(plan.get("norm_ffn_in")) + bool(plan.get("norm_qkv")))
+                    if kernel_attention and kernel_linear and plan["gemms"] else 0)  # LayerNorm prologues
+        expected = {"layer_norm": 1 if norms_fused else 2 * config.num_layers + (0 if final_fused else 1) - in_gemms,
                     "gelu": 0 if gelu_fused else config.num_layers,
                     "softmax": 0 if kernel_attention else config.num_layers - sdpa_layers}
         wrong = {op: (counts[op], expected[op]) for op in opaque if counts[op] != expected[op]}

@@ -130,12 +130,13 @@ def kernel_paths_record(name: str, config: TransformerConfig, dtype: torch.dtype
             path = layer_norm_path(device, config.batch_size * config.seq_len, config.d_model)
             record["layer_norm_path"] = {"kernel": path.kernel, "reason": path.reason, "launch": path.launch}
     if "linear" in kinds:
-        from kkdeploy.kernels.fused_blocks import block_plan, ffn_chain_launches, gelu_launches, linear_launches
+        from kkdeploy.kernels.fused_blocks import (block_plan, ffn_chain_launches, gelu_launches, linear_launches,
+                                                   norm_launches)
         from kkdeploy.kernels.fused_linear import linear_path
 
         launches = {}
         for op, (m, n, k, form) in {**linear_launches(config), **gelu_launches(config),
-                                    **ffn_chain_launches(config)}.items():
+                                    **ffn_chain_launches(config), **norm_launches(config)}.items():
             path = linear_path(m, n, k, dtype, device, epilogue=form)
             launches[op] = {"kernel": path.kernel, "launch": path.launch, "reason": path.reason}
         plan = block_plan(config, dtype, device)

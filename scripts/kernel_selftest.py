@@ -42,14 +42,15 @@ STUDY_STALL_S = 600.0
 
 #: what ``--all-launches`` tries per kind (a build tries fewer: ``faithful_attention.proof_launches`` and friends),
 #: less the tiles known to hang (``fused_linear.HANGS``: name them with ``--launches`` to study them again). The
-#: linear kind's launches are the GEMM tiles, the LayerNorm epilogue's and the feed-forward's, and the Q|K|V
-#: attention's forms (proven beside the GEMMs: ``model_proofs.kernel_op_shapes``)
+#: linear kind's launches are the GEMM tiles, the LayerNorm epilogue's, the feed-forward's and the LayerNorm
+#: prologue's, and the Q|K|V attention's forms (proven beside the GEMMs: ``model_proofs.kernel_op_shapes``)
 def all_launches(hanging: bool = False) -> dict[str, list[str]]:
     from kkdeploy.kernels import faithful_attention, fused_linear, layer_norm, qkv_attention
 
     return {"attention": list(faithful_attention.LAUNCHES), "layer_norm": list(layer_norm.LAUNCHES),
             "linear": [t for t in dict.fromkeys([*fused_linear.TILES, *fused_linear.LN_TILES,
-                                                 *fused_linear.FFN_TILES, *qkv_attention.LAUNCHES])
+                                                 *fused_linear.FFN_TILES, *fused_linear.NORM_TILES,
+                                                 *qkv_attention.LAUNCHES])
                        if hanging or t not in fused_linear.HANGS]}
 
 

@@ -55,7 +55,7 @@ KERNELS = {
         "eps": "fp32"},
         {"EPILOGUE": 3, "HAS_MASK": 1, "ACCURATE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
          "LN_RELOAD": 0, "A_GELU": 0, "LN_ZERO_INVALID": 0, "PDL": 0, "COLUMNS_FIRST": 0, "EARLY": 0,
-         "LN_EARLY": 0}),
+         "LN_EARLY": 0, "A_LN": 0}),
     "linear_tma": ("kkdeploy.kernels._fused_linear_triton", "_fused_linear_tma_kernel", {
         "XD": "tensordesc<fp16[128, 64]>", "WD": "tensordesc<fp16[128, 64]>", "B": "*fp16", "R": "*fp16",
         "MASK": "*i1", "OUT": "*fp16", **{name: "i32" for name in ("M", "N", "K", "stride_rm", "stride_om")}},

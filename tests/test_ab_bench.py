@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -126,7 +127,8 @@ def _edited_tuples(tmp_path, edit, lines):
     text = "".join((tmp_path / "kkdeploy" / "kernels" / name).read_text()
                    for name in ("fused_linear.py", "qkv_attention.py"))
     return {m.group(1): ast.literal_eval(m.group(2))
-            for m in re.finditer(r"^(BUILD_TILES|LN_BUILD_TILES|BUILD_LAUNCHES)\b[^=]*= (\(.*\))$", text, re.M)}
+            for m in re.finditer(r"^(BUILD_TILES|LN_BUILD_TILES|NORM_BUILD_TILES|BUILD_LAUNCHES)\b[^=]*= (\(.*\))$",
+                                 text, re.M)}
 
 
 def test_the_ab_edits_apply_to_this_tree_and_name_only_known_launches(tmp_path):
@@ -156,3 +158,13 @@ def test_the_ab_edits_apply_to_this_tree_and_name_only_known_launches(tmp_path):
     assert pv["BUILD_TILES"] == fl.BUILD_TILES and pv["LN_BUILD_TILES"] == fl.LN_BUILD_TILES
     edited = (tmp_path / "pv" / "kkdeploy" / "kernels" / "qkv_attention.py").read_text()
     assert '"whole_em"), 2\n' in edited and "whole_pv" in qa.LAUNCH_BOUND_FORMS
+    # the LayerNorm prologue's tiles join the build's proofs: all four, or those named
+    norm = _edited_tuples(tmp_path / "norm", "norm_prologue_joins_builds.sh", 1)
+    assert fl.NORM_BUILD_TILES == () and norm["NORM_BUILD_TILES"] == tuple(fl.NORM_TILES)
+    assert norm["BUILD_TILES"] == fl.BUILD_TILES and norm["BUILD_LAUNCHES"] == qa.BUILD_LAUNCHES
+    os.environ["NORM_TILES"] = "ln_m64n32_w8 ln_m64_w8"
+    try:
+        named = _edited_tuples(tmp_path / "norm2", "norm_prologue_joins_builds.sh", 1)
+    finally:
+        del os.environ["NORM_TILES"]
+    assert named["NORM_BUILD_TILES"] == ("ln_m64n32_w8", "ln_m64_w8")

@@ -39,7 +39,15 @@ FULL_PLAN = {"gemms": True, "packed_qkv": True, "gelu_prologue": True, "gelu": F
                                                                     "ffn_out": True}},
                                   {"gemms": True, "packed_qkv": False, "gelu_prologue": False, "gelu": False,
                                    "layer_norm": False, "linears": {"qkv": True, "out_proj": False, "ffn_in": False,
-                                                                    "ffn_out": False}}])
+                                                                    "ffn_out": False}},
+                                  # the LayerNorm prologues: norm1 in the packed Q|K|V, norm2 in ffn_in (its GELU
+                                  # in ffn_in's epilogue, in ffn_out's prologue, or ATen's)
+                                  {"gemms": True, "packed_qkv": True, "gelu_prologue": False, "gelu": True,
+                                   "layer_norm": False, "norm_ffn_in": True, "norm_qkv": True},
+                                  {"gemms": True, "packed_qkv": True, "gelu_prologue": True, "gelu": False,
+                                   "layer_norm": False, "norm_ffn_in": True, "norm_qkv": False},
+                                  {"gemms": True, "packed_qkv": False, "gelu_prologue": False, "gelu": False,
+                                   "layer_norm": False, "norm_ffn_in": True}])
 def test_block_forward_through_the_op_is_the_reference_block(dtype, ratio, plan):
     model = build_models(CONFIG, dtype, "cpu")[0]
     x, mask = generate_case(CONFIG, "cpu", dtype, 1234, padding_ratio=ratio)
@@ -474,8 +482,8 @@ def test_the_sass_tail_counts_what_a_thread_runs_after_its_last_mma(tmp_path):
 def test_block_plan_on_the_cpu_is_the_reference_block():
     plan = fb.block_plan(CONFIG, torch.float16, torch.device("cpu"))
     assert plan == {"gemms": False, "packed_qkv": False, "gelu_prologue": False, "gelu": False, "layer_norm": False,
-                    "ffn_chain": False, "ffn_qkv": False, "qkv_attention": False,
-                    "linears": {"qkv": False, "out_proj": False, "ffn_in": False, "ffn_out": False}}
+                    "ffn_chain": False, "ffn_qkv": False, "qkv_attention": False, "norm_ffn_in": False,
+                    "norm_qkv": False, "linears": {"qkv": False, "out_proj": False, "ffn_in": False, "ffn_out": False}}
 
 
 def test_epilogues_are_the_reference_ops():
@@ -1161,3 +1169,165 @@ def test_the_feed_forward_launch_computes_what_ffn_in_and_ffn_out_s_launches_com
     results = run_interpreter_script(FFN_SCRIPT)
     assert len(results) == 6
     assert all(r["differing"] == 0 for r in results), results
+
+
+NORM_SCRIPT = """
+import json, torch
+import numpy as np
+from kkdeploy.kernels._fused_linear_triton import triton_linear, triton_norm_linear
+from kkdeploy.kernels.fused_linear import NORM_TILES, norm_tile_fits
+from kkdeploy.kernels.layer_norm import emulate_layer_norm_rows
+
+def np_rsqrt(t):  # the interpreter's tl.math.rsqrt: numpy's 1 / sqrt in float32
+    return torch.from_numpy(1 / np.sqrt(t.numpy()))
+
+results = []
+g = torch.Generator().manual_seed(23)
+# (M, K = D, N, tile, epilogue): norm2 + ffn_in (+ GELU), norm1 + the packed Q|K|V, rows past M, rows under 128 (the
+# lanes past the row), 32-row tiles
+CASES = ((200, 128, 128, "ln_m64n32_w8", "gelu"), (130, 128, 384, "ln_m64_w8", "none"),
+         (70, 32, 96, "ln_m32n32_w8", "none"), (64, 64, 40, "ln_m64n16_w8", "gelu"),
+         (100, 16, 48, "ln_m64n16_w8", "none"))
+for m, k, n, tile, epilogue in CASES:
+    assert norm_tile_fits(tile, k, n)
+    x = (torch.randn(m, k, generator=g) * 2 + 0.5).half()
+    w, b = (torch.randn(n, k, generator=g) / 8).half(), (torch.randn(n, generator=g) / 4).half()
+    lw, lb = (torch.rand(k, generator=g) + 0.5).half(), (torch.randn(k, generator=g) * 0.1).half()
+    config = dict(NORM_TILES[tile])
+    got = triton_norm_linear(x, lw, lb, 1e-5, w, b, epilogue, **config)
+    # the rows LayerNorm in ATen's order, then the same tile without the prologue
+    normed = emulate_layer_norm_rows(x, lw, lb, 1e-5, rsqrt=np_rsqrt)
+    want = triton_linear(normed, w, b, epilogue=epilogue, **config)
+    wrong_eps = triton_norm_linear(x, lw, lb, 1e-3, w, b, epilogue, **config)  # the comparison can see a change
+    results.append({"case": [m, k, n, tile, epilogue],
+                    "differing": int((got.view(torch.int16) != want.view(torch.int16)).sum()),
+                    "differing_other_eps": int((wrong_eps.view(torch.int16) != want.view(torch.int16)).sum())})
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_the_layer_norm_prologue_computes_what_the_rows_layer_norm_and_the_tile_compute():
+    """Under the interpreter, every LayerNorm-prologue tile against ATen's rows LayerNorm (its order, emulated) followed
+    by the same tile without the prologue, bit for bit: rows past M, rows of 16-128 (lanes past the row), the packed
+    Q|K|V's 384 columns, the GELU epilogue; and the same launch with another eps differs, so the check can fail."""
+    results = run_interpreter_script(NORM_SCRIPT)
+    assert len(results) == 5
+    assert all(r["differing"] == 0 for r in results), results
+    assert all(r["differing_other_eps"] > 0 for r in results), results
+
+
+def test_the_layer_norm_prologue_op():
+    """``norm_linear``: the reference's LayerNorm, then its Linear(s) and the epilogue, one op (the CPU kernel is that
+    composition); its contract's refusals are one line."""
+    torch.manual_seed(2)
+    x = torch.randn(3, 5, 8)
+    norm = torch.nn.LayerNorm(8)
+    torch.nn.init.normal_(norm.weight)
+    torch.nn.init.normal_(norm.bias)
+    w, b = torch.randn(6, 8), torch.randn(6)
+    ws, bs = [torch.randn(4, 8) for _ in range(3)], [torch.randn(4) for _ in range(3)]
+    with torch.no_grad():
+        assert torch.equal(fl.norm_linear(x, norm, [w], [b]), F.linear(norm(x), w, b))
+        assert torch.equal(fl.norm_linear(x, norm, [w], [b], "gelu"), F.gelu(F.linear(norm(x), w, b)))
+        assert torch.equal(fl.norm_linear(x, norm, ws, bs),
+                           torch.cat([F.linear(norm(x), wi, bi) for wi, bi in zip(ws, bs)], dim=-1))
+        args = (x, norm.weight, norm.bias, 1e-5, [w], [b], "gelu")
+        torch.library.opcheck(torch.ops.kkdeploy_faithful.norm_linear.default, args)
+        with pytest.raises(KKError, match="takes the epilogue none or gelu"):
+            fl.norm_linear(x, norm, [w], [b], "masked_sum")
+        with pytest.raises(KKError, match=r"ln_weight must be \[8\]"):
+            fl.norm_linear(x, torch.nn.LayerNorm(6), [w], [b])
+        with pytest.raises(KKError, match="does not apply to rows of 8"):
+            fl.run_norm_launch(x, norm.weight, norm.bias, 1e-5, [w], [b], "none", "ln_m64n32_w8")
+    assert fl.norm_form("gelu") == "layer_norm_prologue+gelu" and fl.NORM_PROLOGUE in fl.PARTS
+    assert [t for t in fl.NORM_TILES if fl.norm_tile_fits(t, 128, 128)] == list(fl.NORM_TILES)
+    assert [t for t in fl.NORM_TILES if fl.norm_tile_fits(t, 128, 16)] == ["ln_m64n16_w8", "ln_m64_w8"]
+    assert not any(fl.norm_tile_fits(t, 256, 128) for t in fl.NORM_TILES)  # rows past one tile's LayerNorm
+
+
+def test_a_build_proves_the_layer_norm_prologue_and_the_plan_takes_it_where_it_pays(monkeypatch, proof_sandbox):
+    """The LayerNorm-prologue launches are op shapes of a study that names their tiles (a build proves none yet:
+    NORM_BUILD_TILES), each with its cases from the model's own rows; the plan takes norm2 inside ffn_in, and norm1
+    inside the packed Q|K|V, only without the LayerNorm epilogues and where proven and, by the proofs' timings, faster
+    than the rows LayerNorm's launch and the plain GEMM's together; the graph's GEMM forms and LayerNorm count
+    follow."""
+    from kkdeploy.kernels import faithful_attention as fa
+    from kkdeploy.kernels import layer_norm as ln
+    from kkdeploy.kernels import model_proofs
+
+    config = TransformerConfig(batch_size=4, seq_len=32, d_model=128, num_heads=2, ffn_dim=256, num_layers=2)
+    m = 4 * 32
+    assert fb.norm_launches(config) == {"norm2_ffn_in": (m, 256, 128, fl.norm_form("none")),
+                                        "norm2_ffn_in_gelu": (m, 256, 128, fl.norm_form("gelu")),
+                                        "norm1_qkv": (m, 384, 128, fl.norm_form("none"))}
+    assert fb.norm_launches(TransformerConfig(batch_size=4, seq_len=32, d_model=256, num_heads=2, ffn_dim=256,
+                                              num_layers=1)) == {}
+    op = ("linear", "norm2_ffn_in_gelu", fl.proof_shape(m, 256, 128, fl.norm_form("gelu")))
+    assert fl.NORM_BUILD_TILES == () and op not in model_proofs.kernel_op_shapes(config, ["linear"])
+    assert op in model_proofs.kernel_op_shapes(config, ["linear"], {"linear": ["ln_m64n32_w8"]})
+    # the proof's cases: the model's own rows through each LayerNorm and Linear, all-valid and padded, and random
+    model = build_models(config, torch.float32, "cpu")[0]
+    cases = model_proofs._Cases(model, config, torch.float32, torch.device("cpu"), 1234)
+    for name, width in (("norm2_ffn_in_gelu", 256), ("norm1_qkv", 384)):
+        got = cases.linear(name)
+        assert len(got) == 4 + len(model_proofs.RANDOM_INPUTS)
+        assert all(tuple(case.reference().shape) == (4, 32, width) for case in got)
+    layer = model.layers[0]
+    with torch.no_grad():
+        first = cases.linear("norm2_ffn_in_gelu")[0]
+        want = F.gelu(layer.ffn_in(layer.norm2(cases.inputs[0][2][0].mid)))
+        assert bits_equal(first.reference(), want)
+
+    monkeypatch.setattr(fl, "triton_available", lambda: True)
+    monkeypatch.setattr(fa, "select_attention_path", lambda *a, **k: fa.AttentionPath("triton", "test", "bm64"))
+    cuda = torch.device("cuda")
+    for n, k, form, ms, aten in ((384, 128, "none", 0.004, 0.005), (128, 128, "add_masked", 0.004, 0.005),
+                                 (256, 128, "none", 0.004, 0.005), (128, 256, "masked_sum", 0.004, 0.005),
+                                 (256, 128, "gelu", 0.003, 0.01)):
+        _remember_linear(proof_sandbox, m, n, k, form, chosen="auto", ms=ms, aten_ms=aten)
+    proof_sandbox.remember_proof(proof_sandbox.ProofRecord(
+        op=ln.OP, shape=ln.proof_shape(m, 128), environment=ln.proof_environment("cuda"), chosen="rows2",
+        launches=[proof_sandbox.LaunchResult("rows2", ms=0.002, status="proven")], reference_ms=0.009))
+    plan = fb.block_plan(config, torch.float16, cuda)
+    assert plan["gelu"] and not plan["norm_ffn_in"] and not plan["norm_qkv"]  # not proven here
+    _remember_linear(proof_sandbox, m, 256, 128, fl.norm_form("gelu"), chosen="ln_m64n32_w8", ms=0.0055,
+                     aten_ms=0.02)
+    assert not fb.block_plan(config, torch.float16, cuda)["norm_ffn_in"]  # 0.0055 ms against 0.003 + 0.002
+    _remember_linear(proof_sandbox, m, 256, 128, fl.norm_form("gelu"), chosen="ln_m64n32_w8", ms=0.0045,
+                     aten_ms=0.02)
+    _remember_linear(proof_sandbox, m, 384, 128, fl.norm_form("none"), chosen="ln_m64_w8", ms=0.005, aten_ms=0.02)
+    plan = fb.block_plan(config, torch.float16, cuda)
+    assert plan["norm_ffn_in"] and plan["norm_qkv"]  # 0.0045 < 0.005 and 0.005 < 0.006
+    path = fl.linear_path(m, 256, 128, torch.float16, cuda, epilogue=fl.norm_form("gelu"))
+    assert path.fused and path.launch == "ln_m64n32_w8"
+    forms = fb.planned_linear_forms(config, plan)
+    assert {(256, 128, fl.norm_form("gelu")), (384, 128, fl.norm_form("none"))} <= forms
+    assert not {(256, 128, "gelu"), (384, 128, "none")} & forms
+    # with the LayerNorm epilogues the norms come out of the residual GEMMs already: no prologue
+    monkeypatch.setattr(fb, "layer_norm_epilogues_pay", lambda *a: True)
+    plan = fb.block_plan(config, torch.float16, cuda)
+    assert plan["layer_norm"] and not plan["norm_ffn_in"] and not plan["norm_qkv"]
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.25])
+def test_export_with_the_layer_norm_prologues_is_bitwise_on_the_cpu(ratio, monkeypatch):
+    """norm1 inside the packed Q|K|V and norm2 inside ffn_in with its GELU: the graph holds no block LayerNorm of its
+    own (the export's count of the reference's sensitive ops allows for them), and runs the reference's bits."""
+    import engines.inductor_ops  # noqa: F401
+    from engines.inductor import export_variant
+    from kkdeploy.kernels import layer_norm
+
+    monkeypatch.setattr(layer_norm, "MASKED_FINAL", False)
+    monkeypatch.setattr(fb, "block_plan", lambda *a: {"gemms": True, "packed_qkv": True, "gelu_prologue": False,
+                                                      "gelu": True, "layer_norm": False, "linears": {},
+                                                      "norm_ffn_in": True, "norm_qkv": True})
+    model = build_models(CONFIG, torch.float32, "cpu")[0]
+    exported = export_variant(model, CONFIG, torch.float32, torch.device("cpu"), "inductor", kernel_attention=True,
+                              kernel_layer_norm=True, kernel_linear=True)
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert targets.count("kkdeploy_faithful.norm_linear.default") == 2 * CONFIG.num_layers
+    assert targets.count("kkdeploy_faithful.linear.default") == 2 * CONFIG.num_layers  # out_proj, ffn_out
+    assert targets.count("kkdeploy_faithful.layer_norm_rows.default") == 1  # final_norm only
+    x, mask = generate_case(CONFIG, "cpu", torch.float32, 1234, padding_ratio=ratio)
+    with torch.no_grad():
+        assert torch.equal(exported.module()(x, mask), model(x, mask))

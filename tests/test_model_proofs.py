@@ -42,6 +42,7 @@ class FakeKernels:
         monkeypatch.setattr(fl, "run_launch", self.linear)
         monkeypatch.setattr(fl, "run_layer_norm_launch", self.linear_layer_norm)
         monkeypatch.setattr(fl, "run_ffn_launch", self.ffn_layer_norm)
+        monkeypatch.setattr(fl, "run_norm_launch", self.norm_linear)
 
     def _answer(self, launch, key, padded, compute):
         self.calls.append(launch)
@@ -80,6 +81,10 @@ class FakeKernels:
         return self._answer(launch or "auto", ("ffn", x.data_ptr(), w_in.data_ptr(), zero_invalid), False,
                             lambda: fl.reference_ffn_layer_norm(x, w_in, b_in, w_out, b_out, residual, mask, ln_weight,
                                                                 ln_bias, eps, zero_invalid))
+
+    def norm_linear(self, x, ln_weight, ln_bias, eps, weights, biases, epilogue, launch=None):
+        return self._answer(launch, ("nl", x.data_ptr(), weights[0].data_ptr(), epilogue), True,
+                            lambda: fl.reference_norm_linear(x, ln_weight, ln_bias, eps, weights, biases, epilogue))
 
     def linear(self, x, weights, biases, residual, mask, epilogue, prologue, launch):
         padded = mask is not None and not bool(mask.all())
@@ -130,6 +135,23 @@ def test_each_op_gets_its_fastest_bit_identical_launch_and_a_failing_one_is_reje
         assert ({r.launch: r.status for r in record.launches}["m64"] == "differs") is residual
     assert all(proofs.proven(kind) for kind in mp.KINDS) and proofs.reused == 0
     assert [r.op for r in proofs.records] == [fa.OP, ln.OP] + [fl.OP] * 9
+
+
+def test_a_study_proves_the_layer_norm_prologue_and_rejects_a_differing_tile(monkeypatch, proof_sandbox, model):
+    """A study that names LayerNorm-prologue tiles adds their launches (norm2 inside ffn_in, with and without its
+    GELU, and norm1 inside the packed Q|K|V) to the model's proof; each keeps only its bit-identical tiles, and the
+    other GEMM forms take only the GEMM tiles named."""
+    FakeKernels(monkeypatch, bad={"ln_m64n16_w8"})
+    proofs = mp.prove_model_kernels(model, CONFIG, torch.float16, CPU, ("linear",), reuse=False,
+                                    launches={"linear": ["ln_m64n32_w8", "ln_m64n16_w8", "m64n64"]})
+    norm = {(r.shape["n"], r.shape["form"]): r for r in proofs.records if fl.NORM_PROLOGUE in r.shape["form"]}
+    assert set(norm) == {(32, fl.norm_form("none")), (32, fl.norm_form("gelu")), (48, fl.norm_form("none"))}
+    for record in norm.values():
+        assert record.proven and record.chosen == "ln_m64n32_w8", record.reason
+        assert {r.launch: r.status for r in record.launches} == {"ln_m64n32_w8": "proven", "ln_m64n16_w8": "differs"}
+    others = [r for r in proofs.records if r.op == fl.OP and fl.NORM_PROLOGUE not in r.shape["form"]
+              and "layer_norm" not in r.shape["form"].split("+")]
+    assert others and all([x.launch for x in r.launches] == ["m64n64"] for r in others)
 
 
 def test_proofs_are_reused_in_the_same_environment_and_made_again_in_another(monkeypatch, proof_sandbox, model):
@@ -271,6 +293,7 @@ def test_the_kernel_self_test_is_the_proof_step_and_reads_its_records(monkeypatc
     from kkdeploy.kernels import qkv_attention as qa
 
     assert set(qa.LAUNCHES) <= set(script.all_launches()["linear"])
+    assert set(fl.NORM_TILES) <= set(script.all_launches()["linear"])  # and the LayerNorm prologue's tiles
     args = script.parse_args(["--launches", "linear=m64n64,regs_m16,whole,whole_w8", "--out", "x"])
     assert args.launches == {"linear": ["m64n64", "regs_m16", "whole", "whole_w8"]}
     # a study small enough for one device call bounds a hung launch's silence below the call's limit

@@ -376,7 +376,8 @@ def test_a_changed_launch_table_is_another_environment():
 
     environment = fl.proof_environment("cpu")
     assert environment["launches"] == fl.TILES_DIGEST == proof.launch_table_digest(
-        fl.TILES, fl.BUILD_TILES, fl.LN_TILES, fl.LN_BUILD_TILES, fl.FFN_TILES, fl.FFN_BUILD_TILES)
+        fl.TILES, fl.BUILD_TILES, fl.LN_TILES, fl.LN_BUILD_TILES, fl.FFN_TILES, fl.FFN_BUILD_TILES, fl.NORM_TILES,
+        fl.NORM_BUILD_TILES)
     assert fl.proof_environment("cpu") is environment  # one dict per device: the op's hot path freezes it once
     changed = dict(fl.TILES, m64=dict(fl.TILES["m64"], num_stages=3))
     assert proof.launch_table_digest(changed, fl.BUILD_TILES) != fl.TILES_DIGEST
@@ -386,6 +387,9 @@ def test_a_changed_launch_table_is_another_environment():
     # and the feed-forward launch's: a tile leaving the build's set is another environment
     assert proof.launch_table_digest(fl.TILES, fl.BUILD_TILES, fl.LN_TILES, fl.LN_BUILD_TILES, fl.FFN_TILES,
                                      ("auto", "regs")) != fl.TILES_DIGEST
+    # and the LayerNorm prologue's: a tile joining the build's set is another environment
+    assert proof.launch_table_digest(fl.TILES, fl.BUILD_TILES, fl.LN_TILES, fl.LN_BUILD_TILES, fl.FFN_TILES,
+                                     fl.FFN_BUILD_TILES, fl.NORM_TILES, ("ln_m64n32_w8",)) != fl.TILES_DIGEST
     assert fa.proof_environment("cpu")["launches"] == proof.launch_table_digest(fa.LAUNCHES, fa.BUILD_LAUNCHES)
     assert ln.LAUNCHES_DIGEST == proof.launch_table_digest(ln.LAUNCHES, ln.FULL_ROW_WIDTHS, ln.FULL_BLOCK_WIDTHS)
 

@@ -143,14 +143,9 @@ def _ln_affine(G, B, LN_N: tl.constexpr):
 
 
 @triton.jit
-def _rows_layer_norm(v, G, B, eps, LN_N: tl.constexpr, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr,
-                     g=None, b=None):
-    """ATen's float16 LayerNorm of each row of v [BLOCK_M, 32, 4] (float32 holding float16 values; [row, lane t,
-    k] is element 4t + k of a row of LN_N; lanes t >= LN_N / 4 hold nothing), in the order of
-    ``kkdeploy.kernels.layer_norm.emulate_layer_norm_rows``: a Welford push per element, the shuffle-down tree over
-    the 32 lanes, two merges with empty states, var = m2 / LN_N, rstd = rsqrt(var + eps), y = fma(g, rstd * (x -
-    mean), b); returns float16 [BLOCK_M, 32, 4] (lanes past the row: don't care). ``g``, ``b``: the weight and bias
-    already loaded (``_ln_affine``), else they are loaded here, after the statistics."""
+def _rows_stats(v, eps, LN_N: tl.constexpr, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr):
+    """The statistics of ``_rows_layer_norm`` (its arguments' meaning): (mean, rstd), each [BLOCK_M], in ATen's
+    order."""
     x4 = tl.reshape(v, (BLOCK_M, 32, 2, 2))  # [row, lane t, hi, lo]: element 4t + 2 hi + lo
     lo0, lo1 = tl.split(x4)
     e0, e2 = tl.split(lo0)
@@ -171,9 +166,43 @@ def _rows_layer_norm(v, G, B, eps, LN_N: tl.constexpr, BLOCK_M: tl.constexpr, AC
     mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 2)
     mean, m2, count = _shuffle_down_step(mean, m2, count, BLOCK_M, 1)
     mean, rstd = _rows_mean_rstd(mean, m2, count, eps, LN_N, BLOCK_M, ACCURATE)
+    return mean, rstd
+
+
+@triton.jit
+def _rows_layer_norm(v, G, B, eps, LN_N: tl.constexpr, BLOCK_M: tl.constexpr, ACCURATE: tl.constexpr,
+                     g=None, b=None):
+    """ATen's float16 LayerNorm of each row of v [BLOCK_M, 32, 4] (float32 holding float16 values; [row, lane t,
+    k] is element 4t + k of a row of LN_N; lanes t >= LN_N / 4 hold nothing), in the order of
+    ``kkdeploy.kernels.layer_norm.emulate_layer_norm_rows``: a Welford push per element, the shuffle-down tree over
+    the 32 lanes, two merges with empty states, var = m2 / LN_N, rstd = rsqrt(var + eps), y = fma(g, rstd * (x -
+    mean), b); returns float16 [BLOCK_M, 32, 4] (lanes past the row: don't care). ``g``, ``b``: the weight and bias
+    already loaded (``_ln_affine``), else they are loaded here, after the statistics."""
+    mean, rstd = _rows_stats(v, eps, LN_N, BLOCK_M, ACCURATE)
     if g is None:
         g, b = _ln_affine(G, B, LN_N)
     return tl.fma(g[None, :, :], rstd[:, None, None] * (v - mean[:, None, None]), b[None, :, :]).to(tl.float16)
+
+
+@triton.jit
+def _prologue_stats(X, offs_m, row_ok, stride_xm, eps, LN_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                    ACCURATE: tl.constexpr):
+    """The LayerNorm prologue's statistics of rows ``offs_m`` of X (rows of LN_N <= 128): the whole rows loaded in
+    ``_rows_layer_norm``'s [row, lane, 4] layout, as the entry launch of the layer kernels loads them."""
+    lane_k = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [lane, k]: column 4 lane + k
+    in_row = row_ok[:, None, None] & (lane_k < LN_N)[None, :, :]
+    v3 = tl.load(X + offs_m[:, None, None] * stride_xm + lane_k[None, :, :], mask=in_row, other=0.0)
+    return _rows_stats(v3.to(tl.float32), eps, LN_N, BLOCK_M, ACCURATE)
+
+
+@triton.jit
+def _normalized_columns(a, mean, rstd, G, B, kk, K):
+    """Columns ``kk`` of the rows' LayerNorm, from their float16 values ``a`` [rows, len(kk)] and the rows'
+    statistics: ``_rows_layer_norm``'s fma(g, rstd * (x - mean), b) element by element, rounded to float16."""
+    in_k = kk < K
+    g = tl.load(G + kk, mask=in_k, other=0.0).to(tl.float32)
+    b = tl.load(B + kk, mask=in_k, other=0.0).to(tl.float32)
+    return tl.fma(g[None, :], rstd[:, None] * (a.to(tl.float32) - mean[:, None]), b[None, :]).to(tl.float16)
 
 
 @triton.jit
@@ -185,9 +214,12 @@ def _fused_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LN_G=None, LN_B=None, OUT2=None, eps=0.0, LN_RELOAD: tl.constexpr = False, A_GELU: tl.constexpr = False,
     LN_ZERO_INVALID: tl.constexpr = False, PDL: tl.constexpr = False, COLUMNS_FIRST: tl.constexpr = False,
-    EARLY: tl.constexpr = False, LN_EARLY: tl.constexpr = False,
+    EARLY: tl.constexpr = False, LN_EARLY: tl.constexpr = False, A_LN: tl.constexpr = 0,
 ):
-    """``COLUMNS_FIRST``: the grid is (column tiles, row tiles), so the column tiles of one row block are launched
+    """``A_LN``: the LayerNorm prologue over rows of A_LN = K (``_linear_tile``), with LN_G, LN_B and eps the
+    LayerNorm's (no LayerNorm epilogue then).
+
+    ``COLUMNS_FIRST``: the grid is (column tiles, row tiles), so the column tiles of one row block are launched
     one after another and read its rows of X while they are in L2. With rows first, a launch of N > BLOCK_N whose X
     outgrows L2 (shape 6's Q|K|V: 328 MB of X, three column tiles) reads X from memory once per column tile. Which
     program computes which tile is all that changes.
@@ -208,7 +240,7 @@ def _fused_linear_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, offs_m < M, offs_n < N, N, K,
                  stride_xm, stride_wn, stride_rm, stride_om, EPILOGUE, HAS_MASK, ACCURATE, BLOCK_M, BLOCK_N, BLOCK_K,
-                 LN_G, LN_B, OUT2, eps, LN_RELOAD, A_GELU, LN_ZERO_INVALID, EARLY, LN_EARLY)
+                 LN_G, LN_B, OUT2, eps, LN_RELOAD, A_GELU, LN_ZERO_INVALID, EARLY, LN_EARLY, A_LN)
 
 
 @triton.jit
@@ -294,7 +326,7 @@ def _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, K,
                  EPILOGUE: tl.constexpr, HAS_MASK: tl.constexpr, ACCURATE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  LN_G, LN_B, OUT2, eps, LN_RELOAD: tl.constexpr, A_GELU: tl.constexpr, LN_ZERO_INVALID: tl.constexpr,
-                 EARLY: tl.constexpr = False, LN_EARLY: tl.constexpr = False):
+                 EARLY: tl.constexpr = False, LN_EARLY: tl.constexpr = False, A_LN: tl.constexpr = 0):
     """One [BLOCK_M, BLOCK_N] output tile at rows ``offs_m`` (int64; ``row_ok`` which exist) and columns
     ``offs_n``: the GEMM, the bias, the epilogue and, for EPILOGUE >= 4, the rows' next LayerNorm. The kernel above
     is one tile per program; ``_layer_triton`` runs the same tiles one after another inside a whole layer.
@@ -305,8 +337,18 @@ def _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, K,
     stay live in registers across the loop, so tiles that stream many rows (where registers bound the programs per
     multiprocessor) keep the late loads. ``LN_EARLY`` (the LayerNorm epilogue in registers; ignored where the rows
     are read back): the LayerNorm's weight and bias too, which otherwise are loaded after the rows' statistics, one
-    round trip to L2 between the last reduction and the stores."""
+    round trip to L2 between the last reduction and the stores.
+
+    ``A_LN`` (rows of A_LN = K <= 128, EPILOGUE < 4): the GEMM reads the rows' LayerNorm (weight LN_G, bias LN_B,
+    eps), the norm before a Linear (norm2 before ffn_in, norm1 before Q|K|V) without its output ever reaching memory.
+    Each row's statistics come first, from the whole row in ``_rows_layer_norm``'s layout and order; each k-step's
+    columns are then normalized as ``_rows_layer_norm`` normalizes them (``_normalized_columns``) and rounded to
+    float16, so the dot sees the LayerNorm launch's output element for element, in the proven k-steps."""
     offs_k = tl.arange(0, BLOCK_K)
+    if A_LN:
+        ln_mean, ln_rstd = _prologue_stats(X, offs_m, row_ok, stride_xm, eps, A_LN, BLOCK_M, ACCURATE)
+    else:
+        ln_mean, ln_rstd = None, None
     if EARLY:
         bias, r, valid = _epilogue_operands(B, R, MASK, offs_m, offs_n, row_ok, col_ok, stride_rm, EPILOGUE, HAS_MASK)
     else:
@@ -322,6 +364,8 @@ def _linear_tile(X, W, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, K,
         a = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < K), other=0.0)
         if A_GELU:  # the GELU prologue: the input is ffn_in's output and the GEMM reads GELU(it), rounded to float16
             a = _gelu16(a, ACCURATE)
+        if A_LN:  # the LayerNorm prologue: these columns of the rows' LayerNorm, rounded to float16
+            a = _normalized_columns(a, ln_mean, ln_rstd, LN_G, LN_B, kk, K)
         w = tl.load(W + offs_n[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & (kk[None, :] < K), other=0.0)
         acc = tl.dot(a, tl.trans(w), acc)
     _linear_epilogue(acc, B, R, MASK, OUT, offs_m, offs_n, row_ok, col_ok, N, stride_rm, stride_om,
@@ -563,9 +607,10 @@ def _launch_options(config: dict, gelu: bool) -> tuple[dict, dict]:
     return config, launch
 
 
-def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm=None):
+def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm=None, prologue_norm=None):
     """One launch of ``_fused_linear_kernel``; returns the [..., N] output and, with ``layer_norm`` = (weight, bias,
-    eps), the rows' LayerNorm too. ``config``: tile sizes, warps, stages and compile-flag overrides."""
+    eps), the rows' LayerNorm too. ``prologue_norm`` = (weight, bias, eps): the LayerNorm the GEMM reads its input
+    through (``A_LN``). ``config``: tile sizes, warps, stages and compile-flag overrides."""
     n, k = weight.shape
     x2, weight = _rows(x, k), weight.contiguous()
     m = x2.shape[0]
@@ -580,6 +625,9 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
         ln_weight, ln_bias, eps = layer_norm
         normed = torch.empty_like(out)
         extra = dict(LN_G=ln_weight.contiguous(), LN_B=ln_bias.contiguous(), OUT2=normed.view(-1, n), eps=float(eps))
+    elif prologue_norm is not None:
+        ln_weight, ln_bias, eps = prologue_norm
+        extra = dict(LN_G=ln_weight.contiguous(), LN_B=ln_bias.contiguous(), eps=float(eps), A_LN=k)
     grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
     if config.get("COLUMNS_FIRST"):
         if config.get("TMA") or config.get("PERSISTENT"):
@@ -590,8 +638,8 @@ def _launch(x, weight, bias, residual, mask, code: int, config: dict, layer_norm
     persistent = config.pop("PERSISTENT", False)
     specialized = config.pop("WS", False)
     if config.pop("TMA", False):
-        if layer_norm is not None:
-            raise ValueError("the TMA tile has no LayerNorm epilogue")
+        if layer_norm is not None or prologue_norm is not None:
+            raise ValueError("the TMA tile has no LayerNorm epilogue or prologue")
         xd, wd = tma_descriptors(x2, weight, config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"])
         kernel, tiling = _fused_linear_tma_kernel, {}
         if persistent:  # one program per multiprocessor (two under the interpreter), never more than the tiles
@@ -642,6 +690,21 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, res
     config = {**launch_config(n, k), "A_GELU": gelu_in, **overrides}
     config["BLOCK_N"] = min(config["BLOCK_N"], max(16, triton.next_power_of_2(n)))  # never wider than the row
     return _launch(x, weight, bias, residual, mask, EPILOGUE_CODES[epilogue], config)[0]
+
+
+def triton_norm_linear(x: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
+                       weight: torch.Tensor, bias: torch.Tensor, epilogue: str = "none", **overrides) -> torch.Tensor:
+    """The GEMM of the rows' LayerNorm: ``F.linear(F.layer_norm(x, ...), weight, bias)`` and the epilogue ("none" or
+    "gelu"), the LayerNorm computed on the way in (``A_LN``); K one of LN_WIDTHS (a tile reads whole rows)."""
+    n, k = weight.shape
+    if k not in LN_WIDTHS:
+        raise ValueError(f"the LayerNorm prologue takes rows of {', '.join(map(str, LN_WIDTHS))}, got {k}")
+    if epilogue not in ("none", "gelu"):
+        raise ValueError(f"the LayerNorm prologue takes the epilogues none and gelu, got {epilogue!r}")
+    config = {**launch_config(n, k), **overrides}
+    config["BLOCK_N"] = min(config["BLOCK_N"], max(16, triton.next_power_of_2(n)))  # never wider than the row
+    return _launch(x, weight, bias, None, None, EPILOGUE_CODES[epilogue], config,
+                   prologue_norm=(ln_weight, ln_bias, eps))[0]
 
 
 def triton_linear_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .fused_linear import (FFN_FORM, FFN_QKV_FORM, LN_WIDTHS, ffn_layer_norm, ffn_layer_norm_qkv, fused_linear,
-                           linear_layer_norm, linear_path, reference_linear)
+                           linear_layer_norm, linear_path, norm_form, norm_linear, reference_linear)
 
 
 def linear_launches(config) -> dict[str, tuple[int, int, int, str]]:
@@ -54,6 +54,34 @@ def ffn_chain_launches(config) -> dict[str, tuple[int, int, int, str]]:
     if config.num_layers > 1:  # every block but the last also computes the next block's Q|K|V
         launches["ffn_chain_qkv"] = (m, d, f, FFN_QKV_FORM)
     return launches
+
+
+def norm_launches(config) -> dict[str, tuple[int, int, int, str]]:
+    """The GEMMs that read their input through the block's LayerNorm before them (``norm_linear``), where a tile
+    holds whole rows (D one of LN_WIDTHS): norm2 inside ffn_in, with its GELU or without, and norm1 inside the packed
+    Q|K|V. Each saves the LayerNorm's launch; the launch-bound shapes feel each one."""
+    m, d, f = config.batch_size * config.seq_len, config.d_model, config.ffn_dim
+    if d not in LN_WIDTHS:
+        return {}
+    return {"norm2_ffn_in": (m, f, d, norm_form("none")), "norm2_ffn_in_gelu": (m, f, d, norm_form("gelu")),
+            "norm1_qkv": (m, 3 * d, d, norm_form("none"))}
+
+
+def norm_prologue_pays(config, dtype: torch.dtype, device, n: int, epilogue: str) -> bool:
+    """Whether the launch [M, D] x [D, n] with the LayerNorm prologue and ``epilogue`` is proven here and, by the
+    proofs' own timings, faster than the two launches it replaces: the rows LayerNorm (ours where chosen, else ATen's)
+    and the plain GEMM with that epilogue (ours where chosen, else cuBLAS's)."""
+    from .fused_linear import proven_ms
+    from .layer_norm import proven_ms as layer_norm_ms
+
+    m, d = config.batch_size * config.seq_len, config.d_model
+    if d not in LN_WIDTHS:
+        return False
+    fused, plain = proven_ms(m, n, d, norm_form(epilogue), dtype, device), proven_ms(m, n, d, epilogue, dtype, device)
+    norm = layer_norm_ms(m, d, dtype, device)
+    if fused is None or fused[0] is None or plain is None or norm is None:
+        return False  # not proven, or a part never timed here: keep the plan the proofs can vouch for
+    return fused[0] < _best(plain) + _best(norm)
 
 
 def ffn_chain_pays(config, dtype: torch.dtype, device) -> bool:
@@ -114,7 +142,10 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
     whole feed-forward in one launch, where proven and faster than the two it replaces: ``ffn_chain_pays``) and
     ``ffn_qkv`` (with ``ffn_chain`` and ``packed_qkv``: that launch also computes the next block's Q|K|V, where proven
     and faster than the packed Q|K|V launch it replaces: ``ffn_qkv_pays``) and ``qkv_attention`` (Q|K|V projected
-    inside the attention's launch, where proven and faster than the two launches: ``qkv_attention_in_plan``)."""
+    inside the attention's launch, where proven and faster than the two launches: ``qkv_attention_in_plan``).
+    Without the LayerNorm epilogues, ``norm_ffn_in`` (norm2 computed by ffn_in on its way in) and ``norm_qkv`` (norm1
+    by the packed Q|K|V, where the attention launch does not project them itself), each where proven and faster
+    than the LayerNorm's launch and the GEMM's together (``norm_prologue_pays``)."""
     from .faithful_attention import select_attention_path
 
     launches = linear_launches(config)
@@ -133,10 +164,15 @@ def block_plan(config, dtype: torch.dtype, device) -> dict:
     packed_qkv = linears["qkv"] and attention.fused
     ffn_qkv = (ffn_chain and packed_qkv and config.num_layers > 1 and proven(d, f, FFN_QKV_FORM)
                and ffn_qkv_pays(config, dtype, device))
+    gelu = gemms and not gelu_prologue and proven(f, d, "gelu")
+    qkv_attention = qkv_attention_in_plan(config, dtype, device, packed_qkv, ffn_qkv)
+    prologues = gemms and not layer_norm  # the LayerNorm epilogues compute norm1 and norm2 already
     return {"gemms": gemms, "linears": linears, "packed_qkv": packed_qkv,
-            "gelu_prologue": gelu_prologue, "gelu": gemms and not gelu_prologue and proven(f, d, "gelu"),
-            "layer_norm": layer_norm, "ffn_chain": ffn_chain, "ffn_qkv": ffn_qkv,
-            "qkv_attention": qkv_attention_in_plan(config, dtype, device, packed_qkv, ffn_qkv)}
+            "gelu_prologue": gelu_prologue, "gelu": gelu,
+            "layer_norm": layer_norm, "ffn_chain": ffn_chain, "ffn_qkv": ffn_qkv, "qkv_attention": qkv_attention,
+            "norm_ffn_in": prologues and norm_prologue_pays(config, dtype, device, f, "gelu" if gelu else "none"),
+            "norm_qkv": prologues and packed_qkv and not qkv_attention and norm_prologue_pays(config, dtype, device,
+                                                                                              3 * d, "none")}
 
 
 def planned_linear_forms(config, plan: Optional[dict]) -> set[tuple[int, int, str]]:
@@ -152,8 +188,11 @@ def planned_linear_forms(config, plan: Optional[dict]) -> set[tuple[int, int, st
     if not plan.get("packed_qkv"):
         forms.add((d, d, "none"))  # Q, K and V one by one
     elif not plan.get("qkv_attention"):
-        forms.add((3 * d, d, "none"))
-    if plan.get("ffn_chain"):
+        forms.add((3 * d, d, norm_form("none") if plan.get("norm_qkv") else "none"))
+    if plan.get("norm_ffn_in"):  # ffn_in with norm2 on its way in; its GELU, or ffn_out's, as below
+        forms.add((f, d, norm_form("gelu" if plan.get("gelu") else "none")))
+        forms.add((d, f, ("gelu_prologue+masked_sum" if plan.get("gelu_prologue") else "masked_sum") + ln))
+    elif plan.get("ffn_chain"):
         forms.add((d, f, FFN_FORM))
         if plan.get("ffn_qkv") and config.num_layers > 1:
             forms.add((d, f, FFN_QKV_FORM))
@@ -222,9 +261,17 @@ def _attention(attention, h: torch.Tensor, valid_token_mask, plan: dict, qkv=Non
     return faithful_attention(q, k, v, valid_token_mask, num_heads=attention.num_heads, causal=attention.causal)
 
 
-def _ffn_input(block, h2: torch.Tensor, plan: dict) -> tuple[torch.Tensor, str]:
-    """ffn_out's input and prologue: ffn_in's output with ffn_out computing the GELU, or GELU(ffn_in) already."""
+def _ffn_input(block, h2: Optional[torch.Tensor], plan: dict, x: Optional[torch.Tensor] = None
+               ) -> tuple[torch.Tensor, str]:
+    """ffn_out's input and prologue: ffn_in's output with ffn_out computing the GELU, or GELU(ffn_in) already. ffn_in
+    reads the normalized rows ``h2``, or with the plan's ``norm_ffn_in`` the rows ``x`` through norm2 itself."""
     weights, biases = [block.ffn_in.weight], [block.ffn_in.bias]
+    if plan.get("norm_ffn_in"):
+        epilogue = "gelu" if plan["gelu"] and not plan.get("gelu_prologue") else "none"
+        y = norm_linear(x, block.norm2, weights, biases, epilogue)
+        if plan.get("gelu_prologue"):
+            return y, "gelu"
+        return (y if epilogue == "gelu" else F.gelu(y, approximate="none")), "none"
     if plan.get("gelu_prologue"):
         return _linear(plan, "ffn_in", h2, weights, biases), "gelu"
     if plan["gelu"]:
@@ -238,10 +285,15 @@ def fused_block_forward(block, x: torch.Tensor, valid_token_mask: Optional[torch
     proven (ffn_out's prologue, ffn_in's epilogue) or ATen's, and a launch whose proof chose ATen as the reference's
     own ops (``_linear``). The reference's ops and rounding points throughout."""
     attention = block.attention
-    context = _attention(attention, block.norm1(x), valid_token_mask, plan)
+    if plan.get("norm_qkv"):  # norm1 inside the packed Q|K|V's launch
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        qkv = norm_linear(x, block.norm1, [p.weight for p in projections], [p.bias for p in projections])
+        context = _attention(attention, None, valid_token_mask, plan, qkv)
+    else:
+        context = _attention(attention, block.norm1(x), valid_token_mask, plan)
     x = _linear(plan, "out_proj", context, [attention.out_proj.weight], [attention.out_proj.bias], x,
                 valid_token_mask, "add_masked")
-    g, prologue = _ffn_input(block, block.norm2(x), plan)
+    g, prologue = _ffn_input(block, None if plan.get("norm_ffn_in") else block.norm2(x), plan, x)
     if prologue == "gelu":  # the GELU-prologue launch, proven on its own (``gelu_prologue``)
         return fused_linear(g, [block.ffn_out.weight], [block.ffn_out.bias], x, valid_token_mask, "masked_sum",
                             prologue)

@@ -53,8 +53,14 @@ LN_WIDTHS = (16, 32, 64, 128)
 #: in, so the GELU's output never reaches memory): the part "gelu_prologue" of a launch's form
 PROLOGUES = ("none", "gelu")
 LN_OP_NAME = "kkdeploy_faithful::linear_layer_norm"
+NORM_OP_NAME = "kkdeploy_faithful::norm_linear"
+#: the part of a launch's form for a GEMM that reads its input through the rows' LayerNorm (``norm_linear``: norm2
+#: before ffn_in, norm1 before Q|K|V), so that the LayerNorm's output never reaches memory and its launch goes
+NORM_PROLOGUE = "layer_norm_prologue"
+#: the epilogues such a launch takes: ffn_in's GELU, or none (Q|K|V, or ffn_in where the GELU runs elsewhere)
+NORM_EPILOGUES = ("none", "gelu")
 #: every part a launch can have (``form``)
-PARTS = ("none", "gelu", "add_masked", "masked_sum", "gelu_prologue", "layer_norm", "ffn_chain", "qkv")
+PARTS = ("none", "gelu", "add_masked", "masked_sum", "gelu_prologue", "layer_norm", "ffn_chain", "qkv", NORM_PROLOGUE)
 FFN_OP_NAME = "kkdeploy_faithful::ffn_layer_norm"
 #: the feed-forward launch's form (``ffn_layer_norm``): ffn_in, GELU, ffn_out, residual and mask, the next LayerNorm;
 #: its proof shape is ffn_out's GEMM, (M, N, K) = (M, D, F)
@@ -212,8 +218,46 @@ FFN_TILES: dict[str, dict] = {
 #: tiles (docs/fused-linear.md). A study still proves them (``--launches linear=regs``, ``--all-launches``).
 FFN_BUILD_TILES: tuple[str, ...] = ()
 
+#: The LayerNorm prologue's tiles (``norm_linear``; session 51, written without a GPU): the GEMM tile, each row's
+#: statistics first from its whole row, in the rows LayerNorm's layout and order (``_rows_stats``), then every k-step's
+#: columns normalized as that LayerNorm normalizes them and rounded to float16 before the same dot. On the
+#: launch-bound shapes a block's norm1 and norm2 are launches of their own (1.7 µs each in shape 3's proof on an H100,
+#: session 47), and each such launch is one more step of the graph's serial chain. The statistics cost registers: at 4
+#: warps a 64-row tile holds 64 float32 values of its rows a thread and spills (255 registers), so these run 8 warps,
+#: or 32 rows. Offline (Triton 3.6.0, sm_90a, ``scripts/offline_ptx.py --sass``, shape 3's ffn_in with its GELU):
+#: "ln_m64n32_w8" 178 registers, no spills, 1,856 SASS instructions a thread (the plain "m64n32" 895 at 4 warps);
+#: "ln_m64n16_w8" 184 and 1,725; "ln_m32n32_w8" 98 and 1,026 (mma.sync, as "m32n32", which an H100 proved in session
+#: 49); "ln_m64_w8" (the row up to 128 wide, for Q|K|V's 384 columns) 254 and 2,821 at N = 128. Under Triton's
+#: interpreter each equals the rows LayerNorm followed by the plain tile (tests/test_fused_linear.py); whether one is
+#: bit-identical and faster on a GPU only a proof there can say.
+NORM_TILES: dict[str, dict] = {
+    "ln_m64n32_w8": dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, EARLY=True),
+    "ln_m64n16_w8": dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=2, EARLY=True),
+    "ln_m32n32_w8": dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=2, EARLY=True),
+    "ln_m64_w8": dict(BLOCK_M=64, num_warps=8, num_stages=2, EARLY=True),
+}
+#: the LayerNorm prologue's tiles a build proves: none until a GPU build ships one through strict validation. A study
+#: proves them (``--launches linear=ln_m64n32_w8``), and then the model's proof adds its norm launches
+#: (``fused_blocks.norm_launches``)
+NORM_BUILD_TILES: tuple[str, ...] = ()
+
 #: what a proof's "proven" means: these tiles' settings, and the set a build proves (part of the proofs' key)
-TILES_DIGEST = launch_table_digest(TILES, BUILD_TILES, LN_TILES, LN_BUILD_TILES, FFN_TILES, FFN_BUILD_TILES)
+TILES_DIGEST = launch_table_digest(TILES, BUILD_TILES, LN_TILES, LN_BUILD_TILES, FFN_TILES, FFN_BUILD_TILES,
+                                   NORM_TILES, NORM_BUILD_TILES)
+
+
+def norm_tile_fits(launch: str, k: int, n: Optional[int] = None) -> bool:
+    """Whether a LayerNorm prologue tile applies to rows of ``k`` (one of LN_WIDTHS: a tile reads whole rows) and
+    outputs of width ``n`` (a tile no wider than the row's power of two)."""
+    if launch not in NORM_TILES or k not in LN_WIDTHS:
+        return False
+    block_n = NORM_TILES[launch].get("BLOCK_N")
+    return block_n is None or n is None or block_n <= max(16, 1 << (max(1, n) - 1).bit_length())
+
+
+def norm_form(epilogue: str) -> str:
+    """The form of a LayerNorm-prologue launch: "layer_norm_prologue+gelu" (norm2, ffn_in and its GELU)."""
+    return f"{NORM_PROLOGUE}+{epilogue}"
 
 
 def ffn_tile_fits(launch: str, d: int, f: Optional[int] = None) -> bool:
@@ -488,6 +532,73 @@ def packed(weights, biases) -> tuple[torch.Tensor, torch.Tensor]:
 def _linear_fake(x, weights, biases, residual, mask, epilogue, prologue="none"):
     n = sum(w.shape[0] for w in weights)
     return x.new_empty((*x.shape[:-1], n))
+
+
+def check_norm_linear_inputs(x, ln_weight, ln_bias, weights, biases, epilogue: str) -> tuple[int, int, int]:
+    """The contract of ``norm_linear``: a LayerNorm over x's last dim, then the Linear(s) and the epilogue; returns
+    (M, N per weight, K)."""
+    if epilogue not in NORM_EPILOGUES:
+        raise KKError(f"a Linear after a LayerNorm takes the epilogue {' or '.join(NORM_EPILOGUES)}, got {epilogue!r}")
+    k = x.shape[-1]
+    for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        if t is None or tuple(t.shape) != (k,):
+            raise KKError(f"{name} must be [{k}] (the LayerNorm over x's last dim), got "
+                          f"{None if t is None else list(t.shape)}")
+    return check_linear_inputs(x, weights, biases, None, None, epilogue)
+
+
+def reference_norm_linear(x, ln_weight, ln_bias, eps: float, weights, biases, epilogue: str = "none"):
+    """The ATen composition: ``F.layer_norm`` (what nn.LayerNorm runs), then ``reference_linear``."""
+    normed = F.layer_norm(x, (x.shape[-1],), ln_weight, ln_bias, eps)
+    return reference_linear(normed, list(weights), list(biases), epilogue=epilogue)
+
+
+@torch.library.custom_op(NORM_OP_NAME, mutates_args=())
+def _norm_linear_op(x: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
+                    weights: list[torch.Tensor], biases: list[torch.Tensor], epilogue: str) -> torch.Tensor:
+    """Default (CPU and any non-CUDA device): the ATen composition itself."""
+    check_norm_linear_inputs(x, ln_weight, ln_bias, weights, biases, epilogue)
+    return reference_norm_linear(x, ln_weight, ln_bias, eps, weights, biases, epilogue)
+
+
+@_norm_linear_op.register_kernel("cuda")
+def _norm_linear_cuda(x, ln_weight, ln_bias, eps, weights, biases, epilogue):
+    """CUDA: the GEMM with the LayerNorm prologue where a proof of its form at (M, N, K) allows it, else the
+    composition."""
+    m, n, k = check_norm_linear_inputs(x, ln_weight, ln_bias, weights, biases, epilogue)
+    path = linear_path(m, n * len(weights), k, x.dtype, x.device, epilogue=norm_form(epilogue)) \
+        if k in LN_WIDTHS else None
+    if path is not None and path.fused:
+        return run_norm_launch(x, ln_weight, ln_bias, eps, weights, biases, epilogue, path.launch)
+    return reference_norm_linear(x, ln_weight, ln_bias, eps, weights, biases, epilogue)
+
+
+def run_norm_launch(x, ln_weight, ln_bias, eps, weights, biases, epilogue: str, launch: Optional[str] = None):
+    """The GEMM with the LayerNorm prologue in one of NORM_TILES (no path rule: what a proof runs)."""
+    from ._fused_linear_triton import triton_norm_linear
+
+    weights, biases = list(weights), list(biases)
+    weight, bias = (weights[0], biases[0]) if len(weights) == 1 else packed(weights, biases)
+    launch = launch or next(iter(NORM_TILES))
+    if not norm_tile_fits(launch, weight.shape[1], weight.shape[0]):
+        raise KKError(f"LayerNorm prologue tile {launch!r} does not apply to rows of {weight.shape[1]} and "
+                      f"{weight.shape[0]} outputs; the tiles are {', '.join(NORM_TILES)}, for rows of "
+                      f"{', '.join(map(str, LN_WIDTHS))}")
+    return triton_norm_linear(x, ln_weight, ln_bias, eps, weight, bias, epilogue, **NORM_TILES[launch])
+
+
+@_norm_linear_op.register_fake
+def _norm_linear_fake(x, ln_weight, ln_bias, eps, weights, biases, epilogue):
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+
+
+def norm_linear(x, norm: torch.nn.LayerNorm, weights, biases, epilogue: str = "none") -> torch.Tensor:
+    """``reference_linear(norm(x), weights, biases, epilogue=epilogue)``: one launch where proven, the LayerNorm
+    computed by the GEMM on its way in (``kkdeploy_faithful::norm_linear``)."""
+    weights, biases = list(weights), list(biases)
+    check_norm_linear_inputs(x, norm.weight, norm.bias, weights, biases, epilogue)
+    return torch.ops.kkdeploy_faithful.norm_linear(x, norm.weight, norm.bias, float(norm.eps), weights, biases,
+                                                   epilogue)
 
 
 def check_layer_norm_epilogue(x, weight, bias, residual, mask, ln_weight, ln_bias, epilogue,
@@ -774,6 +885,21 @@ def linear_layer_norm_case(label: str, x, weight, bias, residual, mask, ln_weigh
                      compiled_baseline(x, [weight], [bias], residual, epilogue, (ln_weight, ln_bias, eps), prologue))
 
 
+def norm_linear_case(label: str, x, ln_weight, ln_bias, eps: float, weights, biases,
+                     epilogue: str = "none") -> ProofCase:
+    """One call of the LayerNorm-prologue launch against the ATen composition (``reference_norm_linear``), timed
+    against ATen's LayerNorm followed by ``compiled_baseline``'s GEMMs."""
+    weights, biases = list(weights), list(biases)
+
+    def baseline():
+        normed = F.layer_norm(x, (x.shape[-1],), ln_weight, ln_bias, eps)
+        return compiled_baseline(normed, weights, biases, epilogue=epilogue)()
+
+    return ProofCase(label, lambda: reference_norm_linear(x, ln_weight, ln_bias, eps, weights, biases, epilogue),
+                     lambda launch: run_norm_launch(x, ln_weight, ln_bias, eps, weights, biases, epilogue, launch),
+                     baseline)
+
+
 def ffn_baseline(x, w_in, b_in, w_out, b_out, residual, ln_weight, ln_bias, eps):
     """What the faithful compiled graph would run instead of the feed-forward launch, for timing: cuBLAS's ffn_in,
     ATen's GELU, cuBLAS's ffn_out, one elementwise pass for the residual (an add stands for it), ATen's LayerNorm."""
@@ -833,12 +959,17 @@ def prove_linear(device: torch.device | str, cases: list[ProofCase], m: int, n: 
     shape = proof_shape(m, n, k, form_)
     environment = proof_environment(device)
     refusal = kernel_refusal(torch.float16, device)
-    layer_norm = "layer_norm" in form_.split("+")
+    parts = form_.split("+")
+    layer_norm = "layer_norm" in parts
     if not refusal and layer_norm and n not in LN_WIDTHS:
         refusal = f"the LayerNorm epilogue takes rows of {', '.join(map(str, LN_WIDTHS))}, not {n}"
+    if not refusal and NORM_PROLOGUE in parts and k not in LN_WIDTHS:
+        refusal = f"the LayerNorm prologue takes rows of {', '.join(map(str, LN_WIDTHS))}, not {k}"
     if refusal:
         return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
-    if "ffn_chain" in form_.split("+"):
+    if NORM_PROLOGUE in parts:
+        tiles = launches or [name for name in NORM_BUILD_TILES if norm_tile_fits(name, k, n)]
+    elif "ffn_chain" in parts:
         tiles = launches or [name for name in FFN_BUILD_TILES if ffn_tile_fits(name, n, k)]
     else:
         tiles = launches or proof_launches(n, layer_norm, k, m, multiprocessors(device))

@@ -232,6 +232,15 @@ class _Cases:
             return fused_linear.linear_layer_norm_case(label, inputs(layer.g), block.ffn_out.weight,
                                                        block.ffn_out.bias, inputs(layer.mid), mask, norm.weight,
                                                        norm.bias, norm.eps, "masked_sum", zero_invalid=zero_invalid)
+        if name in ("norm2_ffn_in", "norm2_ffn_in_gelu"):  # norm2 inside ffn_in (and its GELU)
+            norm = block.norm2
+            return fused_linear.norm_linear_case(label, inputs(layer.mid), norm.weight, norm.bias, norm.eps,
+                                                 [block.ffn_in.weight], [block.ffn_in.bias],
+                                                 "gelu" if name == "norm2_ffn_in_gelu" else "none")
+        if name == "norm1_qkv":  # norm1 inside the packed Q|K|V
+            norm, projections = block.norm1, (attention.q_proj, attention.k_proj, attention.v_proj)
+            return fused_linear.norm_linear_case(label, inputs(layer.x), norm.weight, norm.bias, norm.eps,
+                                                 [p.weight for p in projections], [p.bias for p in projections])
         return self._plain_linear_case(name, label, mask, layer, block, inputs)
 
     @staticmethod
@@ -255,9 +264,11 @@ def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str],
                      launches: Optional[dict[str, list[str]]] = None) -> list[tuple[str, str, dict]]:
     """(kind, name, op shape) of every kernel op of ``kinds`` in a model of ``config``. The feed-forward launches
     (``fused_blocks.ffn_chain_launches``) only where a build proves their tiles (``fused_linear.FFN_BUILD_TILES``)
-    or a study names one (``launches``), and the Q|K|V attention launch likewise (``qkv_attention.BUILD_LAUNCHES``,
-    or a study naming one of its forms, ``qkv_attention.LAUNCHES``, among the linear launches)."""
-    from .fused_blocks import ffn_chain_launches, gelu_launches, layer_norm_launches, linear_launches
+    or a study names one (``launches``), the LayerNorm prologue's launches (``fused_blocks.norm_launches``) likewise
+    (``fused_linear.NORM_BUILD_TILES``, ``NORM_TILES``), and the Q|K|V attention launch likewise
+    (``qkv_attention.BUILD_LAUNCHES``, or a study naming one of its forms, ``qkv_attention.LAUNCHES``, among the
+    linear launches)."""
+    from .fused_blocks import ffn_chain_launches, gelu_launches, layer_norm_launches, linear_launches, norm_launches
 
     b, s, d, h = config.batch_size, config.seq_len, config.d_model, config.num_heads
     shapes = []
@@ -268,8 +279,9 @@ def kernel_op_shapes(config: TransformerConfig, kinds: Iterable[str],
     if "linear" in kinds:
         named = (launches or {}).get("linear") or ()
         feed_forward = fused_linear.FFN_BUILD_TILES or any(t in fused_linear.FFN_TILES for t in named)
+        prologue = fused_linear.NORM_BUILD_TILES or any(t in fused_linear.NORM_TILES for t in named)
         ops = {**linear_launches(config), **gelu_launches(config), **layer_norm_launches(config),
-               **(ffn_chain_launches(config) if feed_forward else {})}
+               **(ffn_chain_launches(config) if feed_forward else {}), **(norm_launches(config) if prologue else {})}
         for name, (m, n, k, form) in ops.items():
             shapes.append(("linear", name, fused_linear.proof_shape(m, n, k, form)))
         one_launch = qkv_attention.BUILD_LAUNCHES or any(t in qkv_attention.LAUNCHES for t in named)
@@ -452,7 +464,9 @@ def _prove(kind, name, shape, cases: Optional[_Cases], config, device, budget_s,
         return layer_norm.prove_layer_norm(device, cases.layer_norm(), shape["rows"], shape["width"],
                                            budget_s=budget_s, cache=cache, launches=launches)
     if launches is not None:  # a list for the kind: the LayerNorm epilogue's tiles, or the GEMM's, that apply here
-        if "ffn_chain" in shape["form"]:
+        if fused_linear.NORM_PROLOGUE in shape["form"].split("+"):
+            launches = [t for t in launches if fused_linear.norm_tile_fits(t, shape["k"], shape["n"])]
+        elif "ffn_chain" in shape["form"]:
             launches = [t for t in launches if fused_linear.ffn_tile_fits(t, shape["n"], shape["k"])]
         elif "layer_norm" in shape["form"]:
             launches = [t for t in launches if fused_linear.ln_tile_fits(t, shape["n"])]

@@ -45,6 +45,8 @@ def linear_work(m: int, n: int, k: int, form: str) -> dict:
         extra += m * MASK_ITEMSIZE
     if "layer_norm" in parts:
         elements += m * n + 2 * n  # the normalized rows written, gamma and beta
+    if "layer_norm_prologue" in parts:
+        elements += 2 * k  # the input's LayerNorm: gamma and beta (its rows are the input, never written)
     if "qkv" in parts:
         flops += 2 * m * 3 * n * n
         elements += 3 * n * n + 3 * n + 3 * m * n  # Wq|Wk|Wv, their biases, Q|K|V written
