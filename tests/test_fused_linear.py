@@ -1187,7 +1187,7 @@ g = torch.Generator().manual_seed(23)
 # lanes past the row), 32-row tiles
 CASES = ((200, 128, 128, "ln_m64n32_w8", "gelu"), (130, 128, 384, "ln_m64_w8", "none"),
          (70, 32, 96, "ln_m32n32_w8", "none"), (64, 64, 40, "ln_m64n16_w8", "gelu"),
-         (100, 16, 48, "ln_m64n16_w8", "none"))
+         (100, 16, 48, "ln_m64n16_w8", "none"), (40, 128, 64, "ln_m16n32", "gelu"))
 for m, k, n, tile, epilogue in CASES:
     assert norm_tile_fits(tile, k, n)
     x = (torch.randn(m, k, generator=g) * 2 + 0.5).half()
@@ -1211,7 +1211,7 @@ def test_the_layer_norm_prologue_computes_what_the_rows_layer_norm_and_the_tile_
     by the same tile without the prologue, bit for bit: rows past M, rows of 16-128 (lanes past the row), the packed
     Q|K|V's 384 columns, the GELU epilogue; and the same launch with another eps differs, so the check can fail."""
     results = run_interpreter_script(NORM_SCRIPT)
-    assert len(results) == 5
+    assert len(results) == 6
     assert all(r["differing"] == 0 for r in results), results
     assert all(r["differing_other_eps"] > 0 for r in results), results
 
@@ -1242,6 +1242,7 @@ def test_the_layer_norm_prologue_op():
     assert fl.norm_form("gelu") == "layer_norm_prologue+gelu" and fl.NORM_PROLOGUE in fl.PARTS
     assert [t for t in fl.NORM_TILES if fl.norm_tile_fits(t, 128, 128)] == list(fl.NORM_TILES)
     assert [t for t in fl.NORM_TILES if fl.norm_tile_fits(t, 128, 16)] == ["ln_m64n16_w8", "ln_m64_w8"]
+    assert [t for t in fl.NORM_TILES if fl.norm_tile_fits(t, 64, 32)] == list(fl.NORM_TILES)
     assert not any(fl.norm_tile_fits(t, 256, 128) for t in fl.NORM_TILES)  # rows past one tile's LayerNorm
 
 

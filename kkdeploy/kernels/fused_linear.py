@@ -227,13 +227,15 @@ FFN_BUILD_TILES: tuple[str, ...] = ()
 #: or 32 rows. Offline (Triton 3.6.0, sm_90a, ``scripts/offline_ptx.py --sass``, shape 3's ffn_in with its GELU):
 #: "ln_m64n32_w8" 178 registers, no spills, 1,856 SASS instructions a thread (the plain "m64n32" 895 at 4 warps);
 #: "ln_m64n16_w8" 184 and 1,725; "ln_m32n32_w8" 98 and 1,026 (mma.sync, as "m32n32", which an H100 proved in session
-#: 49); "ln_m64_w8" (the row up to 128 wide, for Q|K|V's 384 columns) 254 and 2,821 at N = 128. Under Triton's
+#: 49; the plain "m32n32" 483); "ln_m16n32" 128 and 1,037 (mma.sync on 16 rows, 4 warps: the plain tile 580);
+#: "ln_m64_w8" (the row up to 128 wide, for Q|K|V's 384 columns) 254 and 2,821 at N = 128. Under Triton's
 #: interpreter each equals the rows LayerNorm followed by the plain tile (tests/test_fused_linear.py); whether one is
 #: bit-identical and faster on a GPU only a proof there can say.
 NORM_TILES: dict[str, dict] = {
     "ln_m64n32_w8": dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, EARLY=True),
     "ln_m64n16_w8": dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=2, EARLY=True),
     "ln_m32n32_w8": dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=2, EARLY=True),
+    "ln_m16n32": dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2, EARLY=True),
     "ln_m64_w8": dict(BLOCK_M=64, num_warps=8, num_stages=2, EARLY=True),
 }
 #: the LayerNorm prologue's tiles a build proves: none until a GPU build ships one through strict validation. A study
