@@ -71,6 +71,8 @@ def test_a_backends_own_name_stands_for_its_choices_on_this_device():
     assert parse_backends("ort", torch.device("cpu")) == ["ort-cpu"]
     assert parse_backends("ort,torch-compile", torch.device("cuda")) == ["ort-cuda", "torch-compile"]
     assert parse_backends("ort-cpu,ort", torch.device("cpu")) == ["ort-cpu"]
+    with pytest.raises(KKError, match="unknown backend 'torch_compile'"):  # a backend's key is not a user's name
+        parse_backends("torch_compile", torch.device("cpu"))
 
 
 def test_the_attention_kernel_form_has_its_own_name_and_old_records_still_read():

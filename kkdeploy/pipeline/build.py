@@ -107,7 +107,7 @@ def device_choices(name: str, device: torch.device) -> list[str] | None:
     if registry.choice(name) is not None:
         return None
     for desc in registry.DESCRIPTORS.values():
-        if name in (desc.key, desc.recipe_name):
+        if name == desc.recipe_name:
             here = [option.name for option in desc.choices if device.type in option.default_on]
             if not here:
                 raise KKError(f"backend {name!r} has no choice for a {device.type} device; name one of "
