@@ -70,7 +70,9 @@ LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True
                              # (the first block's rows also score the second block's keys: -inf, +0 exps, +0
                              # products). Offline (Triton 3.6.0, sm_90a): 2,696 SASS instructions a thread (2,631
                              # with P.V over 64 keys) against "whole_pv"'s 3,046 at 4 warps, 14-16 barriers,
-                             # 117-122 registers, no spills; half the programs of "whole", each 8 warps
+                             # 117-122 registers, no spills; half the programs of "whole", each 8 warps. On an H100
+                             # (session 51) bit-identical on every case of shapes 3 and 12, and slower: 7.43 and 7.00
+                             # µs against "whole_pv"'s 6.82 (shape 3), 7.24 and 7.26 against 5.40 (shape 12)
                              "pair128_w8": {"pair": True, "early": True, "rows128": True, "num_warps": 8},
                              "pair128_pv_w8": {"pair": True, "early": True, "rows128": True, "pv64": True,
                                                "num_warps": 8}}
@@ -87,7 +89,8 @@ LAUNCHES: dict[str, dict] = {"split": {}, "whole": {"whole": True, "early": True
 #:   elements; the bench of shape 9 shipped "whole_w8", 0 failed on every trial (docs/faithful-attention.md).
 #: - "whole_pv" (session 50): proven bit-identical on shapes 3 and 2, the random inputs included, at 6.85 and 5.85 µs
 #:   against "whole_em"'s 7.05 and 6.09; a new user's build of shape 3 (own weights) took it and served a padded
-#:   run with 0 failed elements.
+#:   run with 0 failed elements. End to end (session 51, shape 3, ``whole_pv_leaves_builds.sh``): `-gemms-pdl`
+#:   0.0667 and 0.0659 ms with it, 0.0676 without.
 #: "split" was slower than "whole" wherever both ran, so a build does not spend a compile on it; studies still
 #: name it
 BUILD_LAUNCHES: tuple[str, ...] = ("whole", "pair", "whole_w8", "whole_em", "whole_pv")
