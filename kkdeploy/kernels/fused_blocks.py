@@ -189,17 +189,18 @@ def planned_linear_forms(config, plan: Optional[dict]) -> set[tuple[int, int, st
         forms.add((d, d, "none"))  # Q, K and V one by one
     elif not plan.get("qkv_attention"):
         forms.add((3 * d, d, norm_form("none") if plan.get("norm_qkv") else "none"))
-    if plan.get("norm_ffn_in"):  # ffn_in with norm2 on its way in; its GELU, or ffn_out's, as below
-        forms.add((f, d, norm_form("gelu" if plan.get("gelu") else "none")))
-        forms.add((d, f, ("gelu_prologue+masked_sum" if plan.get("gelu_prologue") else "masked_sum") + ln))
-    elif plan.get("ffn_chain"):
+    if plan.get("ffn_chain"):
         forms.add((d, f, FFN_FORM))
         if plan.get("ffn_qkv") and config.num_layers > 1:
             forms.add((d, f, FFN_QKV_FORM))
-    elif plan.get("gelu_prologue"):
-        forms |= {(f, d, "none"), (d, f, "gelu_prologue+masked_sum" + ln)}
+        return forms
+    if plan.get("gelu_prologue"):
+        ffn_in = "none"
+        forms.add((d, f, "gelu_prologue+masked_sum" + ln))
     else:
-        forms |= {(f, d, "gelu" if plan.get("gelu") else "none"), (d, f, "masked_sum" + ln)}
+        ffn_in = "gelu" if plan.get("gelu") else "none"
+        forms.add((d, f, "masked_sum" + ln))
+    forms.add((f, d, norm_form(ffn_in) if plan.get("norm_ffn_in") else ffn_in))  # norm2 on its way in, or not
     return forms
 
 
@@ -266,17 +267,16 @@ def _ffn_input(block, h2: Optional[torch.Tensor], plan: dict, x: Optional[torch.
     """ffn_out's input and prologue: ffn_in's output with ffn_out computing the GELU, or GELU(ffn_in) already. ffn_in
     reads the normalized rows ``h2``, or with the plan's ``norm_ffn_in`` the rows ``x`` through norm2 itself."""
     weights, biases = [block.ffn_in.weight], [block.ffn_in.bias]
+    epilogue = "gelu" if plan["gelu"] and not plan.get("gelu_prologue") else "none"
     if plan.get("norm_ffn_in"):
-        epilogue = "gelu" if plan["gelu"] and not plan.get("gelu_prologue") else "none"
         y = norm_linear(x, block.norm2, weights, biases, epilogue)
-        if plan.get("gelu_prologue"):
-            return y, "gelu"
-        return (y if epilogue == "gelu" else F.gelu(y, approximate="none")), "none"
+    elif epilogue == "gelu":
+        y = fused_linear(h2, weights, biases, epilogue="gelu")
+    else:
+        y = _linear(plan, "ffn_in", h2, weights, biases)
     if plan.get("gelu_prologue"):
-        return _linear(plan, "ffn_in", h2, weights, biases), "gelu"
-    if plan["gelu"]:
-        return fused_linear(h2, weights, biases, epilogue="gelu"), "none"
-    return F.gelu(_linear(plan, "ffn_in", h2, weights, biases), approximate="none"), "none"
+        return y, "gelu"
+    return (y if epilogue == "gelu" else F.gelu(y, approximate="none")), "none"
 
 
 def fused_block_forward(block, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor], plan: dict) -> torch.Tensor:
