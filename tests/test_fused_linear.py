@@ -93,7 +93,8 @@ def test_the_layer_norm_epilogue_op():
 
 def _remember_linear(proof, m, n, k, form, chosen="auto", reason="test", ms=None, aten_ms=None):
     launches = [proof.LaunchResult(chosen, ms=ms, status="proven")] if chosen else []
-    record = proof.ProofRecord(op=fl.OP, shape=fl.proof_shape(m, n, k, form), environment=fl.proof_environment("cuda"),
+    record = proof.ProofRecord(op=fl.OP, shape=fl.proof_shape(m, n, k, form),
+                               environment=fl.proof_environment("cuda", form),
                                chosen=chosen, reason=reason, launches=launches, reference_ms=aten_ms)
     proof.remember_proof(record)
 

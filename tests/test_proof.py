@@ -375,21 +375,29 @@ def test_a_changed_launch_table_is_another_environment():
     from kkdeploy.kernels import layer_norm as ln
 
     environment = fl.proof_environment("cpu")
-    assert environment["launches"] == fl.TILES_DIGEST == proof.launch_table_digest(
-        fl.TILES, fl.BUILD_TILES, fl.LN_TILES, fl.LN_BUILD_TILES, fl.FFN_TILES, fl.FFN_BUILD_TILES, fl.NORM_TILES,
-        fl.NORM_BUILD_TILES)
+    assert environment["launches"] == fl.TILES_DIGESTS["gemm"] == proof.launch_table_digest(fl.TILES, fl.BUILD_TILES)
     assert fl.proof_environment("cpu") is environment  # one dict per device: the op's hot path freezes it once
     changed = dict(fl.TILES, m64=dict(fl.TILES["m64"], num_stages=3))
-    assert proof.launch_table_digest(changed, fl.BUILD_TILES) != fl.TILES_DIGEST
-    assert proof.launch_table_digest(fl.TILES, (*fl.BUILD_TILES, "tma")) != fl.TILES_DIGEST
-    # the LayerNorm epilogue's tiles too: "regs" joining the build's set is another environment
-    assert proof.launch_table_digest(fl.TILES, fl.BUILD_TILES, fl.LN_TILES, ("auto", "regs")) != fl.TILES_DIGEST
-    # and the feed-forward launch's: a tile leaving the build's set is another environment
-    assert proof.launch_table_digest(fl.TILES, fl.BUILD_TILES, fl.LN_TILES, fl.LN_BUILD_TILES, fl.FFN_TILES,
-                                     ("auto", "regs")) != fl.TILES_DIGEST
-    # and the LayerNorm prologue's: a tile joining the build's set is another environment
-    assert proof.launch_table_digest(fl.TILES, fl.BUILD_TILES, fl.LN_TILES, fl.LN_BUILD_TILES, fl.FFN_TILES,
-                                     fl.FFN_BUILD_TILES, fl.NORM_TILES, ("ln_m64n32_w8",)) != fl.TILES_DIGEST
+    assert proof.launch_table_digest(changed, fl.BUILD_TILES) != fl.TILES_DIGESTS["gemm"]
+    assert proof.launch_table_digest(fl.TILES, (*fl.BUILD_TILES, "tma")) != fl.TILES_DIGESTS["gemm"]
+    # each family of tiles keys the launches it serves, and only those
+    forms = {"gemm": ("none", "gelu", "add_masked", "gelu_prologue+add_masked", "qkv"),
+             "layer_norm": ("add_masked+layer_norm", "masked_sum+layer_norm"),
+             "ffn": (fl.FFN_FORM,),
+             "norm": (f"{fl.NORM_PROLOGUE}+gelu", fl.NORM_PROLOGUE, f"{fl.NORM_PROLOGUE}+qkv")}
+    for family, family_forms in forms.items():
+        for form in family_forms:
+            assert fl.tile_family(form) == family, form
+            assert fl.proof_environment("cpu", form)["launches"] == fl.TILES_DIGESTS[family] == \
+                proof.launch_table_digest(*fl.FAMILY_TABLES[family])
+    assert len(set(fl.TILES_DIGESTS.values())) == len(fl.TILES_DIGESTS)
+    # the LayerNorm epilogue's tiles: "regs" joining the build's set is another environment for its launches
+    assert proof.launch_table_digest(fl.LN_TILES, ("auto", "regs")) != fl.TILES_DIGESTS["layer_norm"]
+    # the feed-forward launch's: a tile leaving the build's set
+    assert proof.launch_table_digest(fl.FFN_TILES, ("auto", "regs")) != fl.TILES_DIGESTS["ffn"]
+    # the LayerNorm prologue's: a tile joining the build's set is another environment for the prologue's launches,
+    # and the plain GEMMs' records stand (an A/B of the prologue re-proves only what it changes)
+    assert proof.launch_table_digest(fl.NORM_TILES, ("ln_m64n32_w8",)) != fl.TILES_DIGESTS["norm"]
     assert fa.proof_environment("cpu")["launches"] == proof.launch_table_digest(fa.LAUNCHES, fa.BUILD_LAUNCHES)
     assert ln.LAUNCHES_DIGEST == proof.launch_table_digest(ln.LAUNCHES, ln.FULL_ROW_WIDTHS, ln.FULL_BLOCK_WIDTHS)
 

@@ -247,9 +247,31 @@ NORM_TILES: dict[str, dict] = {
 #: model's proof adds its norm launches (``fused_blocks.norm_launches``)
 NORM_BUILD_TILES: tuple[str, ...] = ()
 
-#: what a proof's "proven" means: these tiles' settings, and the set a build proves (part of the proofs' key)
-TILES_DIGEST = launch_table_digest(TILES, BUILD_TILES, LN_TILES, LN_BUILD_TILES, FFN_TILES, FFN_BUILD_TILES,
-                                   NORM_TILES, NORM_BUILD_TILES)
+#: the tile tables a launch's proof draws from, by its parts' family (``tile_family``): the tiles' settings and the
+#: set a build proves
+FAMILY_TABLES: dict[str, tuple] = {
+    "gemm": (TILES, BUILD_TILES),
+    "layer_norm": (LN_TILES, LN_BUILD_TILES),
+    "ffn": (FFN_TILES, FFN_BUILD_TILES),
+    "norm": (NORM_TILES, NORM_BUILD_TILES),
+}
+#: what a proof's "proven" means, per family (part of the proofs' key). One family's digest: a study that changes the
+#: LayerNorm prologue's set leaves every plain GEMM's record standing, so an A/B of it re-proves (and re-times) only
+#: the launches it changes, not every op of the plan. Session 51's A/B of the prologue re-proved all of them.
+TILES_DIGESTS: dict[str, str] = {family: launch_table_digest(*tables) for family, tables in FAMILY_TABLES.items()}
+
+
+def tile_family(form: str) -> str:
+    """Which tile table serves a launch with the parts ``form``: the LayerNorm prologue's ("norm"), the feed-forward
+    launch's ("ffn"), the LayerNorm epilogue's ("layer_norm"), else the GEMM's ("gemm")."""
+    parts = form.split("+")
+    if NORM_PROLOGUE in parts:
+        return "norm"
+    if "ffn_chain" in parts:
+        return "ffn"
+    if "layer_norm" in parts:
+        return "layer_norm"
+    return "gemm"
 
 
 def norm_tile_fits(launch: str, k: int, n: Optional[int] = None) -> bool:
@@ -386,12 +408,13 @@ def proof_shape(m: int, n: int, k: int, form: str) -> dict:
     return {"m": int(m), "n": int(n), "k": int(k), "form": form, "dtype": "float16"}
 
 
-def proof_environment(device: torch.device | str) -> dict:
-    """The environment key of the kernel's proofs (device, torch, CUDA, Triton, the kernel's source, and the CUDA
-    libdevice its GELU launches link: ``kkdeploy.kernels.libdevice``)."""
+def proof_environment(device: torch.device | str, form: str = "none") -> dict:
+    """The environment key of the proofs of launches with the parts ``form`` (device, torch, CUDA, Triton, the
+    kernel's source, the CUDA libdevice its GELU launches link: ``kkdeploy.kernels.libdevice``, and the digest of
+    the tile tables of the form's family, ``tile_family``)."""
     from .libdevice import libdevice_sources
 
-    return kernel_environment(device, OP, SOURCES + libdevice_sources(), launches=TILES_DIGEST)
+    return kernel_environment(device, OP, SOURCES + libdevice_sources(), launches=TILES_DIGESTS[tile_family(form)])
 
 
 def kernel_refusal(dtype: torch.dtype, device) -> Optional[str]:
@@ -410,7 +433,7 @@ def linear_path(m: int, n: int, k: int, dtype: torch.dtype, device, epilogue: st
         return LinearPath("aten", refused)
     if mode == "triton":
         return LinearPath("triton", f"Triton GEMM (forced by {PATH_ENV}=triton: validate the result)", "auto")
-    return path_from_proof(LinearPath, "triton", lookup_proof(proof_environment(device), OP,
+    return path_from_proof(LinearPath, "triton", lookup_proof(proof_environment(device, epilogue), OP,
                                                               proof_shape(m, n, k, epilogue)),
                            f"(M, N, K) = {(m, n, k)} with {epilogue}", "its model's GEMMs")
 
@@ -420,7 +443,7 @@ def proven_ms(m: int, n: int, k: int, form_: str, dtype: torch.dtype, device) ->
     proof. What ``fused_blocks`` weighs one plan against another with."""
     if kernel_refusal(dtype, device):
         return None
-    record = lookup_proof(proof_environment(device), OP, proof_shape(m, n, k, form_))
+    record = lookup_proof(proof_environment(device, form_), OP, proof_shape(m, n, k, form_))
     return None if record is None else record.timings
 
 
@@ -963,7 +986,7 @@ def prove_linear(device: torch.device | str, cases: list[ProofCase], m: int, n: 
     instead is timed too (``compiled_baseline``): a tile slower than it is not chosen (shape 8's (8192, 1024, 1024)
     on the H200: 0.10 ms against cuBLAS's 0.05)."""
     shape = proof_shape(m, n, k, form_)
-    environment = proof_environment(device)
+    environment = proof_environment(device, form_)
     refusal = kernel_refusal(torch.float16, device)
     parts = form_.split("+")
     layer_norm = "layer_norm" in parts
@@ -973,9 +996,10 @@ def prove_linear(device: torch.device | str, cases: list[ProofCase], m: int, n: 
         refusal = f"the LayerNorm prologue takes rows of {', '.join(map(str, LN_WIDTHS))}, not {k}"
     if refusal:
         return ProofRecord(op=OP, shape=shape, environment=environment, reason=refusal)  # not cached: cheap
-    if NORM_PROLOGUE in parts:
+    family = tile_family(form_)
+    if family == "norm":
         tiles = launches or [name for name in NORM_BUILD_TILES if norm_tile_fits(name, k, n)]
-    elif "ffn_chain" in parts:
+    elif family == "ffn":
         tiles = launches or [name for name in FFN_BUILD_TILES if ffn_tile_fits(name, n, k)]
     else:
         tiles = launches or proof_launches(n, layer_norm, k, m, multiprocessors(device))

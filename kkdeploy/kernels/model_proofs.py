@@ -323,8 +323,12 @@ def _module(kind: str, name: Optional[str] = None):
     return _NAMED.get(name) or _MODULES[kind]
 
 
-def _environment(kind: str, device, name: Optional[str] = None) -> dict:
-    return _module(kind, name).proof_environment(device)
+def _environment(kind: str, device, name: Optional[str] = None, shape: Optional[dict] = None) -> dict:
+    """The proof environment of an op shape. A GEMM's depends on its form's tile family (``fused_linear.tile_family``)."""
+    module = _module(kind, name)
+    if module is fused_linear:
+        return module.proof_environment(device, (shape or {}).get("form", "none"))
+    return module.proof_environment(device)
 
 
 def _op(kind: str, name: Optional[str] = None) -> str:
@@ -359,7 +363,8 @@ def prove_model_kernels(model, config: TransformerConfig, dtype: torch.dtype, de
     cases: Optional[_Cases] = None
     slots: list = []  # per op shape: its reused record, or (kind, name, shape, refusal) to prove
     for kind, name, shape in kernel_op_shapes(config, kinds, launches):
-        found = lookup_proof(_environment(kind, device, name), _op(kind, name), shape, cache=cache) if reuse else None
+        found = (lookup_proof(_environment(kind, device, name, shape), _op(kind, name), shape, cache=cache)
+                 if reuse else None)
         if refusals and op_key(kind, shape) in refusals:
             slots.append((kind, name, shape, refusals[op_key(kind, shape)]))
         elif found is not None:
@@ -449,7 +454,7 @@ def _refusal(kind: str, config: TransformerConfig, dtype: torch.dtype, device: t
 def _prove(kind, name, shape, cases: Optional[_Cases], config, device, budget_s, cache, refusal,
            launches: Optional[list[str]]) -> ProofRecord:
     if refusal is not None:  # not cached: asking again is cheap, and a refusal may not hold tomorrow (nvcc installed)
-        return ProofRecord(op=_op(kind, name), shape=shape, environment=_environment(kind, device, name),
+        return ProofRecord(op=_op(kind, name), shape=shape, environment=_environment(kind, device, name, shape),
                            reason=refusal)
     if name == "qkv_attention":
         named = [n for n in (launches or ()) if n in qkv_attention.LAUNCHES] or None
@@ -495,7 +500,7 @@ def adopt_recorded(records: Iterable[dict], device: torch.device | str) -> tuple
         kind, name = owner.get(record.op, (None, None))
         if kind is None:
             continue
-        if record.environment == _environment(kind, device, name):
+        if record.environment == _environment(kind, device, name, record.shape):
             remember_proof(record, persist=False)
             adopted += 1
         else:
