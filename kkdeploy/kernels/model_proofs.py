@@ -324,7 +324,8 @@ def _module(kind: str, name: Optional[str] = None):
 
 
 def _environment(kind: str, device, name: Optional[str] = None, shape: Optional[dict] = None) -> dict:
-    """The proof environment of an op shape. A GEMM's depends on its form's tile family (``fused_linear.tile_family``)."""
+    """The proof environment of an op shape; a GEMM's depends on its form's tile family
+    (``fused_linear.tile_family``)."""
     module = _module(kind, name)
     if module is fused_linear:
         return module.proof_environment(device, (shape or {}).get("form", "none"))
