@@ -838,11 +838,11 @@ def test_the_gelu_launches_link_cuda_libdevice_and_prove_with_it(monkeypatch, tm
     assert "extern_libs" not in launches[0]
     assert launches[1]["extern_libs"] == {"libdevice": str(bc)} == launches[2]["extern_libs"]
 
-    with_file = fused_linear.proof_environment("cpu")
+    with_file = fused_linear.proof_environment("cpu", "gelu")
     other = tmp_path / "other.bc"
     other.write_bytes(b"another libdevice")
     monkeypatch.setenv(libdevice.LIBDEVICE_ENV, str(other))
-    assert fused_linear.proof_environment("cpu") != with_file
+    assert fused_linear.proof_environment("cpu", "gelu") != with_file
 
 
 def test_a_build_proves_ffn_in_with_its_gelu_and_the_plan_takes_it_where_proven(monkeypatch, proof_sandbox):

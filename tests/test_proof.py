@@ -374,9 +374,9 @@ def test_a_changed_launch_table_is_another_environment():
     from kkdeploy.kernels import fused_linear as fl
     from kkdeploy.kernels import layer_norm as ln
 
-    environment = fl.proof_environment("cpu")
+    environment = fl.proof_environment("cpu", "none")
     assert environment["launches"] == fl.TILES_DIGESTS["gemm"] == proof.launch_table_digest(fl.TILES, fl.BUILD_TILES)
-    assert fl.proof_environment("cpu") is environment  # one dict per device: the op's hot path freezes it once
+    assert fl.proof_environment("cpu", "none") is environment  # one dict per device: the op's hot path freezes it once
     changed = dict(fl.TILES, m64=dict(fl.TILES["m64"], num_stages=3))
     assert proof.launch_table_digest(changed, fl.BUILD_TILES) != fl.TILES_DIGESTS["gemm"]
     assert proof.launch_table_digest(fl.TILES, (*fl.BUILD_TILES, "tma")) != fl.TILES_DIGESTS["gemm"]

@@ -271,8 +271,8 @@ def test_the_plan_takes_the_one_launch_where_its_proof_beats_the_two_it_replaces
     cuda = torch.device("cuda")
     b, s, d, h = 4, 128, 128, 4
     assert not fb.qkv_attention_in_plan(config, torch.float16, cuda, True, False)  # no proof of it here
-    _remember(proof_sandbox, fl.OP, fl.proof_shape(b * s, 3 * d, d, "none"), fl.proof_environment(cuda), "m64n64",
-              0.0037, 0.0099)
+    _remember(proof_sandbox, fl.OP, fl.proof_shape(b * s, 3 * d, d, "none"), fl.proof_environment(cuda, "none"),
+              "m64n64", 0.0037, 0.0099)
     _remember(proof_sandbox, fa.OP, fa.proof_shape(b * h, s, d // h, True), fa.proof_environment(cuda),
               "cached64w4_mdiv", 0.0050, 0.040)
     shape = qa.proof_shape(b, s, d, h, True)

@@ -408,7 +408,7 @@ def proof_shape(m: int, n: int, k: int, form: str) -> dict:
     return {"m": int(m), "n": int(n), "k": int(k), "form": form, "dtype": "float16"}
 
 
-def proof_environment(device: torch.device | str, form: str = "none") -> dict:
+def proof_environment(device: torch.device | str, form: str) -> dict:
     """The environment key of the proofs of launches with the parts ``form`` (device, torch, CUDA, Triton, the
     kernel's source, the CUDA libdevice its GELU launches link: ``kkdeploy.kernels.libdevice``, and the digest of
     the tile tables of the form's family, ``tile_family``)."""

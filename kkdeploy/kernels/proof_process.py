@@ -184,7 +184,7 @@ def prove_model_kernels_isolated(model, config: TransformerConfig, dtype: torch.
         return prove_model_kernels(model, config, dtype, device, kinds, reuse=reuse, cache=cache, progress=progress,
                                    **options)
     shapes = kernel_op_shapes(config, kinds, launches)
-    if reuse and all(lookup_proof(_environment(k, device, n), _op(k, n), s, cache=cache) is not None
+    if reuse and all(lookup_proof(_environment(k, device, n, s), _op(k, n), s, cache=cache) is not None
                      for k, n, s in shapes):
         return prove_model_kernels(model, config, dtype, device, kinds, cache=cache, progress=progress,
                                    launches=launches)
