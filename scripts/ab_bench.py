@@ -12,7 +12,8 @@ wherever the proofs time ours and ATen's close together. In session 46 (one H100
 edited side ran shape 3 with 20 launches and every committed side with 24, so the A/B measured two plans, not the
 edit. Here every later side starts from a copy of the first side's proof cache (``KKDEPLOY_CACHE_DIR``): an op whose
 kernel the edit changes has another proof key and is proven again, every other op keeps its record. The table still
-compares the sides' plans (``kkdeploy.pipeline.bench.kernel_plan``) and names any choice that differs.
+compares the sides' plans (``kkdeploy.pipeline.bench.kernel_plan``) and names any choice that differs, and counts per
+side the op shapes whose proof record is not the first side's (proven again there; ``ab.json`` names them).
 
 Writes ``ab.json`` and ``ab.md`` under ``--out`` (and each side's bench folder and log), and prints the table last.
 Exit status: 0, or 2 with one line for bad input (an edit that fails or changes nothing, an unknown shape).
@@ -88,14 +89,29 @@ def run_bench(cmd: list[str], cwd: Path, env: dict, log: Path) -> int:
 
 
 def side_result(bench_json: Path) -> dict:
-    """{candidate: {status, median_ms, failed, launches, plan}} from one side's bench.json ({} if none)."""
+    """{candidate: {status, median_ms, failed, launches, plan, proofs}} from one side's bench.json ({} if none);
+    ``proofs``: {op shape: its proof record} (``proof_key``)."""
     if not bench_json.is_file():
         return {}
     shape = json.loads(bench_json.read_text())["shapes"][0]
     return {name: {"status": b.get("status"), "median_ms": b.get("median_ms"),
                    "failed": b.get("failed_elements"), "launches": (b.get("roofline") or {}).get("launches"),
-                   "plan": kernel_plan(b)}
+                   "plan": kernel_plan(b), "proofs": {proof_key(r): r for r in b.get("kernel_proofs") or []}}
             for name, b in shape["backends"].items() if name != "eager"}
+
+
+def proof_key(record: dict) -> str:
+    """An op shape, readably: 'fused_linear m=512 n=128 k=128 form=add_masked'."""
+    shape = record.get("shape") or {}
+    return " ".join([str(record.get("op")), *(f"{k}={shape[k]}" for k in sorted(shape) if k != "dtype")])
+
+
+def proven_anew(first: dict, side: dict) -> list[str]:
+    """The op shapes whose record on ``side`` is not the first side's: proven (and timed) again there. Every later
+    side starts from the first side's cache, so an edit should prove again only the launches it changes; more, and
+    its plan may differ elsewhere too (session 51's A/B proved every GEMM again: one digest then keyed all the GEMM
+    op's tile families)."""
+    return sorted(key for key, record in side.items() if first.get(key) != record)
 
 
 def verdict(edit_ms: list[float], base_ms: list[float]) -> str:
@@ -122,7 +138,9 @@ def compare(shape: str, labels: list[str], results: dict[str, dict]) -> list[dic
         plans = [s.get("plan") for s in sides.values() if s.get("plan") is not None]
         held = all(p == plans[0] for p in plans)
         ms = {label: s.get("median_ms") for label, s in sides.items()}
-        rows.append({"shape": shape, "candidate": name,
+        first = sides[labels[0]].get("proofs") or {}
+        anew = {label: proven_anew(first, s.get("proofs") or {}) for label, s in sides.items() if label != labels[0]}
+        rows.append({"shape": shape, "candidate": name, "proven_anew": anew,
                      "ms": ms, "launches": {label: s.get("launches") for label, s in sides.items()},
                      "failed": {label: s.get("failed") for label, s in sides.items()},
                      "plan_held": held, "plan_difference": "" if held else plan_difference(plans),
@@ -134,14 +152,16 @@ def compare(shape: str, labels: list[str], results: dict[str, dict]) -> list[dic
 def markdown(rows: list[dict], labels: list[str], edit: str, changed: list[str]) -> str:
     lines = [f"edit: `{edit}` (changed: {', '.join(changed)})", "",
              "| shape | candidate | " + " | ".join(f"{label} ms (launches)" for label in labels)
-             + " | plan held | verdict |", "|---|---|" + "---|" * len(labels) + "---|---|"]
+             + " | op shapes proven anew | plan held | verdict |", "|---|---|" + "---|" * len(labels) + "---|---|---|"]
     for r in rows:
         cells = []
         for label in labels:
             ms, launches = r["ms"][label], r["launches"][label]
             cells.append("-" if ms is None else f"{ms:.4f}" + (f" ({launches})" if launches is not None else ""))
         held = "yes" if r["plan_held"] else f"**no**: {r['plan_difference']}"
-        lines.append(f"| {r['shape']} | {r['candidate']} | " + " | ".join(cells) + f" | {held} | {r['verdict']} |")
+        anew = ", ".join(f"{label} {len(keys)}" for label, keys in r.get("proven_anew", {}).items())
+        lines.append(f"| {r['shape']} | {r['candidate']} | " + " | ".join(cells)
+                     + f" | {anew} | {held} | {r['verdict']} |")
     return "\n".join(lines) + "\n"
 
 

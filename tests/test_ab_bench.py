@@ -17,11 +17,16 @@ def ab():
     return load_script("ab_bench")
 
 
-def _bench_json(folder, ms: float, launches: int, gelu: bool):
+def _record(op: str, n: int, form: str, ms: float) -> dict:
+    return {"op": op, "shape": {"m": 512, "n": n, "k": 128, "form": form, "dtype": "float16"},
+            "environment": {"launches": "abc"}, "chosen": "m64n16", "launches": [{"launch": "m64n16", "ms": ms}]}
+
+
+def _bench_json(folder, ms: float, launches: int, gelu: bool, proofs=()):
     folder.mkdir(parents=True)
     plan = {"linear_path": {"kernel": "triton", "reason": f"timed at {ms}", "plan": {"gelu": gelu}}}
     backend = {"status": "passed", "median_ms": ms, "failed_elements": {"all-valid": 0, "padded": 0},
-               "roofline": {"launches": launches}, **plan}
+               "roofline": {"launches": launches}, "kernel_proofs": list(proofs), **plan}
     (folder / "bench.json").write_text(json.dumps({"shapes": [{"backends": {
         "eager": {"status": "reference", "median_ms": 2.0}, "engine": backend}}]}))
 
@@ -55,13 +60,25 @@ def test_every_later_side_starts_from_the_first_side_s_proof_records_and_the_tab
     (row,) = result["rows"]
     assert result["changed"] == ["kkdeploy/kernels/layer_norm.py"] and result["sides"] == ["base", "edit", "base2"]
     assert row["plan_held"] and row["verdict"] == "faster" and row["ms"]["edit"] == 0.0817
-    assert "| 3 | engine | 0.0845 (24) | 0.0817 (24) | 0.0848 (24) | yes | faster |" in (out / "ab.md").read_text()
+    assert "| 3 | engine | 0.0845 (24) | 0.0817 (24) | 0.0848 (24) | edit 0, base2 0 | yes | faster |" in \
+        (out / "ab.md").read_text()
     # a side whose proofs still chose otherwise: named, and the times read against it
     runs.clear()
     times["edit"] = (0.0837, 20, True)
     assert ab.main(["--edit", edit, "--shapes", "3", "--out", str(out), "--device", "cpu"], bench=fake_bench) == 0
     (row,) = json.loads((out / "ab.json").read_text())["rows"]
     assert not row["plan_held"] and row["plan_difference"] == "linear_path.plan.gelu: False/True/False"
+    # the op shapes a side proved again (a record not the first side's) are counted and named: session 51's edit of
+    # the LayerNorm prologue's tiles proved every GEMM again, not only its own launches
+    kept = [_record("fused_linear", 128, "add_masked", 0.002), _record("fused_linear", 384, "none", 0.003)]
+    times.update(base=(*times["base"], kept), base2=(*times["base2"], kept),
+                 edit=(*times["edit"], [kept[0], _record("fused_linear", 384, "none", 0.0031),
+                                        _record("fused_linear", 128, "layer_norm_prologue+gelu", 0.004)]))
+    assert ab.main(["--edit", edit, "--shapes", "3", "--out", str(out), "--device", "cpu"], bench=fake_bench) == 0
+    (row,) = json.loads((out / "ab.json").read_text())["rows"]
+    assert row["proven_anew"] == {"edit": ["fused_linear form=layer_norm_prologue+gelu k=128 m=512 n=128",
+                                           "fused_linear form=none k=128 m=512 n=384"], "base2": []}
+    assert "| edit 2, base2 0 |" in (out / "ab.md").read_text()
 
 
 def _make_weights_only(real_run):
