@@ -101,7 +101,7 @@ def side_result(bench_json: Path) -> dict:
 
 
 def proof_key(record: dict) -> str:
-    """An op shape, readably: 'fused_linear m=512 n=128 k=128 form=add_masked'."""
+    """An op shape, readably, its fields in name order: 'fused_linear form=add_masked k=128 m=512 n=128'."""
     shape = record.get("shape") or {}
     return " ".join([str(record.get("op")), *(f"{k}={shape[k]}" for k in sorted(shape) if k != "dtype")])
 

@@ -244,8 +244,9 @@ NORM_TILES: dict[str, dict] = {
 #: shape 3, one process a side) it paid without dependent launches (`-gemms` 0.0789 -> 0.0767 ms, 29 -> 25 launches)
 #: and lost with them (`-gemms-pdl` 0.0665 -> 0.0777 ms), and `-gemms-pdl` is what ships, so builds leave it out until
 #: that is understood (docs/fused-linear.md). That A/B's edited side proved every GEMM of the plan again (one digest
-#: then keyed all four families), so it may have run other tiles there; ``TILES_DIGESTS`` keys each family apart. A study proves them (``--launches linear=ln_m16n32``), and then the
-#: model's proof adds its norm launches (``fused_blocks.norm_launches``)
+#: then keyed all four families), so it may have run other tiles there; ``TILES_DIGESTS`` keys each family apart. A
+#: study proves them (``--launches linear=ln_m16n32``), and then the model's proof adds its norm launches
+#: (``fused_blocks.norm_launches``)
 NORM_BUILD_TILES: tuple[str, ...] = ()
 
 #: the tile tables a launch's proof draws from, by its parts' family (``tile_family``): the tiles' settings and the
