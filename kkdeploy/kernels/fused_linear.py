@@ -257,9 +257,8 @@ FAMILY_TABLES: dict[str, tuple] = {
     "ffn": (FFN_TILES, FFN_BUILD_TILES),
     "norm": (NORM_TILES, NORM_BUILD_TILES),
 }
-#: what a proof's "proven" means, per family (part of the proofs' key). One family's digest: a study that changes the
-#: LayerNorm prologue's set leaves every plain GEMM's record standing, so an A/B of it re-proves (and re-times) only
-#: the launches it changes, not every op of the plan. Session 51's A/B of the prologue re-proved all of them.
+#: what a proof's "proven" means, per family (part of the proofs' key): a change to one family's table proves again
+#: only the launches that family serves, and every other record stands
 TILES_DIGESTS: dict[str, str] = {family: launch_table_digest(*tables) for family, tables in FAMILY_TABLES.items()}
 
 

@@ -323,12 +323,12 @@ def _module(kind: str, name: Optional[str] = None):
     return _NAMED.get(name) or _MODULES[kind]
 
 
-def _environment(kind: str, device, name: Optional[str] = None, shape: Optional[dict] = None) -> dict:
+def _environment(kind: str, device, name: Optional[str], shape: dict) -> dict:
     """The proof environment of an op shape; a GEMM's depends on its form's tile family
-    (``fused_linear.tile_family``)."""
+    (``fused_linear.tile_family``), so the shape is always given."""
     module = _module(kind, name)
     if module is fused_linear:
-        return module.proof_environment(device, (shape or {}).get("form", "none"))
+        return module.proof_environment(device, shape["form"])
     return module.proof_environment(device)
 
 
@@ -495,13 +495,14 @@ def adopt_recorded(records: Iterable[dict], device: torch.device | str) -> tuple
     for data in records or []:
         try:
             record = ProofRecord.from_dict(data)
-        except TypeError:
+            kind, name = owner.get(record.op, (None, None))
+            here = None if kind is None else _environment(kind, device, name, record.shape)
+        except (TypeError, KeyError):  # not a record this version writes (a GEMM's shape without its form)
             foreign += 1
             continue
-        kind, name = owner.get(record.op, (None, None))
         if kind is None:
             continue
-        if record.environment == _environment(kind, device, name, record.shape):
+        if record.environment == here:
             remember_proof(record, persist=False)
             adopted += 1
         else:
