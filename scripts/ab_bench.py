@@ -15,6 +15,11 @@ kernel the edit changes has another proof key and is proven again, every other o
 compares the sides' plans (``kkdeploy.pipeline.bench.kernel_plan``) and names any choice that differs, and counts per
 side the op shapes whose proof record is not the first side's (proven again there; ``ab.json`` names them).
 
+``--profile`` then profiles each side's candidates in the same tree and cache (``scripts/profile_candidate.py``,
+20 calls to the graph after 10) and adds each call's timeline (``scripts/trace_gaps.py``): its span, busy time and
+the gaps between kernels. That says whether an edit that removes a launch also stopped the next one starting early,
+which the bench's medians alone cannot.
+
 Writes ``ab.json`` and ``ab.md`` under ``--out`` (and each side's bench folder and log), and prints the table last.
 Exit status: 0, or 2 with one line for bad input (an edit that fails or changes nothing, an unknown shape).
 """
@@ -88,15 +93,20 @@ def run_bench(cmd: list[str], cwd: Path, env: dict, log: Path) -> int:
         return subprocess.run(cmd, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT).returncode
 
 
-def side_result(bench_json: Path) -> dict:
-    """{candidate: {status, median_ms, failed, launches, plan, proofs}} from one side's bench.json ({} if none);
-    ``proofs``: {op shape: its proof record} (``proof_key``)."""
+def side_result(bench_json: Path, profile_json: Path | None = None) -> dict:
+    """{candidate: {status, median_ms, failed, launches, plan, proofs, timeline}} from one side's bench.json ({} if
+    none); ``proofs``: {op shape: its proof record} (``proof_key``); ``timeline``: the call's timeline from the
+    side's profile.json (``--profile``), else None."""
     if not bench_json.is_file():
         return {}
     shape = json.loads(bench_json.read_text())["shapes"][0]
+    profiled = {}
+    if profile_json is not None and profile_json.is_file():
+        profiled = json.loads(profile_json.read_text()).get("backends", {})
     return {name: {"status": b.get("status"), "median_ms": b.get("median_ms"),
                    "failed": b.get("failed_elements"), "launches": (b.get("roofline") or {}).get("launches"),
-                   "plan": kernel_plan(b), "proofs": {proof_key(r): r for r in b.get("kernel_proofs") or []}}
+                   "plan": kernel_plan(b), "proofs": {proof_key(r): r for r in b.get("kernel_proofs") or []},
+                   "timeline": (profiled.get(name) or {}).get("timeline")}
             for name, b in shape["backends"].items() if name != "eager"}
 
 
@@ -141,6 +151,7 @@ def compare(shape: str, labels: list[str], results: dict[str, dict]) -> list[dic
         first = sides[labels[0]].get("proofs") or {}
         anew = {label: proven_anew(first, s.get("proofs") or {}) for label, s in sides.items() if label != labels[0]}
         rows.append({"shape": shape, "candidate": name, "proven_anew": anew,
+                     "timeline": {label: s.get("timeline") for label, s in sides.items()},
                      "ms": ms, "launches": {label: s.get("launches") for label, s in sides.items()},
                      "failed": {label: s.get("failed") for label, s in sides.items()},
                      "plan_held": held, "plan_difference": "" if held else plan_difference(plans),
@@ -162,6 +173,24 @@ def markdown(rows: list[dict], labels: list[str], edit: str, changed: list[str])
         anew = ", ".join(f"{label} {len(keys)}" for label, keys in r.get("proven_anew", {}).items())
         lines.append(f"| {r['shape']} | {r['candidate']} | " + " | ".join(cells)
                      + f" | {anew} | {held} | {r['verdict']} |")
+    timelines = [(r, label, (r.get("timeline") or {}).get(label)) for r in rows for label in labels]
+    if any(t for _, _, t in timelines):
+        lines += ["", "Each call's timeline under the profiler (µs, medians of 20 calls): kernels a call, span, busy, "
+                  "gaps between kernels, overlap of dependent launches, the largest gap", "",
+                  "| shape | candidate | side | kernels | span | busy | gaps | overlap | largest gap |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r, label, t in timelines:
+            if not t:
+                continue
+            if "median_span_us" not in t:
+                lines.append(f"| {r['shape']} | {r['candidate']} | {label} | {t.get('unavailable', '-')} |||||")
+                continue
+            big = (t.get("largest_gaps") or [{}])[0]
+            where = (f"{big['median_gap_us']:.2f} after {big['after']} ({big['before_kernel'][:40]})"
+                     if big else "-")
+            lines.append(f"| {r['shape']} | {r['candidate']} | {label} | {t['kernels_per_call']} | "
+                         f"{t['median_span_us']:.1f} | {t['median_busy_us']:.1f} | {t['gap_sum_us']:.1f} | "
+                         f"{t['overlap_us']:.1f} | {where} |")
     return "\n".join(lines) + "\n"
 
 
@@ -174,7 +203,10 @@ def main(argv: list[str] | None = None, bench: Callable[[list[str], Path, dict, 
     parser.add_argument("--weights-seed", type=int, default=700, help="make_weights seed = this + shape id")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--contract", default="strict", choices=("strict", "judge"))
     parser.add_argument("--bench-args", default="", help="more kkdeploy bench options, e.g. \"--repeats 50\"")
+    parser.add_argument("--profile", action="store_true", help="after each side's bench, profile its candidates in "
+                        "the same tree and cache and add each call's timeline (span, busy time, gaps)")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
     try:
@@ -211,11 +243,21 @@ def main(argv: list[str] | None = None, bench: Callable[[list[str], Path, dict, 
             if folder.exists():  # an earlier A/B's bench.json must not stand in for a side that wrote none
                 shutil.rmtree(folder)
             cmd = [sys.executable, "-m", "kkdeploy", "bench", "--shape", shape, "--device", args.device, "--dtype",
-                   args.dtype, "--processes", "1", "--weights", str(weights), "--candidates", args.candidates,
+                   args.dtype, "--contract", args.contract, "--processes", "1", "--weights", str(weights),
+                   "--candidates", args.candidates,
                    "--out", str(folder), *shlex.split(args.bench_args)]
             code = bench(cmd, tree, env, args.out / f"{label}-{shape}.log")
             print(f"shape {shape} {label}: exit {code} ({shlex.join(cmd[1:4])} ...)", flush=True)
-            results[label], exits[label] = side_result(folder / "bench.json"), code
+            profile_json = None
+            if args.profile:  # the same tree and cache: the plan the bench timed, proven already
+                prof = [sys.executable, str(tree / "scripts" / "profile_candidate.py"), "--shape", shape, "--device",
+                        args.device, "--dtype", args.dtype, "--contract", args.contract, "--weights", str(weights),
+                        "--candidate", args.candidates, "--calls", "20", "--warmups", "10",
+                        "--out", str(folder / "profile")]
+                pcode = bench(prof, tree, env, args.out / f"{label}-{shape}-profile.log")
+                print(f"shape {shape} {label}: profile exit {pcode}", flush=True)
+                profile_json = folder / "profile" / "profile.json"
+            results[label], exits[label] = side_result(folder / "bench.json", profile_json), code
         rows += [dict(row, exits=exits) for row in compare(shape, labels, results)]
     (args.out / "ab.json").write_text(json.dumps({"edit": args.edit, "changed": changed, "sides": labels,
                                                   "rows": rows}, indent=1, default=str))

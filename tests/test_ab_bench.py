@@ -81,6 +81,41 @@ def test_every_later_side_starts_from_the_first_side_s_proof_records_and_the_tab
     assert "| edit 2, base2 0 |" in (out / "ab.md").read_text()
 
 
+def test_profile_adds_each_side_s_call_timeline_from_the_same_tree_and_cache(ab, tmp_path, monkeypatch):
+    """--profile runs profile_candidate.py after each side's bench, in that side's tree with that side's cache (the
+    plan the bench timed), and the table gains each call's span, busy time and gaps."""
+    profiles = []
+
+    def fake(cmd, cwd, env, log):
+        out = Path(cmd[cmd.index("--out") + 1])
+        if str(cmd[1]).endswith("profile_candidate.py"):
+            label = out.parent.name.rsplit("-", 1)[0]
+            profiles.append((label, Path(cmd[1]).parents[1] == cwd, env["KKDEPLOY_CACHE_DIR"].endswith(f"-{label}-3")))
+            span = {"base": 66.0, "edit": 77.0, "base2": 66.5}[label]
+            out.mkdir(parents=True)
+            (out / "profile.json").write_text(json.dumps({"backends": {"engine": {"timeline": {
+                "kernels_per_call": 29, "median_span_us": span, "median_busy_us": 50.0, "gap_sum_us": 16.0,
+                "overlap_us": 2.0, "largest_gaps": [{"after": 3, "before_kernel": "_fused_linear_kernel",
+                                                     "median_gap_us": 1.5}]}}}}))
+            return 0
+        _bench_json(out, 0.07, 29, False)
+        return 0
+
+    monkeypatch.setattr(ab.subprocess, "run", _make_weights_only(ab.subprocess.run))
+    out = tmp_path / "ab"
+    edit = "sed -i 's/^MASKED_FINAL = False$/MASKED_FINAL = True/' kkdeploy/kernels/layer_norm.py"
+    assert ab.main(["--edit", edit, "--shapes", "3", "--out", str(out), "--device", "cpu", "--profile"],
+                   bench=fake) == 0
+    assert profiles == [("base", True, True), ("edit", True, True), ("base2", True, True)]
+    (row,) = json.loads((out / "ab.json").read_text())["rows"]
+    assert row["timeline"]["edit"]["median_span_us"] == 77.0
+    table = (out / "ab.md").read_text()
+    assert "| 3 | engine | edit | 29 | 77.0 | 50.0 | 16.0 | 2.0 | 1.50 after 3 (_fused_linear_kernel) |" in table
+    # without --profile there is no timeline table
+    assert ab.main(["--edit", edit, "--shapes", "3", "--out", str(out), "--device", "cpu"], bench=fake) == 0
+    assert "timeline" not in (out / "ab.md").read_text()
+
+
 def _make_weights_only(real_run):
     """subprocess.run with make_weights.py answered without running it (the fake bench never reads the file)."""
     def run(cmd, *args, **kwargs):
@@ -185,3 +220,12 @@ def test_the_ab_edits_apply_to_this_tree_and_name_only_known_launches(tmp_path):
     finally:
         del os.environ["NORM_TILES"]
     assert named["NORM_BUILD_TILES"] == ("ln_m64n32_w8", "ln_m64_w8")
+    # the final LayerNorm's masked launch joins builds: one flag, nothing else
+    (tmp_path / "masked" / "kkdeploy" / "kernels").mkdir(parents=True)
+    norm = Path(__file__).resolve().parents[1] / "kkdeploy" / "kernels" / "layer_norm.py"
+    (tmp_path / "masked" / "kkdeploy" / "kernels" / "layer_norm.py").write_text(norm.read_text())
+    run = subprocess.run(["bash", str(norm.parents[2] / "scripts" / "ab_edits" / "masked_final_joins_builds.sh")],
+                         cwd=tmp_path / "masked", capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "1", run.stderr
+    edited = (tmp_path / "masked" / "kkdeploy" / "kernels" / "layer_norm.py").read_text().splitlines()
+    assert [a for a, b in zip(norm.read_text().splitlines(), edited) if a != b] == ["MASKED_FINAL = False"]

@@ -7,10 +7,12 @@ device runs; these tests only check that the steps are wired to the commands the
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,25 @@ def test_the_pdl_step_runs_end_to_end_and_pairs_each_graph_with_its_pdl_form(tmp
     assert "pdl custom-2,16,32,2,64,1: exit" not in log, log[-3000:]  # the bench itself exited 0
 
 
+def test_the_ab_step_runs_an_edit_script_and_profiles_every_side(tmp_path):
+    # The committed edit script in a copy of the tree, three bench processes and three profiles; on the CPU the
+    # profiles have no device kernels, so the timeline says why instead of a figure.
+    log = _campaign(tmp_path, "ab=400", AB_EDITS="masked_final_joins_builds.sh",
+                    AB_ARGS="--dtype float32 --candidates optimized-sdpa0",
+                    AB_BENCH_ARGS="--trials 1 --warmups 1 --repeats 3 --rounds 1")
+    assert "=== step ab done: exit 0" in log, log[-3000:]
+    assert "| 3 | optimized-sdpa0 |" in log and "shape 3 edit: profile exit 0" in log
+    result = json.loads((tmp_path / "work" / "ab" / "masked_final_joins_builds" / "ab.json").read_text())
+    (row,) = result["rows"]
+    assert row["exits"] == {"base": 0, "edit": 0, "base2": 0}
+    assert all("no device kernels" in t["unavailable"] for t in row["timeline"].values())
+    with tarfile.open(tmp_path / "out" / "ab.tgz") as tar:
+        names = tar.getnames()
+    assert "ab/masked_final_joins_builds/ab.md" in names and "ab/masked_final_joins_builds/edit-3/profile/profile.json" \
+        in names
+    assert not any("tree-edit" in n or "cache-" in n or n.endswith(".safetensors") for n in names)
+
+
 def test_the_customprofile_step_profiles_what_can_run_and_names_what_cannot(tmp_path):
     # On the CPU the three our-kernel candidates are refused (CUDA-only kernels); torch-compile and eager are still
     # profiled, as an unproven candidate on the GPU must not cost the others.
@@ -100,7 +121,6 @@ def test_the_ncu_step_makes_weights_of_our_own_and_calls_the_profiler_per_shape(
     assert log.count("Nsight Compute profiles CUDA kernels") == 2
     work = tmp_path / "work"
     assert (work / "w-ncu-shape-3.safetensors").is_file() and (work / "w-ncu-custom-2,16,32,2,64,1.safetensors").is_file()
-    import tarfile
 
     with tarfile.open(tmp_path / "out" / "ncu.tgz") as tar:
         assert {"ncu/shape-3.log", "ncu/custom-2,16,32,2,64,1.log"} <= set(tar.getnames())

@@ -57,6 +57,8 @@ def test_profiles_eager_and_the_fused_candidate_on_the_cpu(profiler, tmp_path, c
     assert fused["classes_ms_per_call"]["attention"] > 0
     assert eager["classes_ms_per_call"]["attention"] == 0
     assert {r["name"] for r in eager["kernels"]} >= {"aten::bmm", "aten::_softmax"}
+    # a CPU profile has no device kernels to lay out as a timeline: said, not guessed (trace_gaps on a GPU)
+    assert "no device kernels" in fused["timeline"]["unavailable"]
     assert "eager vs fused-half-gemm" in capsys.readouterr().out
 
 

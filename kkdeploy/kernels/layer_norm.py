@@ -74,7 +74,8 @@ STUDY_LAUNCHES = {"rows2_full_early": FULL_ROW_WIDTHS}
 MASKED_LAUNCHES = ("rows2", "rows2_full", "rows2_full_early")
 #: whether builds run the final LayerNorm as ``MASKED_OP_NAME`` (engines/inductor.py) and prove the masked launches
 #: on the final norm's cases (model_proofs). Off until a GPU build ships it through strict validation: written in
-#: session 46 without a GPU (its PTX checked offline; ``.whl``'s edit script turns it on for a device run).
+#: session 46 without a GPU (its PTX checked offline; ``scripts/ab_edits/masked_final_joins_builds.sh`` turns it
+#: on for a device run's A/B).
 MASKED_FINAL = False
 #: what a proof's "proven" means: these launches' rows per warp and the widths the full forms take (part of the
 #: proofs' key: a record made when a launch took other widths would name a launch that no longer takes its rows)
