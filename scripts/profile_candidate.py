@@ -13,7 +13,7 @@ same compile, same TF32 setting, same timed input). After ``--warmups`` calls,
 ``--calls`` calls of eager and of the candidate run under torch.profiler: device kernels on a GPU, CPU ops
 otherwise. Per backend it prints the time per call by class (GEMM, attention, Triton fusion, layer norm, copy or cast,
 other) and the top kernels, and on a GPU the call's timeline (span, busy time, the gaps between kernels:
-``scripts/trace_gaps.py``), and writes ``profile.json`` and one Chrome trace per backend under ``--out``.
+``kkdeploy.pipeline.timeline``), and writes ``profile.json`` and one Chrome trace per backend under ``--out``.
 Accuracy is not checked here: `kkdeploy bench` does that.
 """
 
@@ -26,11 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
-import trace_gaps  # noqa: E402  (scripts/trace_gaps.py, beside this file)
 
 from kkdeploy.pipeline.bench import (EAGER, BenchOptions, environment, jobs_for, make_candidate,  # noqa: E402
                             parse_candidates, set_process_tf32)
@@ -38,6 +35,7 @@ from kkdeploy.config import TransformerConfig, dtype_name, parse_dtype, resolve_
 from kkdeploy.errors import KKError  # noqa: E402
 from kkdeploy.inputs import DEFAULT_SEED, TIMED_SEED_OFFSET, generate_case  # noqa: E402
 from kkdeploy.models.weights import build_models  # noqa: E402
+from kkdeploy.pipeline.timeline import summary_line, trace_timeline  # noqa: E402
 
 # First match wins: attention kernels often carry "cutlass" or "gemm" in their names too. Our own kernels by their
 # names (_faithful_attention_kernel, causal_block_softmax_kernel, _fused_linear_kernel, layer_norm_*_f16_kernel).
@@ -109,16 +107,7 @@ def profile_runner(runner, x, mask, device: torch.device, warmups: int, calls: i
     return {"wall_ms_per_call_profiled": wall * 1000.0 / calls, "kernel_ms_per_call": sum(r["ms_per_call"] for r in rows),
             "classes_ms_per_call": class_totals(rows), "kernels": rows, "trace": trace.name,
             "timing": "device kernels (CUPTI)" if on_gpu else "CPU op self time",
-            "timeline": call_timeline(trace, calls)}
-
-
-def call_timeline(trace: Path, calls: int) -> dict:
-    """The trace's calls as a timeline (``scripts/trace_gaps.py``): span, busy time and the gaps between kernels,
-    which the kernel sums above hide; ``{"unavailable": why}`` where the trace cannot be split (a CPU profile)."""
-    try:
-        return trace_gaps.timeline(trace_gaps.device_kernels(trace_gaps.read_trace(trace)), calls)
-    except trace_gaps.TraceError as exc:
-        return {"unavailable": str(exc)}
+            "timeline": trace_timeline(trace, calls)}
 
 
 def print_report(name: str, result: dict, top: int) -> None:
@@ -129,7 +118,7 @@ def print_report(name: str, result: dict, top: int) -> None:
                            for c, ms in result["classes_ms_per_call"].items() if ms > 0))
     timeline = result.get("timeline") or {}
     if "median_span_us" in timeline:
-        print("  " + trace_gaps.summary_line("timeline", timeline))
+        print("  " + summary_line("timeline", timeline))
     print("  | ms/call | % | launches/call | class | kernel |")
     print("  |---|---|---|---|---|")
     for r in result["kernels"][:top]:

@@ -281,6 +281,25 @@ def test_aggregated_shape_carries_the_roofline_per_timed_backend_in_bench_md_and
     assert _png_size(tmp_path / "bench.png")[1] == 1100  # two panels: speedup, fraction of the limit
 
 
+def test_the_first_process_s_timeline_reaches_bench_json_and_a_section_of_bench_md():
+    """The gaps between kernels (kkdeploy.pipeline.timeline), profiled once per backend in the first process:
+    aggregation keeps that record, and bench.md shows span, busy share, gaps and the largest gap."""
+    first, second = _worker(LIMITS, 29), _worker(LIMITS, 29)
+    first["backends"]["engine"]["timeline"] = {
+        "calls": 20, "kernels_per_call": 29, "median_span_us": 70.0, "median_busy_us": 52.5, "median_idle_us": 17.5,
+        "busy_fraction": 0.75, "kernel_sum_us": 54.0, "gap_sum_us": 19.0, "overlap_us": 1.5,
+        "largest_gaps": [{"after": 27, "before_kernel": "_fused_linear_kernel", "next_kernel": "triton_poi_0",
+                          "median_gap_us": 2.25}], "positions": []}
+    first["backends"]["eager"]["timeline"] = {"unavailable": "profiling failed: RuntimeError: CUPTI"}
+    shape = aggregate_shape(ShapeJob("shape-03", 3, official_config(3)), [first, second], [])
+    assert shape["backends"]["engine"]["timeline"]["median_span_us"] == 70.0
+    assert "CUPTI" in shape["backends"]["eager"]["timeline"]["unavailable"]
+    md = markdown_table(_data([shape]))
+    assert "## Timeline" in md
+    assert "| shape-03 | engine | 29 | 70.0 | 52.5 (75%) | 19.0 | 1.5 | 2.25 after _fused_linear_kernel |" in md
+    assert "| shape-03 | eager |" not in md.split("## Timeline")[1].split("##")[0]  # no figure, no row
+
+
 def test_old_bench_results_without_a_roofline_still_read():
     """A bench.json written before the roofline: no section, '-' in the column, one panel in the chart."""
     shape = aggregate_shape(ShapeJob("shape-03", 3, official_config(3)), [_worker(None, 41)], [])

@@ -227,7 +227,10 @@ def test_bench_command_writes_json_markdown_and_png(tmp_path, capsys):
         assert r["fraction"] == pytest.approx(r["bound_ms"] / r["measured_ms"]) and r["fraction"] > 0
         assert r["bound_ms"] == max(v for v in r["terms_ms"].values() if v is not None)
     assert "roofline" not in backends["torch-graph"]  # skipped: nothing measured
+    for name in ("eager", "optimized-sdpa0", "optimized-sdpa1"):  # the gaps between kernels need a GPU: said so
+        assert "not on the CPU" in backends[name]["timeline"]["unavailable"]
     md = (out / "bench.md").read_text()
+    assert "## Timeline" not in md  # no figure to show
     assert "| shape | backend | status |" in md and "| custom-B2-S8-D16-H2-F24-L2 | optimized-sdpa1 | passed |" in md
     assert "fraction of limit (bound) |" in md and "## Roofline" in md
     assert f"- weights: seeded; sha256 per shape: custom-B2-S8-D16-H2-F24-L2 {shape['weights_sha256'][:16]}" in md

@@ -1,4 +1,4 @@
-"""scripts/trace_gaps.py: a call's span, busy time and the gaps between its kernels, from a Chrome trace."""
+"""scripts/trace_gaps.py: the timeline of a Chrome trace as a command (the arithmetic: tests/test_timeline.py)."""
 
 from __future__ import annotations
 
@@ -25,36 +25,6 @@ def _trace(calls: int, kernels: list[tuple[str, float, float]], period: float = 
                            "pid": 0, "tid": 7})
     events.reverse()  # the split goes by start time, not by the order events are written
     return {"traceEvents": events}
-
-
-def test_a_call_s_span_busy_time_and_gaps(gaps):
-    # three kernels a call: a gap of 2 µs after the first, the third starts 1 µs before the second ends (overlap)
-    kernels = [("gemm_a", 10.0, 5.0), ("ln_b", 17.0, 4.0), ("gemm_c", 20.0, 6.0)]
-    t = gaps.timeline(gaps.device_kernels(_trace(4, kernels)), calls=4)
-    assert t["calls"] == 4 and t["kernels_per_call"] == 3
-    assert t["median_span_us"] == pytest.approx(16.0)  # 10 .. 26
-    assert t["median_busy_us"] == pytest.approx(14.0)  # 5 + (17 .. 26)
-    assert t["median_idle_us"] == pytest.approx(2.0)
-    assert t["kernel_sum_us"] == pytest.approx(15.0)
-    assert t["gap_sum_us"] == pytest.approx(2.0) and t["overlap_us"] == pytest.approx(1.0)
-    assert [p["median_gap_after_us"] for p in t["positions"]] == [pytest.approx(2.0), pytest.approx(-1.0), None]
-    assert t["largest_gaps"][0] == {"after": 0, "before_kernel": "gemm_a", "next_kernel": "ln_b",
-                                    "median_gap_us": pytest.approx(2.0)}
-    assert "3 kernels a call, span 16.0 µs, busy 14.0 µs, idle 2.0 µs (gaps 2.0, overlap 1.0)" in \
-        gaps.summary_line("x", t)
-
-
-def test_medians_over_calls_resist_one_slow_call(gaps):
-    trace = _trace(5, [("a", 0.0, 2.0), ("b", 3.0, 2.0)])
-    slow = [e for e in trace["traceEvents"] if e.get("cat") == "kernel" and e["name"] == "b"][0]
-    slow["ts"] += 50.0  # one call's second kernel started late
-    t = gaps.timeline(gaps.device_kernels(trace), calls=5)
-    assert t["median_span_us"] == pytest.approx(5.0) and t["positions"][0]["median_gap_after_us"] == 1.0
-
-
-def test_busy_time_is_the_union_of_intervals(gaps):
-    assert gaps.busy_time([(0, 4), (2, 6), (8, 9), (8.5, 8.7)]) == pytest.approx(7.0)
-    assert gaps.busy_time([]) == 0.0
 
 
 def test_the_cli_writes_json_and_prints_a_table(gaps, tmp_path, capsys):

@@ -33,6 +33,7 @@ from ..errors import KKError, error_summary
 from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
 from ..status import PASSED, PASSED_ALL_VALID_ONLY
 from .launches import count_launches
+from .timeline import calls_for, profiled_timeline
 from .machine_limits import measure_limits
 from .op_roofline import in_plan, op_rooflines
 from .roofline import attach_roofline, call_work, format_fraction
@@ -420,6 +421,8 @@ def run_worker(job: ShapeJob, options: BenchOptions, process_index: int, log_dir
         for name in stats:  # after the timing, so that counting (CUPTI) cannot disturb it
             backends[name]["launches"] = count_launches(timed[name], calls[name], device,
                                                         profile_uncaptured=process_index == 0)
+            if process_index == 0:  # the gaps between kernels, once per backend (kkdeploy.pipeline.timeline)
+                backends[name]["timeline"] = profiled_timeline(calls[name], device, calls_for(stats[name].median_ms))
     close_all(r for n, r in runners.items() if n in report.passed())
     for name, s in stats.items():
         backends[name]["latency"] = s.to_dict(include_times=True)
@@ -515,6 +518,9 @@ def aggregate_shape(job: ShapeJob, results: list[dict], errors: list[str], dtype
             entry["half_gemm_kernel"] = " | ".join(kernels)  # one machine, one answer; both if processes differed
         if any("proof_seconds" in e for e in entries):  # the proof step each process ran (or found cached)
             entry["proof_seconds_per_process"] = [e.get("proof_seconds") for e in entries]
+        timelines = [e["timeline"] for e in entries if e.get("timeline")]
+        if timelines:  # recorded in the first process only (CUPTI's start-up is not free)
+            entry["timeline"] = timelines[0]
         for key in ("attention_path", "layer_norm_path", "linear_path", "kernel_proofs"):  # our kernels, and why
             paths = [e[key] for e in entries if key in e]
             if paths:  # the first process's; where the processes chose otherwise, plans_per_process says so
@@ -676,8 +682,32 @@ def markdown_table(data: dict) -> str:
         lines += ["", "Plans that differed between processes (a process proved anew; the median pools them):", ""]
         lines += differed
     lines += roofline_lines(data["shapes"])
+    lines += timeline_lines(data["shapes"])
     lines += op_roofline_lines(data["shapes"])
     return "\n".join(lines) + "\n"
+
+
+def timeline_lines(shapes: list[dict]) -> list[str]:
+    """bench.md's timeline section: per timed backend with a timeline (a GPU's first process), what one call spans,
+    how much of it kernels kept the device busy, and the largest gap between two kernels."""
+    rows = [(shape, name, b["timeline"]) for shape in shapes for name, b in shape["backends"].items()
+            if (b.get("timeline") or {}).get("median_span_us") is not None]
+    if not rows:
+        return []
+    lines = ["", "## Timeline", "",
+             "One call under torch.profiler, medians over the calls profiled in the first process (µs; the profiler "
+             "adds to each launch, so the span is above the timed median): the kernels, the span from the first "
+             "start to the last end, the busy time (kernels running), the gaps between kernels and the overlap of "
+             "dependent launches, the largest gap (docs/benchmark.md, The gaps between kernels).", "",
+             "| shape | backend | kernels | span µs | busy µs (share) | gaps µs | overlap µs | largest gap |",
+             "|---|---|---|---|---|---|---|---|"]
+    for shape, name, t in rows:
+        big = (t.get("largest_gaps") or [None])[0]
+        where = f"{big['median_gap_us']:.2f} after {big['before_kernel'][:48]}" if big else "-"
+        share = f" ({t['busy_fraction']:.0%})" if t.get("busy_fraction") is not None else ""
+        lines.append(f"| {shape['label']} | {name} | {t['kernels_per_call']} | {t['median_span_us']:.1f} | "
+                     f"{t['median_busy_us']:.1f}{share} | {t['gap_sum_us']:.1f} | {t['overlap_us']:.1f} | {where} |")
+    return lines
 
 
 def _limits_text(limits: dict | None) -> str:
