@@ -15,10 +15,10 @@ kernel the edit changes has another proof key and is proven again, every other o
 compares the sides' plans (``kkdeploy.pipeline.bench.kernel_plan``) and names any choice that differs, and counts per
 side the op shapes whose proof record is not the first side's (proven again there; ``ab.json`` names them).
 
-``--profile`` then profiles each side's candidates in the same tree and cache (``scripts/profile_candidate.py``,
-20 calls to the graph after 10) and adds each call's timeline (``scripts/trace_gaps.py``): its span, busy time and
-the gaps between kernels. That says whether an edit that removes a launch also stopped the next one starting early,
-which the bench's medians alone cannot.
+A second table gives each side's call timeline, as the bench records it on a GPU (``kkdeploy.pipeline.timeline``):
+the span, busy time and gaps between kernels. That says whether an edit that removes a launch also stopped the next
+one starting early, which the medians alone cannot. ``--profile`` also profiles each side's candidates in the same
+tree and cache (``scripts/profile_candidate.py``: kernel classes, the top kernels and a Chrome trace per candidate).
 
 Writes ``ab.json`` and ``ab.md`` under ``--out`` (and each side's bench folder and log), and prints the table last.
 Exit status: 0, or 2 with one line for bad input (an edit that fails or changes nothing, an unknown shape).
@@ -95,8 +95,8 @@ def run_bench(cmd: list[str], cwd: Path, env: dict, log: Path) -> int:
 
 def side_result(bench_json: Path, profile_json: Path | None = None) -> dict:
     """{candidate: {status, median_ms, failed, launches, plan, proofs, timeline}} from one side's bench.json ({} if
-    none); ``proofs``: {op shape: its proof record} (``proof_key``); ``timeline``: the call's timeline from the
-    side's profile.json (``--profile``), else None."""
+    none); ``proofs``: {op shape: its proof record} (``proof_key``); ``timeline``: the call's timeline the bench
+    recorded (on a GPU), else the side's profile.json's (``--profile``), else None."""
     if not bench_json.is_file():
         return {}
     shape = json.loads(bench_json.read_text())["shapes"][0]
@@ -106,7 +106,7 @@ def side_result(bench_json: Path, profile_json: Path | None = None) -> dict:
     return {name: {"status": b.get("status"), "median_ms": b.get("median_ms"),
                    "failed": b.get("failed_elements"), "launches": (b.get("roofline") or {}).get("launches"),
                    "plan": kernel_plan(b), "proofs": {proof_key(r): r for r in b.get("kernel_proofs") or []},
-                   "timeline": (profiled.get(name) or {}).get("timeline")}
+                   "timeline": b.get("timeline") or (profiled.get(name) or {}).get("timeline")}
             for name, b in shape["backends"].items() if name != "eager"}
 
 
@@ -175,8 +175,8 @@ def markdown(rows: list[dict], labels: list[str], edit: str, changed: list[str])
                      + f" | {anew} | {held} | {r['verdict']} |")
     timelines = [(r, label, (r.get("timeline") or {}).get(label)) for r in rows for label in labels]
     if any(t for _, _, t in timelines):
-        lines += ["", "Each call's timeline under the profiler (µs, medians of 20 calls): kernels a call, span, busy, "
-                  "gaps between kernels, overlap of dependent launches, the largest gap", "",
+        lines += ["", "Each call's timeline under the profiler (µs, medians over the calls profiled): kernels a call, "
+                  "span, busy, gaps between kernels, overlap of dependent launches, the largest gap", "",
                   "| shape | candidate | side | kernels | span | busy | gaps | overlap | largest gap |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r, label, t in timelines:
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None, bench: Callable[[list[str], Path, dict, 
     parser.add_argument("--contract", default="strict", choices=("strict", "judge"))
     parser.add_argument("--bench-args", default="", help="more kkdeploy bench options, e.g. \"--repeats 50\"")
     parser.add_argument("--profile", action="store_true", help="after each side's bench, profile its candidates in "
-                        "the same tree and cache and add each call's timeline (span, busy time, gaps)")
+                        "the same tree and cache (kernel classes, top kernels, Chrome traces)")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
     try:

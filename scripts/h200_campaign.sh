@@ -24,7 +24,7 @@
 #   pdl.tgz, pdl.md  the launch-bound shapes with and without programmatic dependent launches, one process each
 #   ncu.tgz          Nsight Compute per kernel (scripts/ncu_profile.py): ncu.csv, ncu.json, ncu.md per shape
 #   gather.json      scripts/serving_gather_study.py: where a batch-1 request's gather goes in the in-process backend
-#   ab.tgz           scripts/ab_bench.py --profile per edit under scripts/ab_edits: the benches, profiles, timelines
+#   ab.tgz           scripts/ab_bench.py per edit under scripts/ab_edits: the benches with their call timelines
 #   (cli: a new user's builds, runs and mistakes with the real CLI, into campaign.log only)
 # Steps: env, setup, crashproof, selfcheck, build, fidelity, inductor, shape14, shape14tiles, blocksoftmax, layernorm, linear,
 # attention, prove, custom, customprofile, pdl, bench, profile, customops, ortstrict, ortjudge, shape14build, layers, buildtime,
@@ -424,17 +424,18 @@ step_cli() {
 }
 step_ab() {
   # A code change against the tree as committed (scripts/ab_bench.py: one bench process a side, base, edit, base again,
-  # the plan held by a shared proof cache), then each side profiled in its own tree for each call's timeline (span,
-  # busy time, the gaps between kernels: scripts/trace_gaps.py). AB_EDITS: edit scripts under scripts/ab_edits, one A/B
+  # the plan held by a shared proof cache), with each call's timeline the bench records (span, busy time, the gaps
+  # between kernels: kkdeploy/pipeline/timeline.py). AB_EDITS: edit scripts under scripts/ab_edits, one A/B
   # each (default: the LayerNorm prologue, then the masked final LayerNorm); AB_SHAPES (3), AB_WEIGHTS_SEED (721:
-  # make_weights seed 721 + shape), AB_ARGS (more ab_bench flags), AB_BENCH_ARGS (its --bench-args, one string: the
+  # make_weights seed 721 + shape), AB_ARGS (more ab_bench flags: --profile adds each side's kernel profile and Chrome
+  # traces, a compile more a side), AB_BENCH_ARGS (its --bench-args, one string: the
   # bench's own options). The tables land in campaign.log, everything but
   # the trees, caches and weights in ab.tgz (a timeout keeps what finished).
   mkdir -p "$WORK/ab"
   for edit in ${AB_EDITS:-norm_prologue_joins_builds.sh masked_final_joins_builds.sh}; do
     [ -f "scripts/ab_edits/$edit" ] || { echo "ab: no edit scripts/ab_edits/$edit"; continue; }
     python3 scripts/ab_bench.py --shapes "${AB_SHAPES:-3}" --weights-seed "${AB_WEIGHTS_SEED:-721}" --device "$DEVICE" \
-      --profile ${AB_ARGS:-} --bench-args "${AB_BENCH_ARGS:-}" --edit "bash $PWD/scripts/ab_edits/$edit" \
+      ${AB_ARGS:-} --bench-args "${AB_BENCH_ARGS:-}" --edit "bash $PWD/scripts/ab_edits/$edit" \
       --out "$WORK/ab/${edit%.sh}" \
       | tail -25 || echo "ab $edit: exit $?"
     (cd "$WORK" && tar czf "$OUT/ab.tgz" --exclude='tree-edit' --exclude='cache-*' --exclude='*.safetensors' ab)

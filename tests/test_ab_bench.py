@@ -116,6 +116,21 @@ def test_profile_adds_each_side_s_call_timeline_from_the_same_tree_and_cache(ab,
     assert "timeline" not in (out / "ab.md").read_text()
 
 
+def test_a_side_s_timeline_is_its_bench_s_own_where_recorded(ab, tmp_path):
+    _bench_json(tmp_path / "b", 0.07, 29, False)
+    data = json.loads((tmp_path / "b" / "bench.json").read_text())
+    data["shapes"][0]["backends"]["engine"]["timeline"] = {"median_span_us": 70.0}
+    (tmp_path / "b" / "bench.json").write_text(json.dumps(data))
+    (tmp_path / "profile.json").write_text(json.dumps({"backends": {"engine": {"timeline": {"median_span_us": 99.0}}}}))
+    assert ab.side_result(tmp_path / "b" / "bench.json", tmp_path / "profile.json")["engine"]["timeline"] == \
+        {"median_span_us": 70.0}  # the timed process's, not a later profile's
+    del data["shapes"][0]["backends"]["engine"]["timeline"]
+    (tmp_path / "b" / "bench.json").write_text(json.dumps(data))
+    assert ab.side_result(tmp_path / "b" / "bench.json", tmp_path / "profile.json")["engine"]["timeline"] == \
+        {"median_span_us": 99.0}
+    assert ab.side_result(tmp_path / "b" / "bench.json")["engine"]["timeline"] is None
+
+
 def _make_weights_only(real_run):
     """subprocess.run with make_weights.py answered without running it (the fake bench never reads the file)."""
     def run(cmd, *args, **kwargs):
