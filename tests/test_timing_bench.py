@@ -240,6 +240,17 @@ def test_bench_command_writes_json_markdown_and_png(tmp_path, capsys):
     assert validation["statuses"] == {"optimized-sdpa0": "passed", "optimized-sdpa1": "passed"}
 
 
+def test_bench_without_the_timeline_records_none(tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main(["bench", *TINY, "--device", "cpu", "--processes", "1", "--warmups", "1", "--repeats", "3",
+                 "--rounds", "1", "--trials", "1", "--candidates", "optimized-sdpa0", "--no-timeline",
+                 "--out", str(out)])
+    assert code == 0, capsys.readouterr()
+    data = json.loads((out / "bench.json").read_text())
+    assert data["protocol"]["timeline"] is False
+    assert all("timeline" not in b for b in data["shapes"][0]["backends"].values())
+
+
 def _worker_result(process, status, times):
     entry = {"status": status, "reason": f"{status} in process {process}", "all_valid_only": False,
              "failed_elements": {"all-valid": 0 if status == "passed" else 7, "padded": 0}, "max_abs": 0.0}

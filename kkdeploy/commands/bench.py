@@ -30,6 +30,9 @@ def register(sub):
                    "float32 + judge adds the mixed-precision ones); see docs/benchmark.md")
     add_tf32_arg(p)
     p.add_argument("--artifacts", help="also time kkdeploy.load(DIR) (DIR or DIR/shape-NN for --all)")
+    p.add_argument("--no-timeline", dest="timeline", action="store_false",
+                   help="skip the profiler's timeline of each backend's calls (on a GPU, after the timing, in the "
+                   "first process: span, busy time, the gaps between kernels)")
     p.add_argument("--out", help="output folder (default artifacts/bench-<timestamp>)")
     # internal: one shape in one process
     for flag in ("--_job", "--_options", "--_result", "--_log-dir"):
@@ -62,7 +65,7 @@ def run(args) -> int:
                            processes=args.processes, warmups=args.warmups, repeats=args.repeats, rounds=args.rounds,
                            seed=args.seed, trials=args.trials, padding_ratio=args.padding_ratio,
                            weights=args.weights, artifacts=args.artifacts, candidates=parse_candidates(args.candidates),
-                           tf32=args.tf32).check()
+                           tf32=args.tf32, timeline=args.timeline).check()
     out = Path(args.out or f"artifacts/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     console.print(f"bench {len(jobs)} shape(s), {options.dtype} on {device}, contract {options.contract}, "
                   f"tf32 {'on' if tf32_enabled(options, device, dtype) else 'off'}, "

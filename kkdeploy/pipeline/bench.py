@@ -70,6 +70,7 @@ class BenchOptions:
     artifacts: str | None = None
     candidates: list[str] | None = None  # None: default_candidates(device, dtype, contract)
     tf32: bool | None = None  # None: on for float32 CUDA under the judge contract (tf32_enabled)
+    timeline: bool = True  # the first process profiles each timed backend's calls on a GPU (kkdeploy.pipeline.timeline)
 
     def check(self) -> "BenchOptions":
         for name, low in (("processes", 1), ("repeats", 1), ("rounds", 1), ("trials", 1), ("warmups", 0)):
@@ -421,7 +422,7 @@ def run_worker(job: ShapeJob, options: BenchOptions, process_index: int, log_dir
         for name in stats:  # after the timing, so that counting (CUPTI) cannot disturb it
             backends[name]["launches"] = count_launches(timed[name], calls[name], device,
                                                         profile_uncaptured=process_index == 0)
-            if process_index == 0:  # the gaps between kernels, once per backend (kkdeploy.pipeline.timeline)
+            if process_index == 0 and options.timeline:  # the gaps between kernels, once (pipeline.timeline)
                 backends[name]["timeline"] = profiled_timeline(calls[name], device, calls_for(stats[name].median_ms))
     close_all(r for n, r in runners.items() if n in report.passed())
     for name, s in stats.items():
