@@ -281,7 +281,7 @@ def test_aggregated_shape_carries_the_roofline_per_timed_backend_in_bench_md_and
     assert _png_size(tmp_path / "bench.png")[1] == 1100  # two panels: speedup, fraction of the limit
 
 
-def test_the_first_process_s_timeline_reaches_bench_json_and_a_section_of_bench_md():
+def test_the_first_process_s_timeline_reaches_bench_json_and_a_section_of_bench_md(capsys):
     """The gaps between kernels (kkdeploy.pipeline.timeline), profiled once per backend in the first process:
     aggregation keeps that record, and bench.md shows span, busy share, gaps and the largest gap."""
     first, second = _worker(LIMITS, 29), _worker(LIMITS, 29)
@@ -298,6 +298,12 @@ def test_the_first_process_s_timeline_reaches_bench_json_and_a_section_of_bench_
     assert "## Timeline" in md
     assert "| shape-03 | engine | 29 | 70.0 | 52.5 (75%) | 19.0 | 1.5 | 2.25 after _fused_linear_kernel |" in md
     assert "| shape-03 | eager |" not in md.split("## Timeline")[1].split("##")[0]  # no figure, no row
+    from kkdeploy.commands.bench import print_summary
+
+    print_summary(_data([shape]))  # the console's summary: one line per backend with a timeline
+    out = capsys.readouterr().out
+    assert "timeline shape-03 engine: 29 kernels a call, span 70.0 µs, busy 52.5 µs" in out
+    assert "timeline shape-03 eager" not in out
 
 
 def test_old_bench_results_without_a_roofline_still_read():

@@ -83,6 +83,7 @@ def print_summary(data: dict) -> None:
     from ..pipeline.bench import EAGER, _limits_text, geometric_mean, shape_op_rooflines
     from ..pipeline.op_roofline import furthest_in_plan
     from ..pipeline.roofline import format_fraction
+    from ..pipeline.timeline import summary_line
 
     rows = []
     speedups: dict[str, list[float]] = {}
@@ -109,6 +110,9 @@ def print_summary(data: dict) -> None:
             work = roofline["work"]
             console.print(f"roofline {shape['label']}: {work['flops']['total'] / 1e9:.4g} GFLOP, "
                           f"{work['bytes']['total'] / 1e6:.4g} MB per call; {_limits_text(roofline['limits'])}")
+        for name, b in shape["backends"].items():  # where a call's time goes between kernels (GPU only)
+            if (b.get("timeline") or {}).get("median_span_us") is not None:
+                console.print(summary_line(f"timeline {shape['label']} {name}", b["timeline"]))
         furthest = furthest_in_plan(shape_op_rooflines(shape))
         if furthest:  # why the shape sits where it does (bench.md: Kernel ops against the machine)
             console.print(f"kernel op furthest from its limit, {shape['label']}: {furthest['op']} {furthest['shape']} "
