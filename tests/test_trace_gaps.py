@@ -6,25 +6,12 @@ import json
 
 import pytest
 
-from tests.conftest import load_script
+from tests.conftest import kernel_trace as _trace, load_script
 
 
 @pytest.fixture(scope="module")
 def gaps():
     return load_script("trace_gaps")
-
-
-def _trace(calls: int, kernels: list[tuple[str, float, float]], period: float = 100.0) -> dict:
-    """torch.profiler's Chrome format: device kernels are complete events of category "kernel"; host events and
-    runtime calls around them must be ignored."""
-    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 500.0},
-              {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1.0, "dur": 3.0}]
-    for c in range(calls):
-        for name, start, dur in kernels:
-            events.append({"ph": "X", "cat": "kernel", "name": name, "ts": c * period + start, "dur": dur,
-                           "pid": 0, "tid": 7})
-    events.reverse()  # the split goes by start time, not by the order events are written
-    return {"traceEvents": events}
 
 
 def test_the_cli_writes_json_and_prints_a_table(gaps, tmp_path, capsys):
