@@ -16,8 +16,10 @@ compares the sides' plans (``kkdeploy.pipeline.bench.kernel_plan``) and names an
 side the op shapes whose proof record is not the first side's (proven again there; ``ab.json`` names them).
 
 A second table gives each side's call timeline, as the bench records it on a GPU (``kkdeploy.pipeline.timeline``):
-the span, busy time and gaps between kernels. That says whether an edit that removes a launch also stopped the next
-one starting early, which the medians alone cannot. ``--profile`` also profiles each side's candidates in the same
+the span, busy time and gaps between kernels. A third aligns each later side's kernels with the first side's by name
+and lists where the time moved (``compare_timelines``): a fused run against the launches it replaced, and matched
+launches that got slower or faster. That says whether an edit that removes a launch also stopped the next one
+starting early, which the medians alone cannot. ``--profile`` also profiles each side's candidates in the same
 tree and cache (``scripts/profile_candidate.py``: kernel classes, the top kernels and a Chrome trace per candidate).
 
 Writes ``ab.json`` and ``ab.md`` under ``--out`` (and each side's bench folder and log), and prints the table last.
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kkdeploy.pipeline.bench import kernel_plan, plan_difference  # noqa: E402
+from kkdeploy.pipeline.timeline import compare_timelines  # noqa: E402
 
 DEFAULT_CANDIDATES = "torch-compile-faithful-gemms,torch-compile-faithful-gemms-pdl"
 
@@ -150,8 +153,12 @@ def compare(shape: str, labels: list[str], results: dict[str, dict]) -> list[dic
         ms = {label: s.get("median_ms") for label, s in sides.items()}
         first = sides[labels[0]].get("proofs") or {}
         anew = {label: proven_anew(first, s.get("proofs") or {}) for label, s in sides.items() if label != labels[0]}
+        timelines = {label: s.get("timeline") for label, s in sides.items()}
+        base_timeline = timelines.get(labels[0]) or {}
+        moved = {label: compare_timelines(base_timeline, t) for label, t in timelines.items()
+                 if label != labels[0] and (t or {}).get("positions") and base_timeline.get("positions")}
         rows.append({"shape": shape, "candidate": name, "proven_anew": anew,
-                     "timeline": {label: s.get("timeline") for label, s in sides.items()},
+                     "timeline": timelines, "timeline_changes": moved,
                      "ms": ms, "launches": {label: s.get("launches") for label, s in sides.items()},
                      "failed": {label: s.get("failed") for label, s in sides.items()},
                      "plan_held": held, "plan_difference": "" if held else plan_difference(plans),
@@ -191,6 +198,18 @@ def markdown(rows: list[dict], labels: list[str], edit: str, changed: list[str])
             lines.append(f"| {r['shape']} | {r['candidate']} | {label} | {t['kernels_per_call']} | "
                          f"{t['median_span_us']:.1f} | {t['median_busy_us']:.1f} | {t['gap_sum_us']:.1f} | "
                          f"{t['overlap_us']:.1f} | {where} |")
+    changes = [(r, label, segments) for r in rows for label, segments in (r.get("timeline_changes") or {}).items()]
+    if any(segments for _, _, segments in changes):
+        lines += ["", f"Where the time moved against {labels[0]} (kernels aligned by name; each kernel's median plus "
+                  "the gap after it, µs; the six largest changes a side)", "",
+                  "| shape | candidate | side | change | kernels there | kernels here | µs there | µs here | Δ µs |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r, label, segments in changes:
+            for seg in segments[:6]:
+                there = ", ".join(f"{i}:{k[:28]}" for i, k in zip(seg["base"], seg["base_kernels"])) or "-"
+                here = ", ".join(f"{i}:{k[:28]}" for i, k in zip(seg["other"], seg["other_kernels"])) or "-"
+                lines.append(f"| {r['shape']} | {r['candidate']} | {label} | {seg['kind']} | {there} | {here} | "
+                             f"{seg['base_us']:.2f} | {seg['other_us']:.2f} | {seg['delta_us']:+.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -116,6 +116,45 @@ def test_profile_adds_each_side_s_call_timeline_from_the_same_tree_and_cache(ab,
     assert "timeline" not in (out / "ab.md").read_text()
 
 
+def test_the_table_says_where_each_side_s_time_moved_against_the_first(ab, tmp_path, monkeypatch):
+    """With the benches' timelines (a GPU's), each later side's kernels are aligned with the first side's by name,
+    and the table gives what each change adds to the call's span."""
+    def timeline(*kernels):
+        positions = [{"index": i, "kernel": k, "median_us": d, "median_gap_after_us": g}
+                     for i, (k, d, g) in enumerate(kernels)]
+        return {"kernels_per_call": len(kernels), "median_span_us": 10.0, "median_busy_us": 9.0, "gap_sum_us": 1.0,
+                "overlap_us": 0.0, "largest_gaps": [], "positions": positions}
+
+    committed = timeline(("_fused_linear_kernel", 2.0, -0.5), ("layer_norm_rows2", 1.5, -0.4),
+                         ("_fused_linear_kernel", 2.2, 0.1))
+    fused = timeline(("_fused_linear_kernel", 2.0, -0.5), ("_fused_linear_kernel", 3.9, 0.1))
+
+    def fake(cmd, cwd, env, log):
+        out = Path(cmd[cmd.index("--out") + 1])
+        _bench_json(out, 0.07, 3, False)
+        data = json.loads((out / "bench.json").read_text())
+        data["shapes"][0]["backends"]["engine"]["timeline"] = fused if out.name.startswith("edit") else committed
+        (out / "bench.json").write_text(json.dumps(data))
+        return 0
+
+    monkeypatch.setattr(ab.subprocess, "run", _make_weights_only(ab.subprocess.run))
+    out = tmp_path / "ab"
+    edit = "sed -i 's/^MASKED_FINAL = False$/MASKED_FINAL = True/' kkdeploy/kernels/layer_norm.py"
+    assert ab.main(["--edit", edit, "--shapes", "3", "--out", str(out), "--device", "cpu"], bench=fake) == 0
+    (row,) = json.loads((out / "ab.json").read_text())["rows"]
+    assert row["timeline_changes"]["base2"] == []  # the same tree: nothing moved
+    # the fused launch is the same Triton kernel as the GEMM it absorbed the LayerNorm into, so it aligns with that
+    # GEMM: the LayerNorm's launch is removed and the GEMM's cost moved, the two changes read together
+    moved, removed = row["timeline_changes"]["edit"]
+    assert (moved["kind"], moved["base"], moved["other"], moved["delta_us"]) == ("moved", [2], [1], pytest.approx(1.7))
+    assert (removed["kind"], removed["base_kernels"], removed["delta_us"]) == \
+        ("removed", ["layer_norm_rows2"], pytest.approx(-1.1))
+    table = (out / "ab.md").read_text()
+    assert "Where the time moved against base" in table
+    assert "| 3 | engine | edit | moved | 2:_fused_linear_kernel | 1:_fused_linear_kernel | 2.30 | 4.00 | +1.70 |" in table
+    assert "| 3 | engine | edit | removed | 1:layer_norm_rows2 | - | 1.10 | 0.00 | -1.10 |" in table
+
+
 def test_a_side_s_timeline_is_its_bench_s_own_where_recorded(ab, tmp_path):
     _bench_json(tmp_path / "b", 0.07, 29, False)
     data = json.loads((tmp_path / "b" / "bench.json").read_text())

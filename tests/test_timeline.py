@@ -58,3 +58,31 @@ def test_a_trace_file_gives_its_timeline_or_the_reason(tmp_path):
     assert tl.trace_timeline(path, 4)["kernels_per_call"] == 2
     assert "do not split into 3 equal calls" in tl.trace_timeline(path, 3)["unavailable"]
     assert "cannot read the trace" in tl.trace_timeline(tmp_path / "missing.json", 4)["unavailable"]
+
+
+def _positions(*kernels: tuple[str, float, float]) -> dict:
+    return {"positions": [{"index": i, "kernel": k, "median_us": d, "median_gap_after_us": g}
+                          for i, (k, d, g) in enumerate(kernels)]}
+
+
+def test_comparing_timelines_names_the_fused_run_and_what_moved_around_it():
+    """Session 51's question: the prologue fused the rows LayerNorm into ffn_in's GEMM and the call got slower with
+    dependent launches. The comparison aligns the kernels by name, gives the fused run's cost against the two it
+    replaced, and lists a matched kernel whose cost moved (here the launch after the fused one started later)."""
+    base = _positions(("qkv_attention", 6.0, -0.5), ("gemm", 2.0, -0.5), ("layer_norm", 1.5, -0.4),
+                      ("gemm", 2.2, -0.5), ("gemm_gelu_in", 2.5, 0.1), ("layer_norm", 1.5, 0.0))
+    edit = _positions(("qkv_attention", 6.0, -0.5), ("gemm", 2.0, -0.5), ("norm_gemm", 3.2, 0.2),
+                      ("gemm_gelu_in", 3.5, 0.1), ("layer_norm", 1.5, 0.0))
+    segments = tl.compare_timelines(base, edit)
+    replaced = next(s for s in segments if s["kind"] == "replaced")
+    assert replaced["base_kernels"] == ["layer_norm", "gemm"] and replaced["other_kernels"] == ["norm_gemm"]
+    assert replaced["base_us"] == pytest.approx(1.1 + 1.7) and replaced["other_us"] == pytest.approx(3.4)
+    moved = [s for s in segments if s["kind"] == "moved"]
+    assert [(s["base_kernels"], s["delta_us"]) for s in moved] == [(["gemm_gelu_in"], pytest.approx(1.0))]
+    assert segments[0]["kind"] == "moved"  # largest change first: 1.0 against the fused run's 0.6
+    # the costs add up to each side's span when the kernels run one after another
+    assert sum(tl.position_cost(p) for p in base["positions"]) == pytest.approx(13.9)
+    sequential = tl.call_timeline(tl.device_kernels(_trace(3, [("a", 0.0, 2.0), ("b", 3.0, 2.0), ("c", 4.5, 1.0)])), 3)
+    assert sum(tl.position_cost(p) for p in sequential["positions"]) == pytest.approx(sequential["median_span_us"])
+    assert tl.compare_timelines(base, base) == []  # nothing moved
+    assert tl.compare_timelines({}, edit)[0]["kind"] == "added"

@@ -146,3 +146,41 @@ def profiled_timeline(call, device, calls: int = CALLS) -> dict:
     finally:
         if path is not None and os.path.exists(path):
             os.unlink(path)
+
+
+def position_cost(position: dict) -> float:
+    """What one kernel adds to its call's span: its median time and the gap before the next (negative where the next
+    started early). Over a call whose kernels run one after another these sum to the span."""
+    return position["median_us"] + (position.get("median_gap_after_us") or 0.0)
+
+
+def compare_timelines(base: dict, other: dict, threshold_us: float = 0.3) -> list[dict]:
+    """Where a call's time moved between two timelines (say, the tree as committed and an edit of it): the kernels are
+    aligned by name (``difflib``), and each run that differs, or that matches but moved by more than ``threshold_us``,
+    is a segment with both sides' kernels and what they add to the span (``position_cost``). An edit that fuses two
+    launches shows as one replaced run, or, where the fused launch is the same kernel as one it absorbed (our GEMM
+    tiles all run ``_fused_linear_kernel``), as a removed launch beside a matched one whose cost moved. Either way the
+    costs say whether the fused launch ran longer or the launch after it started later. Largest change first."""
+    import difflib
+
+    a, b = base.get("positions") or [], other.get("positions") or []
+    names_a, names_b = [p["kernel"] for p in a], [p["kernel"] for p in b]
+    matcher = difflib.SequenceMatcher(a=names_a, b=names_b, autojunk=False)
+    segments = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":  # matched kernels one by one: only those that moved
+            pairs = [(a[i], b[j]) for i, j in zip(range(i1, i2), range(j1, j2))]
+            for pa, pb in pairs:
+                delta = position_cost(pb) - position_cost(pa)
+                if abs(delta) > threshold_us:
+                    segments.append({"kind": "moved", "base": [pa["index"]], "other": [pb["index"]],
+                                     "base_kernels": [pa["kernel"]], "other_kernels": [pb["kernel"]],
+                                     "base_us": position_cost(pa), "other_us": position_cost(pb), "delta_us": delta})
+            continue
+        cost_a = sum(position_cost(p) for p in a[i1:i2])
+        cost_b = sum(position_cost(p) for p in b[j1:j2])
+        segments.append({"kind": {"replace": "replaced", "delete": "removed", "insert": "added"}[tag],
+                         "base": list(range(i1, i2)), "other": list(range(j1, j2)),
+                         "base_kernels": names_a[i1:i2], "other_kernels": names_b[j1:j2],
+                         "base_us": cost_a, "other_us": cost_b, "delta_us": cost_b - cost_a})
+    return sorted(segments, key=lambda s: abs(s["delta_us"]), reverse=True)
