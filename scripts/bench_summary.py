@@ -14,7 +14,8 @@ eager's fastest round median in the same processes (``kkdeploy.pipeline.bench.ea
 
 Where the runs recorded a roofline (``kkdeploy.pipeline.roofline``), the fastest fully passing backend's fraction of
 the limit and the term that binds it are a column, followed by their geometric mean and the three shapes furthest from
-their limit. Older bench.json files without it read as before.
+their limit. Older bench.json files without it read as before. Where a GPU recorded each call's timeline
+(``kkdeploy.pipeline.timeline``), a line gives the fastest fully passing backend's busy share of its call per shape.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def summarize(shapes: list[dict]) -> dict:
                      "best_full": b_full and (b_full[0], b_full[1]["median_ms"], b_full[1]["speedup"]),
                      "best_all_valid": b_valid and (b_valid[0], b_valid[1]["median_ms"], b_valid[1]["speedup"]),
                      "best_full_roofline": b_full and b_full[1].get("roofline"),
+                     "best_full_timeline": b_full and b_full[1].get("timeline"),
                      "failed": failed, "errors": s["errors"]})
         if b_full:
             full.append(b_full[1]["speedup"])
@@ -130,6 +132,11 @@ def markdown(summary: dict, runs: list[dict]) -> str:
         lines.append("their kernel ops furthest from their own limit (bench.md, Kernel ops against the machine): "
                      + ", ".join(f"{label} {op['op']} {op['runs']} {op['fraction']:.2g} ({op['bound']} bound, "
                                  f"{op['ms']:.4g} ms)" for label, op in ops))
+    busy = [(r["label"], t) for r in summary["rows"] if (t := r.get("best_full_timeline") or {}).get("busy_fraction")]
+    if busy:  # how much of the fastest's call kernels kept the device busy, and what the rest is (a GPU's timeline)
+        lines.append("the fastest fully passing's call, kernels busy of its span (bench.md, Timeline): " + ", ".join(
+            f"{label} {t['busy_fraction']:.0%} of {t['median_span_us']:.1f} µs ({t['kernels_per_call']} kernels, gaps "
+            f"{t['gap_sum_us']:.1f} µs)" for label, t in busy))
     if summary.get("plans_differed"):
         lines.append("plans that differed between processes (the best's median pools them): " + ", ".join(
             f"{label} {name}" + (f" (launches {'/'.join(map(str, counts))})" if counts else "")

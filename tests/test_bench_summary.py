@@ -63,6 +63,13 @@ def test_the_fraction_of_the_limit_follows_the_best_fully_passing_backend(bench_
     assert "| shape-04 | 3 | 2 (2) | a 1 ms, 2.00x | - |" in text
     assert "geomean 0.0928 over 3 shape(s); furthest from it: shape-02 0.02 (a, compute bound)" in text
     assert "furthest from their own limit" not in text  # no kernel op timed: no line
+    assert "kernels busy of its span" not in text  # no timeline (a CPU's, or an older bench.json): no line
+    shapes[0]["backends"]["a"]["timeline"] = {"busy_fraction": 0.74, "median_span_us": 70.0, "kernels_per_call": 29,
+                                              "gap_sum_us": 18.2}
+    shapes[0]["backends"]["b"]["timeline"] = {"busy_fraction": 0.99, "median_span_us": 99.0, "kernels_per_call": 9,
+                                              "gap_sum_us": 0.1}  # slower: not the one reported
+    text = bench_summary.markdown(bench_summary.summarize(shapes), runs)
+    assert "kernels busy of its span (bench.md, Timeline): shape-01 74% of 70.0 µs (29 kernels, gaps 18.2 µs)" in text
 
 
 def test_the_furthest_shapes_name_their_furthest_kernel_op(bench_summary):
