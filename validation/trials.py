@@ -81,7 +81,3 @@ def trial_plan(
                 yield Trial(mode=mode, index=t, seed=seed + t, x=x, mask=mask)
 
     return generate()
-
-
-def plan_length(trials: int, modes: Sequence[str]) -> int:
-    return trials * len(tuple(modes))

@@ -85,13 +85,6 @@ def cuda_architecture(device: str) -> str:
     return f"sm_{major}{minor}"
 
 
-def platform_key(device: torch.device | str) -> tuple[tuple[int, int], str, str]:
-    """(compute capability, torch, CUDA) of ``device``, as the self-test scripts report it (the proofs themselves key
-    on ``proof.environment_key``)."""
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return tuple(torch.cuda.get_device_capability(index)), torch.__version__, str(torch.version.cuda)
-
 
 def require_gpu(what: str) -> None:
     if not torch.cuda.is_available():

@@ -7,8 +7,6 @@ cast back, exact-erf GELU, LayerNorm through ``nn.LayerNorm`` (FP32 statistics).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,7 +121,3 @@ class ReferenceTransformer(nn.Module):
     def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
         self.check_call(x, valid_token_mask)
         return self.reference_forward(x, valid_token_mask)
-
-
-def linear_init_bound(fan_in: int) -> float:
-    return 1.0 / math.sqrt(fan_in)
