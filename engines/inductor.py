@@ -310,9 +310,6 @@ def _cpu_half_kernels_missing(dtype: torch.dtype) -> str | None:
     return None
 
 
-_first_line = error_summary  # the name the torch-compile loader imports it by
-
-
 class InductorBackend(Backend):
     name = "inductor"
 

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import onnx
 
-INSERTED_CAST_PREFIX = "InsertedPrecisionFreeCast_"
-
 
 def session_options(level: str = "disabled", threads: int | None = None, optimized_path: str | None = None):
     """SessionOptions for one of the level names used in tables: disabled, basic, extended, all."""

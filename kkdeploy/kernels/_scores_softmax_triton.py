@@ -44,8 +44,6 @@ THREADS = 1024  # ATen's block for rows of 1024 elements or more
 WARPS = THREADS // 32
 VEC = 4
 BLOCK_KEYS = THREADS * VEC  # one pass of the block over its vectors
-WARP_KEYS = 32 * VEC  # the keys one warp owns in a pass: 128
-NEG_FLT_MAX = -3.4028234663852886E38  # ATen's initial max
 
 
 @triton.jit
