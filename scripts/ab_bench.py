@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kkdeploy.pipeline.bench import kernel_plan, plan_difference  # noqa: E402
-from kkdeploy.pipeline.timeline import compare_timelines  # noqa: E402
+from kkdeploy.pipeline.timeline import TABLE_HEADER, compare_timelines, table_cells  # noqa: E402
 
 DEFAULT_CANDIDATES = "torch-compile-faithful-gemms,torch-compile-faithful-gemms-pdl"
 
@@ -96,20 +96,17 @@ def run_bench(cmd: list[str], cwd: Path, env: dict, log: Path) -> int:
         return subprocess.run(cmd, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT).returncode
 
 
-def side_result(bench_json: Path, profile_json: Path | None = None) -> dict:
+def side_result(bench_json: Path) -> dict:
     """{candidate: {status, median_ms, failed, launches, plan, proofs, timeline}} from one side's bench.json ({} if
     none); ``proofs``: {op shape: its proof record} (``proof_key``); ``timeline``: the call's timeline the bench
-    recorded (on a GPU), else the side's profile.json's (``--profile``), else None."""
+    recorded (on a GPU; ``kkdeploy.pipeline.timeline``), else None."""
     if not bench_json.is_file():
         return {}
     shape = json.loads(bench_json.read_text())["shapes"][0]
-    profiled = {}
-    if profile_json is not None and profile_json.is_file():
-        profiled = json.loads(profile_json.read_text()).get("backends", {})
     return {name: {"status": b.get("status"), "median_ms": b.get("median_ms"),
                    "failed": b.get("failed_elements"), "launches": (b.get("roofline") or {}).get("launches"),
                    "plan": kernel_plan(b), "proofs": {proof_key(r): r for r in b.get("kernel_proofs") or []},
-                   "timeline": b.get("timeline") or (profiled.get(name) or {}).get("timeline")}
+                   "timeline": b.get("timeline")}
             for name, b in shape["backends"].items() if name != "eager"}
 
 
@@ -184,20 +181,8 @@ def markdown(rows: list[dict], labels: list[str], edit: str, changed: list[str])
     if any(t for _, _, t in timelines):
         lines += ["", "Each call's timeline under the profiler (µs, medians over the calls profiled): kernels a call, "
                   "span, busy, gaps between kernels, overlap of dependent launches, the largest gap", "",
-                  "| shape | candidate | side | kernels | span | busy | gaps | overlap | largest gap |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r, label, t in timelines:
-            if not t:
-                continue
-            if "median_span_us" not in t:
-                lines.append(f"| {r['shape']} | {r['candidate']} | {label} | {t.get('unavailable', '-')} |||||")
-                continue
-            big = (t.get("largest_gaps") or [{}])[0]
-            where = (f"{big['median_gap_us']:.2f} after {big['after']} ({big['before_kernel'][:40]})"
-                     if big else "-")
-            lines.append(f"| {r['shape']} | {r['candidate']} | {label} | {t['kernels_per_call']} | "
-                         f"{t['median_span_us']:.1f} | {t['median_busy_us']:.1f} | {t['gap_sum_us']:.1f} | "
-                         f"{t['overlap_us']:.1f} | {where} |")
+                  f"| shape | candidate | side | {TABLE_HEADER} |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['candidate']} | {label} | {table_cells(t)} |" for r, label, t in timelines if t]
     changes = [(r, label, segments) for r in rows for label, segments in (r.get("timeline_changes") or {}).items()]
     if any(segments for _, _, segments in changes):
         lines += ["", f"Where the time moved against {labels[0]} (kernels aligned by name; each kernel's median plus "
@@ -267,7 +252,6 @@ def main(argv: list[str] | None = None, bench: Callable[[list[str], Path, dict, 
                    "--out", str(folder), *shlex.split(args.bench_args)]
             code = bench(cmd, tree, env, args.out / f"{label}-{shape}.log")
             print(f"shape {shape} {label}: exit {code} ({shlex.join(cmd[1:4])} ...)", flush=True)
-            profile_json = None
             if args.profile:  # the same tree and cache: the plan the bench timed, proven already
                 prof = [sys.executable, str(tree / "scripts" / "profile_candidate.py"), "--shape", shape, "--device",
                         args.device, "--dtype", args.dtype, "--contract", args.contract, "--weights", str(weights),
@@ -275,8 +259,7 @@ def main(argv: list[str] | None = None, bench: Callable[[list[str], Path, dict, 
                         "--out", str(folder / "profile")]
                 pcode = bench(prof, tree, env, args.out / f"{label}-{shape}-profile.log")
                 print(f"shape {shape} {label}: profile exit {pcode}", flush=True)
-                profile_json = folder / "profile" / "profile.json"
-            results[label], exits[label] = side_result(folder / "bench.json", profile_json), code
+            results[label], exits[label] = side_result(folder / "bench.json"), code
         rows += [dict(row, exits=exits) for row in compare(shape, labels, results)]
     (args.out / "ab.json").write_text(json.dumps({"edit": args.edit, "changed": changed, "sides": labels,
                                                   "rows": rows}, indent=1, default=str))

@@ -428,9 +428,9 @@ step_ab() {
   # between kernels: kkdeploy/pipeline/timeline.py). AB_EDITS: edit scripts under scripts/ab_edits, one A/B
   # each (default: the LayerNorm prologue, then the masked final LayerNorm); AB_SHAPES (3), AB_WEIGHTS_SEED (721:
   # make_weights seed 721 + shape), AB_ARGS (more ab_bench flags: --profile adds each side's kernel profile and Chrome
-  # traces, a compile more a side), AB_BENCH_ARGS (its --bench-args, one string: the
-  # bench's own options). The tables land in campaign.log, everything but
-  # the trees, caches and weights in ab.tgz (a timeout keeps what finished).
+  # traces, one more compile a side), AB_BENCH_ARGS (its --bench-args, one string: the bench's own options). The
+  # tables land in campaign.log, everything but the trees, caches and weights in ab.tgz (a timeout keeps what
+  # finished).
   mkdir -p "$WORK/ab"
   for edit in ${AB_EDITS:-norm_prologue_joins_builds.sh masked_final_joins_builds.sh}; do
     [ -f "scripts/ab_edits/$edit" ] || { echo "ab: no edit scripts/ab_edits/$edit"; continue; }

@@ -81,24 +81,29 @@ def test_every_later_side_starts_from_the_first_side_s_proof_records_and_the_tab
     assert "| edit 2, base2 0 |" in (out / "ab.md").read_text()
 
 
-def test_profile_adds_each_side_s_call_timeline_from_the_same_tree_and_cache(ab, tmp_path, monkeypatch):
+def test_profile_runs_in_each_side_s_tree_and_cache_and_the_timeline_stays_the_bench_s(ab, tmp_path, monkeypatch):
     """--profile runs profile_candidate.py after each side's bench, in that side's tree with that side's cache (the
-    plan the bench timed), and the table gains each call's span, busy time and gaps."""
+    plan the bench timed). The timeline table is the benches' own: a later profile in another process never stands
+    in for it."""
     profiles = []
+    timeline = {"kernels_per_call": 29, "median_span_us": 77.0, "median_busy_us": 50.0, "busy_fraction": 50 / 77,
+                "gap_sum_us": 16.0, "overlap_us": 2.0,
+                "largest_gaps": [{"after": 3, "before_kernel": "_fused_linear_kernel", "median_gap_us": 1.5}]}
 
     def fake(cmd, cwd, env, log):
         out = Path(cmd[cmd.index("--out") + 1])
         if str(cmd[1]).endswith("profile_candidate.py"):
             label = out.parent.name.rsplit("-", 1)[0]
             profiles.append((label, Path(cmd[1]).parents[1] == cwd, env["KKDEPLOY_CACHE_DIR"].endswith(f"-{label}-3")))
-            span = {"base": 66.0, "edit": 77.0, "base2": 66.5}[label]
             out.mkdir(parents=True)
             (out / "profile.json").write_text(json.dumps({"backends": {"engine": {"timeline": {
-                "kernels_per_call": 29, "median_span_us": span, "median_busy_us": 50.0, "gap_sum_us": 16.0,
-                "overlap_us": 2.0, "largest_gaps": [{"after": 3, "before_kernel": "_fused_linear_kernel",
-                                                     "median_gap_us": 1.5}]}}}}))
+                **timeline, "median_span_us": 99.0}}}}))
             return 0
         _bench_json(out, 0.07, 29, False)
+        if out.name.startswith("edit"):
+            data = json.loads((out / "bench.json").read_text())
+            data["shapes"][0]["backends"]["engine"]["timeline"] = timeline
+            (out / "bench.json").write_text(json.dumps(data))
         return 0
 
     monkeypatch.setattr(ab.subprocess, "run", _make_weights_only(ab.subprocess.run))
@@ -107,13 +112,16 @@ def test_profile_adds_each_side_s_call_timeline_from_the_same_tree_and_cache(ab,
     assert ab.main(["--edit", edit, "--shapes", "3", "--out", str(out), "--device", "cpu", "--profile"],
                    bench=fake) == 0
     assert profiles == [("base", True, True), ("edit", True, True), ("base2", True, True)]
+    assert (out / "edit-3" / "profile" / "profile.json").is_file()
     (row,) = json.loads((out / "ab.json").read_text())["rows"]
-    assert row["timeline"]["edit"]["median_span_us"] == 77.0
+    assert row["timeline"] == {"base": None, "edit": timeline, "base2": None}  # the benches', not the profiles'
     table = (out / "ab.md").read_text()
-    assert "| 3 | engine | edit | 29 | 77.0 | 50.0 | 16.0 | 2.0 | 1.50 after 3 (_fused_linear_kernel) |" in table
-    # without --profile there is no timeline table
+    assert "| 3 | engine | edit | 29 | 77.0 | 50.0 (65%) | 16.0 | 2.0 | 1.50 after 3 (_fused_linear_kernel) |" in table
+    # no bench recorded one: no timeline table
+    profiles.clear()
+    timeline = None
     assert ab.main(["--edit", edit, "--shapes", "3", "--out", str(out), "--device", "cpu"], bench=fake) == 0
-    assert "timeline" not in (out / "ab.md").read_text()
+    assert not profiles and "timeline" not in (out / "ab.md").read_text()
 
 
 def test_the_table_says_where_each_side_s_time_moved_against_the_first(ab, tmp_path, monkeypatch):
@@ -153,21 +161,6 @@ def test_the_table_says_where_each_side_s_time_moved_against_the_first(ab, tmp_p
     assert "Where the time moved against base" in table
     assert "| 3 | engine | edit | moved | 2:_fused_linear_kernel | 1:_fused_linear_kernel | 2.30 | 4.00 | +1.70 |" in table
     assert "| 3 | engine | edit | removed | 1:layer_norm_rows2 | - | 1.10 | 0.00 | -1.10 |" in table
-
-
-def test_a_side_s_timeline_is_its_bench_s_own_where_recorded(ab, tmp_path):
-    _bench_json(tmp_path / "b", 0.07, 29, False)
-    data = json.loads((tmp_path / "b" / "bench.json").read_text())
-    data["shapes"][0]["backends"]["engine"]["timeline"] = {"median_span_us": 70.0}
-    (tmp_path / "b" / "bench.json").write_text(json.dumps(data))
-    (tmp_path / "profile.json").write_text(json.dumps({"backends": {"engine": {"timeline": {"median_span_us": 99.0}}}}))
-    assert ab.side_result(tmp_path / "b" / "bench.json", tmp_path / "profile.json")["engine"]["timeline"] == \
-        {"median_span_us": 70.0}  # the timed process's, not a later profile's
-    del data["shapes"][0]["backends"]["engine"]["timeline"]
-    (tmp_path / "b" / "bench.json").write_text(json.dumps(data))
-    assert ab.side_result(tmp_path / "b" / "bench.json", tmp_path / "profile.json")["engine"]["timeline"] == \
-        {"median_span_us": 99.0}
-    assert ab.side_result(tmp_path / "b" / "bench.json")["engine"]["timeline"] is None
 
 
 def _make_weights_only(real_run):

@@ -296,7 +296,7 @@ def test_the_first_process_s_timeline_reaches_bench_json_and_a_section_of_bench_
     assert "CUPTI" in shape["backends"]["eager"]["timeline"]["unavailable"]
     md = markdown_table(_data([shape]))
     assert "## Timeline" in md
-    assert "| shape-03 | engine | 29 | 70.0 | 52.5 (75%) | 19.0 | 1.5 | 2.25 after _fused_linear_kernel |" in md
+    assert "| shape-03 | engine | 29 | 70.0 | 52.5 (75%) | 19.0 | 1.5 | 2.25 after 27 (_fused_linear_kernel) |" in md
     assert "| shape-03 | eager |" not in md.split("## Timeline")[1].split("##")[0]  # no figure, no row
     from kkdeploy.commands.bench import print_summary
 

@@ -33,10 +33,10 @@ from ..errors import KKError, error_summary
 from ..inputs import DEFAULT_SEED, DEFAULT_TRIALS, TIMED_SEED_OFFSET, generate_case
 from ..status import PASSED, PASSED_ALL_VALID_ONLY
 from .launches import count_launches
-from .timeline import calls_for, profiled_timeline
 from .machine_limits import measure_limits
 from .op_roofline import in_plan, op_rooflines
 from .roofline import attach_roofline, call_work, format_fraction
+from .timeline import TABLE_HEADER, calls_for, profiled_timeline, table_cells
 from .timing import DEFAULT_REPEATS, DEFAULT_ROUNDS, DEFAULT_WARMUPS, LatencyStats, measure_latency
 
 BENCH_FORMAT = "kkdeploy-bench/1"
@@ -700,14 +700,8 @@ def timeline_lines(shapes: list[dict]) -> list[str]:
              "adds to each launch, so the span is above the timed median): the kernels, the span from the first "
              "start to the last end, the busy time (kernels running), the gaps between kernels and the overlap of "
              "dependent launches, the largest gap (docs/benchmark.md, The gaps between kernels).", "",
-             "| shape | backend | kernels | span µs | busy µs (share) | gaps µs | overlap µs | largest gap |",
-             "|---|---|---|---|---|---|---|---|"]
-    for shape, name, t in rows:
-        big = (t.get("largest_gaps") or [None])[0]
-        where = f"{big['median_gap_us']:.2f} after {big['before_kernel'][:48]}" if big else "-"
-        share = f" ({t['busy_fraction']:.0%})" if t.get("busy_fraction") is not None else ""
-        lines.append(f"| {shape['label']} | {name} | {t['kernels_per_call']} | {t['median_span_us']:.1f} | "
-                     f"{t['median_busy_us']:.1f}{share} | {t['gap_sum_us']:.1f} | {t['overlap_us']:.1f} | {where} |")
+             f"| shape | backend | {TABLE_HEADER} |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {shape['label']} | {name} | {table_cells(t)} |" for shape, name, t in rows]
     return lines
 
 

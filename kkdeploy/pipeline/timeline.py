@@ -16,6 +16,7 @@ cost to each kernel's launch, so the span is an upper bound of the timed median;
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import statistics
@@ -111,6 +112,21 @@ def summary_line(label: str, t: dict) -> str:
     return (f"{label}: {t['kernels_per_call']} kernels a call, span {t['median_span_us']:.1f} µs, busy "
             f"{t['median_busy_us']:.1f} µs, idle {t['median_idle_us']:.1f} µs (gaps {t['gap_sum_us']:.1f}, overlap "
             f"{t['overlap_us']:.1f})")
+
+
+#: the header of a table of timelines, after the columns that name the row (``table_cells`` gives the rest)
+TABLE_HEADER = "kernels | span µs | busy µs (share) | gaps µs | overlap µs | largest gap"
+
+
+def table_cells(t: dict) -> str:
+    """A timeline as the cells under ``TABLE_HEADER``; where it has no figures, the reason in the first cell."""
+    if t.get("median_span_us") is None:
+        return f"{t.get('unavailable', '-')} |||||"
+    big = (t.get("largest_gaps") or [None])[0]
+    where = f"{big['median_gap_us']:.2f} after {big['after']} ({big['before_kernel'][:40]})" if big else "-"
+    share = f" ({t['busy_fraction']:.0%})" if t.get("busy_fraction") is not None else ""
+    return (f"{t['kernels_per_call']} | {t['median_span_us']:.1f} | {t['median_busy_us']:.1f}{share} | "
+            f"{t['gap_sum_us']:.1f} | {t['overlap_us']:.1f} | {where}")
 
 
 def calls_for(median_ms: float | None, budget_ms: float = 400.0) -> int:
